@@ -1,0 +1,1 @@
+//! Async client (tokio).

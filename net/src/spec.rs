@@ -1,0 +1,702 @@
+//! Journal names, label sets, selectors and journal specs.
+//!
+//! These are shared by the broker, the client and the CLI. Name rules follow
+//! Gazette's so that names move between the two systems unchanged.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::time::Duration;
+
+/// Why a name, label, selector or spec was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("journal name {name:?}: {why}")]
+    BadName { name: String, why: &'static str },
+    #[error("label {name:?}: {why}")]
+    BadLabel { name: String, why: &'static str },
+    #[error("selector {text:?}: {why}")]
+    BadSelector { text: String, why: &'static str },
+    #[error("duration {text:?}: expected e.g. 90s, 1m, 6h, 1h30m")]
+    BadDuration { text: String },
+    #[error("spec of {name:?}: {why}")]
+    BadSpec { name: String, why: String },
+}
+
+/// Shortest and longest journal names, in bytes.
+pub const JOURNAL_NAME_LEN_MIN: usize = 4;
+pub const JOURNAL_NAME_LEN_MAX: usize = 512;
+/// Longest label name and value, in bytes.
+pub const LABEL_NAME_LEN_MAX: usize = 64;
+pub const LABEL_VALUE_LEN_MAX: usize = 1024;
+
+fn is_name_char(c: char) -> bool {
+    c.is_alphanumeric() || matches!(c, '-' | '_' | '+' | '/' | '.' | '=' | '%')
+}
+
+/// Checks a journal name: 4–512 bytes of letters, digits and `-_+/.=%`,
+/// forming a clean relative path (no leading or trailing `/`, no empty,
+/// `.` or `..` components).
+pub fn validate_journal_name(name: &str) -> Result<(), SpecError> {
+    let bad = |why| {
+        Err(SpecError::BadName {
+            name: name.chars().take(80).collect(),
+            why,
+        })
+    };
+    if name.len() < JOURNAL_NAME_LEN_MIN || name.len() > JOURNAL_NAME_LEN_MAX {
+        return bad("must be 4 to 512 bytes long");
+    }
+    if !name.chars().all(is_name_char) {
+        return bad("may hold only letters, digits and - _ + / . = %");
+    }
+    if name.starts_with('/') || name.ends_with('/') {
+        return bad("must be a relative path without a trailing '/'");
+    }
+    for part in name.split('/') {
+        if part.is_empty() || part == "." || part == ".." {
+            return bad("must be a clean path (no empty, '.' or '..' components)");
+        }
+    }
+    Ok(())
+}
+
+fn validate_label_name(name: &str) -> Result<(), SpecError> {
+    let ok = !name.is_empty()
+        && name.len() <= LABEL_NAME_LEN_MAX
+        && name
+            .chars()
+            .all(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | '+' | '/' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(SpecError::BadLabel {
+            name: name.chars().take(80).collect(),
+            why: "name must be 1-64 letters, digits or - _ + / .",
+        })
+    }
+}
+
+fn validate_label_value(name: &str, value: &str) -> Result<(), SpecError> {
+    let ok = value.len() <= LABEL_VALUE_LEN_MAX
+        && value
+            .chars()
+            .all(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | '+' | '/' | '.' | '=' | '%' | ':' | '@'));
+    if ok {
+        Ok(())
+    } else {
+        Err(SpecError::BadLabel {
+            name: name.chars().take(80).collect(),
+            why: "value must be at most 1024 letters, digits or - _ + / . = % : @",
+        })
+    }
+}
+
+/// One label: a name and a value (the value may be empty).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Label {
+    pub name: String,
+    pub value: String,
+}
+
+/// A set of labels, kept sorted by (name, value) without duplicates.
+/// A name may carry several values. Used for journal labels and registers.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LabelSet {
+    labels: Vec<Label>,
+}
+
+impl LabelSet {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Builds a validated set from pairs.
+    pub fn from_pairs<I, N, V>(pairs: I) -> Result<Self, SpecError>
+    where
+        I: IntoIterator<Item = (N, V)>,
+        N: Into<String>,
+        V: Into<String>,
+    {
+        let mut set = LabelSet::new();
+        for (n, v) in pairs {
+            set.add(n.into(), v.into())?;
+        }
+        Ok(set)
+    }
+
+    /// Adds a label; adding one that is present changes nothing.
+    pub fn add(&mut self, name: String, value: String) -> Result<(), SpecError> {
+        validate_label_name(&name)?;
+        validate_label_value(&name, &value)?;
+        let label = Label { name, value };
+        if let Err(at) = self.labels.binary_search(&label) {
+            self.labels.insert(at, label);
+        }
+        Ok(())
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Label> {
+        self.labels.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Values of `name`, in order.
+    pub fn values_of<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.labels
+            .iter()
+            .filter(move |l| l.name == name)
+            .map(|l| l.value.as_str())
+    }
+
+    pub fn contains(&self, name: &str, value: &str) -> bool {
+        self.labels
+            .iter()
+            .any(|l| l.name == name && l.value == value)
+    }
+
+    /// Adds every label of `other` (Gazette's union of registers).
+    pub fn union(&mut self, other: &LabelSet) {
+        for l in &other.labels {
+            if let Err(at) = self.labels.binary_search(l) {
+                self.labels.insert(at, l.clone());
+            }
+        }
+    }
+
+    /// Removes labels of `other`. A label of `other` with an empty value
+    /// removes every value of its name.
+    pub fn subtract(&mut self, other: &LabelSet) {
+        self.labels.retain(|l| {
+            !other
+                .labels
+                .iter()
+                .any(|o| o.name == l.name && (o.value.is_empty() || o.value == l.value))
+        });
+    }
+
+    /// `name=value,name=value` (the form selectors and the CLI use).
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        for (i, l) in self.labels.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&l.name);
+            if !l.value.is_empty() {
+                out.push('=');
+                out.push_str(&l.value);
+            }
+        }
+        out
+    }
+}
+
+impl fmt::Display for LabelSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_text())
+    }
+}
+
+/// Serialized as a map of name to value, or name to a list of values.
+impl Serialize for LabelSet {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut names: Vec<&str> = self.labels.iter().map(|l| l.name.as_str()).collect();
+        names.dedup();
+        let mut map = s.serialize_map(Some(names.len()))?;
+        for name in names {
+            let values: Vec<&str> = self.values_of(name).collect();
+            if values.len() == 1 {
+                map.serialize_entry(name, values[0])?;
+            } else {
+                map.serialize_entry(name, &values)?;
+            }
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for LabelSet {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        let map: std::collections::BTreeMap<String, OneOrMany> =
+            std::collections::BTreeMap::deserialize(d)?;
+        let mut set = LabelSet::new();
+        for (name, v) in map {
+            let values = match v {
+                OneOrMany::One(v) => vec![v],
+                OneOrMany::Many(v) => v,
+            };
+            for value in values {
+                set.add(name.clone(), value)
+                    .map_err(serde::de::Error::custom)?;
+            }
+        }
+        Ok(set)
+    }
+}
+
+/// Selects label sets: every `include` requirement must hold and no
+/// `exclude` requirement may. A requirement with an empty value matches any
+/// value of its name.
+///
+/// Text form (CLI `-l`): comma-separated `name=value`, `name!=value`,
+/// `name` (has the name), `!name` (lacks the name).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LabelSelector {
+    pub include: LabelSet,
+    pub exclude: LabelSet,
+}
+
+impl LabelSelector {
+    pub fn is_empty(&self) -> bool {
+        self.include.is_empty() && self.exclude.is_empty()
+    }
+
+    pub fn parse(text: &str) -> Result<Self, SpecError> {
+        let mut sel = LabelSelector::default();
+        let bad = |why| SpecError::BadSelector {
+            text: text.to_string(),
+            why,
+        };
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            if let Some((n, v)) = part.split_once("!=") {
+                if v.is_empty() {
+                    return Err(bad("'name!=' needs a value; use '!name'"));
+                }
+                sel.exclude.add(n.trim().into(), v.trim().into())?;
+            } else if let Some((n, v)) = part.split_once('=') {
+                if v.is_empty() {
+                    return Err(bad("'name=' needs a value; use 'name'"));
+                }
+                sel.include.add(n.trim().into(), v.trim().into())?;
+            } else if let Some(n) = part.strip_prefix('!') {
+                sel.exclude.add(n.trim().into(), String::new())?;
+            } else {
+                sel.include.add(part.into(), String::new())?;
+            }
+        }
+        Ok(sel)
+    }
+
+    /// Whether `set` satisfies the selector. Include requirements sharing a
+    /// name are alternatives (`a=1,a=2` matches either value).
+    pub fn matches(&self, set: &LabelSet) -> bool {
+        let mut names: Vec<&str> = self.include.iter().map(|l| l.name.as_str()).collect();
+        names.dedup();
+        for name in names {
+            let ok = self.include.values_of(name).any(|want| {
+                if want.is_empty() {
+                    set.values_of(name).next().is_some()
+                } else {
+                    set.contains(name, want)
+                }
+            });
+            if !ok {
+                return false;
+            }
+        }
+        for l in self.exclude.iter() {
+            let hit = if l.value.is_empty() {
+                set.values_of(&l.name).next().is_some()
+            } else {
+                set.contains(&l.name, &l.value)
+            };
+            if hit {
+                return false;
+            }
+        }
+        true
+    }
+
+    pub fn to_text(&self) -> String {
+        let mut parts = Vec::new();
+        for l in self.include.iter() {
+            parts.push(if l.value.is_empty() {
+                l.name.clone()
+            } else {
+                format!("{}={}", l.name, l.value)
+            });
+        }
+        for l in self.exclude.iter() {
+            parts.push(if l.value.is_empty() {
+                format!("!{}", l.name)
+            } else {
+                format!("{}!={}", l.name, l.value)
+            });
+        }
+        parts.join(",")
+    }
+}
+
+/// Parses Go-style durations: `90s`, `1m`, `6h`, `1h30m`, `250ms`, `720h`.
+pub fn parse_duration(text: &str) -> Result<Duration, SpecError> {
+    let bad = || SpecError::BadDuration {
+        text: text.to_string(),
+    };
+    let t = text.trim();
+    if t == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut total_ns: u128 = 0;
+    let mut rest = t;
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .ok_or_else(bad)?;
+        if digits == 0 {
+            return Err(bad());
+        }
+        let n: u128 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit_ns: u128 = match &rest[..unit_len] {
+            "ns" => 1,
+            "us" | "µs" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            "d" => 86_400_000_000_000,
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit_len..];
+        total_ns = total_ns
+            .checked_add(n.checked_mul(unit_ns).ok_or_else(bad)?)
+            .ok_or_else(bad)?;
+    }
+    let secs = u64::try_from(total_ns / 1_000_000_000).map_err(|_| bad())?;
+    Ok(Duration::new(secs, (total_ns % 1_000_000_000) as u32))
+}
+
+/// Formats a duration the way `parse_duration` reads it, largest units first.
+pub fn format_duration(d: Duration) -> String {
+    if d.is_zero() {
+        return "0s".into();
+    }
+    if d.subsec_nanos() != 0 {
+        if d.subsec_nanos() % 1_000_000 == 0 && d.as_secs() == 0 {
+            return format!("{}ms", d.subsec_millis());
+        }
+        return format!("{}ms", d.as_millis());
+    }
+    let mut s = d.as_secs();
+    let mut out = String::new();
+    for (unit, len) in [("h", 3600), ("m", 60), ("s", 1)] {
+        if s >= len {
+            out.push_str(&format!("{}{}", s / len, unit));
+            s %= len;
+        }
+    }
+    out
+}
+
+mod duration_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_duration(*d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        super::parse_duration(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// How far an append is carried before it is acknowledged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    /// Written to every replica's device with O_DIRECT and recorded in its
+    /// commit log before the ack: survives the crash of any broker process.
+    #[default]
+    Replicated,
+    /// As `replicated`, plus a group-committed fdatasync of spool and commit
+    /// log on every replica before the ack: survives power loss.
+    Fsync,
+}
+
+/// Compression applied to fragments in the store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Codec {
+    None,
+    Gzip,
+    #[default]
+    Zstd,
+    Snappy,
+}
+
+impl Codec {
+    /// Object-name extension (Gazette's).
+    pub fn extension(self) -> &'static str {
+        match self {
+            Codec::None => ".raw",
+            Codec::Gzip => ".gz",
+            Codec::Zstd => ".zst",
+            Codec::Snappy => ".sz",
+        }
+    }
+
+    pub fn from_extension(ext: &str) -> Option<Codec> {
+        Some(match ext {
+            ".raw" => Codec::None,
+            ".gz" => Codec::Gzip,
+            ".zst" => Codec::Zstd,
+            ".sz" => Codec::Snappy,
+            _ => return None,
+        })
+    }
+}
+
+/// Access flags of a journal.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JournalFlags {
+    #[default]
+    ReadWrite,
+    ReadOnly,
+    WriteOnly,
+}
+
+/// Smallest and largest `fragment.length`, in bytes.
+pub const FRAGMENT_LENGTH_MIN: u64 = 4096;
+pub const FRAGMENT_LENGTH_MAX: u64 = 1 << 40;
+
+/// How a journal's bytes become fragments.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FragmentSpec {
+    /// A spool seals before an append once it holds at least this many bytes.
+    pub length: u64,
+    pub compression_codec: Codec,
+    /// Fragment stores, first is where uploads go: `file:///abs/`, `s3://bucket/prefix/?…`.
+    pub stores: Vec<String>,
+    /// How often the store listing is refreshed.
+    #[serde(with = "duration_text")]
+    pub refresh_interval: Duration,
+    /// Fragments older than this are pruned; zero keeps forever.
+    #[serde(with = "duration_text")]
+    pub retention: Duration,
+    /// Spools seal at UTC multiples of this interval; zero disables.
+    #[serde(with = "duration_text")]
+    pub flush_interval: Duration,
+}
+
+impl Default for FragmentSpec {
+    fn default() -> Self {
+        FragmentSpec {
+            length: 512 << 20,
+            compression_codec: Codec::Zstd,
+            stores: Vec::new(),
+            refresh_interval: Duration::from_secs(60),
+            retention: Duration::ZERO,
+            flush_interval: Duration::from_secs(6 * 3600),
+        }
+    }
+}
+
+fn default_replication() -> u32 {
+    1
+}
+
+fn is_default<T: Default + PartialEq>(t: &T) -> bool {
+    *t == T::default()
+}
+
+/// A journal's specification: everything an operator sets about it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JournalSpec {
+    pub name: String,
+    #[serde(default = "default_replication")]
+    pub replication: u32,
+    #[serde(default)]
+    pub labels: LabelSet,
+    #[serde(default)]
+    pub durability: Durability,
+    #[serde(default)]
+    pub fragment: FragmentSpec,
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub flags: JournalFlags,
+    /// Bytes per second admitted to this journal; zero is unlimited.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub max_append_rate: u64,
+}
+
+impl JournalSpec {
+    pub fn new(name: impl Into<String>) -> Self {
+        JournalSpec {
+            name: name.into(),
+            replication: 1,
+            labels: LabelSet::new(),
+            durability: Durability::default(),
+            fragment: FragmentSpec::default(),
+            flags: JournalFlags::default(),
+            max_append_rate: 0,
+        }
+    }
+
+    /// Checks every field. Labels were already checked when parsed.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        validate_journal_name(&self.name)?;
+        let bad = |why: String| {
+            Err(SpecError::BadSpec {
+                name: self.name.clone(),
+                why,
+            })
+        };
+        if self.replication == 0 || self.replication > 16 {
+            return bad(format!(
+                "replication must be 1 to 16, not {}",
+                self.replication
+            ));
+        }
+        let f = &self.fragment;
+        if f.length < FRAGMENT_LENGTH_MIN || f.length > FRAGMENT_LENGTH_MAX {
+            return bad(format!(
+                "fragment.length must be {FRAGMENT_LENGTH_MIN} to {FRAGMENT_LENGTH_MAX} bytes, not {}",
+                f.length
+            ));
+        }
+        for store in &f.stores {
+            if !(store.starts_with("file:///") || store.starts_with("s3://")) {
+                return bad(format!(
+                    "fragment store {store:?} must be file:///abs/path/ or s3://bucket/prefix/"
+                ));
+            }
+            let path = store.split('?').next().unwrap_or("");
+            if !path.ends_with('/') {
+                return bad(format!("fragment store {store:?} must end with '/'"));
+            }
+        }
+        if !f.flush_interval.is_zero() && f.flush_interval < Duration::from_secs(1) {
+            return bad("fragment.flush_interval must be 0 or at least 1s".into());
+        }
+        if f.refresh_interval < Duration::from_secs(1) {
+            return bad("fragment.refresh_interval must be at least 1s".into());
+        }
+        Ok(())
+    }
+}
+
+/// Parses `journals apply` input: one spec or a list of specs, YAML or JSON.
+pub fn parse_specs(text: &str) -> Result<Vec<JournalSpec>, SpecError> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        Many(Vec<JournalSpec>),
+        One(Box<JournalSpec>),
+    }
+    let parsed: OneOrMany = serde_yaml::from_str(text).map_err(|e| SpecError::BadSpec {
+        name: String::new(),
+        why: e.to_string(),
+    })?;
+    let specs = match parsed {
+        OneOrMany::Many(v) => v,
+        OneOrMany::One(s) => vec![*s],
+    };
+    for s in &specs {
+        s.validate()?;
+    }
+    Ok(specs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn journal_names_follow_gazette_rules() {
+        for ok in ["orders/part-000", "a/b/c=d%20", "abcd", "x.y+z_w"] {
+            validate_journal_name(ok).unwrap();
+        }
+        let long = "a".repeat(513);
+        for bad in [
+            "abc", "/abs/path", "trail/", "a//b", "a/./b", "a/../b", "sp ace", "semi;colon",
+            long.as_str(), "../up",
+        ] {
+            assert!(validate_journal_name(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn label_set_union_subtract() {
+        let mut a = LabelSet::from_pairs([("x", "1"), ("y", "2")]).unwrap();
+        a.union(&LabelSet::from_pairs([("x", "3"), ("y", "2")]).unwrap());
+        assert_eq!(a.to_text(), "x=1,x=3,y=2");
+        a.subtract(&LabelSet::from_pairs([("x", "")]).unwrap());
+        assert_eq!(a.to_text(), "y=2");
+    }
+
+    #[test]
+    fn selectors_match() {
+        let set = LabelSet::from_pairs([("app", "orders"), ("region", "eu")]).unwrap();
+        let m = |t: &str| LabelSelector::parse(t).unwrap().matches(&set);
+        assert!(m("app=orders"));
+        assert!(m("app=orders,region"));
+        assert!(m("app=x,app=orders"));
+        assert!(!m("app=other"));
+        assert!(!m("region!=eu"));
+        assert!(m("!missing"));
+        assert!(!m("!app"));
+        assert!(m(""));
+        assert!(LabelSelector::parse("a=").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_duration("720h").unwrap(), Duration::from_secs(720 * 3600));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_duration("h").is_err());
+        assert!(parse_duration("5x").is_err());
+        assert_eq!(format_duration(Duration::from_secs(5400)), "1h30m");
+        assert_eq!(format_duration(Duration::from_secs(60)), "1m");
+    }
+
+    #[test]
+    fn spec_yaml_shape() {
+        let text = r#"
+- name: orders/part-000
+  replication: 1
+  labels: {app: orders}
+  durability: fsync
+  fragment:
+    length: 536870912
+    compression_codec: zstd
+    stores: [file:///var/lib/rotary/store/]
+    refresh_interval: 1m
+    retention: 720h
+    flush_interval: 6h
+"#;
+        let specs = parse_specs(text).unwrap();
+        assert_eq!(specs.len(), 1);
+        let s = &specs[0];
+        assert_eq!(s.durability, Durability::Fsync);
+        assert_eq!(s.fragment.retention, Duration::from_secs(720 * 3600));
+        let back = serde_yaml::to_string(&specs).unwrap();
+        assert_eq!(parse_specs(&back).unwrap(), specs);
+        assert!(parse_specs("name: x/y/z\nbogus: 1").is_err());
+        assert!(parse_specs("name: ab").is_err());
+    }
+}
