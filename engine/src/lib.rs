@@ -3,13 +3,23 @@
 //!
 //! A broker runs one shard per core. Each shard is a compio executor on a
 //! thread pinned to its core; it owns the journals hashed to it
-//! ([`rotary_net::shard_of`]), their spools, its sockets and its ring. A
-//! journal's state is touched by its shard's thread only, so nothing on the
-//! data path takes a lock. Admin state (journal specs) is shared behind a
-//! lock because it changes rarely and never on the data path.
+//! ([`rotary_net::shard_of`]), their spools, its commit log, its sockets and
+//! its ring. A journal's state is touched by its shard's thread only, so
+//! nothing on the data path takes a lock. Journal specs are shared behind a
+//! lock because they change rarely and never on the data path.
 
+pub mod conn;
+pub mod journal;
+pub mod metrics;
+pub mod outbox;
+pub mod shard;
+pub mod specs;
+
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// How `rotary serve` runs.
 #[derive(Clone, Debug)]
@@ -35,14 +45,271 @@ impl ServeConfig {
     }
 }
 
-/// Runs a broker until SIGINT or SIGTERM, then shuts it down cleanly.
-pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
-    let _ = config;
-    Err(EngineError::NotReady)
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("not ready")]
-    NotReady,
+    #[error("{0}: {1}")]
+    Io(PathBuf, #[source] std::io::Error),
+    #[error(transparent)]
+    Storage(#[from] rotary_storage::StorageError),
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("corrupt data: {0}")]
+    Corrupt(String),
+    #[error("cannot listen on {0}: {1}")]
+    Listen(SocketAddr, #[source] std::io::Error),
+}
+
+/// How long a clean shutdown waits for in-flight appends to commit.
+const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
+
+/// Runs a broker until SIGINT or SIGTERM, then shuts it down cleanly.
+pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
+    let broker = Broker::start(config)?;
+    wait_for_signal();
+    tracing::info!("shutting down");
+    broker.shutdown();
+    Ok(())
+}
+
+fn wait_for_signal() {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).expect("signal handlers");
+    let _ = signals.forever().next();
+}
+
+/// A running broker: its shard threads.
+pub struct Broker {
+    stops: Vec<async_channel::Sender<()>>,
+    done: crossbeam_channel::Receiver<u32>,
+    _lock: std::fs::File,
+    pub endpoints: Vec<SocketAddr>,
+}
+
+fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, EngineError> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("LOCK");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| EngineError::Io(path.clone(), e))?;
+    #[allow(unsafe_code)]
+    // SAFETY: flock on a descriptor we own.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(EngineError::Config(format!(
+            "data directory {} is in use by another rotary process",
+            dir.display()
+        )));
+    }
+    Ok(f)
+}
+
+/// The shard count is part of the on-disk layout (journals live under the
+/// shard that owns them), so a data directory keeps the count it was made with.
+fn check_shard_count(dir: &std::path::Path, shards: usize) -> Result<(), EngineError> {
+    let path = dir.join("broker.json");
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let v: serde_json::Value = serde_json::from_slice(&bytes)
+                .map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?;
+            let had = v["shards"].as_u64().unwrap_or(0) as usize;
+            if had != shards {
+                return Err(EngineError::Config(format!(
+                    "data directory {} was created with {had} shards; start with --cores {had} (asked for {shards})",
+                    dir.display()
+                )));
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let body = serde_json::to_vec(&serde_json::json!({ "shards": shards })).expect("json");
+            std::fs::write(&path, body).map_err(|e| EngineError::Io(path.clone(), e))
+        }
+        Err(e) => Err(EngineError::Io(path, e)),
+    }
+}
+
+impl Broker {
+    /// Starts every shard and returns once all of them listen.
+    pub fn start(config: ServeConfig) -> Result<Broker, EngineError> {
+        let dir = &config.data_dir;
+        std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(dir.clone(), e))?;
+        let lock = lock_data_dir(dir)?;
+        let ncpu = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let shards = if config.cores == 0 {
+            ncpu
+        } else {
+            config.cores
+        };
+        if shards > 256 {
+            return Err(EngineError::Config(format!(
+                "--cores {shards}: at most 256 shards"
+            )));
+        }
+        check_shard_count(dir, shards)?;
+        let specs = Arc::new(specs::SpecStore::open(dir.join("specs.json"))?);
+        let metrics = Arc::new(metrics::Metrics::default());
+        // Bind every listener first so that a busy port fails the start.
+        let mut listeners = Vec::new();
+        let mut endpoints = Vec::new();
+        for n in 0..shards {
+            let mut addr = config.listen;
+            let port = config
+                .listen
+                .port()
+                .checked_add(n as u16)
+                .ok_or_else(|| EngineError::Config("port range overflows".into()))?;
+            addr.set_port(if config.listen.port() == 0 { 0 } else { port });
+            let l = std::net::TcpListener::bind(addr).map_err(|e| EngineError::Listen(addr, e))?;
+            endpoints.push(l.local_addr().map_err(|e| EngineError::Listen(addr, e))?);
+            listeners.push(l);
+        }
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EngineError>>(shards);
+        let (done_tx, done_rx) = crossbeam_channel::bounded::<u32>(shards);
+        let mut stops = Vec::new();
+        for (n, listener) in listeners.into_iter().enumerate() {
+            let (stop_tx, stop_rx) = async_channel::bounded::<()>(1);
+            stops.push(stop_tx);
+            let ctx = ShardContext {
+                index: n as u32,
+                shards: shards as u32,
+                core: n % ncpu,
+                data_dir: dir.clone(),
+                specs: specs.clone(),
+                metrics: metrics.clone(),
+                endpoints: endpoints.clone(),
+                disk_reserve_bytes: config.disk_reserve_bytes,
+                listener,
+                stop: stop_rx,
+                ready: ready_tx.clone(),
+                done: done_tx.clone(),
+            };
+            std::thread::Builder::new()
+                .name(format!("rotary-shard-{n}"))
+                .spawn(move || run_shard(ctx))
+                .map_err(|e| EngineError::Io(dir.clone(), e))?;
+        }
+        for _ in 0..shards {
+            ready_rx
+                .recv()
+                .map_err(|_| EngineError::Config("a shard thread died while starting".into()))??;
+        }
+        tracing::info!(shards, endpoint = %endpoints[0], data = %dir.display(), "rotary is serving");
+        Ok(Broker {
+            stops,
+            done: done_rx,
+            _lock: lock,
+            endpoints,
+        })
+    }
+
+    /// Stops accepting, lets in-flight appends commit, and returns.
+    pub fn shutdown(self) {
+        for s in &self.stops {
+            let _ = s.try_send(());
+        }
+        let deadline = std::time::Instant::now() + SHUTDOWN_DRAIN;
+        for _ in 0..self.stops.len() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if self.done.recv_timeout(left).is_err() {
+                tracing::warn!("a shard did not drain in time");
+                break;
+            }
+        }
+    }
+}
+
+struct ShardContext {
+    index: u32,
+    shards: u32,
+    core: usize,
+    data_dir: PathBuf,
+    specs: Arc<specs::SpecStore>,
+    metrics: Arc<metrics::Metrics>,
+    endpoints: Vec<SocketAddr>,
+    disk_reserve_bytes: u64,
+    listener: std::net::TcpListener,
+    stop: async_channel::Receiver<()>,
+    ready: crossbeam_channel::Sender<Result<(), EngineError>>,
+    done: crossbeam_channel::Sender<u32>,
+}
+
+fn run_shard(ctx: ShardContext) {
+    let rt = match compio::runtime::RuntimeBuilder::new()
+        .thread_affinity(HashSet::from([ctx.core]))
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ctx
+                .ready
+                .send(Err(EngineError::Io(ctx.data_dir.clone(), e)));
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let shard = match shard::Shard::open(
+            ctx.index,
+            ctx.shards,
+            &ctx.data_dir,
+            ctx.specs.clone(),
+            ctx.metrics.clone(),
+            ctx.endpoints.clone(),
+            ctx.disk_reserve_bytes,
+        )
+        .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = ctx.ready.send(Err(e));
+                return;
+            }
+        };
+        let listener = match ctx
+            .listener
+            .set_nonblocking(true)
+            .and_then(|_| compio::net::TcpListener::from_std(ctx.listener))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = ctx.ready.send(Err(EngineError::Listen(
+                    ctx.endpoints[ctx.index as usize],
+                    e,
+                )));
+                return;
+            }
+        };
+        compio::runtime::spawn(shard.clone().flusher()).detach();
+        let ticker = shard.clone();
+        compio::runtime::spawn(async move {
+            loop {
+                compio::time::sleep(Duration::from_secs(1)).await;
+                ticker.tick().await;
+            }
+        })
+        .detach();
+        let _ = ctx.ready.send(Ok(()));
+        loop {
+            let accept = std::pin::pin!(listener.accept());
+            let stop = std::pin::pin!(ctx.stop.recv());
+            match futures_util::future::select(accept, stop).await {
+                futures_util::future::Either::Left((Ok((stream, _)), _)) => {
+                    compio::runtime::spawn(conn::serve(shard.clone(), stream)).detach();
+                }
+                futures_util::future::Either::Left((Err(e), _)) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    compio::time::sleep(Duration::from_millis(10)).await;
+                }
+                futures_util::future::Either::Right(_) => break,
+            }
+        }
+        shard.shutting_down.set(true);
+        shard.drained().await;
+        let _ = ctx.done.send(ctx.index);
+    });
 }

@@ -78,9 +78,9 @@ fn validate_label_name(name: &str) -> Result<(), SpecError> {
 
 fn validate_label_value(name: &str, value: &str) -> Result<(), SpecError> {
     let ok = value.len() <= LABEL_VALUE_LEN_MAX
-        && value
-            .chars()
-            .all(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | '+' | '/' | '.' | '=' | '%' | ':' | '@'));
+        && value.chars().all(|c| {
+            c.is_alphanumeric() || matches!(c, '-' | '_' | '+' | '/' | '.' | '=' | '%' | ':' | '@')
+        });
     if ok {
         Ok(())
     } else {
@@ -356,9 +356,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, SpecError> {
         return Err(bad());
     }
     while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .ok_or_else(bad)?;
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
         if digits == 0 {
             return Err(bad());
         }
@@ -392,7 +390,7 @@ pub fn format_duration(d: Duration) -> String {
         return "0s".into();
     }
     if d.subsec_nanos() != 0 {
-        if d.subsec_nanos() % 1_000_000 == 0 && d.as_secs() == 0 {
+        if d.subsec_nanos().is_multiple_of(1_000_000) && d.as_secs() == 0 {
             return format!("{}ms", d.subsec_millis());
         }
         return format!("{}ms", d.as_millis());
@@ -632,8 +630,16 @@ mod tests {
         }
         let long = "a".repeat(513);
         for bad in [
-            "abc", "/abs/path", "trail/", "a//b", "a/./b", "a/../b", "sp ace", "semi;colon",
-            long.as_str(), "../up",
+            "abc",
+            "/abs/path",
+            "trail/",
+            "a//b",
+            "a/./b",
+            "a/../b",
+            "sp ace",
+            "semi;colon",
+            long.as_str(),
+            "../up",
         ] {
             assert!(validate_journal_name(bad).is_err(), "{bad} accepted");
         }
@@ -666,7 +672,10 @@ mod tests {
     #[test]
     fn durations() {
         assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
-        assert_eq!(parse_duration("720h").unwrap(), Duration::from_secs(720 * 3600));
+        assert_eq!(
+            parse_duration("720h").unwrap(),
+            Duration::from_secs(720 * 3600)
+        );
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert!(parse_duration("h").is_err());
         assert!(parse_duration("5x").is_err());

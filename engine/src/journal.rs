@@ -1,0 +1,300 @@
+//! A journal's shard-local state: its spool, sealed local fragments, write
+//! head, registers and the queue of appends waiting their turn.
+
+use crate::outbox::Outbox;
+use event_listener::Event;
+use rotary_net::spec::{JournalSpec, LabelSet};
+use rotary_net::status::Status;
+use rotary_net::wire::AppendRequest;
+use rotary_storage::fragment::LocalFragment;
+use rotary_storage::spool::{CommitPoint, Spool};
+use sha1::Sha1;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// A streamed append idle this long is rolled back.
+pub const APPEND_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Content of one frame: a buffer and the range of it that is payload.
+pub struct Chunk {
+    pub data: Vec<u8>,
+    pub range: Range<usize>,
+}
+
+impl Chunk {
+    pub fn bytes(&self) -> &[u8] {
+        &self.data[self.range.clone()]
+    }
+}
+
+/// Why an append ended without committing, as decided outside the flusher.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortReason {
+    /// The client asked (APPEND_CHUNK with ABORT): reply CANCELLED.
+    Client,
+    /// The connection closed: nobody to reply to.
+    Closed,
+    /// Idle too long: reply APPEND_TIMEOUT.
+    Timeout,
+}
+
+/// One append, shared by the connection that feeds it and the flusher that
+/// stages it.
+pub struct AppendOp {
+    pub request_id: u64,
+    pub outbox: Rc<Outbox>,
+    pub req: AppendRequest,
+    pub chunks: RefCell<VecDeque<Chunk>>,
+    /// The frame without MORE arrived.
+    pub complete: Cell<bool>,
+    pub aborted: Cell<Option<AbortReason>>,
+    /// The reply was sent (the connection discards later chunks).
+    pub finished: Cell<bool>,
+    pub last_activity: Cell<Instant>,
+    /// Bytes queued in `chunks`, charged to the connection's budget.
+    pub budget: Rc<crate::conn::Budget>,
+}
+
+impl AppendOp {
+    pub fn reply_error(
+        &self,
+        status: Status,
+        reply: &rotary_net::wire::AppendReply,
+        message: &str,
+    ) {
+        assert!(status != Status::OK);
+        if self.finished.replace(true) {
+            return;
+        }
+        self.outbox.error(
+            rotary_net::wire::Op::APPEND_REPLY,
+            status,
+            self.request_id,
+            &reply.encode(),
+            message,
+        );
+    }
+}
+
+/// The append being staged into the spool.
+pub struct Active {
+    pub op: Rc<AppendOp>,
+    /// Spool point where the append begins (to rewind to on failure).
+    pub start: CommitPoint,
+    pub sha: Sha1,
+    /// Offset into the front chunk already staged.
+    pub chunk_pos: usize,
+}
+
+/// An append fully staged in the current batch, waiting for durability.
+pub struct Staged {
+    pub op: Rc<AppendOp>,
+    pub begin: u64,
+    pub end: u64,
+    pub sha1: [u8; 20],
+    pub point: CommitPoint,
+    pub registers: LabelSet,
+}
+
+pub struct Journal {
+    pub name: String,
+    pub spec: JournalSpec,
+    pub dir: PathBuf,
+    /// Sealed local fragments, by begin.
+    pub fragments: Vec<LocalFragment>,
+    pub spool: Option<Spool>,
+    /// Committed write head.
+    pub head: u64,
+    pub registers: LabelSet,
+    pub queue: VecDeque<Rc<AppendOp>>,
+    pub active: Option<Active>,
+    /// Appends staged in the batch being built or written.
+    pub staged: Vec<Staged>,
+    /// Head and registers as of the last staged append.
+    pub staged_head: u64,
+    pub staged_registers: LabelSet,
+    /// Wakes readers waiting at the head.
+    pub committed: Event,
+    pub seal_requested: bool,
+    pub seal_waiters: Vec<(Rc<Outbox>, u64)>,
+    /// When the open spool took its first commit.
+    pub spool_since: Option<SystemTime>,
+    pub rate: TokenBucket,
+    pub deleted: bool,
+}
+
+impl Journal {
+    pub fn new(spec: JournalSpec, dir: PathBuf) -> Journal {
+        Journal {
+            name: spec.name.clone(),
+            rate: TokenBucket::new(spec.max_append_rate),
+            spec,
+            dir,
+            fragments: Vec::new(),
+            spool: None,
+            head: 0,
+            registers: LabelSet::new(),
+            queue: VecDeque::new(),
+            active: None,
+            staged: Vec::new(),
+            staged_head: 0,
+            staged_registers: LabelSet::new(),
+            committed: Event::new(),
+            seal_requested: false,
+            seal_waiters: Vec::new(),
+            spool_since: None,
+            deleted: false,
+        }
+    }
+
+    /// Whether the open spool should seal before the next append starts.
+    pub fn wants_seal(&self, now: SystemTime) -> bool {
+        let Some(spool) = &self.spool else {
+            return false;
+        };
+        if spool.is_empty() {
+            return self.seal_requested;
+        }
+        if self.seal_requested || spool.len() >= self.spec.fragment.length {
+            return true;
+        }
+        flush_boundary_crossed(self.spool_since, self.spec.fragment.flush_interval, now)
+    }
+
+    /// Where `offset` can be read: the file, the position in it, and the
+    /// journal offset where that file's readable bytes end. Offsets in a
+    /// gap of history resolve to the next fragment's start.
+    pub fn locate(&self, offset: u64) -> Option<Located> {
+        for f in &self.fragments {
+            if offset < f.end {
+                let at = offset.max(f.begin);
+                return Some(Located {
+                    file: FileRef::Fragment(f.path.clone(), f.file.clone()),
+                    offset: at,
+                    file_pos: at - f.begin,
+                    end: f.end,
+                });
+            }
+        }
+        let spool = self.spool.as_ref()?;
+        if offset < spool.committed() {
+            let at = offset.max(spool.begin());
+            return Some(Located {
+                file: FileRef::Open(spool.file().clone()),
+                offset: at,
+                file_pos: at - spool.begin(),
+                end: spool.committed(),
+            });
+        }
+        None
+    }
+}
+
+pub enum FileRef {
+    Open(Rc<compio::fs::File>),
+    Fragment(PathBuf, Option<Rc<compio::fs::File>>),
+}
+
+pub struct Located {
+    pub file: FileRef,
+    pub offset: u64,
+    pub file_pos: u64,
+    pub end: u64,
+}
+
+/// Whether a UTC multiple of `interval` lies between `since` and `now`.
+pub fn flush_boundary_crossed(
+    since: Option<SystemTime>,
+    interval: Duration,
+    now: SystemTime,
+) -> bool {
+    let Some(since) = since else { return false };
+    if interval.is_zero() {
+        return false;
+    }
+    let secs = |t: SystemTime| {
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs()
+    };
+    let iv = interval.as_secs().max(1);
+    secs(now) / iv > secs(since) / iv
+}
+
+/// Admits bytes at `rate` per second with one second of burst; zero is
+/// unlimited. Reservations may run into debt: the caller waits it out.
+pub struct TokenBucket {
+    rate: u64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    pub fn new(rate: u64) -> Self {
+        TokenBucket {
+            rate,
+            tokens: rate as f64,
+            last: Instant::now(),
+        }
+    }
+
+    pub fn set_rate(&mut self, rate: u64) {
+        if rate != self.rate {
+            *self = TokenBucket::new(rate);
+        }
+    }
+
+    /// Takes `n` bytes; returns how long to wait before using them.
+    pub fn reserve(&mut self, n: u64, now: Instant) -> Duration {
+        if self.rate == 0 {
+            return Duration::ZERO;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * self.rate as f64).min(self.rate as f64);
+        self.tokens -= n as f64;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / self.rate as f64)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flush_boundaries_are_utc_multiples() {
+        let t = |s: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
+        let h = Duration::from_secs(3600);
+        assert!(!flush_boundary_crossed(Some(t(3600)), h, t(7199)));
+        assert!(flush_boundary_crossed(Some(t(3600)), h, t(7200)));
+        assert!(flush_boundary_crossed(Some(t(7199)), h, t(7200)));
+        assert!(!flush_boundary_crossed(None, h, t(99999)));
+        assert!(!flush_boundary_crossed(
+            Some(t(0)),
+            Duration::ZERO,
+            t(99999)
+        ));
+    }
+
+    #[test]
+    fn token_bucket_charges_debt() {
+        let now = Instant::now();
+        let mut b = TokenBucket::new(1000);
+        assert_eq!(b.reserve(1000, now), Duration::ZERO);
+        let wait = b.reserve(500, now);
+        assert!(
+            wait >= Duration::from_millis(499) && wait <= Duration::from_millis(501),
+            "{wait:?}"
+        );
+        let mut free = TokenBucket::new(0);
+        assert_eq!(free.reserve(u64::MAX / 2, now), Duration::ZERO);
+    }
+}

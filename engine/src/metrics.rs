@@ -1,0 +1,41 @@
+//! Broker-wide counters, shared by all shards (relaxed atomics; each
+//! counter is written by its owning shard's thread and read by STATS).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! counters {
+    ($($name:ident),* $(,)?) => {
+        #[derive(Default)]
+        pub struct Metrics {
+            $(pub $name: AtomicU64,)*
+        }
+
+        impl Metrics {
+            pub fn to_json(&self, shards: usize) -> serde_json::Value {
+                let mut m = serde_json::Map::new();
+                m.insert("shards".into(), shards.into());
+                $(m.insert(stringify!($name).into(), self.$name.load(Ordering::Relaxed).into());)*
+                serde_json::Value::Object(m)
+            }
+        }
+    };
+}
+
+counters!(
+    appends,
+    append_bytes,
+    append_failures,
+    batches,
+    batch_write_bytes,
+    fsyncs,
+    reads,
+    read_bytes,
+    cross_core_forwards,
+    connections,
+    fragments_sealed,
+    storage_full,
+);
+
+pub fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}

@@ -1,0 +1,1066 @@
+//! One shard: the journals hashed to this core, their spools and commit
+//! log, and the flusher that turns queued appends into durable commits.
+//!
+//! The flusher is the only writer. Each turn it (1) prepares journals that
+//! have work (reload a tail after rollback, seal, open a spool), (2) stages
+//! every ready append of every journal into its spool's buffer, (3) submits
+//! all spool writes at once, (4) fdatasyncs `fsync` journals, (5) writes one
+//! commit-log record per committed journal, and (6) acknowledges, in order,
+//! every append that committed. Appends that arrive meanwhile wait for the
+//! next turn: that is the group commit which batches ring submissions.
+
+use crate::journal::{AbortReason, Active, FileRef, Journal, Staged, APPEND_IDLE_TIMEOUT};
+use crate::metrics::{self, Metrics};
+use crate::outbox::Outbox;
+use crate::specs::SpecStore;
+use event_listener::Event;
+use futures_util::future::join_all;
+use rotary_net::spec::{Durability, JournalFlags, LabelSet};
+use rotary_net::status::Status;
+use rotary_net::wire::{AppendReply, Op};
+use rotary_storage::fragment::{list_dir, LocalFragment};
+use rotary_storage::spool::{read_range, Spool};
+use rotary_storage::wal::{CommitLog, JournalState};
+use rotary_storage::StorageError;
+use sha1::{Digest, Sha1};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+pub type JournalRef = Rc<RefCell<Journal>>;
+
+/// Largest READ_DATA payload.
+pub const READ_CHUNK_BYTES: usize = 1 << 20;
+
+pub struct Shard {
+    pub index: u32,
+    pub shards: u32,
+    pub dir: PathBuf,
+    pub specs: Arc<SpecStore>,
+    pub metrics: Arc<Metrics>,
+    /// Listen address of every shard of this broker.
+    pub endpoints: Vec<std::net::SocketAddr>,
+    pub disk_reserve_bytes: u64,
+    journals: RefCell<HashMap<String, JournalRef>>,
+    specs_seen: Cell<u64>,
+    log: RefCell<Option<CommitLog>>,
+    /// Last committed state of every journal, as in the commit log.
+    states: RefCell<HashMap<String, JournalState>>,
+    ready: RefCell<Vec<JournalRef>>,
+    wake: Event,
+    pub shutting_down: Cell<bool>,
+    /// Set while the flusher works on a turn.
+    busy: Cell<bool>,
+    idle: Event,
+}
+
+fn journal_dir(shard_dir: &std::path::Path, name: &str) -> PathBuf {
+    // `@` never occurs in journal names, so `a/b`'s files never mix with
+    // the directory of journal `a/b/c`.
+    shard_dir.join("journals").join(name).join("@")
+}
+
+fn storage_status(e: &StorageError) -> Status {
+    if e.is_full() {
+        Status::STORAGE_FULL
+    } else {
+        Status::IO_ERROR
+    }
+}
+
+impl Shard {
+    /// Opens the shard's directory: replays its commit log and recovers
+    /// every journal it owns.
+    pub async fn open(
+        index: u32,
+        shards: u32,
+        data_dir: &std::path::Path,
+        specs: Arc<SpecStore>,
+        metrics: Arc<Metrics>,
+        endpoints: Vec<std::net::SocketAddr>,
+        disk_reserve_bytes: u64,
+    ) -> Result<Rc<Shard>, crate::EngineError> {
+        let dir = data_dir.join(format!("shard-{index}"));
+        std::fs::create_dir_all(dir.join("journals"))
+            .map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
+        let (log, states) = CommitLog::open(&dir).await?;
+        let shard = Rc::new(Shard {
+            index,
+            shards,
+            dir,
+            specs,
+            metrics,
+            endpoints,
+            disk_reserve_bytes,
+            journals: RefCell::new(HashMap::new()),
+            specs_seen: Cell::new(0),
+            log: RefCell::new(Some(log)),
+            states: RefCell::new(states),
+            ready: RefCell::new(Vec::new()),
+            wake: Event::new(),
+            shutting_down: Cell::new(false),
+            busy: Cell::new(false),
+            idle: Event::new(),
+        });
+        shard.specs_seen.set(shard.specs.version());
+        for spec in shard.specs.all() {
+            if rotary_net::shard_of(&spec.name, shards) == index {
+                let j = shard.recover(spec).await?;
+                shard
+                    .journals
+                    .borrow_mut()
+                    .insert(j.name.clone(), Rc::new(RefCell::new(j)));
+            }
+        }
+        Ok(shard)
+    }
+
+    /// Rebuilds a journal from its directory and its commit-log state.
+    async fn recover(&self, spec: rotary_net::JournalSpec) -> Result<Journal, crate::EngineError> {
+        let dir = journal_dir(&self.dir, &spec.name);
+        let mut j = Journal::new(spec, dir.clone());
+        let listing = list_dir(&dir).map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
+        let state = self.states.borrow().get(&j.name).cloned();
+        if let Some(st) = &state {
+            j.registers = st.registers.clone();
+        }
+        j.fragments = listing.fragments;
+        let mut head = j.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        // Only the newest spool can hold commits; older ones are leftovers
+        // of a seal interrupted after its rename target was written.
+        let mut spools = listing.spools;
+        let newest = spools.pop();
+        for (_, path) in spools {
+            tracing::warn!(path = %path.display(), "removing stale spool");
+            let _ = std::fs::remove_file(&path);
+        }
+        if let Some((begin, path)) = newest {
+            match state
+                .as_ref()
+                .filter(|st| st.spool_begin == begin && st.end > begin)
+            {
+                Some(st) if begin >= head => {
+                    let (spool, sha1) = Spool::recover(path.clone(), begin, st.end).await?;
+                    if sha1 != st.sha1 {
+                        // Only possible after power loss in `replicated`
+                        // mode: the log reached the disk, the data did not.
+                        return Err(crate::EngineError::Corrupt(format!(
+                            "{}: SHA-1 of committed spool bytes does not match the commit log",
+                            path.display()
+                        )));
+                    }
+                    head = st.end;
+                    j.spool_since = Some(SystemTime::now());
+                    j.spool = Some(spool);
+                }
+                _ => {
+                    // Nothing committed into this spool.
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        j.head = head;
+        j.staged_head = head;
+        j.staged_registers = j.registers.clone();
+        Ok(j)
+    }
+
+    /// Refreshes specs if the store changed; returns the journal if it exists.
+    pub fn journal(&self, name: &str) -> Option<JournalRef> {
+        let v = self.specs.version();
+        if v != self.specs_seen.get() {
+            self.specs_seen.set(v);
+            let mut map = self.journals.borrow_mut();
+            for (name, j) in map.iter() {
+                if let Some(spec) = self.specs.get(name) {
+                    let mut j = j.borrow_mut();
+                    j.rate.set_rate(spec.max_append_rate);
+                    j.spec = spec;
+                }
+            }
+            for spec in self.specs.all() {
+                if rotary_net::shard_of(&spec.name, self.shards) == self.index
+                    && !map.contains_key(&spec.name)
+                {
+                    // A journal created since: fresh, with no local files
+                    // (deletion removes them), possibly with registers left
+                    // in the commit log by an earlier incarnation (deletion
+                    // logs their removal).
+                    let dir = journal_dir(&self.dir, &spec.name);
+                    let mut j = Journal::new(spec.clone(), dir);
+                    if let Some(st) = self.states.borrow().get(&spec.name) {
+                        j.registers = st.registers.clone();
+                        j.staged_registers = st.registers.clone();
+                    }
+                    map.insert(spec.name.clone(), Rc::new(RefCell::new(j)));
+                }
+            }
+        }
+        self.journals.borrow().get(name).cloned()
+    }
+
+    pub fn mark_ready(&self, j: &JournalRef) {
+        self.ready.borrow_mut().push(j.clone());
+        self.wake.notify(1);
+    }
+
+    /// Enqueues an append; the flusher picks it up.
+    pub fn submit_append(&self, j: &JournalRef, op: Rc<crate::journal::AppendOp>) {
+        j.borrow_mut().queue.push_back(op);
+        self.mark_ready(j);
+    }
+
+    /// Deletes a journal owned by this shard: its spec, its queued appends,
+    /// its local files. Returns false if it did not exist.
+    pub fn delete_journal(&self, name: &str) -> Result<bool, crate::EngineError> {
+        let existed = self.specs.delete(name)?;
+        if let Some(j) = self.journals.borrow_mut().remove(name) {
+            let mut j = j.borrow_mut();
+            j.deleted = true;
+            let reply = AppendReply::default();
+            for op in j.queue.drain(..) {
+                op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
+            }
+            if let Some(a) = j.active.take() {
+                a.op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
+            }
+            j.committed.notify(usize::MAX);
+            let root = self.dir.join("journals").join(name);
+            let _ = std::fs::remove_dir_all(root.join("@"));
+            // Parent directories of other journals stay.
+            let _ = std::fs::remove_dir(&root);
+        }
+        self.states.borrow_mut().remove(name);
+        if let Some(log) = self.log.borrow_mut().as_mut() {
+            log.record_delete(name);
+        }
+        self.wake.notify(1);
+        Ok(existed)
+    }
+
+    /// Asks the flusher to seal a journal's spool and reply on `outbox`.
+    pub fn request_seal(&self, j: &JournalRef, outbox: Rc<Outbox>, request_id: u64) {
+        {
+            let mut jm = j.borrow_mut();
+            jm.seal_requested = true;
+            jm.seal_waiters.push((outbox, request_id));
+        }
+        self.mark_ready(j);
+    }
+
+    /// Seals due spools and times out idle streamed appends. Runs every second.
+    pub async fn tick(self: &Rc<Self>) {
+        let now = SystemTime::now();
+        let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
+        for j in journals {
+            let mut due = false;
+            {
+                let jm = j.borrow();
+                if jm.wants_seal(now) && jm.spool.as_ref().is_some_and(|s| !s.is_empty()) {
+                    due = true;
+                }
+                if let Some(a) = &jm.active {
+                    if a.op.last_activity.get().elapsed() > APPEND_IDLE_TIMEOUT
+                        && !a.op.complete.get()
+                    {
+                        a.op.aborted.set(Some(AbortReason::Timeout));
+                        due = true;
+                    }
+                }
+            }
+            if due {
+                self.mark_ready(&j);
+            }
+        }
+    }
+
+    /// Waits until the flusher has nothing queued and is not mid-turn.
+    pub async fn drained(&self) {
+        loop {
+            let l = self.idle.listen();
+            if !self.busy.get() && self.ready.borrow().is_empty() {
+                return;
+            }
+            l.await;
+        }
+    }
+
+    /// The flusher loop. Never returns.
+    pub async fn flusher(self: Rc<Self>) {
+        loop {
+            let l = self.wake.listen();
+            let has_log_records = self.log.borrow().as_ref().is_some_and(|l| l.has_pending());
+            if self.ready.borrow().is_empty() && !has_log_records {
+                self.idle.notify(usize::MAX);
+                l.await;
+                continue;
+            }
+            drop(l);
+            self.busy.set(true);
+            self.turn().await;
+            self.busy.set(false);
+        }
+    }
+
+    async fn turn(&self) {
+        let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
+        // Dedup by identity, keeping first-come order.
+        let mut seen = std::collections::HashSet::new();
+        ready.retain(|j| seen.insert(Rc::as_ptr(j)));
+        ready.retain(|j| !j.borrow().deleted);
+
+        // 1. Prepare.
+        for j in &ready {
+            self.prepare(j).await;
+        }
+        // 2. Stage.
+        let mut again = Vec::new();
+        for j in &ready {
+            if self.stage(j) {
+                again.push(j.clone());
+            }
+        }
+        // 3. Write every spool with staged bytes, all submitted together.
+        let mut writing: Vec<(
+            JournalRef,
+            rotary_storage::spool::PendingWrite,
+            Rc<compio::fs::File>,
+        )> = Vec::new();
+        for j in &ready {
+            let mut jm = j.borrow_mut();
+            if let Some(spool) = jm.spool.as_mut() {
+                let file = spool.file().clone();
+                if let Some(w) = spool.take_write() {
+                    writing.push((j.clone(), w, file));
+                }
+            }
+        }
+        let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
+        if !writing.is_empty() {
+            let results = join_all(writing.into_iter().map(|(j, w, file)| async move {
+                let (res, w) = w.run(&file).await;
+                (j, res, w)
+            }))
+            .await;
+            metrics::add(&self.metrics.batches, 1);
+            for (j, res, w) in results {
+                metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
+                let mut jm = j.borrow_mut();
+                let path = jm
+                    .spool
+                    .as_ref()
+                    .map(|s| s.path().to_path_buf())
+                    .unwrap_or_default();
+                jm.spool
+                    .as_mut()
+                    .expect("spool written")
+                    .write_done(w, res.is_ok());
+                if let Err(e) = res {
+                    let e = StorageError::io(&path, e);
+                    failed.push((j.clone(), storage_status(&e), e.to_string()));
+                }
+            }
+        }
+        for (j, status, msg) in &failed {
+            self.fail_batch(j, *status, msg);
+        }
+        // 4. fdatasync fsync-mode spools that committed something.
+        let committing: Vec<JournalRef> = ready
+            .iter()
+            .filter(|j| !j.borrow().staged.is_empty())
+            .cloned()
+            .collect();
+        let mut any_fsync = false;
+        let syncs: Vec<_> = committing
+            .iter()
+            .filter(|j| j.borrow().spec.durability == Durability::Fsync)
+            .map(|j| {
+                any_fsync = true;
+                let file = j.borrow().spool.as_ref().expect("spool").file().clone();
+                let j = j.clone();
+                async move { (j, file.sync_data().await) }
+            })
+            .collect();
+        let mut sync_failed = Vec::new();
+        for (j, res) in join_all(syncs).await {
+            metrics::add(&self.metrics.fsyncs, 1);
+            if let Err(e) = res {
+                sync_failed.push((j, e));
+            }
+        }
+        for (j, e) in sync_failed {
+            let path = j.borrow().dir.clone();
+            let e = StorageError::io(&path, e);
+            self.fail_batch(&j, storage_status(&e), &e.to_string());
+        }
+        // 5. One commit-log record per committing journal.
+        let committing: Vec<JournalRef> = committing
+            .into_iter()
+            .filter(|j| !j.borrow().staged.is_empty())
+            .collect();
+        {
+            let mut log = self.log.borrow_mut();
+            let log = log.as_mut().expect("commit log present");
+            let mut states = self.states.borrow_mut();
+            for j in &committing {
+                let jm = j.borrow();
+                let last = jm.staged.last().expect("non-empty");
+                let spool = jm.spool.as_ref().expect("spool");
+                let st = JournalState {
+                    spool_begin: spool.begin(),
+                    end: last.end,
+                    sha1: last.point.sha.clone().finalize().into(),
+                    registers: last.registers.clone(),
+                };
+                log.record_commit(&jm.name, &st);
+                states.insert(jm.name.clone(), st);
+            }
+        }
+        let log_result = {
+            // The log is taken out for the write so no borrow spans the await.
+            let mut log = self.log.borrow_mut().take().expect("commit log present");
+            let res = if log.has_pending() || any_fsync {
+                log.flush(any_fsync).await
+            } else {
+                Ok(())
+            };
+            if res.is_err() {
+                log.discard_pending();
+            }
+            *self.log.borrow_mut() = Some(log);
+            res
+        };
+        if let Err(e) = log_result {
+            tracing::error!(error = %e, "commit log write failed; failing the batch");
+            let status = storage_status(&e);
+            for j in &committing {
+                self.fail_batch(j, status, &e.to_string());
+                // The in-memory state must not run ahead of the log.
+                let jm = j.borrow();
+                let mut states = self.states.borrow_mut();
+                if let Some(spool) = &jm.spool {
+                    states.insert(
+                        jm.name.clone(),
+                        JournalState {
+                            spool_begin: spool.begin(),
+                            end: spool.committed(),
+                            sha1: spool.committed_sha1(),
+                            registers: jm.registers.clone(),
+                        },
+                    );
+                }
+            }
+        } else {
+            // 6. Acknowledge.
+            for j in &committing {
+                self.acknowledge(j);
+            }
+        }
+        // Compaction between turns keeps the log short.
+        let compact = self
+            .log
+            .borrow()
+            .as_ref()
+            .is_some_and(|l| l.needs_compaction());
+        if compact {
+            let mut log = self.log.borrow_mut().take().expect("commit log present");
+            let states = self.states.borrow().clone();
+            if let Err(e) = log
+                .compact(states.iter().map(|(k, v)| (k.as_str(), v)))
+                .await
+            {
+                tracing::error!(error = %e, "commit log compaction failed");
+            }
+            *self.log.borrow_mut() = Some(log);
+        }
+        // Journals with more to do go around again.
+        for j in again {
+            self.ready.borrow_mut().push(j);
+        }
+    }
+
+    /// Async preparation of a journal before staging: handle an aborted
+    /// active append, reload a tail block, seal, open a spool.
+    async fn prepare(&self, j: &JournalRef) {
+        // An aborted active append rewinds the spool to where it began.
+        {
+            let mut jm = j.borrow_mut();
+            let aborted = jm.active.as_ref().and_then(|a| a.op.aborted.get());
+            if let Some(reason) = aborted {
+                let a = jm.active.take().expect("checked");
+                jm.spool
+                    .as_mut()
+                    .expect("active append has a spool")
+                    .rewind(a.start);
+                jm.staged_head = jm.head;
+                jm.staged_registers = jm.registers.clone();
+                let reply = AppendReply {
+                    write_head: jm.head,
+                    registers: jm.registers.clone(),
+                    ..Default::default()
+                };
+                match reason {
+                    AbortReason::Client => a.op.reply_error(
+                        Status::CANCELLED,
+                        &reply,
+                        "append cancelled by the client",
+                    ),
+                    AbortReason::Timeout => a.op.reply_error(
+                        Status::APPEND_TIMEOUT,
+                        &reply,
+                        "append idle too long; rolled back",
+                    ),
+                    AbortReason::Closed => a.op.finished.set(true),
+                }
+                drop_budget(&a.op);
+                metrics::add(&self.metrics.append_failures, 1);
+            }
+        }
+        let needs_tail = j
+            .borrow()
+            .spool
+            .as_ref()
+            .is_some_and(|s| !s.can_stage() && !s.write_in_flight());
+        if needs_tail {
+            let mut spool = j.borrow_mut().spool.take().expect("checked");
+            let res = spool.load_tail().await;
+            j.borrow_mut().spool = Some(spool);
+            if let Err(e) = res {
+                tracing::error!(journal = %j.borrow().name, error = %e, "reloading spool tail failed");
+                self.fail_queue(j, storage_status(&e), &e.to_string());
+                return;
+            }
+        }
+        let wants_seal = {
+            let jm = j.borrow();
+            jm.active.is_none() && jm.staged.is_empty() && jm.wants_seal(SystemTime::now())
+        };
+        if wants_seal {
+            self.seal(j).await;
+        }
+        let needs_spool = {
+            let jm = j.borrow();
+            jm.spool.is_none() && !jm.queue.is_empty()
+        };
+        if needs_spool {
+            let (dir, head) = {
+                let jm = j.borrow();
+                (jm.dir.clone(), jm.head)
+            };
+            let created = match std::fs::create_dir_all(&dir) {
+                Ok(()) => Spool::create(&dir, head).await,
+                Err(e) => Err(StorageError::io(&dir, e)),
+            };
+            match created {
+                Ok(spool) => j.borrow_mut().spool = Some(spool),
+                Err(e) => {
+                    if e.is_full() {
+                        metrics::add(&self.metrics.storage_full, 1);
+                    }
+                    self.fail_queue(j, storage_status(&e), &e.to_string());
+                }
+            }
+        }
+    }
+
+    async fn seal(&self, j: &JournalRef) {
+        let (spool, durable) = {
+            let mut jm = j.borrow_mut();
+            let durable = jm.spec.durability == Durability::Fsync;
+            (jm.spool.take(), durable)
+        };
+        let mut sealed = None;
+        if let Some(spool) = spool {
+            let path = spool.path().to_path_buf();
+            let begin = spool.begin();
+            match spool.seal(durable).await {
+                Ok(frag) => sealed = frag,
+                Err(e) => {
+                    // The spool file stays where it was; recovery or the
+                    // next seal picks it up. Reopen it to keep appending.
+                    tracing::error!(path = %path.display(), error = %e, "seal failed");
+                    let end = j.borrow().head;
+                    if let Ok((s, _)) = Spool::recover(path, begin, end).await {
+                        j.borrow_mut().spool = Some(s);
+                    }
+                    return;
+                }
+            }
+        }
+        let mut jm = j.borrow_mut();
+        jm.seal_requested = false;
+        jm.spool_since = None;
+        let json = match &sealed {
+            Some(f) => fragment_json(f, false),
+            None => serde_json::Value::Null,
+        };
+        if let Some(f) = sealed {
+            metrics::add(&self.metrics.fragments_sealed, 1);
+            jm.fragments.push(f);
+        }
+        let body = serde_json::to_vec(&serde_json::json!({ "sealed": json })).expect("json");
+        for (outbox, id) in jm.seal_waiters.drain(..) {
+            outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
+        }
+    }
+
+    /// Stages queued appends of one journal. Returns true if it has more
+    /// to stage as soon as the buffer is written.
+    fn stage(&self, j: &JournalRef) -> bool {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
+            // Seal waiters on a journal without a spool get their answer.
+            if jm.spool.is_none() && !jm.seal_waiters.is_empty() {
+                let body =
+                    serde_json::to_vec(&serde_json::json!({ "sealed": null })).expect("json");
+                for (outbox, id) in jm.seal_waiters.drain(..) {
+                    outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
+                }
+                jm.seal_requested = false;
+            }
+            return false;
+        }
+        loop {
+            if jm.active.is_none() {
+                let Some(op) = jm.queue.front().cloned() else {
+                    return false;
+                };
+                if op.aborted.get().is_some() || op.finished.get() {
+                    jm.queue.pop_front();
+                    if op.aborted.get() == Some(AbortReason::Client) {
+                        let reply = AppendReply {
+                            write_head: jm.staged_head,
+                            ..Default::default()
+                        };
+                        op.reply_error(Status::CANCELLED, &reply, "append cancelled by the client");
+                    }
+                    drop_budget(&op);
+                    continue;
+                }
+                let spool = jm.spool.as_ref().expect("checked");
+                if spool.staged() - spool.begin() >= jm.spec.fragment.length || jm.seal_requested {
+                    // Roll to a new fragment first, once this batch commits.
+                    return true;
+                }
+                let reply = |status: Status, msg: &str, jm: &Journal| {
+                    let r = AppendReply {
+                        write_head: jm.staged_head,
+                        registers: jm.staged_registers.clone(),
+                        ..Default::default()
+                    };
+                    op.reply_error(status, &r, msg);
+                };
+                let req = &op.req;
+                if let Some(expect) = req.expect_offset {
+                    if expect != jm.staged_head {
+                        let msg = format!(
+                            "expected offset {expect} but the write head is {}",
+                            jm.staged_head
+                        );
+                        reply(Status::WRONG_APPEND_OFFSET, &msg, jm);
+                        jm.queue.pop_front();
+                        drop_budget(&op);
+                        continue;
+                    }
+                }
+                if !req.check_registers.is_empty()
+                    && !req.check_registers.matches(&jm.staged_registers)
+                {
+                    let msg = format!(
+                        "registers {{{}}} do not match selector {{{}}}",
+                        jm.staged_registers,
+                        req.check_registers.to_text()
+                    );
+                    reply(Status::REGISTER_MISMATCH, &msg, jm);
+                    jm.queue.pop_front();
+                    drop_budget(&op);
+                    continue;
+                }
+                let start = jm.spool.as_ref().expect("checked").commit_point();
+                jm.active = Some(Active {
+                    op,
+                    start,
+                    sha: Sha1::new(),
+                    chunk_pos: 0,
+                });
+            }
+            let a = jm.active.as_mut().expect("set above");
+            let spool = jm.spool.as_mut().expect("checked");
+            // Stage what has arrived.
+            loop {
+                let mut chunks = a.op.chunks.borrow_mut();
+                let Some(chunk) = chunks.front() else { break };
+                let bytes = &chunk.bytes()[a.chunk_pos..];
+                if bytes.is_empty() {
+                    let c = chunks.pop_front().expect("front");
+                    a.op.budget.release(c.range.len());
+                    a.chunk_pos = 0;
+                    continue;
+                }
+                if let Err(e) = spool.ensure_allocated(bytes.len() as u64, self.disk_reserve_bytes)
+                {
+                    drop(chunks);
+                    if e.is_full() {
+                        metrics::add(&self.metrics.storage_full, 1);
+                    }
+                    let a = jm.active.take().expect("active");
+                    spool.rewind(a.start);
+                    let r = AppendReply {
+                        write_head: jm.staged_head,
+                        registers: jm.staged_registers.clone(),
+                        ..Default::default()
+                    };
+                    a.op.reply_error(storage_status(&e), &r, &e.to_string());
+                    drop_budget(&a.op);
+                    metrics::add(&self.metrics.append_failures, 1);
+                    jm.queue.pop_front();
+                    // A rewind past written bytes needs a tail reload.
+                    return !jm.queue.is_empty();
+                }
+                let n = spool.stage(bytes);
+                a.sha.update(&bytes[..n]);
+                a.chunk_pos += n;
+                if n < bytes.len() {
+                    // Buffer full: write it, then continue.
+                    return true;
+                }
+            }
+            if !a.op.complete.get() || !a.op.chunks.borrow().is_empty() {
+                return false;
+            }
+            // The append is whole.
+            let a = jm.active.take().expect("active");
+            jm.queue.pop_front();
+            let point = spool.commit_point();
+            let begin = a.start.offset;
+            let end = point.offset;
+            if begin == end
+                && (!a.op.req.union_registers.is_empty() || !a.op.req.subtract_registers.is_empty())
+            {
+                let r = AppendReply {
+                    write_head: jm.staged_head,
+                    registers: jm.staged_registers.clone(),
+                    ..Default::default()
+                };
+                a.op.reply_error(
+                    Status::BAD_REQUEST,
+                    &r,
+                    "an empty append cannot change registers",
+                );
+                continue;
+            }
+            let mut registers = jm.staged_registers.clone();
+            if begin != end {
+                registers.union(&a.op.req.union_registers);
+                registers.subtract(&a.op.req.subtract_registers);
+            }
+            jm.staged_head = end;
+            jm.staged_registers = registers.clone();
+            jm.staged.push(Staged {
+                op: a.op,
+                begin,
+                end,
+                sha1: a.sha.finalize().into(),
+                point,
+                registers,
+            });
+        }
+    }
+
+    /// Fails every append staged in this batch and the active one, and
+    /// rewinds the spool to its last commit.
+    fn fail_batch(&self, j: &JournalRef, status: Status, msg: &str) {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let reply = AppendReply {
+            write_head: jm.head,
+            registers: jm.registers.clone(),
+            ..Default::default()
+        };
+        for s in jm.staged.drain(..) {
+            s.op.reply_error(status, &reply, msg);
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+        if let Some(a) = jm.active.take() {
+            a.op.reply_error(status, &reply, msg);
+            drop_budget(&a.op);
+            jm.queue.pop_front();
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+        if let Some(spool) = jm.spool.as_mut() {
+            spool.rollback();
+        }
+        jm.staged_head = jm.head;
+        jm.staged_registers = jm.registers.clone();
+    }
+
+    /// Fails every queued append of a journal (its spool cannot be used).
+    fn fail_queue(&self, j: &JournalRef, status: Status, msg: &str) {
+        let mut jm = j.borrow_mut();
+        let reply = AppendReply {
+            write_head: jm.head,
+            registers: jm.registers.clone(),
+            ..Default::default()
+        };
+        for op in jm.queue.drain(..) {
+            op.reply_error(status, &reply, msg);
+            drop_budget(&op);
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+        jm.active = None;
+    }
+
+    /// Commits and acknowledges the staged appends of a journal.
+    fn acknowledge(&self, j: &JournalRef) {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let staged = std::mem::take(&mut jm.staged);
+        let last = staged.last().expect("non-empty");
+        jm.spool.as_mut().expect("spool").commit(last.point.clone());
+        jm.head = last.end;
+        jm.registers = last.registers.clone();
+        if jm.spool_since.is_none() {
+            jm.spool_since = Some(SystemTime::now());
+        }
+        let mut bytes = 0;
+        for s in &staged {
+            bytes += s.end - s.begin;
+            if s.op.finished.replace(true) {
+                continue;
+            }
+            let reply = AppendReply {
+                begin: s.begin,
+                end: s.end,
+                write_head: s.end,
+                sha1: s.sha1,
+                registers: s.registers.clone(),
+            };
+            s.op.outbox.frame(
+                Op::APPEND_REPLY,
+                Status::OK,
+                s.op.request_id,
+                &reply.encode(),
+                &[],
+            );
+        }
+        metrics::add(&self.metrics.appends, staged.len() as u64);
+        metrics::add(&self.metrics.append_bytes, bytes);
+        jm.committed.notify(usize::MAX);
+    }
+
+    /// Streams a read to `outbox`. Ends with READ_DONE unless the
+    /// connection closed.
+    pub async fn read(
+        &self,
+        j: JournalRef,
+        outbox: Rc<Outbox>,
+        request_id: u64,
+        req: rotary_net::wire::ReadRequest,
+        flags: u8,
+        cancel: Rc<crate::conn::Cancel>,
+    ) {
+        let block = flags & rotary_net::wire::flag::BLOCK != 0;
+        let metadata_only = flags & rotary_net::wire::flag::METADATA_ONLY != 0;
+        use rotary_net::wire::{ReadData, ReadDone};
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        metrics::add(&self.metrics.reads, 1);
+        let done = |status: Status, offset: u64, head: u64, msg: &str| {
+            let meta = ReadDone {
+                offset: U64::new(offset),
+                write_head: U64::new(head),
+            };
+            outbox.frame(
+                Op::READ_DONE,
+                status,
+                request_id,
+                meta.as_bytes(),
+                msg.as_bytes(),
+            );
+        };
+        if j.borrow().spec.flags == JournalFlags::WriteOnly {
+            let head = j.borrow().head;
+            return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
+        }
+        let head = j.borrow().head;
+        let mut offset = req.offset.unwrap_or(head);
+        if metadata_only {
+            return done(Status::OK, offset, head, "");
+        }
+        if !block && offset >= head {
+            return done(
+                Status::OFFSET_NOT_YET_AVAILABLE,
+                offset,
+                head,
+                &format!("offset {offset} is not before the write head {head}"),
+            );
+        }
+        loop {
+            if let Some(end) = req.end_offset {
+                if offset >= end {
+                    let head = j.borrow().head;
+                    return done(Status::OK, offset, head, "");
+                }
+            }
+            if cancel.is_set() {
+                let head = j.borrow().head;
+                return done(Status::CANCELLED, offset, head, "read cancelled");
+            }
+            if outbox.is_closed() {
+                return;
+            }
+            let (located, head, deleted) = {
+                let jm = j.borrow();
+                (jm.locate(offset), jm.head, jm.deleted)
+            };
+            if deleted {
+                return done(
+                    Status::JOURNAL_NOT_FOUND,
+                    offset,
+                    head,
+                    "journal was deleted",
+                );
+            }
+            let Some(loc) = located else {
+                if !block {
+                    return done(Status::OK, offset, head, "");
+                }
+                // Wait for a commit (or cancel, or a closed connection).
+                let commit = j.borrow().committed.listen();
+                let cancelled = cancel.event.listen();
+                let closed = outbox.drained.listen();
+                if j.borrow().head > offset
+                    || j.borrow().locate(offset).is_some()
+                    || cancel.is_set()
+                    || outbox.is_closed()
+                {
+                    continue;
+                }
+                let a = std::pin::pin!(commit);
+                let b = std::pin::pin!(cancelled);
+                let c = std::pin::pin!(closed);
+                futures_util::future::select(a, futures_util::future::select(b, c)).await;
+                continue;
+            };
+            offset = loc.offset;
+            let mut len = (loc.end - offset).min(READ_CHUNK_BYTES as u64);
+            if let Some(end) = req.end_offset {
+                len = len.min(end - offset);
+            }
+            let file = match loc.file {
+                FileRef::Open(f) => f,
+                FileRef::Fragment(_, Some(f)) => f,
+                FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
+                    Ok(f) => Rc::new(f),
+                    Err(e) => {
+                        let head = j.borrow().head;
+                        return done(
+                            Status::IO_ERROR,
+                            offset,
+                            head,
+                            &format!("{}: {e}", path.display()),
+                        );
+                    }
+                },
+            };
+            match read_range(&file, loc.file_pos, len as usize).await {
+                Ok((buf, range)) if !range.is_empty() => {
+                    let meta = ReadData {
+                        offset: U64::new(offset),
+                    };
+                    outbox.frame(
+                        Op::READ_DATA,
+                        Status::OK,
+                        request_id,
+                        meta.as_bytes(),
+                        &buf.as_slice()[range.clone()],
+                    );
+                    metrics::add(&self.metrics.read_bytes, range.len() as u64);
+                    offset += range.len() as u64;
+                    outbox.room().await;
+                }
+                Ok(_) => {
+                    let head = j.borrow().head;
+                    return done(
+                        Status::IO_ERROR,
+                        offset,
+                        head,
+                        "short read of local fragment",
+                    );
+                }
+                Err(e) => {
+                    let head = j.borrow().head;
+                    return done(Status::IO_ERROR, offset, head, &e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Fragments of a journal as JSON (sealed local ones, then the open spool).
+    pub fn fragments_json(&self, j: &JournalRef) -> serde_json::Value {
+        let jm = j.borrow();
+        let mut out: Vec<serde_json::Value> = jm
+            .fragments
+            .iter()
+            .map(|f| fragment_json(f, false))
+            .collect();
+        if let Some(spool) = jm.spool.as_ref().filter(|s| !s.is_empty()) {
+            out.push(serde_json::json!({
+                "begin": spool.begin(),
+                "end": spool.committed(),
+                "sha1": hex::encode(spool.committed_sha1()),
+                "codec": "none",
+                "size": spool.len(),
+                "store": "local",
+                "path": spool.path().display().to_string(),
+                "mod_time": unix_secs(SystemTime::now()),
+                "open": true,
+            }));
+        }
+        serde_json::Value::Array(out)
+    }
+
+    pub fn registers_of(&self, j: &JournalRef) -> LabelSet {
+        j.borrow().registers.clone()
+    }
+
+    /// Reserves append bandwidth; returns how long to wait.
+    pub fn throttle(&self, j: &JournalRef, bytes: u64) -> std::time::Duration {
+        j.borrow_mut().rate.reserve(bytes, Instant::now())
+    }
+}
+
+fn drop_budget(op: &crate::journal::AppendOp) {
+    let mut chunks = op.chunks.borrow_mut();
+    for c in chunks.drain(..) {
+        op.budget.release(c.range.len());
+    }
+}
+
+fn unix_secs(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
+fn fragment_json(f: &LocalFragment, open: bool) -> serde_json::Value {
+    let mod_time = std::fs::metadata(&f.path)
+        .and_then(|m| m.modified())
+        .map(unix_secs)
+        .unwrap_or(0);
+    serde_json::json!({
+        "begin": f.begin,
+        "end": f.end,
+        "sha1": hex::encode(f.sha1),
+        "codec": "none",
+        "size": f.end - f.begin,
+        "store": "local",
+        "path": f.path.display().to_string(),
+        "mod_time": mod_time,
+        "open": open,
+    })
+}

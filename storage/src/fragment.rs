@@ -1,0 +1,104 @@
+//! Local fragments: sealed spools kept on disk, named like store objects.
+
+use compio::fs::File;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+/// A sealed span `[begin, end)` of a journal on local disk.
+pub struct LocalFragment {
+    pub begin: u64,
+    pub end: u64,
+    pub sha1: [u8; 20],
+    pub path: PathBuf,
+    /// An open handle, if one is at hand (the sealed spool's).
+    pub file: Option<Rc<File>>,
+}
+
+/// `<begin:016x>-<end:016x>-<sha1:40 hex>.raw`: Gazette's fragment name
+/// for an uncompressed fragment.
+pub fn fragment_file_name(begin: u64, end: u64, sha1: &[u8; 20]) -> String {
+    format!("{begin:016x}-{end:016x}-{}.raw", hex::encode(sha1))
+}
+
+/// Parses a fragment object or file name (`…-….ext`) into begin, end, SHA-1
+/// and extension. Anything else is `None`.
+pub fn parse_fragment_name(name: &str) -> Option<(u64, u64, [u8; 20], &str)> {
+    let dot = name.find('.')?;
+    let (stem, ext) = name.split_at(dot);
+    let mut parts = stem.split('-');
+    let begin = parts.next().filter(|p| p.len() == 16)?;
+    let end = parts.next().filter(|p| p.len() == 16)?;
+    let sum = parts.next().filter(|p| p.len() == 40)?;
+    if parts.next().is_some() {
+        return None;
+    }
+    let begin = u64::from_str_radix(begin, 16).ok()?;
+    let end = u64::from_str_radix(end, 16).ok()?;
+    let mut sha1 = [0u8; 20];
+    hex::decode_to_slice(sum, &mut sha1).ok()?;
+    if end < begin {
+        return None;
+    }
+    Some((begin, end, sha1, ext))
+}
+
+/// What a journal's local directory holds.
+#[derive(Default)]
+pub struct LocalListing {
+    pub fragments: Vec<LocalFragment>,
+    /// Spool files by begin offset, ascending.
+    pub spools: Vec<(u64, PathBuf)>,
+}
+
+/// Lists a journal's directory. A missing directory is empty.
+pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
+    let mut out = LocalListing::default();
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e),
+    };
+    for entry in rd {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(stem) = name.strip_suffix(".spool") {
+            if let Ok(begin) = u64::from_str_radix(stem, 16) {
+                out.spools.push((begin, entry.path()));
+            }
+        } else if let Some((begin, end, sha1, ".raw")) = parse_fragment_name(name) {
+            out.fragments.push(LocalFragment {
+                begin,
+                end,
+                sha1,
+                path: entry.path(),
+                file: None,
+            });
+        }
+    }
+    out.fragments.sort_by_key(|f| (f.begin, f.end));
+    out.spools.sort_by_key(|s| s.0);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        let sha = [0xab; 20];
+        let n = fragment_file_name(0x10, 0x2000, &sha);
+        assert_eq!(
+            n,
+            format!("0000000000000010-0000000000002000-{}.raw", "ab".repeat(20))
+        );
+        assert_eq!(parse_fragment_name(&n), Some((0x10, 0x2000, sha, ".raw")));
+        let z = n.replace(".raw", ".zst");
+        assert_eq!(parse_fragment_name(&z).unwrap().3, ".zst");
+        assert_eq!(parse_fragment_name("0000000000000010.spool"), None);
+        assert_eq!(parse_fragment_name("x-y-z.raw"), None);
+        let backwards = fragment_file_name(0x20, 0x10, &sha);
+        assert_eq!(parse_fragment_name(&backwards), None);
+    }
+}

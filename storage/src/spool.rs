@@ -1,0 +1,510 @@
+//! The spool: a journal's open fragment on local disk.
+//!
+//! A spool file holds the journal's bytes `[begin, …)` at file offset
+//! `offset - begin`. It is opened with O_DIRECT and grown by `fallocate`
+//! ahead of the write head, so writes never extend the file. The tail block
+//! is kept in an aligned buffer and rewritten with the next write: bytes of
+//! a block that are already on disk are rewritten identically, so a torn
+//! write can only damage bytes beyond the last commit.
+//!
+//! Offsets move in one direction: `committed <= written <= staged`.
+//! * `staged`: bytes handed to the spool (in the buffer or on disk).
+//! * `written`: bytes on disk.
+//! * `committed`: bytes that belong to committed appends. Everything beyond
+//!   is invisible and is discarded by [`Spool::rollback`].
+//!
+//! The spool runs on its shard's thread only. Its logic (offsets, SHA-1,
+//! buffer management) is plain code; the I/O methods are thin.
+
+use crate::aligned::{align_down, align_up, AlignedBuf, BLOCK};
+use crate::StorageError;
+use compio::fs::{File, OpenOptions};
+use compio::io::{AsyncReadAt, AsyncWriteAt};
+use sha1::{Digest, Sha1};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+/// Largest batch of staged bytes written in one submission.
+pub const SPOOL_BUFFER_BYTES: usize = 4 << 20;
+/// Spools grow by at least this much per `fallocate`.
+pub const SPOOL_GROW_BYTES: u64 = 16 << 20;
+
+/// A position in the spool that can become the committed point: the offset
+/// and the fragment SHA-1 state at that offset.
+#[derive(Clone)]
+pub struct CommitPoint {
+    pub offset: u64,
+    pub sha: Sha1,
+}
+
+pub struct Spool {
+    file: Rc<File>,
+    path: PathBuf,
+    begin: u64,
+    committed: u64,
+    committed_sha: Sha1,
+    written: u64,
+    staged: u64,
+    sha: Sha1,
+    /// `None` while a write owns it.
+    buf: Option<AlignedBuf>,
+    /// Journal offset of `buf[0]`; always `begin` plus a block multiple.
+    buf_start: u64,
+    /// False after a rollback until the tail block is read back.
+    tail_loaded: bool,
+    /// File bytes allocated so far.
+    allocated: u64,
+    direct: bool,
+}
+
+/// Name of the spool file that begins at `begin`.
+pub fn spool_file_name(begin: u64) -> String {
+    format!("{begin:016x}.spool")
+}
+
+/// Opens `path` read-write with O_DIRECT, falling back to buffered I/O on a
+/// filesystem that refuses O_DIRECT (e.g. an old tmpfs).
+async fn open_direct(path: &Path, create: bool) -> Result<(File, bool), StorageError> {
+    let mut opts = OpenOptions::new();
+    opts.read(true).write(true).create(create);
+    let mut direct_opts = opts.clone();
+    direct_opts.custom_flags(libc::O_DIRECT);
+    match direct_opts.open(path).await {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::warn!(path = %path.display(), "O_DIRECT refused; using buffered I/O");
+            Ok((
+                opts.open(path)
+                    .await
+                    .map_err(|e| StorageError::io(path, e))?,
+                false,
+            ))
+        }
+        Err(e) => Err(StorageError::io(path, e)),
+    }
+}
+
+impl Spool {
+    /// Creates an empty spool file for a journal whose head is `begin`.
+    pub async fn create(dir: &Path, begin: u64) -> Result<Spool, StorageError> {
+        let path = dir.join(spool_file_name(begin));
+        let (file, direct) = open_direct(&path, true).await?;
+        file.set_len(0)
+            .await
+            .map_err(|e| StorageError::io(&path, e))?;
+        Ok(Spool::from_parts(file, path, begin, direct, Sha1::new()))
+    }
+
+    fn from_parts(file: File, path: PathBuf, begin: u64, direct: bool, sha: Sha1) -> Spool {
+        Spool {
+            file: Rc::new(file),
+            path,
+            begin,
+            committed: begin,
+            committed_sha: sha.clone(),
+            written: begin,
+            staged: begin,
+            sha,
+            buf: Some(AlignedBuf::new(SPOOL_BUFFER_BYTES + BLOCK)),
+            buf_start: begin,
+            tail_loaded: true,
+            allocated: 0,
+            direct,
+        }
+    }
+
+    /// Reopens a spool after a restart. `committed_end` comes from the
+    /// commit log; bytes beyond it are ignored. Recomputes the SHA-1 from
+    /// disk and returns it with the spool so the caller can check it
+    /// against the commit log.
+    pub async fn recover(
+        path: PathBuf,
+        begin: u64,
+        committed_end: u64,
+    ) -> Result<(Spool, [u8; 20]), StorageError> {
+        assert!(committed_end >= begin);
+        let (file, direct) = open_direct(&path, false).await?;
+        let len = file
+            .metadata()
+            .await
+            .map_err(|e| StorageError::io(&path, e))?
+            .len();
+        let want = committed_end - begin;
+        if len < want {
+            return Err(StorageError::Corrupt {
+                path,
+                why: format!("spool holds {len} bytes but the commit log says {want}"),
+            });
+        }
+        let mut sha = Sha1::new();
+        let mut pos = 0u64;
+        let mut buf = AlignedBuf::new(1 << 20);
+        while pos < want {
+            let (res, b) = file.read_at(buf, pos).await.into();
+            buf = b;
+            let n = res.map_err(|e| StorageError::io(&path, e))? as u64;
+            if n == 0 {
+                return Err(StorageError::Corrupt {
+                    path,
+                    why: format!("spool ended at {pos} of {want} bytes"),
+                });
+            }
+            let take = n.min(want - pos) as usize;
+            sha.update(&buf.as_slice()[..take]);
+            pos += take as u64;
+        }
+        let digest: [u8; 20] = sha.clone().finalize().into();
+        let mut spool = Spool::from_parts(file, path, begin, direct, sha);
+        spool.committed = committed_end;
+        spool.committed_sha = spool.sha.clone();
+        spool.written = committed_end;
+        spool.staged = committed_end;
+        spool.allocated = len;
+        spool.tail_loaded = false;
+        spool.load_tail().await?;
+        Ok((spool, digest))
+    }
+
+    pub fn begin(&self) -> u64 {
+        self.begin
+    }
+
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    pub fn staged(&self) -> u64 {
+        self.staged
+    }
+
+    /// Committed bytes in the spool.
+    pub fn len(&self) -> u64 {
+        self.committed - self.begin
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.committed == self.begin
+    }
+
+    pub fn file(&self) -> &Rc<File> {
+        &self.file
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// SHA-1 of the committed bytes.
+    pub fn committed_sha1(&self) -> [u8; 20] {
+        self.committed_sha.clone().finalize().into()
+    }
+
+    /// Whether a write owns the buffer.
+    pub fn write_in_flight(&self) -> bool {
+        self.buf.is_none()
+    }
+
+    /// Whether the spool can take bytes now (no write in flight, tail loaded).
+    pub fn can_stage(&self) -> bool {
+        self.buf.is_some() && self.tail_loaded
+    }
+
+    /// Bytes that can be staged before the buffer must be written.
+    pub fn room(&self) -> usize {
+        match &self.buf {
+            Some(b) if self.tail_loaded => b.capacity() - (self.staged - self.buf_start) as usize,
+            _ => 0,
+        }
+    }
+
+    /// Makes sure the file has room for `extra` more bytes beyond `staged`,
+    /// growing it with fallocate. Refuses when the filesystem would be left
+    /// with less than `reserve` free bytes.
+    pub fn ensure_allocated(&mut self, extra: u64, reserve: u64) -> Result<(), StorageError> {
+        let need = self.staged - self.begin + extra;
+        if need <= self.allocated {
+            return Ok(());
+        }
+        let grow = (need - self.allocated).max(SPOOL_GROW_BYTES);
+        let target = align_up(self.allocated + grow);
+        let fd = self.file.as_raw_fd();
+        let free = free_bytes(fd).map_err(|e| StorageError::io(&self.path, e))?;
+        if free < (target - self.allocated) + reserve {
+            return Err(StorageError::Full {
+                path: self.path.clone(),
+                free,
+                reserve,
+            });
+        }
+        let rc = sys::fallocate(fd, self.allocated, target - self.allocated);
+        match rc {
+            Ok(()) => {
+                self.allocated = target;
+                Ok(())
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => Err(StorageError::Full {
+                path: self.path.clone(),
+                free,
+                reserve,
+            }),
+            Err(e) => Err(StorageError::io(&self.path, e)),
+        }
+    }
+
+    /// Copies as much of `bytes` as fits into the buffer and hashes it.
+    /// Returns how many bytes were taken. Callers check `ensure_allocated`
+    /// first.
+    pub fn stage(&mut self, bytes: &[u8]) -> usize {
+        assert!(self.tail_loaded, "stage before the tail block was reloaded");
+        let buf = self.buf.as_mut().expect("stage while a write is in flight");
+        let at = (self.staged - self.buf_start) as usize;
+        let n = bytes.len().min(buf.capacity() - at);
+        buf.full_mut()[at..at + n].copy_from_slice(&bytes[..n]);
+        self.sha.update(&bytes[..n]);
+        self.staged += n as u64;
+        n
+    }
+
+    /// The current staged point, to commit once it is written.
+    pub fn commit_point(&self) -> CommitPoint {
+        CommitPoint {
+            offset: self.staged,
+            sha: self.sha.clone(),
+        }
+    }
+
+    /// Takes the buffer for writing the staged bytes. `None` if nothing is
+    /// staged beyond what is written.
+    pub fn take_write(&mut self) -> Option<PendingWrite> {
+        if self.staged == self.written || self.buf.is_none() {
+            return None;
+        }
+        let mut buf = self.buf.take().expect("checked");
+        let used = (self.staged - self.buf_start) as usize;
+        let len = if self.direct {
+            align_up(used as u64) as usize
+        } else {
+            used
+        };
+        // Bytes between `used` and the block end are stale: zero them so the
+        // file never holds leftovers of another offset.
+        buf.full_mut()[used..len].fill(0);
+        buf.set_len_checked(len);
+        Some(PendingWrite {
+            buf,
+            file_pos: self.buf_start - self.begin,
+            staged_to: self.staged,
+        })
+    }
+
+    /// Returns the buffer after its write completed. On success the staged
+    /// bytes are on disk; the partial tail block moves to the buffer front.
+    pub fn write_done(&mut self, mut w: PendingWrite, ok: bool) {
+        assert!(self.buf.is_none());
+        assert_eq!(w.staged_to, self.staged, "staged moved during a write");
+        if ok {
+            self.written = w.staged_to;
+            let tail_start = self.begin + align_down(self.written - self.begin);
+            let from = (tail_start - self.buf_start) as usize;
+            let to = (self.written - self.buf_start) as usize;
+            w.buf.full_mut().copy_within(from..to, 0);
+            self.buf_start = tail_start;
+        }
+        w.buf.set_len_checked(0);
+        self.buf = Some(w.buf);
+    }
+
+    /// Marks everything up to `point` committed. The point must be written.
+    pub fn commit(&mut self, point: CommitPoint) {
+        assert!(point.offset >= self.committed && point.offset <= self.written);
+        self.committed = point.offset;
+        self.committed_sha = point.sha;
+    }
+
+    /// Discards staged bytes beyond `point`. A point at or after the
+    /// written offset is still in the buffer; an earlier one must be the
+    /// committed point, and the spool rolls back to it.
+    pub fn rewind(&mut self, point: CommitPoint) {
+        assert!(self.buf.is_some(), "rewind while a write is in flight");
+        if point.offset >= self.written {
+            assert!(point.offset <= self.staged);
+            self.staged = point.offset;
+            self.sha = point.sha;
+        } else {
+            assert_eq!(
+                point.offset, self.committed,
+                "rewind below the committed point"
+            );
+            self.rollback();
+        }
+    }
+
+    /// Discards everything beyond the committed point. The tail block must
+    /// be read back ([`Spool::load_tail`]) before staging again.
+    pub fn rollback(&mut self) {
+        assert!(self.buf.is_some(), "rollback while a write is in flight");
+        self.staged = self.committed;
+        self.written = self.committed;
+        self.sha = self.committed_sha.clone();
+        self.buf_start = self.begin + align_down(self.committed - self.begin);
+        self.tail_loaded = self.buf_start == self.committed;
+    }
+
+    /// Reads the committed part of the tail block back into the buffer.
+    pub async fn load_tail(&mut self) -> Result<(), StorageError> {
+        if self.tail_loaded {
+            return Ok(());
+        }
+        assert!(self.buf.is_some(), "load_tail while a write is in flight");
+        let want = (self.committed - self.buf_start) as usize;
+        let (block, range) = read_range(&self.file, self.buf_start - self.begin, want)
+            .await
+            .map_err(|e| StorageError::io(&self.path, e))?;
+        if range.len() < want {
+            return Err(StorageError::Corrupt {
+                path: self.path.clone(),
+                why: format!("tail block read {} of {want} bytes", range.len()),
+            });
+        }
+        let buf = self.buf.as_mut().expect("checked");
+        buf.full_mut()[..want].copy_from_slice(&block.as_slice()[range]);
+        self.tail_loaded = true;
+        Ok(())
+    }
+
+    /// fdatasync of the spool file.
+    pub async fn sync(&self) -> Result<(), StorageError> {
+        self.file
+            .sync_data()
+            .await
+            .map_err(|e| StorageError::io(&self.path, e))
+    }
+
+    /// Seals the committed bytes into a local fragment file named
+    /// `<begin>-<end>-<sha1>.raw` beside the spool. An empty spool is
+    /// removed and yields `None`.
+    pub async fn seal(
+        self,
+        durable: bool,
+    ) -> Result<Option<crate::fragment::LocalFragment>, StorageError> {
+        assert_eq!(self.staged, self.committed, "seal with uncommitted bytes");
+        assert!(self.buf.is_some(), "seal while a write is in flight");
+        if self.is_empty() {
+            compio::fs::remove_file(&self.path)
+                .await
+                .map_err(|e| StorageError::io(&self.path, e))?;
+            return Ok(None);
+        }
+        let sha1 = self.committed_sha1();
+        self.file
+            .set_len(self.committed - self.begin)
+            .await
+            .map_err(|e| StorageError::io(&self.path, e))?;
+        if durable {
+            self.sync().await?;
+        }
+        let name = crate::fragment::fragment_file_name(self.begin, self.committed, &sha1);
+        let dir = self.path.parent().expect("spool has a directory");
+        let dest = dir.join(&name);
+        compio::fs::rename(&self.path, &dest)
+            .await
+            .map_err(|e| StorageError::io(&dest, e))?;
+        if durable {
+            crate::sync_dir(dir).await?;
+        }
+        Ok(Some(crate::fragment::LocalFragment {
+            begin: self.begin,
+            end: self.committed,
+            sha1,
+            path: dest,
+            file: Some(self.file),
+        }))
+    }
+}
+
+/// A write of staged bytes, owning the spool's buffer until it completes.
+pub struct PendingWrite {
+    buf: AlignedBuf,
+    file_pos: u64,
+    staged_to: u64,
+}
+
+impl PendingWrite {
+    /// Submits the write. The buffer comes back with the result.
+    pub async fn run(mut self, file: &File) -> (std::io::Result<()>, PendingWrite) {
+        let mut f = file;
+        let len = self.buf.len();
+        let (res, buf) = f.write_at(self.buf, self.file_pos).await.into();
+        self.buf = buf;
+        let res = match res {
+            Ok(n) if n == len => Ok(()),
+            Ok(n) => Err(std::io::Error::other(format!(
+                "short write: {n} of {len} bytes"
+            ))),
+            Err(e) => Err(e),
+        };
+        (res, self)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// Reads up to `len` bytes at file offset `pos` with aligned I/O. Returns
+/// the buffer and the range of it that holds the requested bytes.
+pub async fn read_range(
+    file: &File,
+    pos: u64,
+    len: usize,
+) -> std::io::Result<(AlignedBuf, std::ops::Range<usize>)> {
+    let start = align_down(pos);
+    let end = align_up(pos + len as u64);
+    let buf = AlignedBuf::new((end - start) as usize);
+    let (res, buf) = file.read_at(buf, start).await.into();
+    let n = res?;
+    let skip = (pos - start) as usize;
+    let avail = n.saturating_sub(skip).min(len);
+    Ok((buf, skip..skip + avail))
+}
+
+fn free_bytes(fd: i32) -> std::io::Result<u64> {
+    sys::fstatvfs_free(fd)
+}
+
+/// The libc calls this module needs, kept in one place.
+mod sys {
+    #![allow(unsafe_code)]
+
+    pub fn fallocate(fd: i32, offset: u64, len: u64) -> std::io::Result<()> {
+        // SAFETY: plain syscall on a descriptor the caller keeps open.
+        let rc = unsafe { libc::fallocate(fd, 0, offset as libc::off_t, len as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EOPNOTSUPP) {
+            // Filesystems without fallocate: grow the size instead.
+            // SAFETY: as above.
+            let rc = unsafe { libc::ftruncate(fd, (offset + len) as libc::off_t) };
+            if rc == 0 {
+                return Ok(());
+            }
+            return Err(std::io::Error::last_os_error());
+        }
+        Err(err)
+    }
+
+    pub fn fstatvfs_free(fd: i32) -> std::io::Result<u64> {
+        let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: st is a valid out-pointer; fd is open.
+        let rc = unsafe { libc::fstatvfs(fd, st.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fstatvfs succeeded and filled st.
+        let st = unsafe { st.assume_init() };
+        Ok(st.f_bavail * st.f_frsize)
+    }
+}

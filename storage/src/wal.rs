@@ -1,0 +1,329 @@
+//! The shard's commit log: which bytes of each spool are committed, and the
+//! journal's registers at that commit.
+//!
+//! Spool files hold bytes of appends that may later roll back, so the file
+//! alone cannot say where the committed bytes end. After a batch's spool
+//! writes complete, the shard appends one record per journal it committed
+//! and acknowledges the batch only once that write completed (and, for
+//! `fsync` journals, was fdatasync'ed). On restart, the last record of a
+//! journal names its spool's committed end; everything beyond is discarded.
+//!
+//! Record: `u32 payload_len | u32 crc32c(payload) | payload`, little-endian.
+//! Payload: `u8 kind | str16 journal | (kind 1) u64 spool_begin | u64 end |
+//! [u8; 20] sha1 | label set registers`. Kind 2 deletes the journal.
+//! Reading stops at the first record that is truncated or fails its CRC:
+//! that is the torn tail of a write that never completed.
+
+use crate::StorageError;
+use compio::fs::{File, OpenOptions};
+use compio::io::AsyncWriteAt;
+use rotary_net::spec::LabelSet;
+use rotary_net::wire::{MetaReader, MetaWriter};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+const KIND_COMMIT: u8 = 1;
+const KIND_DELETE: u8 = 2;
+/// The log is rewritten from a snapshot once it grows past this size.
+pub const COMMIT_LOG_COMPACT_BYTES: u64 = 64 << 20;
+const FILE_NAME: &str = "commit.log";
+
+/// A journal's last committed state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JournalState {
+    pub spool_begin: u64,
+    pub end: u64,
+    /// SHA-1 of the spool's bytes `[spool_begin, end)`.
+    pub sha1: [u8; 20],
+    pub registers: LabelSet,
+}
+
+pub struct CommitLog {
+    file: File,
+    path: PathBuf,
+    pos: u64,
+    pending: Vec<u8>,
+}
+
+fn encode_record(out: &mut Vec<u8>, journal: &str, state: Option<&JournalState>) {
+    let mut w = MetaWriter::new();
+    match state {
+        Some(st) => {
+            w.fixed(&KIND_COMMIT).str16(journal);
+            w.fixed(&st.spool_begin.to_le_bytes())
+                .fixed(&st.end.to_le_bytes())
+                .fixed(&st.sha1)
+                .labels(&st.registers);
+        }
+        None => {
+            w.fixed(&KIND_DELETE).str16(journal);
+        }
+    }
+    let payload = w.finish();
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
+    out.extend_from_slice(&payload);
+}
+
+/// Parses records from `bytes`, applying them to `states`. Returns the
+/// length of the valid prefix.
+pub fn replay(bytes: &[u8], states: &mut HashMap<String, JournalState>) -> usize {
+    let mut pos = 0;
+    while bytes.len() - pos >= 8 {
+        let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(bytes[pos + 4..pos + 8].try_into().expect("4 bytes"));
+        if len == 0 || bytes.len() - pos - 8 < len {
+            break;
+        }
+        let payload = &bytes[pos + 8..pos + 8 + len];
+        if crc32c::crc32c(payload) != crc {
+            break;
+        }
+        if apply(payload, states).is_none() {
+            break;
+        }
+        pos += 8 + len;
+    }
+    pos
+}
+
+fn apply(payload: &[u8], states: &mut HashMap<String, JournalState>) -> Option<()> {
+    let mut r = MetaReader::new(payload);
+    let kind: u8 = r.fixed("kind").ok()?;
+    let journal = r.str16("journal").ok()?.to_string();
+    match kind {
+        KIND_COMMIT => {
+            let spool_begin = u64::from_le_bytes(r.fixed("spool_begin").ok()?);
+            let end = u64::from_le_bytes(r.fixed("end").ok()?);
+            let sha1: [u8; 20] = r.fixed("sha1").ok()?;
+            let registers = r.labels("registers").ok()?;
+            r.finish().ok()?;
+            if end < spool_begin {
+                return None;
+            }
+            states.insert(
+                journal,
+                JournalState {
+                    spool_begin,
+                    end,
+                    sha1,
+                    registers,
+                },
+            );
+        }
+        KIND_DELETE => {
+            r.finish().ok()?;
+            states.remove(&journal);
+        }
+        _ => return None,
+    }
+    Some(())
+}
+
+impl CommitLog {
+    /// Reads the log in `dir` (if any) and starts a fresh, compacted one
+    /// holding the recovered states. Returns the log and the states.
+    pub async fn open(
+        dir: &Path,
+    ) -> Result<(CommitLog, HashMap<String, JournalState>), StorageError> {
+        let path = dir.join(FILE_NAME);
+        let mut states = HashMap::new();
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                let valid = replay(&bytes, &mut states);
+                if valid < bytes.len() {
+                    tracing::info!(
+                        path = %path.display(),
+                        torn_bytes = bytes.len() - valid,
+                        "commit log ends in a torn record; ignoring it"
+                    );
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(StorageError::io(&path, e)),
+        }
+        let file = Self::write_snapshot(&path, states.iter().map(|(k, v)| (k.as_str(), v))).await?;
+        let pos = file
+            .metadata()
+            .await
+            .map_err(|e| StorageError::io(&path, e))?
+            .len();
+        Ok((
+            CommitLog {
+                file,
+                path,
+                pos,
+                pending: Vec::with_capacity(64 << 10),
+            },
+            states,
+        ))
+    }
+
+    /// Writes a log holding exactly `states` and moves it into place
+    /// atomically (write, fdatasync, rename, fsync dir).
+    async fn write_snapshot<'a>(
+        path: &Path,
+        states: impl Iterator<Item = (&'a str, &'a JournalState)>,
+    ) -> Result<File, StorageError> {
+        let tmp = path.with_extension("log.next");
+        let mut bytes = Vec::new();
+        for (journal, st) in states {
+            encode_record(&mut bytes, journal, Some(st));
+        }
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .await
+            .map_err(|e| StorageError::io(&tmp, e))?;
+        if !bytes.is_empty() {
+            let len = bytes.len();
+            let (res, _) = file.write_at(bytes, 0).await.into();
+            match res {
+                Ok(n) if n == len => {}
+                Ok(_) => return Err(StorageError::io(&tmp, std::io::Error::other("short write"))),
+                Err(e) => return Err(StorageError::io(&tmp, e)),
+            }
+        }
+        file.sync_data()
+            .await
+            .map_err(|e| StorageError::io(&tmp, e))?;
+        compio::fs::rename(&tmp, path)
+            .await
+            .map_err(|e| StorageError::io(path, e))?;
+        crate::sync_dir(path.parent().expect("log has a directory")).await?;
+        Ok(file)
+    }
+
+    pub fn record_commit(&mut self, journal: &str, state: &JournalState) {
+        encode_record(&mut self.pending, journal, Some(state));
+    }
+
+    pub fn record_delete(&mut self, journal: &str) {
+        encode_record(&mut self.pending, journal, None);
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Drops records not yet written (their batch failed).
+    pub fn discard_pending(&mut self) {
+        self.pending.clear();
+    }
+
+    /// Writes pending records; with `sync`, fdatasyncs them too.
+    pub async fn flush(&mut self, sync: bool) -> Result<(), StorageError> {
+        if !self.pending.is_empty() {
+            let bytes = std::mem::take(&mut self.pending);
+            let len = bytes.len();
+            let (res, mut bytes) = self.file.write_at(bytes, self.pos).await.into();
+            bytes.clear();
+            self.pending = bytes;
+            match res {
+                Ok(n) if n == len => self.pos += len as u64,
+                Ok(n) => {
+                    return Err(StorageError::io(
+                        &self.path,
+                        std::io::Error::other(format!("short write: {n} of {len}")),
+                    ))
+                }
+                Err(e) => return Err(StorageError::io(&self.path, e)),
+            }
+        }
+        if sync {
+            self.file
+                .sync_data()
+                .await
+                .map_err(|e| StorageError::io(&self.path, e))?;
+        }
+        Ok(())
+    }
+
+    pub fn needs_compaction(&self) -> bool {
+        self.pos > COMMIT_LOG_COMPACT_BYTES
+    }
+
+    /// Replaces the log with a snapshot of `states`. Pending records must
+    /// have been flushed.
+    pub async fn compact<'a>(
+        &mut self,
+        states: impl Iterator<Item = (&'a str, &'a JournalState)>,
+    ) -> Result<(), StorageError> {
+        assert!(self.pending.is_empty());
+        self.file = Self::write_snapshot(&self.path, states).await?;
+        self.pos = self
+            .file
+            .metadata()
+            .await
+            .map_err(|e| StorageError::io(&self.path, e))?
+            .len();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(end: u64, reg: &str) -> JournalState {
+        JournalState {
+            spool_begin: 7,
+            end,
+            sha1: [end as u8; 20],
+            registers: LabelSet::from_pairs([("r", reg)]).unwrap(),
+        }
+    }
+
+    #[test]
+    fn replay_keeps_last_state_and_stops_at_torn_tail() {
+        let mut bytes = Vec::new();
+        encode_record(&mut bytes, "a/b/c", Some(&st(10, "1")));
+        encode_record(&mut bytes, "x/y/z", Some(&st(20, "2")));
+        encode_record(&mut bytes, "a/b/c", Some(&st(30, "3")));
+        encode_record(&mut bytes, "x/y/z", None);
+        let full = bytes.len();
+        encode_record(&mut bytes, "a/b/c", Some(&st(40, "4")));
+        // Every cut inside the last record leaves exactly the first four.
+        for cut in full..bytes.len() {
+            let mut states = HashMap::new();
+            assert_eq!(replay(&bytes[..cut], &mut states), full);
+            assert_eq!(states.len(), 1);
+            assert_eq!(states["a/b/c"], st(30, "3"));
+        }
+        let mut states = HashMap::new();
+        assert_eq!(replay(&bytes, &mut states), bytes.len());
+        assert_eq!(states["a/b/c"], st(40, "4"));
+        // A flipped bit in a record stops replay there.
+        let mut bad = bytes.clone();
+        bad[full + 12] ^= 1;
+        let mut states = HashMap::new();
+        assert_eq!(replay(&bad, &mut states), full);
+    }
+
+    #[test]
+    fn open_recovers_and_compacts() {
+        let dir = tempfile::tempdir().unwrap();
+        compio::runtime::Runtime::new().unwrap().block_on(async {
+            let (mut log, states) = CommitLog::open(dir.path()).await.unwrap();
+            assert!(states.is_empty());
+            log.record_commit("a/b/c", &st(10, "1"));
+            log.record_commit("a/b/c", &st(11, "2"));
+            log.record_commit("d/e/f", &st(12, "3"));
+            log.flush(true).await.unwrap();
+            log.record_delete("d/e/f");
+            log.flush(false).await.unwrap();
+            drop(log);
+            let (_, states) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(states.len(), 1);
+            assert_eq!(states["a/b/c"], st(11, "2"));
+            // The compacted log holds one record.
+            let again = std::fs::read(dir.path().join(FILE_NAME)).unwrap();
+            let mut s2 = HashMap::new();
+            assert_eq!(replay(&again, &mut s2), again.len());
+            assert_eq!(s2, states);
+        });
+    }
+}
