@@ -161,6 +161,7 @@ impl Spool {
         spool.written = committed_end;
         spool.staged = committed_end;
         spool.allocated = len;
+        spool.buf_start = begin + align_down(want);
         spool.tail_loaded = false;
         spool.load_tail().await?;
         Ok((spool, digest))

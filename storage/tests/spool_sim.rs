@@ -1,0 +1,162 @@
+//! Seeded simulation of the spool state machine against a model: random
+//! sequences of stage, write, commit, rewind, rollback, recover and seal,
+//! checking after every step that the file holds exactly the committed
+//! bytes and that SHA-1 states agree. A failing seed replays exactly.
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rotary_storage::fragment::parse_fragment_name;
+use rotary_storage::spool::{read_range, CommitPoint, Spool};
+use sha1::{Digest, Sha1};
+
+struct Model {
+    begin: u64,
+    /// Committed bytes of the open spool.
+    committed: Vec<u8>,
+    /// Staged but uncommitted bytes (some may be written).
+    pending: Vec<u8>,
+}
+
+async fn check_file(spool: &Spool, m: &Model) {
+    let (buf, range) = read_range(spool.file(), 0, m.committed.len()).await.unwrap();
+    assert_eq!(&buf.as_slice()[range], &m.committed[..], "file content");
+    let sum: [u8; 20] = Sha1::digest(&m.committed).into();
+    assert_eq!(spool.committed_sha1(), sum, "committed sha1");
+    assert_eq!(spool.committed(), m.begin + m.committed.len() as u64);
+}
+
+async fn write(spool: &mut Spool) {
+    if let Some(w) = spool.take_write() {
+        let file = spool.file().clone();
+        let (res, w) = w.run(&file).await;
+        res.unwrap();
+        spool.write_done(w, true);
+    }
+}
+
+async fn run(seed: u64, dir: &std::path::Path) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut spool = Spool::create(dir, 0).await.unwrap();
+    let mut m = Model { begin: 0, committed: Vec::new(), pending: Vec::new() };
+    let mut last_commit: CommitPoint = spool.commit_point();
+    let mut fragments = Vec::new();
+    for _ in 0..60 {
+        match rng.gen_range(0..100) {
+            0..=44 => {
+                // Stage bytes, writing whenever the buffer fills.
+                let n = if rng.gen_bool(0.1) { rng.gen_range(1..6_000_000) } else { rng.gen_range(0..9000) };
+                let bytes: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+                spool.ensure_allocated(n as u64, 0).unwrap();
+                let mut at = 0;
+                while at < bytes.len() {
+                    at += spool.stage(&bytes[at..]);
+                    if at < bytes.len() {
+                        write(&mut spool).await;
+                    }
+                }
+                m.pending.extend_from_slice(&bytes);
+            }
+            45..=69 => {
+                // Write and commit everything staged.
+                write(&mut spool).await;
+                last_commit = spool.commit_point();
+                spool.commit(last_commit.clone());
+                m.committed.append(&mut m.pending);
+            }
+            70..=79 => {
+                // Rewind to the last commit (an aborted append).
+                if rng.gen_bool(0.5) {
+                    write(&mut spool).await;
+                }
+                spool.rewind(last_commit.clone());
+                spool.load_tail().await.unwrap();
+                m.pending.clear();
+            }
+            80..=87 => {
+                // Crash and recover from the commit log's view.
+                write(&mut spool).await;
+                let path = spool.path().to_path_buf();
+                let end = spool.committed();
+                let want = spool.committed_sha1();
+                drop(spool);
+                let (s, sum) = Spool::recover(path, m.begin, end).await.unwrap();
+                assert_eq!(sum, want, "recovered sha1");
+                spool = s;
+                last_commit = spool.commit_point();
+                m.pending.clear();
+            }
+            _ => {
+                // Seal (only with nothing uncommitted) and start anew.
+                spool.rewind(last_commit.clone());
+                spool.load_tail().await.unwrap();
+                m.pending.clear();
+                let end = spool.committed();
+                let frag = spool.seal(rng.gen_bool(0.3)).await.unwrap();
+                match frag {
+                    None => assert!(m.committed.is_empty()),
+                    Some(f) => {
+                        let name = f.path.file_name().unwrap().to_str().unwrap().to_string();
+                        let (b, e, sum, ext) = parse_fragment_name(&name).unwrap();
+                        assert_eq!((b, e, ext), (m.begin, end, ".raw"));
+                        let bytes = std::fs::read(&f.path).unwrap();
+                        assert_eq!(bytes, m.committed, "sealed fragment bytes");
+                        assert_eq!(<[u8; 20]>::from(Sha1::digest(&bytes)), sum);
+                        fragments.push(f);
+                    }
+                }
+                m.begin = end;
+                m.committed.clear();
+                spool = Spool::create(dir, end).await.unwrap();
+                last_commit = spool.commit_point();
+            }
+        }
+        check_file(&spool, &m).await;
+    }
+    // A commit log that disagrees with the file is detected on recovery.
+    write(&mut spool).await;
+    if !m.committed.is_empty() {
+        let path = spool.path().to_path_buf();
+        let end = spool.committed();
+        let want = spool.committed_sha1();
+        drop(spool);
+        let (_, sum) = Spool::recover(path.clone(), m.begin, end - 1).await.unwrap();
+        assert_ne!(sum, want, "a shorter committed end hashes differently");
+        // Past the written bytes but inside the preallocation: zeros hash
+        // differently, which is what recovery checks against the log.
+        let (_, sum) = Spool::recover(path.clone(), m.begin, end + 4096).await.unwrap();
+        assert_ne!(sum, want);
+        let long = Spool::recover(path, m.begin, end + (1 << 30)).await;
+        assert!(long.is_err(), "a committed end past the file is corrupt");
+    }
+}
+
+#[test]
+fn seeded_spool_simulation() {
+    let rt = compio::runtime::Runtime::new().unwrap();
+    let seeds: u64 = std::env::var("SPOOL_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
+    for seed in 0..seeds {
+        let dir = tempfile::tempdir().unwrap();
+        rt.block_on(run(seed, dir.path()));
+    }
+}
+
+#[test]
+fn simulation_is_deterministic() {
+    // Same seed, same operation sequence: the resulting files are identical.
+    let rt = compio::runtime::Runtime::new().unwrap();
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    rt.block_on(run(7, a.path()));
+    rt.block_on(run(7, b.path()));
+    let list = |d: &std::path::Path| {
+        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (e.file_name().into_string().unwrap(), std::fs::read(e.path()).unwrap())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(list(a.path()), list(b.path()));
+}
