@@ -1,1 +1,18 @@
-fn main() {}
+//! `rotary`: the broker (`rotary serve`) and the command-line client.
+//!
+//! Client commands talk to a broker with `rotary_net::client`. Errors print
+//! one line, `error: <STATUS_NAME>: <explanation>`, on stderr. Exit codes:
+//! 0 success, 1 a non-retryable status or other failure, 2 bad usage or
+//! invalid input, 3 a retryable status (or the broker could not be reached).
+
+mod cli;
+mod doctor;
+mod output;
+
+use clap::Parser;
+
+fn main() {
+    let args = cli::Cli::parse();
+    let code = cli::run(args);
+    std::process::exit(code);
+}

@@ -1,1 +1,1094 @@
-//! Async client (tokio).
+//! Async client for ordinary tokio applications.
+//!
+//! [`Client::connect`] takes any shard's endpoint. A client is cheap to clone
+//! (clones share connections and routes). Requests naming a journal go to
+//! the shard that owns it: the client asks ROUTE once per journal, caches the
+//! answer, and keeps one TCP connection per shard endpoint, opened lazily.
+//! Requests without a journal (APPLY, LIST, STATS, PING) go to the endpoint
+//! the client was connected with.
+//!
+//! Every connection carries many requests at once: each has its own request
+//! id, a reader task hands replies to the waiting request, and a writer task
+//! batches queued frames into few syscalls. Concurrent [`Client::append`]
+//! calls are therefore pipelined on one connection; the broker still commits
+//! appends to one journal one after another, each whole.
+//!
+//! Nothing here retries on its own. [`ClientError::is_retryable`] says when
+//! sending the same request again may succeed; note that an append whose
+//! connection broke may or may not have committed.
+
+mod conn;
+
+pub use conn::{
+    CONNECT_TIMEOUT, READ_FRAMES_BUFFERED_MAX, REPLY_BODY_LEN_MAX, WRITE_QUEUE_BYTES_MAX,
+};
+
+use crate::spec::{Codec, JournalSpec, SpecError, JOURNAL_NAME_LEN_MAX};
+use crate::status::Status;
+use crate::wire::{self, flag, AppendReply, AppendRequest, Op, ReadRequest, WireError};
+use bytes::{Bytes, BytesMut};
+use conn::{Conn, Reply, Waiter};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::{mpsc, oneshot};
+
+/// Content up to this length goes in the APPEND frame itself; longer content
+/// is sent as APPEND plus APPEND_CHUNK frames of this length.
+pub const APPEND_CHUNK_LEN: usize = 1 << 20;
+/// [`Client::append_stream`] sends what it has read once the reader has been
+/// quiet this long, rather than waiting to fill a whole chunk.
+pub const APPEND_STREAM_COALESCE: Duration = Duration::from_millis(5);
+/// Journals whose route the client remembers; the cache is cleared when full.
+pub const ROUTE_CACHE_JOURNALS_MAX: usize = 65_536;
+
+const _: () = assert!(APPEND_CHUNK_LEN <= wire::PAYLOAD_LEN_MAX);
+
+/// Why a reply could not be understood.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProtocolError {
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error("{got:?} does not answer {request:?}")]
+    UnexpectedOp { request: Op, got: Op },
+    #[error("reply JSON: {0}")]
+    Json(Arc<serde_json::Error>),
+    #[error("read stream ended without READ_DONE")]
+    Truncated,
+}
+
+/// What went wrong with a request.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The broker answered with a status other than OK.
+    #[error("{status}: {message}")]
+    Status {
+        status: Status,
+        /// The broker's explanation.
+        message: String,
+        /// For appends: the decoded reply (write head, registers), when the
+        /// broker sent one.
+        append_reply: Option<Box<AppendReply>>,
+    },
+    /// Connecting, writing or reading failed, or the broker closed the
+    /// connection while the request was in flight.
+    #[error("{endpoint}: {source}")]
+    Io {
+        endpoint: String,
+        #[source]
+        source: Arc<io::Error>,
+    },
+    /// The broker sent something this client does not understand.
+    #[error("{endpoint}: protocol error: {source}")]
+    Protocol {
+        endpoint: String,
+        #[source]
+        source: ProtocolError,
+    },
+    /// The request cannot be encoded (name too long, bad selector text, …).
+    #[error("invalid request: {0}")]
+    Invalid(#[from] SpecError),
+    /// The content reader of [`Client::append_stream`] failed; the append
+    /// was rolled back.
+    #[error("reading append content: {0}")]
+    Content(#[source] io::Error),
+}
+
+impl ClientError {
+    /// The broker's status, if the broker answered.
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            ClientError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The decoded APPEND_REPLY of a refused append (e.g. the write head on
+    /// WRONG_APPEND_OFFSET, the registers on REGISTER_MISMATCH).
+    pub fn append_reply(&self) -> Option<&AppendReply> {
+        match self {
+            ClientError::Status { append_reply, .. } => append_reply.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Whether the same request may succeed if sent again later: the
+    /// status's own rule ([`Status::is_retryable`]); connection failures are
+    /// retryable (an append's outcome is then unknown: it may have
+    /// committed); protocol errors and invalid requests are not.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Status { status, .. } => status.is_retryable(),
+            ClientError::Io { .. } => true,
+            ClientError::Protocol { .. } | ClientError::Invalid(_) | ClientError::Content(_) => {
+                false
+            }
+        }
+    }
+}
+
+/// Where a journal lives, as ROUTE answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteInfo {
+    pub journal: String,
+    pub shard: u32,
+    pub shards: u32,
+    pub endpoint: String,
+}
+
+/// The route part of a LIST entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalRoute {
+    pub shard: u32,
+    pub endpoint: String,
+}
+
+/// One LIST entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalInfo {
+    pub spec: JournalSpec,
+    pub route: JournalRoute,
+}
+
+/// One fragment of a journal, as FRAGMENTS and SEAL answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FragmentInfo {
+    pub begin: u64,
+    pub end: u64,
+    /// SHA-1 of the fragment's bytes, 40 hex digits.
+    pub sha1: String,
+    pub codec: Codec,
+    /// Bytes the fragment occupies where it is stored.
+    #[serde(default)]
+    pub size: u64,
+    /// `local` or a store URL.
+    #[serde(default)]
+    pub store: String,
+    #[serde(default)]
+    pub path: String,
+    /// Unix seconds.
+    #[serde(default)]
+    pub mod_time: u64,
+    /// The live spool, not yet sealed.
+    #[serde(default)]
+    pub open: bool,
+}
+
+/// One item of a [`ReadStream`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReadEvent {
+    /// Journal bytes starting at `offset`.
+    Data { offset: u64, content: Bytes },
+    /// The read is over; always the last item.
+    Done(ReadDone),
+}
+
+/// How a read ended (READ_DONE).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadDone {
+    /// The next offset to read.
+    pub offset: u64,
+    /// The journal's write head when the read ended (0 if the broker did
+    /// not say, as with JOURNAL_NOT_FOUND).
+    pub write_head: u64,
+    /// OK, OFFSET_NOT_YET_AVAILABLE (non-blocking read at the head),
+    /// CANCELLED, or an error status.
+    pub status: Status,
+    /// The broker's message for a non-OK status; empty on OK.
+    pub message: String,
+}
+
+impl ReadDone {
+    /// `Ok` for OK, else the status as a [`ClientError`].
+    pub fn check(&self) -> Result<(), ClientError> {
+        if self.status == Status::OK {
+            Ok(())
+        } else {
+            Err(ClientError::Status {
+                status: self.status,
+                message: self.message.clone(),
+                append_reply: None,
+            })
+        }
+    }
+}
+
+/// A client of one broker. Clones share connections and the route cache.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+type Slot = Arc<tokio::sync::Mutex<Option<Arc<Conn>>>>;
+
+struct Inner {
+    /// The endpoint given to `connect`.
+    bootstrap: String,
+    /// One slot per endpoint; the async lock makes concurrent first users
+    /// share one connection attempt.
+    conns: Mutex<HashMap<String, Slot>>,
+    /// Journal name → endpoint of its shard.
+    routes: Mutex<HashMap<String, String>>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("bootstrap", &self.inner.bootstrap)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Client {
+    /// Connects to a broker through any of its shard endpoints (`host:port`).
+    pub async fn connect(endpoint: &str) -> Result<Client, ClientError> {
+        let client = Client {
+            inner: Arc::new(Inner {
+                bootstrap: endpoint.to_string(),
+                conns: Mutex::new(HashMap::new()),
+                routes: Mutex::new(HashMap::new()),
+            }),
+        };
+        client.conn(endpoint).await?;
+        Ok(client)
+    }
+
+    /// The endpoint this client was connected with.
+    pub fn endpoint(&self) -> &str {
+        &self.inner.bootstrap
+    }
+
+    /// The live connection to `endpoint`, opened if there is none.
+    async fn conn(&self, endpoint: &str) -> Result<Arc<Conn>, ClientError> {
+        let slot = lock(&self.inner.conns)
+            .entry(endpoint.to_string())
+            .or_default()
+            .clone();
+        let mut guard = slot.lock().await;
+        if let Some(c) = guard.as_ref() {
+            if !c.is_closed() {
+                return Ok(c.clone());
+            }
+        }
+        let c = Conn::open(endpoint).await?;
+        *guard = Some(c.clone());
+        Ok(c)
+    }
+
+    async fn bootstrap_conn(&self) -> Result<Arc<Conn>, ClientError> {
+        let endpoint = self.inner.bootstrap.clone();
+        self.conn(&endpoint).await
+    }
+
+    /// Asks the broker which shard owns `journal` (not cached).
+    pub async fn route(&self, journal: &str) -> Result<RouteInfo, ClientError> {
+        check_name_len(journal)?;
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(
+            &conn,
+            Op::ROUTE,
+            wire::encode_name(journal).into(),
+            Bytes::new(),
+        )
+        .await?;
+        admin_json(&conn, Op::ROUTE, reply)
+    }
+
+    /// The connection to the shard owning `journal`.
+    async fn journal_conn(&self, journal: &str) -> Result<Arc<Conn>, ClientError> {
+        let cached = lock(&self.inner.routes).get(journal).cloned();
+        let endpoint = match cached {
+            Some(e) => e,
+            None => {
+                let route = self.route(journal).await?;
+                let endpoint = reachable_endpoint(&route.endpoint, &self.inner.bootstrap);
+                let mut routes = lock(&self.inner.routes);
+                if routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
+                    routes.clear();
+                }
+                routes.insert(journal.to_string(), endpoint.clone());
+                endpoint
+            }
+        };
+        match self.conn(&endpoint).await {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                self.forget_route(journal);
+                Err(e)
+            }
+        }
+    }
+
+    /// Drops a cached route after a connection failure (the broker may have
+    /// restarted with another shard count).
+    fn forget_route(&self, journal: &str) {
+        lock(&self.inner.routes).remove(journal);
+    }
+
+    fn on_journal_error<T>(
+        &self,
+        journal: &str,
+        r: Result<T, ClientError>,
+    ) -> Result<T, ClientError> {
+        if let Err(ClientError::Io { .. }) = &r {
+            self.forget_route(journal);
+        }
+        r
+    }
+
+    /// PING: round trip to the bootstrap endpoint.
+    pub async fn ping(&self) -> Result<(), ClientError> {
+        let conn = self.bootstrap_conn().await?;
+        let payload = Bytes::from_static(b"rotary");
+        let reply = unary(&conn, Op::PING, Bytes::new(), payload.clone()).await?;
+        expect_op(&conn, Op::PING, &reply, Op::PONG)?;
+        if reply.payload != payload {
+            return Err(ClientError::Protocol {
+                endpoint: conn.endpoint.clone(),
+                source: ProtocolError::Wire(WireError::Truncated("PONG payload differs from PING")),
+            });
+        }
+        Ok(())
+    }
+
+    /// Creates or replaces journals. Returns how many were applied.
+    pub async fn apply(&self, specs: &[JournalSpec]) -> Result<u64, ClientError> {
+        #[derive(Deserialize)]
+        struct Applied {
+            applied: u64,
+        }
+        let body = serde_json::to_vec(specs).expect("specs serialize to JSON");
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(&conn, Op::APPLY, Bytes::new(), body.into()).await?;
+        let a: Applied = admin_json(&conn, Op::APPLY, reply)?;
+        Ok(a.applied)
+    }
+
+    /// Lists journals whose labels match `selector` (text form, e.g.
+    /// `app=orders,!retired`; empty lists all), sorted by name.
+    pub async fn list(&self, selector: &str) -> Result<Vec<JournalInfo>, ClientError> {
+        // Check the text here so a typo is an error, not an empty list.
+        let _ = crate::spec::LabelSelector::parse(selector)?;
+        let body = serde_json::to_vec(&serde_json::json!({ "selector": selector })).expect("JSON");
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(&conn, Op::LIST, Bytes::new(), body.into()).await?;
+        admin_json(&conn, Op::LIST, reply)
+    }
+
+    async fn named_admin<T: serde::de::DeserializeOwned>(
+        &self,
+        op: Op,
+        journal: &str,
+    ) -> Result<T, ClientError> {
+        check_name_len(journal)?;
+        let r = async {
+            let conn = self.journal_conn(journal).await?;
+            let reply = unary(&conn, op, wire::encode_name(journal).into(), Bytes::new()).await?;
+            admin_json(&conn, op, reply)
+        }
+        .await;
+        self.on_journal_error(journal, r)
+    }
+
+    /// Deletes a journal and its local fragments.
+    pub async fn delete(&self, journal: &str) -> Result<(), ClientError> {
+        let _: serde_json::Value = self.named_admin(Op::DELETE, journal).await?;
+        Ok(())
+    }
+
+    /// A journal's fragments, sorted by begin.
+    pub async fn fragments(&self, journal: &str) -> Result<Vec<FragmentInfo>, ClientError> {
+        self.named_admin(Op::FRAGMENTS, journal).await
+    }
+
+    /// Seals the journal's open spool now; returns the sealed fragment, or
+    /// `None` if the spool was empty.
+    pub async fn seal(&self, journal: &str) -> Result<Option<FragmentInfo>, ClientError> {
+        #[derive(Deserialize)]
+        struct Sealed {
+            sealed: Option<FragmentInfo>,
+        }
+        let s: Sealed = self.named_admin(Op::SEAL, journal).await?;
+        Ok(s.sealed)
+    }
+
+    /// The broker's counters.
+    pub async fn stats(&self) -> Result<serde_json::Value, ClientError> {
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(&conn, Op::STATS, Bytes::new(), Bytes::new()).await?;
+        admin_json(&conn, Op::STATS, reply)
+    }
+
+    /// Appends `content` as one atomic span. Content up to
+    /// [`APPEND_CHUNK_LEN`] goes in one frame; longer content is streamed in
+    /// chunks of that size. Many appends may be in flight at once.
+    ///
+    /// Dropping the returned future before it completes rolls the append
+    /// back if the broker has not yet been sent its last chunk.
+    pub async fn append(
+        &self,
+        req: &AppendRequest,
+        content: impl Into<Bytes>,
+    ) -> Result<AppendReply, ClientError> {
+        let content: Bytes = content.into();
+        let meta = encode_append_meta(req)?;
+        let r = async {
+            let conn = self.journal_conn(&req.journal).await?;
+            let (tx, mut rx) = oneshot::channel();
+            let id = conn.register(Waiter::Once(tx))?;
+            let mut guard = AppendGuard::new(&conn, id);
+            if content.len() <= APPEND_CHUNK_LEN {
+                conn.send(Op::APPEND, 0, id, meta, content).await?;
+            } else {
+                let n = content.len().div_ceil(APPEND_CHUNK_LEN);
+                for i in 0..n {
+                    let chunk = content.slice(
+                        i * APPEND_CHUNK_LEN..((i + 1) * APPEND_CHUNK_LEN).min(content.len()),
+                    );
+                    let last = i + 1 == n;
+                    let flags = if last { 0 } else { flag::MORE };
+                    if i == 0 {
+                        conn.send(Op::APPEND, flags, id, meta.clone(), chunk)
+                            .await?;
+                    } else {
+                        conn.send(Op::APPEND_CHUNK, flags, id, Bytes::new(), chunk)
+                            .await?;
+                    }
+                    guard.open = !last;
+                    if !last {
+                        // Refused early: stop sending (the guard ends the
+                        // append with ABORT so the broker stops discarding).
+                        if let Ok(reply) = rx.try_recv() {
+                            return append_result(&conn, reply);
+                        }
+                    }
+                }
+            }
+            let reply = (&mut rx).await.map_err(|_| conn.lost())?;
+            append_result(&conn, reply)
+        }
+        .await;
+        self.on_journal_error(&req.journal, r)
+    }
+
+    /// Appends everything `reader` yields until EOF as one atomic span,
+    /// sending content as it is read. If the reader fails, the append is
+    /// rolled back (APPEND_CHUNK with ABORT) and the reader's error returned.
+    /// If the broker refuses the append early, reading stops.
+    pub async fn append_stream<R>(
+        &self,
+        req: &AppendRequest,
+        mut reader: R,
+    ) -> Result<AppendReply, ClientError>
+    where
+        R: AsyncRead + Unpin,
+    {
+        let meta = encode_append_meta(req)?;
+        let r = async {
+            let conn = self.journal_conn(&req.journal).await?;
+            let (tx, mut rx) = oneshot::channel();
+            let id = conn.register(Waiter::Once(tx))?;
+            let mut guard = AppendGuard::new(&conn, id);
+            let mut first = true;
+            loop {
+                let mut buf = BytesMut::with_capacity(APPEND_CHUNK_LEN);
+                let filled = if first {
+                    fill_chunk(&mut reader, &mut buf).await
+                } else {
+                    tokio::select! {
+                        biased;
+                        reply = &mut rx => {
+                            let reply = reply.map_err(|_| conn.lost())?;
+                            return append_result(&conn, reply);
+                        }
+                        f = fill_chunk(&mut reader, &mut buf) => f,
+                    }
+                };
+                // On a reader error the guard sends ABORT if frames went out.
+                let eof = filled.map_err(ClientError::Content)?;
+                let flags = if eof { 0 } else { flag::MORE };
+                let chunk = buf.freeze();
+                if first {
+                    conn.send(Op::APPEND, flags, id, meta.clone(), chunk)
+                        .await?;
+                    first = false;
+                } else {
+                    conn.send(Op::APPEND_CHUNK, flags, id, Bytes::new(), chunk)
+                        .await?;
+                }
+                guard.open = !eof;
+                if eof {
+                    break;
+                }
+            }
+            let reply = (&mut rx).await.map_err(|_| conn.lost())?;
+            append_result(&conn, reply)
+        }
+        .await;
+        self.on_journal_error(&req.journal, r)
+    }
+
+    /// Starts a read. `block` waits at the write head for more content;
+    /// `metadata_only` answers with READ_DONE (offset, write head) only.
+    /// Dropping the stream before its end cancels the read (CANCEL).
+    pub async fn read(
+        &self,
+        req: &ReadRequest,
+        block: bool,
+        metadata_only: bool,
+    ) -> Result<ReadStream, ClientError> {
+        check_name_len(&req.journal)?;
+        let r = async {
+            let conn = self.journal_conn(&req.journal).await?;
+            let (tx, rx) = mpsc::channel(READ_FRAMES_BUFFERED_MAX);
+            let id = conn.register(Waiter::Stream(tx))?;
+            let mut flags = 0;
+            if block {
+                flags |= flag::BLOCK;
+            }
+            if metadata_only {
+                flags |= flag::METADATA_ONLY;
+            }
+            let stream = ReadStream {
+                conn: conn.clone(),
+                id,
+                rx,
+                done: false,
+            };
+            conn.send(Op::READ, flags, id, req.encode().into(), Bytes::new())
+                .await?;
+            Ok(stream)
+        }
+        .await;
+        self.on_journal_error(&req.journal, r)
+    }
+}
+
+/// Replaces an unspecified host (`0.0.0.0`, `[::]`) in a routed endpoint by
+/// the host the client reached the broker at.
+fn reachable_endpoint(endpoint: &str, bootstrap: &str) -> String {
+    let Some((host, port)) = endpoint.rsplit_once(':') else {
+        return endpoint.to_string();
+    };
+    if host != "0.0.0.0" && host != "[::]" && host != "::" {
+        return endpoint.to_string();
+    }
+    match bootstrap.rsplit_once(':') {
+        Some((bhost, _)) => format!("{bhost}:{port}"),
+        None => endpoint.to_string(),
+    }
+}
+
+fn check_name_len(journal: &str) -> Result<(), ClientError> {
+    if journal.len() > JOURNAL_NAME_LEN_MAX {
+        return Err(ClientError::Invalid(SpecError::BadName {
+            name: journal.chars().take(80).collect(),
+            why: "must be 4 to 512 bytes long",
+        }));
+    }
+    Ok(())
+}
+
+/// APPEND metadata, refusing requests whose metadata would not fit a frame.
+fn encode_append_meta(req: &AppendRequest) -> Result<Bytes, ClientError> {
+    check_name_len(&req.journal)?;
+    let sets = [
+        &req.check_registers.include,
+        &req.check_registers.exclude,
+        &req.union_registers,
+        &req.subtract_registers,
+    ];
+    let mut len = std::mem::size_of::<wire::AppendFixed>() + 2 + req.journal.len();
+    for set in sets {
+        len += 2 + set
+            .iter()
+            .map(|l| 4 + l.name.len() + l.value.len())
+            .sum::<usize>();
+    }
+    if len > wire::META_LEN_MAX {
+        return Err(ClientError::Invalid(SpecError::BadSpec {
+            name: req.journal.clone(),
+            why: format!(
+                "append metadata of {len} bytes exceeds {}",
+                wire::META_LEN_MAX
+            ),
+        }));
+    }
+    Ok(req.encode().into())
+}
+
+/// Reads up to [`APPEND_CHUNK_LEN`] bytes: waits for the first byte, then
+/// keeps reading while more arrives within [`APPEND_STREAM_COALESCE`].
+/// Returns whether the reader reached EOF.
+async fn fill_chunk<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut BytesMut) -> io::Result<bool> {
+    use bytes::BufMut;
+    loop {
+        let room = APPEND_CHUNK_LEN - buf.len();
+        if room == 0 {
+            return Ok(false);
+        }
+        let mut limited = (&mut *buf).limit(room);
+        let n = if buf_is_empty(&limited) {
+            reader.read_buf(&mut limited).await?
+        } else {
+            // `read_buf` is cancel safe: a timed-out read took no bytes.
+            match tokio::time::timeout(APPEND_STREAM_COALESCE, reader.read_buf(&mut limited)).await
+            {
+                Ok(r) => r?,
+                Err(_) => return Ok(false),
+            }
+        };
+        if n == 0 {
+            return Ok(true);
+        }
+    }
+}
+
+fn buf_is_empty(limited: &bytes::buf::Limit<&mut BytesMut>) -> bool {
+    limited.get_ref().is_empty()
+}
+
+/// Ends an append that did not finish normally: forgets its request id and,
+/// if frames with MORE went out, sends APPEND_CHUNK with ABORT so the broker
+/// rolls it back (or, if it already refused it, stops discarding chunks).
+struct AppendGuard<'a> {
+    conn: &'a Arc<Conn>,
+    id: u64,
+    /// The broker has an APPEND with MORE but not yet its last chunk.
+    open: bool,
+}
+
+impl<'a> AppendGuard<'a> {
+    fn new(conn: &'a Arc<Conn>, id: u64) -> Self {
+        AppendGuard {
+            conn,
+            id,
+            open: false,
+        }
+    }
+}
+
+impl Drop for AppendGuard<'_> {
+    fn drop(&mut self) {
+        self.conn.unregister(self.id);
+        if self.open {
+            self.conn
+                .send_control(Op::APPEND_CHUNK, flag::ABORT, self.id);
+        }
+    }
+}
+
+/// Sends one request and waits for its single reply frame.
+async fn unary(
+    conn: &Arc<Conn>,
+    op: Op,
+    meta: Bytes,
+    payload: Bytes,
+) -> Result<Reply, ClientError> {
+    let (tx, rx) = oneshot::channel();
+    let id = conn.register(Waiter::Once(tx))?;
+    struct Forget<'a>(&'a Conn, u64);
+    impl Drop for Forget<'_> {
+        fn drop(&mut self) {
+            self.0.unregister(self.1);
+        }
+    }
+    let _forget = Forget(conn, id);
+    conn.send(op, 0, id, meta, payload).await?;
+    rx.await.map_err(|_| conn.lost())?
+}
+
+fn status_error(reply: &Reply, append_reply: Option<AppendReply>) -> ClientError {
+    ClientError::Status {
+        status: reply.status,
+        message: reply.message(),
+        append_reply: append_reply.map(Box::new),
+    }
+}
+
+/// Checks that `reply` is `want` (or an ERROR frame, turned into its status).
+fn expect_op(conn: &Conn, request: Op, reply: &Reply, want: Op) -> Result<(), ClientError> {
+    if reply.op == Op::ERROR {
+        return Err(status_error(reply, None));
+    }
+    if reply.op != want {
+        return Err(ClientError::Protocol {
+            endpoint: conn.endpoint.clone(),
+            source: ProtocolError::UnexpectedOp {
+                request,
+                got: reply.op,
+            },
+        });
+    }
+    Ok(())
+}
+
+/// Decodes an ADMIN_REPLY's JSON, or its status as an error.
+fn admin_json<T: serde::de::DeserializeOwned>(
+    conn: &Conn,
+    request: Op,
+    reply: Reply,
+) -> Result<T, ClientError> {
+    expect_op(conn, request, &reply, Op::ADMIN_REPLY)?;
+    if reply.status != Status::OK {
+        return Err(status_error(&reply, None));
+    }
+    serde_json::from_slice(&reply.payload).map_err(|e| ClientError::Protocol {
+        endpoint: conn.endpoint.clone(),
+        source: ProtocolError::Json(Arc::new(e)),
+    })
+}
+
+fn append_result(
+    conn: &Conn,
+    reply: Result<Reply, ClientError>,
+) -> Result<AppendReply, ClientError> {
+    let reply = reply?;
+    expect_op(conn, Op::APPEND, &reply, Op::APPEND_REPLY)?;
+    let decoded = if reply.meta.is_empty() && reply.status != Status::OK {
+        None
+    } else {
+        match AppendReply::decode(&reply.meta) {
+            Ok(r) => Some(r),
+            Err(e) if reply.status == Status::OK => {
+                return Err(ClientError::Protocol {
+                    endpoint: conn.endpoint.clone(),
+                    source: e.into(),
+                })
+            }
+            Err(_) => None,
+        }
+    };
+    if reply.status != Status::OK {
+        return Err(status_error(&reply, decoded));
+    }
+    Ok(decoded.expect("decoded on OK"))
+}
+
+/// Replies to one READ: [`ReadEvent::Data`] items, then one
+/// [`ReadEvent::Done`]. Also a `futures_core::Stream`.
+pub struct ReadStream {
+    conn: Arc<Conn>,
+    id: u64,
+    rx: mpsc::Receiver<Result<Reply, ClientError>>,
+    done: bool,
+}
+
+impl std::fmt::Debug for ReadStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadStream")
+            .field("endpoint", &self.conn.endpoint)
+            .field("id", &self.id)
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+impl ReadStream {
+    /// The next item; `None` after [`ReadEvent::Done`] or an error.
+    pub async fn next(&mut self) -> Option<Result<ReadEvent, ClientError>> {
+        std::future::poll_fn(|cx| self.poll_event(cx)).await
+    }
+
+    /// Cancels the read (CANCEL) and waits for its READ_DONE, discarding
+    /// data still in flight. Returns the final READ_DONE (usually
+    /// CANCELLED; OK if the read ended first).
+    pub async fn cancel(mut self) -> Result<ReadDone, ClientError> {
+        if self.done {
+            return Err(ClientError::Protocol {
+                endpoint: self.conn.endpoint.clone(),
+                source: ProtocolError::Truncated,
+            });
+        }
+        self.conn.send_control(Op::CANCEL, 0, self.id);
+        loop {
+            match self.next().await {
+                Some(Ok(ReadEvent::Data { .. })) => continue,
+                Some(Ok(ReadEvent::Done(d))) => return Ok(d),
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(ClientError::Protocol {
+                        endpoint: self.conn.endpoint.clone(),
+                        source: ProtocolError::Truncated,
+                    })
+                }
+            }
+        }
+    }
+
+    fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<ReadEvent, ClientError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let item = match self.rx.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) => {
+                self.done = true;
+                Err(self.conn.lost())
+            }
+            Poll::Ready(Some(Err(e))) => {
+                self.done = true;
+                Err(e)
+            }
+            Poll::Ready(Some(Ok(reply))) => self.event(reply),
+        };
+        Poll::Ready(Some(item))
+    }
+
+    fn protocol(&self, source: ProtocolError) -> ClientError {
+        ClientError::Protocol {
+            endpoint: self.conn.endpoint.clone(),
+            source,
+        }
+    }
+
+    fn event(&mut self, reply: Reply) -> Result<ReadEvent, ClientError> {
+        match reply.op {
+            Op::READ_DATA => {
+                if reply.status != Status::OK {
+                    self.done = true;
+                    return Err(status_error(&reply, None));
+                }
+                match wire::decode_fixed::<wire::ReadData>(&reply.meta, "read data offset") {
+                    Ok(d) => Ok(ReadEvent::Data {
+                        offset: d.offset.get(),
+                        content: reply.payload,
+                    }),
+                    Err(e) => {
+                        self.done = true;
+                        Err(self.protocol(e.into()))
+                    }
+                }
+            }
+            Op::READ_DONE => {
+                self.done = true;
+                let (offset, write_head) = if reply.meta.is_empty() && reply.status != Status::OK {
+                    (0, 0)
+                } else {
+                    match wire::decode_fixed::<wire::ReadDone>(&reply.meta, "read done") {
+                        Ok(d) => (d.offset.get(), d.write_head.get()),
+                        Err(e) if reply.status == Status::OK => return Err(self.protocol(e.into())),
+                        Err(_) => (0, 0),
+                    }
+                };
+                let message = if reply.status == Status::OK {
+                    String::new()
+                } else {
+                    reply.message()
+                };
+                Ok(ReadEvent::Done(ReadDone {
+                    offset,
+                    write_head,
+                    status: reply.status,
+                    message,
+                }))
+            }
+            Op::ERROR => {
+                self.done = true;
+                Err(status_error(&reply, None))
+            }
+            got => {
+                self.done = true;
+                Err(self.protocol(ProtocolError::UnexpectedOp {
+                    request: Op::READ,
+                    got,
+                }))
+            }
+        }
+    }
+}
+
+impl futures_core::Stream for ReadStream {
+    type Item = Result<ReadEvent, ClientError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.get_mut().poll_event(cx)
+    }
+}
+
+impl Drop for ReadStream {
+    fn drop(&mut self) {
+        if !self.done {
+            self.conn.unregister(self.id);
+            self.conn.send_control(Op::CANCEL, 0, self.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unspecified_hosts_are_replaced() {
+        assert_eq!(
+            reachable_endpoint("0.0.0.0:7402", "10.0.0.5:7401"),
+            "10.0.0.5:7402"
+        );
+        assert_eq!(
+            reachable_endpoint("[::]:7402", "broker-1:7401"),
+            "broker-1:7402"
+        );
+        assert_eq!(
+            reachable_endpoint("127.0.0.1:7402", "localhost:7401"),
+            "127.0.0.1:7402"
+        );
+    }
+
+    #[test]
+    fn oversized_append_metadata_is_refused() {
+        let mut req = AppendRequest {
+            journal: "a/b/c".into(),
+            ..Default::default()
+        };
+        assert!(encode_append_meta(&req).is_ok());
+        for i in 0..100 {
+            req.union_registers
+                .add(format!("k{i}"), "v".repeat(1000))
+                .unwrap();
+        }
+        assert!(matches!(
+            encode_append_meta(&req),
+            Err(ClientError::Invalid(_))
+        ));
+        req.union_registers = Default::default();
+        req.journal = "x".repeat(600);
+        assert!(matches!(
+            encode_append_meta(&req),
+            Err(ClientError::Invalid(_))
+        ));
+    }
+
+    /// A fake broker on loopback: answers APPENDs out of order and checks
+    /// that the client pipelines (several appends in flight before any
+    /// reply) and reassembles chunked content.
+    #[tokio::test]
+    async fn appends_are_pipelined_and_replies_matched_by_id() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server_addr = addr.clone();
+        let server = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            let mut appends: HashMap<u64, Vec<u8>> = HashMap::new();
+            let mut finished: Vec<(u64, Vec<u8>)> = Vec::new();
+            let mut tmp = vec![0u8; 1 << 16];
+            while finished.len() < 4 {
+                let n = sock.read(&mut tmp).await.unwrap();
+                assert!(n > 0);
+                buf.extend_from_slice(&tmp[..n]);
+                while let Some((f, used)) = wire::decode_frame(&buf, wire::BODY_LEN_MAX).unwrap() {
+                    let mut out = Vec::new();
+                    match f.op {
+                        Op::ROUTE => {
+                            let name = wire::decode_name(f.meta).unwrap();
+                            let body = serde_json::json!({"journal": name, "shard": 0, "shards": 1, "endpoint": server_addr});
+                            wire::encode_frame(
+                                &mut out,
+                                Op::ADMIN_REPLY,
+                                0,
+                                Status::OK,
+                                f.request_id,
+                                &[],
+                                body.to_string().as_bytes(),
+                            );
+                        }
+                        Op::APPEND => {
+                            AppendRequest::decode(f.meta).unwrap();
+                            appends.insert(f.request_id, f.payload.to_vec());
+                            if f.flags & flag::MORE == 0 {
+                                finished
+                                    .push((f.request_id, appends.remove(&f.request_id).unwrap()));
+                            }
+                        }
+                        Op::APPEND_CHUNK => {
+                            appends
+                                .get_mut(&f.request_id)
+                                .unwrap()
+                                .extend_from_slice(f.payload);
+                            if f.flags & flag::MORE == 0 {
+                                finished
+                                    .push((f.request_id, appends.remove(&f.request_id).unwrap()));
+                            }
+                        }
+                        other => panic!("unexpected {other:?}"),
+                    }
+                    sock.write_all(&out).await.unwrap();
+                    buf.drain(..used);
+                }
+            }
+            // Reply in reverse order; the length tells which append it was.
+            let mut head = 0;
+            for (id, content) in finished.iter().rev() {
+                let reply = AppendReply {
+                    begin: head,
+                    end: head + content.len() as u64,
+                    write_head: head + content.len() as u64,
+                    sha1: [0; 20],
+                    registers: Default::default(),
+                };
+                head = reply.end;
+                let mut out = Vec::new();
+                wire::encode_frame(
+                    &mut out,
+                    Op::APPEND_REPLY,
+                    0,
+                    Status::OK,
+                    *id,
+                    &reply.encode(),
+                    &[],
+                );
+                sock.write_all(&out).await.unwrap();
+            }
+            finished.into_iter().map(|(_, c)| c).collect::<Vec<_>>()
+        });
+        let client = Client::connect(&addr).await.unwrap();
+        let req = AppendRequest {
+            journal: "test/pipeline".into(),
+            ..Default::default()
+        };
+        let sizes = [10usize, APPEND_CHUNK_LEN * 2 + 7, 1, 5000];
+        let futs = sizes.iter().map(|&n| {
+            let client = client.clone();
+            let req = req.clone();
+            async move { client.append(&req, vec![n as u8; n]).await.unwrap() }
+        });
+        let replies = futures_join_all(futs.collect()).await;
+        for (reply, &n) in replies.iter().zip(&sizes) {
+            assert_eq!(reply.end - reply.begin, n as u64);
+        }
+        let received = server.await.unwrap();
+        let mut got: Vec<usize> = received.iter().map(|c| c.len()).collect();
+        got.sort();
+        let mut want = sizes.to_vec();
+        want.sort();
+        assert_eq!(got, want);
+        for c in &received {
+            assert!(c.iter().all(|&b| b == c.len() as u8));
+        }
+    }
+
+    async fn futures_join_all<F: std::future::Future + Send + 'static>(
+        futs: Vec<F>,
+    ) -> Vec<F::Output>
+    where
+        F::Output: Send + 'static,
+    {
+        let handles: Vec<_> = futs.into_iter().map(tokio::spawn).collect();
+        let mut out = Vec::new();
+        for h in handles {
+            out.push(h.await.unwrap());
+        }
+        out
+    }
+}

@@ -1,0 +1,617 @@
+//! Command-line shapes and what each command does.
+
+use crate::output;
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use rotary_net::client::{Client, ClientError, ReadEvent};
+use rotary_net::spec::{parse_specs, LabelSelector, LabelSet, SpecError};
+use rotary_net::wire::{AppendRequest, ReadRequest};
+use rotary_net::Status;
+use std::io::Write as _;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+
+/// Default broker endpoint of client commands.
+pub const BROKER_DEFAULT: &str = "127.0.0.1:7401";
+/// Environment variable naming the broker endpoint.
+pub const BROKER_ENV: &str = "ROTARY_BROKER";
+
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_FAILED: i32 = 1;
+pub const EXIT_USAGE: i32 = 2;
+pub const EXIT_RETRYABLE: i32 = 3;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rotary",
+    version,
+    about = "A streaming journal broker: append-only byte journals."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Runs a broker until SIGINT or SIGTERM.
+    Serve(ServeArgs),
+    /// Creates, lists, deletes and seals journals.
+    Journals {
+        #[command(subcommand)]
+        cmd: JournalsCmd,
+    },
+    /// Appends standard input (or a file) to a journal as one atomic span and
+    /// prints the result as one JSON line.
+    Append(AppendArgs),
+    /// Reads a journal's bytes to standard output.
+    Read(ReadArgs),
+    /// Lists a journal's fragments.
+    Fragments {
+        name: String,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = TableOrJson::Table)]
+        output: TableOrJson,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Prints the broker's counters as JSON.
+    Stats {
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Checks this host for what a broker needs.
+    Doctor {
+        /// Data directory to check.
+        #[arg(long = "data", default_value = "./rotary-data")]
+        data: PathBuf,
+    },
+}
+
+#[derive(Args, Debug)]
+struct BrokerArgs {
+    /// Broker endpoint, any shard's HOST:PORT [env: ROTARY_BROKER] [default: 127.0.0.1:7401]
+    #[arg(long = "broker", value_name = "HOST:PORT")]
+    broker: Option<String>,
+}
+
+impl BrokerArgs {
+    fn endpoint(&self) -> String {
+        self.broker
+            .clone()
+            .or_else(|| std::env::var(BROKER_ENV).ok().filter(|s| !s.is_empty()))
+            .unwrap_or_else(|| BROKER_DEFAULT.to_string())
+    }
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Data directory: specs, commit logs, spools and local fragments.
+    #[arg(long = "data", default_value = "./rotary-data")]
+    data: PathBuf,
+    /// Endpoint of shard 0; shard n listens on port + n.
+    #[arg(
+        long = "listen",
+        default_value = "127.0.0.1:7401",
+        value_name = "HOST:PORT"
+    )]
+    listen: String,
+    /// Number of shards (one per core); 0 = every core.
+    #[arg(long = "cores", default_value_t = 0)]
+    cores: usize,
+    /// Free disk space never spent on spools: bytes, or with K, M, G, T (binary) suffix.
+    #[arg(long = "disk-reserve", value_name = "BYTES", value_parser = parse_bytes)]
+    disk_reserve: Option<u64>,
+}
+
+#[derive(Subcommand, Debug)]
+enum JournalsCmd {
+    /// Creates or replaces journals from YAML or JSON specs (one spec or a list).
+    Apply {
+        /// Spec file; `-` reads standard input.
+        #[arg(short = 'f', long = "file", value_name = "FILE")]
+        file: String,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Lists journals. `-o yaml` prints a list of specs that `apply` takes
+    /// back; `-o json` prints the broker's entries (spec and route).
+    List {
+        /// Label selector, e.g. `app=orders,region!=eu,!retired`.
+        #[arg(short = 'l', long = "selector", default_value = "")]
+        selector: String,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = ListFormat::Table)]
+        output: ListFormat,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Deletes a journal and its local fragments.
+    Delete {
+        name: String,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Seals a journal's open spool into a fragment now.
+    Seal {
+        name: String,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ListFormat {
+    Table,
+    Json,
+    Yaml,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum TableOrJson {
+    Table,
+    Json,
+}
+
+#[derive(Args, Debug)]
+struct AppendArgs {
+    name: String,
+    /// Read content from this file instead of standard input.
+    #[arg(short = 'i', long = "input", value_name = "FILE")]
+    input: Option<PathBuf>,
+    /// Commit only if the journal's write head is exactly this offset.
+    #[arg(long = "offset", value_name = "N")]
+    offset: Option<u64>,
+    /// Commit only if the journal's registers match this selector.
+    #[arg(long = "check-registers", value_name = "SELECTOR")]
+    check_registers: Option<String>,
+    /// Registers to add when the append commits: `k=v,k2=v2`.
+    #[arg(long = "union-registers", value_name = "K=V,...")]
+    union_registers: Option<String>,
+    /// Registers to remove when the append commits: `k=v` or `k` (every value).
+    #[arg(long = "subtract-registers", value_name = "K=V,...")]
+    subtract_registers: Option<String>,
+    #[command(flatten)]
+    broker: BrokerArgs,
+}
+
+#[derive(Args, Debug)]
+struct ReadArgs {
+    name: String,
+    /// First offset to read; `head` (or -1) is the write head.
+    #[arg(long = "offset", default_value = "0", value_parser = parse_offset, allow_hyphen_values = true)]
+    offset: ReadOffset,
+    /// Stop before this offset.
+    #[arg(long = "end-offset", value_name = "N")]
+    end_offset: Option<u64>,
+    /// Wait at the write head for more content (until --end-offset, if given).
+    #[arg(long = "block")]
+    block: bool,
+    /// Print `{"offset":…,"write_head":…}` instead of content.
+    #[arg(long = "metadata")]
+    metadata: bool,
+    #[command(flatten)]
+    broker: BrokerArgs,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum ReadOffset {
+    Head,
+    At(u64),
+}
+
+fn parse_offset(s: &str) -> Result<ReadOffset, String> {
+    match s {
+        "head" | "-1" => Ok(ReadOffset::Head),
+        _ => s
+            .parse::<u64>()
+            .map(ReadOffset::At)
+            .map_err(|_| format!("{s:?} is not an offset (a byte count, or `head`)")),
+    }
+}
+
+/// Parses `1073741824`, `512M`, `1G`, `1GiB`, `64k` (binary multiples).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count"))?;
+    let shift = match unit
+        .trim()
+        .to_ascii_lowercase()
+        .trim_end_matches("ib")
+        .trim_end_matches('b')
+    {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => return Err(format!("{s:?}: unknown unit (use K, M, G or T)")),
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// Parses `k=v,k2=v2` (or `k` for an empty value) into a label set.
+fn parse_label_set(text: &str) -> Result<LabelSet, SpecError> {
+    let mut set = LabelSet::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (n, v) = part.split_once('=').unwrap_or((part, ""));
+        set.add(n.trim().to_string(), v.trim().to_string())?;
+    }
+    Ok(set)
+}
+
+/// A failed command: what to print and how to exit.
+#[derive(Debug)]
+pub enum CliError {
+    /// The broker or the client library reported an error.
+    Client(ClientError),
+    /// Bad input from the user (exit 2): `(STATUS_NAME, explanation)`.
+    Usage(&'static str, String),
+    /// Anything else (exit 1).
+    Other(&'static str, anyhow::Error),
+}
+
+impl From<ClientError> for CliError {
+    fn from(e: ClientError) -> Self {
+        CliError::Client(e)
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+impl CliError {
+    fn report(&self) -> i32 {
+        let (name, text, code): (&str, String, i32) = match self {
+            CliError::Client(e) => match e {
+                ClientError::Status {
+                    status, message, ..
+                } => {
+                    let code = if status.is_retryable() {
+                        EXIT_RETRYABLE
+                    } else {
+                        EXIT_FAILED
+                    };
+                    let text = if message.is_empty() {
+                        status_explanation(*status).to_string()
+                    } else {
+                        message.clone()
+                    };
+                    (status.name(), text, code)
+                }
+                ClientError::Io { .. } => ("UNAVAILABLE", e.to_string(), EXIT_RETRYABLE),
+                ClientError::Protocol { .. } => ("PROTOCOL_ERROR", e.to_string(), EXIT_FAILED),
+                ClientError::Invalid(inner) => ("BAD_REQUEST", inner.to_string(), EXIT_USAGE),
+                ClientError::Content(inner) => (
+                    "INPUT_ERROR",
+                    format!("reading content: {inner}"),
+                    EXIT_FAILED,
+                ),
+            },
+            CliError::Usage(name, text) => (name, text.clone(), EXIT_USAGE),
+            CliError::Other(name, e) => (name, format!("{e:#}"), EXIT_FAILED),
+        };
+        eprintln!("error: {name}: {}", one_line(&text));
+        code
+    }
+}
+
+fn status_explanation(status: Status) -> &'static str {
+    match status {
+        Status::JOURNAL_NOT_FOUND => "no journal of that name exists",
+        Status::NOT_ALLOWED => "the journal's flags forbid this",
+        Status::WRONG_APPEND_OFFSET => "the write head is not at the expected offset",
+        Status::REGISTER_MISMATCH => "the journal's registers do not match",
+        Status::OFFSET_NOT_YET_AVAILABLE => "the offset is at or beyond the write head",
+        _ => "the broker refused the request",
+    }
+}
+
+type CmdResult = Result<(), CliError>;
+
+/// Runs a parsed command line; returns the process exit code.
+pub fn run(cli: Cli) -> i32 {
+    let result = match cli.cmd {
+        Cmd::Serve(args) => serve(args),
+        Cmd::Doctor { data } => return crate::doctor::run(&data),
+        other => {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    return CliError::Other(
+                        "IO_ERROR",
+                        anyhow::Error::new(e).context("starting the runtime"),
+                    )
+                    .report()
+                }
+            };
+            rt.block_on(client_command(other))
+        }
+    };
+    match result {
+        Ok(()) => EXIT_OK,
+        Err(e) => e.report(),
+    }
+}
+
+fn serve(args: ServeArgs) -> CmdResult {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let listen: SocketAddr = args
+        .listen
+        .to_socket_addrs()
+        .map_err(|e| CliError::Usage("BAD_USAGE", format!("--listen {}: {e}", args.listen)))?
+        .next()
+        .ok_or_else(|| {
+            CliError::Usage("BAD_USAGE", format!("--listen {}: no address", args.listen))
+        })?;
+    let mut config = rotary_engine::ServeConfig::new(args.data, listen);
+    config.cores = args.cores;
+    if let Some(reserve) = args.disk_reserve {
+        config.disk_reserve_bytes = reserve;
+    }
+    rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
+}
+
+async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
+    Ok(Client::connect(&broker.endpoint()).await?)
+}
+
+async fn client_command(cmd: Cmd) -> CmdResult {
+    match cmd {
+        Cmd::Serve(_) | Cmd::Doctor { .. } => unreachable!("handled without a runtime"),
+        Cmd::Journals { cmd } => journals(cmd).await,
+        Cmd::Append(args) => append(args).await,
+        Cmd::Read(args) => read(args).await,
+        Cmd::Fragments {
+            name,
+            output,
+            broker,
+        } => {
+            let client = connect(&broker).await?;
+            let fragments = client.fragments(&name).await?;
+            match output {
+                TableOrJson::Json => print_json(&fragments),
+                TableOrJson::Table => print_text(&output::fragments_table(&fragments)),
+            }
+        }
+        Cmd::Stats { broker } => {
+            let client = connect(&broker).await?;
+            let stats = client.stats().await?;
+            print_json(&stats)
+        }
+    }
+}
+
+fn print_text(text: &str) -> CmdResult {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|_| out.flush())
+        .or_else(ignore_broken_pipe)
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
+    let mut text = serde_json::to_string_pretty(v).expect("JSON");
+    text.push('\n');
+    print_text(&text)
+}
+
+fn ignore_broken_pipe(e: std::io::Error) -> CmdResult {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        Ok(())
+    } else {
+        Err(CliError::Other(
+            "OUTPUT_ERROR",
+            anyhow::Error::new(e).context("writing standard output"),
+        ))
+    }
+}
+
+async fn journals(cmd: JournalsCmd) -> CmdResult {
+    match cmd {
+        JournalsCmd::Apply { file, broker } => {
+            let text = if file == "-" {
+                std::io::read_to_string(std::io::stdin()).map_err(|e| {
+                    CliError::Usage("BAD_USAGE", format!("reading standard input: {e}"))
+                })?
+            } else {
+                std::fs::read_to_string(&file)
+                    .map_err(|e| CliError::Usage("BAD_USAGE", format!("reading {file}: {e}")))?
+            };
+            let specs =
+                parse_specs(&text).map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
+            let client = connect(&broker).await?;
+            let applied = client.apply(&specs).await?;
+            let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+            print_text(&format!(
+                "applied {applied} journal(s): {}\n",
+                names.join(", ")
+            ))
+        }
+        JournalsCmd::List {
+            selector,
+            output,
+            broker,
+        } => {
+            LabelSelector::parse(&selector)
+                .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
+            let client = connect(&broker).await?;
+            let list = client.list(&selector).await?;
+            match output {
+                ListFormat::Json => print_json(&list),
+                ListFormat::Yaml => {
+                    let specs: Vec<_> = list.into_iter().map(|j| j.spec).collect();
+                    let text = serde_yaml::to_string(&specs)
+                        .context("encoding YAML")
+                        .map_err(|e| CliError::Other("OUTPUT_ERROR", e))?;
+                    print_text(&text)
+                }
+                ListFormat::Table => print_text(&output::journals_table(&list)),
+            }
+        }
+        JournalsCmd::Delete { name, broker } => {
+            let client = connect(&broker).await?;
+            client.delete(&name).await?;
+            print_text(&format!("deleted {name}\n"))
+        }
+        JournalsCmd::Seal { name, broker } => {
+            let client = connect(&broker).await?;
+            let sealed = client.seal(&name).await?;
+            print_json(&serde_json::json!({ "sealed": sealed }))
+        }
+    }
+}
+
+async fn append(args: AppendArgs) -> CmdResult {
+    let bad = |e: SpecError| CliError::Usage("BAD_REQUEST", e.to_string());
+    let req = AppendRequest {
+        journal: args.name.clone(),
+        expect_offset: args.offset,
+        check_registers: match &args.check_registers {
+            Some(t) => LabelSelector::parse(t).map_err(bad)?,
+            None => LabelSelector::default(),
+        },
+        union_registers: match &args.union_registers {
+            Some(t) => parse_label_set(t).map_err(bad)?,
+            None => LabelSet::new(),
+        },
+        subtract_registers: match &args.subtract_registers {
+            Some(t) => parse_label_set(t).map_err(bad)?,
+            None => LabelSet::new(),
+        },
+    };
+    let input = match &args.input {
+        Some(path) => Some(tokio::fs::File::open(path).await.map_err(|e| {
+            CliError::Usage("BAD_USAGE", format!("opening {}: {e}", path.display()))
+        })?),
+        None => None,
+    };
+    let client = connect(&args.broker).await?;
+    let reply = match input {
+        Some(file) => client.append_stream(&req, file).await?,
+        None => client.append_stream(&req, tokio::io::stdin()).await?,
+    };
+    let line = serde_json::json!({
+        "journal": args.name,
+        "begin": reply.begin,
+        "end": reply.end,
+        "sha1": hex::encode(reply.sha1),
+        "registers": reply.registers,
+    });
+    print_text(&format!("{line}\n"))
+}
+
+async fn read(args: ReadArgs) -> CmdResult {
+    let req = ReadRequest {
+        journal: args.name.clone(),
+        offset: match args.offset {
+            ReadOffset::Head => None,
+            ReadOffset::At(o) => Some(o),
+        },
+        end_offset: args.end_offset,
+    };
+    let client = connect(&args.broker).await?;
+    let mut stream = client
+        .read(&req, args.block && !args.metadata, args.metadata)
+        .await?;
+    let mut out = std::io::stdout().lock();
+    let mut next_offset: Option<u64> = None;
+    while let Some(event) = stream.next().await {
+        match event? {
+            ReadEvent::Data { offset, content } => {
+                if args.metadata {
+                    continue;
+                }
+                if let Some(expected) = next_offset {
+                    if offset != expected {
+                        eprintln!("warning: offsets {expected}..{offset} are missing from the journal's history");
+                    }
+                }
+                next_offset = Some(offset + content.len() as u64);
+                if let Err(e) = out.write_all(&content).and_then(|_| out.flush()) {
+                    // Dropping the stream cancels the read.
+                    return ignore_broken_pipe(e);
+                }
+            }
+            ReadEvent::Done(done) => {
+                let normal_end = done.status == Status::OK
+                    || (done.status == Status::OFFSET_NOT_YET_AVAILABLE && !args.block);
+                if !normal_end {
+                    done.check()?;
+                }
+                if args.metadata {
+                    let line =
+                        serde_json::json!({ "offset": done.offset, "write_head": done.write_head });
+                    out.write_all(format!("{line}\n").as_bytes())
+                        .and_then(|_| out.flush())
+                        .or_else(ignore_broken_pipe)?;
+                }
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("256M").unwrap(), 256 << 20);
+        assert_eq!(parse_bytes("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_bytes("2g").unwrap(), 2 << 30);
+        assert!(parse_bytes("12x").is_err());
+        assert!(parse_bytes("M").is_err());
+    }
+
+    #[test]
+    fn label_sets_from_text() {
+        let set = parse_label_set("owner=a, epoch=2,flag").unwrap();
+        assert_eq!(set.to_text(), "epoch=2,flag,owner=a");
+        assert!(parse_label_set("bad name=x").is_err());
+    }
+
+    #[test]
+    fn offsets() {
+        assert!(matches!(parse_offset("head"), Ok(ReadOffset::Head)));
+        assert!(matches!(parse_offset("-1"), Ok(ReadOffset::Head)));
+        assert!(matches!(parse_offset("42"), Ok(ReadOffset::At(42))));
+        assert!(parse_offset("-2").is_err());
+    }
+
+    #[test]
+    fn cli_shapes_parse() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        for line in [
+            "rotary serve --data /tmp/d --listen 127.0.0.1:7401 --cores 2 --disk-reserve 1G",
+            "rotary journals apply -f -",
+            "rotary journals list -l app=orders -o yaml --broker 127.0.0.1:1",
+            "rotary journals delete a/b/c",
+            "rotary journals seal a/b/c",
+            "rotary append a/b/c -i /tmp/x --offset 5 --check-registers owner=a --union-registers k=v,k2=v2 --subtract-registers k",
+            "rotary read a/b/c --offset 10 --end-offset 20 --block",
+            "rotary read a/b/c --offset head --metadata",
+            "rotary fragments a/b/c -o json",
+            "rotary stats",
+            "rotary doctor --data /tmp/d",
+        ] {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            Cli::try_parse_from(words).unwrap_or_else(|e| panic!("{line}: {e}"));
+        }
+    }
+}

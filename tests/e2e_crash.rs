@@ -1,0 +1,219 @@
+//! End-to-end: dying clients leave no trace; a broker killed with SIGKILL
+//! loses nothing it acknowledged and shows no partial append.
+
+mod common;
+
+use common::*;
+use rand::SeedableRng;
+use rotary_net::client::Client;
+use rotary_net::wire::{flag, AppendRequest, Op};
+use std::io::Write;
+use std::process::Stdio;
+use std::time::Duration;
+
+fn req(journal: &str) -> AppendRequest {
+    AppendRequest {
+        journal: journal.to_string(),
+        ..Default::default()
+    }
+}
+
+/// After an interrupted append: the head has not moved, and the next append
+/// lands exactly at it and reads back.
+async fn assert_no_trace(client: &Client, j: &str, before: &[u8], marker: &[u8]) -> Vec<u8> {
+    assert_eq!(write_head(client, j).await, before.len() as u64);
+    let r = client.append(&req(j), marker.to_vec()).await.unwrap();
+    assert_eq!(
+        (r.begin, r.end),
+        (before.len() as u64, (before.len() + marker.len()) as u64)
+    );
+    let mut want = before.to_vec();
+    want.extend_from_slice(marker);
+    assert_eq!(read_all(client, j).await, want);
+    want
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_cli_client_mid_append_leaves_no_trace() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/crash/cli-client";
+    create_journal(&client, j, |_| {}).await;
+    let before = client
+        .append(&req(j), b"committed before".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(before.end, 16);
+
+    let mut child = broker
+        .cli(&["append", j])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&vec![b'p'; 200_000]).unwrap();
+    stdin.flush().unwrap();
+    // Give the CLI time to stream the bytes to the broker (it sends what it
+    // has after a few quiet milliseconds).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the CLI waits for the rest of stdin"
+    );
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    drop(stdin);
+
+    assert_no_trace(&client, j, b"committed before", b"after the kill").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_raw_appends_leave_no_trace() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/crash/raw-socket";
+    create_journal(&client, j, |_| {}).await;
+    let mut all = assert_no_trace(&client, j, b"", b"first").await;
+    let endpoint = client.route(j).await.unwrap().endpoint;
+    let meta = req(j).encode();
+
+    // 1. An APPEND frame cut off in its payload.
+    let whole = frame(Op::APPEND, 0, 1, &meta, &vec![b'x'; 10_000]);
+    let mut s = raw_connect(&endpoint);
+    s.write_all(&whole[..whole.len() - 4_000]).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(s);
+    all = assert_no_trace(&client, j, &all, b"-second").await;
+
+    // 2. A whole APPEND with MORE, then a cut-off APPEND_CHUNK.
+    let mut s = raw_connect(&endpoint);
+    s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, &[b'y'; 5_000]))
+        .unwrap();
+    let chunk = frame(Op::APPEND_CHUNK, 0, 1, &[], &[b'z'; 5_000]);
+    s.write_all(&chunk[..100]).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(s);
+    all = assert_no_trace(&client, j, &all, b"-third").await;
+
+    // 3. Whole frames with MORE, then the connection closes between frames.
+    let mut s = raw_connect(&endpoint);
+    s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, &[b'y'; 5_000]))
+        .unwrap();
+    s.write_all(&frame(Op::APPEND_CHUNK, flag::MORE, 1, &[], &[b'z'; 5_000]))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(s);
+    all = assert_no_trace(&client, j, &all, b"-fourth").await;
+
+    // 4. An explicit ABORT answers CANCELLED and commits nothing.
+    let mut s = raw_connect(&endpoint);
+    s.write_all(&frame(Op::APPEND, flag::MORE, 2, &meta, b"aborted"))
+        .unwrap();
+    s.write_all(&frame(Op::APPEND_CHUNK, flag::ABORT, 2, &[], &[]))
+        .unwrap();
+    let f = read_raw_frame(&mut s).unwrap().expect("APPEND_REPLY");
+    assert_eq!(
+        (f.op, f.request_id, f.status),
+        (Op::APPEND_REPLY, 2, rotary_net::Status::CANCELLED as u16)
+    );
+    drop(s);
+    assert_no_trace(&client, j, &all, b"-fifth").await;
+}
+
+const CRASH_WRITERS: u32 = 6;
+const CRASH_SIZE_MAX: usize = 64 << 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_broker_loses_no_acknowledged_append() {
+    let mut broker = Broker::start();
+    let j = "e2e/crash/broker";
+    {
+        let client = broker.client().await;
+        create_journal(&client, j, |s| s.fragment.length = 1 << 20).await;
+    }
+
+    // Writers on two connections append self-describing records until the
+    // broker dies; each remembers what was acknowledged.
+    let clients = [broker.client().await, broker.client().await];
+    let mut tasks = Vec::new();
+    for writer in 0..CRASH_WRITERS {
+        let client = clients[writer as usize % 2].clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(0xc4a5 ^ u64::from(writer));
+            let mut acked = Vec::new();
+            let mut seq = 0u32;
+            loop {
+                let len = log_uniform_size(&mut rng, RECORD_HEADER_LEN, CRASH_SIZE_MAX);
+                match client.append(&req(j), record(writer, seq, len)).await {
+                    Ok(r) => {
+                        assert_eq!(r.end - r.begin, len as u64);
+                        acked.push((
+                            Found {
+                                begin: r.begin,
+                                end: r.end,
+                                writer,
+                                seq,
+                            },
+                            r.sha1,
+                        ));
+                    }
+                    // The broker died: this append's outcome is unknown.
+                    Err(e) => {
+                        assert!(e.status().is_none(), "append failed with a status: {e}");
+                        break;
+                    }
+                }
+                seq += 1;
+            }
+            acked
+        }));
+    }
+    // Let them run, then SIGKILL the broker mid-stream.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    broker.kill9();
+    let mut acked = Vec::new();
+    for t in tasks {
+        acked.extend(t.await.unwrap());
+    }
+    drop(clients);
+    assert!(
+        acked.len() > 50,
+        "only {} appends acknowledged before the kill",
+        acked.len()
+    );
+
+    broker.restart();
+    let client = broker.client().await;
+    let bytes = read_all(&client, j).await;
+    let head = bytes.len() as u64;
+
+    // Every visible byte belongs to a whole record...
+    let found = parse_records(&bytes, 0).unwrap_or_else(|e| panic!("after restart: {e}"));
+    let found: std::collections::HashMap<u64, Found> =
+        found.into_iter().map(|f| (f.begin, f)).collect();
+    // ...and every acknowledged append is there, byte for byte.
+    for (a, sha) in &acked {
+        assert!(a.end <= head, "acknowledged {a:?} lost: head is {head}");
+        assert_eq!(
+            found.get(&a.begin),
+            Some(a),
+            "acknowledged append missing or different at {}",
+            a.begin
+        );
+        assert_eq!(&sha1(&bytes[a.begin as usize..a.end as usize]), sha);
+    }
+    eprintln!(
+        "{} acknowledged appends, {} records, {} bytes survived",
+        acked.len(),
+        found.len(),
+        head
+    );
+
+    // The journal goes on from its head.
+    let r = client.append(&req(j), record(99, 0, 100)).await.unwrap();
+    assert_eq!((r.begin, r.end), (head, head + 100));
+    let (tail, _) = read_range(&client, j, head, None).await.unwrap();
+    assert_eq!(tail, record(99, 0, 100));
+}

@@ -1,0 +1,329 @@
+//! End-to-end: append preconditions, register sequences and every status a
+//! client can provoke, plus malformed frames on raw sockets.
+
+mod common;
+
+use common::*;
+use rotary_net::spec::{JournalFlags, LabelSelector, LabelSet};
+use rotary_net::wire::{self, flag, AppendRequest, Op, ReadRequest};
+use rotary_net::Status;
+use std::io::Write;
+
+fn req(journal: &str) -> AppendRequest {
+    AppendRequest {
+        journal: journal.to_string(),
+        ..Default::default()
+    }
+}
+
+fn labels(text: &str) -> LabelSet {
+    let mut set = LabelSet::new();
+    for part in text.split(',').filter(|p| !p.is_empty()) {
+        let (n, v) = part.split_once('=').unwrap_or((part, ""));
+        set.add(n.into(), v.into()).unwrap();
+    }
+    set
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preconditions_and_register_sequences() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/status/registers";
+    create_journal(&client, j, |_| {}).await;
+
+    // Empty append without register changes: the head and registers.
+    let r = client.append(&req(j), Vec::new()).await.unwrap();
+    assert_eq!((r.begin, r.end, r.write_head), (0, 0, 0));
+    assert!(r.registers.is_empty());
+
+    // union on a committing append.
+    let mut a = req(j);
+    a.union_registers = labels("owner=w1");
+    let r = client.append(&a, b"one".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (0, 3));
+    assert_eq!(r.registers, labels("owner=w1"));
+
+    // check + union.
+    let mut a = req(j);
+    a.check_registers = LabelSelector::parse("owner=w1").unwrap();
+    a.union_registers = labels("epoch=1");
+    let r = client.append(&a, b"two".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (3, 6));
+    assert_eq!(r.registers, labels("epoch=1,owner=w1"));
+
+    // A failing check: REGISTER_MISMATCH with the current registers.
+    let mut a = req(j);
+    a.check_registers = LabelSelector::parse("owner=w2").unwrap();
+    a.union_registers = labels("stolen=yes");
+    let err = client.append(&a, b"nope".to_vec()).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::REGISTER_MISMATCH), "{err}");
+    let reply = err
+        .append_reply()
+        .expect("REGISTER_MISMATCH carries the reply");
+    assert_eq!(reply.registers, labels("epoch=1,owner=w1"));
+    assert_eq!(reply.begin, reply.end);
+    assert!(!err.is_retryable());
+
+    // subtract with an empty value removes every value of the name.
+    let mut a = req(j);
+    a.subtract_registers = labels("owner");
+    let r = client.append(&a, b"three".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (6, 11));
+    assert_eq!(r.registers, labels("epoch=1"));
+
+    // A check that a name is absent, then a new owner.
+    let mut a = req(j);
+    a.check_registers = LabelSelector::parse("!owner").unwrap();
+    a.union_registers = labels("owner=w2");
+    let r = client.append(&a, b"four".to_vec()).await.unwrap();
+    assert_eq!(r.registers, labels("epoch=1,owner=w2"));
+
+    // subtract one exact value.
+    let mut a = req(j);
+    a.check_registers = LabelSelector::parse("epoch=1,owner=w2").unwrap();
+    a.subtract_registers = labels("epoch=1");
+    let r = client.append(&a, b"five".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (15, 19));
+    assert_eq!(r.registers, labels("owner=w2"));
+
+    // An empty append with register changes is BAD_REQUEST; nothing changes.
+    for (u, s) in [("x=1", ""), ("", "owner")] {
+        let mut a = req(j);
+        a.union_registers = labels(u);
+        a.subtract_registers = labels(s);
+        assert_eq!(
+            status_of(client.append(&a, Vec::new()).await),
+            Status::BAD_REQUEST
+        );
+    }
+    let r = client.append(&req(j), Vec::new()).await.unwrap();
+    assert_eq!((r.begin, r.end, r.write_head), (19, 19, 19));
+    assert_eq!(r.registers, labels("owner=w2"));
+
+    // WRONG_APPEND_OFFSET carries the current write head.
+    let mut a = req(j);
+    a.expect_offset = Some(25);
+    let err = client.append(&a, b"late".to_vec()).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::WRONG_APPEND_OFFSET), "{err}");
+    assert_eq!(err.append_reply().expect("reply").write_head, 19);
+    a.expect_offset = Some(3);
+    let err = client.append(&a, b"early".to_vec()).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::WRONG_APPEND_OFFSET));
+    assert_eq!(err.append_reply().unwrap().write_head, 19);
+    // The right offset commits; a large chunked append refused early too.
+    a.expect_offset = Some(19);
+    let r = client.append(&a, b"six".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (19, 22));
+    let big = vec![0x5a; 3 * rotary_net::client::APPEND_CHUNK_LEN];
+    let err = client.append(&a, big).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::WRONG_APPEND_OFFSET));
+    assert_eq!(err.append_reply().unwrap().write_head, 22);
+    let mut a = req(j);
+    a.check_registers = LabelSelector::parse("owner=w9").unwrap();
+    let err = client
+        .append_stream(&a, &vec![1u8; 3 << 20][..])
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), Some(Status::REGISTER_MISMATCH));
+
+    // Nothing refused is visible, and the connection still works.
+    assert_eq!(
+        read_all(&client, j).await,
+        b"onetwothreefourfivesix".to_vec()
+    );
+    let r = client.append(&req(j), b"!".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (22, 23));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_statuses() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let ro = "e2e/status/read-only";
+    let wo = "e2e/status/write-only";
+    let rw = "e2e/status/read-write";
+    create_journal(&client, ro, |s| s.flags = JournalFlags::ReadOnly).await;
+    create_journal(&client, wo, |s| s.flags = JournalFlags::WriteOnly).await;
+    create_journal(&client, rw, |_| {}).await;
+
+    // Bad names.
+    for bad in ["a//b/c", "has space/x", "/abs/path", "abc"] {
+        assert_eq!(
+            status_of(client.append(&req(bad), b"x".to_vec()).await),
+            Status::BAD_REQUEST,
+            "{bad}"
+        );
+        let r = ReadRequest {
+            journal: bad.into(),
+            offset: Some(0),
+            end_offset: None,
+        };
+        assert_eq!(
+            read_status(&client, &r, false).await.0,
+            Status::BAD_REQUEST,
+            "{bad}"
+        );
+    }
+
+    // Unknown journal.
+    let missing = "e2e/status/missing";
+    assert_eq!(
+        status_of(client.append(&req(missing), b"x".to_vec()).await),
+        Status::JOURNAL_NOT_FOUND
+    );
+    let r = ReadRequest {
+        journal: missing.into(),
+        offset: Some(0),
+        end_offset: None,
+    };
+    assert_eq!(
+        read_status(&client, &r, false).await.0,
+        Status::JOURNAL_NOT_FOUND
+    );
+    assert_eq!(
+        read_status(&client, &r, true).await.0,
+        Status::JOURNAL_NOT_FOUND
+    );
+    assert_eq!(
+        status_of(client.fragments(missing).await),
+        Status::JOURNAL_NOT_FOUND
+    );
+    assert_eq!(
+        status_of(client.delete(missing).await),
+        Status::JOURNAL_NOT_FOUND
+    );
+    assert_eq!(
+        status_of(client.seal(missing).await),
+        Status::JOURNAL_NOT_FOUND
+    );
+
+    // Read-only refuses appends; write-only refuses reads.
+    assert_eq!(
+        status_of(client.append(&req(ro), b"x".to_vec()).await),
+        Status::NOT_ALLOWED
+    );
+    let r = client
+        .append(&req(wo), b"write-only bytes".to_vec())
+        .await
+        .unwrap();
+    assert_eq!((r.begin, r.end), (0, 16));
+    let rd = |j: &str, offset: Option<u64>| ReadRequest {
+        journal: j.into(),
+        offset,
+        end_offset: None,
+    };
+    assert_eq!(
+        read_status(&client, &rd(wo, Some(0)), false).await.0,
+        Status::NOT_ALLOWED
+    );
+    assert_eq!(
+        read_status(&client, &rd(wo, Some(0)), true).await.0,
+        Status::NOT_ALLOWED
+    );
+
+    // Non-blocking reads at and past the head.
+    client
+        .append(&req(rw), b"0123456789".to_vec())
+        .await
+        .unwrap();
+    for offset in [Some(10), Some(11), None] {
+        let (status, done) = read_status(&client, &rd(rw, offset), false).await;
+        assert_eq!(status, Status::OFFSET_NOT_YET_AVAILABLE, "{offset:?}");
+        assert_eq!(done.expect("READ_DONE").write_head, 10);
+    }
+    // An empty read-only journal has nothing to read either.
+    assert_eq!(
+        read_status(&client, &rd(ro, Some(0)), false).await.0,
+        Status::OFFSET_NOT_YET_AVAILABLE
+    );
+    // offset >= end_offset: READ_DONE OK at once.
+    let (bytes, done) = read_range(&client, rw, 5, Some(5)).await.unwrap();
+    assert!(bytes.is_empty());
+    assert_eq!(done.status, Status::OK);
+
+    // Bad specs.
+    let mut spec = rotary_net::spec::JournalSpec::new("e2e/status/bad-spec");
+    spec.fragment.length = 1;
+    assert_eq!(status_of(client.apply(&[spec]).await), Status::BAD_REQUEST);
+    assert_eq!(client.list("").await.unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/status/frames";
+    create_journal(&client, j, |_| {}).await;
+    client.append(&req(j), b"before".to_vec()).await.unwrap();
+    let endpoint = broker.endpoint();
+
+    // Oversized: FRAME_TOO_LARGE (request id echoed), then the close.
+    let mut s = raw_connect(&endpoint);
+    let mut header = frame(Op::APPEND, 0, 77, &[], &[]);
+    header[..4].copy_from_slice(&(wire::BODY_LEN_MAX + 1).to_le_bytes());
+    s.write_all(&header).unwrap();
+    let f = read_raw_frame(&mut s).unwrap().expect("an ERROR frame");
+    assert_eq!(
+        (f.op, f.status, f.request_id),
+        (Op::ERROR, Status::FRAME_TOO_LARGE as u16, 77)
+    );
+    assert!(!f.payload.is_empty(), "ERROR carries a message");
+    assert!(
+        read_raw_frame(&mut s).unwrap().is_none(),
+        "connection closed after FRAME_TOO_LARGE"
+    );
+
+    // Garbage: an ERROR frame (BAD_REQUEST) or nothing, then the close.
+    let mut s = raw_connect(&endpoint);
+    let garbage: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
+    s.write_all(&garbage).unwrap();
+    while let Some(f) = read_raw_frame(&mut s).unwrap() {
+        assert_eq!(
+            (f.op, f.status),
+            (Op::ERROR, Status::BAD_REQUEST as u16),
+            "{f:?}"
+        );
+    }
+
+    // Unknown op with good magic: ERROR BAD_REQUEST, then the close.
+    let mut s = raw_connect(&endpoint);
+    let mut bad = frame(Op::PING, 0, 5, &[], &[]);
+    bad[6] = 0x7e;
+    s.write_all(&bad).unwrap();
+    let f = read_raw_frame(&mut s).unwrap().expect("an ERROR frame");
+    assert_eq!(
+        (f.op, f.status, f.request_id),
+        (Op::ERROR, Status::BAD_REQUEST as u16, 5)
+    );
+    assert!(read_raw_frame(&mut s).unwrap().is_none());
+
+    // Undecodable metadata in a well-framed request: BAD_REQUEST for that
+    // request, and the connection goes on serving.
+    let mut s = raw_connect(&broker.shard_endpoint(0));
+    s.write_all(&frame(Op::APPEND, 0, 9, &[1, 2, 3], b"payload"))
+        .unwrap();
+    s.write_all(&frame(Op::READ, flag::BLOCK, 10, &[0xff; 5], &[]))
+        .unwrap();
+    s.write_all(&frame(Op::PING, 0, 11, &[], b"still here"))
+        .unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+        seen.push(f.request_id);
+        match f.request_id {
+            9 | 10 => assert_eq!(f.status, Status::BAD_REQUEST as u16, "{f:?}"),
+            11 => assert_eq!((f.op, &f.payload[..]), (Op::PONG, &b"still here"[..])),
+            other => panic!("reply for unknown request {other}"),
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, vec![9, 10, 11]);
+
+    // The broker keeps serving everyone else; nothing was appended.
+    let fresh = broker.client().await;
+    fresh.ping().await.unwrap();
+    assert_eq!(read_all(&fresh, j).await, b"before".to_vec());
+    let r = client.append(&req(j), b"after".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (6, 11));
+}
