@@ -128,9 +128,10 @@ impl CommitLog {
     ) -> Result<(CommitLog, HashMap<String, JournalState>), StorageError> {
         let path = dir.join(FILE_NAME);
         let mut states = HashMap::new();
+        let mut valid = 0;
         match std::fs::read(&path) {
             Ok(bytes) => {
-                let valid = replay(&bytes, &mut states);
+                valid = replay(&bytes, &mut states);
                 if valid < bytes.len() {
                     tracing::info!(
                         path = %path.display(),
@@ -142,12 +143,34 @@ impl CommitLog {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(StorageError::io(&path, e)),
         }
-        let file = Self::write_snapshot(&path, states.iter().map(|(k, v)| (k.as_str(), v))).await?;
-        let pos = file
-            .metadata()
-            .await
-            .map_err(|e| StorageError::io(&path, e))?
-            .len();
+        let snapshot =
+            Self::write_snapshot(&path, states.iter().map(|(k, v)| (k.as_str(), v))).await;
+        let (file, pos) = match snapshot {
+            Ok(file) => {
+                let pos = file
+                    .metadata()
+                    .await
+                    .map_err(|e| StorageError::io(&path, e))?
+                    .len();
+                (file, pos)
+            }
+            Err(e) if e.is_full() && path.exists() => {
+                // No room for a fresh log: keep the old one, cut back to its
+                // valid records, rather than refusing to start.
+                tracing::warn!(error = %e, "disk full; continuing with the uncompacted commit log");
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                    .await
+                    .map_err(|e| StorageError::io(&path, e))?;
+                file.set_len(valid as u64)
+                    .await
+                    .map_err(|e| StorageError::io(&path, e))?;
+                (file, valid as u64)
+            }
+            Err(e) => return Err(e),
+        };
         Ok((
             CommitLog {
                 file,

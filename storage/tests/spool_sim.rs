@@ -17,7 +17,9 @@ struct Model {
 }
 
 async fn check_file(spool: &Spool, m: &Model) {
-    let (buf, range) = read_range(spool.file(), 0, m.committed.len()).await.unwrap();
+    let (buf, range) = read_range(spool.file(), 0, m.committed.len())
+        .await
+        .unwrap();
     assert_eq!(&buf.as_slice()[range], &m.committed[..], "file content");
     let sum: [u8; 20] = Sha1::digest(&m.committed).into();
     assert_eq!(spool.committed_sha1(), sum, "committed sha1");
@@ -36,14 +38,22 @@ async fn write(spool: &mut Spool) {
 async fn run(seed: u64, dir: &std::path::Path) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut spool = Spool::create(dir, 0).await.unwrap();
-    let mut m = Model { begin: 0, committed: Vec::new(), pending: Vec::new() };
+    let mut m = Model {
+        begin: 0,
+        committed: Vec::new(),
+        pending: Vec::new(),
+    };
     let mut last_commit: CommitPoint = spool.commit_point();
     let mut fragments = Vec::new();
     for _ in 0..60 {
         match rng.gen_range(0..100) {
             0..=44 => {
                 // Stage bytes, writing whenever the buffer fills.
-                let n = if rng.gen_bool(0.1) { rng.gen_range(1..6_000_000) } else { rng.gen_range(0..9000) };
+                let n = if rng.gen_bool(0.1) {
+                    rng.gen_range(1..6_000_000)
+                } else {
+                    rng.gen_range(0..9000)
+                };
                 let bytes: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
                 spool.ensure_allocated(n as u64, 0).unwrap();
                 let mut at = 0;
@@ -118,11 +128,15 @@ async fn run(seed: u64, dir: &std::path::Path) {
         let end = spool.committed();
         let want = spool.committed_sha1();
         drop(spool);
-        let (_, sum) = Spool::recover(path.clone(), m.begin, end - 1).await.unwrap();
+        let (_, sum) = Spool::recover(path.clone(), m.begin, end - 1)
+            .await
+            .unwrap();
         assert_ne!(sum, want, "a shorter committed end hashes differently");
         // Past the written bytes but inside the preallocation: zeros hash
         // differently, which is what recovery checks against the log.
-        let (_, sum) = Spool::recover(path.clone(), m.begin, end + 4096).await.unwrap();
+        let (_, sum) = Spool::recover(path.clone(), m.begin, end + 4096)
+            .await
+            .unwrap();
         assert_ne!(sum, want);
         let long = Spool::recover(path, m.begin, end + (1 << 30)).await;
         assert!(long.is_err(), "a committed end past the file is corrupt");
@@ -132,7 +146,10 @@ async fn run(seed: u64, dir: &std::path::Path) {
 #[test]
 fn seeded_spool_simulation() {
     let rt = compio::runtime::Runtime::new().unwrap();
-    let seeds: u64 = std::env::var("SPOOL_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
+    let seeds: u64 = std::env::var("SPOOL_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
     for seed in 0..seeds {
         let dir = tempfile::tempdir().unwrap();
         rt.block_on(run(seed, dir.path()));
@@ -152,7 +169,10 @@ fn simulation_is_deterministic() {
             .unwrap()
             .map(|e| {
                 let e = e.unwrap();
-                (e.file_name().into_string().unwrap(), std::fs::read(e.path()).unwrap())
+                (
+                    e.file_name().into_string().unwrap(),
+                    std::fs::read(e.path()).unwrap(),
+                )
             })
             .collect();
         v.sort();
