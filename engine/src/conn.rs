@@ -121,17 +121,40 @@ fn header_request_id(bytes: &[u8]) -> u64 {
 impl Conn {
     async fn run(&mut self, mut rd: TcpStream) {
         let mut buf: Vec<u8> = Vec::with_capacity(READ_BUFFER_BYTES);
+        // Bytes of a refused frame still to be skipped.
+        let mut skip = 0usize;
         loop {
             // Decode and handle every whole frame in the buffer.
             let mut start = 0;
             loop {
+                if skip > 0 {
+                    let n = skip.min(buf.len() - start);
+                    start += n;
+                    skip -= n;
+                    if skip > 0 {
+                        break;
+                    }
+                }
                 let avail = &buf[start..];
                 let total = match wire::decode_header(avail, BODY_LEN_MAX) {
                     Err(e) => {
                         let id = header_request_id(avail);
                         self.outbox
                             .error(Op::ERROR, e.status(), id, &[], &e.to_string());
-                        return;
+                        match e {
+                            // The frame's length is trustworthy: skip it.
+                            wire::WireError::MetaTooLong { body_len, .. } => {
+                                skip = HEADER_LEN + body_len as usize
+                            }
+                            wire::WireError::UnknownFlags { .. } | wire::WireError::Reserved => {
+                                let body_len =
+                                    u32::from_le_bytes(avail[..4].try_into().expect("4 bytes"));
+                                skip = HEADER_LEN + body_len as usize;
+                            }
+                            // Bad magic, oversized, unknown op: close.
+                            _ => return,
+                        }
+                        continue;
                     }
                     Ok(None) => break,
                     Ok(Some((_, total))) => total,

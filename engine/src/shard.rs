@@ -758,6 +758,22 @@ impl Shard {
                 registers.union(&a.op.req.union_registers);
                 registers.subtract(&a.op.req.subtract_registers);
             }
+            if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
+                // Replies carry the registers; they must stay encodable.
+                spool.rewind(a.start);
+                let r = AppendReply {
+                    write_head: jm.staged_head,
+                    registers: jm.staged_registers.clone(),
+                    ..Default::default()
+                };
+                let msg = format!(
+                    "registers would take {} bytes; at most {} are allowed",
+                    registers.encoded_len(),
+                    rotary_net::wire::REGISTERS_ENCODED_LEN_MAX
+                );
+                a.op.reply_error(Status::BAD_REQUEST, &r, &msg);
+                continue;
+            }
             jm.staged_head = end;
             jm.staged_registers = registers.clone();
             jm.staged.push(Staged {

@@ -143,4 +143,30 @@ fn preconditions_and_registers() {
     let (status, reply) = c.append(&req(name), b"ok");
     assert_eq!(status, Status::OK);
     assert_eq!(reply.begin, 3);
+    // A well-framed frame with an undefined flag bit is refused and skipped;
+    // the connection keeps serving.
+    let mut frame = Vec::new();
+    rotary_net::wire::encode_frame(&mut frame, Op::PING, 0, Status::OK, 41, &[], &[9; 100_000]);
+    frame[7] = 0x80;
+    c.s.write_all(&frame).unwrap();
+    let e = c.recv();
+    assert_eq!((e.op, e.status, e.id), (Op::ERROR, Status::BAD_REQUEST, 41));
+    c.send(Op::PING, 0, 42, &[], b"still here");
+    let p = c.recv();
+    assert_eq!((p.op, p.id, &p.payload[..]), (Op::PONG, 42, &b"still here"[..]));
+    // Registers that would outgrow a reply are refused whole.
+    let big = |from: usize| {
+        let mut r = req(name);
+        let labels: Vec<(String, String)> = (from..from + 40).map(|i| (format!("k{i:03}"), "v".repeat(1000))).collect();
+        r.union_registers = rotary_net::LabelSet::from_pairs(labels).unwrap();
+        r
+    };
+    let (status, reply) = c.append(&big(0), b"40 KB of registers");
+    assert_eq!((status, reply.begin), (Status::OK, 5));
+    let (status, reply) = c.append(&big(40), b"80 KB of registers");
+    assert_eq!(status, Status::BAD_REQUEST);
+    assert_eq!(reply.write_head, 23);
+    let (status, reply) = c.append(&req(name), b"!");
+    assert_eq!((status, reply.begin), (Status::OK, 23));
+    assert_eq!(reply.registers.len(), 41);
 }

@@ -135,6 +135,33 @@ impl LabelSet {
         Ok(())
     }
 
+    /// Appends a label that sorts after every label present (the wire
+    /// carries label sets sorted, so decoding is linear). Refuses anything
+    /// out of order or duplicated.
+    pub fn push_sorted(&mut self, name: String, value: String) -> Result<(), SpecError> {
+        validate_label_name(&name)?;
+        validate_label_value(&name, &value)?;
+        let label = Label { name, value };
+        if self.labels.last().is_some_and(|last| *last >= label) {
+            return Err(SpecError::BadLabel {
+                name: label.name,
+                why: "label sets must be sorted by (name, value) without duplicates",
+            });
+        }
+        self.labels.push(label);
+        Ok(())
+    }
+
+    /// Bytes of this set in its wire encoding (`u16` count, then `str16`
+    /// name and value per label).
+    pub fn encoded_len(&self) -> usize {
+        2 + self
+            .labels
+            .iter()
+            .map(|l| 4 + l.name.len() + l.value.len())
+            .sum::<usize>()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &Label> {
         self.labels.iter()
     }

@@ -21,6 +21,9 @@ pub const MAGIC: u16 = u16::from_le_bytes(*b"RT");
 pub const HEADER_LEN: usize = 24;
 /// Largest metadata section, in bytes.
 pub const META_LEN_MAX: usize = u16::MAX as usize;
+/// Largest encoded register set: an APPEND_REPLY's metadata (48 fixed
+/// bytes plus the registers) must fit in [`META_LEN_MAX`].
+pub const REGISTERS_ENCODED_LEN_MAX: usize = META_LEN_MAX - 48;
 /// Largest payload a frame may carry by default (content chunks, read data).
 pub const PAYLOAD_LEN_MAX: usize = 16 << 20;
 /// Largest `body_len` accepted by default.
@@ -184,7 +187,10 @@ pub struct Frame<'a> {
 
 /// Reads the header at the front of `buf`, if complete, and checks it.
 /// Returns the header and the total frame length (header + body).
-pub fn decode_header(buf: &[u8], body_len_max: u32) -> Result<Option<(FrameHeader, usize)>, WireError> {
+pub fn decode_header(
+    buf: &[u8],
+    body_len_max: u32,
+) -> Result<Option<(FrameHeader, usize)>, WireError> {
     let Some((header, _)) = FrameHeader::read_from_prefix(buf).ok() else {
         return Ok(None);
     };
@@ -219,7 +225,10 @@ pub fn decode_header(buf: &[u8], body_len_max: u32) -> Result<Option<(FrameHeade
 
 /// Decodes one frame from the front of `buf`. `Ok(None)` means more bytes
 /// are needed; the `usize` is how many bytes the frame took.
-pub fn decode_frame(buf: &[u8], body_len_max: u32) -> Result<Option<(Frame<'_>, usize)>, WireError> {
+pub fn decode_frame(
+    buf: &[u8],
+    body_len_max: u32,
+) -> Result<Option<(Frame<'_>, usize)>, WireError> {
     let Some((header, total)) = decode_header(buf, body_len_max)? else {
         return Ok(None);
     };
@@ -270,7 +279,10 @@ pub fn frame_header(
     payload_len: usize,
 ) -> FrameHeader {
     assert!(meta_len <= META_LEN_MAX, "meta of {meta_len} bytes");
-    assert!(flags & !op.known_flags() == 0, "flags {flags:#x} for {op:?}");
+    assert!(
+        flags & !op.known_flags() == 0,
+        "flags {flags:#x} for {op:?}"
+    );
     let body_len = u32::try_from(meta_len + payload_len).expect("frame body fits u32");
     FrameHeader {
         body_len: U32::new(body_len),
@@ -321,7 +333,11 @@ impl MetaWriter {
     }
 
     pub fn finish(self) -> Vec<u8> {
-        assert!(self.buf.len() <= META_LEN_MAX, "meta of {} bytes", self.buf.len());
+        assert!(
+            self.buf.len() <= META_LEN_MAX,
+            "meta of {} bytes",
+            self.buf.len()
+        );
         self.buf
     }
 }
@@ -336,7 +352,10 @@ impl<'a> MetaReader<'a> {
         MetaReader { buf }
     }
 
-    pub fn fixed<T: FromBytes + KnownLayout + Immutable>(&mut self, what: &'static str) -> Result<T, WireError> {
+    pub fn fixed<T: FromBytes + KnownLayout + Immutable>(
+        &mut self,
+        what: &'static str,
+    ) -> Result<T, WireError> {
         let (v, rest) = T::read_from_prefix(self.buf).map_err(|_| WireError::Truncated(what))?;
         self.buf = rest;
         Ok(v)
@@ -366,7 +385,7 @@ impl<'a> MetaReader<'a> {
         for _ in 0..n {
             let name = self.str16(what)?;
             let value = self.str16(what)?;
-            set.add(name.to_string(), value.to_string())?;
+            set.push_sorted(name.to_string(), value.to_string())?;
         }
         Ok(set)
     }
@@ -580,7 +599,10 @@ pub fn encode_name(name: &str) -> Vec<u8> {
 }
 
 /// Decodes a fixed-size metadata section exactly.
-pub fn decode_fixed<T: FromBytes + KnownLayout + Immutable>(meta: &[u8], what: &'static str) -> Result<T, WireError> {
+pub fn decode_fixed<T: FromBytes + KnownLayout + Immutable>(
+    meta: &[u8],
+    what: &'static str,
+) -> Result<T, WireError> {
     let mut r = MetaReader::new(meta);
     let v = r.fixed(what)?;
     r.finish()?;
@@ -677,13 +699,22 @@ mod tests {
         encode_frame(&mut buf, Op::PING, 0, Status::OK, 7, &[], &[]);
         let mut bad = buf.clone();
         bad[4] = 0;
-        assert!(matches!(decode_frame(&bad, BODY_LEN_MAX), Err(WireError::BadMagic(_))));
+        assert!(matches!(
+            decode_frame(&bad, BODY_LEN_MAX),
+            Err(WireError::BadMagic(_))
+        ));
         let mut bad = buf.clone();
         bad[6] = 0x7e;
-        assert_eq!(decode_frame(&bad, BODY_LEN_MAX), Err(WireError::UnknownOp(0x7e)));
+        assert_eq!(
+            decode_frame(&bad, BODY_LEN_MAX),
+            Err(WireError::UnknownOp(0x7e))
+        );
         let mut bad = buf.clone();
         bad[7] = 0x80;
-        assert!(matches!(decode_frame(&bad, BODY_LEN_MAX), Err(WireError::UnknownFlags { .. })));
+        assert!(matches!(
+            decode_frame(&bad, BODY_LEN_MAX),
+            Err(WireError::UnknownFlags { .. })
+        ));
         let mut big = Vec::new();
         encode_frame(&mut big, Op::PING, 0, Status::OK, 7, &[], &[0; 100]);
         let err = decode_frame(&big, 50).unwrap_err();
@@ -696,7 +727,14 @@ mod tests {
     #[test]
     fn negative_offsets_other_than_head_are_refused() {
         let mut w = MetaWriter::new();
-        w.fixed(&ReadFixed { offset: I64::new(-5), end_offset: U64::new(0) }).str16("a/b/c");
-        assert_eq!(ReadRequest::decode(&w.finish()), Err(WireError::BadOffset(-5)));
+        w.fixed(&ReadFixed {
+            offset: I64::new(-5),
+            end_offset: U64::new(0),
+        })
+        .str16("a/b/c");
+        assert_eq!(
+            ReadRequest::decode(&w.finish()),
+            Err(WireError::BadOffset(-5))
+        );
     }
 }
