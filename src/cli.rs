@@ -317,7 +317,7 @@ type CmdResult = Result<(), CliError>;
 pub fn run(cli: Cli) -> i32 {
     let result = match cli.cmd {
         Cmd::Serve(args) => serve(args),
-        Cmd::Doctor { data } => return crate::doctor::run(&data),
+        Cmd::Doctor { data } => return rotary_tuning::doctor::run(&data),
         other => {
             let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -347,6 +347,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     let listen: SocketAddr = args
         .listen

@@ -6,7 +6,6 @@
 //! invalid input, 3 a retryable status (or the broker could not be reached).
 
 mod cli;
-mod doctor;
 mod output;
 
 use clap::Parser;

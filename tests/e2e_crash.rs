@@ -217,3 +217,134 @@ async fn kill9_broker_loses_no_acknowledged_append() {
     let (tail, _) = read_range(&client, j, head, None).await.unwrap();
     assert_eq!(tail, record(99, 0, 100));
 }
+
+/// A content source that follows a script: bytes, pauses, a failure, or
+/// nothing ever again.
+enum Step {
+    Data(Vec<u8>),
+    Wait(Duration),
+    Fail,
+    Stall,
+}
+
+struct Scripted {
+    steps: std::collections::VecDeque<Step>,
+    sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Scripted {
+    fn new(steps: Vec<Step>) -> Self {
+        Scripted {
+            steps: steps.into(),
+            sleep: None,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Scripted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        loop {
+            match self.steps.front_mut() {
+                None => return Poll::Ready(Ok(())),
+                Some(Step::Data(d)) => {
+                    let n = d.len().min(buf.remaining());
+                    buf.put_slice(&d[..n]);
+                    d.drain(..n);
+                    if d.is_empty() {
+                        self.steps.pop_front();
+                    }
+                    return Poll::Ready(Ok(()));
+                }
+                Some(Step::Wait(d)) => {
+                    let d = *d;
+                    let sleep = self
+                        .sleep
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(d)));
+                    match sleep.as_mut().poll(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(()) => {
+                            self.sleep = None;
+                            self.steps.pop_front();
+                        }
+                    }
+                }
+                Some(Step::Fail) => {
+                    return Poll::Ready(Err(std::io::Error::other("the disk is on fire")))
+                }
+                Some(Step::Stall) => return Poll::Pending,
+            }
+        }
+    }
+}
+
+use std::future::Future;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_client_appends_roll_back_at_once() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/crash/abandoned";
+    create_journal(&client, j, |_| {}).await;
+    let mut all = assert_no_trace(&client, j, b"", b"start").await;
+
+    // The content reader fails after some bytes went out: the client sends
+    // ABORT and reports the reader's error.
+    let reader = Scripted::new(vec![
+        Step::Data(vec![b'a'; 50_000]),
+        Step::Wait(Duration::from_millis(100)),
+        Step::Data(vec![b'b'; 10]),
+        Step::Wait(Duration::from_millis(100)),
+        Step::Fail,
+    ]);
+    let err = client.append_stream(&req(j), reader).await.unwrap_err();
+    assert!(
+        matches!(err, rotary_net::client::ClientError::Content(_)),
+        "{err}"
+    );
+    // The journal is free at once (not after the broker's idle timeout).
+    all = tokio::time::timeout(
+        Duration::from_secs(5),
+        assert_no_trace(&client, j, &all, b"-after-error"),
+    )
+    .await
+    .expect("the aborted append no longer holds the journal");
+
+    // The caller gives up on an append whose reader stalls: dropping the
+    // future sends ABORT.
+    let reader = Scripted::new(vec![Step::Data(vec![b'c'; 70_000]), Step::Stall]);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        client.append_stream(&req(j), reader),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the stalled append cannot finish");
+    all = tokio::time::timeout(
+        Duration::from_secs(5),
+        assert_no_trace(&client, j, &all, b"-after-drop"),
+    )
+    .await
+    .expect("the dropped append no longer holds the journal");
+
+    // A read abandoned half-way is cancelled; the connection goes on.
+    let big = vec![b'r'; 4 << 20];
+    client.append(&req(j), big.clone()).await.unwrap();
+    all.extend_from_slice(&big);
+    let r = rotary_net::wire::ReadRequest {
+        journal: j.into(),
+        offset: Some(0),
+        end_offset: None,
+    };
+    let mut stream = client.read(&r, false, false).await.unwrap();
+    assert!(matches!(
+        stream.next().await.unwrap().unwrap(),
+        rotary_net::client::ReadEvent::Data { offset: 0, .. }
+    ));
+    drop(stream);
+    client.ping().await.unwrap();
+    assert_eq!(read_all(&client, j).await, all);
+}
