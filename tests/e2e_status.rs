@@ -320,6 +320,41 @@ async fn malformed_frames() {
     seen.sort();
     assert_eq!(seen, vec![9, 10, 11]);
 
+    // Headers whose length is trustworthy but whose flags, reserved field
+    // or meta_len are bad: an ERROR for that request id, frame skipped,
+    // connection kept. A stray APPEND_CHUNK: BAD_REQUEST in APPEND_REPLY.
+    let mut bad_flags = frame(Op::PING, 0, 12, &[], b"p");
+    bad_flags[7] = 0x80;
+    let mut bad_reserved = frame(Op::PING, 0, 13, &[], b"p");
+    bad_reserved[20] = 1;
+    let mut bad_meta_len = frame(Op::PING, 0, 14, &[], b"p");
+    bad_meta_len[10..12].copy_from_slice(&100u16.to_le_bytes());
+    for f in [bad_flags, bad_reserved, bad_meta_len] {
+        s.write_all(&f).unwrap();
+    }
+    s.write_all(&frame(Op::APPEND_CHUNK, 0, 15, &[], b"stray"))
+        .unwrap();
+    s.write_all(&frame(Op::PING, 0, 16, &[], b"kept")).unwrap();
+    for id in 12..=14 {
+        let f = read_raw_frame(&mut s).unwrap().expect("an ERROR frame");
+        assert_eq!(
+            (f.op, f.status, f.request_id),
+            (Op::ERROR, Status::BAD_REQUEST as u16, id),
+            "{f:?}"
+        );
+    }
+    let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+    assert_eq!(
+        (f.op, f.status, f.request_id),
+        (Op::APPEND_REPLY, Status::BAD_REQUEST as u16, 15),
+        "{f:?}"
+    );
+    let f = read_raw_frame(&mut s).unwrap().expect("PONG");
+    assert_eq!(
+        (f.op, f.request_id, &f.payload[..]),
+        (Op::PONG, 16, &b"kept"[..])
+    );
+
     // The broker keeps serving everyone else; nothing was appended.
     let fresh = broker.client().await;
     fresh.ping().await.unwrap();

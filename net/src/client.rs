@@ -1063,7 +1063,12 @@ mod tests {
             let req = req.clone();
             async move { client.append(&req, vec![n as u8; n]).await.unwrap() }
         });
-        let replies = futures_join_all(futs.collect()).await;
+        let replies =
+            tokio::time::timeout(Duration::from_secs(20), futures_join_all(futs.collect()))
+                .await
+                .expect(
+                    "appends are pipelined: the fake broker replies only after all four arrive",
+                );
         for (reply, &n) in replies.iter().zip(&sizes) {
             assert_eq!(reply.end - reply.begin, n as u64);
         }
@@ -1076,6 +1081,77 @@ mod tests {
         for c in &received {
             assert!(c.iter().all(|&b| b == c.len() as u8));
         }
+    }
+
+    /// Reads one whole frame from a fake broker's socket.
+    async fn next_frame(
+        sock: &mut tokio::net::TcpStream,
+        buf: &mut Vec<u8>,
+    ) -> Option<(Op, u64, Vec<u8>)> {
+        loop {
+            if let Some((f, used)) = wire::decode_frame(buf, wire::BODY_LEN_MAX).unwrap() {
+                let out = (f.op, f.request_id, f.payload.to_vec());
+                buf.drain(..used);
+                return Some(out);
+            }
+            let mut tmp = [0u8; 4096];
+            let n = sock.read(&mut tmp).await.unwrap();
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&tmp[..n]);
+        }
+    }
+
+    /// A broken connection fails the requests in flight with a retryable
+    /// I/O error; the next request opens a new connection. An ERROR frame
+    /// is the final reply of the request it names.
+    #[tokio::test]
+    async fn reconnects_after_the_broker_closes_and_maps_error_frames() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            // First connection: take a PING, close without answering.
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            let (op, _, _) = next_frame(&mut sock, &mut buf).await.unwrap();
+            assert_eq!(op, Op::PING);
+            drop(sock);
+            // Second connection: answer STATS with ERROR, then PING.
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            for _ in 0..2 {
+                let (op, id, payload) = next_frame(&mut sock, &mut buf).await.unwrap();
+                let mut out = Vec::new();
+                match op {
+                    Op::STATS => wire::encode_frame(
+                        &mut out,
+                        Op::ERROR,
+                        0,
+                        Status::BAD_REQUEST,
+                        id,
+                        &[],
+                        b"no stats today",
+                    ),
+                    Op::PING => {
+                        wire::encode_frame(&mut out, Op::PONG, 0, Status::OK, id, &[], &payload)
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                sock.write_all(&out).await.unwrap();
+            }
+        });
+        let client = Client::connect(&addr).await.unwrap();
+        let err = client.ping().await.unwrap_err();
+        assert!(matches!(err, ClientError::Io { .. }), "{err}");
+        assert!(err.is_retryable());
+        assert_eq!(err.status(), None);
+        let err = client.stats().await.unwrap_err();
+        assert_eq!(err.status(), Some(Status::BAD_REQUEST));
+        assert!(err.to_string().contains("no stats today"), "{err}");
+        client.ping().await.unwrap();
+        server.await.unwrap();
     }
 
     async fn futures_join_all<F: std::future::Future + Send + 'static>(
