@@ -579,3 +579,81 @@ async fn fsync_journal_round_trip() {
     }
     assert_eq!(read_all(&client, j).await, all);
 }
+
+/// A client that does not route: requests sent to a shard that does not own
+/// the journal are forwarded by the broker, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_to_the_wrong_shard_are_forwarded() {
+    use rotary_net::wire::{self, flag, AppendReply, Op};
+    use std::io::Write;
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = (0..)
+        .map(|i| format!("e2e/forward/j{i}"))
+        .find(|n| shard_of(n, broker.cores as u32) == 1)
+        .unwrap();
+    create_journal(&client, &j, |_| {}).await;
+    let before = client.stats().await.unwrap()["cross_core_forwards"]
+        .as_u64()
+        .unwrap();
+
+    let mut s = raw_connect(&broker.shard_endpoint(0));
+    let meta = append_req(&j).encode();
+    s.write_all(&frame(Op::APPEND, 0, 1, &meta, b"one frame;"))
+        .unwrap();
+    s.write_all(&frame(Op::APPEND, flag::MORE, 2, &meta, b"two "))
+        .unwrap();
+    s.write_all(&frame(Op::APPEND_CHUNK, 0, 2, &[], b"frames;"))
+        .unwrap();
+    let mut replies = Vec::new();
+    for _ in 0..2 {
+        let f = read_raw_frame(&mut s).unwrap().expect("APPEND_REPLY");
+        assert_eq!((f.op, f.status), (Op::APPEND_REPLY, 0), "{f:?}");
+        replies.push((f.request_id, AppendReply::decode(&f.meta).unwrap()));
+    }
+    replies.sort_by_key(|r| r.0);
+    assert_eq!((replies[0].1.begin, replies[0].1.end), (0, 10));
+    assert_eq!((replies[1].1.begin, replies[1].1.end), (10, 21));
+    assert_eq!(replies[1].1.sha1, sha1(b"two frames;"));
+
+    // A forwarded read, and a forwarded blocking read cancelled.
+    let read = |offset: u64| {
+        rotary_net::wire::ReadRequest {
+            journal: j.clone(),
+            offset: Some(offset),
+            end_offset: None,
+        }
+        .encode()
+    };
+    s.write_all(&frame(Op::READ, 0, 3, &read(0), &[])).unwrap();
+    let mut data = Vec::new();
+    loop {
+        let f = read_raw_frame(&mut s).unwrap().expect("READ reply");
+        assert_eq!(f.request_id, 3);
+        match f.op {
+            Op::READ_DATA => data.extend_from_slice(&f.payload),
+            Op::READ_DONE => {
+                let d: wire::ReadDone = wire::decode_fixed(&f.meta, "done").unwrap();
+                assert_eq!((f.status, d.offset.get(), d.write_head.get()), (0, 21, 21));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(data, b"one frame;two frames;");
+    s.write_all(&frame(Op::READ, flag::BLOCK, 4, &read(21), &[]))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    s.write_all(&frame(Op::CANCEL, 0, 4, &[], &[])).unwrap();
+    let f = read_raw_frame(&mut s).unwrap().expect("READ_DONE");
+    assert_eq!(
+        (f.op, f.request_id, f.status),
+        (Op::READ_DONE, 4, Status::CANCELLED as u16)
+    );
+
+    let after = client.stats().await.unwrap()["cross_core_forwards"]
+        .as_u64()
+        .unwrap();
+    assert!(after >= before + 4, "forwards counted: {before} -> {after}");
+    assert_eq!(read_all(&client, &j).await, b"one frame;two frames;");
+}

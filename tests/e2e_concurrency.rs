@@ -32,6 +32,36 @@ async fn concurrent_writers_commit_whole_contiguous_appends() {
     let client = broker.client().await;
     let j = "e2e/concurrency/one-journal";
     create_journal(&client, j, |_| {}).await;
+    let total_expected: u64 = (0..WRITERS).flat_map(sizes).map(|n| n as u64).sum();
+
+    // A tailing reader follows the writers from offset 0 to the known end.
+    let tail = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let req = rotary_net::wire::ReadRequest {
+                journal: j.to_string(),
+                offset: Some(0),
+                end_offset: Some(total_expected),
+            };
+            let mut stream = client.read(&req, true, false).await.unwrap();
+            let mut got = Vec::new();
+            loop {
+                match stream.next().await.expect("READ_DONE").unwrap() {
+                    rotary_net::client::ReadEvent::Data { offset, content } => {
+                        assert_eq!(offset, got.len() as u64, "tail offsets are contiguous");
+                        got.extend_from_slice(&content);
+                    }
+                    rotary_net::client::ReadEvent::Done(d) => {
+                        assert_eq!(
+                            (d.status, d.offset),
+                            (rotary_net::Status::OK, total_expected)
+                        );
+                        return got;
+                    }
+                }
+            }
+        })
+    };
     let started = Instant::now();
 
     // All writers share one client, hence one connection: their appends
@@ -126,6 +156,12 @@ async fn concurrent_writers_commit_whole_contiguous_appends() {
         assert_eq!(sha1(span), reply.sha1, "SHA-1 of ({writer}, {seq})");
     }
     assert_eq!(write_head(&client, j).await, total);
+    assert_eq!(total, total_expected);
+    let tailed = tail.await.unwrap();
+    assert!(
+        tailed == bytes,
+        "the tailing reader saw other bytes than the final read"
+    );
     eprintln!(
         "{} appends, {} bytes in {:?}",
         acked.len(),

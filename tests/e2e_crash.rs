@@ -4,8 +4,9 @@
 mod common;
 
 use common::*;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rotary_net::client::Client;
+use rotary_net::client::APPEND_CHUNK_LEN;
 use rotary_net::wire::{flag, AppendRequest, Op};
 use std::io::Write;
 use std::process::Stdio;
@@ -145,7 +146,13 @@ async fn kill9_broker_loses_no_acknowledged_append() {
             let mut acked = Vec::new();
             let mut seq = 0u32;
             loop {
-                let len = log_uniform_size(&mut rng, RECORD_HEADER_LEN, CRASH_SIZE_MAX);
+                // Now and then an append big enough to go in several
+                // frames, so the kill can land in the middle of one.
+                let len = if rng.gen_ratio(1, 150) {
+                    rng.gen_range(APPEND_CHUNK_LEN..3 * APPEND_CHUNK_LEN)
+                } else {
+                    log_uniform_size(&mut rng, RECORD_HEADER_LEN, CRASH_SIZE_MAX)
+                };
                 match client.append(&req(j), record(writer, seq, len)).await {
                     Ok(r) => {
                         assert_eq!(r.end - r.begin, len as u64);
@@ -171,7 +178,7 @@ async fn kill9_broker_loses_no_acknowledged_append() {
         }));
     }
     // Let them run, then SIGKILL the broker mid-stream.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
     broker.kill9();
     let mut acked = Vec::new();
     for t in tasks {
@@ -347,4 +354,50 @@ async fn abandoned_client_appends_roll_back_at_once() {
     drop(stream);
     client.ping().await.unwrap();
     assert_eq!(read_all(&client, j).await, all);
+}
+
+/// Specs, deletes and data survive `kill -9`; a journal re-created after a
+/// delete starts empty, before and after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn specs_and_deletes_survive_kill9() {
+    let mut broker = Broker::start();
+    let (a, b) = ("e2e/restart/kept", "e2e/restart/deleted");
+    {
+        let client = broker.client().await;
+        create_journal(&client, a, |s| {
+            s.labels = rotary_net::spec::LabelSet::from_pairs([("keep", "yes")]).unwrap()
+        })
+        .await;
+        create_journal(&client, b, |_| {}).await;
+        client
+            .append(&req(a), b"kept bytes".to_vec())
+            .await
+            .unwrap();
+        client
+            .append(&req(b), b"deleted bytes".to_vec())
+            .await
+            .unwrap();
+        client.delete(b).await.unwrap();
+        assert_eq!(
+            status_of(client.append(&req(b), b"x".to_vec()).await),
+            rotary_net::Status::JOURNAL_NOT_FOUND
+        );
+    }
+    broker.restart();
+    let client = broker.client().await;
+    let listed = client.list("").await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].spec.name, a);
+    assert_eq!(listed[0].spec.labels.to_text(), "keep=yes");
+    assert_eq!(read_all(&client, a).await, b"kept bytes".to_vec());
+
+    // Re-created, the deleted journal is empty: its old bytes are gone.
+    create_journal(&client, b, |_| {}).await;
+    assert_eq!(write_head(&client, b).await, 0);
+    let r = client.append(&req(b), b"fresh".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (0, 5));
+    broker.restart();
+    let client = broker.client().await;
+    assert_eq!(read_all(&client, b).await, b"fresh".to_vec());
+    assert_eq!(read_all(&client, a).await, b"kept bytes".to_vec());
 }
