@@ -11,14 +11,47 @@
 //! Invariants: an object's name carries the SHA-1 of its *uncompressed*
 //! bytes; an upload is verified before it is reported done; a fragment whose
 //! bytes do not match its name's SHA-1 is never served.
+//!
+//! Threads: one dispatcher thread (`rotary-upload-queue`) moves jobs from
+//! the bounded queue onto the runtime, at most `threads` at a time; the
+//! runtime's workers (`rotary-upload`) run requests to stores; reading,
+//! hashing, compressing and decompressing run on the runtime's blocking
+//! threads. Dropping the last [`Uploader`] handle stops the pool: queued
+//! and running uploads are abandoned (uploads are idempotent, so a shard
+//! queues its unconfirmed fragments again after a restart).
 
+mod codec;
+pub mod name;
+mod read;
 pub mod store;
 
+use object_store::{ObjectStoreExt, PutPayload};
 use rotary_net::spec::Codec;
+use sha1::Digest;
+use std::collections::HashMap;
+use std::io::Read;
 use std::path::PathBuf;
-use std::time::SystemTime;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+use store::{Backend, Store};
 
+pub use name::FragmentName;
 pub use store::{StoreError, StoreUrl};
+
+// Shards on many threads share one pool.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Uploader>();
+};
+
+/// Attempts of one upload job before it is reported as a (retryable)
+/// failure, and the pauses between them.
+pub const UPLOAD_ATTEMPTS_MAX: usize = 3;
+const UPLOAD_BACKOFF: [Duration; UPLOAD_ATTEMPTS_MAX - 1] =
+    [Duration::from_millis(200), Duration::from_millis(1000)];
+/// How often [`Uploader::wait_idle`] looks.
+const IDLE_POLL: Duration = Duration::from_millis(5);
 
 /// A fragment as it exists in a store.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,14 +99,24 @@ pub struct UploadDone {
 /// Operator-visible counters of the pool.
 #[derive(Default, Debug)]
 pub struct UploadMetrics {
+    /// Jobs accepted by [`Uploader::try_upload`] and not yet started.
     pub queued: std::sync::atomic::AtomicU64,
+    /// Successful uploads (written and verified; skips not counted).
     pub uploads: std::sync::atomic::AtomicU64,
+    /// Jobs reported failed (after their attempts).
     pub upload_failures: std::sync::atomic::AtomicU64,
+    /// Uncompressed bytes of successful uploads.
     pub upload_bytes: std::sync::atomic::AtomicU64,
+    /// Stored (compressed) bytes of successful uploads.
     pub upload_stored_bytes: std::sync::atomic::AtomicU64,
     /// Sum of upload latencies in microseconds (with `uploads`, the mean).
     pub upload_micros: std::sync::atomic::AtomicU64,
+    /// Jobs whose object already existed in the store.
     pub skipped_existing: std::sync::atomic::AtomicU64,
+    /// Jobs started and not yet reported.
+    pub in_flight: std::sync::atomic::AtomicU64,
+    /// Attempts that failed and were tried again within a job.
+    pub upload_retries: std::sync::atomic::AtomicU64,
 }
 
 /// The uploader pool.
@@ -84,8 +127,47 @@ pub struct Uploader {
     inner: std::sync::Arc<Inner>,
 }
 
+/// Owned by the [`Uploader`] handles only. Tasks on the runtime hold
+/// [`Shared`], never this: the runtime must not own (and so drop) itself.
 struct Inner {
-    _private: (),
+    jobs: crossbeam_channel::Sender<UploadJob>,
+    handle: tokio::runtime::Handle,
+    runtime: Option<tokio::runtime::Runtime>,
+    shared: Arc<Shared>,
+}
+
+/// State of the pool that its tasks share.
+pub(crate) struct Shared {
+    /// Built stores by URL as written.
+    stores: Mutex<HashMap<String, Arc<Store>>>,
+    metrics: UploadMetrics,
+    /// One permit per upload thread: bounds concurrent jobs.
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl Shared {
+    pub(crate) fn store(&self, url: &str) -> Result<Arc<Store>, StoreError> {
+        let mut stores = self.stores.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(store) = stores.get(url) {
+            return Ok(store.clone());
+        }
+        let store = Arc::new(Store::open(&StoreUrl::parse(url)?)?);
+        stores.insert(url.to_string(), store.clone());
+        Ok(store)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The dispatcher leaves on a closed semaphore or a closed queue (our
+        // `jobs` sender is dropped right after this).
+        self.shared.permits.close();
+        if let Some(runtime) = self.runtime.take() {
+            // Never blocks, so the last handle may go anywhere, even on
+            // another runtime's thread.
+            runtime.shutdown_background();
+        }
+    }
 }
 
 /// Bytes of history streamed from a store, decompressed, in order.
@@ -99,27 +181,96 @@ impl Uploader {
     /// Starts `threads` uploader threads (a tokio runtime of that many
     /// workers) with a job queue of `queue_max` fragments.
     pub fn start(threads: usize, queue_max: usize) -> Uploader {
-        let _ = (threads, queue_max);
-        todo!()
+        assert!(threads >= 1, "an uploader needs a thread");
+        assert!(queue_max >= 1, "an uploader needs a queue");
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("rotary-upload")
+            .enable_all()
+            .build()
+            .expect("cannot start the uploader's runtime");
+        let handle = runtime.handle().clone();
+        let shared = Arc::new(Shared {
+            stores: Mutex::new(HashMap::new()),
+            metrics: UploadMetrics::default(),
+            permits: Arc::new(tokio::sync::Semaphore::new(threads)),
+        });
+        let (jobs, queue) = crossbeam_channel::bounded(queue_max);
+        std::thread::Builder::new()
+            .name("rotary-upload-queue".into())
+            .spawn({
+                let (shared, handle) = (shared.clone(), handle.clone());
+                move || dispatch(queue, shared, handle)
+            })
+            .expect("cannot start the uploader's dispatcher thread");
+        Uploader {
+            inner: Arc::new(Inner {
+                jobs,
+                handle,
+                runtime: Some(runtime),
+                shared,
+            }),
+        }
     }
 
     /// Queues an upload; gives the job back if the queue is full.
     pub fn try_upload(&self, job: UploadJob) -> Result<(), UploadJob> {
-        let _ = job;
-        todo!()
+        assert!(
+            job.begin <= job.end,
+            "upload of a fragment that ends before it begins"
+        );
+        let metrics = &self.inner.shared.metrics;
+        // Counted before it can be dequeued, so `queued` never underflows.
+        metrics.queued.fetch_add(1, Ordering::Relaxed);
+        match self.inner.jobs.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                metrics.queued.fetch_sub(1, Ordering::Relaxed);
+                Err(e.into_inner())
+            }
+        }
     }
 
     pub fn metrics(&self) -> &UploadMetrics {
-        todo!()
+        &self.inner.shared.metrics
+    }
+
+    /// Blocks the calling thread until no upload is queued or running (each
+    /// started job has sent its [`UploadDone`]), or `timeout` passes; true
+    /// if idle. For shutdown and tests: never call it on a shard's executor.
+    pub fn wait_idle(&self, timeout: Duration) -> bool {
+        let metrics = &self.inner.shared.metrics;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let busy =
+                metrics.queued.load(Ordering::Acquire) + metrics.in_flight.load(Ordering::Acquire);
+            if busy == 0 {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(IDLE_POLL);
+        }
     }
 
     /// Lists a journal's fragments in a store: objects directly under
     /// `<prefix><journal>/` whose names parse as fragment names (any
     /// postfix directory between journal and file name, as Gazette allows;
     /// never objects of journal `<journal>/child`).
-    pub async fn list(&self, store: &str, journal: &str) -> Result<Vec<StoredFragment>, StoreError> {
-        let _ = (store, journal);
-        todo!()
+    ///
+    /// A postfix directory is recognized only if its name contains `=`
+    /// (see [`name`] for the rule and its one ambiguity). Sorted by
+    /// `(begin, end, key)`.
+    pub async fn list(
+        &self,
+        store: &str,
+        journal: &str,
+    ) -> Result<Vec<StoredFragment>, StoreError> {
+        let shared = self.inner.shared.clone();
+        let (store, journal) = (store.to_string(), journal.to_string());
+        self.request(async move { list_journal(&shared, &store, &journal).await })
+            .await
     }
 
     /// Streams `[from, fragment.end)` of a fragment, decompressed and
@@ -127,21 +278,459 @@ impl Uploader {
     /// bounded channel. If the whole fragment's SHA-1 does not match its
     /// name, the stream ends with an error instead of its last chunk, so a
     /// caller must not treat bytes as served until the stream ends cleanly.
-    pub fn read(&self, fragment: &StoredFragment, from: u64, chunk_max: usize) -> async_channel::Receiver<Result<HistoryChunk, StoreError>> {
-        let _ = (fragment, from, chunk_max);
-        todo!()
+    ///
+    /// The stream is whole when it closes after a chunk that ends at
+    /// `fragment.end`: that chunk is sent only once the fragment verified.
+    /// A stream that closes short of it was cut off (the pool stopped).
+    /// Errors: the store's (`Unavailable` is retryable), [`StoreError::Corrupt`]
+    /// for an object that does not match its name, and
+    /// [`StoreError::BadOffset`] if `from` is outside `[begin, end]`;
+    /// `from == end` is an empty stream.
+    pub fn read(
+        &self,
+        fragment: &StoredFragment,
+        from: u64,
+        chunk_max: usize,
+    ) -> async_channel::Receiver<Result<HistoryChunk, StoreError>> {
+        assert!(chunk_max > 0, "history chunks hold at least a byte");
+        let (tx, rx) = async_channel::bounded(read::CHUNKS_AHEAD);
+        if from < fragment.begin || from > fragment.end {
+            let bad = StoreError::BadOffset {
+                from,
+                begin: fragment.begin,
+                end: fragment.end,
+            };
+            let _ = tx.try_send(Err(bad));
+            return rx;
+        }
+        if from == fragment.end {
+            return rx; // `tx` drops: an empty, clean stream
+        }
+        let shared = self.inner.shared.clone();
+        self.inner.handle.spawn(read::read_task(
+            shared,
+            fragment.clone(),
+            from,
+            chunk_max,
+            tx,
+        ));
+        rx
     }
 
     /// Where a client can read a fragment directly: a presigned GET URL
     /// valid for `ttl` (S3) or an absolute `file://` path.
-    pub async fn locate(&self, fragment: &StoredFragment, ttl: std::time::Duration) -> Result<String, StoreError> {
-        let _ = (fragment, ttl);
-        todo!()
+    pub async fn locate(
+        &self,
+        fragment: &StoredFragment,
+        ttl: std::time::Duration,
+    ) -> Result<String, StoreError> {
+        let shared = self.inner.shared.clone();
+        let fragment = fragment.clone();
+        self.request(async move { locate(&shared, &fragment, ttl).await })
+            .await
     }
 
-    /// Deletes a fragment object.
+    /// Deletes a fragment object. Deleting an object that is already gone
+    /// succeeds.
     pub async fn delete(&self, fragment: &StoredFragment) -> Result<(), StoreError> {
-        let _ = fragment;
-        todo!()
+        let shared = self.inner.shared.clone();
+        let fragment = fragment.clone();
+        self.request(async move {
+            let store = shared.store(&fragment.store)?;
+            let path = store.path(&fragment.key)?;
+            match store.object().delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                Err(e) => Err(store.err(&fragment.key, e)),
+            }
+        })
+        .await
+    }
+
+    /// Runs `work` on the pool's runtime and awaits its answer on an
+    /// executor-agnostic channel: the caller's thread needs no tokio context.
+    async fn request<T: Send + 'static>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = async_channel::bounded(1);
+        self.inner.handle.spawn(async move {
+            let _ = tx.send(work.await).await;
+        });
+        rx.recv().await.unwrap_or(Err(StoreError::Stopped))
+    }
+}
+
+/// The dispatcher thread: takes a permit, then a job, and runs the job on
+/// the runtime. Taking the permit first keeps waiting jobs in the bounded
+/// queue, where `try_upload` sees them.
+fn dispatch(
+    queue: crossbeam_channel::Receiver<UploadJob>,
+    shared: Arc<Shared>,
+    handle: tokio::runtime::Handle,
+) {
+    loop {
+        let Ok(permit) = handle.block_on(shared.permits.clone().acquire_owned()) else {
+            return; // the pool stopped
+        };
+        let Ok(job) = queue.recv() else {
+            return; // every handle is gone
+        };
+        shared.metrics.in_flight.fetch_add(1, Ordering::AcqRel);
+        shared.metrics.queued.fetch_sub(1, Ordering::AcqRel);
+        let shared = shared.clone();
+        handle.spawn(async move {
+            run_job(&shared, job).await;
+            drop(permit);
+        });
+    }
+}
+
+/// What an upload did.
+enum Uploaded {
+    /// Wrote the object and verified it.
+    Written(StoredFragment),
+    /// The object already existed.
+    Existing(StoredFragment),
+}
+
+async fn run_job(shared: &Shared, job: UploadJob) {
+    let started = Instant::now();
+    let done = job.done.clone();
+    let (journal, begin, end) = (job.journal.clone(), job.begin, job.end);
+    let result = upload(shared, job).await;
+    let metrics = &shared.metrics;
+    let result = match result {
+        Ok(Uploaded::Written(fragment)) => {
+            metrics.uploads.fetch_add(1, Ordering::Relaxed);
+            metrics
+                .upload_bytes
+                .fetch_add(end - begin, Ordering::Relaxed);
+            metrics
+                .upload_stored_bytes
+                .fetch_add(fragment.size, Ordering::Relaxed);
+            let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            metrics.upload_micros.fetch_add(micros, Ordering::Relaxed);
+            Ok(fragment)
+        }
+        Ok(Uploaded::Existing(fragment)) => {
+            metrics.skipped_existing.fetch_add(1, Ordering::Relaxed);
+            Ok(fragment)
+        }
+        Err(e) => {
+            metrics.upload_failures.fetch_add(1, Ordering::Relaxed);
+            Err(e)
+        }
+    };
+    // A shard that has gone away no longer needs the answer.
+    let _ = done
+        .send(UploadDone {
+            journal,
+            begin,
+            end,
+            result,
+        })
+        .await;
+    metrics.in_flight.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// A fragment compressed and ready to put.
+struct Prepared {
+    bytes: bytes::Bytes,
+}
+
+async fn upload(shared: &Shared, job: UploadJob) -> Result<Uploaded, StoreError> {
+    rotary_net::spec::validate_journal_name(&job.journal).map_err(|e| StoreError::BadJournal {
+        journal: job.journal.clone(),
+        why: e.to_string(),
+    })?;
+    let store = shared.store(&job.store)?;
+    let name = FragmentName {
+        begin: job.begin,
+        end: job.end,
+        sha1: job.sha1,
+        codec: job.codec,
+    };
+    let key = name.key(&job.journal);
+    let mut prepared = None;
+    // Set once an object we wrote failed to verify: it is then ours and
+    // wrong, not another writer's, and must be replaced rather than skipped.
+    let mut overwrite = false;
+    let mut attempt = 0;
+    loop {
+        let result = upload_attempt(&store, &job, &key, &mut prepared, &mut overwrite).await;
+        match result {
+            Err(e) if e.is_retryable() && attempt + 1 < UPLOAD_ATTEMPTS_MAX => {
+                tracing::debug!(store = %job.store, %key, attempt, error = %e, "upload attempt failed; retrying");
+                shared
+                    .metrics
+                    .upload_retries
+                    .fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(UPLOAD_BACKOFF[attempt]).await;
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
+async fn upload_attempt(
+    store: &Store,
+    job: &UploadJob,
+    key: &str,
+    prepared: &mut Option<Prepared>,
+    overwrite: &mut bool,
+) -> Result<Uploaded, StoreError> {
+    let path = store.path(key)?;
+    let object = store.object();
+    let stored = |size: u64, mod_time: SystemTime| StoredFragment {
+        journal: job.journal.clone(),
+        begin: job.begin,
+        end: job.end,
+        sha1: job.sha1,
+        codec: job.codec,
+        store: job.store.clone(),
+        key: key.to_string(),
+        size,
+        mod_time,
+    };
+    if !*overwrite {
+        // Content-addressed: an object of this name holds these bytes.
+        match object.head(&path).await {
+            Ok(meta) => {
+                return Ok(Uploaded::Existing(stored(
+                    meta.size,
+                    meta.last_modified.into(),
+                )))
+            }
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(store.err(key, e)),
+        }
+    }
+    let bytes = match prepared {
+        Some(p) => p.bytes.clone(),
+        None => {
+            let (path, begin, end, sha1, codec) =
+                (job.path.clone(), job.begin, job.end, job.sha1, job.codec);
+            let p = blocking(move || prepare(&path, begin, end, sha1, codec)).await?;
+            prepared.insert(p).bytes.clone()
+        }
+    };
+    object
+        .put(&path, PutPayload::from(bytes.clone()))
+        .await
+        .map_err(|e| store.err(key, e))?;
+    match verify(store, job, key, &bytes).await {
+        Ok(meta) => Ok(Uploaded::Written(stored(
+            meta.size,
+            meta.last_modified.into(),
+        ))),
+        Err(e) => {
+            if matches!(e, StoreError::VerifyFailed { .. }) {
+                *overwrite = true;
+                let _ = object.delete(&path).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Reads, hashes and compresses the local fragment. Blocking.
+fn prepare(
+    path: &std::path::Path,
+    begin: u64,
+    end: u64,
+    sha1: [u8; 20],
+    codec: Codec,
+) -> Result<Prepared, StoreError> {
+    let io_err = |e: std::io::Error| StoreError::LocalIo {
+        path: path.to_path_buf(),
+        kind: e.kind(),
+        message: e.to_string(),
+    };
+    let corrupt = |why: String| StoreError::LocalCorrupt {
+        path: path.to_path_buf(),
+        why,
+    };
+    let file = std::fs::File::open(path).map_err(io_err)?;
+    let len = end - begin;
+    let file_len = file.metadata().map_err(io_err)?.len();
+    if file_len != len {
+        return Err(corrupt(format!(
+            "holds {file_len} bytes, the fragment is {len}"
+        )));
+    }
+    let mut input = codec::HashingReader::new(file.take(len));
+    let bytes = codec::compress(codec, &mut input).map_err(io_err)?;
+    if input.bytes != len {
+        return Err(corrupt(format!(
+            "read {} bytes, the fragment is {len}",
+            input.bytes
+        )));
+    }
+    let got: [u8; 20] = input.hasher.finalize().into();
+    if got != sha1 {
+        return Err(corrupt(format!(
+            "bytes hash to {}, the fragment's SHA-1 is {}",
+            hex::encode(got),
+            hex::encode(sha1)
+        )));
+    }
+    Ok(Prepared {
+        bytes: bytes::Bytes::from(bytes),
+    })
+}
+
+/// Checks what was written: its size everywhere, and for a file store
+/// (where reading back is cheap) that it decompresses to the named bytes.
+async fn verify(
+    store: &Store,
+    job: &UploadJob,
+    key: &str,
+    written: &bytes::Bytes,
+) -> Result<object_store::ObjectMeta, StoreError> {
+    let path = store.path(key)?;
+    let failed = |why: String| StoreError::VerifyFailed {
+        store: job.store.clone(),
+        key: key.to_string(),
+        why,
+    };
+    let meta = match store.object().head(&path).await {
+        Ok(meta) => meta,
+        Err(object_store::Error::NotFound { .. }) => {
+            return Err(failed("not found after writing".into()))
+        }
+        Err(e) => return Err(store.err(key, e)),
+    };
+    if meta.size != written.len() as u64 {
+        return Err(failed(format!(
+            "holds {} bytes, {} were written",
+            meta.size,
+            written.len()
+        )));
+    }
+    if let Backend::File(_) = store.backend {
+        let back = store
+            .object()
+            .get(&path)
+            .await
+            .map_err(|e| store.err(key, e))?
+            .bytes()
+            .await
+            .map_err(|e| store.err(key, e))?;
+        let (codec, sha1, len) = (job.codec, job.sha1, job.end - job.begin);
+        let check = blocking(move || {
+            let mut decoded = codec::HashingReader::new(codec::decoder(codec, &back[..])?);
+            std::io::copy(&mut decoded, &mut std::io::sink())?;
+            let got: [u8; 20] = decoded.hasher.finalize().into();
+            Ok::<_, std::io::Error>(decoded.bytes == len && got == sha1)
+        })
+        .await;
+        match check {
+            Ok(true) => {}
+            Ok(false) => return Err(failed("reads back as other bytes".into())),
+            Err(e) => return Err(failed(format!("reads back undecodable: {e}"))),
+        }
+    }
+    Ok(meta)
+}
+
+/// Runs blocking work on the runtime's blocking threads.
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(t) => t,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+async fn list_journal(
+    shared: &Shared,
+    store_url: &str,
+    journal: &str,
+) -> Result<Vec<StoredFragment>, StoreError> {
+    rotary_net::spec::validate_journal_name(journal).map_err(|e| StoreError::BadJournal {
+        journal: journal.to_string(),
+        why: e.to_string(),
+    })?;
+    let store = shared.store(store_url)?;
+    let base = store.path(journal)?;
+    let object = store.object();
+    let top = object
+        .list_with_delimiter(Some(&base))
+        .await
+        .map_err(|e| store.err(journal, e))?;
+    let mut fragments = Vec::new();
+    collect(&store, journal, top.objects, &mut fragments);
+    for dir in top.common_prefixes {
+        // Postfix directories only (see `name`): other directories hold
+        // child journals.
+        if !dir.filename().is_some_and(|d| d.contains('=')) {
+            continue;
+        }
+        let postfixed = object
+            .list_with_delimiter(Some(&dir))
+            .await
+            .map_err(|e| store.err(dir.as_ref(), e))?;
+        collect(&store, journal, postfixed.objects, &mut fragments);
+    }
+    fragments.sort_by(|a, b| (a.begin, a.end, &a.key).cmp(&(b.begin, b.end, &b.key)));
+    Ok(fragments)
+}
+
+fn collect(
+    store: &Store,
+    journal: &str,
+    objects: Vec<object_store::ObjectMeta>,
+    out: &mut Vec<StoredFragment>,
+) {
+    for meta in objects {
+        let Some(key) = store.key_of(&meta.location) else {
+            continue;
+        };
+        let Some(rel) = key.strip_prefix(journal).and_then(|r| r.strip_prefix('/')) else {
+            continue;
+        };
+        let Some(name) = name::journal_fragment(rel) else {
+            continue;
+        };
+        out.push(StoredFragment {
+            journal: journal.to_string(),
+            begin: name.begin,
+            end: name.end,
+            sha1: name.sha1,
+            codec: name.codec,
+            store: store.url.as_str().to_string(),
+            key: key.to_string(),
+            size: meta.size,
+            mod_time: meta.last_modified.into(),
+        });
+    }
+}
+
+async fn locate(
+    shared: &Shared,
+    fragment: &StoredFragment,
+    ttl: Duration,
+) -> Result<String, StoreError> {
+    use object_store::signer::{Method, Signer};
+    let store = shared.store(&fragment.store)?;
+    let path = store.path(&fragment.key)?;
+    match &store.backend {
+        Backend::File(fs) => {
+            let file = fs
+                .path_to_filesystem(&path)
+                .map_err(|e| store.err(&fragment.key, e))?;
+            let url = url::Url::from_file_path(&file).map_err(|()| StoreError::BadJournal {
+                journal: fragment.journal.clone(),
+                why: format!("{} is not an absolute path", file.display()),
+            })?;
+            Ok(url.to_string())
+        }
+        Backend::S3(s3) => {
+            let url = s3
+                .signed_url(Method::GET, &path, ttl)
+                .await
+                .map_err(|e| store.err(&fragment.key, e))?;
+            Ok(url.to_string())
+        }
     }
 }
