@@ -259,10 +259,22 @@ impl Conn {
             Op::APPLY => self.apply(id, frame.payload),
             Op::LIST => self.list(id, frame.payload),
             Op::STATS => {
-                let body = self.shard.metrics.to_json(self.shard.shards as usize);
+                let mut body = self.shard.metrics.to_json(self.shard.shards as usize);
+                let m = self.shard.uploader.metrics();
+                let load =
+                    |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+                body["upload_queue_depth"] = load(&m.queued).into();
+                body["uploads"] = load(&m.uploads).into();
+                body["upload_failures"] = load(&m.upload_failures).into();
+                body["upload_bytes"] = load(&m.upload_bytes).into();
+                body["upload_stored_bytes"] = load(&m.upload_stored_bytes).into();
+                body["upload_micros_total"] = load(&m.upload_micros).into();
                 self.admin_ok(id, &body);
             }
-            Op::DELETE | Op::FRAGMENTS | Op::SEAL => self.by_name(frame, body.raw()).await,
+            Op::PRUNE => self.prune(id, frame.payload).await,
+            Op::DELETE | Op::FRAGMENTS | Op::SEAL | Op::RESET_HEAD => {
+                self.by_name(frame, body.raw()).await
+            }
             _ => {
                 self.outbox.error(
                     Op::ERROR,
@@ -554,6 +566,54 @@ impl Conn {
         self.admin_ok(id, &serde_json::Value::Array(out));
     }
 
+    async fn prune(&self, id: u64, payload: &[u8]) {
+        #[derive(serde::Deserialize, Default)]
+        struct PruneReq {
+            #[serde(default)]
+            selector: String,
+            #[serde(default)]
+            dry_run: bool,
+        }
+        let req: PruneReq = if payload.is_empty() {
+            PruneReq::default()
+        } else {
+            match serde_json::from_slice(payload) {
+                Ok(r) => r,
+                Err(e) => {
+                    return self.outbox.error(
+                        Op::ADMIN_REPLY,
+                        Status::BAD_REQUEST,
+                        id,
+                        &[],
+                        &format!("prune: {e}"),
+                    )
+                }
+            }
+        };
+        let sel = match LabelSelector::parse(&req.selector) {
+            Ok(s) => s,
+            Err(e) => {
+                return self.outbox.error(
+                    Op::ADMIN_REPLY,
+                    Status::BAD_REQUEST,
+                    id,
+                    &[],
+                    &e.to_string(),
+                )
+            }
+        };
+        match self.shard.prune(&sel, req.dry_run).await {
+            Ok(removed) => self.admin_ok(id, &serde_json::Value::Array(removed)),
+            Err(e) => self.outbox.error(
+                Op::ADMIN_REPLY,
+                Status::FRAGMENT_STORE_UNHEALTHY,
+                id,
+                &[],
+                &e,
+            ),
+        }
+    }
+
     async fn by_name(&mut self, frame: Frame<'_>, raw: &[u8]) {
         let id = frame.request_id;
         let name = match wire::decode_name(frame.meta) {
@@ -606,6 +666,16 @@ impl Conn {
                     &not_found,
                 ),
             },
+            Op::RESET_HEAD => match self.shard.journal(&name) {
+                Some(j) => self.shard.request_reset_head(&j, self.outbox.clone(), id),
+                None => self.outbox.error(
+                    Op::ADMIN_REPLY,
+                    Status::JOURNAL_NOT_FOUND,
+                    id,
+                    &[],
+                    &not_found,
+                ),
+            },
             Op::SEAL => match self.shard.journal(&name) {
                 Some(j) => self.shard.request_seal(&j, self.outbox.clone(), id),
                 None => self.outbox.error(
@@ -616,7 +686,7 @@ impl Conn {
                     &not_found,
                 ),
             },
-            _ => unreachable!("by_name handles DELETE, FRAGMENTS, SEAL"),
+            _ => unreachable!("by_name handles DELETE, FRAGMENTS, SEAL, RESET_HEAD"),
         }
     }
 

@@ -8,6 +8,7 @@ use rotary_net::status::Status;
 use rotary_net::wire::AppendRequest;
 use rotary_storage::fragment::LocalFragment;
 use rotary_storage::spool::{CommitPoint, Spool};
+use rotary_uploader::StoredFragment;
 use sha1::Sha1;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -125,6 +126,17 @@ pub struct Journal {
     pub spool_since: Option<SystemTime>,
     pub rate: TokenBucket,
     pub deleted: bool,
+    /// Fragments listed from the journal's stores, by begin.
+    pub remote: Vec<StoredFragment>,
+    /// A listing of every store succeeded at least once (always true for
+    /// journals without stores). Appends wait for it: the store may hold
+    /// offsets beyond the local head.
+    pub index_loaded: bool,
+    /// The last listing error, for operators and refusals.
+    pub index_error: Option<String>,
+    pub last_listing: Option<Instant>,
+    pub listing: bool,
+    pub reset_waiters: Vec<(Rc<Outbox>, u64)>,
 }
 
 impl Journal {
@@ -148,7 +160,52 @@ impl Journal {
             seal_waiters: Vec::new(),
             spool_since: None,
             deleted: false,
+            remote: Vec::new(),
+            index_loaded: false,
+            index_error: None,
+            last_listing: None,
+            listing: false,
+            reset_waiters: Vec::new(),
         }
+    }
+
+    /// A journal without stores has its whole index locally.
+    pub fn init_index(&mut self) {
+        self.index_loaded = !self.has_stores();
+    }
+
+    pub fn has_stores(&self) -> bool {
+        !self.spec.fragment.stores.is_empty()
+    }
+
+    /// The end of readable history: the write head, or further when the
+    /// stores or local fragments hold more (before a head reset).
+    pub fn read_head(&self) -> u64 {
+        let local = self.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        self.head.max(self.remote_end()).max(local)
+    }
+
+    /// End of the furthest fragment the stores hold.
+    pub fn remote_end(&self) -> u64 {
+        self.remote.iter().map(|f| f.end).max().unwrap_or(0)
+    }
+
+    /// Merges a fresh listing into the index: the listing replaces what
+    /// was known from the stores, so objects removed from a store leave the
+    /// log (local copies still serve their spans).
+    pub fn set_listing(&mut self, mut listed: Vec<StoredFragment>) {
+        listed.sort_by_key(|f| (f.begin, std::cmp::Reverse(f.end)));
+        listed.dedup_by(|b, a| a.begin == b.begin && a.end == b.end);
+        for f in &mut self.fragments {
+            if !f.uploaded
+                && listed
+                    .iter()
+                    .any(|r| r.begin == f.begin && r.end == f.end && r.sha1 == f.sha1)
+            {
+                f.uploaded = true;
+            }
+        }
+        self.remote = listed;
     }
 
     /// Whether the open spool should seal before the next append starts.
@@ -165,38 +222,67 @@ impl Journal {
         flush_boundary_crossed(self.spool_since, self.spec.fragment.flush_interval, now)
     }
 
-    /// Where `offset` can be read: the file, the position in it, and the
-    /// journal offset where that file's readable bytes end. Offsets in a
-    /// gap of history resolve to the next fragment's start.
+    /// Where `offset` can be read: local files first (sealed fragments,
+    /// then the spool), then the stores, preferring the larger fragment.
+    /// An offset in a gap of history resolves to the next span's start.
     pub fn locate(&self, offset: u64) -> Option<Located> {
-        for f in &self.fragments {
-            if offset < f.end {
-                let at = offset.max(f.begin);
-                return Some(Located {
-                    file: FileRef::Fragment(f.path.clone(), f.file.clone()),
-                    offset: at,
-                    file_pos: at - f.begin,
-                    end: f.end,
-                });
+        let local = |at: u64| -> Option<Located> {
+            for f in &self.fragments {
+                if f.begin <= at && at < f.end {
+                    return Some(Located {
+                        file: FileRef::Fragment(f.path.clone(), f.file.clone()),
+                        offset: at,
+                        file_pos: at - f.begin,
+                        end: f.end,
+                    });
+                }
             }
-        }
-        let spool = self.spool.as_ref()?;
-        if offset < spool.committed() {
-            let at = offset.max(spool.begin());
-            return Some(Located {
+            let spool = self.spool.as_ref()?;
+            (spool.begin() <= at && at < spool.committed()).then(|| Located {
                 file: FileRef::Open(spool.file().clone()),
                 offset: at,
                 file_pos: at - spool.begin(),
                 end: spool.committed(),
-            });
+            })
+        };
+        let remote = |at: u64| -> Option<Located> {
+            let f = self
+                .remote
+                .iter()
+                .filter(|f| f.begin <= at && at < f.end)
+                .max_by_key(|f| f.end)?;
+            Some(Located {
+                file: FileRef::Remote(f.clone()),
+                offset: at,
+                file_pos: at - f.begin,
+                end: f.end,
+            })
+        };
+        if let Some(l) = local(offset).or_else(|| remote(offset)) {
+            return Some(l);
         }
-        None
+        // A gap: jump to the next span that exists.
+        let next = self
+            .fragments
+            .iter()
+            .map(|f| f.begin)
+            .chain(self.remote.iter().map(|f| f.begin))
+            .chain(
+                self.spool
+                    .as_ref()
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.begin()),
+            )
+            .filter(|&b| b > offset)
+            .min()?;
+        local(next).or_else(|| remote(next))
     }
 }
 
 pub enum FileRef {
     Open(Rc<compio::fs::File>),
     Fragment(PathBuf, Option<Rc<compio::fs::File>>),
+    Remote(StoredFragment),
 }
 
 pub struct Located {

@@ -32,6 +32,15 @@ pub struct ServeConfig {
     pub cores: usize,
     /// Bytes of free disk the broker never spends on spools.
     pub disk_reserve_bytes: u64,
+    /// Sealed bytes (of journals with stores) allowed to await upload
+    /// before appends to such journals are refused.
+    pub spool_budget_bytes: u64,
+    /// Local copies of uploaded fragments kept as a read cache.
+    pub local_cache_bytes: u64,
+    /// Threads of the uploader pool.
+    pub upload_threads: usize,
+    /// How long a clean shutdown waits for open spools to reach their stores.
+    pub shutdown_upload_timeout: Duration,
 }
 
 impl ServeConfig {
@@ -41,6 +50,10 @@ impl ServeConfig {
             listen,
             cores: 0,
             disk_reserve_bytes: 256 << 20,
+            spool_budget_bytes: 8 << 30,
+            local_cache_bytes: 4 << 30,
+            upload_threads: 2,
+            shutdown_upload_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -59,8 +72,10 @@ pub enum EngineError {
     Listen(SocketAddr, #[source] std::io::Error),
 }
 
-/// How long a clean shutdown waits for in-flight appends to commit.
-const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
+/// How long a clean shutdown waits for appends to commit and uploads to finish.
+const SHUTDOWN_DRAIN: Duration = Duration::from_secs(45);
+/// Sealed fragments queued for upload across the broker.
+const UPLOAD_QUEUE_MAX: usize = 1024;
 
 /// Runs a broker until SIGINT or SIGTERM, then shuts it down cleanly.
 pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
@@ -153,6 +168,8 @@ impl Broker {
         }
         check_shard_count(dir, shards)?;
         let specs = Arc::new(specs::SpecStore::open(dir.join("specs.json"))?);
+        let uploader =
+            rotary_uploader::Uploader::start(config.upload_threads.max(1), UPLOAD_QUEUE_MAX);
         let metrics = Arc::new(metrics::Metrics::default());
         // Bind every listener first so that a busy port fails the start.
         let mut listeners = Vec::new();
@@ -176,14 +193,20 @@ impl Broker {
             let (stop_tx, stop_rx) = async_channel::bounded::<()>(1);
             stops.push(stop_tx);
             let ctx = ShardContext {
-                index: n as u32,
-                shards: shards as u32,
                 core: n % ncpu,
-                data_dir: dir.clone(),
-                specs: specs.clone(),
-                metrics: metrics.clone(),
-                endpoints: endpoints.clone(),
-                disk_reserve_bytes: config.disk_reserve_bytes,
+                shard: shard::ShardConfig {
+                    index: n as u32,
+                    shards: shards as u32,
+                    data_dir: dir.clone(),
+                    specs: specs.clone(),
+                    metrics: metrics.clone(),
+                    endpoints: endpoints.clone(),
+                    disk_reserve_bytes: config.disk_reserve_bytes,
+                    uploader: uploader.clone(),
+                    spool_budget_bytes: config.spool_budget_bytes,
+                    local_cache_bytes: config.local_cache_bytes,
+                },
+                shutdown_upload_timeout: config.shutdown_upload_timeout,
                 listener,
                 stop: stop_rx,
                 ready: ready_tx.clone(),
@@ -225,14 +248,9 @@ impl Broker {
 }
 
 struct ShardContext {
-    index: u32,
-    shards: u32,
     core: usize,
-    data_dir: PathBuf,
-    specs: Arc<specs::SpecStore>,
-    metrics: Arc<metrics::Metrics>,
-    endpoints: Vec<SocketAddr>,
-    disk_reserve_bytes: u64,
+    shard: shard::ShardConfig,
+    shutdown_upload_timeout: Duration,
     listener: std::net::TcpListener,
     stop: async_channel::Receiver<()>,
     ready: crossbeam_channel::Sender<Result<(), EngineError>>,
@@ -248,22 +266,14 @@ fn run_shard(ctx: ShardContext) {
         Err(e) => {
             let _ = ctx
                 .ready
-                .send(Err(EngineError::Io(ctx.data_dir.clone(), e)));
+                .send(Err(EngineError::Io(ctx.shard.data_dir.clone(), e)));
             return;
         }
     };
     rt.block_on(async move {
-        let shard = match shard::Shard::open(
-            ctx.index,
-            ctx.shards,
-            &ctx.data_dir,
-            ctx.specs.clone(),
-            ctx.metrics.clone(),
-            ctx.endpoints.clone(),
-            ctx.disk_reserve_bytes,
-        )
-        .await
-        {
+        let index = ctx.shard.index;
+        let endpoint = ctx.shard.endpoints[index as usize];
+        let shard = match shard::Shard::open(ctx.shard).await {
             Ok(s) => s,
             Err(e) => {
                 let _ = ctx.ready.send(Err(e));
@@ -277,22 +287,11 @@ fn run_shard(ctx: ShardContext) {
         {
             Ok(l) => l,
             Err(e) => {
-                let _ = ctx.ready.send(Err(EngineError::Listen(
-                    ctx.endpoints[ctx.index as usize],
-                    e,
-                )));
+                let _ = ctx.ready.send(Err(EngineError::Listen(endpoint, e)));
                 return;
             }
         };
-        compio::runtime::spawn(shard.clone().flusher()).detach();
-        let ticker = shard.clone();
-        compio::runtime::spawn(async move {
-            loop {
-                compio::time::sleep(Duration::from_secs(1)).await;
-                ticker.tick().await;
-            }
-        })
-        .detach();
+        shard.start_background();
         let _ = ctx.ready.send(Ok(()));
         loop {
             let accept = std::pin::pin!(listener.accept());
@@ -310,6 +309,14 @@ fn run_shard(ctx: ShardContext) {
         }
         shard.shutting_down.set(true);
         shard.drained().await;
-        let _ = ctx.done.send(ctx.index);
+        // Hand every open spool to its store before exiting, so a clean
+        // stop-and-wipe loses nothing.
+        if !shard.flush_to_stores(ctx.shutdown_upload_timeout).await {
+            tracing::warn!(
+                shard = index,
+                "some fragments were not uploaded before shutdown; they stay on local disk"
+            );
+        }
+        let _ = ctx.done.send(index);
     });
 }

@@ -22,6 +22,7 @@ use rotary_storage::fragment::{list_dir, LocalFragment};
 use rotary_storage::spool::{read_range, Spool};
 use rotary_storage::wal::{CommitLog, JournalState};
 use rotary_storage::StorageError;
+use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
 use sha1::{Digest, Sha1};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -55,7 +56,34 @@ pub struct Shard {
     /// Set while the flusher works on a turn.
     busy: Cell<bool>,
     idle: Event,
+    pub uploader: Uploader,
+    upload_done: async_channel::Sender<UploadDone>,
+    upload_done_rx: RefCell<Option<async_channel::Receiver<UploadDone>>>,
+    /// Sealed bytes of journals with stores not yet in their store.
+    unuploaded_bytes: Cell<u64>,
+    spool_budget_bytes: u64,
+    local_cache_bytes: u64,
+    /// The last upload error, named in refusals while the budget is spent.
+    store_error: RefCell<Option<String>>,
+    me: RefCell<std::rc::Weak<Shard>>,
 }
+
+/// What a shard is started with.
+pub struct ShardConfig {
+    pub index: u32,
+    pub shards: u32,
+    pub data_dir: PathBuf,
+    pub specs: Arc<SpecStore>,
+    pub metrics: Arc<Metrics>,
+    pub endpoints: Vec<std::net::SocketAddr>,
+    pub disk_reserve_bytes: u64,
+    pub uploader: Uploader,
+    pub spool_budget_bytes: u64,
+    pub local_cache_bytes: u64,
+}
+
+/// How long a presigned location handed to a direct reader stays valid.
+const LOCATION_TTL: std::time::Duration = std::time::Duration::from_secs(600);
 
 fn journal_dir(shard_dir: &std::path::Path, name: &str) -> PathBuf {
     // `@` never occurs in journal names, so `a/b`'s files never mix with
@@ -74,19 +102,24 @@ fn storage_status(e: &StorageError) -> Status {
 impl Shard {
     /// Opens the shard's directory: replays its commit log and recovers
     /// every journal it owns.
-    pub async fn open(
-        index: u32,
-        shards: u32,
-        data_dir: &std::path::Path,
-        specs: Arc<SpecStore>,
-        metrics: Arc<Metrics>,
-        endpoints: Vec<std::net::SocketAddr>,
-        disk_reserve_bytes: u64,
-    ) -> Result<Rc<Shard>, crate::EngineError> {
+    pub async fn open(cfg: ShardConfig) -> Result<Rc<Shard>, crate::EngineError> {
+        let ShardConfig {
+            index,
+            shards,
+            data_dir,
+            specs,
+            metrics,
+            endpoints,
+            disk_reserve_bytes,
+            uploader,
+            spool_budget_bytes,
+            local_cache_bytes,
+        } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
             .map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
         let (log, states) = CommitLog::open(&dir).await?;
+        let (done_tx, done_rx) = async_channel::unbounded();
         let shard = Rc::new(Shard {
             index,
             shards,
@@ -104,7 +137,16 @@ impl Shard {
             shutting_down: Cell::new(false),
             busy: Cell::new(false),
             idle: Event::new(),
+            uploader,
+            upload_done: done_tx,
+            upload_done_rx: RefCell::new(Some(done_rx)),
+            unuploaded_bytes: Cell::new(0),
+            spool_budget_bytes,
+            local_cache_bytes,
+            store_error: RefCell::new(None),
+            me: RefCell::new(std::rc::Weak::new()),
         });
+        *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
         for spec in shard.specs.all() {
             if rotary_net::shard_of(&spec.name, shards) == index {
@@ -122,6 +164,7 @@ impl Shard {
     async fn recover(&self, spec: rotary_net::JournalSpec) -> Result<Journal, crate::EngineError> {
         let dir = journal_dir(&self.dir, &spec.name);
         let mut j = Journal::new(spec, dir.clone());
+        j.init_index();
         let listing = list_dir(&dir).map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
         let state = self.states.borrow().get(&j.name).cloned();
         if let Some(st) = &state {
@@ -178,7 +221,11 @@ impl Shard {
                 if let Some(spec) = self.specs.get(name) {
                     let mut j = j.borrow_mut();
                     j.rate.set_rate(spec.max_append_rate);
+                    let gained_stores = !j.has_stores() && !spec.fragment.stores.is_empty();
                     j.spec = spec;
+                    if gained_stores {
+                        j.init_index();
+                    }
                 }
             }
             for spec in self.specs.all() {
@@ -191,6 +238,7 @@ impl Shard {
                     // logs their removal).
                     let dir = journal_dir(&self.dir, &spec.name);
                     let mut j = Journal::new(spec.clone(), dir);
+                    j.init_index();
                     if let Some(st) = self.states.borrow().get(&spec.name) {
                         j.registers = st.registers.clone();
                         j.staged_registers = st.registers.clone();
@@ -205,6 +253,288 @@ impl Shard {
     pub fn mark_ready(&self, j: &JournalRef) {
         self.ready.borrow_mut().push(j.clone());
         self.wake.notify(1);
+    }
+
+    /// Spawns the shard's background tasks: the flusher, the once-a-second
+    /// ticker, the upload-result consumer and the first store listings.
+    pub fn start_background(self: &Rc<Self>) {
+        compio::runtime::spawn(self.clone().flusher()).detach();
+        let ticker = self.clone();
+        compio::runtime::spawn(async move {
+            loop {
+                compio::time::sleep(std::time::Duration::from_secs(1)).await;
+                ticker.tick().await;
+            }
+        })
+        .detach();
+        if let Some(rx) = self.upload_done_rx.borrow_mut().take() {
+            compio::runtime::spawn(self.clone().upload_results(rx)).detach();
+        }
+        let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
+        for j in journals {
+            let mut jm = j.borrow_mut();
+            if jm.has_stores() {
+                self.queue_uploads(&mut jm);
+                drop(jm);
+                self.refresh_listing(&j);
+            }
+        }
+        self.recount_unuploaded();
+    }
+
+    /// Hands the journal's sealed, not yet uploaded fragments to the
+    /// uploader. A full queue leaves them for the next tick.
+    fn queue_uploads(&self, jm: &mut Journal) {
+        let Some(store) = jm.spec.fragment.stores.first().cloned() else {
+            return;
+        };
+        let codec = jm.spec.fragment.compression_codec;
+        let name = jm.name.clone();
+        for f in jm
+            .fragments
+            .iter_mut()
+            .filter(|f| !f.uploaded && !f.uploading)
+        {
+            let job = UploadJob {
+                journal: name.clone(),
+                begin: f.begin,
+                end: f.end,
+                sha1: f.sha1,
+                path: f.path.clone(),
+                codec,
+                store: store.clone(),
+                done: self.upload_done.clone(),
+            };
+            if self.uploader.try_upload(job).is_err() {
+                break;
+            }
+            f.uploading = true;
+        }
+    }
+
+    /// Applies upload outcomes reported by the uploader pool.
+    async fn upload_results(self: Rc<Self>, rx: async_channel::Receiver<UploadDone>) {
+        while let Ok(done) = rx.recv().await {
+            let Some(j) = self.journals.borrow().get(&done.journal).cloned() else {
+                continue;
+            };
+            let mut jm = j.borrow_mut();
+            let Some(f) = jm
+                .fragments
+                .iter_mut()
+                .find(|f| f.begin == done.begin && f.end == done.end)
+            else {
+                continue;
+            };
+            f.uploading = false;
+            match done.result {
+                Ok(stored) => {
+                    f.uploaded = true;
+                    if !jm
+                        .remote
+                        .iter()
+                        .any(|r| r.begin == stored.begin && r.end == stored.end)
+                    {
+                        let at = jm.remote.partition_point(|r| r.begin < stored.begin);
+                        jm.remote.insert(at, stored);
+                    }
+                    *self.store_error.borrow_mut() = None;
+                }
+                Err(e) => {
+                    tracing::warn!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                    *self.store_error.borrow_mut() = Some(e.to_string());
+                }
+            }
+            drop(jm);
+            self.recount_unuploaded();
+            self.evict_cache();
+        }
+    }
+
+    /// Recomputes the sealed bytes awaiting upload.
+    fn recount_unuploaded(&self) {
+        let mut total = 0;
+        for j in self.journals.borrow().values() {
+            let jm = j.borrow();
+            if jm.has_stores() {
+                total += jm
+                    .fragments
+                    .iter()
+                    .filter(|f| !f.uploaded)
+                    .map(|f| f.end - f.begin)
+                    .sum::<u64>();
+            }
+        }
+        self.unuploaded_bytes.set(total);
+    }
+
+    /// Drops the oldest uploaded local fragments once the local copies of
+    /// uploaded fragments exceed the cache budget.
+    fn evict_cache(&self) {
+        let mut cached: Vec<(SystemTime, u64, JournalRef, u64)> = Vec::new();
+        let mut total = 0;
+        for j in self.journals.borrow().values() {
+            for f in j.borrow().fragments.iter().filter(|f| f.uploaded) {
+                let mtime = std::fs::metadata(&f.path)
+                    .and_then(|m| m.modified())
+                    .unwrap_or(SystemTime::UNIX_EPOCH);
+                total += f.end - f.begin;
+                cached.push((mtime, f.end - f.begin, j.clone(), f.begin));
+            }
+        }
+        if total <= self.local_cache_bytes {
+            return;
+        }
+        cached.sort_by_key(|c| c.0);
+        for (_, len, j, begin) in cached {
+            if total <= self.local_cache_bytes {
+                break;
+            }
+            let mut jm = j.borrow_mut();
+            if let Some(at) = jm
+                .fragments
+                .iter()
+                .position(|f| f.begin == begin && f.uploaded)
+            {
+                let f = jm.fragments.remove(at);
+                let _ = std::fs::remove_file(&f.path);
+                total -= len;
+            }
+        }
+    }
+
+    /// Lists the journal's stores in the background and merges the result.
+    fn refresh_listing(&self, j: &JournalRef) {
+        let (stores, name) = {
+            let mut jm = j.borrow_mut();
+            if jm.listing || !jm.has_stores() {
+                return;
+            }
+            jm.listing = true;
+            (jm.spec.fragment.stores.clone(), jm.name.clone())
+        };
+        let uploader = self.uploader.clone();
+        let j = j.clone();
+        let me = self.me.borrow().clone();
+        compio::runtime::spawn(async move {
+            let mut all = Vec::new();
+            let mut err = None;
+            for store in &stores {
+                match uploader.list(store, &name).await {
+                    Ok(v) => all.extend(v),
+                    Err(e) => {
+                        err = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            {
+                let mut jm = j.borrow_mut();
+                jm.listing = false;
+                jm.last_listing = Some(Instant::now());
+                match err {
+                    None => {
+                        jm.set_listing(all);
+                        jm.index_loaded = true;
+                        jm.index_error = None;
+                    }
+                    Some(e) => {
+                        tracing::warn!(journal = %name, error = %e, "listing the fragment store failed");
+                        jm.index_error = Some(e);
+                    }
+                }
+            }
+            if let Some(shard) = me.upgrade() {
+                shard.recount_unuploaded();
+                // Appends waiting for the index go ahead (or are refused).
+                shard.mark_ready(&j);
+            }
+        })
+        .detach();
+    }
+
+    /// Asks the flusher to move the write head to the end of the index.
+    pub fn request_reset_head(&self, j: &JournalRef, outbox: Rc<Outbox>, request_id: u64) {
+        j.borrow_mut().reset_waiters.push((outbox, request_id));
+        self.mark_ready(j);
+    }
+
+    /// Seals every open spool of journals with stores and waits, at most
+    /// `timeout`, until every sealed fragment is in its store.
+    pub async fn flush_to_stores(&self, timeout: std::time::Duration) -> bool {
+        let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
+        for j in &journals {
+            let wants = {
+                let jm = j.borrow();
+                jm.has_stores() && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
+            };
+            if wants {
+                j.borrow_mut().seal_requested = true;
+                self.mark_ready(j);
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let pending = journals.iter().any(|j| {
+                let jm = j.borrow();
+                jm.has_stores() && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
+            });
+            if !pending {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            for j in &journals {
+                let mut jm = j.borrow_mut();
+                if jm.has_stores() {
+                    self.queue_uploads(&mut jm);
+                }
+            }
+            compio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Deletes store fragments older than their journal's retention.
+    pub async fn prune(
+        &self,
+        selector: &rotary_net::LabelSelector,
+        dry_run: bool,
+    ) -> Result<Vec<serde_json::Value>, String> {
+        let now = SystemTime::now();
+        let mut out = Vec::new();
+        for spec in self.specs.all() {
+            let retention = spec.fragment.retention;
+            if !selector.matches(&spec.labels) || retention.is_zero() {
+                continue;
+            }
+            for store in &spec.fragment.stores {
+                let listed = self
+                    .uploader
+                    .list(store, &spec.name)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                for f in listed {
+                    let age = now.duration_since(f.mod_time).unwrap_or_default();
+                    if age <= retention {
+                        continue;
+                    }
+                    if !dry_run {
+                        self.uploader.delete(&f).await.map_err(|e| e.to_string())?;
+                    }
+                    out.push(serde_json::json!({
+                        "journal": f.journal,
+                        "begin": f.begin,
+                        "end": f.end,
+                        "sha1": hex::encode(f.sha1),
+                        "store": f.store,
+                        "key": f.key,
+                        "age_secs": age.as_secs(),
+                    }));
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Enqueues an append; the flusher picks it up.
@@ -274,7 +604,26 @@ impl Shard {
             if due {
                 self.mark_ready(&j);
             }
+            let refresh = {
+                let mut jm = j.borrow_mut();
+                if jm.has_stores() {
+                    self.queue_uploads(&mut jm);
+                    let every = jm.spec.fragment.refresh_interval;
+                    !jm.listing
+                        && jm.last_listing.is_none_or(|t| {
+                            t.elapsed() >= every
+                                || (!jm.index_loaded
+                                    && t.elapsed() >= std::time::Duration::from_secs(1))
+                        })
+                } else {
+                    false
+                }
+            };
+            if refresh {
+                self.refresh_listing(&j);
+            }
         }
+        self.recount_unuploaded();
     }
 
     /// Waits until the flusher has nothing queued and is not mid-turn.
@@ -534,6 +883,13 @@ impl Shard {
                 return;
             }
         }
+        let reset = {
+            let jm = j.borrow();
+            !jm.reset_waiters.is_empty() && jm.active.is_none() && jm.staged.is_empty()
+        };
+        if reset {
+            self.reset_head(j).await;
+        }
         let wants_seal = {
             let jm = j.borrow();
             jm.active.is_none() && jm.staged.is_empty() && jm.wants_seal(SystemTime::now())
@@ -564,6 +920,46 @@ impl Shard {
                 }
             }
         }
+    }
+
+    /// Moves the write head to the end of the fragment index (after a
+    /// broker restarted on an empty disk), sealing the open spool first.
+    async fn reset_head(&self, j: &JournalRef) {
+        let (loaded, error) = {
+            let jm = j.borrow();
+            (jm.index_loaded, jm.index_error.clone())
+        };
+        if !loaded {
+            let msg = format!(
+                "fragment index not yet listed: {}",
+                error.unwrap_or_else(|| "listing in progress".into())
+            );
+            for (outbox, id) in j.borrow_mut().reset_waiters.drain(..) {
+                outbox.error(
+                    Op::ADMIN_REPLY,
+                    Status::FRAGMENT_STORE_UNHEALTHY,
+                    id,
+                    &[],
+                    &msg,
+                );
+            }
+            return;
+        }
+        if j.borrow().spool.is_some() {
+            self.seal(j).await;
+        }
+        let mut jm = j.borrow_mut();
+        let local_end = jm.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        let head = jm.head.max(jm.remote_end()).max(local_end);
+        jm.head = head;
+        jm.staged_head = head;
+        let body =
+            serde_json::to_vec(&serde_json::json!({ "journal": jm.name, "write_head": head }))
+                .expect("json");
+        for (outbox, id) in jm.reset_waiters.drain(..) {
+            outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
+        }
+        jm.committed.notify(usize::MAX);
     }
 
     async fn seal(&self, j: &JournalRef) {
@@ -600,6 +996,9 @@ impl Shard {
         if let Some(f) = sealed {
             metrics::add(&self.metrics.fragments_sealed, 1);
             jm.fragments.push(f);
+        }
+        if jm.has_stores() {
+            self.queue_uploads(&mut jm);
         }
         let body = serde_json::to_vec(&serde_json::json!({ "sealed": json })).expect("json");
         for (outbox, id) in jm.seal_waiters.drain(..) {
@@ -654,6 +1053,49 @@ impl Shard {
                     };
                     op.reply_error(status, &r, msg);
                 };
+                if jm.has_stores() {
+                    if !jm.index_loaded {
+                        match &jm.index_error {
+                            // Wait for the first listing: the store may
+                            // hold offsets beyond the local head.
+                            None => return false,
+                            Some(e) => {
+                                let msg = format!("fragment index not yet listed: {e}");
+                                reply(Status::FRAGMENT_STORE_UNHEALTHY, &msg, jm);
+                                jm.queue.pop_front();
+                                drop_budget(&op);
+                                continue;
+                            }
+                        }
+                    }
+                    let remote_end = jm.remote_end();
+                    if remote_end > jm.staged_head {
+                        let msg = format!(
+                            "the fragment index ends at {remote_end}, beyond the write head {}; run `rotary journals reset-head {}`",
+                            jm.staged_head, jm.name
+                        );
+                        reply(Status::INDEX_HAS_GREATER_OFFSET, &msg, jm);
+                        jm.queue.pop_front();
+                        drop_budget(&op);
+                        continue;
+                    }
+                    if self.unuploaded_bytes.get() > self.spool_budget_bytes {
+                        let cause = self
+                            .store_error
+                            .borrow()
+                            .clone()
+                            .unwrap_or_else(|| "uploads are behind".into());
+                        let msg = format!(
+                            "{} bytes of sealed fragments await upload (budget {}): {cause}",
+                            self.unuploaded_bytes.get(),
+                            self.spool_budget_bytes
+                        );
+                        reply(Status::FRAGMENT_STORE_UNHEALTHY, &msg, jm);
+                        jm.queue.pop_front();
+                        drop_budget(&op);
+                        continue;
+                    }
+                }
                 let req = &op.req;
                 if let Some(expect) = req.expect_offset {
                     if expect != jm.staged_head {
@@ -902,8 +1344,8 @@ impl Shard {
             let head = j.borrow().head;
             return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
-        let head = j.borrow().head;
-        let mut offset = req.offset.unwrap_or(head);
+        let head = j.borrow().read_head();
+        let mut offset = req.offset.unwrap_or(j.borrow().head);
         if metadata_only {
             return done(Status::OK, offset, head, "");
         }
@@ -949,7 +1391,7 @@ impl Shard {
                 let commit = j.borrow().committed.listen();
                 let cancelled = cancel.event.listen();
                 let closed = outbox.drained.listen();
-                if j.borrow().head > offset
+                if j.borrow().read_head() > offset
                     || j.borrow().locate(offset).is_some()
                     || cancel.is_set()
                     || outbox.is_closed()
@@ -968,6 +1410,48 @@ impl Shard {
                 len = len.min(end - offset);
             }
             let file = match loc.file {
+                FileRef::Remote(frag) => {
+                    let step = if flags & rotary_net::wire::flag::DO_NOT_PROXY != 0 {
+                        self.direct(&frag, offset, request_id, &outbox)
+                            .await
+                            .map(|()| None)
+                    } else {
+                        self.proxy(&frag, offset, req.end_offset, request_id, &outbox, &cancel)
+                            .await
+                            .map(Some)
+                    };
+                    match step {
+                        // The client reads this fragment from the store and
+                        // comes back at its end.
+                        Ok(None) => {
+                            let head = j.borrow().read_head();
+                            return done(Status::OK, frag.end, head, "");
+                        }
+                        Ok(Some(next)) if next > offset => {
+                            offset = next;
+                            continue;
+                        }
+                        Ok(Some(_)) => {
+                            let head = j.borrow().read_head();
+                            return done(
+                                Status::FRAGMENT_STORE_UNHEALTHY,
+                                offset,
+                                head,
+                                "store returned no bytes for the fragment",
+                            );
+                        }
+                        Err(msg) => {
+                            let mut jm = j.borrow_mut();
+                            if msg.contains("SHA-1") {
+                                // Never serve it again.
+                                jm.remote
+                                    .retain(|r| !(r.begin == frag.begin && r.end == frag.end));
+                            }
+                            let head = jm.read_head();
+                            return done(Status::FRAGMENT_STORE_UNHEALTHY, offset, head, &msg);
+                        }
+                    }
+                }
                 FileRef::Open(f) => f,
                 FileRef::Fragment(_, Some(f)) => f,
                 FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
@@ -1016,6 +1500,87 @@ impl Shard {
         }
     }
 
+    /// Answers a direct read with the fragment's location.
+    async fn direct(
+        &self,
+        frag: &StoredFragment,
+        offset: u64,
+        request_id: u64,
+        outbox: &Outbox,
+    ) -> Result<(), String> {
+        use rotary_net::wire::ReadFragment;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let location = self
+            .uploader
+            .locate(frag, LOCATION_TTL)
+            .await
+            .map_err(|e| e.to_string())?;
+        let meta = ReadFragment {
+            begin: U64::new(frag.begin),
+            end: U64::new(frag.end),
+            offset: U64::new(offset),
+            sha1: frag.sha1,
+            codec: rotary_net::wire::codec_code(frag.codec),
+            reserved: [0; 3],
+        };
+        outbox.frame(
+            Op::READ_FRAGMENT,
+            Status::OK,
+            request_id,
+            meta.as_bytes(),
+            location.as_bytes(),
+        );
+        Ok(())
+    }
+
+    /// Streams a store fragment's bytes from `offset` as READ_DATA, up to
+    /// `end_offset`. Returns the next offset to read.
+    async fn proxy(
+        &self,
+        frag: &StoredFragment,
+        mut offset: u64,
+        end_offset: Option<u64>,
+        request_id: u64,
+        outbox: &Outbox,
+        cancel: &crate::conn::Cancel,
+    ) -> Result<u64, String> {
+        use rotary_net::wire::ReadData;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let rx = self.uploader.read(frag, offset, READ_CHUNK_BYTES);
+        while let Ok(chunk) = rx.recv().await {
+            let chunk = chunk.map_err(|e| e.to_string())?;
+            if chunk.offset != offset {
+                return Err(format!(
+                    "store stream skipped from {offset} to {}",
+                    chunk.offset
+                ));
+            }
+            let mut bytes = &chunk.bytes[..];
+            if let Some(end) = end_offset {
+                bytes = &bytes[..bytes.len().min(end.saturating_sub(offset) as usize)];
+            }
+            let meta = ReadData {
+                offset: U64::new(offset),
+            };
+            outbox.frame(
+                Op::READ_DATA,
+                Status::OK,
+                request_id,
+                meta.as_bytes(),
+                bytes,
+            );
+            metrics::add(&self.metrics.read_bytes, bytes.len() as u64);
+            offset += bytes.len() as u64;
+            if end_offset.is_some_and(|e| offset >= e) || cancel.is_set() || outbox.is_closed() {
+                break;
+            }
+            outbox.room().await;
+        }
+        Ok(offset)
+    }
+
     /// Fragments of a journal as JSON (sealed local ones, then the open spool).
     pub fn fragments_json(&self, j: &JournalRef) -> serde_json::Value {
         let jm = j.borrow();
@@ -1024,6 +1589,21 @@ impl Shard {
             .iter()
             .map(|f| fragment_json(f, false))
             .collect();
+        for r in &jm.remote {
+            let mod_time = unix_secs(r.mod_time);
+            out.push(serde_json::json!({
+                "begin": r.begin,
+                "end": r.end,
+                "sha1": hex::encode(r.sha1),
+                "codec": r.codec,
+                "size": r.size,
+                "store": r.store,
+                "key": r.key,
+                "path": r.key,
+                "mod_time": mod_time,
+                "open": false,
+            }));
+        }
         if let Some(spool) = jm.spool.as_ref().filter(|s| !s.is_empty()) {
             out.push(serde_json::json!({
                 "begin": spool.begin(),
@@ -1037,6 +1617,7 @@ impl Shard {
                 "open": true,
             }));
         }
+        out.sort_by_key(|v| (v["begin"].as_u64(), v["store"] != "local"));
         serde_json::Value::Array(out)
     }
 
@@ -1078,5 +1659,6 @@ fn fragment_json(f: &LocalFragment, open: bool) -> serde_json::Value {
         "path": f.path.display().to_string(),
         "mod_time": mod_time,
         "open": open,
+        "uploaded": f.uploaded,
     })
 }

@@ -153,11 +153,16 @@ fn preconditions_and_registers() {
     assert_eq!((e.op, e.status, e.id), (Op::ERROR, Status::BAD_REQUEST, 41));
     c.send(Op::PING, 0, 42, &[], b"still here");
     let p = c.recv();
-    assert_eq!((p.op, p.id, &p.payload[..]), (Op::PONG, 42, &b"still here"[..]));
+    assert_eq!(
+        (p.op, p.id, &p.payload[..]),
+        (Op::PONG, 42, &b"still here"[..])
+    );
     // Registers that would outgrow a reply are refused whole.
     let big = |from: usize| {
         let mut r = req(name);
-        let labels: Vec<(String, String)> = (from..from + 40).map(|i| (format!("k{i:03}"), "v".repeat(1000))).collect();
+        let labels: Vec<(String, String)> = (from..from + 40)
+            .map(|i| (format!("k{i:03}"), "v".repeat(1000)))
+            .collect();
         r.union_registers = rotary_net::LabelSet::from_pairs(labels).unwrap();
         r
     };

@@ -107,12 +107,20 @@ ops! {
     STATS = 0x15, flags = 0;
     /// Replies at once with the same payload.
     PING = 0x16, flags = 0;
+    /// Moves a journal's write head to the end of its fragment index; meta is the name.
+    RESET_HEAD = 0x17, flags = 0;
+    /// Deletes store fragments older than their journal's retention; JSON payload.
+    PRUNE = 0x18, flags = 0;
     /// Reply to APPEND (after its last chunk) or to APPEND_CHUNK with ABORT.
     APPEND_REPLY = 0x81, flags = 0;
     /// Content of a READ at an offset; more frames follow.
     READ_DATA = 0x83, flags = 0;
     /// Last frame answering a READ.
     READ_DONE = 0x84, flags = 0;
+    /// Answers a READ with DO_NOT_PROXY whose offset lies in a fragment held
+    /// only by a store: where to read it. The READ_DONE that follows names
+    /// the offset to resume at with the broker.
+    READ_FRAGMENT = 0x85, flags = 0;
     /// Reply to ROUTE, APPLY, LIST, DELETE, FRAGMENTS, SEAL, STATS: JSON payload.
     ADMIN_REPLY = 0x90, flags = 0;
     /// Reply to PING.
@@ -582,6 +590,47 @@ pub struct ReadDone {
     /// Next offset the reader would read.
     pub offset: U64,
     pub write_head: U64,
+}
+
+/// READ_FRAGMENT metadata: a fragment in a store and where the reader's
+/// bytes start in it. The payload is the location: a `file:///…` path or
+/// an `http(s)://…` URL (presigned, time-limited) to GET.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout)]
+#[repr(C)]
+pub struct ReadFragment {
+    pub begin: U64,
+    pub end: U64,
+    /// First offset the reader asked for (`begin <= offset < end`).
+    pub offset: U64,
+    /// SHA-1 of the fragment's uncompressed bytes.
+    pub sha1: [u8; 20],
+    /// 0 none, 1 gzip, 2 zstd, 3 snappy (framing format).
+    pub codec: u8,
+    pub reserved: [u8; 3],
+}
+
+const _: () = assert!(std::mem::size_of::<ReadFragment>() == 48);
+
+/// Wire code of a codec in [`ReadFragment::codec`].
+pub fn codec_code(codec: crate::spec::Codec) -> u8 {
+    use crate::spec::Codec;
+    match codec {
+        Codec::None => 0,
+        Codec::Gzip => 1,
+        Codec::Zstd => 2,
+        Codec::Snappy => 3,
+    }
+}
+
+pub fn codec_from_code(code: u8) -> Option<crate::spec::Codec> {
+    use crate::spec::Codec;
+    Some(match code {
+        0 => Codec::None,
+        1 => Codec::Gzip,
+        2 => Codec::Zstd,
+        3 => Codec::Snappy,
+        _ => return None,
+    })
 }
 
 /// Decodes a name-only metadata section (ROUTE, DELETE, FRAGMENTS, SEAL).

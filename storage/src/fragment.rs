@@ -12,6 +12,11 @@ pub struct LocalFragment {
     pub path: PathBuf,
     /// An open handle, if one is at hand (the sealed spool's).
     pub file: Option<Rc<File>>,
+    /// The fragment is in its journal's store (confirmed by an upload or a
+    /// listing); the local file is then only a read cache.
+    pub uploaded: bool,
+    /// An upload of it is queued or running.
+    pub uploading: bool,
 }
 
 /// `<begin:016x>-<end:016x>-<sha1:40 hex>.raw`: Gazette's fragment name
@@ -73,6 +78,8 @@ pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
                 sha1,
                 path: entry.path(),
                 file: None,
+                uploaded: false,
+                uploading: false,
             });
         }
     }

@@ -420,6 +420,8 @@ impl Spool {
             sha1,
             path: dest,
             file: Some(self.file),
+            uploaded: false,
+            uploading: false,
         }))
     }
 }

@@ -1,0 +1,167 @@
+//! History in a `file://` store, in-process: sealed fragments are uploaded,
+//! a broker started on an empty data directory serves them at their
+//! offsets (proxied and as locations), refuses appends until the head is
+//! reset, and a clean shutdown uploads the open spool.
+
+mod common;
+
+use common::{req, Conn};
+use rotary_engine::{Broker, ServeConfig};
+use rotary_net::spec::{Codec, JournalSpec};
+use rotary_net::status::Status;
+use rotary_net::wire::{self, flag, AppendReply, Op, ReadRequest};
+use std::time::{Duration, Instant};
+
+fn start(dir: &std::path::Path) -> Broker {
+    let mut cfg = ServeConfig::new(dir.to_path_buf(), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    Broker::start(cfg).unwrap()
+}
+
+fn fragments(c: &mut Conn, name: &str) -> Vec<serde_json::Value> {
+    c.send(Op::FRAGMENTS, 0, 77, &wire::encode_name(name), &[]);
+    let r = c.recv();
+    assert_eq!(r.status, Status::OK);
+    serde_json::from_slice(&r.payload).unwrap()
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Appends, retrying while the journal's index is still being listed.
+fn append(c: &mut Conn, name: &str, bytes: &[u8]) -> AppendReply {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, reply) = c.append(&req(name), bytes);
+        if status == Status::OK {
+            return reply;
+        }
+        assert!(
+            status.is_retryable() && Instant::now() < deadline,
+            "append: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn history_survives_a_wiped_broker() {
+    let root = tempfile::tempdir().unwrap();
+    let store_dir = root.path().join("store");
+    let data = root.path().join("data");
+    let name = "hist/journal-a";
+    let mut spec = JournalSpec::new(name);
+    spec.fragment.length = 100_000;
+    spec.fragment.compression_codec = Codec::Zstd;
+    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
+    spec.fragment.refresh_interval = Duration::from_secs(1);
+
+    let mut expected = Vec::new();
+    {
+        let broker = start(&data);
+        let mut c = Conn::new(broker.endpoints[0]);
+        c.apply(std::slice::from_ref(&spec));
+        for i in 0..40u32 {
+            let chunk: Vec<u8> = (0..9000u32)
+                .map(|k| (k.wrapping_mul(31) ^ i) as u8)
+                .collect();
+            let reply = append(&mut c, name, &chunk);
+            assert_eq!(reply.begin, expected.len() as u64);
+            expected.extend_from_slice(&chunk);
+        }
+        // Sealed fragments reach the store.
+        wait_until("uploads", || {
+            let f = fragments(&mut c, name);
+            let local: Vec<_> = f
+                .iter()
+                .filter(|f| f["store"] == "local" && f["open"] == false)
+                .collect();
+            !local.is_empty() && local.iter().all(|f| f["uploaded"] == true)
+        });
+        // A clean shutdown seals and uploads the open spool too.
+        broker.shutdown();
+    }
+    // Every object is named by the SHA-1 of its uncompressed bytes.
+    let dir = store_dir.join(name);
+    let mut covered = 0u64;
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    for n in &names {
+        let (begin, end, sha1, ext) = rotary_storage::fragment::parse_fragment_name(n).unwrap();
+        assert_eq!(ext, ".zst");
+        assert_eq!(begin, covered);
+        let raw = zstd::decode_all(&std::fs::read(dir.join(n)).unwrap()[..]).unwrap();
+        assert_eq!(raw, expected[begin as usize..end as usize]);
+        use sha1::Digest;
+        assert_eq!(<[u8; 20]>::from(sha1::Sha1::digest(&raw)), sha1);
+        covered = end;
+    }
+    assert_eq!(
+        covered,
+        expected.len() as u64,
+        "store covers every acknowledged byte"
+    );
+
+    // Throw the broker's disk away.
+    std::fs::remove_dir_all(&data).unwrap();
+    let broker = start(&data);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(std::slice::from_ref(&spec));
+    // History is readable at once, proxied from the store.
+    wait_until("history", || c.read_all(name, 0).0.len() == expected.len());
+    let (got, status) = c.read_all(name, 0);
+    assert_eq!(status, Status::OK);
+    assert!(got == expected);
+    let (got, _) = c.read_all(name, 123_456);
+    assert!(got[..] == expected[123_456..]);
+    // Direct read: the broker answers with the fragment's location.
+    let r = ReadRequest {
+        journal: name.into(),
+        offset: Some(5),
+        end_offset: None,
+    };
+    c.send(Op::READ, flag::DO_NOT_PROXY, 31, &r.encode(), &[]);
+    let frag = c.recv();
+    assert_eq!(frag.op, Op::READ_FRAGMENT);
+    let meta: wire::ReadFragment = wire::decode_fixed(&frag.meta, "fragment").unwrap();
+    assert_eq!((meta.begin.get(), meta.offset.get()), (0, 5));
+    let location = String::from_utf8(frag.payload.clone()).unwrap();
+    let path = location.strip_prefix("file://").unwrap();
+    let raw = zstd::decode_all(&std::fs::read(path).unwrap()[..]).unwrap();
+    assert_eq!(raw, expected[..meta.end.get() as usize]);
+    let done = c.recv();
+    assert_eq!((done.op, done.status), (Op::READ_DONE, Status::OK));
+    assert_eq!(
+        u64::from_le_bytes(done.meta[..8].try_into().unwrap()),
+        meta.end.get()
+    );
+    // Appends refuse until the head is reset.
+    let (status, reply) = c.append(&req(name), b"too early");
+    assert_eq!(status, Status::INDEX_HAS_GREATER_OFFSET);
+    assert_eq!(reply.write_head, 0);
+    c.send(Op::RESET_HEAD, 0, 32, &wire::encode_name(name), &[]);
+    let r = c.recv();
+    assert_eq!(
+        r.status,
+        Status::OK,
+        "{}",
+        String::from_utf8_lossy(&r.payload)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+    assert_eq!(v["write_head"], expected.len() as u64);
+    let reply = append(&mut c, name, b"after reset");
+    assert_eq!(reply.begin, expected.len() as u64);
+    expected.extend_from_slice(b"after reset");
+    let (got, _) = c.read_all(name, 0);
+    assert!(got == expected);
+    broker.shutdown();
+}
