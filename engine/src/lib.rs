@@ -270,6 +270,23 @@ fn run_shard(ctx: ShardContext) {
             return;
         }
     };
+    {
+        use std::os::fd::AsRawFd;
+        let ncpu = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let others: Vec<usize> = (0..ncpu).filter(|&c| c != ctx.core).collect();
+        match sys::set_iowq_affinity(rt.as_raw_fd(), &others) {
+            Ok(()) => tracing::debug!(
+                core = ctx.core,
+                ?others,
+                "io-wq workers kept off the shard's core"
+            ),
+            Err(e) => {
+                tracing::info!(error = %e, "io-wq affinity not set; fsync work may run on the shard's core")
+            }
+        }
+    }
     rt.block_on(async move {
         let index = ctx.shard.index;
         let endpoint = ctx.shard.endpoints[index as usize];
@@ -319,4 +336,51 @@ fn run_shard(ctx: ShardContext) {
         }
         let _ = ctx.done.send(index);
     });
+}
+
+/// Ring control the runtime lacks.
+mod sys {
+    #![allow(unsafe_code)]
+
+    const IORING_REGISTER_IOWQ_AFF: libc::c_uint = 17;
+
+    /// Pins the ring's io-wq workers (which run fsync and other punted
+    /// work) to `cpus`, so that blocking work does not land on the core of
+    /// the shard that submitted it.
+    pub fn set_iowq_affinity(ring_fd: i32, cpus: &[usize]) -> std::io::Result<()> {
+        if cpus.is_empty() {
+            return Err(std::io::Error::other("no core besides the shard's"));
+        }
+        // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &c in cpus {
+            // SAFETY: CPU_SET writes within the set for c < CPU_SETSIZE.
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+        // SAFETY: the kernel reads size_of::<cpu_set_t>() bytes from &set.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_io_uring_register,
+                ring_fd,
+                IORING_REGISTER_IOWQ_AFF,
+                &set as *const libc::cpu_set_t,
+                std::mem::size_of::<libc::cpu_set_t>(),
+            )
+        };
+        if rc < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn iowq_affinity_registers_on_a_compio_ring() {
+        use std::os::fd::AsRawFd;
+        let rt = compio::runtime::Runtime::new().unwrap();
+        super::sys::set_iowq_affinity(rt.as_raw_fd(), &[0]).unwrap();
+        assert!(super::sys::set_iowq_affinity(rt.as_raw_fd(), &[]).is_err());
+    }
 }
