@@ -516,37 +516,12 @@ impl Conn {
     }
 
     fn list(&self, id: u64, payload: &[u8]) {
-        #[derive(serde::Deserialize, Default)]
-        struct ListReq {
-            #[serde(default)]
-            selector: String,
-        }
-        let req: ListReq = if payload.is_empty() {
-            ListReq::default()
-        } else {
-            match serde_json::from_slice(payload) {
-                Ok(r) => r,
-                Err(e) => {
-                    return self.outbox.error(
-                        Op::ADMIN_REPLY,
-                        Status::BAD_REQUEST,
-                        id,
-                        &[],
-                        &format!("list: {e}"),
-                    )
-                }
-            }
-        };
-        let sel = match LabelSelector::parse(&req.selector) {
-            Ok(s) => s,
+        let sel = match SelectorRequest::parse(payload, "list") {
+            Ok(r) => r.selector,
             Err(e) => {
-                return self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::BAD_REQUEST,
-                    id,
-                    &[],
-                    &e.to_string(),
-                )
+                return self
+                    .outbox
+                    .error(Op::ADMIN_REPLY, Status::BAD_REQUEST, id, &[], &e)
             }
         };
         let out: Vec<serde_json::Value> = self
@@ -567,42 +542,15 @@ impl Conn {
     }
 
     async fn prune(&self, id: u64, payload: &[u8]) {
-        #[derive(serde::Deserialize, Default)]
-        struct PruneReq {
-            #[serde(default)]
-            selector: String,
-            #[serde(default)]
-            dry_run: bool,
-        }
-        let req: PruneReq = if payload.is_empty() {
-            PruneReq::default()
-        } else {
-            match serde_json::from_slice(payload) {
-                Ok(r) => r,
-                Err(e) => {
-                    return self.outbox.error(
-                        Op::ADMIN_REPLY,
-                        Status::BAD_REQUEST,
-                        id,
-                        &[],
-                        &format!("prune: {e}"),
-                    )
-                }
-            }
-        };
-        let sel = match LabelSelector::parse(&req.selector) {
-            Ok(s) => s,
+        let req = match SelectorRequest::parse(payload, "prune") {
+            Ok(r) => r,
             Err(e) => {
-                return self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::BAD_REQUEST,
-                    id,
-                    &[],
-                    &e.to_string(),
-                )
+                return self
+                    .outbox
+                    .error(Op::ADMIN_REPLY, Status::BAD_REQUEST, id, &[], &e)
             }
         };
-        match self.shard.prune(&sel, req.dry_run).await {
+        match self.shard.prune(&req.selector, req.dry_run).await {
             Ok(removed) => self.admin_ok(id, &serde_json::Value::Array(removed)),
             Err(e) => self.outbox.error(
                 Op::ADMIN_REPLY,
@@ -733,6 +681,36 @@ impl Conn {
             r.close();
         }
         self.outbox.close();
+    }
+}
+
+/// The JSON payload of LIST and PRUNE: `{"selector": "…", "dry_run": bool}`,
+/// every field optional, an empty payload meaning `{}`.
+struct SelectorRequest {
+    selector: LabelSelector,
+    dry_run: bool,
+}
+
+impl SelectorRequest {
+    fn parse(payload: &[u8], what: &str) -> Result<Self, String> {
+        #[derive(serde::Deserialize, Default)]
+        #[serde(deny_unknown_fields)]
+        struct Raw {
+            #[serde(default)]
+            selector: String,
+            #[serde(default)]
+            dry_run: bool,
+        }
+        let raw: Raw = if payload.is_empty() {
+            Raw::default()
+        } else {
+            serde_json::from_slice(payload).map_err(|e| format!("{what}: {e}"))?
+        };
+        let selector = LabelSelector::parse(&raw.selector).map_err(|e| e.to_string())?;
+        Ok(SelectorRequest {
+            selector,
+            dry_run: raw.dry_run,
+        })
     }
 }
 
