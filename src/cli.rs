@@ -101,6 +101,26 @@ struct ServeArgs {
     /// Free disk space never spent on spools: bytes, or with K, M, G, T (binary) suffix.
     #[arg(long = "disk-reserve", value_name = "BYTES", value_parser = parse_bytes)]
     disk_reserve: Option<u64>,
+    /// Sealed bytes of journals with stores that may wait on local disk for
+    /// their upload; beyond it, appends to such journals are refused with
+    /// FRAGMENT_STORE_UNHEALTHY until uploads catch up. K, M, G, T suffixes.
+    #[arg(long = "spool-budget", value_name = "BYTES", value_parser = parse_bytes, default_value = "8G")]
+    spool_budget: u64,
+    /// Threads that compress and upload sealed fragments to their stores.
+    #[arg(long = "upload-threads", value_name = "N", value_parser = parse_upload_threads, default_value = "2")]
+    upload_threads: usize,
+}
+
+/// Most upload threads `serve` accepts.
+const UPLOAD_THREADS_MAX: usize = 256;
+
+fn parse_upload_threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=UPLOAD_THREADS_MAX).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{s:?}: want a thread count from 1 to {UPLOAD_THREADS_MAX}"
+        )),
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -133,6 +153,30 @@ enum JournalsCmd {
     /// Seals a journal's open spool into a fragment now.
     Seal {
         name: String,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Moves a journal's write head to the end of its history in the
+    /// fragment stores. Needed once after a broker lost its data directory
+    /// (appends answer INDEX_HAS_GREATER_OFFSET until then). Prints
+    /// `{"journal":…,"write_head":…}`.
+    ResetHead {
+        name: String,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Deletes store fragments older than their journal's
+    /// `fragment.retention` (journals whose retention is 0s keep everything).
+    /// Prints one line per fragment removed.
+    Prune {
+        /// Only journals matching this label selector.
+        #[arg(short = 'l', long = "selector", default_value = "")]
+        selector: String,
+        /// Print what would be removed, remove nothing.
+        #[arg(long = "dry-run")]
+        dry_run: bool,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = TableOrJson::Table)]
+        output: TableOrJson,
         #[command(flatten)]
         broker: BrokerArgs,
     },
@@ -188,6 +232,10 @@ struct ReadArgs {
     /// Print `{"offset":…,"write_head":…}` instead of content.
     #[arg(long = "metadata")]
     metadata: bool,
+    /// Let the broker stream history held in fragment stores, instead of
+    /// fetching those fragments from the store directly (the default).
+    #[arg(long = "proxy")]
+    proxy: bool,
     #[command(flatten)]
     broker: BrokerArgs,
 }
@@ -291,6 +339,9 @@ impl CliError {
                     format!("reading content: {inner}"),
                     EXIT_FAILED,
                 ),
+                ClientError::Fragment(inner) => {
+                    ("FRAGMENT_CORRUPT", inner.to_string(), EXIT_FAILED)
+                }
             },
             CliError::Usage(name, text) => (name, text.clone(), EXIT_USAGE),
             CliError::Other(name, e) => (name, format!("{e:#}"), EXIT_FAILED),
@@ -307,6 +358,12 @@ fn status_explanation(status: Status) -> &'static str {
         Status::WRONG_APPEND_OFFSET => "the write head is not at the expected offset",
         Status::REGISTER_MISMATCH => "the journal's registers do not match",
         Status::OFFSET_NOT_YET_AVAILABLE => "the offset is at or beyond the write head",
+        Status::INDEX_HAS_GREATER_OFFSET => {
+            "the fragment stores hold history beyond the write head; run `rotary journals reset-head`"
+        }
+        Status::FRAGMENT_STORE_UNHEALTHY => {
+            "a fragment store of the journal cannot be reached or uploads are behind"
+        }
         _ => "the broker refused the request",
     }
 }
@@ -362,6 +419,8 @@ fn serve(args: ServeArgs) -> CmdResult {
     if let Some(reserve) = args.disk_reserve {
         config.disk_reserve_bytes = reserve;
     }
+    config.spool_budget_bytes = args.spool_budget;
+    config.upload_threads = args.upload_threads;
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 
@@ -384,7 +443,9 @@ async fn client_command(cmd: Cmd) -> CmdResult {
             let fragments = client.fragments(&name).await?;
             match output {
                 TableOrJson::Json => print_json(&fragments),
-                TableOrJson::Table => print_text(&output::fragments_table(&fragments)),
+                TableOrJson::Table => {
+                    print_text(&output::fragments_table(&fragments, unix_now_secs()))
+                }
             }
         }
         Cmd::Stats { broker } => {
@@ -393,6 +454,13 @@ async fn client_command(cmd: Cmd) -> CmdResult {
             print_json(&stats)
         }
     }
+}
+
+/// The wall clock, read once per command: ages in tables are relative to it.
+fn unix_now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn print_text(text: &str) -> CmdResult {
@@ -471,6 +539,32 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             let sealed = client.seal(&name).await?;
             print_json(&serde_json::json!({ "sealed": sealed }))
         }
+        JournalsCmd::ResetHead { name, broker } => {
+            let client = connect(&broker).await?;
+            let write_head = client.reset_head(&name).await?;
+            let line = serde_json::json!({ "journal": name, "write_head": write_head });
+            print_text(&format!("{line}\n"))
+        }
+        JournalsCmd::Prune {
+            selector,
+            dry_run,
+            output,
+            broker,
+        } => {
+            LabelSelector::parse(&selector)
+                .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
+            let client = connect(&broker).await?;
+            let pruned = client.prune(&selector, dry_run).await?;
+            match output {
+                TableOrJson::Json => print_json(&pruned),
+                TableOrJson::Table => {
+                    print_text(&output::pruned_lines(&pruned, dry_run))?;
+                    let verb = if dry_run { "would prune" } else { "pruned" };
+                    eprintln!("{verb} {} fragment(s)", pruned.len());
+                    Ok(())
+                }
+            }
+        }
     }
 }
 
@@ -523,13 +617,22 @@ async fn read(args: ReadArgs) -> CmdResult {
         end_offset: args.end_offset,
     };
     let client = connect(&args.broker).await?;
-    let mut stream = client
-        .read(&req, args.block && !args.metadata, args.metadata)
-        .await?;
+    let mut stream = if args.proxy || args.metadata {
+        Reader::Broker(
+            client
+                .read(&req, args.block && !args.metadata, args.metadata)
+                .await?,
+        )
+    } else {
+        Reader::Direct(client.read_direct(&req, args.block))
+    };
     let mut out = std::io::stdout().lock();
     let mut next_offset: Option<u64> = None;
     while let Some(event) = stream.next().await {
         match event? {
+            ReadEvent::Fragment { .. } => {
+                unreachable!("neither a proxied nor a direct read yields locations")
+            }
             ReadEvent::Data { offset, content } => {
                 if args.metadata {
                     continue;
@@ -558,11 +661,43 @@ async fn read(args: ReadArgs) -> CmdResult {
                         .and_then(|_| out.flush())
                         .or_else(ignore_broken_pipe)?;
                 }
+                stream.report_fallbacks();
                 return Ok(());
             }
         }
     }
     Ok(())
+}
+
+/// A proxied read (the broker streams everything) or a direct one
+/// (store-held fragments fetched from the store).
+enum Reader {
+    Broker(rotary_net::client::ReadStream),
+    Direct(rotary_net::client::DirectRead),
+}
+
+impl Reader {
+    async fn next(&mut self) -> Option<Result<ReadEvent, ClientError>> {
+        match self {
+            Reader::Broker(s) => s.next().await,
+            Reader::Direct(s) => s.next().await,
+        }
+    }
+
+    /// Says on stderr when fragments had to be read through the broker.
+    fn report_fallbacks(&self) {
+        if let Reader::Direct(s) = self {
+            let n = s
+                .stats()
+                .fragments_proxied
+                .load(std::sync::atomic::Ordering::Relaxed);
+            if n > 0 {
+                eprintln!(
+                    "note: {n} fragment(s) were read through the broker: their store could not be reached from here"
+                );
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -595,11 +730,26 @@ mod tests {
     }
 
     #[test]
+    fn serve_defaults_and_limits() {
+        let Cmd::Serve(args) = Cli::try_parse_from(["rotary", "serve"]).unwrap().cmd else {
+            panic!("serve");
+        };
+        assert_eq!((args.spool_budget, args.upload_threads), (8 << 30, 2));
+        assert!(Cli::try_parse_from(["rotary", "serve", "--upload-threads", "0"]).is_err());
+        assert!(Cli::try_parse_from(["rotary", "serve", "--spool-budget", "lots"]).is_err());
+    }
+
+    #[test]
     fn cli_shapes_parse() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
         for line in [
             "rotary serve --data /tmp/d --listen 127.0.0.1:7401 --cores 2 --disk-reserve 1G",
+            "rotary serve --spool-budget 64M --upload-threads 4",
+            "rotary journals reset-head a/b/c",
+            "rotary journals prune -l app=orders --dry-run -o json",
+            "rotary journals prune",
+            "rotary read a/b/c --proxy --block",
             "rotary journals apply -f -",
             "rotary journals list -l app=orders -o yaml --broker 127.0.0.1:1",
             "rotary journals delete a/b/c",

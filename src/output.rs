@@ -1,6 +1,6 @@
 //! Plain-text tables for the CLI.
 
-use rotary_net::client::{FragmentInfo, JournalInfo};
+use rotary_net::client::{FragmentInfo, JournalInfo, PrunedFragment};
 use rotary_net::spec::Durability;
 
 /// Left-aligned columns separated by two spaces, one header row.
@@ -63,29 +63,84 @@ pub fn journals_table(list: &[JournalInfo]) -> String {
     )
 }
 
-pub fn fragments_table(fragments: &[FragmentInfo]) -> String {
+/// What a fragment row is: the live spool, a local fragment (and whether
+/// it reached its store), or an object in a store.
+fn fragment_state(f: &FragmentInfo) -> &'static str {
+    if f.open {
+        "open"
+    } else if f.store != "local" && !f.store.is_empty() {
+        "stored"
+    } else {
+        match f.uploaded {
+            Some(true) => "uploaded",
+            Some(false) => "uploading",
+            None => "sealed",
+        }
+    }
+}
+
+/// `42s`, `7m`, `3h`, `12d`: the largest whole unit.
+pub fn age_text(secs: u64) -> String {
+    match secs {
+        0..=119 => format!("{secs}s"),
+        120..=7199 => format!("{}m", secs / 60),
+        7200..=172_799 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86_400),
+    }
+}
+
+/// One row per fragment, oldest offsets first. `now` is Unix seconds.
+pub fn fragments_table(fragments: &[FragmentInfo], now: u64) -> String {
     let rows: Vec<Vec<String>> = fragments
         .iter()
         .map(|f| {
+            let codec = serde_json::to_value(f.codec)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            let age = if f.mod_time == 0 {
+                "-".to_string()
+            } else {
+                age_text(now.saturating_sub(f.mod_time))
+            };
             vec![
                 f.begin.to_string(),
                 f.end.to_string(),
-                (f.end - f.begin.min(f.end)).to_string(),
+                f.end.saturating_sub(f.begin).to_string(),
                 f.sha1.clone(),
-                if f.open {
-                    "open".into()
-                } else {
-                    "sealed".into()
-                },
+                codec,
+                f.size.to_string(),
+                fragment_state(f).to_string(),
+                age,
                 f.store.clone(),
-                f.path.clone(),
             ]
         })
         .collect();
     table(
-        &["BEGIN", "END", "LENGTH", "SHA1", "STATE", "STORE", "PATH"],
+        &[
+            "BEGIN", "END", "LENGTH", "SHA1", "CODEC", "SIZE", "STATE", "AGE", "STORE",
+        ],
         &rows,
     )
+}
+
+/// One line per pruned fragment.
+pub fn pruned_lines(pruned: &[PrunedFragment], dry_run: bool) -> String {
+    let verb = if dry_run { "would prune" } else { "pruned" };
+    let mut out = String::new();
+    for p in pruned {
+        out.push_str(&format!(
+            "{verb} {} [{}, {}) sha1={} age={} store={} key={}\n",
+            p.journal,
+            p.begin,
+            p.end,
+            p.sha1,
+            age_text(p.age_secs),
+            p.store,
+            p.key
+        ));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -102,5 +157,58 @@ mod tests {
             ],
         );
         assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
+    }
+
+    #[test]
+    fn fragment_rows() {
+        let local = FragmentInfo {
+            begin: 0,
+            end: 4096,
+            sha1: "ab".repeat(20),
+            codec: rotary_net::spec::Codec::Zstd,
+            size: 100,
+            store: "local".into(),
+            path: "/d/x".into(),
+            mod_time: 1000,
+            open: false,
+            key: None,
+            uploaded: Some(true),
+        };
+        let stored = FragmentInfo {
+            store: "s3://b/p/".into(),
+            key: Some("j/x.zst".into()),
+            uploaded: None,
+            mod_time: 0,
+            ..local.clone()
+        };
+        let t = fragments_table(&[local, stored], 1000 + 3 * 3600);
+        let rows: Vec<Vec<&str>> = t.lines().map(|l| l.split_whitespace().collect()).collect();
+        assert_eq!(
+            rows[0],
+            ["BEGIN", "END", "LENGTH", "SHA1", "CODEC", "SIZE", "STATE", "AGE", "STORE"]
+        );
+        let sha = "ab".repeat(20);
+        assert_eq!(
+            rows[1],
+            ["0", "4096", "4096", &sha, "zstd", "100", "uploaded", "3h", "local"]
+        );
+        assert_eq!(
+            rows[2],
+            [
+                "0",
+                "4096",
+                "4096",
+                &sha,
+                "zstd",
+                "100",
+                "stored",
+                "-",
+                "s3://b/p/"
+            ]
+        );
+        assert_eq!(age_text(59), "59s");
+        assert_eq!(age_text(3600), "60m");
+        assert_eq!(age_text(90_000), "25h");
+        assert_eq!(age_text(200_000), "2d");
     }
 }

@@ -350,6 +350,7 @@ async fn blocking_tail_is_woken_by_a_later_append() {
                     got.extend_from_slice(&content);
                 }
                 ReadEvent::Done(d) => panic!("read ended early: {d:?}"),
+                other => panic!("{other:?}"),
             }
         }
         assert_eq!(got, tail);
@@ -390,6 +391,7 @@ async fn blocking_tail_is_woken_by_a_later_append() {
                 assert_eq!(d.status, Status::OK);
                 break;
             }
+            other => panic!("{other:?}"),
         }
     }
     let mut want = tail.clone();

@@ -58,6 +58,7 @@ async fn concurrent_writers_commit_whole_contiguous_appends() {
                         );
                         return got;
                     }
+                    other => panic!("{other:?}"),
                 }
             }
         })

@@ -13,14 +13,26 @@
 //! calls are therefore pipelined on one connection; the broker still commits
 //! appends to one journal one after another, each whole.
 //!
+//! History that lives only in a fragment store can be read two ways: a
+//! plain [`Client::read`] lets the broker stream it (proxied), while
+//! [`Client::read_direct`] asks for the fragment's location and fetches the
+//! object itself, checking its SHA-1, then rejoins the broker at the
+//! fragment's end in the same offset space.
+//!
 //! Nothing here retries on its own. [`ClientError::is_retryable`] says when
 //! sending the same request again may succeed; note that an append whose
 //! connection broke may or may not have committed.
 
 mod conn;
+mod direct;
+mod fetch;
 
 pub use conn::{
     CONNECT_TIMEOUT, READ_FRAMES_BUFFERED_MAX, REPLY_BODY_LEN_MAX, WRITE_QUEUE_BYTES_MAX,
+};
+pub use direct::{DirectRead, DirectReadStats, DIRECT_DATA_LEN_MAX};
+pub use fetch::{
+    FragmentError, FETCH_CONNECT_TIMEOUT, FETCH_READ_TIMEOUT, FRAGMENT_DIRECT_LEN_MAX,
 };
 
 use crate::spec::{Codec, JournalSpec, SpecError, JOURNAL_NAME_LEN_MAX};
@@ -32,7 +44,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -60,6 +72,12 @@ pub enum ProtocolError {
     Json(Arc<serde_json::Error>),
     #[error("read stream ended without READ_DONE")]
     Truncated,
+    #[error("READ_FRAGMENT names unknown codec {0}")]
+    UnknownCodec(u8),
+    #[error("READ_FRAGMENT location is not UTF-8")]
+    LocationNotUtf8,
+    #[error("READ_FRAGMENT range [{begin}, {end}) does not hold offset {offset}")]
+    FragmentRange { begin: u64, end: u64, offset: u64 },
 }
 
 /// What went wrong with a request.
@@ -97,6 +115,10 @@ pub enum ClientError {
     /// was rolled back.
     #[error("reading append content: {0}")]
     Content(#[source] io::Error),
+    /// A direct read fetched a fragment whose bytes do not match its name
+    /// (none of them were yielded).
+    #[error(transparent)]
+    Fragment(#[from] FragmentError),
 }
 
 impl ClientError {
@@ -125,9 +147,10 @@ impl ClientError {
         match self {
             ClientError::Status { status, .. } => status.is_retryable(),
             ClientError::Io { .. } => true,
-            ClientError::Protocol { .. } | ClientError::Invalid(_) | ClientError::Content(_) => {
-                false
-            }
+            ClientError::Protocol { .. }
+            | ClientError::Invalid(_)
+            | ClientError::Content(_)
+            | ClientError::Fragment(_) => false,
         }
     }
 }
@@ -177,6 +200,48 @@ pub struct FragmentInfo {
     /// The live spool, not yet sealed.
     #[serde(default)]
     pub open: bool,
+    /// For a store fragment: its object key, relative to the store URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// For a local sealed fragment of a journal with stores: whether it has
+    /// been uploaded to the journal's first store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uploaded: Option<bool>,
+}
+
+/// A journal's write head after RESET_HEAD.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResetHead {
+    pub journal: String,
+    pub write_head: u64,
+}
+
+/// One store fragment PRUNE removed (or, with `dry_run`, would remove).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrunedFragment {
+    pub journal: String,
+    pub begin: u64,
+    pub end: u64,
+    /// SHA-1 of the fragment's bytes, 40 hex digits.
+    pub sha1: String,
+    /// The store URL.
+    pub store: String,
+    /// The object key, relative to the store URL.
+    pub key: String,
+    /// How old the object was, from its modification time.
+    pub age_secs: u64,
+}
+
+/// Flags of a READ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// Wait at the write head for more content.
+    pub block: bool,
+    /// Answer with READ_DONE (offset, write head) only.
+    pub metadata_only: bool,
+    /// Do not let the broker proxy store-held history: it answers with
+    /// [`ReadEvent::Fragment`] (where to fetch it) instead.
+    pub do_not_proxy: bool,
 }
 
 /// One item of a [`ReadStream`].
@@ -184,6 +249,21 @@ pub struct FragmentInfo {
 pub enum ReadEvent {
     /// Journal bytes starting at `offset`.
     Data { offset: u64, content: Bytes },
+    /// Only with [`ReadOptions::do_not_proxy`]: the bytes from `offset` on
+    /// lie in a fragment `[begin, end)` held only by a store, at
+    /// `location` (`file:///…` or an `http(s)://` URL). A READ_DONE with
+    /// `offset = end` follows; fetch the object, decompress it per `codec`,
+    /// check `sha1`, and read on from `end`. [`Client::read_direct`] does
+    /// all of this.
+    Fragment {
+        begin: u64,
+        end: u64,
+        offset: u64,
+        /// SHA-1 of the fragment's uncompressed bytes.
+        sha1: [u8; 20],
+        codec: Codec,
+        location: String,
+    },
     /// The read is over; always the last item.
     Done(ReadDone),
 }
@@ -234,6 +314,8 @@ struct Inner {
     conns: Mutex<HashMap<String, Slot>>,
     /// Journal name → endpoint of its shard.
     routes: Mutex<HashMap<String, String>>,
+    /// HTTP agent of direct reads, made on first use.
+    http: OnceLock<ureq::Agent>,
 }
 
 impl std::fmt::Debug for Client {
@@ -256,6 +338,7 @@ impl Client {
                 bootstrap: endpoint.to_string(),
                 conns: Mutex::new(HashMap::new()),
                 routes: Mutex::new(HashMap::new()),
+                http: OnceLock::new(),
             }),
         };
         client.conn(endpoint).await?;
@@ -421,6 +504,35 @@ impl Client {
         Ok(s.sealed)
     }
 
+    /// Moves the journal's write head to the end of its fragment index
+    /// (after a broker lost its disk but the store kept the history, appends
+    /// answer INDEX_HAS_GREATER_OFFSET until this is done). Returns the new
+    /// write head.
+    pub async fn reset_head(&self, journal: &str) -> Result<u64, ClientError> {
+        let r: ResetHead = self.named_admin(Op::RESET_HEAD, journal).await?;
+        Ok(r.write_head)
+    }
+
+    /// Deletes the store fragments older than their journal's
+    /// `fragment.retention`, for every journal matching `selector` (text
+    /// form; empty matches all) whose retention is non-zero. With `dry_run`
+    /// nothing is deleted. Returns what was (or would be) removed.
+    pub async fn prune(
+        &self,
+        selector: &str,
+        dry_run: bool,
+    ) -> Result<Vec<PrunedFragment>, ClientError> {
+        let _ = crate::spec::LabelSelector::parse(selector)?;
+        let body = serde_json::to_vec(&serde_json::json!({
+            "selector": selector,
+            "dry_run": dry_run,
+        }))
+        .expect("JSON");
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(&conn, Op::PRUNE, Bytes::new(), body.into()).await?;
+        admin_json(&conn, Op::PRUNE, reply)
+    }
+
     /// The broker's counters.
     pub async fn stats(&self) -> Result<serde_json::Value, ClientError> {
         let conn = self.bootstrap_conn().await?;
@@ -539,13 +651,45 @@ impl Client {
 
     /// Starts a read. `block` waits at the write head for more content;
     /// `metadata_only` answers with READ_DONE (offset, write head) only.
-    /// Dropping the stream before its end cancels the read (CANCEL).
+    /// Store-held history is streamed by the broker. Dropping the stream
+    /// before its end cancels the read (CANCEL).
     pub async fn read(
         &self,
         req: &ReadRequest,
         block: bool,
         metadata_only: bool,
     ) -> Result<ReadStream, ClientError> {
+        let options = ReadOptions {
+            block,
+            metadata_only,
+            do_not_proxy: false,
+        };
+        self.read_with(req, options).await
+    }
+
+    /// Reads store-held history straight from the store: see
+    /// [`DirectRead`]. `block` keeps tailing at the write head. Nothing is
+    /// sent until the first item is asked for.
+    pub fn read_direct(&self, req: &ReadRequest, block: bool) -> DirectRead {
+        DirectRead::new(self.clone(), req, block)
+    }
+
+    /// The HTTP agent direct reads fetch fragments with.
+    fn http_agent(&self) -> ureq::Agent {
+        self.inner.http.get_or_init(fetch::http_agent).clone()
+    }
+
+    /// Starts a read with any flags (see [`ReadOptions`]).
+    pub async fn read_with(
+        &self,
+        req: &ReadRequest,
+        options: ReadOptions,
+    ) -> Result<ReadStream, ClientError> {
+        let ReadOptions {
+            block,
+            metadata_only,
+            do_not_proxy,
+        } = options;
         check_name_len(&req.journal)?;
         let r = async {
             let conn = self.journal_conn(&req.journal).await?;
@@ -557,6 +701,9 @@ impl Client {
             }
             if metadata_only {
                 flags |= flag::METADATA_ONLY;
+            }
+            if do_not_proxy {
+                flags |= flag::DO_NOT_PROXY;
             }
             let stream = ReadStream {
                 conn: conn.clone(),
@@ -812,7 +959,7 @@ impl ReadStream {
         self.conn.send_control(Op::CANCEL, 0, self.id);
         loop {
             match self.next().await {
-                Some(Ok(ReadEvent::Data { .. })) => continue,
+                Some(Ok(ReadEvent::Data { .. } | ReadEvent::Fragment { .. })) => continue,
                 Some(Ok(ReadEvent::Done(d))) => return Ok(d),
                 Some(Err(e)) => return Err(e),
                 None => {
@@ -869,6 +1016,13 @@ impl ReadStream {
                     }
                 }
             }
+            Op::READ_FRAGMENT => {
+                let r = self.fragment_event(&reply);
+                if r.is_err() {
+                    self.done = true;
+                }
+                r
+            }
             Op::READ_DONE => {
                 self.done = true;
                 let (offset, write_head) = if reply.meta.is_empty() && reply.status != Status::OK {
@@ -904,6 +1058,33 @@ impl ReadStream {
                 }))
             }
         }
+    }
+}
+
+impl ReadStream {
+    fn fragment_event(&self, reply: &Reply) -> Result<ReadEvent, ClientError> {
+        if reply.status != Status::OK {
+            return Err(status_error(reply, None));
+        }
+        let f = wire::decode_fixed::<wire::ReadFragment>(&reply.meta, "read fragment")
+            .map_err(|e| self.protocol(e.into()))?;
+        let (begin, end, offset) = (f.begin.get(), f.end.get(), f.offset.get());
+        if !(begin <= offset && offset < end) {
+            return Err(self.protocol(ProtocolError::FragmentRange { begin, end, offset }));
+        }
+        let codec = wire::codec_from_code(f.codec)
+            .ok_or_else(|| self.protocol(ProtocolError::UnknownCodec(f.codec)))?;
+        let location = std::str::from_utf8(&reply.payload)
+            .map_err(|_| self.protocol(ProtocolError::LocationNotUtf8))?
+            .to_string();
+        Ok(ReadEvent::Fragment {
+            begin,
+            end,
+            offset,
+            sha1: f.sha1,
+            codec,
+            location,
+        })
     }
 }
 

@@ -335,6 +335,7 @@ pub async fn read_range(
                 );
                 out.extend_from_slice(&content);
             }
+            ReadEvent::Fragment { .. } => panic!("a proxied read sent a fragment location"),
             ReadEvent::Done(done) => return Ok((out, done)),
         }
     }
@@ -372,7 +373,9 @@ pub async fn write_head(client: &Client, journal: &str) -> u64 {
         .expect("READ_DONE")
         .expect("metadata read")
     {
-        ReadEvent::Data { .. } => panic!("metadata-only read sent data"),
+        ReadEvent::Data { .. } | ReadEvent::Fragment { .. } => {
+            panic!("metadata-only read sent data")
+        }
         ReadEvent::Done(done) => {
             assert!(
                 matches!(done.status, Status::OK | Status::OFFSET_NOT_YET_AVAILABLE),
@@ -405,7 +408,7 @@ pub async fn read_status(
     };
     loop {
         match stream.next().await.expect("READ_DONE") {
-            Ok(ReadEvent::Data { .. }) => continue,
+            Ok(ReadEvent::Data { .. } | ReadEvent::Fragment { .. }) => continue,
             Ok(ReadEvent::Done(d)) => return (d.status, Some(d)),
             Err(e) => return (e.status().unwrap_or_else(|| panic!("read: {e}")), None),
         }

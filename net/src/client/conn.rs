@@ -70,7 +70,7 @@ impl Reply {
 pub(crate) enum Waiter {
     /// Exactly one reply frame (APPEND, admin requests, PING).
     Once(oneshot::Sender<Result<Reply, ClientError>>),
-    /// READ_DATA frames then one READ_DONE (or ERROR).
+    /// READ_DATA and READ_FRAGMENT frames then one READ_DONE (or ERROR).
     Stream(mpsc::Sender<Result<Reply, ClientError>>),
 }
 
@@ -412,8 +412,9 @@ async fn dispatch(shared: &Shared, header: wire::FrameHeader, frame: Bytes) {
             source: ProtocolError::Wire(wire::WireError::UnknownStatus(code)),
         }),
     };
-    // READ_DATA is the only reply that is not the last for its request.
-    let last = op != Op::READ_DATA || reply.is_err();
+    // READ_DATA and READ_FRAGMENT are the replies that are not the last for
+    // their request (a READ_DONE follows).
+    let last = !matches!(op, Op::READ_DATA | Op::READ_FRAGMENT) || reply.is_err();
     let waiter = {
         let mut st = shared.lock();
         match st.pending.get(&id) {
