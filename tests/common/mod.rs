@@ -4,6 +4,8 @@
 //! the wire protocol directly or through the client library.
 #![allow(dead_code)]
 
+pub mod store;
+
 use rand::{Rng, RngCore, SeedableRng};
 use rotary_net::client::{Client, ClientError, ReadDone, ReadEvent};
 use rotary_net::spec::JournalSpec;
@@ -59,6 +61,17 @@ pub fn free_port_range(count: usize) -> u16 {
     panic!("no {count} consecutive free ports on 127.0.0.1");
 }
 
+/// How long a SIGTERM'ed broker may take to exit: its own bound on waiting
+/// for uploads (30 s) plus draining.
+pub const GRACEFUL_EXIT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Extra command-line arguments and environment of a broker.
+#[derive(Clone, Debug, Default)]
+pub struct BrokerOpts {
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
 /// A `rotary serve` child process. Dropping it kills the process.
 pub struct Broker {
     child: Option<Child>,
@@ -68,6 +81,7 @@ pub struct Broker {
     pub cores: usize,
     pub base_port: u16,
     starts: u32,
+    opts: BrokerOpts,
 }
 
 impl Broker {
@@ -77,6 +91,10 @@ impl Broker {
     }
 
     pub fn start_with_cores(cores: usize) -> Broker {
+        Broker::start_with(cores, BrokerOpts::default())
+    }
+
+    pub fn start_with(cores: usize, opts: BrokerOpts) -> Broker {
         let dir = tempfile::Builder::new()
             .prefix("rotary-e2e-")
             .tempdir()
@@ -89,6 +107,7 @@ impl Broker {
             cores,
             base_port: 0,
             starts: 0,
+            opts,
         };
         b.spawn();
         b
@@ -133,6 +152,8 @@ impl Broker {
             .arg(self.cores.to_string())
             .arg("--disk-reserve")
             .arg("0")
+            .args(&self.opts.args)
+            .envs(self.opts.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log file"))
             .stderr(log);
@@ -183,6 +204,52 @@ impl Broker {
     /// Starts the broker again on the same data directory (new ports).
     pub fn restart(&mut self) {
         self.kill9();
+        self.spawn();
+    }
+
+    /// SIGTERM: the broker seals open spools, waits for their uploads and
+    /// exits. Panics unless it exits successfully within
+    /// [`GRACEFUL_EXIT_TIMEOUT`].
+    pub fn stop_graceful(&mut self) {
+        let mut child = self.child.take().expect("broker running");
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) on the PID of a child this harness spawned and has
+        // not reaped, so the PID cannot have been reused.
+        let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        assert_eq!(rc, 0, "SIGTERM to the broker");
+        let deadline = Instant::now() + GRACEFUL_EXIT_TIMEOUT;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait for broker") {
+                assert!(
+                    status.success(),
+                    "broker exited with {status} after SIGTERM; log:\n{}",
+                    self.log()
+                );
+                return;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "broker still running {GRACEFUL_EXIT_TIMEOUT:?} after SIGTERM; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// Deletes the data directory of a stopped broker: its disk is lost.
+    pub fn wipe_data(&mut self) {
+        assert!(
+            self.child.is_none(),
+            "stop the broker before wiping its data"
+        );
+        std::fs::remove_dir_all(&self.data).expect("remove the data directory");
+    }
+
+    /// Starts a stopped broker (new ports).
+    pub fn start_again(&mut self) {
         self.spawn();
     }
 
