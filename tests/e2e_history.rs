@@ -463,6 +463,43 @@ async fn wiped_broker_serves_history(store: TestStore, codec: Codec) {
     assert!(read_direct(&client, name, 0).await.0 == expected);
     let out = cli_ok(&broker, &["read", name]);
     assert!(out == expected);
+
+    // A blocking direct read crosses from store history to the live head
+    // and keeps tailing it.
+    let r = ReadRequest {
+        journal: name.to_string(),
+        offset: Some(0),
+        end_offset: None,
+    };
+    let mut tail = client.read_direct(&r, true);
+    let mut got = Vec::new();
+    let mut appended = false;
+    while got.len() < expected.len() + 6 {
+        if got.len() == expected.len() && !appended {
+            append(&client, name, b"live!\n").await;
+            appended = true;
+        }
+        let ev = tokio::time::timeout(WAIT, tail.next())
+            .await
+            .expect("the tail is woken")
+            .expect("an event")
+            .expect("direct tail");
+        match ev {
+            ReadEvent::Data { offset, content } => {
+                assert_eq!(offset, got.len() as u64, "contiguous");
+                got.extend_from_slice(&content);
+            }
+            other => panic!("a blocking read ended: {other:?}"),
+        }
+    }
+    expected.extend_from_slice(b"live!\n");
+    assert!(got == expected, "tail differs");
+    assert!(
+        tail.stats()
+            .fragments_fetched
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -802,4 +839,39 @@ async fn s3_store_spool_budget_holds_while_the_store_is_down() {
         "{accepted} appends of {OUTAGE_APPEND_LEN} bytes were sealed while the store was down; \
          the spool budget of {OUTAGE_SPOOL_BUDGET_BYTES} bytes allows {accepted_max}"
     );
+}
+
+/// Until its store has been listed once, a journal cannot know whether the
+/// store holds offsets beyond its head: appends are refused (retryably)
+/// rather than risk reusing offsets, and accepted once the listing works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_store_unlisted_journal_refuses_appends_until_listed() {
+    let mut store = TestStore::s3("unlisted/");
+    store.moto().stop();
+    let broker = broker_for(&store, &[]);
+    let client = broker.client().await;
+    let name = "hist/unlisted";
+    apply(&client, &spec(name, &store, Codec::Gzip, 4096)).await;
+    // A few refresh intervals: the listing keeps failing.
+    for _ in 0..3 {
+        let err = client
+            .append(&req(name), b"too early".to_vec())
+            .await
+            .expect_err("the store was never listed");
+        assert_eq!(
+            err.status(),
+            Some(Status::FRAGMENT_STORE_UNHEALTHY),
+            "{err}"
+        );
+        assert!(err.is_retryable());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    store.moto().start_again();
+    let r = append(&client, name, b"listed").await;
+    assert_eq!((r.begin, r.end), (0, 6));
+    client.seal(name).await.unwrap();
+    wait_fragments(&client, name, "upload", all_uploaded).await;
+    let objects = store.fragments(name);
+    check_against(&objects, b"listed");
+    assert_eq!(objects.len(), 1);
 }

@@ -372,22 +372,30 @@ impl TestStore {
     }
 }
 
+/// Objects under `dir`. A `file://` store writes each object to a staging
+/// file `<name>#<n>` and renames it into place, so staging files are not
+/// objects, and a file may vanish between listing and stat.
 fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, u64)>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for e in entries {
-        let e = e.expect("read store dir");
+        let Ok(e) = e else { continue };
         let path = e.path();
-        let meta = e.metadata().expect("stat");
+        let Ok(meta) = e.metadata() else { continue };
         if meta.is_dir() {
             walk(root, &path, out);
-        } else {
-            let rel = path
-                .strip_prefix(root)
-                .unwrap()
-                .to_string_lossy()
-                .into_owned();
+            continue;
+        }
+        let rel = path
+            .strip_prefix(root)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let staging = rel
+            .rsplit_once('#')
+            .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if !staging {
             out.push((rel, meta.len()));
         }
     }
