@@ -33,7 +33,8 @@ pub struct ServeConfig {
     /// Bytes of free disk the broker never spends on spools.
     pub disk_reserve_bytes: u64,
     /// Sealed bytes (of journals with stores) allowed to await upload
-    /// before appends to such journals are refused.
+    /// before appends to such journals are refused, for the whole broker
+    /// (each shard holds an equal share).
     pub spool_budget_bytes: u64,
     /// Local copies of uploaded fragments kept as a read cache.
     pub local_cache_bytes: u64,
@@ -203,7 +204,8 @@ impl Broker {
                     endpoints: endpoints.clone(),
                     disk_reserve_bytes: config.disk_reserve_bytes,
                     uploader: uploader.clone(),
-                    spool_budget_bytes: config.spool_budget_bytes,
+                    // The budget is the broker's; each shard holds an equal share.
+                    spool_budget_bytes: config.spool_budget_bytes / shards as u64,
                     local_cache_bytes: config.local_cache_bytes,
                 },
                 shutdown_upload_timeout: config.shutdown_upload_timeout,

@@ -995,6 +995,12 @@ impl Shard {
         };
         if let Some(f) = sealed {
             metrics::add(&self.metrics.fragments_sealed, 1);
+            if jm.has_stores() {
+                // Count it against the spool budget now: the next append
+                // must see it, not wait for an upload attempt to finish.
+                self.unuploaded_bytes
+                    .set(self.unuploaded_bytes.get() + (f.end - f.begin));
+            }
             jm.fragments.push(f);
         }
         if jm.has_stores() {
