@@ -137,6 +137,61 @@ pub struct Journal {
     pub last_listing: Option<Instant>,
     pub listing: bool,
     pub reset_waiters: Vec<(Rc<Outbox>, u64)>,
+    /// The newest staged bytes, kept while readers wait at the head so
+    /// that tailing readers are served from memory, not the spool file.
+    pub tail: TailCache,
+    /// Blocking readers waiting for the next commit.
+    pub waiting_readers: usize,
+}
+
+/// Bytes kept by a [`TailCache`] (it holds up to twice this between trims).
+pub const TAIL_CACHE_BYTES: usize = 4 << 20;
+
+/// A contiguous window `[begin, begin + len)` of a journal's newest bytes.
+/// Bytes beyond the write head are staged, not committed: readers take
+/// only what is below the head, and rollbacks truncate.
+#[derive(Default)]
+pub struct TailCache {
+    begin: u64,
+    buf: Vec<u8>,
+}
+
+impl TailCache {
+    pub fn end(&self) -> u64 {
+        self.begin + self.buf.len() as u64
+    }
+
+    /// Adds bytes staged at `offset`; a gap restarts the window there.
+    pub fn push(&mut self, offset: u64, bytes: &[u8]) {
+        if offset != self.end() {
+            self.buf.clear();
+            self.begin = offset;
+        }
+        self.buf.extend_from_slice(bytes);
+        if self.buf.len() > 2 * TAIL_CACHE_BYTES {
+            let drop = self.buf.len() - TAIL_CACHE_BYTES;
+            self.buf.drain(..drop);
+            self.begin += drop as u64;
+        }
+    }
+
+    /// Forgets bytes at and beyond `to` (a rollback).
+    pub fn truncate(&mut self, to: u64) {
+        if to <= self.begin {
+            self.buf.clear();
+            self.begin = to;
+        } else if to < self.end() {
+            self.buf.truncate((to - self.begin) as usize);
+        }
+    }
+
+    /// The cached bytes of `[from, to)`, if the window starts at or before
+    /// `from` and holds at least one of them.
+    pub fn get(&self, from: u64, to: u64) -> Option<&[u8]> {
+        let to = to.min(self.end());
+        (from >= self.begin && from < to)
+            .then(|| &self.buf[(from - self.begin) as usize..(to - self.begin) as usize])
+    }
 }
 
 impl Journal {
@@ -166,6 +221,8 @@ impl Journal {
             last_listing: None,
             listing: false,
             reset_waiters: Vec::new(),
+            tail: TailCache::default(),
+            waiting_readers: 0,
         }
     }
 
@@ -368,6 +425,30 @@ mod tests {
             Duration::ZERO,
             t(99999)
         ));
+    }
+
+    #[test]
+    fn tail_cache_window() {
+        let mut t = TailCache::default();
+        t.push(100, b"abcdef");
+        assert_eq!(t.get(100, 103), Some(&b"abc"[..]));
+        assert_eq!(t.get(102, 999), Some(&b"cdef"[..]));
+        assert_eq!(t.get(99, 103), None, "before the window");
+        assert_eq!(t.get(106, 999), None, "at its end");
+        t.truncate(104);
+        assert_eq!(t.get(100, 999), Some(&b"abcd"[..]));
+        t.push(104, b"XY");
+        assert_eq!(t.get(103, 999), Some(&b"dXY"[..]));
+        t.push(200, b"gap");
+        assert_eq!(t.get(104, 999), None);
+        assert_eq!(t.get(200, 999), Some(&b"gap"[..]));
+        let big = vec![7u8; TAIL_CACHE_BYTES + 10];
+        t.push(203, &big);
+        t.push(t.end(), &big);
+        assert!(t.get(200, 999).is_none(), "trimmed from the front");
+        assert_eq!(t.get(t.end() - 1, u64::MAX), Some(&[7u8][..]));
+        t.truncate(0);
+        assert_eq!(t.get(0, 10), None);
     }
 
     #[test]

@@ -30,6 +30,7 @@ counters!(
     fsyncs,
     reads,
     read_bytes,
+    tail_cache_reads,
     cross_core_forwards,
     connections,
     fragments_sealed,

@@ -840,6 +840,7 @@ impl Shard {
             let aborted = jm.active.as_ref().and_then(|a| a.op.aborted.get());
             if let Some(reason) = aborted {
                 let a = jm.active.take().expect("checked");
+                jm.tail.truncate(a.start.offset);
                 jm.spool
                     .as_mut()
                     .expect("active append has a spool")
@@ -1156,6 +1157,7 @@ impl Shard {
                         metrics::add(&self.metrics.storage_full, 1);
                     }
                     let a = jm.active.take().expect("active");
+                    jm.tail.truncate(a.start.offset);
                     spool.rewind(a.start);
                     let r = AppendReply {
                         write_head: jm.staged_head,
@@ -1169,8 +1171,12 @@ impl Shard {
                     // A rewind past written bytes needs a tail reload.
                     return !jm.queue.is_empty();
                 }
+                let at = spool.staged();
                 let n = spool.stage(bytes);
                 a.sha.update(&bytes[..n]);
+                if jm.waiting_readers > 0 {
+                    jm.tail.push(at, &bytes[..n]);
+                }
                 a.chunk_pos += n;
                 if n < bytes.len() {
                     // Buffer full: write it, then continue.
@@ -1208,6 +1214,7 @@ impl Shard {
             }
             if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
                 // Replies carry the registers; they must stay encodable.
+                jm.tail.truncate(a.start.offset);
                 spool.rewind(a.start);
                 let r = AppendReply {
                     write_head: jm.staged_head,
@@ -1258,7 +1265,9 @@ impl Shard {
         if let Some(spool) = jm.spool.as_mut() {
             spool.rollback();
         }
-        jm.staged_head = jm.head;
+        let head = jm.head;
+        jm.tail.truncate(head);
+        jm.staged_head = head;
         jm.staged_registers = jm.registers.clone();
     }
 
@@ -1389,6 +1398,34 @@ impl Shard {
                     "journal was deleted",
                 );
             }
+            // Recent bytes come from memory when the tail cache has them.
+            let served = {
+                let jm = j.borrow();
+                let limit = req
+                    .end_offset
+                    .map_or(jm.head, |e| e.min(jm.head))
+                    .min(offset + READ_CHUNK_BYTES as u64);
+                jm.tail.get(offset, limit).map(|bytes| {
+                    let meta = ReadData {
+                        offset: U64::new(offset),
+                    };
+                    outbox.frame(
+                        Op::READ_DATA,
+                        Status::OK,
+                        request_id,
+                        meta.as_bytes(),
+                        bytes,
+                    );
+                    bytes.len() as u64
+                })
+            };
+            if let Some(n) = served {
+                metrics::add(&self.metrics.read_bytes, n);
+                metrics::add(&self.metrics.tail_cache_reads, 1);
+                offset += n;
+                outbox.room().await;
+                continue;
+            }
             let Some(loc) = located else {
                 if !block {
                     return done(Status::OK, offset, head, "");
@@ -1407,7 +1444,10 @@ impl Shard {
                 let a = std::pin::pin!(commit);
                 let b = std::pin::pin!(cancelled);
                 let c = std::pin::pin!(closed);
+                // While readers wait, appends keep their bytes in memory.
+                j.borrow_mut().waiting_readers += 1;
                 futures_util::future::select(a, futures_util::future::select(b, c)).await;
+                j.borrow_mut().waiting_readers -= 1;
                 continue;
             };
             offset = loc.offset;

@@ -175,3 +175,53 @@ fn preconditions_and_registers() {
     assert_eq!((status, reply.begin), (Status::OK, 23));
     assert_eq!(reply.registers.len(), 41);
 }
+
+#[test]
+fn tailing_readers_are_served_from_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), 1);
+    let name = "smoke/tail";
+    let mut w = Conn::new(broker.endpoints[0]);
+    w.apply(&[JournalSpec::new(name)]);
+    // Three blocking readers wait at the head.
+    let mut readers: Vec<Conn> = (0..3).map(|_| Conn::new(broker.endpoints[0])).collect();
+    for r in &mut readers {
+        let req = rotary_net::wire::ReadRequest {
+            journal: name.into(),
+            offset: Some(0),
+            end_offset: Some(3000),
+        };
+        r.send(Op::READ, flag::BLOCK, 11, &req.encode(), &[]);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let mut expected = Vec::new();
+    for i in 0..30u8 {
+        let chunk = vec![i; 100];
+        assert_eq!(w.append(&req(name), &chunk).0, Status::OK);
+        expected.extend_from_slice(&chunk);
+    }
+    for r in &mut readers {
+        let mut got = Vec::new();
+        loop {
+            let f = r.recv();
+            match f.op {
+                Op::READ_DATA => {
+                    assert_eq!(
+                        u64::from_le_bytes(f.meta[..8].try_into().unwrap()),
+                        got.len() as u64
+                    );
+                    got.extend_from_slice(&f.payload);
+                }
+                Op::READ_DONE => {
+                    assert_eq!(f.status, Status::OK);
+                    break;
+                }
+                op => panic!("{op:?}"),
+            }
+        }
+        assert_eq!(got, expected);
+    }
+    w.send(Op::STATS, 0, 5, &[], &[]);
+    let stats: serde_json::Value = serde_json::from_slice(&w.recv().payload).unwrap();
+    assert!(stats["tail_cache_reads"].as_u64().unwrap() > 0, "{stats}");
+}
