@@ -156,7 +156,7 @@ const OPCODES_WANTED: &[(&str, u8)] = &[
     ("close", io_uring::opcode::Close::CODE),
 ];
 
-fn kernel_release() -> String {
+pub(crate) fn kernel_release() -> String {
     fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())

@@ -3,17 +3,22 @@
 //! its opcodes, io-wq worker affinity, locked-memory and open-file limits,
 //! O_DIRECT on the data filesystem, pinnable cores, huge-page and clock
 //! settings, free space — and the `rotary doctor` checks that verify them
-//! ([`doctor`]), with the fix for each problem. It runs once, on the thread
-//! that calls it, before or beside a broker; it never runs on a shard and
-//! keeps no state. Its only side effects are creating the data directory and
-//! a probe file in it that it removes again. `tuning/README.md` is the host
-//! tuning guide for bare-metal fleets.
+//! ([`doctor`]), with the fix for each problem; and the calibration of the
+//! data directory's device (`rotary tune`, [`tune`]): O_DIRECT write
+//! bandwidth and latency by block size and queue depth, fdatasync and read
+//! latency, and the write batch, ring depth and spool preallocation they
+//! call for, saved as a profile in the data directory for the broker to read
+//! at start.
 //!
-//! Device and network calibration (`rotary tune`: measuring a device's
-//! O_DIRECT write latency and throughput at each queue depth, to size spools
-//! and batches) will live beside `doctor` in a `tune` module.
+//! Both run once, on the thread that calls them, before or beside a broker;
+//! never on a shard, and they keep no state beyond the profile. Their side
+//! effects are creating the data directory, probe and scratch files in it
+//! that they remove again, and `tune`'s profile. `tuning/README.md` is the
+//! host tuning guide for bare-metal fleets and documents the profile.
 
 #![deny(unsafe_code)]
 
+mod direct;
 pub mod doctor;
 mod sys;
+pub mod tune;

@@ -1,7 +1,9 @@
 //! Host queries the standard library lacks: resource limits, filesystem
-//! statistics and CPU affinity. This is the crate's only module that uses
-//! `unsafe`; every call passes the kernel a pointer to a local value of the
-//! exact type it fills in, and reads the value only after success.
+//! statistics, CPU affinity and file preallocation. Beside `direct` (aligned
+//! buffers and the raw ring), this is the crate's only module that uses
+//! `unsafe`; every call passes the kernel either no memory or a pointer to a
+//! local value of the exact type it fills in, and reads the value only after
+//! success.
 
 #![allow(unsafe_code)]
 
@@ -124,6 +126,24 @@ pub fn set_thread_affinity(cpus: &[usize]) -> io::Result<()> {
     // is the calling thread.
     let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
     if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Allocates `[offset, offset + len)` of the file (fallocate(2), mode 0: the
+/// file size grows to cover the range). Filesystems without fallocate answer
+/// `EOPNOTSUPP`.
+pub fn fallocate(file: &impl std::os::fd::AsRawFd, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "range beyond off_t",
+        ));
+    };
+    // SAFETY: plain system call on a file descriptor the caller keeps open;
+    // no memory is passed.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
