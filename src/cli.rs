@@ -65,6 +65,16 @@ enum Cmd {
         #[arg(long = "data", default_value = "./rotary-data")]
         data: PathBuf,
     },
+    /// Calibrates the data directory's device and writes
+    /// <data>/tune-profile.json, which `serve` reads at start.
+    Tune {
+        /// Data directory whose device is calibrated.
+        #[arg(long = "data", default_value = "./rotary-data")]
+        data: PathBuf,
+        /// About 5 s instead of 20-25 s; coarser.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -375,6 +385,7 @@ pub fn run(cli: Cli) -> i32 {
     let result = match cli.cmd {
         Cmd::Serve(args) => serve(args),
         Cmd::Doctor { data } => return rotary_tuning::doctor::run(&data),
+        Cmd::Tune { data, quick } => return tune(&data, quick),
         other => {
             let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -415,6 +426,7 @@ fn serve(args: ServeArgs) -> CmdResult {
             CliError::Usage("BAD_USAGE", format!("--listen {}: no address", args.listen))
         })?;
     let mut config = rotary_engine::ServeConfig::new(args.data, listen);
+    apply_tune_profile(&mut config);
     config.cores = args.cores;
     if let Some(reserve) = args.disk_reserve {
         config.disk_reserve_bytes = reserve;
@@ -424,13 +436,71 @@ fn serve(args: ServeArgs) -> CmdResult {
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 
+fn tune(data: &std::path::Path, quick: bool) -> i32 {
+    use rotary_tuning::tune::{self, TuneOptions};
+    let base = if quick {
+        TuneOptions::quick()
+    } else {
+        TuneOptions::standard()
+    };
+    let opts = TuneOptions {
+        progress: true,
+        ..base
+    };
+    match tune::run(data, &opts).and_then(|p| p.save(data)) {
+        Ok(path) => {
+            println!("wrote {}", path.display());
+            EXIT_OK
+        }
+        Err(e) => {
+            eprintln!("error: IO_ERROR: rotary tune: {e}");
+            EXIT_FAILED
+        }
+    }
+}
+
+/// Largest fallocate step taken from a tune profile.
+const SPOOL_GROW_BYTES_MAX: u64 = 64 << 20;
+
+/// Sizes the broker's I/O from `<data>/tune-profile.json` when there is
+/// one; otherwise the engine's defaults stand. Says which in the log.
+fn apply_tune_profile(config: &mut rotary_engine::ServeConfig) {
+    let data = config.data_dir.clone();
+    match rotary_tuning::tune::load(&data) {
+        Ok(Some(p)) => {
+            if !p.matches_device(&data) {
+                tracing::warn!(measured_on = %p.host.device, "tune profile was measured on another device; using it anyway");
+            }
+            let r = &p.recommended;
+            config.spool_sizing.buffer_bytes = r.write_batch_bytes as usize;
+            // Every open spool holds this much ahead of its head; with many
+            // journals a larger step only ties up disk.
+            config.spool_sizing.grow_bytes = r.spool_grow_bytes.min(SPOOL_GROW_BYTES_MAX);
+            // The ring also carries socket I/O: the disk's depth is a floor.
+            config.ring_entries = config.ring_entries.max(r.ring_entries);
+            tracing::info!(
+                write_batch_bytes = r.write_batch_bytes,
+                spool_grow_bytes = config.spool_sizing.grow_bytes,
+                ring_entries = config.ring_entries,
+                "sizing I/O from tune-profile.json"
+            );
+        }
+        Ok(None) => {
+            tracing::info!("no tune-profile.json; I/O sized by defaults (run `rotary tune`)")
+        }
+        Err(e) => tracing::warn!(error = %e, "tune profile not used; I/O sized by defaults"),
+    }
+}
+
 async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
     Ok(Client::connect(&broker.endpoint()).await?)
 }
 
 async fn client_command(cmd: Cmd) -> CmdResult {
     match cmd {
-        Cmd::Serve(_) | Cmd::Doctor { .. } => unreachable!("handled without a runtime"),
+        Cmd::Serve(_) | Cmd::Doctor { .. } | Cmd::Tune { .. } => {
+            unreachable!("handled without a runtime")
+        }
         Cmd::Journals { cmd } => journals(cmd).await,
         Cmd::Append(args) => append(args).await,
         Cmd::Read(args) => read(args).await,

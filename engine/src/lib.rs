@@ -42,6 +42,10 @@ pub struct ServeConfig {
     pub upload_threads: usize,
     /// How long a clean shutdown waits for open spools to reach their stores.
     pub shutdown_upload_timeout: Duration,
+    /// Spool write batch and fallocate step (from `rotary tune`, else defaults).
+    pub spool_sizing: rotary_storage::spool::SpoolSizing,
+    /// Submission queue entries of each shard's ring.
+    pub ring_entries: u32,
 }
 
 impl ServeConfig {
@@ -55,6 +59,8 @@ impl ServeConfig {
             local_cache_bytes: 4 << 30,
             upload_threads: 2,
             shutdown_upload_timeout: Duration::from_secs(30),
+            spool_sizing: rotary_storage::spool::SpoolSizing::default(),
+            ring_entries: 1024,
         }
     }
 }
@@ -195,6 +201,7 @@ impl Broker {
             stops.push(stop_tx);
             let ctx = ShardContext {
                 core: n % ncpu,
+                ncpu,
                 shard: shard::ShardConfig {
                     index: n as u32,
                     shards: shards as u32,
@@ -207,7 +214,9 @@ impl Broker {
                     // The budget is the broker's; each shard holds an equal share.
                     spool_budget_bytes: config.spool_budget_bytes / shards as u64,
                     local_cache_bytes: config.local_cache_bytes,
+                    sizing: config.spool_sizing,
                 },
+                ring_entries: config.ring_entries,
                 shutdown_upload_timeout: config.shutdown_upload_timeout,
                 listener,
                 stop: stop_rx,
@@ -251,6 +260,8 @@ impl Broker {
 
 struct ShardContext {
     core: usize,
+    ncpu: usize,
+    ring_entries: u32,
     shard: shard::ShardConfig,
     shutdown_upload_timeout: Duration,
     listener: std::net::TcpListener,
@@ -260,7 +271,10 @@ struct ShardContext {
 }
 
 fn run_shard(ctx: ShardContext) {
+    let mut proactor = compio::driver::ProactorBuilder::new();
+    proactor.capacity(ctx.ring_entries);
     let rt = match compio::runtime::RuntimeBuilder::new()
+        .with_proactor(proactor)
         .thread_affinity(HashSet::from([ctx.core]))
         .build()
     {
@@ -274,10 +288,9 @@ fn run_shard(ctx: ShardContext) {
     };
     {
         use std::os::fd::AsRawFd;
-        let ncpu = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-        let others: Vec<usize> = (0..ncpu).filter(|&c| c != ctx.core).collect();
+        // Counted by the broker before any thread was pinned: a pinned
+        // thread sees only its own core.
+        let others: Vec<usize> = (0..ctx.ncpu).filter(|&c| c != ctx.core).collect();
         match sys::set_iowq_affinity(rt.as_raw_fd(), &others) {
             Ok(()) => tracing::debug!(
                 core = ctx.core,

@@ -19,7 +19,7 @@ use rotary_net::spec::{Durability, JournalFlags, LabelSet};
 use rotary_net::status::Status;
 use rotary_net::wire::{AppendReply, Op};
 use rotary_storage::fragment::{list_dir, LocalFragment};
-use rotary_storage::spool::{read_range, Spool};
+use rotary_storage::spool::{read_range, Spool, SpoolSizing};
 use rotary_storage::wal::{CommitLog, JournalState};
 use rotary_storage::StorageError;
 use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
@@ -66,6 +66,7 @@ pub struct Shard {
     /// The last upload error, named in refusals while the budget is spent.
     store_error: RefCell<Option<String>>,
     me: RefCell<std::rc::Weak<Shard>>,
+    sizing: SpoolSizing,
 }
 
 /// What a shard is started with.
@@ -80,6 +81,7 @@ pub struct ShardConfig {
     pub uploader: Uploader,
     pub spool_budget_bytes: u64,
     pub local_cache_bytes: u64,
+    pub sizing: SpoolSizing,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -114,6 +116,7 @@ impl Shard {
             uploader,
             spool_budget_bytes,
             local_cache_bytes,
+            sizing,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
@@ -145,6 +148,7 @@ impl Shard {
             local_cache_bytes,
             store_error: RefCell::new(None),
             me: RefCell::new(std::rc::Weak::new()),
+            sizing,
         });
         *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
@@ -186,7 +190,8 @@ impl Shard {
                 .filter(|st| st.spool_begin == begin && st.end > begin)
             {
                 Some(st) if begin >= head => {
-                    let (spool, sha1) = Spool::recover(path.clone(), begin, st.end).await?;
+                    let (spool, sha1) =
+                        Spool::recover_sized(path.clone(), begin, st.end, self.sizing).await?;
                     if sha1 != st.sha1 {
                         // Only possible after power loss in `replicated`
                         // mode: the log reached the disk, the data did not.
@@ -908,7 +913,7 @@ impl Shard {
                 (jm.dir.clone(), jm.head)
             };
             let created = match std::fs::create_dir_all(&dir) {
-                Ok(()) => Spool::create(&dir, head).await,
+                Ok(()) => Spool::create_sized(&dir, head, self.sizing).await,
                 Err(e) => Err(StorageError::io(&dir, e)),
             };
             match created {
@@ -980,7 +985,7 @@ impl Shard {
                     // next seal picks it up. Reopen it to keep appending.
                     tracing::error!(path = %path.display(), error = %e, "seal failed");
                     let end = j.borrow().head;
-                    if let Ok((s, _)) = Spool::recover(path, begin, end).await {
+                    if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
                         j.borrow_mut().spool = Some(s);
                     }
                     return;

@@ -30,6 +30,23 @@ pub const SPOOL_BUFFER_BYTES: usize = 4 << 20;
 /// Spools grow by at least this much per `fallocate`.
 pub const SPOOL_GROW_BYTES: u64 = 16 << 20;
 
+/// How a spool sizes its I/O: the write buffer (the largest batch of
+/// staged bytes written in one submission) and the fallocate step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpoolSizing {
+    pub buffer_bytes: usize,
+    pub grow_bytes: u64,
+}
+
+impl Default for SpoolSizing {
+    fn default() -> Self {
+        SpoolSizing {
+            buffer_bytes: SPOOL_BUFFER_BYTES,
+            grow_bytes: SPOOL_GROW_BYTES,
+        }
+    }
+}
+
 /// A position in the spool that can become the committed point: the offset
 /// and the fragment SHA-1 state at that offset.
 #[derive(Clone)]
@@ -56,6 +73,7 @@ pub struct Spool {
     /// File bytes allocated so far.
     allocated: u64,
     direct: bool,
+    grow_bytes: u64,
 }
 
 /// Name of the spool file that begins at `begin`.
@@ -88,15 +106,38 @@ async fn open_direct(path: &Path, create: bool) -> Result<(File, bool), StorageE
 impl Spool {
     /// Creates an empty spool file for a journal whose head is `begin`.
     pub async fn create(dir: &Path, begin: u64) -> Result<Spool, StorageError> {
+        Self::create_sized(dir, begin, SpoolSizing::default()).await
+    }
+
+    /// [`Spool::create`] with explicit I/O sizes (from `rotary tune`).
+    pub async fn create_sized(
+        dir: &Path,
+        begin: u64,
+        sizing: SpoolSizing,
+    ) -> Result<Spool, StorageError> {
         let path = dir.join(spool_file_name(begin));
         let (file, direct) = open_direct(&path, true).await?;
         file.set_len(0)
             .await
             .map_err(|e| StorageError::io(&path, e))?;
-        Ok(Spool::from_parts(file, path, begin, direct, Sha1::new()))
+        Ok(Spool::from_parts(
+            file,
+            path,
+            begin,
+            direct,
+            Sha1::new(),
+            sizing,
+        ))
     }
 
-    fn from_parts(file: File, path: PathBuf, begin: u64, direct: bool, sha: Sha1) -> Spool {
+    fn from_parts(
+        file: File,
+        path: PathBuf,
+        begin: u64,
+        direct: bool,
+        sha: Sha1,
+        sizing: SpoolSizing,
+    ) -> Spool {
         Spool {
             file: Rc::new(file),
             path,
@@ -106,11 +147,12 @@ impl Spool {
             written: begin,
             staged: begin,
             sha,
-            buf: Some(AlignedBuf::new(SPOOL_BUFFER_BYTES + BLOCK)),
+            buf: Some(AlignedBuf::new(sizing.buffer_bytes + BLOCK)),
             buf_start: begin,
             tail_loaded: true,
             allocated: 0,
             direct,
+            grow_bytes: sizing.grow_bytes,
         }
     }
 
@@ -122,6 +164,16 @@ impl Spool {
         path: PathBuf,
         begin: u64,
         committed_end: u64,
+    ) -> Result<(Spool, [u8; 20]), StorageError> {
+        Self::recover_sized(path, begin, committed_end, SpoolSizing::default()).await
+    }
+
+    /// [`Spool::recover`] with explicit I/O sizes.
+    pub async fn recover_sized(
+        path: PathBuf,
+        begin: u64,
+        committed_end: u64,
+        sizing: SpoolSizing,
     ) -> Result<(Spool, [u8; 20]), StorageError> {
         assert!(committed_end >= begin);
         let (file, direct) = open_direct(&path, false).await?;
@@ -155,7 +207,7 @@ impl Spool {
             pos += take as u64;
         }
         let digest: [u8; 20] = sha.clone().finalize().into();
-        let mut spool = Spool::from_parts(file, path, begin, direct, sha);
+        let mut spool = Spool::from_parts(file, path, begin, direct, sha, sizing);
         spool.committed = committed_end;
         spool.committed_sha = spool.sha.clone();
         spool.written = committed_end;
@@ -227,7 +279,7 @@ impl Spool {
         if need <= self.allocated {
             return Ok(());
         }
-        let grow = (need - self.allocated).max(SPOOL_GROW_BYTES);
+        let grow = (need - self.allocated).max(self.grow_bytes);
         let target = align_up(self.allocated + grow);
         let fd = self.file.as_raw_fd();
         let free = free_bytes(fd).map_err(|e| StorageError::io(&self.path, e))?;
