@@ -1,1 +1,287 @@
-//! placeholder
+//! Benchmarks of one rotary broker, and of the machine's own floors that
+//! those figures are judged against.
+//!
+//! [`run`] is `rotary bench`: it runs the chosen scenarios one after another
+//! and prints one table (optionally also JSON). Broker scenarios run against
+//! `--broker HOST:PORT` or, by default, against a broker embedded in this
+//! process ([`rotary_engine::Broker`], one pinned shard per core) with a
+//! fresh data directory that is removed afterwards. The load generator is the
+//! ordinary tokio client ([`rotary_net::client::Client`]) on its own runtime.
+//!
+//! Scenarios:
+//! * `append-1m`: 1 MiB appends to one journal, several in flight → MB/s.
+//! * `latency-1k`: 1 KiB appends at a fixed rate; latency is measured from
+//!   each append's *intended* send time, so a stall is charged to every
+//!   append it delayed (no coordinated omission).
+//! * `fanout-64x4k`: 4 KiB appends to 64 journals spread evenly over the
+//!   shards, several in flight per journal → aggregate MB/s.
+//! * `pingpong`: plain TCP round trips to a child process on loopback: the
+//!   machine's latency floor.
+//! * `baseline`: `fio` O_DIRECT sequential overwrite at 1 MiB blocks and
+//!   `iperf3` loopback throughput: the disk and network ceilings; fio 4 KiB
+//!   writes one at a time: the device's latency floor; and the SHA-1 rate of
+//!   one core, which bounds one shard's appends.
+//!
+//! Everything listens on 127.0.0.1 only; every child process is stopped by
+//! its PID; every loop is bounded in time. Nothing here asserts timings:
+//! figures are reported, and the table says whether each target was met.
+
+#![deny(unsafe_code)]
+
+mod baseline;
+mod broker;
+mod child;
+mod cpu;
+mod load;
+mod pingpong;
+mod report;
+mod sys;
+
+use anyhow::Context as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use report::Figures;
+
+/// The scenarios `--scenario` selects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// Every scenario below, in this order: pingpong, baseline, append-1m,
+    /// latency-1k, fanout-64x4k.
+    All,
+    /// 1 MiB appends to one journal, pipelined: MB/s and appends/s.
+    #[value(name = "append-1m")]
+    Append1m,
+    /// 1 KiB appends at a fixed rate: latency percentiles from intended send time.
+    #[value(name = "latency-1k")]
+    Latency1k,
+    /// 4 KiB appends to 64 journals on every shard, pipelined: aggregate MB/s.
+    #[value(name = "fanout-64x4k")]
+    Fanout64x4k,
+    /// Plain TCP ping-pong with a child process on loopback: the latency floor.
+    Pingpong,
+    /// fio O_DIRECT 1 MiB sequential overwrite, fio 4 KiB write latency,
+    /// iperf3 loopback throughput, SHA-1 rate of one core.
+    Baseline,
+}
+
+/// `rotary bench`: load-tests one broker and compares it with the machine.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Scenarios to run (repeat or separate with commas).
+    #[arg(
+        long = "scenario",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "all"
+    )]
+    pub scenarios: Vec<Scenario>,
+    /// Broker to load, any shard's HOST:PORT. Without it, a broker is started
+    /// in this process on 127.0.0.1 with a temporary data directory.
+    #[arg(long = "broker", value_name = "HOST:PORT")]
+    pub broker: Option<String>,
+    /// Directory under which the temporary data directory (embedded broker's
+    /// data and fio's test file) is made; removed afterwards.
+    #[arg(long = "data", value_name = "DIR", default_value = ".")]
+    pub data: PathBuf,
+    /// Shards of the embedded broker; 0 = every core.
+    #[arg(long = "cores", default_value_t = 0)]
+    pub cores: usize,
+    /// Measured seconds per scenario (after the warm-up).
+    #[arg(long = "duration", value_name = "SECS", default_value_t = 5.0)]
+    pub duration_secs: f64,
+    /// Seconds of load before each scenario's measurement starts.
+    #[arg(long = "warmup", value_name = "SECS", default_value_t = 1.0)]
+    pub warmup_secs: f64,
+    /// Appends in flight in append-1m.
+    #[arg(long = "append-depth", default_value_t = 8)]
+    pub append_depth: usize,
+    /// Appends per second in latency-1k.
+    #[arg(long = "rate", default_value_t = 10_000)]
+    pub rate: u64,
+    /// Appends in flight per journal in fanout-64x4k.
+    #[arg(long = "fanout-depth", default_value_t = 4)]
+    pub fanout_depth: usize,
+    /// Message bytes of each ping-pong round trip.
+    #[arg(long = "pingpong-size", value_name = "BYTES", default_value_t = 1024)]
+    pub pingpong_size: usize,
+    /// Worker threads of the client's tokio runtime.
+    #[arg(long = "client-threads", default_value_t = 1)]
+    pub client_threads: usize,
+    /// Size of fio's preallocated test file, in MiB.
+    #[arg(long = "fio-size-mib", default_value_t = 2048)]
+    pub fio_size_mib: u64,
+    /// fio's I/Os in flight.
+    #[arg(long = "fio-iodepth", default_value_t = 4)]
+    pub fio_iodepth: u32,
+    /// Also write every figure to this file as JSON.
+    #[arg(long = "output", value_name = "FILE.json")]
+    pub output: Option<PathBuf>,
+    /// Internal: serve ping-pong echoes (the child process of `pingpong`).
+    #[arg(long = "echo-server", hide = true)]
+    pub echo_server: bool,
+    /// Internal: the CPU the echo server pins itself to.
+    #[arg(long = "echo-cpu", hide = true)]
+    pub echo_cpu: Option<usize>,
+}
+
+impl BenchArgs {
+    fn duration(&self) -> Duration {
+        Duration::from_secs_f64(self.duration_secs)
+    }
+
+    fn warmup(&self) -> Duration {
+        Duration::from_secs_f64(self.warmup_secs)
+    }
+
+    fn wants(&self, s: Scenario) -> bool {
+        self.scenarios.contains(&Scenario::All) || self.scenarios.contains(&s)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.duration_secs > 0.0 && self.duration_secs <= DURATION_SECS_MAX,
+            "--duration must be more than 0 and at most {DURATION_SECS_MAX} seconds"
+        );
+        anyhow::ensure!(
+            self.warmup_secs >= 0.0 && self.warmup_secs <= DURATION_SECS_MAX,
+            "--warmup must be 0 to {DURATION_SECS_MAX} seconds"
+        );
+        anyhow::ensure!(
+            (1..=load::DEPTH_MAX).contains(&self.append_depth),
+            "--append-depth must be 1 to {}",
+            load::DEPTH_MAX
+        );
+        anyhow::ensure!(
+            (1..=load::DEPTH_MAX).contains(&self.fanout_depth),
+            "--fanout-depth must be 1 to {}",
+            load::DEPTH_MAX
+        );
+        anyhow::ensure!(
+            (1..=load::RATE_MAX).contains(&self.rate),
+            "--rate must be 1 to {}",
+            load::RATE_MAX
+        );
+        anyhow::ensure!(
+            (1..=pingpong::MESSAGE_LEN_MAX).contains(&self.pingpong_size),
+            "--pingpong-size must be 1 to {}",
+            pingpong::MESSAGE_LEN_MAX
+        );
+        anyhow::ensure!(
+            (1..=64).contains(&self.client_threads),
+            "--client-threads must be 1 to 64"
+        );
+        anyhow::ensure!(
+            self.fio_size_mib >= 16,
+            "--fio-size-mib must be at least 16"
+        );
+        anyhow::ensure!(
+            (1..=256).contains(&self.fio_iodepth),
+            "--fio-iodepth must be 1 to 256"
+        );
+        Ok(())
+    }
+}
+
+/// File of the 4 KiB fio latency job: small, it only has to be laid out.
+const FIO_4K_FILE_MIB: u64 = 256;
+
+/// Longest `--duration` or `--warmup` accepted.
+pub const DURATION_SECS_MAX: f64 = 3600.0;
+
+/// Runs the scenarios `args` selects and prints their figures.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.echo_server {
+        return pingpong::serve_echo(&args);
+    }
+    args.check()?;
+    let mut figures = Figures::new(&args);
+    let parent = std::fs::canonicalize(&args.data)
+        .with_context(|| format!("--data {}", args.data.display()))?;
+    let scratch = tempfile::Builder::new()
+        .prefix("rotary-bench-")
+        .tempdir_in(&parent)
+        .with_context(|| format!("making a temporary directory in {}", parent.display()))?;
+    eprintln!("scratch directory: {}", scratch.path().display());
+
+    if args.wants(Scenario::Pingpong) {
+        eprintln!("pingpong: {} B round trips on loopback", args.pingpong_size);
+        let cpu = cpu::Sample::now();
+        figures.pingpong = Some(pingpong::run(&args, pingpong::Placement::Unpinned)?);
+        figures.note_foreign_cpu("pingpong", &cpu);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for placement in [
+            pingpong::Placement::SameCore,
+            pingpong::Placement::CrossCore,
+        ] {
+            if placement == pingpong::Placement::CrossCore && cpus < 2 {
+                continue;
+            }
+            eprintln!("pingpong: {}", placement.name());
+            let cpu = cpu::Sample::now();
+            figures
+                .pingpong_pinned
+                .push(pingpong::run(&args, placement)?);
+            figures.note_foreign_cpu(
+                match placement {
+                    pingpong::Placement::SameCore => "pingpong-same-core",
+                    _ => "pingpong-cross-core",
+                },
+                &cpu,
+            );
+        }
+    }
+    if args.wants(Scenario::Baseline) {
+        let cpu = cpu::Sample::now();
+        eprintln!("baseline: fio, 1 MiB blocks");
+        let job = baseline::FioJob {
+            key: "fio",
+            block_kib: 1024,
+            iodepth: args.fio_iodepth,
+            file_mib: args.fio_size_mib,
+        };
+        figures.fio = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
+        eprintln!("baseline: fio, 4 KiB blocks one at a time");
+        let job = baseline::FioJob {
+            key: "fio-4k",
+            block_kib: 4,
+            iodepth: 1,
+            file_mib: FIO_4K_FILE_MIB,
+        };
+        figures.fio_4k = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
+        eprintln!("baseline: iperf3");
+        figures.iperf3 = baseline::iperf3(&args, &mut figures.skipped)?;
+        eprintln!("baseline: SHA-1");
+        figures.sha1 = Some(baseline::sha1(&args));
+        figures.note_foreign_cpu("baseline", &cpu);
+    }
+    let broker_scenarios = [
+        Scenario::Append1m,
+        Scenario::Latency1k,
+        Scenario::Fanout64x4k,
+    ];
+    if broker_scenarios.iter().any(|s| args.wants(*s)) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(args.client_threads)
+            .thread_name("rotary-bench-client")
+            .enable_all()
+            .build()
+            .context("starting the client runtime")?;
+        let target = broker::Target::open(&args, &scratch.path().join("broker"))?;
+        figures.broker = Some(target.describe());
+        let result = rt.block_on(load::run_all(&args, &target, &mut figures));
+        // Stop the client (its connection tasks) before the broker.
+        rt.shutdown_timeout(Duration::from_secs(5));
+        target.close();
+        result?;
+    }
+    drop(scratch);
+
+    print!("{}", figures.table());
+    if let Some(path) = &args.output {
+        let json = serde_json::to_vec_pretty(&figures.to_json()).expect("figures serialize");
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}

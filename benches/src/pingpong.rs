@@ -1,0 +1,181 @@
+//! The latency floor: blocking TCP round trips between this process and a
+//! child process of the same executable on loopback. Nothing a broker does
+//! on a round trip can beat this; `latency-1k` is judged against it.
+//!
+//! The child is this executable run with this process's own arguments plus
+//! the hidden `--echo-server` flag, so it works the same whether the
+//! harness runs as `rotary bench` or as the `rotary-bench` binary.
+//!
+//! The round trip depends on where the scheduler puts the two ends: on one
+//! core a wake-up is a context switch; across cores it is an inter-processor
+//! interrupt, which on a virtual machine costs a VM exit. So besides the
+//! unpinned figure (the floor the targets use) both placements are measured
+//! with the two ends pinned.
+
+use crate::child::ChildGuard;
+use crate::report::{self, PingpongFigures};
+use crate::BenchArgs;
+use anyhow::Context as _;
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Largest `--pingpong-size`.
+pub const MESSAGE_LEN_MAX: usize = 1 << 20;
+/// How long the child may take to say which port it listens on.
+const CHILD_START_TIMEOUT: Duration = Duration::from_secs(10);
+/// A round trip slower than this means the child is gone or stuck.
+const ROUND_TRIP_TIMEOUT: Duration = Duration::from_secs(5);
+/// The echo server exits on its own this long after its expected end, in
+/// case its parent died without stopping it.
+const ECHO_LIFETIME_EXTRA: Duration = Duration::from_secs(60);
+
+/// Where the two ends of the ping-pong run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Wherever the scheduler puts them.
+    Unpinned,
+    /// Both pinned to CPU 0.
+    SameCore,
+    /// Client pinned to CPU 0, echo server to CPU 1.
+    CrossCore,
+}
+
+impl Placement {
+    /// (client CPU, echo server CPU).
+    fn cpus(self) -> Option<(usize, usize)> {
+        match self {
+            Placement::Unpinned => None,
+            Placement::SameCore => Some((0, 0)),
+            Placement::CrossCore => Some((0, 1)),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Unpinned => "unpinned",
+            Placement::SameCore => "same core",
+            Placement::CrossCore => "cross core",
+        }
+    }
+}
+
+/// The child's side: listens on 127.0.0.1, prints the port on stdout,
+/// echoes one connection until it closes.
+pub fn serve_echo(args: &BenchArgs) -> anyhow::Result<()> {
+    if let Some(cpu) = args.echo_cpu {
+        crate::sys::pin_current_thread(cpu).with_context(|| format!("pinning to CPU {cpu}"))?;
+    }
+    let lifetime = Duration::from_secs_f64(
+        (args.duration_secs + args.warmup_secs).clamp(0.0, crate::DURATION_SECS_MAX * 2.0),
+    ) + ECHO_LIFETIME_EXTRA;
+    std::thread::spawn(move || {
+        std::thread::sleep(lifetime);
+        eprintln!("echo server: no end after {lifetime:?}; exiting");
+        std::process::exit(1);
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").context("echo server: bind")?;
+    let port = listener.local_addr()?.port();
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "{port}")?;
+    stdout.flush()?;
+    let (mut sock, _) = listener.accept().context("echo server: accept")?;
+    sock.set_nodelay(true)?;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = sock.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        sock.write_all(&buf[..n])?;
+    }
+}
+
+/// Measures round trips of `--pingpong-size` bytes for `--duration`.
+pub fn run(args: &BenchArgs, placement: Placement) -> anyhow::Result<PingpongFigures> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(std::env::args_os().skip(1)).arg("--echo-server");
+    if let Some((_, server_cpu)) = placement.cpus() {
+        cmd.arg(format!("--echo-cpu={server_cpu}"));
+    }
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {} --echo-server", exe.display()))?;
+    let mut child = ChildGuard(child);
+    let stdout = child.0.stdout.take().expect("stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let r = BufReader::new(stdout).read_line(&mut line).map(|_| line);
+        let _ = tx.send(r);
+    });
+    let line = rx
+        .recv_timeout(CHILD_START_TIMEOUT)
+        .context("echo server did not start")?
+        .context("reading the echo server's port")?;
+    let port: u16 = line
+        .trim()
+        .parse()
+        .with_context(|| format!("echo server printed {line:?}, not a port"))?;
+
+    let rtt = std::thread::scope(|scope| {
+        scope
+            .spawn(|| round_trips(args, port, placement))
+            .join()
+            .expect("ping-pong thread panicked")
+    })?;
+    drop(child);
+    Ok(PingpongFigures {
+        placement: placement.name().into(),
+        message_bytes: args.pingpong_size,
+        seconds: args.duration_secs,
+        round_trips: rtt.len(),
+        rtt: report::Percentiles::of(&rtt),
+    })
+}
+
+/// The client's side, on a thread of its own so that pinning it leaves the
+/// rest of the process alone.
+fn round_trips(
+    args: &BenchArgs,
+    port: u16,
+    placement: Placement,
+) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
+    if let Some((client_cpu, _)) = placement.cpus() {
+        crate::sys::pin_current_thread(client_cpu)
+            .with_context(|| format!("pinning to CPU {client_cpu}"))?;
+    }
+    let mut sock = TcpStream::connect(("127.0.0.1", port)).context("connecting to echo server")?;
+    sock.set_nodelay(true)?;
+    sock.set_read_timeout(Some(ROUND_TRIP_TIMEOUT))?;
+    sock.set_write_timeout(Some(ROUND_TRIP_TIMEOUT))?;
+    let message: Vec<u8> = (0..args.pingpong_size).map(|i| i as u8).collect();
+    let mut back = vec![0u8; args.pingpong_size];
+    let mut rtt = report::histogram();
+    let mut round_trip = |record: bool| -> anyhow::Result<()> {
+        let sent = Instant::now();
+        sock.write_all(&message)?;
+        sock.read_exact(&mut back)?;
+        if record {
+            report::record(&mut rtt, sent.elapsed());
+        }
+        anyhow::ensure!(back == message, "echo differs from the message sent");
+        Ok(())
+    };
+    let start = Instant::now();
+    let measure_from = start + args.warmup();
+    let end = measure_from + args.duration();
+    loop {
+        let now = Instant::now();
+        if now >= end {
+            break;
+        }
+        round_trip(now >= measure_from).context("ping-pong round trip")?;
+    }
+    Ok(rtt)
+}

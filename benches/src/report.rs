@@ -1,0 +1,503 @@
+//! Every figure of one run, the ratios the targets ask for, and how they are
+//! printed (a table) and saved (JSON).
+
+use crate::BenchArgs;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+/// 1 MiB appends must reach at least this share of min(fio, iperf3).
+pub const APPEND_THROUGHPUT_RATIO_MIN: f64 = 0.8;
+/// 1 KiB append p99 may be at most this multiple of the ping-pong p99.
+pub const LATENCY_P99_RATIO_MAX: f64 = 2.0;
+
+/// Largest latency a histogram records; longer ones are clamped to it.
+pub const LATENCY_NS_MAX: u64 = 60_000_000_000;
+
+/// A latency histogram in nanoseconds, 3 significant digits.
+pub fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, LATENCY_NS_MAX, 3).expect("valid histogram bounds")
+}
+
+/// Records `d`, clamped to the histogram's range.
+pub fn record(h: &mut Histogram<u64>, d: Duration) {
+    let ns = u64::try_from(d.as_nanos())
+        .unwrap_or(u64::MAX)
+        .clamp(1, LATENCY_NS_MAX);
+    h.record(ns).expect("clamped into range");
+}
+
+/// Percentiles of a latency histogram, in microseconds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Percentiles {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub max_us: f64,
+}
+
+impl Percentiles {
+    pub fn of(h: &Histogram<u64>) -> Percentiles {
+        if h.is_empty() {
+            return Percentiles::default();
+        }
+        let us = |ns: u64| ns as f64 / 1000.0;
+        Percentiles {
+            count: h.len(),
+            mean_us: h.mean() / 1000.0,
+            p50_us: us(h.value_at_quantile(0.50)),
+            p90_us: us(h.value_at_quantile(0.90)),
+            p99_us: us(h.value_at_quantile(0.99)),
+            p999_us: us(h.value_at_quantile(0.999)),
+            max_us: us(h.max()),
+        }
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "p50 {} · p99 {} · p99.9 {} · max {}",
+            fmt_us(self.p50_us),
+            fmt_us(self.p99_us),
+            fmt_us(self.p999_us),
+            fmt_us(self.max_us)
+        )
+    }
+}
+
+/// Sustained appends, several in flight (append-1m, fanout-64x4k).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ThroughputFigures {
+    pub journals: usize,
+    /// Journals per shard, indexed by shard.
+    pub journals_per_shard: Vec<usize>,
+    pub append_bytes: usize,
+    /// Appends in flight per journal.
+    pub depth: usize,
+    pub seconds: f64,
+    /// Appends that completed OK inside the measured window.
+    pub appends: u64,
+    pub bytes: u64,
+    /// Decimal megabytes (10^6 bytes) per second.
+    pub mb_per_s: f64,
+    pub appends_per_s: f64,
+    /// From each append's send to its reply.
+    pub latency: Percentiles,
+    pub errors: u64,
+    pub first_error: Option<String>,
+    /// Broker counters over the scenario (warm-up included).
+    pub broker_appends: Option<u64>,
+    pub broker_append_bytes: Option<u64>,
+    pub cross_core_forwards: Option<u64>,
+}
+
+/// Fixed-rate appends (latency-1k).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LatencyFigures {
+    pub append_bytes: usize,
+    pub rate_target: u64,
+    pub seconds: f64,
+    /// Appends whose intended send time fell in the measured window.
+    pub sent: u64,
+    pub completed: u64,
+    pub rate_achieved: f64,
+    /// From each append's intended send time to its reply: the figure.
+    pub latency: Percentiles,
+    /// From the moment the append was handed to the client to its reply.
+    pub service: Percentiles,
+    /// How late the pacer handed appends to the client (its own timer and
+    /// scheduling delay, part of `latency`).
+    pub pacer_lag: Percentiles,
+    pub in_flight_max: u64,
+    pub errors: u64,
+    pub first_error: Option<String>,
+    pub cross_core_forwards: Option<u64>,
+}
+
+/// TCP round trips with a child process (pingpong).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PingpongFigures {
+    /// unpinned, same core or cross core.
+    pub placement: String,
+    pub message_bytes: usize,
+    pub seconds: f64,
+    pub round_trips: u64,
+    pub rtt: Percentiles,
+}
+
+/// fio O_DIRECT sequential overwrite.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FioFigures {
+    pub version: String,
+    pub ioengine: String,
+    pub block_kib: u64,
+    pub iodepth: u32,
+    pub file_mib: u64,
+    pub seconds: f64,
+    pub mb_per_s: f64,
+    pub iops: f64,
+    pub clat_p50_us: Option<f64>,
+    pub clat_p99_us: Option<f64>,
+    pub clat_p999_us: Option<f64>,
+    pub clat_max_us: Option<f64>,
+}
+
+/// iperf3 single-stream loopback throughput.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Iperf3Figures {
+    pub version: String,
+    pub seconds: f64,
+    pub mb_per_s: f64,
+}
+
+/// SHA-1 on one core.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Sha1Figures {
+    pub buffer_bytes: usize,
+    pub seconds: f64,
+    pub mb_per_s: f64,
+}
+
+/// Everything one run measured.
+#[derive(Clone, Debug, Default)]
+pub struct Figures {
+    pub config: serde_json::Value,
+    pub machine: serde_json::Value,
+    pub broker: Option<serde_json::Value>,
+    /// Unpinned: the floor the latency target is judged against.
+    pub pingpong: Option<PingpongFigures>,
+    /// Both ends pinned: on one core, and on two.
+    pub pingpong_pinned: Vec<PingpongFigures>,
+    pub fio: Option<FioFigures>,
+    /// 4 KiB writes one at a time: the device's latency floor.
+    pub fio_4k: Option<FioFigures>,
+    pub iperf3: Option<Iperf3Figures>,
+    pub sha1: Option<Sha1Figures>,
+    pub append_1m: Option<ThroughputFigures>,
+    pub latency_1k: Option<LatencyFigures>,
+    pub fanout_64x4k: Option<ThroughputFigures>,
+    /// Per scenario: percent of all CPUs busy outside this process (other
+    /// processes, kernel threads) while it ran.
+    pub foreign_cpu_percent: Vec<(&'static str, f64)>,
+    /// Figures that were not measured, and why.
+    pub skipped: BTreeMap<&'static str, String>,
+}
+
+/// A ratio the targets ask for.
+#[derive(Clone, Debug, Serialize)]
+pub struct Ratio {
+    pub name: &'static str,
+    pub value: f64,
+    pub target: String,
+    pub met: bool,
+}
+
+impl Figures {
+    pub fn new(args: &BenchArgs) -> Figures {
+        Figures {
+            config: serde_json::json!({
+                "scenarios": args
+                    .scenarios
+                    .iter()
+                    .filter_map(clap::ValueEnum::to_possible_value)
+                    .map(|v| v.get_name().to_string())
+                    .collect::<Vec<_>>(),
+                "broker": args.broker,
+                "cores": args.cores,
+                "duration_secs": args.duration_secs,
+                "warmup_secs": args.warmup_secs,
+                "append_depth": args.append_depth,
+                "rate": args.rate,
+                "fanout_depth": args.fanout_depth,
+                "pingpong_size": args.pingpong_size,
+                "client_threads": args.client_threads,
+                "fio_size_mib": args.fio_size_mib,
+                "fio_iodepth": args.fio_iodepth,
+            }),
+            machine: machine(),
+            ..Figures::default()
+        }
+    }
+
+    /// Records how busy the rest of the machine was during `scenario`.
+    pub fn note_foreign_cpu(&mut self, scenario: &'static str, since: &crate::cpu::Sample) {
+        if let Some(p) = since.foreign_percent() {
+            self.foreign_cpu_percent.push((scenario, p));
+        }
+    }
+
+    /// The ratios whose inputs were all measured.
+    pub fn ratios(&self) -> Vec<Ratio> {
+        let mut out = Vec::new();
+        if let (Some(a), Some(fio), Some(net)) = (&self.append_1m, &self.fio, &self.iperf3) {
+            let floor = fio.mb_per_s.min(net.mb_per_s);
+            if floor > 0.0 {
+                let value = a.mb_per_s / floor;
+                out.push(Ratio {
+                    name: "append-1m MB/s ÷ min(fio, iperf3) MB/s",
+                    value,
+                    target: format!("≥ {APPEND_THROUGHPUT_RATIO_MIN:.2}"),
+                    met: value >= APPEND_THROUGHPUT_RATIO_MIN,
+                });
+            }
+        }
+        self.latency_ratio(&mut out);
+        out
+    }
+
+    /// Ratios that explain a figure rather than judge it.
+    pub fn bounds(&self) -> Vec<(&'static str, f64)> {
+        let mut out = Vec::new();
+        if let (Some(a), Some(h)) = (&self.append_1m, &self.sha1) {
+            if h.mb_per_s > 0.0 {
+                // One journal lives on one shard, which hashes each byte twice.
+                out.push((
+                    "append-1m MB/s ÷ (SHA-1 MB/s ÷ 2)",
+                    a.mb_per_s / (h.mb_per_s / 2.0),
+                ));
+            }
+        }
+        if let (Some(l), Some(f)) = (&self.latency_1k, &self.fio_4k) {
+            if let Some(p99) = f.clat_p99_us.filter(|v| *v > 0.0) {
+                // A replicated append waits for at least one device write.
+                out.push((
+                    "latency-1k p99 ÷ fio 4 KiB write p99",
+                    l.latency.p99_us / p99,
+                ));
+            }
+        }
+        out
+    }
+
+    fn latency_ratio(&self, out: &mut Vec<Ratio>) {
+        if let (Some(l), Some(p)) = (&self.latency_1k, &self.pingpong) {
+            if p.rtt.p99_us > 0.0 {
+                let value = l.latency.p99_us / p.rtt.p99_us;
+                out.push(Ratio {
+                    name: "latency-1k p99 ÷ pingpong p99 (unpinned)",
+                    value,
+                    target: format!("≤ {LATENCY_P99_RATIO_MAX:.2}"),
+                    met: value <= LATENCY_P99_RATIO_MAX,
+                });
+            }
+        }
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "machine": self.machine,
+            "config": self.config,
+            "broker": self.broker,
+            "pingpong": self.pingpong,
+            "pingpong_pinned": self.pingpong_pinned,
+            "fio": self.fio,
+            "fio_4k": self.fio_4k,
+            "iperf3": self.iperf3,
+            "sha1": self.sha1,
+            "append_1m": self.append_1m,
+            "latency_1k": self.latency_1k,
+            "fanout_64x4k": self.fanout_64x4k,
+            "ratios": self.ratios(),
+            "bounds": self.bounds().into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>(),
+            "skipped": self.skipped,
+            "foreign_cpu_percent": self.foreign_cpu_percent.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
+        })
+    }
+
+    /// The human-readable table.
+    pub fn table(&self) -> String {
+        let mut rows: Vec<(String, String, String)> = Vec::new();
+        let mut row = |s: &str, f: &str, v: String| rows.push((s.into(), f.into(), v));
+        for p in self.pingpong.iter().chain(&self.pingpong_pinned) {
+            row(
+                "pingpong",
+                &format!("TCP RTT, {} B, {}", p.message_bytes, p.placement),
+                format!("{} ({} round trips)", p.rtt.line(), p.round_trips),
+            );
+        }
+        if let Some(f) = &self.fio {
+            row(
+                "baseline",
+                &format!(
+                    "fio {} KiB O_DIRECT overwrite, {} deep",
+                    f.block_kib, f.iodepth
+                ),
+                format!("{:.0} MB/s ({:.0} IOPS)", f.mb_per_s, f.iops),
+            );
+        }
+        if let Some(f) = &self.fio_4k {
+            let us = |v: Option<f64>| v.map(fmt_us).unwrap_or_else(|| "?".into());
+            row(
+                "baseline",
+                &format!(
+                    "fio {} KiB O_DIRECT overwrite, {} deep",
+                    f.block_kib, f.iodepth
+                ),
+                format!(
+                    "p50 {} · p99 {} · p99.9 {} · max {}",
+                    us(f.clat_p50_us),
+                    us(f.clat_p99_us),
+                    us(f.clat_p999_us),
+                    us(f.clat_max_us)
+                ),
+            );
+        }
+        if let Some(n) = &self.iperf3 {
+            row(
+                "baseline",
+                "iperf3 loopback, 1 stream",
+                format!("{:.0} MB/s", n.mb_per_s),
+            );
+        }
+        if let Some(h) = &self.sha1 {
+            row(
+                "baseline",
+                &format!("SHA-1, {} B buffers, one core", h.buffer_bytes),
+                format!("{:.0} MB/s", h.mb_per_s),
+            );
+        }
+        let throughput_rows =
+            |rows: &mut Vec<(String, String, String)>, name: &str, t: &ThroughputFigures| {
+                let mut row = |f: String, v: String| rows.push((name.into(), f, v));
+                row(
+                    format!(
+                        "{} journal(s) × {} B, {} in flight each",
+                        t.journals, t.append_bytes, t.depth
+                    ),
+                    format!("{:.0} MB/s · {:.0} appends/s", t.mb_per_s, t.appends_per_s),
+                );
+                row("append latency (closed loop)".into(), t.latency.line());
+                row(
+                    "errors · cross-core forwards".into(),
+                    errors_line(t.errors, t.cross_core_forwards),
+                );
+            };
+        if let Some(t) = &self.append_1m {
+            throughput_rows(&mut rows, "append-1m", t);
+        }
+        if let Some(l) = &self.latency_1k {
+            let mut row = |f: String, v: String| rows.push(("latency-1k".into(), f, v));
+            row(
+                format!(
+                    "{} B at {}/s, from intended send",
+                    l.append_bytes, l.rate_target
+                ),
+                l.latency.line(),
+            );
+            row("from actual send".into(), l.service.line());
+            row("pacer lag".into(), l.pacer_lag.line());
+            row(
+                "achieved rate · most in flight".into(),
+                format!("{:.0}/s · {}", l.rate_achieved, l.in_flight_max),
+            );
+            row(
+                "errors · cross-core forwards".into(),
+                errors_line(l.errors, l.cross_core_forwards),
+            );
+        }
+        if let Some(t) = &self.fanout_64x4k {
+            throughput_rows(&mut rows, "fanout-64x4k", t);
+        }
+        let w0 = rows
+            .iter()
+            .map(|r| r.0.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(8);
+        let w1 = rows
+            .iter()
+            .map(|r| r.1.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(6);
+        let mut out = String::new();
+        let _ = writeln!(out);
+        let _ = writeln!(out, "{:w0$}  {:w1$}  value", "scenario", "figure");
+        for (s, f, v) in &rows {
+            let _ = writeln!(out, "{s:w0$}  {f:w1$}  {v}");
+        }
+        let ratios = self.ratios();
+        if !ratios.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "targets");
+            for r in ratios {
+                let _ = writeln!(
+                    out,
+                    "  {:44} {:>6.2}   target {}   {}",
+                    r.name,
+                    r.value,
+                    r.target,
+                    if r.met { "met" } else { "missed" }
+                );
+            }
+        }
+        let bounds = self.bounds();
+        if !bounds.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "bounds");
+            for (name, value) in bounds {
+                let _ = writeln!(out, "  {name:44} {value:>6.2}");
+            }
+        }
+        if !self.foreign_cpu_percent.is_empty() {
+            let _ = writeln!(out);
+            let list: Vec<String> = self
+                .foreign_cpu_percent
+                .iter()
+                .map(|(s, p)| format!("{s} {p:.0}%"))
+                .collect();
+            let _ = writeln!(
+                out,
+                "CPU busy outside this process (other processes, kernel threads): {}",
+                list.join(" · ")
+            );
+        }
+        for (what, why) in &self.skipped {
+            let _ = writeln!(out, "skipped {what}: {why}");
+        }
+        out
+    }
+}
+
+fn errors_line(errors: u64, forwards: Option<u64>) -> String {
+    match forwards {
+        Some(f) => format!("{errors} · {f}"),
+        None => format!("{errors} · unknown"),
+    }
+}
+
+fn fmt_us(us: f64) -> String {
+    if us >= 10_000.0 {
+        format!("{:.1} ms", us / 1000.0)
+    } else if us >= 100.0 {
+        format!("{us:.0} µs")
+    } else {
+        format!("{us:.1} µs")
+    }
+}
+
+/// What the figures were measured on.
+fn machine() -> serde_json::Value {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpuinfo = read("/proc/cpuinfo");
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, m)| m.trim().to_string());
+    let mem_kib = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|l| l.split_whitespace().next()?.parse::<u64>().ok());
+    serde_json::json!({
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).ok(),
+        "cpu_model": model,
+        "memory_gib": mem_kib.map(|k| (k as f64 / (1u64 << 20) as f64 * 10.0).round() / 10.0),
+        "kernel": read("/proc/sys/kernel/osrelease").trim(),
+        "loadavg_at_start": read("/proc/loadavg").split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+    })
+}
