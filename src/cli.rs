@@ -65,6 +65,9 @@ enum Cmd {
         #[arg(long = "data", default_value = "./rotary-data")]
         data: PathBuf,
     },
+    /// Load-tests a broker and measures this machine's floors in the same
+    /// run (docs/BENCHMARKS.md).
+    Bench(rotary_benches::BenchArgs),
     /// Calibrates the data directory's device and writes
     /// <data>/tune-profile.json, which `serve` reads at start.
     Tune {
@@ -386,6 +389,15 @@ pub fn run(cli: Cli) -> i32 {
         Cmd::Serve(args) => serve(args),
         Cmd::Doctor { data } => return rotary_tuning::doctor::run(&data),
         Cmd::Tune { data, quick } => return tune(&data, quick),
+        Cmd::Bench(args) => {
+            return match rotary_benches::run(args) {
+                Ok(()) => EXIT_OK,
+                Err(e) => {
+                    eprintln!("error: BENCH_FAILED: {e:#}");
+                    EXIT_FAILED
+                }
+            }
+        }
         other => {
             let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -498,7 +510,7 @@ async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
 
 async fn client_command(cmd: Cmd) -> CmdResult {
     match cmd {
-        Cmd::Serve(_) | Cmd::Doctor { .. } | Cmd::Tune { .. } => {
+        Cmd::Serve(_) | Cmd::Doctor { .. } | Cmd::Tune { .. } | Cmd::Bench(_) => {
             unreachable!("handled without a runtime")
         }
         Cmd::Journals { cmd } => journals(cmd).await,
