@@ -346,7 +346,16 @@ impl Shard {
                     *self.store_error.borrow_mut() = None;
                 }
                 Err(e) => {
-                    tracing::warn!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                    if e.is_retryable() {
+                        tracing::warn!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                    } else {
+                        // Retrying cannot help (e.g. the local file does not
+                        // match its name): park it for an operator. It stays
+                        // counted against the spool budget, so appends are
+                        // eventually refused naming this error.
+                        f.uploading = true;
+                        tracing::error!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed permanently; not retrying");
+                    }
                     *self.store_error.borrow_mut() = Some(e.to_string());
                 }
             }
