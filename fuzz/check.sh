@@ -10,7 +10,8 @@ cd "$(dirname "$0")"
 # fuzz-only crates (libfuzzer-sys and its build dependencies).
 cp ../Cargo.lock Cargo.lock
 
-cargo build --bins --quiet
+# The binaries are run from ./target below, whatever CARGO_TARGET_DIR says.
+CARGO_TARGET_DIR=target cargo build --bins --quiet
 
 for target in fuzz_targets/*.rs; do
     name=$(basename "$target" .rs)
