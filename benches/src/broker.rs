@@ -29,6 +29,12 @@ impl Target {
         let listen: SocketAddr = "127.0.0.1:0".parse().expect("loopback address");
         let mut config = ServeConfig::new(data_dir.to_path_buf(), listen);
         config.cores = args.cores;
+        if args.wants(crate::Scenario::Backfill) {
+            // Uploaded fragments leave the broker's disk at once, so history
+            // is read from the store, not from local copies. Only journals
+            // with stores have uploaded fragments.
+            config.local_cache_bytes = 0;
+        }
         let broker = Broker::start(config)
             .with_context(|| format!("starting a broker in {}", data_dir.display()))?;
         let endpoint = broker.endpoints[0].to_string();

@@ -21,6 +21,9 @@
 //!   `iperf3` loopback throughput: the disk and network ceilings; fio 4 KiB
 //!   writes one at a time: the device's latency floor; and the SHA-1 rate of
 //!   one core, which bounds one shard's appends.
+//! * `backfill` (only when asked for by name): history in a `file://` store
+//!   read with `read_direct` against a raw store GET, and 1 KiB append
+//!   latency on another journal with and without a backfill running.
 //!
 //! Everything listens on 127.0.0.1 only; every child process is stopped by
 //! its PID; every loop is bounded in time. Nothing here asserts timings:
@@ -28,6 +31,7 @@
 
 #![deny(unsafe_code)]
 
+mod backfill;
 mod baseline;
 mod broker;
 mod child;
@@ -63,6 +67,10 @@ pub enum Scenario {
     /// fio O_DIRECT 1 MiB sequential overwrite, fio 4 KiB write latency,
     /// iperf3 loopback throughput, SHA-1 rate of one core.
     Baseline,
+    /// History read from a `file://` store with `read_direct` vs. a raw
+    /// store GET, and live append latency with and without that backfill.
+    /// Not part of `all`: it writes `--backfill-gib` GiB twice over.
+    Backfill,
 }
 
 /// `rotary bench`: load-tests one broker and compares it with the machine.
@@ -99,6 +107,12 @@ pub struct BenchArgs {
     /// Appends per second in latency-1k.
     #[arg(long = "rate", default_value_t = 10_000)]
     pub rate: u64,
+    /// GiB of history the backfill scenario appends and reads back.
+    #[arg(long = "backfill-gib", default_value_t = 2)]
+    pub backfill_gib: u64,
+    /// Appends per second of the live journal in the backfill scenario.
+    #[arg(long = "backfill-rate", default_value_t = 2_000)]
+    pub backfill_rate: u64,
     /// Appends in flight per journal in fanout-64x4k.
     #[arg(long = "fanout-depth", default_value_t = 4)]
     pub fanout_depth: usize,
@@ -135,7 +149,8 @@ impl BenchArgs {
     }
 
     fn wants(&self, s: Scenario) -> bool {
-        self.scenarios.contains(&Scenario::All) || self.scenarios.contains(&s)
+        (self.scenarios.contains(&Scenario::All) && s != Scenario::Backfill)
+            || self.scenarios.contains(&s)
     }
 
     fn check(&self) -> anyhow::Result<()> {
@@ -160,6 +175,16 @@ impl BenchArgs {
         anyhow::ensure!(
             (1..=load::RATE_MAX).contains(&self.rate),
             "--rate must be 1 to {}",
+            load::RATE_MAX
+        );
+        anyhow::ensure!(
+            (1..=backfill::GIB_MAX).contains(&self.backfill_gib),
+            "--backfill-gib must be 1 to {}",
+            backfill::GIB_MAX
+        );
+        anyhow::ensure!(
+            (1..=load::RATE_MAX).contains(&self.backfill_rate),
+            "--backfill-rate must be 1 to {}",
             load::RATE_MAX
         );
         anyhow::ensure!(
@@ -259,6 +284,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::Append1m,
         Scenario::Latency1k,
         Scenario::Fanout64x4k,
+        Scenario::Backfill,
     ];
     if broker_scenarios.iter().any(|s| args.wants(*s)) {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -269,7 +295,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             .context("starting the client runtime")?;
         let target = broker::Target::open(&args, &scratch.path().join("broker"))?;
         figures.broker = Some(target.describe());
-        let result = rt.block_on(load::run_all(&args, &target, &mut figures));
+        let store_dir = scratch.path().join("store");
+        let result = rt.block_on(load::run_all(&args, &target, &store_dir, &mut figures));
         // Stop the client (its connection tasks) before the broker.
         rt.shutdown_timeout(Duration::from_secs(5));
         target.close();

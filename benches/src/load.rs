@@ -32,7 +32,7 @@ const FANOUT_BYTES: usize = 4 << 10;
 const FANOUT_JOURNALS: usize = 64;
 
 /// An append that takes longer than this counts as an error.
-const APPEND_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const APPEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// A scenario stops early after this many failed appends.
 const ERRORS_MAX: u64 = 1000;
 /// Pause after a failed append, so a refusing broker is not spun on.
@@ -52,6 +52,7 @@ const PACER_FULL_POLL: Duration = Duration::from_micros(100);
 pub async fn run_all(
     args: &BenchArgs,
     target: &Target,
+    store_dir: &std::path::Path,
     figures: &mut Figures,
 ) -> anyhow::Result<()> {
     let client = Client::connect(&target.endpoint)
@@ -92,7 +93,7 @@ pub async fn run_all(
         );
         let cpu = crate::cpu::Sample::now();
         let f = with_journals(&client, &journals, |client| {
-            latency(client, args, journals[0].clone())
+            latency(client, args, journals[0].clone(), args.rate)
         })
         .await?;
         figures.latency_1k = Some(f);
@@ -120,6 +121,12 @@ pub async fn run_all(
         .await?;
         figures.fanout_64x4k = Some(f);
         figures.note_foreign_cpu("fanout-64x4k", &cpu);
+    }
+    if args.wants(Scenario::Backfill) {
+        let cpu = crate::cpu::Sample::now();
+        let f = crate::backfill::run(&client, args, target, &prefix, store_dir).await?;
+        figures.backfill = Some(f);
+        figures.note_foreign_cpu("backfill", &cpu);
     }
     Ok(())
 }
@@ -182,7 +189,7 @@ async fn balanced_names(
 }
 
 /// Deterministic, incompressible-looking content (xorshift).
-fn content(len: usize) -> (Bytes, [u8; 20]) {
+pub(crate) fn content(len: usize) -> (Bytes, [u8; 20]) {
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     let bytes: Vec<u8> = (0..len)
         .map(|_| {
@@ -403,10 +410,11 @@ fn lock(m: &Mutex<Tally>) -> std::sync::MutexGuard<'_, Tally> {
 
 /// latency-1k: appends issued on a fixed schedule by a pacer thread, each
 /// timed from its intended send time.
-async fn latency(
+pub(crate) async fn latency(
     client: &Client,
     args: &BenchArgs,
     journal: String,
+    rate: u64,
 ) -> anyhow::Result<LatencyFigures> {
     let (data, sha) = content(LATENCY_1K_BYTES);
     let req = Arc::new(AppendRequest {
@@ -425,7 +433,8 @@ async fn latency(
     let start = Instant::now() + PACER_LEAD;
     let measure_from = start + args.warmup();
     let end = measure_from + args.duration();
-    let rate = u128::from(args.rate);
+    let rate_target = rate;
+    let rate = u128::from(rate);
 
     let handle = tokio::runtime::Handle::current();
     let pacer = {
@@ -519,7 +528,7 @@ async fn latency(
     }
     Ok(LatencyFigures {
         append_bytes: LATENCY_1K_BYTES,
-        rate_target: args.rate,
+        rate_target,
         seconds: args.duration_secs,
         sent,
         completed: t.completed,

@@ -13,6 +13,11 @@ pub const APPEND_THROUGHPUT_RATIO_MIN: f64 = 0.8;
 /// 1 KiB append p99 may be at most this multiple of the ping-pong p99.
 pub const LATENCY_P99_RATIO_MAX: f64 = 2.0;
 
+/// A backfill read through `read_direct` must reach this share of a raw store GET.
+pub const BACKFILL_THROUGHPUT_RATIO_MIN: f64 = 0.8;
+/// Live append p99 during a backfill may be at most this multiple of it without.
+pub const BACKFILL_LATENCY_RATIO_MAX: f64 = 1.2;
+
 /// Largest latency a histogram records; longer ones are clamped to it.
 pub const LATENCY_NS_MAX: u64 = 60_000_000_000;
 
@@ -180,6 +185,7 @@ pub struct Figures {
     pub append_1m: Option<ThroughputFigures>,
     pub latency_1k: Option<LatencyFigures>,
     pub fanout_64x4k: Option<ThroughputFigures>,
+    pub backfill: Option<crate::backfill::BackfillFigures>,
     /// Per scenario: percent of all CPUs busy outside this process (other
     /// processes, kernel threads) while it ran.
     pub foreign_cpu_percent: Vec<(&'static str, f64)>,
@@ -213,6 +219,8 @@ impl Figures {
                 "append_depth": args.append_depth,
                 "rate": args.rate,
                 "fanout_depth": args.fanout_depth,
+                "backfill_gib": args.backfill_gib,
+                "backfill_rate": args.backfill_rate,
                 "pingpong_size": args.pingpong_size,
                 "client_threads": args.client_threads,
                 "fio_size_mib": args.fio_size_mib,
@@ -246,6 +254,26 @@ impl Figures {
             }
         }
         self.latency_ratio(&mut out);
+        if let Some(b) = &self.backfill {
+            if b.raw_get.mb_per_s > 0.0 {
+                let value = b.direct.mb_per_s / b.raw_get.mb_per_s;
+                out.push(Ratio {
+                    name: "backfill MB/s ÷ raw store GET MB/s",
+                    value,
+                    target: format!("≥ {BACKFILL_THROUGHPUT_RATIO_MIN:.2}"),
+                    met: value >= BACKFILL_THROUGHPUT_RATIO_MIN,
+                });
+            }
+            if b.live_alone.latency.p99_us > 0.0 {
+                let value = b.live_with_backfill.latency.p99_us / b.live_alone.latency.p99_us;
+                out.push(Ratio {
+                    name: "live p99 with backfill ÷ without",
+                    value,
+                    target: format!("≤ {BACKFILL_LATENCY_RATIO_MAX:.2}"),
+                    met: value <= BACKFILL_LATENCY_RATIO_MAX,
+                });
+            }
+        }
         out
     }
 
@@ -301,6 +329,7 @@ impl Figures {
             "append_1m": self.append_1m,
             "latency_1k": self.latency_1k,
             "fanout_64x4k": self.fanout_64x4k,
+            "backfill": self.backfill,
             "ratios": self.ratios(),
             "bounds": self.bounds().into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>(),
             "skipped": self.skipped,
@@ -401,6 +430,60 @@ impl Figures {
         }
         if let Some(t) = &self.fanout_64x4k {
             throughput_rows(&mut rows, "fanout-64x4k", t);
+        }
+        if let Some(b) = &self.backfill {
+            let mut row = |f: String, v: String| rows.push(("backfill".into(), f, v));
+            let mb = |r: &crate::backfill::ReadFigures| {
+                format!(
+                    "{:.0} MB/s ({:.2} GiB in {:.1} s)",
+                    r.mb_per_s,
+                    r.bytes as f64 / (1u64 << 30) as f64,
+                    r.seconds
+                )
+            };
+            row("history: 1 MiB appends".into(), mb(&b.build));
+            row(
+                "SEAL → every fragment uploaded".into(),
+                format!("{:.1} s · {} fragments", b.upload_wait_seconds, b.fragments),
+            );
+            row("raw store GET (uploader reader)".into(), mb(&b.raw_get));
+            row(
+                "read_direct from 0".into(),
+                format!(
+                    "{} · fetched {} · proxied {} · SHA-1 {}",
+                    mb(&b.direct),
+                    b.direct_fragments_fetched,
+                    b.direct_fragments_proxied,
+                    if b.direct_sha1_matches { "ok" } else { "WRONG" }
+                ),
+            );
+            let live = |l: &LatencyFigures| {
+                format!(
+                    "p50 {} · p99 {} · p99.9 {} · max {} ({:.0}/s, {} errors)",
+                    fmt_us(l.latency.p50_us),
+                    fmt_us(l.latency.p99_us),
+                    fmt_us(l.latency.p999_us),
+                    fmt_us(l.latency.max_us),
+                    l.rate_achieved,
+                    l.errors
+                )
+            };
+            row(
+                format!(
+                    "live {} B at {}/s, alone",
+                    b.live_alone.append_bytes, b.live_alone.rate_target
+                ),
+                live(&b.live_alone),
+            );
+            row("live, with backfill".into(), live(&b.live_with_backfill));
+            row(
+                "concurrent backfill".into(),
+                format!(
+                    "{} · {} passes",
+                    mb(&b.concurrent_backfill),
+                    b.concurrent_backfill_passes
+                ),
+            );
         }
         let w0 = rows
             .iter()
