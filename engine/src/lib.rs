@@ -202,6 +202,7 @@ impl Broker {
             let ctx = ShardContext {
                 core: n % ncpu,
                 ncpu,
+                shards_total: shards,
                 shard: shard::ShardConfig {
                     index: n as u32,
                     shards: shards as u32,
@@ -261,6 +262,8 @@ impl Broker {
 struct ShardContext {
     core: usize,
     ncpu: usize,
+    /// Shards of the broker; shard n runs on core n % ncpu.
+    shards_total: usize,
     ring_entries: u32,
     shard: shard::ShardConfig,
     shutdown_upload_timeout: Duration,
@@ -288,17 +291,27 @@ fn run_shard(ctx: ShardContext) {
     };
     {
         use std::os::fd::AsRawFd;
-        // Counted by the broker before any thread was pinned: a pinned
-        // thread sees only its own core.
-        let others: Vec<usize> = (0..ctx.ncpu).filter(|&c| c != ctx.core).collect();
-        match sys::set_iowq_affinity(rt.as_raw_fd(), &others) {
-            Ok(()) => tracing::debug!(
+        // Cores that host no shard (counted by the broker before any thread
+        // was pinned: a pinned thread sees only its own core). Moving io-wq
+        // work onto another shard's core would trade a stall for a
+        // cross-core wake-up on every punted write, so with no spare core
+        // the workers stay with their shard.
+        let spare: Vec<usize> = (ctx.shards_total..ctx.ncpu).collect();
+        if spare.is_empty() {
+            tracing::debug!(
                 core = ctx.core,
-                ?others,
-                "io-wq workers kept off the shard's core"
-            ),
-            Err(e) => {
-                tracing::info!(error = %e, "io-wq affinity not set; fsync work may run on the shard's core")
+                "no core without a shard; io-wq workers stay on the shard's core"
+            );
+        } else {
+            match sys::set_iowq_affinity(rt.as_raw_fd(), &spare) {
+                Ok(()) => tracing::debug!(
+                    core = ctx.core,
+                    ?spare,
+                    "io-wq workers kept on cores without shards"
+                ),
+                Err(e) => {
+                    tracing::info!(error = %e, "io-wq affinity not set; punted work may run on the shard's core")
+                }
             }
         }
     }
