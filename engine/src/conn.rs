@@ -601,40 +601,26 @@ impl Conn {
                         .error(Op::ADMIN_REPLY, Status::IO_ERROR, id, &[], &e.to_string())
                 }
             },
-            Op::FRAGMENTS => match self.shard.journal(&name) {
-                Some(j) => {
-                    let body = self.shard.fragments_json(&j);
-                    self.admin_ok(id, &body);
+            op => {
+                let Some(j) = self.shard.journal(&name) else {
+                    return self.outbox.error(
+                        Op::ADMIN_REPLY,
+                        Status::JOURNAL_NOT_FOUND,
+                        id,
+                        &[],
+                        &not_found,
+                    );
+                };
+                match op {
+                    Op::FRAGMENTS => {
+                        let body = self.shard.fragments_json(&j);
+                        self.admin_ok(id, &body);
+                    }
+                    Op::RESET_HEAD => self.shard.request_reset_head(&j, self.outbox.clone(), id),
+                    Op::SEAL => self.shard.request_seal(&j, self.outbox.clone(), id),
+                    _ => unreachable!("by_name handles DELETE, FRAGMENTS, SEAL, RESET_HEAD"),
                 }
-                None => self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::JOURNAL_NOT_FOUND,
-                    id,
-                    &[],
-                    &not_found,
-                ),
-            },
-            Op::RESET_HEAD => match self.shard.journal(&name) {
-                Some(j) => self.shard.request_reset_head(&j, self.outbox.clone(), id),
-                None => self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::JOURNAL_NOT_FOUND,
-                    id,
-                    &[],
-                    &not_found,
-                ),
-            },
-            Op::SEAL => match self.shard.journal(&name) {
-                Some(j) => self.shard.request_seal(&j, self.outbox.clone(), id),
-                None => self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::JOURNAL_NOT_FOUND,
-                    id,
-                    &[],
-                    &not_found,
-                ),
-            },
-            _ => unreachable!("by_name handles DELETE, FRAGMENTS, SEAL, RESET_HEAD"),
+            }
         }
     }
 
