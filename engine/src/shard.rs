@@ -346,13 +346,15 @@ impl Shard {
                     *self.store_error.borrow_mut() = None;
                 }
                 Err(e) => {
-                    if e.is_retryable() {
+                    // Only a local fragment that does not match its name is
+                    // beyond retrying: store-side refusals (a bucket being
+                    // recreated, a credential being fixed) may pass.
+                    if !matches!(e, rotary_uploader::StoreError::LocalCorrupt { .. }) {
                         tracing::warn!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
                     } else {
-                        // Retrying cannot help (e.g. the local file does not
-                        // match its name): park it for an operator. It stays
-                        // counted against the spool budget, so appends are
-                        // eventually refused naming this error.
+                        // Park it for an operator. It stays counted against
+                        // the spool budget, so appends are eventually
+                        // refused naming this error.
                         f.uploading = true;
                         tracing::error!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed permanently; not retrying");
                     }
