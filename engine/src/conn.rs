@@ -252,9 +252,7 @@ impl Conn {
                     });
                     self.admin_ok(id, &body);
                 }
-                Err(e) => self
-                    .outbox
-                    .error(Op::ADMIN_REPLY, e.status(), id, &[], &e.to_string()),
+                Err(e) => self.admin_err(id, e.status(), &e.to_string()),
             },
             Op::APPLY => self.apply(id, frame.payload),
             Op::LIST => self.list(id, frame.payload),
@@ -286,6 +284,10 @@ impl Conn {
             }
         }
         true
+    }
+
+    fn admin_err(&self, id: u64, status: Status, message: &str) {
+        self.outbox.error(Op::ADMIN_REPLY, status, id, &[], message);
     }
 
     fn admin_ok(&self, id: u64, body: &serde_json::Value) {
@@ -486,43 +488,23 @@ impl Conn {
     fn apply(&self, id: u64, payload: &[u8]) {
         let specs: Vec<JournalSpec> = match serde_json::from_slice(payload) {
             Ok(s) => s,
-            Err(e) => {
-                return self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::BAD_REQUEST,
-                    id,
-                    &[],
-                    &format!("specs: {e}"),
-                )
-            }
+            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &format!("specs: {e}")),
         };
         for s in &specs {
             if let Err(e) = s.validate() {
-                return self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::BAD_REQUEST,
-                    id,
-                    &[],
-                    &e.to_string(),
-                );
+                return self.admin_err(id, Status::BAD_REQUEST, &e.to_string());
             }
         }
         match self.shard.specs.apply(specs) {
             Ok(n) => self.admin_ok(id, &serde_json::json!({ "applied": n })),
-            Err(e) => self
-                .outbox
-                .error(Op::ADMIN_REPLY, Status::IO_ERROR, id, &[], &e.to_string()),
+            Err(e) => self.admin_err(id, Status::IO_ERROR, &e.to_string()),
         }
     }
 
     fn list(&self, id: u64, payload: &[u8]) {
         let sel = match SelectorRequest::parse(payload, "list") {
             Ok(r) => r.selector,
-            Err(e) => {
-                return self
-                    .outbox
-                    .error(Op::ADMIN_REPLY, Status::BAD_REQUEST, id, &[], &e)
-            }
+            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         let out: Vec<serde_json::Value> = self
             .shard
@@ -544,21 +526,11 @@ impl Conn {
     async fn prune(&self, id: u64, payload: &[u8]) {
         let req = match SelectorRequest::parse(payload, "prune") {
             Ok(r) => r,
-            Err(e) => {
-                return self
-                    .outbox
-                    .error(Op::ADMIN_REPLY, Status::BAD_REQUEST, id, &[], &e)
-            }
+            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         match self.shard.prune(&req.selector, req.dry_run).await {
             Ok(removed) => self.admin_ok(id, &serde_json::Value::Array(removed)),
-            Err(e) => self.outbox.error(
-                Op::ADMIN_REPLY,
-                Status::FRAGMENT_STORE_UNHEALTHY,
-                id,
-                &[],
-                &e,
-            ),
+            Err(e) => self.admin_err(id, Status::FRAGMENT_STORE_UNHEALTHY, &e),
         }
     }
 
@@ -566,20 +538,10 @@ impl Conn {
         let id = frame.request_id;
         let name = match wire::decode_name(frame.meta) {
             Ok(n) => n.to_string(),
-            Err(e) => {
-                return self
-                    .outbox
-                    .error(Op::ADMIN_REPLY, e.status(), id, &[], &e.to_string())
-            }
+            Err(e) => return self.admin_err(id, e.status(), &e.to_string()),
         };
         if let Err(e) = validate_journal_name(&name) {
-            return self.outbox.error(
-                Op::ADMIN_REPLY,
-                Status::BAD_REQUEST,
-                id,
-                &[],
-                &e.to_string(),
-            );
+            return self.admin_err(id, Status::BAD_REQUEST, &e.to_string());
         }
         let owner = rotary_net::shard_of(&name, self.shard.shards);
         if owner != self.shard.index {
@@ -589,27 +551,12 @@ impl Conn {
         match frame.op {
             Op::DELETE => match self.shard.delete_journal(&name) {
                 Ok(true) => self.admin_ok(id, &serde_json::json!({ "deleted": name })),
-                Ok(false) => self.outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::JOURNAL_NOT_FOUND,
-                    id,
-                    &[],
-                    &not_found,
-                ),
-                Err(e) => {
-                    self.outbox
-                        .error(Op::ADMIN_REPLY, Status::IO_ERROR, id, &[], &e.to_string())
-                }
+                Ok(false) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found),
+                Err(e) => self.admin_err(id, Status::IO_ERROR, &e.to_string()),
             },
             op => {
                 let Some(j) = self.shard.journal(&name) else {
-                    return self.outbox.error(
-                        Op::ADMIN_REPLY,
-                        Status::JOURNAL_NOT_FOUND,
-                        id,
-                        &[],
-                        &not_found,
-                    );
+                    return self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found);
                 };
                 match op {
                     Op::FRAGMENTS => {
