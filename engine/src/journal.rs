@@ -126,8 +126,10 @@ pub struct Journal {
     pub spool_since: Option<SystemTime>,
     pub rate: TokenBucket,
     pub deleted: bool,
-    /// Fragments listed from the journal's stores, by begin.
+    /// Fragments listed from the journal's stores, by begin. Changed only
+    /// through `set_listing`, `insert_remote` and `drop_remote`.
     pub remote: Vec<StoredFragment>,
+    remote_end: u64,
     /// A listing of every store succeeded at least once (always true for
     /// journals without stores). Appends wait for it: the store may hold
     /// offsets beyond the local head.
@@ -216,6 +218,7 @@ impl Journal {
             spool_since: None,
             deleted: false,
             remote: Vec::new(),
+            remote_end: 0,
             index_loaded: false,
             index_error: None,
             last_listing: None,
@@ -244,7 +247,33 @@ impl Journal {
 
     /// End of the furthest fragment the stores hold.
     pub fn remote_end(&self) -> u64 {
-        self.remote.iter().map(|f| f.end).max().unwrap_or(0)
+        self.remote_end
+    }
+
+    /// Adds a fragment the store confirmed, unless the index has it.
+    pub fn insert_remote(&mut self, f: StoredFragment) {
+        if self
+            .remote
+            .iter()
+            .any(|r| r.begin == f.begin && r.end == f.end)
+        {
+            return;
+        }
+        let at = self.remote.partition_point(|r| r.begin < f.begin);
+        self.remote.insert(at, f);
+        self.remote_changed();
+    }
+
+    /// Removes a fragment from the index (its bytes failed their SHA-1).
+    pub fn drop_remote(&mut self, begin: u64, end: u64) {
+        self.remote.retain(|r| !(r.begin == begin && r.end == end));
+        self.remote_changed();
+    }
+
+    /// The end offset every append checks is kept, not recomputed: the
+    /// index may hold thousands of fragments.
+    fn remote_changed(&mut self) {
+        self.remote_end = self.remote.iter().map(|f| f.end).max().unwrap_or(0);
     }
 
     /// Merges a fresh listing into the index: the listing replaces what
@@ -263,6 +292,7 @@ impl Journal {
             }
         }
         self.remote = listed;
+        self.remote_changed();
     }
 
     /// Whether the open spool should seal before the next append starts.

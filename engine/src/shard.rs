@@ -335,14 +335,7 @@ impl Shard {
             match done.result {
                 Ok(stored) => {
                     f.uploaded = true;
-                    if !jm
-                        .remote
-                        .iter()
-                        .any(|r| r.begin == stored.begin && r.end == stored.end)
-                    {
-                        let at = jm.remote.partition_point(|r| r.begin < stored.begin);
-                        jm.remote.insert(at, stored);
-                    }
+                    jm.insert_remote(stored);
                     *self.store_error.borrow_mut() = None;
                 }
                 Err(e) => {
@@ -1506,8 +1499,7 @@ impl Shard {
                             let mut jm = j.borrow_mut();
                             if msg.contains("SHA-1") {
                                 // Never serve it again.
-                                jm.remote
-                                    .retain(|r| !(r.begin == frag.begin && r.end == frag.end));
+                                jm.drop_remote(frag.begin, frag.end);
                             }
                             let head = jm.read_head();
                             return done(Status::FRAGMENT_STORE_UNHEALTHY, offset, head, &msg);
