@@ -122,6 +122,19 @@ struct ServeArgs {
     /// Threads that compress and upload sealed fragments to their stores.
     #[arg(long = "upload-threads", value_name = "N", value_parser = parse_upload_threads, default_value = "2")]
     upload_threads: usize,
+    /// Static cluster file (YAML `brokers: [{id, zone, endpoint}]`); the
+    /// broker listens on its own endpoint from it and re-reads it when it
+    /// changes or on SIGHUP. Needs --id; excludes --listen.
+    #[arg(
+        long = "cluster",
+        value_name = "FILE",
+        requires = "id",
+        conflicts_with = "listen"
+    )]
+    cluster: Option<PathBuf>,
+    /// This broker's id in the cluster file.
+    #[arg(long = "id", value_name = "ID", requires = "cluster")]
+    id: Option<String>,
 }
 
 /// Most upload threads `serve` accepts.
@@ -445,6 +458,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     }
     config.spool_budget_bytes = args.spool_budget;
     config.upload_threads = args.upload_threads;
+    config.cluster = args.cluster.zip(args.id);
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 

@@ -47,6 +47,7 @@ pub fn journals_table(list: &[JournalInfo]) -> String {
                 j.spec.labels.to_text(),
                 j.route.shard.to_string(),
                 j.route.endpoint.clone(),
+                route_text(&j.route.members),
             ]
         })
         .collect();
@@ -58,9 +59,20 @@ pub fn journals_table(list: &[JournalInfo]) -> String {
             "LABELS",
             "SHARD",
             "ENDPOINT",
+            "ROUTE",
         ],
         &rows,
     )
+}
+
+/// A route as `b1*,b2,b3`: the primary first and starred.
+fn route_text(members: &[String]) -> String {
+    members
+        .iter()
+        .enumerate()
+        .map(|(i, m)| if i == 0 { format!("{m}*") } else { m.clone() })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// What a fragment row is: the live spool, a local fragment (and whether

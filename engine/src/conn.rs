@@ -2,14 +2,17 @@
 //! to the shard, forwards requests for journals of other shards, and
 //! answers every malformed request with a status.
 
-use crate::journal::{AbortReason, AppendOp, Chunk};
+use crate::journal::{AbortReason, AckSink, AppendOp, Chunk, Proposal, ReplicaOp, SyncWaiter};
 use crate::metrics;
 use crate::outbox::{self, Outbox};
+use crate::replica::Verdict;
+use crate::shard::Role;
 use crate::shard::{JournalRef, Shard};
 use compio::buf::{BufResult, IntoInner, IoBuf, IoBufMut};
 use compio::io::AsyncRead;
 use compio::net::TcpStream;
 use event_listener::Event;
+use rotary_net::repl;
 use rotary_net::spec::{validate_journal_name, JournalFlags, JournalSpec, LabelSelector};
 use rotary_net::status::Status;
 use rotary_net::wire::{
@@ -17,6 +20,7 @@ use rotary_net::wire::{
 };
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -83,9 +87,15 @@ struct Conn {
     /// Request ids whose remaining chunks are dropped (refused early).
     discard: HashSet<u64>,
     reads: Rc<RefCell<HashMap<u64, Rc<Cancel>>>>,
-    /// Requests forwarded to another shard, by request id.
-    forwarded: HashMap<u64, u32>,
-    relays: Vec<Option<Rc<Outbox>>>,
+    /// Requests forwarded to another shard or broker, by request id.
+    forwarded: HashMap<u64, SocketAddr>,
+    /// Connections to other shards and brokers, by endpoint.
+    relays: HashMap<SocketAddr, Rc<Outbox>>,
+    /// Replicated appends open on this connection (it comes from a
+    /// primary), by the primary's sequence number.
+    repl_ops: HashMap<u64, (Rc<AppendOp>, JournalRef)>,
+    /// Where this connection's replica acks gather.
+    sink: Option<Rc<AckSink>>,
 }
 
 pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
@@ -94,7 +104,6 @@ pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
     let (rd, wr) = stream.into_split();
     let outbox = Rc::new(Outbox::new());
     compio::runtime::spawn(outbox::writer(wr, outbox.clone())).detach();
-    let relays = vec![None; shard.shards as usize];
     let mut conn = Conn {
         shard,
         outbox,
@@ -103,7 +112,9 @@ pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
         discard: HashSet::new(),
         reads: Rc::new(RefCell::new(HashMap::new())),
         forwarded: HashMap::new(),
-        relays,
+        relays: HashMap::new(),
+        repl_ops: HashMap::new(),
+        sink: None,
     };
     conn.run(rd).await;
     conn.close();
@@ -232,8 +243,8 @@ impl Conn {
             Op::APPEND_CHUNK => self.append_chunk(frame, body),
             Op::READ => self.read(frame, body.raw()).await,
             Op::CANCEL => {
-                if let Some(&k) = self.forwarded.get(&id) {
-                    self.forward(k, body.raw()).await;
+                if let Some(&addr) = self.forwarded.get(&id) {
+                    self.forward_to(addr, body.raw()).await;
                 } else if let Some(c) = self.reads.borrow().get(&id) {
                     c.cancel();
                 }
@@ -243,18 +254,14 @@ impl Conn {
                 .frame(Op::PONG, Status::OK, id, &[], frame.payload),
             Op::ROUTE => match wire::decode_name(frame.meta) {
                 Ok(name) => {
-                    let shard = rotary_net::shard_of(name, self.shard.shards);
-                    let body = serde_json::json!({
-                        "journal": name,
-                        "shard": shard,
-                        "shards": self.shard.shards,
-                        "endpoint": self.shard.endpoints[shard as usize].to_string(),
-                    });
+                    let body = self.route_json(name);
                     self.admin_ok(id, &body);
                 }
                 Err(e) => self.admin_err(id, e.status(), &e.to_string()),
             },
-            Op::APPLY => self.apply(id, frame.payload),
+            Op::REPLICATE => return self.replicate(frame),
+            Op::SYNC => self.sync(frame),
+            Op::APPLY => self.apply(id, frame.flags, frame.payload).await,
             Op::LIST => self.list(id, frame.payload),
             Op::STATS => {
                 let mut body = self.shard.metrics.to_json(self.shard.shards as usize);
@@ -333,10 +340,12 @@ impl Conn {
         }
         let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
         if owner != self.shard.index {
+            let addr = self.shard.endpoints[owner as usize];
             if frame.flags & flag::MORE != 0 {
-                self.forwarded.insert(id, owner);
+                self.forwarded.insert(id, addr);
             }
-            return self.forward(owner, raw).await;
+            metrics::add(&self.shard.metrics.cross_core_forwards, 1);
+            return self.forward_to(addr, raw).await;
         }
         if self.shard.shutting_down.get() {
             return self.refuse_append(&frame, Status::SHUTTING_DOWN, "broker is shutting down");
@@ -348,6 +357,46 @@ impl Conn {
                 &format!("journal {:?} does not exist", req.journal),
             );
         };
+        let role = self.shard.role(&j.borrow().spec);
+        match role {
+            Role::Primary(route) if !route.is_complete() => {
+                let msg = format!(
+                    "the journal's replication is {} but the cluster has {} broker(s) for it",
+                    route.replication,
+                    route.members.len()
+                );
+                return self.refuse_append(&frame, Status::INSUFFICIENT_JOURNAL_BROKERS, &msg);
+            }
+            Role::Primary(_) => {}
+            Role::Replica(route) | Role::Outside(route) => {
+                let Some(primary) = route.primary() else {
+                    return self.refuse_append(
+                        &frame,
+                        Status::NO_JOURNAL_PRIMARY_BROKER,
+                        "the journal's route is empty",
+                    );
+                };
+                if frame.flags & flag::DO_NOT_PROXY != 0 {
+                    let msg = format!(
+                        "broker {} is not the journal's primary; its primary is {} at {}",
+                        self.shard.view().me,
+                        primary.id,
+                        self.shard.member_endpoint(primary, &req.journal)
+                    );
+                    return self.refuse_append(&frame, Status::NOT_JOURNAL_PRIMARY_BROKER, &msg);
+                }
+                let addr = self.shard.member_endpoint(primary, &req.journal);
+                if frame.flags & flag::MORE != 0 {
+                    self.forwarded.insert(id, addr);
+                }
+                metrics::add(&self.shard.metrics.proxied_requests, 1);
+                // The primary must not proxy it on again (views may differ
+                // for a moment while a cluster file changes).
+                return self
+                    .forward_to(addr, &with_flag(raw, flag::DO_NOT_PROXY))
+                    .await;
+            }
+        }
         if j.borrow().spec.flags == JournalFlags::ReadOnly {
             return self.refuse_append(&frame, Status::NOT_ALLOWED, "journal is read-only");
         }
@@ -366,6 +415,7 @@ impl Conn {
             finished: Cell::new(false),
             last_activity: Cell::new(Instant::now()),
             budget: self.budget.clone(),
+            replica: None,
         });
         self.push_chunk(&op, &frame, body);
         if more {
@@ -400,13 +450,13 @@ impl Conn {
             }
             return;
         }
-        if let Some(&k) = self.forwarded.get(&id) {
+        if let Some(&addr) = self.forwarded.get(&id) {
             if !more {
                 self.forwarded.remove(&id);
             }
             // Forwarding is async only while connecting; chunks follow an
             // APPEND that already connected the relay.
-            if let Some(relay) = &self.relays[k as usize] {
+            if let Some(relay) = self.relays.get(&addr) {
                 relay.raw(body.raw());
             }
             return;
@@ -463,8 +513,10 @@ impl Conn {
         }
         let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
         if owner != self.shard.index {
-            self.forwarded.insert(id, owner);
-            return self.forward(owner, raw).await;
+            let addr = self.shard.endpoints[owner as usize];
+            self.forwarded.insert(id, addr);
+            metrics::add(&self.shard.metrics.cross_core_forwards, 1);
+            return self.forward_to(addr, raw).await;
         }
         let Some(j) = self.shard.journal(&req.journal) else {
             let msg = format!("journal {:?} does not exist", req.journal);
@@ -472,6 +524,37 @@ impl Conn {
                 .outbox
                 .error(Op::READ_DONE, Status::JOURNAL_NOT_FOUND, id, &[0; 16], &msg);
         };
+        let role = self.shard.role(&j.borrow().spec);
+        if let Role::Outside(route) = role {
+            let Some(primary) = route.primary() else {
+                return self.outbox.error(
+                    Op::READ_DONE,
+                    Status::NO_JOURNAL_PRIMARY_BROKER,
+                    id,
+                    &[0; 16],
+                    "the journal's route is empty",
+                );
+            };
+            let addr = self.shard.member_endpoint(primary, &req.journal);
+            if frame.flags & flag::DO_NOT_PROXY != 0 {
+                let msg = format!(
+                    "broker {} is not in the journal's route {:?}; read from {} at {addr}",
+                    self.shard.view().me,
+                    route.ids(),
+                    primary.id
+                );
+                return self.outbox.error(
+                    Op::READ_DONE,
+                    Status::NOT_JOURNAL_BROKER,
+                    id,
+                    &[0; 16],
+                    &msg,
+                );
+            }
+            self.forwarded.insert(id, addr);
+            metrics::add(&self.shard.metrics.proxied_requests, 1);
+            return self.forward_to(addr, raw).await;
+        }
         let cancel = Rc::new(Cancel::default());
         self.reads.borrow_mut().insert(id, cancel.clone());
         let reads = self.reads.clone();
@@ -485,7 +568,7 @@ impl Conn {
         .detach();
     }
 
-    fn apply(&self, id: u64, payload: &[u8]) {
+    async fn apply(&self, id: u64, flags: u8, payload: &[u8]) {
         let specs: Vec<JournalSpec> = match serde_json::from_slice(payload) {
             Ok(s) => s,
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &format!("specs: {e}")),
@@ -495,10 +578,289 @@ impl Conn {
                 return self.admin_err(id, Status::BAD_REQUEST, &e.to_string());
             }
         }
-        match self.shard.specs.apply(specs) {
-            Ok(n) => self.admin_ok(id, &serde_json::json!({ "applied": n })),
-            Err(e) => self.admin_err(id, Status::IO_ERROR, &e.to_string()),
+        let n = match self.shard.specs.apply(specs) {
+            Ok(n) => n,
+            Err(e) => return self.admin_err(id, Status::IO_ERROR, &e.to_string()),
+        };
+        let mut body = serde_json::json!({ "applied": n });
+        if flags & flag::LOCAL == 0 {
+            if let Some(peers) = self.fan_out(Op::APPLY, &[], payload).await {
+                body["peers"] = peers;
+            }
         }
+        self.admin_ok(id, &body);
+    }
+
+    /// Sends an admin request (with LOCAL) to every other broker of the
+    /// cluster; returns each one's outcome, or None without a cluster.
+    async fn fan_out(&self, op: Op, meta: &[u8], payload: &[u8]) -> Option<serde_json::Value> {
+        let view = self.shard.view();
+        if view.is_single() {
+            return None;
+        }
+        let calls = view.brokers.iter().filter(|m| m.id != view.me).map(|m| async move {
+            let res = crate::pipeline::unary(
+                m.endpoint,
+                op,
+                flag::LOCAL,
+                meta,
+                payload,
+                std::time::Duration::from_secs(5),
+            )
+            .await;
+            let outcome = match res {
+                Ok((Status::OK, _)) => "ok".to_string(),
+                Ok((status, body)) => format!("{status}: {}", String::from_utf8_lossy(&body)),
+                Err(e) => e,
+            };
+            if outcome != "ok" {
+                tracing::warn!(peer = %m.id, ?op, outcome = %outcome, "a peer broker did not take the change");
+            }
+            (m.id.clone(), serde_json::Value::String(outcome))
+        });
+        let out: serde_json::Map<String, serde_json::Value> = futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .collect();
+        Some(serde_json::Value::Object(out))
+    }
+
+    /// ROUTE's answer: this broker's shard for the journal, and its route.
+    fn route_json(&self, name: &str) -> serde_json::Value {
+        let shard = rotary_net::shard_of(name, self.shard.shards);
+        let replication = self.shard.specs.get(name).map_or(1, |s| s.replication);
+        let view = self.shard.view();
+        let route = view.route(name, replication);
+        let local = self.shard.endpoints[shard as usize].to_string();
+        let members: Vec<serde_json::Value> = route
+            .members
+            .iter()
+            .map(|m| {
+                serde_json::json!({
+                    "id": m.id,
+                    "zone": m.zone,
+                    "endpoint": self.shard.member_endpoint(m, name).to_string(),
+                })
+            })
+            .collect();
+        let endpoint = route.primary().map_or(local.clone(), |p| {
+            self.shard.member_endpoint(p, name).to_string()
+        });
+        serde_json::json!({
+            "journal": name,
+            "shard": shard,
+            "shards": self.shard.shards,
+            "endpoint": endpoint,
+            "broker": view.me,
+            "local_endpoint": local,
+            "members": members,
+        })
+    }
+
+    fn sink(&mut self) -> Rc<AckSink> {
+        self.sink
+            .get_or_insert_with(|| AckSink::new(self.outbox.clone()))
+            .clone()
+    }
+
+    /// REPLICATE: records of a primary's appends. False closes the connection.
+    fn replicate(&mut self, frame: Frame<'_>) -> bool {
+        let records = match rotary_net::repl::decode_records(frame.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                self.outbox
+                    .error(Op::ERROR, Status::BAD_REQUEST, 0, &[], &e.to_string());
+                return false;
+            }
+        };
+        let sink = self.sink();
+        for rec in records {
+            let seq = rec.seq();
+            let name = rec.journal();
+            if rotary_net::shard_of(name, self.shard.shards) != self.shard.index {
+                let msg = format!("journal {name:?} is not on shard {}", self.shard.index);
+                sink.push(seq, Status::WRONG_ROUTE, msg.into_bytes());
+                continue;
+            }
+            let Some(j) = self.shard.journal(name) else {
+                let msg = format!("journal {name:?} does not exist here");
+                sink.push(seq, Status::JOURNAL_NOT_FOUND, msg.into_bytes());
+                continue;
+            };
+            let verdict = {
+                let mut jm = j.borrow_mut();
+                let t = jm.replica.get_or_insert_with(Default::default);
+                match &rec {
+                    repl::Record::Content { offset, bytes, .. } => {
+                        t.on_content(seq, *offset, bytes.len() as u64)
+                    }
+                    repl::Record::Commit { begin, end, .. } => t.on_commit(seq, *begin, *end),
+                    repl::Record::Rollback { .. } => t.on_rollback(seq),
+                }
+            };
+            match verdict {
+                Verdict::Start { seq, begin } => {
+                    let op = self.replica_op(&j, &sink, seq, begin);
+                    if let repl::Record::Content { bytes, .. } = &rec {
+                        self.push_bytes(&op, bytes);
+                    }
+                    self.repl_ops.insert(seq, (op.clone(), j.clone()));
+                    self.shard.submit_append(&j, op);
+                }
+                Verdict::Continue { seq } => {
+                    if let Some((op, _)) = self.repl_ops.get(&seq).cloned() {
+                        if let repl::Record::Content { bytes, .. } = &rec {
+                            self.push_bytes(&op, bytes);
+                        }
+                        op.last_activity.set(Instant::now());
+                        self.shard.mark_ready(&j);
+                    }
+                }
+                Verdict::Commit { seq, .. } => {
+                    let repl::Record::Commit {
+                        end,
+                        fragment_sha1,
+                        registers,
+                        ..
+                    } = rec
+                    else {
+                        unreachable!("commit verdicts come from commit records")
+                    };
+                    let proposal = Proposal {
+                        end,
+                        fragment_sha1,
+                        registers,
+                    };
+                    let Some((op, _)) = self.repl_ops.remove(&seq) else {
+                        continue;
+                    };
+                    if let Some(r) = &op.replica {
+                        *r.proposal.borrow_mut() = Some(proposal);
+                    }
+                    op.complete.set(true);
+                    self.shard.mark_ready(&j);
+                }
+                Verdict::CommitEmpty { seq, .. } => sink.push(seq, Status::OK, Vec::new()),
+                Verdict::Rollback { seqs, .. } => {
+                    for seq in seqs {
+                        if let Some((op, j)) = self.repl_ops.remove(&seq) {
+                            op.aborted.set(Some(AbortReason::Closed));
+                            self.shard.mark_ready(&j);
+                        }
+                    }
+                }
+                Verdict::Ignore => {}
+                Verdict::Refuse {
+                    seq,
+                    status,
+                    message,
+                    rewind_to,
+                } => {
+                    if rewind_to.is_some() {
+                        self.abort_replica_ops(&j);
+                    }
+                    sink.push(seq, status, message.into_bytes());
+                }
+            }
+        }
+        true
+    }
+
+    fn replica_op(&self, j: &JournalRef, sink: &Rc<AckSink>, seq: u64, begin: u64) -> Rc<AppendOp> {
+        Rc::new(AppendOp {
+            request_id: seq,
+            outbox: self.outbox.clone(),
+            req: AppendRequest {
+                journal: j.borrow().name.clone(),
+                expect_offset: Some(begin),
+                ..Default::default()
+            },
+            chunks: RefCell::new(Default::default()),
+            complete: Cell::new(false),
+            aborted: Cell::new(None),
+            finished: Cell::new(false),
+            last_activity: Cell::new(Instant::now()),
+            budget: self.budget.clone(),
+            replica: Some(ReplicaOp {
+                sink: sink.clone(),
+                proposal: RefCell::new(None),
+            }),
+        })
+    }
+
+    fn push_bytes(&self, op: &Rc<AppendOp>, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        self.budget.charge(bytes.len());
+        op.chunks.borrow_mut().push_back(Chunk {
+            data: bytes.to_vec(),
+            range: 0..bytes.len(),
+        });
+    }
+
+    /// Drops this connection's open replicated appends of a journal.
+    fn abort_replica_ops(&mut self, j: &JournalRef) {
+        let seqs: Vec<u64> = self
+            .repl_ops
+            .iter()
+            .filter(|(_, (_, oj))| Rc::ptr_eq(oj, j))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in seqs {
+            if let Some((op, _)) = self.repl_ops.remove(&k) {
+                op.aborted.set(Some(AbortReason::Closed));
+            }
+        }
+        self.shard.mark_ready(j);
+    }
+
+    /// SYNC: the primary's view of a journal, to be applied by the flusher.
+    fn sync(&mut self, frame: Frame<'_>) {
+        let sink = self.sink();
+        let req: rotary_net::repl::SyncRequest = match serde_json::from_slice(frame.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                return self.outbox.error(
+                    Op::ERROR,
+                    Status::BAD_REQUEST,
+                    frame.request_id,
+                    &[],
+                    &format!("SYNC: {e}"),
+                )
+            }
+        };
+        let refuse = |status: Status, message: String| {
+            let body = rotary_net::repl::SyncReply {
+                message,
+                ..Default::default()
+            };
+            sink.push(req.seq, status, serde_json::to_vec(&body).expect("json"));
+        };
+        if req.spec.name != req.journal || req.spec.validate().is_err() {
+            return refuse(Status::BAD_REQUEST, "SYNC carries an invalid spec".into());
+        }
+        if rotary_net::shard_of(&req.journal, self.shard.shards) != self.shard.index {
+            return refuse(
+                Status::WRONG_ROUTE,
+                format!(
+                    "journal {:?} is not on shard {}",
+                    req.journal, self.shard.index
+                ),
+            );
+        }
+        // A replica that missed an APPLY learns the spec from its primary.
+        if self.shard.specs.get(&req.journal).as_ref() != Some(&req.spec) {
+            if let Err(e) = self.shard.specs.apply(vec![req.spec.clone()]) {
+                return refuse(Status::IO_ERROR, e.to_string());
+            }
+        }
+        let Some(j) = self.shard.journal(&req.journal) else {
+            return refuse(Status::JOURNAL_NOT_FOUND, "journal vanished".into());
+        };
+        self.abort_replica_ops(&j);
+        j.borrow_mut().sync_waiters.push(SyncWaiter { sink, req });
+        self.shard.mark_ready(&j);
     }
 
     fn list(&self, id: u64, payload: &[u8]) {
@@ -513,10 +875,19 @@ impl Conn {
             .into_iter()
             .filter(|s| sel.matches(&s.labels))
             .map(|s| {
-                let shard = rotary_net::shard_of(&s.name, self.shard.shards);
+                let r = self.route_json(&s.name);
+                let ids: Vec<serde_json::Value> = r["members"]
+                    .as_array()
+                    .map(|m| m.iter().map(|m| m["id"].clone()).collect())
+                    .unwrap_or_default();
                 serde_json::json!({
                     "spec": s,
-                    "route": { "shard": shard, "endpoint": self.shard.endpoints[shard as usize].to_string() },
+                    "route": {
+                        "shard": r["shard"],
+                        "endpoint": r["endpoint"],
+                        "primary": ids.first().cloned().unwrap_or_default(),
+                        "members": ids,
+                    },
                 })
             })
             .collect();
@@ -545,19 +916,50 @@ impl Conn {
         }
         let owner = rotary_net::shard_of(&name, self.shard.shards);
         if owner != self.shard.index {
-            return self.forward(owner, raw).await;
+            let addr = self.shard.endpoints[owner as usize];
+            metrics::add(&self.shard.metrics.cross_core_forwards, 1);
+            return self.forward_to(addr, raw).await;
         }
         let not_found = format!("journal {name:?} does not exist");
         match frame.op {
-            Op::DELETE => match self.shard.delete_journal(&name) {
-                Ok(true) => self.admin_ok(id, &serde_json::json!({ "deleted": name })),
-                Ok(false) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found),
-                Err(e) => self.admin_err(id, Status::IO_ERROR, &e.to_string()),
-            },
+            Op::DELETE => {
+                let local = self.shard.delete_journal(&name);
+                let peers = if frame.flags & flag::LOCAL == 0 {
+                    self.fan_out(Op::DELETE, frame.meta, &[]).await
+                } else {
+                    None
+                };
+                let peer_had = peers.as_ref().is_some_and(|p| {
+                    p.as_object()
+                        .is_some_and(|m| m.values().any(|v| v.as_str() == Some("ok")))
+                });
+                match local {
+                    Ok(existed) if existed || peer_had => {
+                        let mut body = serde_json::json!({ "deleted": name });
+                        if let Some(p) = peers {
+                            body["peers"] = p;
+                        }
+                        self.admin_ok(id, &body)
+                    }
+                    Ok(_) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found),
+                    Err(e) => self.admin_err(id, Status::IO_ERROR, &e.to_string()),
+                }
+            }
             op => {
                 let Some(j) = self.shard.journal(&name) else {
                     return self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found);
                 };
+                if matches!(op, Op::SEAL | Op::RESET_HEAD) {
+                    // Only the primary decides where fragments end.
+                    let role = self.shard.role(&j.borrow().spec);
+                    if let Role::Replica(route) | Role::Outside(route) = role {
+                        if let Some(p) = route.primary() {
+                            let addr = self.shard.member_endpoint(p, &name);
+                            metrics::add(&self.shard.metrics.proxied_requests, 1);
+                            return self.forward_to(addr, raw).await;
+                        }
+                    }
+                }
                 match op {
                     Op::FRAGMENTS => {
                         let body = self.shard.fragments_json(&j);
@@ -571,11 +973,10 @@ impl Conn {
         }
     }
 
-    /// Sends a raw request frame to shard `k` over this connection's relay.
-    async fn forward(&mut self, k: u32, raw: &[u8]) {
-        metrics::add(&self.shard.metrics.cross_core_forwards, 1);
-        if self.relays[k as usize].is_none() {
-            let addr = self.shard.endpoints[k as usize];
+    /// Sends a raw request frame to another shard or broker over this
+    /// connection's relay to it; replies flow back to the client as they are.
+    async fn forward_to(&mut self, addr: SocketAddr, raw: &[u8]) {
+        if self.relays.get(&addr).is_none_or(|r| r.is_closed()) {
             let stream = match TcpStream::connect(addr).await {
                 Ok(s) => s,
                 Err(e) => {
@@ -585,7 +986,7 @@ impl Conn {
                         Status::IO_ERROR,
                         id,
                         &[],
-                        &format!("forwarding to shard {k}: {e}"),
+                        &format!("forwarding to {addr}: {e}"),
                     );
                     return;
                 }
@@ -595,22 +996,22 @@ impl Conn {
             let relay = Rc::new(Outbox::new());
             compio::runtime::spawn(outbox::writer(wr, relay.clone())).detach();
             compio::runtime::spawn(pump(rd, self.outbox.clone(), relay.clone())).detach();
-            self.relays[k as usize] = Some(relay);
+            self.relays.insert(addr, relay);
         }
-        if let Some(relay) = &self.relays[k as usize] {
+        if let Some(relay) = self.relays.get(&addr) {
             relay.raw(raw);
         }
     }
 
     fn close(&mut self) {
-        for (_, (op, j)) in self.appends.drain() {
+        for (_, (op, j)) in self.appends.drain().chain(self.repl_ops.drain()) {
             op.aborted.set(Some(AbortReason::Closed));
             self.shard.mark_ready(&j);
         }
         for c in self.reads.borrow().values() {
             c.cancel();
         }
-        for r in self.relays.iter().flatten() {
+        for r in self.relays.values() {
             r.close();
         }
         self.outbox.close();
@@ -670,6 +1071,14 @@ impl Body<'_> {
             Body::Owned(c) => c.bytes(),
         }
     }
+}
+
+/// A copy of a frame with `bits` added to its header's flags.
+fn with_flag(raw: &[u8], bits: u8) -> Vec<u8> {
+    let mut v = raw.to_vec();
+    // Header: body_len u32, magic u16, op u8, flags u8, …
+    v[7] |= bits;
+    v
 }
 
 /// Copies whole reply frames from a relay connection to the client.

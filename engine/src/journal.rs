@@ -58,6 +58,68 @@ pub struct AppendOp {
     pub last_activity: Cell<Instant>,
     /// Bytes queued in `chunks`, charged to the connection's budget.
     pub budget: Rc<crate::conn::Budget>,
+    /// Set when this append is a replica's copy of a primary's append.
+    pub replica: Option<ReplicaOp>,
+}
+
+/// The replica side of a replicated append: where its ack goes and the
+/// primary's proposal, once it arrives.
+pub struct ReplicaOp {
+    pub sink: Rc<AckSink>,
+    pub proposal: RefCell<Option<Proposal>>,
+}
+
+/// A primary's commit proposal for one append.
+#[derive(Clone, Debug)]
+pub struct Proposal {
+    pub end: u64,
+    pub fragment_sha1: [u8; 20],
+    pub registers: LabelSet,
+}
+
+/// Acks of one replication connection, sent many per REPLICATE_ACK frame:
+/// everything pushed while a task runs goes out in one frame.
+pub struct AckSink {
+    pub outbox: Rc<Outbox>,
+    pending: RefCell<Vec<rotary_net::repl::Ack>>,
+    scheduled: Cell<bool>,
+}
+
+impl AckSink {
+    pub fn new(outbox: Rc<Outbox>) -> Rc<AckSink> {
+        Rc::new(AckSink {
+            outbox,
+            pending: RefCell::new(Vec::new()),
+            scheduled: Cell::new(false),
+        })
+    }
+
+    pub fn push(self: &Rc<Self>, seq: u64, status: Status, body: Vec<u8>) {
+        self.pending
+            .borrow_mut()
+            .push(rotary_net::repl::Ack { seq, status, body });
+        if !self.scheduled.replace(true) {
+            // Runs once the current task yields: every ack pushed until
+            // then shares the frame.
+            let me = self.clone();
+            compio::runtime::spawn(async move { me.flush() }).detach();
+        }
+    }
+
+    pub fn flush(&self) {
+        self.scheduled.set(false);
+        let acks = std::mem::take(&mut *self.pending.borrow_mut());
+        if acks.is_empty() {
+            return;
+        }
+        self.outbox.frame(
+            rotary_net::wire::Op::REPLICATE_ACK,
+            Status::OK,
+            0,
+            &[],
+            &rotary_net::repl::encode_acks(&acks),
+        );
+    }
 }
 
 impl AppendOp {
@@ -69,6 +131,11 @@ impl AppendOp {
     ) {
         assert!(status != Status::OK);
         if self.finished.replace(true) {
+            return;
+        }
+        if let Some(r) = &self.replica {
+            r.sink
+                .push(self.request_id, status, message.as_bytes().to_vec());
             return;
         }
         self.outbox.error(
@@ -89,6 +156,8 @@ pub struct Active {
     pub sha: Sha1,
     /// Offset into the front chunk already staged.
     pub chunk_pos: usize,
+    /// Sequence number on the journal's pipelines (primaries with replicas).
+    pub seq: u64,
 }
 
 /// An append fully staged in the current batch, waiting for durability.
@@ -99,6 +168,30 @@ pub struct Staged {
     pub sha1: [u8; 20],
     pub point: CommitPoint,
     pub registers: LabelSet,
+    pub seq: u64,
+}
+
+/// A primary's view of its journal's replicas, agreed by SYNC.
+pub struct PrimaryRepl {
+    /// Route member ids at the SYNC, primary first.
+    pub members: Vec<String>,
+    /// The pipeline to each replica and the connection epoch synced over.
+    pub pipelines: Vec<(Rc<crate::pipeline::Pipeline>, u64)>,
+}
+
+impl PrimaryRepl {
+    /// Whether every pipeline is still the connection the SYNC went over.
+    pub fn is_live(&self) -> bool {
+        self.pipelines
+            .iter()
+            .all(|(p, e)| p.live_epoch() == Some(*e))
+    }
+}
+
+/// A primary's SYNC waiting for the replica's flusher.
+pub struct SyncWaiter {
+    pub sink: Rc<AckSink>,
+    pub req: rotary_net::repl::SyncRequest,
 }
 
 pub struct Journal {
@@ -108,9 +201,26 @@ pub struct Journal {
     /// Sealed local fragments, by begin.
     pub fragments: Vec<LocalFragment>,
     pub spool: Option<Spool>,
-    /// Committed write head.
+    /// Write head visible to readers: committed here and on every replica.
     pub head: u64,
     pub registers: LabelSet,
+    /// Committed here (in the commit log); replicas may not have acked yet.
+    pub local_head: u64,
+    pub local_registers: LabelSet,
+    /// Primary: the agreed replica pipelines (None: SYNC needed).
+    pub repl: Option<PrimaryRepl>,
+    /// Primary: a SYNC is under way.
+    pub syncing: bool,
+    /// Primary: after a failed SYNC, when to try again, and why it failed.
+    pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
+    /// Primary: committed batches awaiting replica acks.
+    pub inflight: usize,
+    /// Replica: the position in the primary's stream.
+    pub replica: Option<crate::replica::ReplicaTrack>,
+    /// Replica: SYNCs waiting to be applied by the flusher.
+    pub sync_waiters: Vec<SyncWaiter>,
+    /// When the last append was queued (primaries pulse idle journals).
+    pub last_append: Instant,
     pub queue: VecDeque<Rc<AppendOp>>,
     pub active: Option<Active>,
     /// Appends staged in the batch being built or written.
@@ -207,6 +317,15 @@ impl Journal {
             spool: None,
             head: 0,
             registers: LabelSet::new(),
+            local_head: 0,
+            local_registers: LabelSet::new(),
+            repl: None,
+            syncing: false,
+            sync_retry: None,
+            inflight: 0,
+            replica: None,
+            sync_waiters: Vec::new(),
+            last_append: Instant::now(),
             queue: VecDeque::new(),
             active: None,
             staged: Vec::new(),
@@ -325,11 +444,14 @@ impl Journal {
                 }
             }
             let spool = self.spool.as_ref()?;
-            (spool.begin() <= at && at < spool.committed()).then(|| Located {
+            // Bytes committed here but not yet acknowledged by every
+            // replica are not readable.
+            let end = spool.committed().min(self.head);
+            (spool.begin() <= at && at < end).then(|| Located {
                 file: FileRef::Open(spool.file().clone()),
                 offset: at,
                 file_pos: at - spool.begin(),
-                end: spool.committed(),
+                end,
             })
         };
         let remote = |at: u64| -> Option<Located> {

@@ -12,8 +12,11 @@ pub mod conn;
 pub mod journal;
 pub mod metrics;
 pub mod outbox;
+pub mod pipeline;
+pub mod replica;
 pub mod shard;
 pub mod specs;
+pub mod topology;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -46,6 +49,9 @@ pub struct ServeConfig {
     pub spool_sizing: rotary_storage::spool::SpoolSizing,
     /// Submission queue entries of each shard's ring.
     pub ring_entries: u32,
+    /// A static cluster file and this broker's id in it. The broker then
+    /// listens on its endpoint from the file (`listen` is ignored).
+    pub cluster: Option<(PathBuf, String)>,
 }
 
 impl ServeConfig {
@@ -61,6 +67,7 @@ impl ServeConfig {
             shutdown_upload_timeout: Duration::from_secs(30),
             spool_sizing: rotary_storage::spool::SpoolSizing::default(),
             ring_entries: 1024,
+            cluster: None,
         }
     }
 }
@@ -175,6 +182,16 @@ impl Broker {
         }
         check_shard_count(dir, shards)?;
         let specs = Arc::new(specs::SpecStore::open(dir.join("specs.json"))?);
+        let cluster_view = match &config.cluster {
+            Some((path, me)) => {
+                Some(topology::load_cluster_file(path, me).map_err(EngineError::Config)?)
+            }
+            None => None,
+        };
+        let listen = match &cluster_view {
+            Some(v) => v.me().expect("checked by load").endpoint,
+            None => config.listen,
+        };
         let uploader =
             rotary_uploader::Uploader::start(config.upload_threads.max(1), UPLOAD_QUEUE_MAX);
         let metrics = Arc::new(metrics::Metrics::default());
@@ -182,17 +199,25 @@ impl Broker {
         let mut listeners = Vec::new();
         let mut endpoints = Vec::new();
         for n in 0..shards {
-            let mut addr = config.listen;
-            let port = config
-                .listen
+            let mut addr = listen;
+            let port = listen
                 .port()
                 .checked_add(n as u16)
                 .ok_or_else(|| EngineError::Config("port range overflows".into()))?;
-            addr.set_port(if config.listen.port() == 0 { 0 } else { port });
+            addr.set_port(if listen.port() == 0 { 0 } else { port });
             let l = std::net::TcpListener::bind(addr).map_err(|e| EngineError::Listen(addr, e))?;
             endpoints.push(l.local_addr().map_err(|e| EngineError::Listen(addr, e))?);
             listeners.push(l);
         }
+        let topology = match cluster_view {
+            Some(v) => {
+                let t = topology::Topology::new(v);
+                let (path, me) = config.cluster.clone().expect("cluster view from a file");
+                topology::watch_cluster_file(t.clone(), path, me);
+                t
+            }
+            None => topology::Topology::new(topology::ClusterView::single(endpoints[0])),
+        };
         let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EngineError>>(shards);
         let (done_tx, done_rx) = crossbeam_channel::bounded::<u32>(shards);
         let mut stops = Vec::new();
@@ -216,6 +241,7 @@ impl Broker {
                     spool_budget_bytes: config.spool_budget_bytes / shards as u64,
                     local_cache_bytes: config.local_cache_bytes,
                     sizing: config.spool_sizing,
+                    topology: topology.clone(),
                 },
                 ring_entries: config.ring_entries,
                 shutdown_upload_timeout: config.shutdown_upload_timeout,

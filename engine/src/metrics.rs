@@ -35,6 +35,9 @@ counters!(
     connections,
     fragments_sealed,
     storage_full,
+    syncs,
+    replicated_batches,
+    proxied_requests,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

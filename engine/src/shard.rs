@@ -9,12 +9,17 @@
 //! every append that committed. Appends that arrive meanwhile wait for the
 //! next turn: that is the group commit which batches ring submissions.
 
-use crate::journal::{AbortReason, Active, FileRef, Journal, Staged, APPEND_IDLE_TIMEOUT};
+use crate::journal::{
+    AbortReason, Active, FileRef, Journal, PrimaryRepl, Staged, APPEND_IDLE_TIMEOUT,
+};
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
+use crate::pipeline::{Failure, Pipeline};
 use crate::specs::SpecStore;
+use crate::topology::{ClusterView, Route, Topology};
 use event_listener::Event;
 use futures_util::future::join_all;
+use rotary_net::repl::Record;
 use rotary_net::spec::{Durability, JournalFlags, LabelSet};
 use rotary_net::status::Status;
 use rotary_net::wire::{AppendReply, Op};
@@ -67,6 +72,39 @@ pub struct Shard {
     store_error: RefCell<Option<String>>,
     me: RefCell<std::rc::Weak<Shard>>,
     sizing: SpoolSizing,
+    topology: Arc<Topology>,
+    /// The last snapshot taken, and the topology version it came from.
+    view: RefCell<(u64, Arc<ClusterView>)>,
+    /// Pipelines to peer shards, by (peer id, endpoint).
+    pipelines: RefCell<HashMap<(String, std::net::SocketAddr), Rc<Pipeline>>>,
+    /// Sequence numbers of replicated appends (and SYNCs).
+    next_seq: Cell<u64>,
+    /// Committed batches awaiting replica acks, oldest first.
+    inflight: RefCell<std::collections::VecDeque<InFlight>>,
+    inflight_event: Event,
+}
+
+/// A journal's batch committed locally and proposed to its replicas.
+struct InFlight {
+    j: JournalRef,
+    staged: Vec<Staged>,
+    /// (pipeline, epoch, highest seq proposed on it).
+    waits: Vec<(Rc<Pipeline>, u64, Vec<u64>)>,
+}
+
+/// How long a primary waits before retrying a failed SYNC.
+const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
+/// A primary pulses a replicated journal idle this long.
+const PULSE_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A journal's place on this broker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The primary; the route's other members are replicas.
+    Primary(Route),
+    Replica(Route),
+    /// Not in the route: requests are proxied.
+    Outside(Route),
 }
 
 /// What a shard is started with.
@@ -82,6 +120,7 @@ pub struct ShardConfig {
     pub spool_budget_bytes: u64,
     pub local_cache_bytes: u64,
     pub sizing: SpoolSizing,
+    pub topology: Arc<Topology>,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -117,6 +156,7 @@ impl Shard {
             spool_budget_bytes,
             local_cache_bytes,
             sizing,
+            topology,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
@@ -149,6 +189,12 @@ impl Shard {
             store_error: RefCell::new(None),
             me: RefCell::new(std::rc::Weak::new()),
             sizing,
+            view: RefCell::new((topology.version(), topology.snapshot())),
+            topology,
+            pipelines: RefCell::new(HashMap::new()),
+            next_seq: Cell::new(1),
+            inflight: RefCell::new(Default::default()),
+            inflight_event: Event::new(),
         });
         *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
@@ -211,8 +257,10 @@ impl Shard {
             }
         }
         j.head = head;
+        j.local_head = head;
         j.staged_head = head;
         j.staged_registers = j.registers.clone();
+        j.local_registers = j.registers.clone();
         Ok(j)
     }
 
@@ -247,6 +295,7 @@ impl Shard {
                     if let Some(st) = self.states.borrow().get(&spec.name) {
                         j.registers = st.registers.clone();
                         j.staged_registers = st.registers.clone();
+                        j.local_registers = st.registers.clone();
                     }
                     map.insert(spec.name.clone(), Rc::new(RefCell::new(j)));
                 }
@@ -260,10 +309,126 @@ impl Shard {
         self.wake.notify(1);
     }
 
+    /// The current cluster view.
+    pub fn view(&self) -> Arc<ClusterView> {
+        let v = self.topology.version();
+        let mut cur = self.view.borrow_mut();
+        if cur.0 != v {
+            *cur = (v, self.topology.snapshot());
+        }
+        cur.1.clone()
+    }
+
+    /// The journal's place on this broker.
+    pub fn role(&self, spec: &rotary_net::JournalSpec) -> Role {
+        let view = self.view();
+        let route = view.route(&spec.name, spec.replication);
+        if route.is_primary(&view.me) {
+            Role::Primary(route)
+        } else if route.contains(&view.me) {
+            Role::Replica(route)
+        } else {
+            Role::Outside(route)
+        }
+    }
+
+    /// The endpoint of `m`'s shard for `journal`.
+    pub fn member_endpoint(
+        &self,
+        m: &crate::topology::Member,
+        journal: &str,
+    ) -> std::net::SocketAddr {
+        if m.id == self.view().me {
+            return self.endpoints[rotary_net::shard_of(journal, self.shards) as usize];
+        }
+        m.shard_endpoint(journal, self.shards)
+    }
+
+    /// The pipeline to `peer`'s shard for `journal`.
+    fn pipeline(&self, peer: &crate::topology::Member, journal: &str) -> Rc<Pipeline> {
+        let addr = peer.shard_endpoint(journal, self.shards);
+        self.pipelines
+            .borrow_mut()
+            .entry((peer.id.clone(), addr))
+            .or_insert_with(|| Pipeline::new(peer.id.clone(), addr))
+            .clone()
+    }
+
+    fn flush_pipelines(&self) {
+        for p in self.pipelines.borrow().values() {
+            p.flush();
+        }
+    }
+
+    fn seq(&self) -> u64 {
+        let s = self.next_seq.get();
+        self.next_seq.set(s + 1);
+        s
+    }
+
+    /// Answers replicated batches in commit order as replicas ack them.
+    async fn acker(self: Rc<Self>) {
+        loop {
+            let next = self.inflight.borrow_mut().pop_front();
+            let Some(f) = next else {
+                let l = self.inflight_event.listen();
+                if self.inflight.borrow().is_empty() {
+                    l.await;
+                }
+                continue;
+            };
+            let mut failure = None;
+            'wait: for (p, epoch, seqs) in &f.waits {
+                for &seq in seqs {
+                    match p.wait(seq, *epoch).await {
+                        Ok(ack) if ack.status == Status::OK => {}
+                        Ok(ack) => {
+                            failure = Some(Failure::new(
+                                Status::REPLICATION_FAILED,
+                                format!(
+                                    "replica {} answered {}: {}",
+                                    p.peer,
+                                    ack.status,
+                                    String::from_utf8_lossy(&ack.body)
+                                ),
+                            ));
+                            break 'wait;
+                        }
+                        Err(e) => {
+                            failure = Some(e);
+                            break 'wait;
+                        }
+                    }
+                }
+            }
+            metrics::add(&self.metrics.replicated_batches, 1);
+            if let Some(e) = &failure {
+                tracing::warn!(journal = %f.j.borrow().name, error = %e.message, "replication failed; the journal will synchronize again");
+            }
+            self.publish(&f.j, f.staged, failure.as_ref());
+            {
+                let mut jm = f.j.borrow_mut();
+                jm.inflight -= 1;
+                if failure.is_some() {
+                    jm.repl = None;
+                }
+            }
+            self.mark_ready(&f.j);
+        }
+    }
+
+    /// Pipeline counters for STATS: ack frames and acks received.
+    pub fn pipeline_stats(&self) -> (u64, u64) {
+        self.pipelines.borrow().values().fold((0, 0), |(f, a), p| {
+            (f + p.ack_frames.get(), a + p.acks_received.get())
+        })
+    }
+
     /// Spawns the shard's background tasks: the flusher, the once-a-second
     /// ticker, the upload-result consumer and the first store listings.
     pub fn start_background(self: &Rc<Self>) {
         compio::runtime::spawn(self.clone().flusher()).detach();
+        compio::runtime::spawn(self.clone().acker()).detach();
         let ticker = self.clone();
         compio::runtime::spawn(async move {
             loop {
@@ -293,6 +458,10 @@ impl Shard {
         let Some(store) = jm.spec.fragment.stores.first().cloned() else {
             return;
         };
+        if !matches!(self.role(&jm.spec), Role::Primary(_)) {
+            // Only the primary uploads.
+            return;
+        }
         let codec = jm.spec.fragment.compression_codec;
         let name = jm.name.clone();
         for f in jm
@@ -365,7 +534,7 @@ impl Shard {
         let mut total = 0;
         for j in self.journals.borrow().values() {
             let jm = j.borrow();
-            if jm.has_stores() {
+            if jm.has_stores() && matches!(self.role(&jm.spec), Role::Primary(_)) {
                 total += jm
                     .fragments
                     .iter()
@@ -454,6 +623,17 @@ impl Shard {
                 }
             }
             if let Some(shard) = me.upgrade() {
+                let mut jm = j.borrow_mut();
+                if !matches!(shard.role(&jm.spec), Role::Primary(_)) {
+                    // A replica's copies are dropped once the store holds them.
+                    jm.fragments.retain(|f| {
+                        if f.uploaded {
+                            let _ = std::fs::remove_file(&f.path);
+                        }
+                        !f.uploaded
+                    });
+                }
+                drop(jm);
                 shard.recount_unuploaded();
                 // Appends waiting for the index go ahead (or are refused).
                 shard.mark_ready(&j);
@@ -475,7 +655,9 @@ impl Shard {
         for j in &journals {
             let wants = {
                 let jm = j.borrow();
-                jm.has_stores() && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
+                jm.has_stores()
+                    && matches!(self.role(&jm.spec), Role::Primary(_))
+                    && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
             };
             if wants {
                 j.borrow_mut().seal_requested = true;
@@ -486,7 +668,9 @@ impl Shard {
         loop {
             let pending = journals.iter().any(|j| {
                 let jm = j.borrow();
-                jm.has_stores() && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
+                jm.has_stores()
+                    && matches!(self.role(&jm.spec), Role::Primary(_))
+                    && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
             });
             if !pending {
                 return true;
@@ -596,9 +780,13 @@ impl Shard {
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         for j in journals {
             let mut due = false;
+            let role = self.role(&j.borrow().spec);
             {
                 let jm = j.borrow();
-                if jm.wants_seal(now) && jm.spool.as_ref().is_some_and(|s| !s.is_empty()) {
+                if matches!(role, Role::Primary(_))
+                    && jm.wants_seal(now)
+                    && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
+                {
                     due = true;
                 }
                 if let Some(a) = &jm.active {
@@ -612,6 +800,9 @@ impl Shard {
             }
             if due {
                 self.mark_ready(&j);
+            }
+            if let Role::Primary(route) = &role {
+                self.pulse(&j, route);
             }
             let refresh = {
                 let mut jm = j.borrow_mut();
@@ -633,6 +824,42 @@ impl Shard {
             }
         }
         self.recount_unuploaded();
+    }
+
+    /// Sends an empty append through an idle replicated journal, so that a
+    /// broken replica is found (and the journal re-synchronized once it is
+    /// back) without waiting for client traffic.
+    fn pulse(&self, j: &JournalRef, route: &Route) {
+        {
+            let mut jm = j.borrow_mut();
+            let idle = jm.queue.is_empty()
+                && jm.active.is_none()
+                && jm.inflight == 0
+                && !jm.syncing
+                && jm.last_append.elapsed() >= PULSE_IDLE;
+            if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
+                return;
+            }
+            jm.last_append = Instant::now();
+        }
+        let outbox = Rc::new(Outbox::new());
+        outbox.close();
+        let op = Rc::new(crate::journal::AppendOp {
+            request_id: 0,
+            outbox,
+            req: rotary_net::wire::AppendRequest {
+                journal: j.borrow().name.clone(),
+                ..Default::default()
+            },
+            chunks: RefCell::new(Default::default()),
+            complete: Cell::new(true),
+            aborted: Cell::new(None),
+            finished: Cell::new(false),
+            last_activity: Cell::new(Instant::now()),
+            budget: Rc::new(crate::conn::Budget::default()),
+            replica: None,
+        });
+        self.submit_append(j, op);
     }
 
     /// Waits until the flusher has nothing queued and is not mid-turn.
@@ -681,6 +908,8 @@ impl Shard {
                 again.push(j.clone());
             }
         }
+        // Replicas get this turn's content while the spools are written.
+        self.flush_pipelines();
         // 3. Write every spool with staged bytes, all submitted together.
         let mut writing: Vec<(
             JournalRef,
@@ -812,10 +1041,40 @@ impl Shard {
                 }
             }
         } else {
-            // 6. Acknowledge.
+            // 6. Acknowledge, or propose to the replicas and let the acker
+            // acknowledge once every replica has.
             for j in &committing {
-                self.acknowledge(j);
+                if j.borrow().repl.is_none() {
+                    self.acknowledge(j);
+                    continue;
+                }
+                let staged = self.commit_local(j);
+                let mut jm = j.borrow_mut();
+                let repl = jm.repl.as_ref().expect("checked");
+                let mut waits = Vec::new();
+                for (p, epoch) in &repl.pipelines {
+                    for s in &staged {
+                        p.push(&Record::Commit {
+                            seq: s.seq,
+                            journal: &jm.name,
+                            begin: s.begin,
+                            end: s.end,
+                            fragment_sha1: s.point.sha.clone().finalize().into(),
+                            registers: s.registers.clone(),
+                        });
+                    }
+                    waits.push((p.clone(), *epoch, staged.iter().map(|s| s.seq).collect()));
+                }
+                jm.inflight += 1;
+                drop(jm);
+                self.inflight.borrow_mut().push_back(InFlight {
+                    j: j.clone(),
+                    staged,
+                    waits,
+                });
+                self.inflight_event.notify(usize::MAX);
             }
+            self.flush_pipelines();
         }
         // Compaction between turns keeps the log short.
         let compact = self
@@ -834,6 +1093,13 @@ impl Shard {
             }
             *self.log.borrow_mut() = Some(log);
         }
+        // Replica journals with a SYNC waiting go around again once their
+        // queued appends are through.
+        for j in &ready {
+            if !j.borrow().sync_waiters.is_empty() {
+                again.push(j.clone());
+            }
+        }
         // Journals with more to do go around again.
         for j in again {
             self.ready.borrow_mut().push(j);
@@ -843,6 +1109,20 @@ impl Shard {
     /// Async preparation of a journal before staging: handle an aborted
     /// active append, reload a tail block, seal, open a spool.
     async fn prepare(&self, j: &JournalRef) {
+        // A SYNC from the primary ends any append it left open.
+        {
+            let jm = j.borrow();
+            if !jm.sync_waiters.is_empty() {
+                let open = jm
+                    .queue
+                    .iter()
+                    .chain(jm.active.as_ref().map(|a| &a.op))
+                    .filter(|op| op.replica.is_some() && !op.complete.get());
+                for op in open {
+                    op.aborted.set(Some(AbortReason::Closed));
+                }
+            }
+        }
         // An aborted active append rewinds the spool to where it began.
         {
             let mut jm = j.borrow_mut();
@@ -854,8 +1134,9 @@ impl Shard {
                     .as_mut()
                     .expect("active append has a spool")
                     .rewind(a.start);
-                jm.staged_head = jm.head;
-                jm.staged_registers = jm.registers.clone();
+                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+                jm.staged_head = jm.local_head;
+                jm.staged_registers = jm.local_registers.clone();
                 let reply = AppendReply {
                     write_head: jm.head,
                     registers: jm.registers.clone(),
@@ -878,6 +1159,32 @@ impl Shard {
                 metrics::add(&self.metrics.append_failures, 1);
             }
         }
+        let role = self.role(&j.borrow().spec);
+        match &role {
+            Role::Primary(route) if !route.is_complete() => {
+                let msg = format!(
+                    "the journal's replication is {} but the cluster has {} broker(s) for it",
+                    route.replication,
+                    route.members.len()
+                );
+                self.fail_queue(j, Status::INSUFFICIENT_JOURNAL_BROKERS, &msg);
+                return;
+            }
+            Role::Primary(route) if route.members.len() > 1 => {
+                let ready = j
+                    .borrow()
+                    .repl
+                    .as_ref()
+                    .is_some_and(|r| r.members == route.ids() && r.is_live());
+                if !ready {
+                    self.begin_sync(j, route.clone()).await;
+                    return;
+                }
+            }
+            Role::Primary(_) => j.borrow_mut().repl = None,
+            Role::Replica(_) | Role::Outside(_) => {}
+        }
+        self.apply_syncs(j).await;
         let needs_tail = j
             .borrow()
             .spool
@@ -902,7 +1209,13 @@ impl Shard {
         }
         let wants_seal = {
             let jm = j.borrow();
-            jm.active.is_none() && jm.staged.is_empty() && jm.wants_seal(SystemTime::now())
+            // Replicas seal when their primary says so (SYNC), and a
+            // primary not while replicas have yet to ack.
+            matches!(role, Role::Primary(_))
+                && jm.active.is_none()
+                && jm.staged.is_empty()
+                && jm.inflight == 0
+                && jm.wants_seal(SystemTime::now())
         };
         if wants_seal {
             self.seal(j).await;
@@ -914,7 +1227,7 @@ impl Shard {
         if needs_spool {
             let (dir, head) = {
                 let jm = j.borrow();
-                (jm.dir.clone(), jm.head)
+                (jm.dir.clone(), jm.local_head)
             };
             let created = match std::fs::create_dir_all(&dir) {
                 Ok(()) => Spool::create_sized(&dir, head, self.sizing).await,
@@ -962,6 +1275,7 @@ impl Shard {
         let local_end = jm.fragments.iter().map(|f| f.end).max().unwrap_or(0);
         let head = jm.head.max(jm.remote_end()).max(local_end);
         jm.head = head;
+        jm.local_head = head;
         jm.staged_head = head;
         let body =
             serde_json::to_vec(&serde_json::json!({ "journal": jm.name, "write_head": head }))
@@ -970,6 +1284,225 @@ impl Shard {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
         jm.committed.notify(usize::MAX);
+    }
+
+    /// Starts agreeing with the journal's replicas (SYNC) in the
+    /// background; the journal stages nothing until they agree.
+    async fn begin_sync(&self, j: &JournalRef, route: Route) {
+        {
+            let mut jm = j.borrow_mut();
+            let jm = &mut *jm;
+            if jm.syncing {
+                return;
+            }
+            // An open append's content went over pipelines being replaced.
+            if let Some(a) = jm.active.take() {
+                jm.tail.truncate(a.start.offset);
+                if let Some(spool) = jm.spool.as_mut() {
+                    spool.rewind(a.start);
+                }
+                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+                jm.staged_head = jm.local_head;
+                jm.staged_registers = jm.local_registers.clone();
+                let reply = AppendReply {
+                    write_head: jm.head,
+                    registers: jm.registers.clone(),
+                    ..Default::default()
+                };
+                a.op.reply_error(
+                    Status::REPLICATION_FAILED,
+                    &reply,
+                    "the journal's replication pipeline broke during the append; it was rolled back",
+                );
+                drop_budget(&a.op);
+                jm.queue.pop_front();
+                metrics::add(&self.metrics.append_failures, 1);
+            }
+            if jm.inflight > 0 || !jm.staged.is_empty() {
+                // The acker marks the journal ready when they are answered.
+                return;
+            }
+            jm.repl = None;
+        }
+        let retry = j.borrow().sync_retry.clone();
+        if let Some((at, f)) = retry {
+            if Instant::now() < at {
+                // The last SYNC failed moments ago: answer with its cause.
+                self.fail_queue(j, f.status, &f.message);
+                return;
+            }
+        }
+        // A fresh spool at the head on every member.
+        if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+            self.seal(j).await;
+        }
+        j.borrow_mut().syncing = true;
+        let Some(me) = self.me.borrow().upgrade() else {
+            return;
+        };
+        let j = j.clone();
+        compio::runtime::spawn(async move {
+            let res = me.sync_replicas(&j, &route).await;
+            {
+                let mut jm = j.borrow_mut();
+                jm.syncing = false;
+                match res {
+                    Ok(repl) => {
+                        metrics::add(&me.metrics.syncs, 1);
+                        jm.repl = Some(repl);
+                        jm.sync_retry = None;
+                    }
+                    Err(f) => {
+                        tracing::warn!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
+                        jm.sync_retry = Some((Instant::now() + SYNC_RETRY, f));
+                    }
+                }
+            }
+            me.mark_ready(&j);
+        })
+        .detach();
+    }
+
+    /// SYNC with every replica of `route`. A replica ahead of this primary
+    /// (possible only after a route change) moves the journal forward to
+    /// its head first, so offsets are never reused.
+    async fn sync_replicas(&self, j: &JournalRef, route: &Route) -> Result<PrimaryRepl, Failure> {
+        use rotary_net::repl::{SyncReply, SyncRequest};
+        for _ in 0..3 {
+            let (spec, head, registers, name) = {
+                let jm = j.borrow();
+                (
+                    jm.spec.clone(),
+                    jm.local_head,
+                    jm.local_registers.clone(),
+                    jm.name.clone(),
+                )
+            };
+            let mut pipelines = Vec::new();
+            let mut ahead: Option<u64> = None;
+            for m in &route.members[1..] {
+                let p = self.pipeline(m, &name);
+                let epoch = p.connect().await?;
+                let req = SyncRequest {
+                    seq: self.seq(),
+                    journal: name.clone(),
+                    spec: spec.clone(),
+                    route: route.ids(),
+                    head,
+                    registers: registers.clone(),
+                };
+                let ack = p.sync(&req).await?;
+                let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
+                match ack.status {
+                    Status::OK => pipelines.push((p, epoch)),
+                    Status::PROPOSAL_MISMATCH if reply.head > head => {
+                        ahead = Some(ahead.unwrap_or(0).max(reply.head));
+                    }
+                    status => {
+                        return Err(Failure::new(
+                            status,
+                            format!("replica {}: {}", m.id, reply.message),
+                        ))
+                    }
+                }
+            }
+            let Some(to) = ahead else {
+                return Ok(PrimaryRepl {
+                    members: route.ids(),
+                    pipelines,
+                });
+            };
+            tracing::warn!(journal = %name, from = head, to, "a replica is ahead; rolling the journal forward");
+            let spool = j.borrow_mut().spool.take();
+            if let Some(spool) = spool {
+                // Empty: the SYNC started by sealing.
+                let _ = spool.seal(false).await;
+            }
+            let mut jm = j.borrow_mut();
+            jm.head = jm.head.max(to);
+            jm.local_head = jm.local_head.max(to);
+            jm.staged_head = jm.local_head;
+        }
+        Err(Failure::new(
+            Status::PROPOSAL_MISMATCH,
+            "replicas keep disagreeing with the primary's head",
+        ))
+    }
+
+    /// Applies SYNCs sent by the journal's primary, once the appends it
+    /// sent before them are through.
+    async fn apply_syncs(&self, j: &JournalRef) {
+        use rotary_net::repl::SyncReply;
+        loop {
+            let w = {
+                let mut jm = j.borrow_mut();
+                if jm.sync_waiters.is_empty()
+                    || jm.active.is_some()
+                    || !jm.queue.is_empty()
+                    || !jm.staged.is_empty()
+                {
+                    return;
+                }
+                jm.sync_waiters.remove(0)
+            };
+            let view = self.view();
+            let route = view.route(&w.req.journal, w.req.spec.replication);
+            let head = j.borrow().local_head;
+            let answer = |status: Status, message: String, head: u64| {
+                let body = SyncReply {
+                    head,
+                    route: route.ids(),
+                    message,
+                };
+                w.sink
+                    .push(w.req.seq, status, serde_json::to_vec(&body).expect("json"));
+            };
+            if route.ids() != w.req.route || !route.contains(&view.me) || route.is_primary(&view.me)
+            {
+                let msg = format!(
+                    "broker {} computes the route {:?} for {}, the primary sent {:?}",
+                    view.me,
+                    route.ids(),
+                    w.req.journal,
+                    w.req.route
+                );
+                answer(Status::WRONG_ROUTE, msg, head);
+                continue;
+            }
+            if head > w.req.head {
+                let msg = format!(
+                    "the replica's head {head} is beyond the primary's {}",
+                    w.req.head
+                );
+                answer(Status::PROPOSAL_MISMATCH, msg, head);
+                continue;
+            }
+            if j.borrow().spool.is_some() {
+                self.seal(j).await;
+            }
+            if j.borrow().spool.is_some() {
+                answer(
+                    Status::IO_ERROR,
+                    "sealing the replica's spool failed".into(),
+                    head,
+                );
+                continue;
+            }
+            {
+                let mut jm = j.borrow_mut();
+                let h = w.req.head;
+                jm.head = h;
+                jm.local_head = h;
+                jm.staged_head = h;
+                jm.registers = w.req.registers.clone();
+                jm.local_registers = w.req.registers.clone();
+                jm.staged_registers = w.req.registers.clone();
+                jm.replica = Some(crate::replica::ReplicaTrack::synced_at(h, w.req.seq));
+                jm.committed.notify(usize::MAX);
+            }
+            metrics::add(&self.metrics.syncs, 1);
+            answer(Status::OK, String::new(), w.req.head);
+        }
     }
 
     async fn seal(&self, j: &JournalRef) {
@@ -999,6 +1532,8 @@ impl Shard {
         let mut jm = j.borrow_mut();
         jm.seal_requested = false;
         jm.spool_since = None;
+        // Replicas must start their next spool where this one ended.
+        jm.repl = None;
         let json = match &sealed {
             Some(f) => fragment_json(f, false),
             None => serde_json::Value::Null,
@@ -1027,6 +1562,12 @@ impl Shard {
     fn stage(&self, j: &JournalRef) -> bool {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
+        let role = self.role(&jm.spec);
+        let replicated = matches!(&role, Role::Primary(r) if r.members.len() > 1);
+        if replicated && jm.repl.is_none() {
+            // Waiting for a SYNC.
+            return false;
+        }
         if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
             // Seal waiters on a journal without a spool get their answer.
             if jm.spool.is_none() && !jm.seal_waiters.is_empty() {
@@ -1056,8 +1597,35 @@ impl Shard {
                     drop_budget(&op);
                     continue;
                 }
+                let is_replica_op = op.replica.is_some();
+                if is_replica_op != matches!(role, Role::Replica(_)) {
+                    jm.queue.pop_front();
+                    let r = AppendReply {
+                        write_head: jm.staged_head,
+                        registers: jm.staged_registers.clone(),
+                        ..Default::default()
+                    };
+                    if is_replica_op {
+                        op.reply_error(
+                            Status::WRONG_ROUTE,
+                            &r,
+                            "this broker is not a replica of the journal",
+                        );
+                    } else {
+                        op.reply_error(
+                            Status::NOT_JOURNAL_PRIMARY_BROKER,
+                            &r,
+                            "the journal's route changed; this broker is no longer its primary",
+                        );
+                    }
+                    drop_budget(&op);
+                    continue;
+                }
                 let spool = jm.spool.as_ref().expect("checked");
-                if spool.staged() - spool.begin() >= jm.spec.fragment.length || jm.seal_requested {
+                if !is_replica_op
+                    && (spool.staged() - spool.begin() >= jm.spec.fragment.length
+                        || jm.seal_requested)
+                {
                     // Roll to a new fragment first, once this batch commits.
                     return true;
                 }
@@ -1069,7 +1637,7 @@ impl Shard {
                     };
                     op.reply_error(status, &r, msg);
                 };
-                if jm.has_stores() {
+                if jm.has_stores() && !is_replica_op {
                     if !jm.index_loaded {
                         match &jm.index_error {
                             // Wait for the first listing: the store may
@@ -1119,7 +1687,15 @@ impl Shard {
                             "expected offset {expect} but the write head is {}",
                             jm.staged_head
                         );
-                        reply(Status::WRONG_APPEND_OFFSET, &msg, jm);
+                        let status = if is_replica_op {
+                            if let Some(t) = jm.replica.as_mut() {
+                                t.diverged();
+                            }
+                            Status::PROPOSAL_MISMATCH
+                        } else {
+                            Status::WRONG_APPEND_OFFSET
+                        };
+                        reply(status, &msg, jm);
                         jm.queue.pop_front();
                         drop_budget(&op);
                         continue;
@@ -1139,11 +1715,18 @@ impl Shard {
                     continue;
                 }
                 let start = jm.spool.as_ref().expect("checked").commit_point();
+                let seq = if is_replica_op {
+                    op.request_id
+                } else {
+                    jm.last_append = Instant::now();
+                    self.seq()
+                };
                 jm.active = Some(Active {
                     op,
                     start,
                     sha: Sha1::new(),
                     chunk_pos: 0,
+                    seq,
                 });
             }
             let a = jm.active.as_mut().expect("set above");
@@ -1168,6 +1751,7 @@ impl Shard {
                     let a = jm.active.take().expect("active");
                     jm.tail.truncate(a.start.offset);
                     spool.rewind(a.start);
+                    send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
                     let r = AppendReply {
                         write_head: jm.staged_head,
                         registers: jm.staged_registers.clone(),
@@ -1182,7 +1766,21 @@ impl Shard {
                 }
                 let at = spool.staged();
                 let n = spool.stage(bytes);
-                a.sha.update(&bytes[..n]);
+                if a.op.replica.is_none() {
+                    // A replica's reply carries no SHA-1 of the append.
+                    a.sha.update(&bytes[..n]);
+                }
+                if let Some(r) = &jm.repl {
+                    let rec = Record::Content {
+                        seq: a.seq,
+                        journal: &jm.name,
+                        offset: at,
+                        bytes: &bytes[..n],
+                    };
+                    for (p, _) in &r.pipelines {
+                        p.push(&rec);
+                    }
+                }
                 if jm.waiting_readers > 0 {
                     jm.tail.push(at, &bytes[..n]);
                 }
@@ -1201,6 +1799,44 @@ impl Shard {
             let point = spool.commit_point();
             let begin = a.start.offset;
             let end = point.offset;
+            if let Some(r) = &a.op.replica {
+                let proposal = r
+                    .proposal
+                    .borrow()
+                    .clone()
+                    .expect("a complete replica append carries its proposal");
+                let staged_sha: [u8; 20] = point.sha.clone().finalize().into();
+                if let Err(msg) = crate::replica::check_proposal(
+                    end,
+                    &staged_sha,
+                    proposal.end,
+                    &proposal.fragment_sha1,
+                ) {
+                    jm.tail.truncate(a.start.offset);
+                    spool.rewind(a.start);
+                    if let Some(t) = jm.replica.as_mut() {
+                        t.diverged();
+                    }
+                    let r = AppendReply {
+                        write_head: jm.staged_head,
+                        ..Default::default()
+                    };
+                    a.op.reply_error(Status::PROPOSAL_MISMATCH, &r, &msg);
+                    continue;
+                }
+                jm.staged_head = end;
+                jm.staged_registers = proposal.registers.clone();
+                jm.staged.push(Staged {
+                    op: a.op,
+                    begin,
+                    end,
+                    sha1: staged_sha,
+                    point,
+                    registers: proposal.registers,
+                    seq: a.seq,
+                });
+                continue;
+            }
             if begin == end
                 && (!a.op.req.union_registers.is_empty() || !a.op.req.subtract_registers.is_empty())
             {
@@ -1214,6 +1850,7 @@ impl Shard {
                     &r,
                     "an empty append cannot change registers",
                 );
+                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
                 continue;
             }
             let mut registers = jm.staged_registers.clone();
@@ -1225,6 +1862,7 @@ impl Shard {
                 // Replies carry the registers; they must stay encodable.
                 jm.tail.truncate(a.start.offset);
                 spool.rewind(a.start);
+                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
                 let r = AppendReply {
                     write_head: jm.staged_head,
                     registers: jm.staged_registers.clone(),
@@ -1247,6 +1885,7 @@ impl Shard {
                 sha1: a.sha.finalize().into(),
                 point,
                 registers,
+                seq: a.seq,
             });
         }
     }
@@ -1262,10 +1901,12 @@ impl Shard {
             ..Default::default()
         };
         for s in jm.staged.drain(..) {
+            send_rollback(jm.repl.as_ref(), &jm.name, s.seq);
             s.op.reply_error(status, &reply, msg);
             metrics::add(&self.metrics.append_failures, 1);
         }
         if let Some(a) = jm.active.take() {
+            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
             a.op.reply_error(status, &reply, msg);
             drop_budget(&a.op);
             jm.queue.pop_front();
@@ -1274,10 +1915,10 @@ impl Shard {
         if let Some(spool) = jm.spool.as_mut() {
             spool.rollback();
         }
-        let head = jm.head;
+        let head = jm.local_head;
         jm.tail.truncate(head);
         jm.staged_head = head;
-        jm.staged_registers = jm.registers.clone();
+        jm.staged_registers = jm.local_registers.clone();
     }
 
     /// Fails every queued append of a journal (its spool cannot be used).
@@ -1298,20 +1939,52 @@ impl Shard {
 
     /// Commits and acknowledges the staged appends of a journal.
     fn acknowledge(&self, j: &JournalRef) {
+        let staged = self.commit_local(j);
+        self.publish(j, staged, None);
+    }
+
+    /// Moves the journal's local commit point past its staged appends
+    /// (the commit log holds them) and returns them.
+    fn commit_local(&self, j: &JournalRef) -> Vec<Staged> {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let staged = std::mem::take(&mut jm.staged);
         let last = staged.last().expect("non-empty");
         jm.spool.as_mut().expect("spool").commit(last.point.clone());
-        jm.head = last.end;
-        jm.registers = last.registers.clone();
+        jm.local_head = last.end;
+        jm.local_registers = last.registers.clone();
         if jm.spool_since.is_none() {
             jm.spool_since = Some(SystemTime::now());
         }
+        staged
+    }
+
+    /// Makes locally committed appends visible and answers them: OK, or
+    /// `failure` when a replica did not acknowledge (they stay committed
+    /// here, like appends whose reply was lost).
+    fn publish(&self, j: &JournalRef, staged: Vec<Staged>, failure: Option<&Failure>) {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let Some(last) = staged.last() else { return };
+        jm.head = jm.head.max(last.end);
+        jm.registers = last.registers.clone();
         let mut bytes = 0;
         for s in &staged {
             bytes += s.end - s.begin;
+            if let Some(f) = failure {
+                let reply = AppendReply {
+                    write_head: jm.head,
+                    registers: jm.registers.clone(),
+                    ..Default::default()
+                };
+                s.op.reply_error(f.status, &reply, &f.message);
+                continue;
+            }
             if s.op.finished.replace(true) {
+                continue;
+            }
+            if let Some(r) = &s.op.replica {
+                r.sink.push(s.seq, Status::OK, Vec::new());
                 continue;
             }
             let reply = AppendReply {
@@ -1329,8 +2002,12 @@ impl Shard {
                 &[],
             );
         }
-        metrics::add(&self.metrics.appends, staged.len() as u64);
-        metrics::add(&self.metrics.append_bytes, bytes);
+        if failure.is_some() {
+            metrics::add(&self.metrics.append_failures, staged.len() as u64);
+        } else {
+            metrics::add(&self.metrics.appends, staged.len() as u64);
+            metrics::add(&self.metrics.append_bytes, bytes);
+        }
         jm.committed.notify(usize::MAX);
     }
 
@@ -1682,6 +2359,15 @@ impl Shard {
     /// Reserves append bandwidth; returns how long to wait.
     pub fn throttle(&self, j: &JournalRef, bytes: u64) -> std::time::Duration {
         j.borrow_mut().rate.reserve(bytes, Instant::now())
+    }
+}
+
+/// Tells replicas to forget an append whose content they may hold.
+fn send_rollback(repl: Option<&PrimaryRepl>, journal: &str, seq: u64) {
+    if let Some(r) = repl {
+        for (p, _) in &r.pipelines {
+            p.push(&Record::Rollback { seq, journal });
+        }
     }
 }
 

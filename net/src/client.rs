@@ -159,8 +159,29 @@ impl ClientError {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RouteInfo {
     pub journal: String,
+    /// The shard of the answering broker that owns the journal.
     pub shard: u32,
     pub shards: u32,
+    /// Where to send the journal's appends: the primary's shard endpoint.
+    pub endpoint: String,
+    /// The answering broker's id (`local` for a broker without a cluster).
+    #[serde(default)]
+    pub broker: String,
+    /// The answering broker's shard endpoint for the journal.
+    #[serde(default)]
+    pub local_endpoint: String,
+    /// The brokers holding the journal, primary first.
+    #[serde(default)]
+    pub members: Vec<RouteMember>,
+}
+
+/// One broker of a journal's route.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteMember {
+    pub id: String,
+    #[serde(default)]
+    pub zone: String,
+    /// The member's shard endpoint for the journal.
     pub endpoint: String,
 }
 
@@ -169,6 +190,20 @@ pub struct RouteInfo {
 pub struct JournalRoute {
     pub shard: u32,
     pub endpoint: String,
+    /// Id of the primary broker.
+    #[serde(default)]
+    pub primary: String,
+    /// Ids of the brokers holding the journal, primary first.
+    #[serde(default)]
+    pub members: Vec<String>,
+}
+
+/// Options of [`Client::append_with`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AppendOptions {
+    /// Refuse with NOT_JOURNAL_PRIMARY_BROKER instead of being proxied to
+    /// the primary when the broker reached is not the journal's primary.
+    pub do_not_proxy: bool,
 }
 
 /// One LIST entry.
@@ -314,6 +349,9 @@ struct Inner {
     conns: Mutex<HashMap<String, Slot>>,
     /// Journal name → endpoint of its shard.
     routes: Mutex<HashMap<String, String>>,
+    /// Send every journal request to the bootstrap broker (its shard for
+    /// the journal), never to another broker of the route.
+    pinned: bool,
     /// HTTP agent of direct reads, made on first use.
     http: OnceLock<ureq::Agent>,
 }
@@ -332,12 +370,25 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Client {
     /// Connects to a broker through any of its shard endpoints (`host:port`).
+    /// Appends go to each journal's primary, wherever the route puts it.
     pub async fn connect(endpoint: &str) -> Result<Client, ClientError> {
+        Client::open(endpoint, false).await
+    }
+
+    /// Connects to one broker and keeps every journal request on it (on
+    /// its shard for the journal): requests for journals it does not hold
+    /// are proxied by it, or refused when the request says not to proxy.
+    pub async fn connect_pinned(endpoint: &str) -> Result<Client, ClientError> {
+        Client::open(endpoint, true).await
+    }
+
+    async fn open(endpoint: &str, pinned: bool) -> Result<Client, ClientError> {
         let client = Client {
             inner: Arc::new(Inner {
                 bootstrap: endpoint.to_string(),
                 conns: Mutex::new(HashMap::new()),
                 routes: Mutex::new(HashMap::new()),
+                pinned,
                 http: OnceLock::new(),
             }),
         };
@@ -393,7 +444,12 @@ impl Client {
             Some(e) => e,
             None => {
                 let route = self.route(journal).await?;
-                let endpoint = reachable_endpoint(&route.endpoint, &self.inner.bootstrap);
+                let target = if self.inner.pinned && !route.local_endpoint.is_empty() {
+                    &route.local_endpoint
+                } else {
+                    &route.endpoint
+                };
+                let endpoint = reachable_endpoint(target, &self.inner.bootstrap);
                 let mut routes = lock(&self.inner.routes);
                 if routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
                     routes.clear();
@@ -551,6 +607,22 @@ impl Client {
         req: &AppendRequest,
         content: impl Into<Bytes>,
     ) -> Result<AppendReply, ClientError> {
+        self.append_with(req, content, AppendOptions::default())
+            .await
+    }
+
+    /// [`Client::append`] with options.
+    pub async fn append_with(
+        &self,
+        req: &AppendRequest,
+        content: impl Into<Bytes>,
+        options: AppendOptions,
+    ) -> Result<AppendReply, ClientError> {
+        let first_flags = if options.do_not_proxy {
+            flag::DO_NOT_PROXY
+        } else {
+            0
+        };
         let content: Bytes = content.into();
         let meta = encode_append_meta(req)?;
         let r = async {
@@ -559,7 +631,8 @@ impl Client {
             let id = conn.register(Waiter::Once(tx))?;
             let mut guard = AppendGuard::new(&conn, id);
             if content.len() <= APPEND_CHUNK_LEN {
-                conn.send(Op::APPEND, 0, id, meta, content).await?;
+                conn.send(Op::APPEND, first_flags, id, meta, content)
+                    .await?;
             } else {
                 let n = content.len().div_ceil(APPEND_CHUNK_LEN);
                 for i in 0..n {
@@ -569,7 +642,7 @@ impl Client {
                     let last = i + 1 == n;
                     let flags = if last { 0 } else { flag::MORE };
                     if i == 0 {
-                        conn.send(Op::APPEND, flags, id, meta.clone(), chunk)
+                        conn.send(Op::APPEND, flags | first_flags, id, meta.clone(), chunk)
                             .await?;
                     } else {
                         conn.send(Op::APPEND_CHUNK, flags, id, Bytes::new(), chunk)

@@ -96,6 +96,10 @@ statuses! {
     CANCELLED = 71, retry = false;
     /// The journal already exists (on create-only applies).
     JOURNAL_EXISTS = 72, retry = false;
+    /// A replica in the journal's route did not acknowledge the append (it
+    /// is unreachable or failed). The append may have committed, as after a
+    /// broken connection; it is never partly visible.
+    REPLICATION_FAILED = 73, retry = true;
 }
 
 impl std::fmt::Display for Status {

@@ -84,7 +84,7 @@ macro_rules! ops {
 
 ops! {
     /// Begins an append; payload is the first content chunk.
-    APPEND = 0x01, flags = flag::MORE;
+    APPEND = 0x01, flags = flag::MORE | flag::DO_NOT_PROXY;
     /// Further content of the open append with the same request id.
     APPEND_CHUNK = 0x02, flags = flag::MORE | flag::ABORT;
     /// Reads a journal from an offset.
@@ -94,11 +94,11 @@ ops! {
     /// Asks which shard owns a journal; meta is the name.
     ROUTE = 0x05, flags = 0;
     /// Creates or changes journals; payload is a JSON array of specs.
-    APPLY = 0x10, flags = 0;
+    APPLY = 0x10, flags = flag::LOCAL;
     /// Lists journals; payload is JSON `{"selector": "..."}`.
     LIST = 0x11, flags = 0;
     /// Deletes a journal and its local fragments; meta is the name.
-    DELETE = 0x12, flags = 0;
+    DELETE = 0x12, flags = flag::LOCAL;
     /// Lists a journal's fragments; meta is the name.
     FRAGMENTS = 0x13, flags = 0;
     /// Seals a journal's open spool now; meta is the name.
@@ -111,6 +111,12 @@ ops! {
     RESET_HEAD = 0x17, flags = 0;
     /// Deletes store fragments older than their journal's retention; JSON payload.
     PRUNE = 0x18, flags = 0;
+    /// Broker to broker: content, commit proposals and rollbacks of a
+    /// primary's appends, for the replica shard this connection reaches.
+    REPLICATE = 0x20, flags = 0;
+    /// Broker to broker: agree on a journal's route, head and registers
+    /// before its appends are replicated; JSON payload.
+    SYNC = 0x21, flags = 0;
     /// Reply to APPEND (after its last chunk) or to APPEND_CHUNK with ABORT.
     APPEND_REPLY = 0x81, flags = 0;
     /// Content of a READ at an offset; more frames follow.
@@ -125,6 +131,8 @@ ops! {
     ADMIN_REPLY = 0x90, flags = 0;
     /// Reply to PING.
     PONG = 0x96, flags = 0;
+    /// Broker to broker: outcomes of replicated appends and SYNCs, many per frame.
+    REPLICATE_ACK = 0xA0, flags = 0;
     /// A request that could not be decoded; payload is the reason.
     ERROR = 0xFF, flags = 0;
 }
@@ -139,8 +147,11 @@ pub mod flag {
     pub const BLOCK: u8 = 1 << 0;
     /// READ: reply with READ_DONE only (offsets, no content).
     pub const METADATA_ONLY: u8 = 1 << 1;
-    /// READ: do not proxy to another broker or store.
+    /// READ: do not proxy to another broker or store. APPEND: do not proxy
+    /// to the journal's primary.
     pub const DO_NOT_PROXY: u8 = 1 << 2;
+    /// APPLY, DELETE: on this broker only (do not forward to the cluster).
+    pub const LOCAL: u8 = 1 << 0;
 }
 
 /// Why bytes are not a valid frame or message.
@@ -340,6 +351,17 @@ impl MetaWriter {
         self
     }
 
+    /// Raw bytes, as they are.
+    pub fn raw(&mut self, bytes: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(bytes);
+        self
+    }
+
+    /// The bytes written, for a payload (which has no metadata limit).
+    pub fn into_payload(self) -> Vec<u8> {
+        self.buf
+    }
+
     pub fn finish(self) -> Vec<u8> {
         assert!(
             self.buf.len() <= META_LEN_MAX,
@@ -381,6 +403,20 @@ impl<'a> MetaReader<'a> {
         let s = std::str::from_utf8(&rest[..len]).map_err(|_| WireError::Utf8(what))?;
         self.buf = &rest[len..];
         Ok(s)
+    }
+
+    /// The next `n` raw bytes.
+    pub fn bytes(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], WireError> {
+        if self.buf.len() < n {
+            return Err(WireError::Truncated(what));
+        }
+        let (v, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(v)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
     }
 
     pub fn labels(&mut self, what: &'static str) -> Result<LabelSet, WireError> {

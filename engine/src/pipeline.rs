@@ -1,0 +1,331 @@
+//! The primary side of replication: one long-lived connection from a
+//! primary shard to each peer shard, shared by every journal routed that
+//! way, and the acknowledgements that come back on it.
+//!
+//! The flusher buffers records ([`Pipeline::push`]) while it stages a turn
+//! and sends them as one REPLICATE frame per peer ([`Pipeline::flush`]).
+//! Acks come back in REPLICATE_ACK frames, many per frame; waiters find
+//! theirs by sequence number. A broken connection fails every waiter at
+//! once and bumps the pipeline's epoch, so journals synchronized over the
+//! old connection know to synchronize again.
+
+use crate::outbox::{self, Outbox};
+use compio::buf::{BufResult, IntoInner, IoBufMut};
+use compio::io::AsyncRead;
+use compio::net::TcpStream;
+use event_listener::Event;
+use rotary_net::repl::{self, Ack, Record};
+use rotary_net::status::Status;
+use rotary_net::wire::{self, MetaWriter, Op};
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+/// How long a primary waits for a replica's ack before it gives the
+/// pipeline up.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting to a peer may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Why a replicated step failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub status: Status,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(status: Status, message: impl Into<String>) -> Failure {
+        Failure {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+pub struct Pipeline {
+    /// The peer broker's id.
+    pub peer: String,
+    /// The peer shard's endpoint.
+    pub addr: SocketAddr,
+    outbox: RefCell<Option<Rc<Outbox>>>,
+    /// Bumped on every new connection.
+    epoch: Cell<u64>,
+    connecting: Cell<bool>,
+    connected: Event,
+    /// Acks received and not yet taken, by seq.
+    acks: RefCell<BTreeMap<u64, Ack>>,
+    event: Event,
+    /// Records buffered for the next REPLICATE frame.
+    pending: RefCell<MetaWriter>,
+    pending_records: Cell<usize>,
+    pub ack_frames: Cell<u64>,
+    pub acks_received: Cell<u64>,
+}
+
+impl Pipeline {
+    pub fn new(peer: String, addr: SocketAddr) -> Rc<Pipeline> {
+        Rc::new(Pipeline {
+            peer,
+            addr,
+            outbox: RefCell::new(None),
+            epoch: Cell::new(0),
+            connecting: Cell::new(false),
+            connected: Event::new(),
+            acks: RefCell::new(BTreeMap::new()),
+            event: Event::new(),
+            pending: RefCell::new(MetaWriter::new()),
+            pending_records: Cell::new(0),
+            ack_frames: Cell::new(0),
+            acks_received: Cell::new(0),
+        })
+    }
+
+    /// The current connection's epoch, if connected.
+    pub fn live_epoch(&self) -> Option<u64> {
+        self.outbox
+            .borrow()
+            .as_ref()
+            .filter(|o| !o.is_closed())
+            .map(|_| self.epoch.get())
+    }
+
+    /// Connects if there is no live connection; returns its epoch.
+    pub async fn connect(self: &Rc<Self>) -> Result<u64, Failure> {
+        loop {
+            if let Some(e) = self.live_epoch() {
+                return Ok(e);
+            }
+            if self.connecting.get() {
+                let l = self.connected.listen();
+                if self.connecting.get() {
+                    l.await;
+                }
+                continue;
+            }
+            self.connecting.set(true);
+            let res = compio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(self.addr)).await;
+            self.connecting.set(false);
+            self.connected.notify(usize::MAX);
+            let stream = match res {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    return Err(Failure::new(
+                        Status::REPLICATION_FAILED,
+                        format!("replica {} at {}: {e}", self.peer, self.addr),
+                    ))
+                }
+                Err(_) => {
+                    return Err(Failure::new(
+                        Status::REPLICATION_FAILED,
+                        format!("replica {} at {}: connect timed out", self.peer, self.addr),
+                    ))
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let (rd, wr) = stream.into_split();
+            let ob = Rc::new(Outbox::new());
+            compio::runtime::spawn(outbox::writer(wr, ob.clone())).detach();
+            self.epoch.set(self.epoch.get() + 1);
+            // Records buffered for the old connection are meaningless now.
+            *self.pending.borrow_mut() = MetaWriter::new();
+            self.pending_records.set(0);
+            *self.outbox.borrow_mut() = Some(ob.clone());
+            compio::runtime::spawn(self.clone().read_acks(rd, ob, self.epoch.get())).detach();
+            tracing::debug!(peer = %self.peer, addr = %self.addr, epoch = self.epoch.get(), "pipeline connected");
+        }
+    }
+
+    /// Buffers a record for the next [`Pipeline::flush`]; dropped if the
+    /// connection is gone (the journal will synchronize again).
+    pub fn push(&self, rec: &Record<'_>) {
+        if self.live_epoch().is_none() {
+            return;
+        }
+        rec.encode(&mut self.pending.borrow_mut());
+        self.pending_records.set(self.pending_records.get() + 1);
+    }
+
+    /// Sends the buffered records as one REPLICATE frame.
+    pub fn flush(&self) {
+        if self.pending_records.get() == 0 {
+            return;
+        }
+        self.pending_records.set(0);
+        let payload = std::mem::take(&mut *self.pending.borrow_mut()).into_payload();
+        if let Some(ob) = self.outbox.borrow().as_ref() {
+            ob.frame(Op::REPLICATE, Status::OK, 0, &[], &payload);
+        }
+    }
+
+    /// Sends SYNC and waits for its answer.
+    pub async fn sync(&self, req: &repl::SyncRequest) -> Result<Ack, Failure> {
+        let epoch = self.live_epoch().ok_or_else(|| self.broken_failure())?;
+        let body = serde_json::to_vec(req).expect("json");
+        if let Some(ob) = self.outbox.borrow().as_ref() {
+            ob.frame(Op::SYNC, Status::OK, req.seq, &[], &body);
+        }
+        self.wait(req.seq, epoch).await
+    }
+
+    fn broken_failure(&self) -> Failure {
+        Failure::new(
+            Status::REPLICATION_FAILED,
+            format!(
+                "connection to replica {} at {} is broken",
+                self.peer, self.addr
+            ),
+        )
+    }
+
+    /// Waits for the ack of `seq` on the connection of `epoch`.
+    pub async fn wait(&self, seq: u64, epoch: u64) -> Result<Ack, Failure> {
+        let deadline = Instant::now() + ACK_TIMEOUT;
+        loop {
+            let l = self.event.listen();
+            if let Some(ack) = self.take(seq) {
+                return Ok(ack);
+            }
+            if self.live_epoch() != Some(epoch) {
+                return Err(self.broken_failure());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || compio::time::timeout(left, l).await.is_err() {
+                // A replica that stops answering is treated as gone.
+                tracing::warn!(peer = %self.peer, seq, "no ack from replica in time; closing the pipeline");
+                self.close();
+                return Err(Failure::new(
+                    Status::REPLICATION_FAILED,
+                    format!(
+                        "replica {} did not acknowledge within {ACK_TIMEOUT:?}",
+                        self.peer
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// Takes the ack of `seq`, dropping older ones nobody waits for.
+    fn take(&self, seq: u64) -> Option<Ack> {
+        let mut acks = self.acks.borrow_mut();
+        let ack = acks.remove(&seq)?;
+        let stale: Vec<u64> = acks.range(..seq).map(|(k, _)| *k).collect();
+        for k in stale {
+            acks.remove(&k);
+        }
+        Some(ack)
+    }
+
+    pub fn close(&self) {
+        if let Some(ob) = self.outbox.borrow_mut().take() {
+            ob.close();
+        }
+        self.event.notify(usize::MAX);
+    }
+
+    async fn read_acks(self: Rc<Self>, mut rd: TcpStream, ob: Rc<Outbox>, epoch: u64) {
+        let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+        'read: loop {
+            let mut start = 0;
+            loop {
+                match wire::decode_frame(&buf[start..], wire::BODY_LEN_MAX) {
+                    Ok(Some((f, used))) => {
+                        if f.op == Op::REPLICATE_ACK {
+                            match repl::decode_acks(f.payload) {
+                                Ok(acks) => {
+                                    self.ack_frames.set(self.ack_frames.get() + 1);
+                                    self.acks_received
+                                        .set(self.acks_received.get() + acks.len() as u64);
+                                    let mut map = self.acks.borrow_mut();
+                                    for a in acks {
+                                        // The first answer for a seq stands.
+                                        map.entry(a.seq).or_insert(a);
+                                    }
+                                }
+                                Err(e) => {
+                                    tracing::warn!(peer = %self.peer, error = %e, "bad ack frame");
+                                    break 'read;
+                                }
+                            }
+                        } else if f.status != Status::OK as u16 {
+                            tracing::warn!(peer = %self.peer, op = ?f.op, status = f.status, message = %String::from_utf8_lossy(f.payload), "replica refused a frame");
+                            break 'read;
+                        }
+                        start += used;
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(peer = %self.peer, error = %e, "bad frame from replica");
+                        break 'read;
+                    }
+                }
+            }
+            buf.drain(..start);
+            self.event.notify(usize::MAX);
+            if buf.capacity() - buf.len() < 16 << 10 {
+                buf.reserve(64 << 10);
+            }
+            let BufResult(res, b) = rd.read(buf.uninit()).await;
+            buf = b.into_inner();
+            match res {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        ob.close();
+        if self.epoch.get() == epoch {
+            let mut cur = self.outbox.borrow_mut();
+            if cur.as_ref().is_some_and(|o| Rc::ptr_eq(o, &ob)) {
+                *cur = None;
+            }
+        }
+        tracing::info!(peer = %self.peer, addr = %self.addr, "pipeline to replica closed");
+        self.event.notify(usize::MAX);
+    }
+}
+
+/// One request and its one reply over a fresh connection (admin fan-out
+/// to peers). Returns the reply's status and payload.
+pub async fn unary(
+    addr: SocketAddr,
+    op: Op,
+    flags: u8,
+    meta: &[u8],
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<(Status, Vec<u8>), String> {
+    use compio::io::AsyncWriteExt;
+    let work = async {
+        let mut s = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("{addr}: {e}"))?;
+        let mut out = Vec::new();
+        wire::encode_frame(&mut out, op, flags, Status::OK, 1, meta, payload);
+        let BufResult(res, _) = s.write_all(out).await;
+        res.map_err(|e| format!("{addr}: {e}"))?;
+        let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
+        loop {
+            if let Some((f, _)) =
+                wire::decode_frame(&buf, wire::BODY_LEN_MAX).map_err(|e| e.to_string())?
+            {
+                let status = Status::from_code(f.status).unwrap_or(Status::IO_ERROR);
+                return Ok((status, f.payload.to_vec()));
+            }
+            if buf.capacity() - buf.len() < 4096 {
+                buf.reserve(16 << 10);
+            }
+            let BufResult(res, b) = s.read(buf.uninit()).await;
+            buf = b.into_inner();
+            match res {
+                Ok(0) => return Err(format!("{addr}: connection closed")),
+                Err(e) => return Err(format!("{addr}: {e}")),
+                Ok(_) => {}
+            }
+        }
+    };
+    compio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| format!("{addr}: no reply within {timeout:?}"))?
+}

@@ -1,0 +1,362 @@
+//! Cluster membership and journal routes.
+//!
+//! A [`Topology`] hands shards immutable [`ClusterView`] snapshots. This
+//! module's source is a static cluster file, re-read when it changes; a
+//! broker without one is a cluster of itself. Routes are computed, not
+//! stored: every broker with the same view computes the same route for a
+//! journal, so no coordination is needed to agree on them.
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
+
+/// Id of the broker of a single-node deployment.
+pub const LOCAL_BROKER: &str = "local";
+
+/// One broker of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Member {
+    pub id: String,
+    #[serde(default)]
+    pub zone: String,
+    /// Shard 0's address; shard n listens on port + n.
+    pub endpoint: SocketAddr,
+    /// The broker's shard count, when it differs from this broker's.
+    #[serde(default)]
+    pub shards: Option<u32>,
+}
+
+impl Member {
+    /// The endpoint of the member's shard that owns `journal`; `default`
+    /// is the shard count assumed when the file does not state one.
+    pub fn shard_endpoint(&self, journal: &str, default: u32) -> SocketAddr {
+        let shards = self.shards.unwrap_or(default).max(1);
+        let mut a = self.endpoint;
+        a.set_port(
+            a.port()
+                .wrapping_add(rotary_net::shard_of(journal, shards) as u16),
+        );
+        a
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    brokers: Vec<Member>,
+}
+
+/// One consistent picture of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterView {
+    /// This broker's id.
+    pub me: String,
+    pub brokers: Vec<Member>,
+}
+
+/// The brokers holding a journal: the primary first. Each member's shard
+/// is the one its own shard count assigns the journal to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub members: Vec<Member>,
+    /// Replication the journal asks for; more than `members.len()` means
+    /// the cluster has too few brokers.
+    pub replication: usize,
+}
+
+impl Route {
+    pub fn primary(&self) -> Option<&Member> {
+        self.members.first()
+    }
+
+    pub fn is_primary(&self, id: &str) -> bool {
+        self.primary().is_some_and(|m| m.id == id)
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.members.iter().any(|m| m.id == id)
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.members.len() >= self.replication
+    }
+
+    /// Member ids in route order: what two brokers compare to agree.
+    pub fn ids(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.id.clone()).collect()
+    }
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for b in *p {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        // Separator, so ("ab","c") and ("a","bc") differ.
+        h ^= 0xff;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    // Final avalanche (splitmix64), so nearby names spread over brokers.
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58476d1ce4e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d049bb133111eb);
+    h ^ (h >> 31)
+}
+
+impl ClusterView {
+    /// A cluster of one: this broker, serving every journal alone.
+    pub fn single(endpoint: SocketAddr) -> ClusterView {
+        ClusterView {
+            me: LOCAL_BROKER.into(),
+            brokers: vec![Member {
+                id: LOCAL_BROKER.into(),
+                zone: String::new(),
+                endpoint,
+                shards: None,
+            }],
+        }
+    }
+
+    /// Whether this is a single-node deployment (no cluster file).
+    pub fn is_single(&self) -> bool {
+        self.brokers.len() == 1 && self.brokers[0].id == LOCAL_BROKER
+    }
+
+    pub fn member(&self, id: &str) -> Option<&Member> {
+        self.brokers.iter().find(|m| m.id == id)
+    }
+
+    pub fn me(&self) -> Option<&Member> {
+        self.member(&self.me)
+    }
+
+    /// The route of `journal` at `replication`: brokers ranked by a
+    /// rendezvous hash of (journal, broker id), taking one broker per zone
+    /// before a second from any zone. A single-node broker holds every
+    /// journal alone whatever its replication.
+    pub fn route(&self, journal: &str, replication: u32) -> Route {
+        if self.is_single() {
+            return Route {
+                members: self.brokers.clone(),
+                replication: 1,
+            };
+        }
+        let mut ranked: Vec<(u64, &Member)> = self
+            .brokers
+            .iter()
+            .map(|m| (fnv1a(&[journal.as_bytes(), m.id.as_bytes()]), m))
+            .collect();
+        ranked.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.id.cmp(&b.1.id)));
+        let want = replication as usize;
+        let mut members: Vec<Member> = Vec::new();
+        let mut zones = std::collections::HashSet::new();
+        for (_, m) in &ranked {
+            if members.len() < want && zones.insert(m.zone.as_str()) {
+                members.push((*m).clone());
+            }
+        }
+        for (_, m) in &ranked {
+            if members.len() < want && !members.iter().any(|x| x.id == m.id) {
+                members.push((*m).clone());
+            }
+        }
+        // Keep the hash order among the chosen, so the primary is the
+        // top-ranked broker.
+        members.sort_by_key(|m| ranked.iter().position(|(_, r)| r.id == m.id));
+        Route {
+            members,
+            replication: want,
+        }
+    }
+}
+
+/// Parses a cluster file and checks that `me` is in it.
+pub fn load_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cluster file {}: {e}", path.display()))?;
+    let file: ClusterFile =
+        serde_yaml::from_str(&text).map_err(|e| format!("cluster file {}: {e}", path.display()))?;
+    let mut seen = std::collections::HashSet::new();
+    for b in &file.brokers {
+        if b.id.is_empty() || b.id == LOCAL_BROKER || b.id.contains(char::is_whitespace) {
+            return Err(format!(
+                "cluster file {}: broker id {:?} is not allowed",
+                path.display(),
+                b.id
+            ));
+        }
+        if !seen.insert(b.id.clone()) {
+            return Err(format!(
+                "cluster file {}: broker id {:?} appears twice",
+                path.display(),
+                b.id
+            ));
+        }
+    }
+    if !seen.contains(me) {
+        return Err(format!(
+            "cluster file {}: no broker with id {me:?}",
+            path.display()
+        ));
+    }
+    Ok(ClusterView {
+        me: me.to_string(),
+        brokers: file.brokers,
+    })
+}
+
+/// Where shards get the current view. Cheap to poll: readers compare
+/// [`Topology::version`] before taking a new snapshot.
+pub struct Topology {
+    view: RwLock<Arc<ClusterView>>,
+    version: AtomicU64,
+}
+
+impl Topology {
+    pub fn new(view: ClusterView) -> Arc<Topology> {
+        Arc::new(Topology {
+            view: RwLock::new(Arc::new(view)),
+            version: AtomicU64::new(1),
+        })
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    pub fn snapshot(&self) -> Arc<ClusterView> {
+        self.view.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Installs a new view if it differs; returns whether it did.
+    pub fn set(&self, view: ClusterView) -> bool {
+        let mut cur = self.view.write().unwrap_or_else(|p| p.into_inner());
+        if **cur == view {
+            return false;
+        }
+        *cur = Arc::new(view);
+        self.version.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+}
+
+/// Re-reads the cluster file every second when its modification time
+/// changes, and at once on SIGHUP. A file that fails to parse keeps the
+/// previous view (and is logged).
+pub fn watch_cluster_file(topology: Arc<Topology>, path: PathBuf, me: String) {
+    let hup = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone());
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen: Option<SystemTime> = mtime(&path);
+    std::thread::Builder::new()
+        .name("rotary-cluster-watch".into())
+        .spawn(move || loop {
+            for _ in 0..10 {
+                std::thread::sleep(Duration::from_millis(100));
+                if hup.load(Ordering::Relaxed) {
+                    break;
+                }
+            }
+            let forced = hup.swap(false, Ordering::Relaxed);
+            let now = mtime(&path);
+            if !forced && now == seen {
+                continue;
+            }
+            seen = now;
+            match load_cluster_file(&path, &me) {
+                Ok(view) => {
+                    if topology.set(view) {
+                        tracing::info!(file = %path.display(), "cluster file changed; routes recomputed");
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "keeping the previous cluster view"),
+            }
+        })
+        .expect("spawn the cluster file watcher");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(n: usize, zones: &[&str]) -> ClusterView {
+        ClusterView {
+            me: "b1".into(),
+            brokers: (0..n)
+                .map(|i| Member {
+                    id: format!("b{}", i + 1),
+                    zone: zones[i % zones.len()].into(),
+                    endpoint: format!("127.0.0.1:{}", 7000 + 10 * i).parse().unwrap(),
+                    shards: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn routes_are_deterministic_distinct_and_spread() {
+        let v = view(5, &["a", "b", "c"]);
+        let mut primaries = std::collections::HashMap::new();
+        for i in 0..300 {
+            let name = format!("orders/part-{i:03}");
+            let r = v.route(&name, 3);
+            assert_eq!(r, v.route(&name, 3));
+            assert_eq!(r.members.len(), 3);
+            let zones: std::collections::HashSet<_> =
+                r.members.iter().map(|m| m.zone.clone()).collect();
+            assert_eq!(zones.len(), 3, "one member per zone when zones allow");
+            *primaries.entry(r.members[0].id.clone()).or_insert(0) += 1;
+            // A smaller replication takes a prefix-consistent primary.
+            assert_eq!(v.route(&name, 1).members[0], r.members[0]);
+        }
+        assert_eq!(primaries.len(), 5, "every broker is some journal's primary");
+        assert!(primaries.values().all(|&n| n > 20), "{primaries:?}");
+    }
+
+    #[test]
+    fn too_few_brokers_is_an_incomplete_route() {
+        let v = view(2, &["a", "b"]);
+        let r = v.route("j", 3);
+        assert_eq!(r.members.len(), 2);
+        assert!(!r.is_complete());
+        let single = ClusterView::single("127.0.0.1:1".parse().unwrap());
+        let r = single.route("j", 3);
+        assert!(r.is_complete() && r.is_primary(LOCAL_BROKER));
+    }
+
+    #[test]
+    fn cluster_files_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("cluster.yaml");
+        std::fs::write(
+            &p,
+            "brokers:\n  - {id: b1, zone: a, endpoint: 127.0.0.1:7401}\n  - {id: b2, zone: b, endpoint: 127.0.0.1:7411}\n",
+        )
+        .unwrap();
+        let v = load_cluster_file(&p, "b2").unwrap();
+        assert_eq!(v.brokers.len(), 2);
+        assert_eq!(v.me().unwrap().endpoint.port(), 7411);
+        assert!(load_cluster_file(&p, "b9")
+            .unwrap_err()
+            .contains("no broker"));
+        std::fs::write(
+            &p,
+            "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401}\n  - {id: b1, endpoint: 127.0.0.1:7411}\n",
+        )
+        .unwrap();
+        assert!(load_cluster_file(&p, "b1").unwrap_err().contains("twice"));
+        std::fs::write(
+            &p,
+            "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, port: 3}\n",
+        )
+        .unwrap();
+        assert!(load_cluster_file(&p, "b1").is_err());
+    }
+}
