@@ -38,6 +38,8 @@ counters!(
     syncs,
     replicated_batches,
     proxied_requests,
+    repl_ack_frames,
+    repl_acks,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

@@ -61,12 +61,15 @@ pub struct Pipeline {
     /// Records buffered for the next REPLICATE frame.
     pending: RefCell<MetaWriter>,
     pending_records: Cell<usize>,
-    pub ack_frames: Cell<u64>,
-    pub acks_received: Cell<u64>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
 impl Pipeline {
-    pub fn new(peer: String, addr: SocketAddr) -> Rc<Pipeline> {
+    pub fn new(
+        peer: String,
+        addr: SocketAddr,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+    ) -> Rc<Pipeline> {
         Rc::new(Pipeline {
             peer,
             addr,
@@ -78,8 +81,7 @@ impl Pipeline {
             event: Event::new(),
             pending: RefCell::new(MetaWriter::new()),
             pending_records: Cell::new(0),
-            ack_frames: Cell::new(0),
-            acks_received: Cell::new(0),
+            metrics,
         })
     }
 
@@ -235,9 +237,8 @@ impl Pipeline {
                         if f.op == Op::REPLICATE_ACK {
                             match repl::decode_acks(f.payload) {
                                 Ok(acks) => {
-                                    self.ack_frames.set(self.ack_frames.get() + 1);
-                                    self.acks_received
-                                        .set(self.acks_received.get() + acks.len() as u64);
+                                    crate::metrics::add(&self.metrics.repl_ack_frames, 1);
+                                    crate::metrics::add(&self.metrics.repl_acks, acks.len() as u64);
                                     let mut map = self.acks.borrow_mut();
                                     for a in acks {
                                         // The first answer for a seq stands.

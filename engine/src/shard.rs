@@ -92,6 +92,8 @@ struct InFlight {
     waits: Vec<(Rc<Pipeline>, u64, Vec<u64>)>,
 }
 
+/// Batches of one journal proposed to replicas and not yet acknowledged.
+const INFLIGHT_BATCHES_MAX: usize = 16;
 /// How long a primary waits before retrying a failed SYNC.
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 /// A primary pulses a replicated journal idle this long.
@@ -350,7 +352,7 @@ impl Shard {
         self.pipelines
             .borrow_mut()
             .entry((peer.id.clone(), addr))
-            .or_insert_with(|| Pipeline::new(peer.id.clone(), addr))
+            .or_insert_with(|| Pipeline::new(peer.id.clone(), addr, self.metrics.clone()))
             .clone()
     }
 
@@ -415,13 +417,6 @@ impl Shard {
             }
             self.mark_ready(&f.j);
         }
-    }
-
-    /// Pipeline counters for STATS: ack frames and acks received.
-    pub fn pipeline_stats(&self) -> (u64, u64) {
-        self.pipelines.borrow().values().fold((0, 0), |(f, a), p| {
-            (f + p.ack_frames.get(), a + p.acks_received.get())
-        })
     }
 
     /// Spawns the shard's background tasks: the flusher, the once-a-second
@@ -1564,8 +1559,9 @@ impl Shard {
         let jm = &mut *jm;
         let role = self.role(&jm.spec);
         let replicated = matches!(&role, Role::Primary(r) if r.members.len() > 1);
-        if replicated && jm.repl.is_none() {
-            // Waiting for a SYNC.
+        if replicated && (jm.repl.is_none() || jm.inflight >= INFLIGHT_BATCHES_MAX) {
+            // Waiting for a SYNC, or for replicas to catch up (the acker
+            // marks the journal ready).
             return false;
         }
         if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
