@@ -215,6 +215,8 @@ pub struct Journal {
     pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
     /// Primary: committed batches awaiting replica acks.
     pub inflight: usize,
+    /// Primary: this turn's staged appends went to replicas.
+    pub staged_with_replicas: bool,
     /// Replica: the position in the primary's stream.
     pub replica: Option<crate::replica::ReplicaTrack>,
     /// Replica: SYNCs waiting to be applied by the flusher.
@@ -323,6 +325,7 @@ impl Journal {
             syncing: false,
             sync_retry: None,
             inflight: 0,
+            staged_with_replicas: false,
             replica: None,
             sync_waiters: Vec::new(),
             last_append: Instant::now(),

@@ -1039,8 +1039,23 @@ impl Shard {
             // 6. Acknowledge, or propose to the replicas and let the acker
             // acknowledge once every replica has.
             for j in &committing {
-                if j.borrow().repl.is_none() {
+                let (staged_with_replicas, repl_now) = {
+                    let jm = j.borrow();
+                    (jm.staged_with_replicas, jm.repl.is_some())
+                };
+                if !staged_with_replicas {
                     self.acknowledge(j);
+                    continue;
+                }
+                if !repl_now {
+                    // The pipelines broke while this batch was written: it
+                    // is committed here, but no replica will confirm it.
+                    let staged = self.commit_local(j);
+                    let f = Failure::new(
+                        Status::REPLICATION_FAILED,
+                        "the replication pipeline broke before the append was proposed",
+                    );
+                    self.publish(j, staged, Some(&f));
                     continue;
                 }
                 let staged = self.commit_local(j);
@@ -1563,6 +1578,9 @@ impl Shard {
             // Waiting for a SYNC, or for replicas to catch up (the acker
             // marks the journal ready).
             return false;
+        }
+        if jm.staged.is_empty() {
+            jm.staged_with_replicas = jm.repl.is_some();
         }
         if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
             // Seal waiters on a journal without a spool get their answer.
