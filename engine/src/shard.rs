@@ -24,11 +24,11 @@ use rotary_net::spec::{Durability, JournalFlags, LabelSet};
 use rotary_net::status::Status;
 use rotary_net::wire::{AppendReply, Op};
 use rotary_storage::fragment::{list_dir, LocalFragment};
+use rotary_storage::sha::Sha1;
 use rotary_storage::spool::{read_range, Spool, SpoolSizing};
 use rotary_storage::wal::{CommitLog, JournalState};
 use rotary_storage::StorageError;
 use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
-use sha1::{Digest, Sha1};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -994,7 +994,7 @@ impl Shard {
                 let st = JournalState {
                     spool_begin: spool.begin(),
                     end: last.end,
-                    sha1: last.point.sha.clone().finalize().into(),
+                    sha1: last.point.sha.clone().finalize(),
                     registers: last.registers.clone(),
                 };
                 log.record_commit(&jm.name, &st);
@@ -1069,7 +1069,7 @@ impl Shard {
                             journal: &jm.name,
                             begin: s.begin,
                             end: s.end,
-                            fragment_sha1: s.point.sha.clone().finalize().into(),
+                            fragment_sha1: s.point.sha.clone().finalize(),
                             registers: s.registers.clone(),
                         });
                     }
@@ -1779,11 +1779,12 @@ impl Shard {
                     return !jm.queue.is_empty();
                 }
                 let at = spool.staged();
-                let n = spool.stage(bytes);
-                if a.op.replica.is_none() {
+                let n = if a.op.replica.is_none() {
+                    spool.stage_hashed(bytes, &mut a.sha)
+                } else {
                     // A replica's reply carries no SHA-1 of the append.
-                    a.sha.update(&bytes[..n]);
-                }
+                    spool.stage(bytes)
+                };
                 if let Some(r) = &jm.repl {
                     let rec = Record::Content {
                         seq: a.seq,
@@ -1819,7 +1820,7 @@ impl Shard {
                     .borrow()
                     .clone()
                     .expect("a complete replica append carries its proposal");
-                let staged_sha: [u8; 20] = point.sha.clone().finalize().into();
+                let staged_sha: [u8; 20] = point.sha.clone().finalize();
                 if let Err(msg) = crate::replica::check_proposal(
                     end,
                     &staged_sha,
@@ -1896,7 +1897,7 @@ impl Shard {
                 op: a.op,
                 begin,
                 end,
-                sha1: a.sha.finalize().into(),
+                sha1: a.sha.finalize(),
                 point,
                 registers,
                 seq: a.seq,

@@ -17,10 +17,10 @@
 //! buffer management) is plain code; the I/O methods are thin.
 
 use crate::aligned::{align_down, align_up, AlignedBuf, BLOCK};
+use crate::sha::Sha1;
 use crate::StorageError;
 use compio::fs::{File, OpenOptions};
 use compio::io::{AsyncReadAt, AsyncWriteAt};
-use sha1::{Digest, Sha1};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -206,7 +206,7 @@ impl Spool {
             sha.update(&buf.as_slice()[..take]);
             pos += take as u64;
         }
-        let digest: [u8; 20] = sha.clone().finalize().into();
+        let digest: [u8; 20] = sha.clone().finalize();
         let mut spool = Spool::from_parts(file, path, begin, direct, sha, sizing);
         spool.committed = committed_end;
         spool.committed_sha = spool.sha.clone();
@@ -250,7 +250,7 @@ impl Spool {
 
     /// SHA-1 of the committed bytes.
     pub fn committed_sha1(&self) -> [u8; 20] {
-        self.committed_sha.clone().finalize().into()
+        self.committed_sha.clone().finalize()
     }
 
     /// Whether a write owns the buffer.
@@ -309,12 +309,25 @@ impl Spool {
     /// Returns how many bytes were taken. Callers check `ensure_allocated`
     /// first.
     pub fn stage(&mut self, bytes: &[u8]) -> usize {
+        self.stage_into(bytes, None)
+    }
+
+    /// [`Spool::stage`] that also hashes the staged bytes into `also` (an
+    /// append's own SHA-1), sharing the hashing work with the spool's.
+    pub fn stage_hashed(&mut self, bytes: &[u8], also: &mut Sha1) -> usize {
+        self.stage_into(bytes, Some(also))
+    }
+
+    fn stage_into(&mut self, bytes: &[u8], also: Option<&mut Sha1>) -> usize {
         assert!(self.tail_loaded, "stage before the tail block was reloaded");
         let buf = self.buf.as_mut().expect("stage while a write is in flight");
         let at = (self.staged - self.buf_start) as usize;
         let n = bytes.len().min(buf.capacity() - at);
         buf.full_mut()[at..at + n].copy_from_slice(&bytes[..n]);
-        self.sha.update(&bytes[..n]);
+        match also {
+            Some(also) => crate::sha::update_both(&mut self.sha, also, &bytes[..n]),
+            None => self.sha.update(&bytes[..n]),
+        }
         self.staged += n as u64;
         n
     }
