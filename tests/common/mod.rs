@@ -4,6 +4,7 @@
 //! the wire protocol directly or through the client library.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod store;
 
 use rand::{Rng, RngCore, SeedableRng};

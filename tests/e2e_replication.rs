@@ -1,0 +1,1455 @@
+//! End-to-end: replication across real brokers of one cluster file. Every
+//! acknowledged append is on every member of its route, byte for byte, at
+//! the same offsets; a client or broker dying mid-append leaves no partial
+//! append anywhere; a replica that was down catches up through the fragment
+//! store; brokers outside a route proxy to it (or refuse when asked not to);
+//! too few brokers refuse appends; routes follow the cluster file as it
+//! changes.
+//!
+//! Copies are compared through pinned clients (every request to one broker)
+//! with DO_NOT_PROXY, so each broker answers from what it holds itself.
+
+mod common;
+
+use common::cluster::{Cluster, ClusterBroker};
+use common::store::TestStore;
+use common::*;
+use rand::{Rng, SeedableRng};
+use rotary_net::client::{
+    AppendOptions, Client, ClientError, ReadDone, ReadEvent, ReadOptions, RouteInfo,
+    APPEND_CHUNK_LEN,
+};
+use rotary_net::spec::{Codec, JournalSpec};
+use rotary_net::wire::{flag, AppendReply, AppendRequest, Op, ReadRequest};
+use rotary_net::Status;
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bound on every wait for the cluster to catch up (routes, uploads,
+/// appends resuming).
+const WAIT: Duration = Duration::from_secs(30);
+/// How often waits poll.
+const POLL: Duration = Duration::from_millis(50);
+/// Bound on one append of the writers: an append that neither commits
+/// nor fails in this long is reported as hung.
+const APPEND_TIMEOUT: Duration = Duration::from_secs(20);
+/// Shards per broker: one, so a broker's endpoint is its journal's shard.
+const CORES: usize = 1;
+/// Bound on each test: past it the test fails with the brokers' thread
+/// states and logs rather than hanging.
+const TEST_LIMIT: Duration = Duration::from_secs(90);
+/// Largest ordinary record of the writers.
+const RECORD_LEN_MAX: usize = 48 << 10;
+
+fn spec(name: &str, replication: u32) -> JournalSpec {
+    let mut s = JournalSpec::new(name);
+    s.replication = replication;
+    // Small fragments: the copies roll several times during a test.
+    s.fragment.length = 1 << 20;
+    s.fragment.compression_codec = Codec::None;
+    s
+}
+
+fn store_spec(name: &str, replication: u32, store: &TestStore) -> JournalSpec {
+    let mut s = spec(name, replication);
+    s.fragment.stores = vec![store.url()];
+    s.fragment.refresh_interval = Duration::from_secs(1);
+    s
+}
+
+fn req(journal: &str) -> AppendRequest {
+    AppendRequest {
+        journal: journal.to_string(),
+        ..Default::default()
+    }
+}
+
+fn ids(route: &RouteInfo) -> Vec<String> {
+    route.members.iter().map(|m| m.id.clone()).collect()
+}
+
+/// The journal's route as `at` answers it.
+async fn route_at(b: &ClusterBroker, journal: &str) -> RouteInfo {
+    let r = b
+        .client()
+        .await
+        .route(journal)
+        .await
+        .unwrap_or_else(|e| panic!("ROUTE {journal} on {}: {e}", b.id));
+    assert_eq!(r.broker, b.id, "ROUTE answered by {}: {r:?}", b.id);
+    r
+}
+
+/// The route every listed, running broker answers, checked to be the same
+/// everywhere, with distinct members in distinct zones.
+async fn agreed_route(cluster: &Cluster, journal: &str) -> RouteInfo {
+    let first = &cluster.brokers[cluster.listed()[0]];
+    let route = route_at(first, journal).await;
+    for &i in cluster.listed() {
+        let b = &cluster.brokers[i];
+        if !b.is_running() {
+            continue;
+        }
+        let r = route_at(b, journal).await;
+        assert_eq!(
+            r.members, route.members,
+            "{} and {} disagree on the route of {journal}",
+            first.id, b.id
+        );
+    }
+    let mut seen_ids = HashSet::new();
+    let mut seen_zones = HashSet::new();
+    for m in &route.members {
+        assert!(seen_ids.insert(m.id.clone()), "{route:?}");
+        assert!(
+            seen_zones.insert(m.zone.clone()),
+            "two members in one zone: {route:?}"
+        );
+        let b = cluster.by_id(&m.id);
+        assert_eq!(m.zone, b.zone, "{route:?}");
+        assert_eq!(m.endpoint, b.endpoint(), "{route:?}");
+    }
+    route
+}
+
+/// Appends, retrying retryable refusals and broken connections until
+/// [`WAIT`] runs out (a journal with stores refuses appends until its store
+/// was first listed; a route may be settling).
+async fn append_retrying(client: &Client, journal: &str, bytes: &[u8]) -> AppendReply {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match client.append(&req(journal), bytes.to_vec()).await {
+            Ok(r) => {
+                assert_eq!(r.end - r.begin, bytes.len() as u64, "{r:?}");
+                assert_eq!(r.sha1, sha1(bytes), "{r:?}");
+                return r;
+            }
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(POLL).await;
+            }
+            Err(e) => panic!("append to {journal}: {e}"),
+        }
+    }
+}
+
+/// A non-blocking DO_NOT_PROXY read of `[from, to)` (to the head if `to` is
+/// None): what this broker holds itself. Offsets must be contiguous; a
+/// fragment location (history only in a store) fails the test.
+async fn read_local(
+    client: &Client,
+    journal: &str,
+    from: u64,
+    to: Option<u64>,
+) -> Result<(Vec<u8>, ReadDone), ClientError> {
+    let r = ReadRequest {
+        journal: journal.to_string(),
+        offset: Some(from),
+        end_offset: to,
+    };
+    let options = ReadOptions {
+        do_not_proxy: true,
+        ..Default::default()
+    };
+    let mut stream = client.read_with(&r, options).await?;
+    let mut out = Vec::new();
+    while let Some(ev) = stream.next().await {
+        match ev? {
+            ReadEvent::Data { offset, content } => {
+                assert_eq!(
+                    offset,
+                    from + out.len() as u64,
+                    "{}: {journal}: READ_DATA offsets must be contiguous",
+                    client.endpoint()
+                );
+                out.extend_from_slice(&content);
+            }
+            ev @ ReadEvent::Fragment { .. } => {
+                panic!(
+                    "{}: {journal}: a broker of the route sent a fragment location: {ev:?}",
+                    client.endpoint()
+                )
+            }
+            ReadEvent::Done(done) => return Ok((out, done)),
+        }
+    }
+    panic!("{journal}: read stream ended without READ_DONE");
+}
+
+/// Everything broker `b` holds of `journal`, `[0, head)`, read through a
+/// pinned client with DO_NOT_PROXY.
+async fn local_copy(b: &ClusterBroker, journal: &str) -> Vec<u8> {
+    let client = b.pinned().await;
+    let (bytes, done) = read_local(&client, journal, 0, None)
+        .await
+        .unwrap_or_else(|e| panic!("{}: read {journal}: {e}", b.id));
+    if bytes.is_empty() {
+        assert!(
+            matches!(done.status, Status::OK | Status::OFFSET_NOT_YET_AVAILABLE),
+            "{}: {done:?}",
+            b.id
+        );
+    } else {
+        assert_eq!(done.status, Status::OK, "{}: {done:?}", b.id);
+        assert_eq!(done.offset, bytes.len() as u64, "{}: {done:?}", b.id);
+        assert_eq!(done.write_head, bytes.len() as u64, "{}: {done:?}", b.id);
+    }
+    bytes
+}
+
+/// Broker `b`'s own write head of `journal` (metadata-only, DO_NOT_PROXY).
+async fn local_head(b: &ClusterBroker, journal: &str) -> u64 {
+    let client = b.pinned().await;
+    let r = ReadRequest {
+        journal: journal.to_string(),
+        offset: None,
+        end_offset: None,
+    };
+    let options = ReadOptions {
+        metadata_only: true,
+        do_not_proxy: true,
+        ..Default::default()
+    };
+    let mut stream = client
+        .read_with(&r, options)
+        .await
+        .unwrap_or_else(|e| panic!("{}: metadata read of {journal}: {e}", b.id));
+    match stream.next().await.expect("READ_DONE") {
+        Ok(ReadEvent::Done(done)) => {
+            assert!(
+                matches!(done.status, Status::OK | Status::OFFSET_NOT_YET_AVAILABLE),
+                "{}: {done:?}",
+                b.id
+            );
+            done.write_head
+        }
+        other => panic!("{}: metadata read of {journal}: {other:?}", b.id),
+    }
+}
+
+/// `[0, head)` of `journal` through a pinned client's direct read: local
+/// bytes from the broker, store-held fragments fetched from the store.
+async fn direct_copy(b: &ClusterBroker, journal: &str) -> Vec<u8> {
+    let client = b.pinned().await;
+    let r = ReadRequest {
+        journal: journal.to_string(),
+        offset: Some(0),
+        end_offset: None,
+    };
+    let mut stream = client.read_direct(&r, false);
+    let mut out = Vec::new();
+    loop {
+        match stream.next().await.expect("READ_DONE") {
+            Ok(ReadEvent::Data { offset, content }) => {
+                assert_eq!(
+                    offset,
+                    out.len() as u64,
+                    "{}: direct read of {journal} skipped [{}, {offset})",
+                    b.id,
+                    out.len()
+                );
+                out.extend_from_slice(&content);
+            }
+            Ok(ReadEvent::Fragment { .. }) => panic!("a direct read yields no locations"),
+            Ok(ReadEvent::Done(d)) => {
+                assert!(
+                    matches!(d.status, Status::OK | Status::OFFSET_NOT_YET_AVAILABLE),
+                    "{}: {d:?}",
+                    b.id
+                );
+                assert_eq!(d.offset, out.len() as u64, "{}: {d:?}", b.id);
+                return out;
+            }
+            Err(e) => panic!("{}: direct read of {journal}: {e}", b.id),
+        }
+    }
+}
+
+/// An append the writer knows committed: where, and the SHA-1 the broker
+/// reported.
+#[derive(Clone, Debug)]
+struct Acked {
+    found: Found,
+    sha1: [u8; 20],
+}
+
+fn acked(writer: u32, seq: u32, r: &AppendReply) -> Acked {
+    Acked {
+        found: Found {
+            begin: r.begin,
+            end: r.end,
+            writer,
+            seq,
+        },
+        sha1: r.sha1,
+    }
+}
+
+/// Checks one broker's copy of a journal: only whole records; every
+/// acknowledged append at its `[begin, end)` with its SHA-1; any other
+/// record is one whose outcome its writer could not learn (`unknown`).
+fn check_copy(
+    who: &str,
+    bytes: &[u8],
+    acked: &[Acked],
+    unknown: &HashSet<(u32, u32)>,
+) -> Vec<Found> {
+    let found = parse_records(bytes, 0).unwrap_or_else(|e| panic!("{who}: {e}"));
+    let at: HashMap<u64, Found> = found.iter().map(|f| (f.begin, *f)).collect();
+    for a in acked {
+        assert_eq!(
+            at.get(&a.found.begin),
+            Some(&a.found),
+            "{who}: acknowledged append missing or different at {} (copy holds {} bytes)",
+            a.found.begin,
+            bytes.len()
+        );
+        assert_eq!(
+            sha1(&bytes[a.found.begin as usize..a.found.end as usize]),
+            a.sha1,
+            "{who}: SHA-1 of the acknowledged append at {}",
+            a.found.begin
+        );
+    }
+    let acked_ids: HashSet<(u32, u32)> = acked
+        .iter()
+        .map(|a| (a.found.writer, a.found.seq))
+        .collect();
+    let mut seen = HashSet::new();
+    for f in &found {
+        assert!(
+            seen.insert((f.writer, f.seq)),
+            "{who}: record ({}, {}) appears twice, again at {}",
+            f.writer,
+            f.seq,
+            f.begin
+        );
+        assert!(
+            acked_ids.contains(&(f.writer, f.seq)) || unknown.contains(&(f.writer, f.seq)),
+            "{who}: record ({}, {}) at [{}, {}) was refused or never sent",
+            f.writer,
+            f.seq,
+            f.begin,
+            f.end
+        );
+    }
+    found
+}
+
+/// Two copies of one journal agree on every offset both hold.
+fn assert_prefix_consistent(a: (&str, &[u8]), b: (&str, &[u8])) {
+    let n = a.1.len().min(b.1.len());
+    if let Some(i) = (0..n).find(|&i| a.1[i] != b.1[i]) {
+        panic!(
+            "{} ({} bytes) and {} ({} bytes) differ at offset {i}",
+            a.0,
+            a.1.len(),
+            b.0,
+            b.1.len()
+        );
+    }
+}
+
+/// Record sizes of the writers: mostly small to mid, now and then one long
+/// enough to go in several frames.
+fn record_len(rng: &mut impl Rng) -> usize {
+    if rng.gen_ratio(1, 80) {
+        rng.gen_range(APPEND_CHUNK_LEN + 1..2 * APPEND_CHUNK_LEN + 4096)
+    } else {
+        log_uniform_size(rng, RECORD_HEADER_LEN, RECORD_LEN_MAX)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 1. Concurrent writers: three identical copies.
+
+const COPIES_WRITERS: u32 = 6;
+const COPIES_APPENDS: u32 = 50;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_appends_are_identical_on_every_replica() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        concurrent_appends_are_identical_on_every_replica_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn concurrent_appends_are_identical_on_every_replica_body(cluster: &mut Cluster) {
+    let j = "repl/copies";
+    cluster.apply(&[spec(j, 3)]).await;
+    let route = agreed_route(cluster, j).await;
+    assert_eq!(route.members.len(), 3, "{route:?}");
+
+    // Writers share clients that follow routes from each broker, and
+    // clients pinned on the replicas (which proxy appends to the primary).
+    let mut clients = Vec::new();
+    for b in &cluster.brokers {
+        clients.push(b.client().await);
+    }
+    for m in &route.members[1..] {
+        clients.push(cluster.by_id(&m.id).pinned().await);
+    }
+    let mut tasks = Vec::new();
+    for writer in 0..COPIES_WRITERS {
+        let client = clients[writer as usize % clients.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(0x5e9 ^ u64::from(writer));
+            let mut out = Vec::new();
+            for seq in 0..COPIES_APPENDS {
+                let content = record(writer, seq, record_len(&mut rng));
+                let r = client
+                    .append(&req(j), content.clone())
+                    .await
+                    .unwrap_or_else(|e| panic!("writer {writer} append {seq}: {e}"));
+                assert_eq!(r.end - r.begin, content.len() as u64, "{r:?}");
+                assert_eq!(r.sha1, sha1(&content), "{r:?}");
+                out.push(acked(writer, seq, &r));
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let head = all.iter().map(|a| a.found.end).max().unwrap();
+
+    // Acknowledged spans tile [0, head) exactly: nothing else committed.
+    let mut spans: Vec<(u64, u64)> = all.iter().map(|a| (a.found.begin, a.found.end)).collect();
+    spans.sort();
+    let mut at = 0;
+    for (begin, end) in spans {
+        assert_eq!(begin, at, "acknowledged appends overlap or leave a gap");
+        at = end;
+    }
+    assert_eq!(at, head);
+
+    let none = HashSet::new();
+    let mut digests = Vec::new();
+    for b in &cluster.brokers {
+        assert_eq!(local_head(b, j).await, head, "{}: write head", b.id);
+        let copy = local_copy(b, j).await;
+        assert_eq!(copy.len() as u64, head, "{}: copy length", b.id);
+        let found = check_copy(&b.id, &copy, &all, &none);
+        assert_eq!(found.len(), all.len(), "{}: records", b.id);
+        digests.push((b.id.clone(), hex_sha1(&copy)));
+    }
+    eprintln!("{} appends, {head} bytes; copies: {digests:?}", all.len());
+    assert!(
+        digests.iter().all(|(_, d)| *d == digests[0].1),
+        "copies differ: {digests:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 1b. The two ingredients of the writers above, one at a time: appends of
+// several frames, and fragments rolling while appends are in flight.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_of_several_frames_replicate() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        appends_of_several_frames_replicate_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn appends_of_several_frames_replicate_body(cluster: &mut Cluster) {
+    let j = "repl/frames";
+    cluster.apply(&[spec(j, 3)]).await;
+    agreed_route(cluster, j).await;
+    let client = cluster.brokers[0].client().await;
+    let mut expected = Vec::new();
+    // One frame; just over one frame; several frames.
+    for (seq, len) in [100, APPEND_CHUNK_LEN + 1, 3 * APPEND_CHUNK_LEN + 17]
+        .into_iter()
+        .enumerate()
+    {
+        let c = record(7, seq as u32, len);
+        let r = client
+            .append(&req(j), c.clone())
+            .await
+            .unwrap_or_else(|e| panic!("append of {len} bytes at {}: {e}", expected.len()));
+        assert_eq!(
+            (r.begin, r.end, r.sha1),
+            (
+                expected.len() as u64,
+                (expected.len() + len) as u64,
+                sha1(&c)
+            )
+        );
+        expected.extend_from_slice(&c);
+    }
+    // Streamed from a reader: as many frames as the reader's pauses make.
+    let c = record(7, 3, 300_000);
+    let r = client
+        .append_stream(&req(j), std::io::Cursor::new(c.clone()))
+        .await
+        .unwrap_or_else(|e| panic!("streamed append at {}: {e}", expected.len()));
+    assert_eq!((r.begin, r.sha1), (expected.len() as u64, sha1(&c)));
+    expected.extend_from_slice(&c);
+    for b in &cluster.brokers {
+        let copy = local_copy(b, j).await;
+        assert!(
+            copy == expected,
+            "{}: copy of {} bytes (SHA-1 {}), appended {} (SHA-1 {})",
+            b.id,
+            copy.len(),
+            hex_sha1(&copy),
+            expected.len(),
+            hex_sha1(&expected)
+        );
+    }
+}
+
+const ROLL_WRITERS: u32 = 6;
+const ROLL_APPENDS: u32 = 60;
+const ROLL_FRAGMENT_LEN: u64 = 64 << 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragments_roll_while_appends_are_in_flight() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        fragments_roll_while_appends_are_in_flight_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn fragments_roll_while_appends_are_in_flight_body(cluster: &mut Cluster) {
+    let j = "repl/rolling";
+    let mut s = spec(j, 3);
+    s.fragment.length = ROLL_FRAGMENT_LEN;
+    cluster.apply(&[s]).await;
+    let route = agreed_route(cluster, j).await;
+    let client = cluster.by_id(&route.members[0].id).client().await;
+    let mut tasks = Vec::new();
+    for writer in 0..ROLL_WRITERS {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for seq in 0..ROLL_APPENDS {
+                let content = record(writer, seq, 1000 + 97 * seq as usize);
+                let r = tokio::time::timeout(APPEND_TIMEOUT, client.append(&req(j), content))
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!("writer {writer} append {seq}: no answer in {APPEND_TIMEOUT:?}")
+                    })
+                    .unwrap_or_else(|e| panic!("writer {writer} append {seq}: {e}"));
+                out.push(acked(writer, seq, &r));
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        match t.await {
+            Ok(a) => all.extend(a),
+            Err(e) => panic!("{e}\nbroker threads:\n{}", cluster.threads_report()),
+        }
+    }
+    let head = all.iter().map(|a| a.found.end).max().unwrap();
+    let none = HashSet::new();
+    let mut digests = Vec::new();
+    for b in &cluster.brokers {
+        let copy = local_copy(b, j).await;
+        assert_eq!(copy.len() as u64, head, "{}", b.id);
+        check_copy(&b.id, &copy, &all, &none);
+        digests.push(hex_sha1(&copy));
+    }
+    // The primary did roll, many times.
+    let frags = client.fragments(j).await.unwrap();
+    let sealed = frags.iter().filter(|f| !f.open).count() as u64;
+    assert!(
+        sealed >= head / ROLL_FRAGMENT_LEN / 2,
+        "{sealed} sealed fragments for {head} bytes: {frags:#?}"
+    );
+    assert!(
+        digests.iter().all(|d| *d == digests[0]),
+        "copies differ: {digests:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 2. A client dying mid-append: nothing of it on any member.
+
+/// After an interrupted append: every member's head is still `expected`'s
+/// length, the next append lands exactly there, and every member's copy is
+/// `expected` plus it.
+async fn assert_no_trace(cluster: &Cluster, j: &str, expected: &mut Vec<u8>, marker: &[u8]) {
+    let head = expected.len() as u64;
+    for b in &cluster.brokers {
+        assert_eq!(
+            local_head(b, j).await,
+            head,
+            "{}: the head moved after an interrupted append",
+            b.id
+        );
+    }
+    let client = cluster.brokers[0].client().await;
+    let r = client
+        .append(&req(j), marker.to_vec())
+        .await
+        .unwrap_or_else(|e| panic!("append after an interrupted one: {e}"));
+    assert_eq!(
+        (r.begin, r.end),
+        (head, head + marker.len() as u64),
+        "the next append after an interrupted one"
+    );
+    expected.extend_from_slice(marker);
+    for b in &cluster.brokers {
+        let copy = local_copy(b, j).await;
+        assert!(
+            copy == *expected,
+            "{}: copy ({} bytes, SHA-1 {}) is not what was appended ({} bytes, SHA-1 {})",
+            b.id,
+            copy.len(),
+            hex_sha1(&copy),
+            expected.len(),
+            hex_sha1(expected)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_killed_mid_append_leaves_no_trace_on_any_replica() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        client_killed_mid_append_leaves_no_trace_on_any_replica_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn client_killed_mid_append_leaves_no_trace_on_any_replica_body(cluster: &mut Cluster) {
+    let j = "repl/dead-client";
+    cluster.apply(&[spec(j, 3)]).await;
+    let route = agreed_route(cluster, j).await;
+    let primary = route.members[0].endpoint.clone();
+    let replica = route.members[1].endpoint.clone();
+    let meta = req(j).encode();
+    let mut expected = Vec::new();
+    assert_no_trace(cluster, j, &mut expected, b"first").await;
+
+    // Let streamed content reach the replicas before the client dies.
+    let settle = || tokio::time::sleep(Duration::from_millis(300));
+
+    // 1. APPEND with MORE and some content, then the socket closes.
+    let mut s = raw_connect(&primary);
+    s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, &[b'y'; 5_000]))
+        .unwrap();
+    settle().await;
+    drop(s);
+    assert_no_trace(cluster, j, &mut expected, b"-second").await;
+
+    // 2. Several whole chunks, then a chunk cut off in its payload.
+    let mut s = raw_connect(&primary);
+    s.write_all(&frame(Op::APPEND, flag::MORE, 7, &meta, &[b'a'; 64 << 10]))
+        .unwrap();
+    for _ in 0..3 {
+        s.write_all(&frame(
+            Op::APPEND_CHUNK,
+            flag::MORE,
+            7,
+            &[],
+            &vec![b'b'; APPEND_CHUNK_LEN],
+        ))
+        .unwrap();
+    }
+    let chunk = frame(Op::APPEND_CHUNK, 0, 7, &[], &[b'c'; 10_000]);
+    s.write_all(&chunk[..chunk.len() - 3_000]).unwrap();
+    settle().await;
+    drop(s);
+    assert_no_trace(cluster, j, &mut expected, b"-third").await;
+
+    // 3. The same through a replica, which proxies it to the primary.
+    let mut s = raw_connect(&replica);
+    s.write_all(&frame(Op::APPEND, flag::MORE, 3, &meta, &[b'r'; 70_000]))
+        .unwrap();
+    s.write_all(&frame(Op::APPEND_CHUNK, flag::MORE, 3, &[], &[b's'; 9_000]))
+        .unwrap();
+    settle().await;
+    drop(s);
+    assert_no_trace(cluster, j, &mut expected, b"-fourth").await;
+
+    // 4. An APPEND frame cut off in its payload.
+    let whole = frame(Op::APPEND, 0, 4, &meta, &[b'x'; 20_000]);
+    let mut s = raw_connect(&primary);
+    s.write_all(&whole[..whole.len() - 5_000]).unwrap();
+    settle().await;
+    drop(s);
+    assert_no_trace(cluster, j, &mut expected, b"-fifth").await;
+}
+
+// ---------------------------------------------------------------------------
+// Writers for the kill tests.
+
+/// Phases of a kill test, as the writers see them when an append starts
+/// and when it ends.
+const PHASE_BEFORE_KILL: u8 = 0;
+/// Set just before the kill: failures from here on may be its doing.
+const PHASE_KILLING: u8 = 1;
+/// Set once the killed broker has been reaped: it is certainly down.
+const PHASE_DOWN: u8 = 2;
+/// Set just before the restart.
+const PHASE_RESTARTED: u8 = 3;
+
+#[derive(Default)]
+struct WriterLog {
+    acked: Vec<Acked>,
+    /// Appends whose outcome is unknown (a retryable failure).
+    unknown: HashSet<(u32, u32)>,
+}
+
+struct Writers {
+    stop: Arc<AtomicBool>,
+    phase: Arc<AtomicU8>,
+    /// Per writer: failures of appends started and ended while down.
+    failed_down: Arc<Vec<AtomicU32>>,
+    /// Per writer: commits of appends started after the restart.
+    acked_restarted: Arc<Vec<AtomicU32>>,
+    /// What must not happen: failures before any kill, statuses other than
+    /// REPLICATION_FAILED, hangs, commits while a member was down.
+    wrong: Arc<std::sync::Mutex<Vec<String>>>,
+    tasks: Vec<tokio::task::JoinHandle<WriterLog>>,
+}
+
+impl Writers {
+    /// Starts `clients.len()` writers, one per client, appending records
+    /// until stopped. With `stop_on_error` a writer ends at its first
+    /// failure.
+    fn start(j: &'static str, clients: Vec<Client>, stop_on_error: bool) -> Writers {
+        let n = clients.len();
+        let mut w = Writers {
+            stop: Arc::new(AtomicBool::new(false)),
+            phase: Arc::new(AtomicU8::new(PHASE_BEFORE_KILL)),
+            failed_down: Arc::new((0..n).map(|_| AtomicU32::new(0)).collect()),
+            acked_restarted: Arc::new((0..n).map(|_| AtomicU32::new(0)).collect()),
+            wrong: Arc::default(),
+            tasks: Vec::new(),
+        };
+        for (i, client) in clients.into_iter().enumerate() {
+            let writer = i as u32;
+            let stop = w.stop.clone();
+            let phase = w.phase.clone();
+            let failed_down = w.failed_down.clone();
+            let acked_restarted = w.acked_restarted.clone();
+            let wrong = w.wrong.clone();
+            let wrong = move |what: String| wrong.lock().unwrap().push(what);
+            w.tasks.push(tokio::spawn(async move {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(0xdead ^ u64::from(writer));
+                let mut log = WriterLog::default();
+                let mut seq = 0u32;
+                while !stop.load(Ordering::SeqCst) {
+                    let content = record(writer, seq, record_len(&mut rng));
+                    let started = phase.load(Ordering::SeqCst);
+                    let r = tokio::time::timeout(
+                        APPEND_TIMEOUT,
+                        client.append(&req(j), content.clone()),
+                    )
+                    .await;
+                    let ended = phase.load(Ordering::SeqCst);
+                    match r {
+                        Ok(Ok(r)) => {
+                            if (r.end - r.begin, r.sha1) != (content.len() as u64, sha1(&content)) {
+                                wrong(format!(
+                                    "writer {writer} append {seq}: reply {r:?} does not match \
+                                     {} bytes with SHA-1 {}",
+                                    content.len(),
+                                    hex_sha1(&content)
+                                ));
+                            }
+                            if started == PHASE_DOWN && ended == PHASE_DOWN {
+                                wrong(format!(
+                                    "writer {writer} append {seq} committed at [{}, {}) while a \
+                                     member of the route was down",
+                                    r.begin, r.end
+                                ));
+                            }
+                            if started == PHASE_RESTARTED {
+                                acked_restarted[i].fetch_add(1, Ordering::SeqCst);
+                            }
+                            log.acked.push(acked(writer, seq, &r));
+                        }
+                        Ok(Err(e)) => {
+                            let clear = matches!(e, ClientError::Io { .. })
+                                || e.status() == Some(Status::REPLICATION_FAILED);
+                            if started == PHASE_BEFORE_KILL && ended == PHASE_BEFORE_KILL {
+                                wrong(format!(
+                                    "writer {writer} append {seq} failed before any broker was \
+                                     killed: {e}"
+                                ));
+                            } else if !clear || !e.is_retryable() {
+                                wrong(format!(
+                                    "writer {writer} append {seq} (phase {started}..{ended}): {e} \
+                                     (status {:?})",
+                                    e.status()
+                                ));
+                            }
+                            log.unknown.insert((writer, seq));
+                            if started == PHASE_DOWN && ended == PHASE_DOWN {
+                                failed_down[i].fetch_add(1, Ordering::SeqCst);
+                            }
+                            if stop_on_error {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        Err(_) => {
+                            wrong(format!(
+                                "writer {writer} append {seq} (phase {started}): no answer in \
+                                 {APPEND_TIMEOUT:?}"
+                            ));
+                            log.unknown.insert((writer, seq));
+                            if stop_on_error {
+                                break;
+                            }
+                        }
+                    }
+                    seq += 1;
+                }
+                log
+            }));
+        }
+        w
+    }
+
+    fn set_phase(&self, p: u8) {
+        self.phase.store(p, Ordering::SeqCst);
+    }
+
+    /// Waits until `counter` of every writer reaches `n`, for at most `limit`.
+    async fn wait_each(
+        &self,
+        cluster: &Cluster,
+        what: &str,
+        counter: &[AtomicU32],
+        n: u32,
+        limit: Duration,
+    ) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let counts: Vec<u32> = counter.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+            if counts.iter().all(|&c| c >= n) {
+                return;
+            }
+            if self.tasks.iter().any(|t| t.is_finished()) {
+                panic!("a writer ended early while waiting for {what}: {counts:?}");
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "not every writer saw {n} {what} within {limit:?}: {counts:?}\n{}",
+                    self.problems(cluster)
+                );
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Waits until broker `at`'s copy of `journal` is at least `bytes` long.
+    async fn wait_progress(&self, cluster: &Cluster, at: usize, journal: &str, bytes: u64) {
+        let b = &cluster.brokers[at];
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let head = local_head(b, journal).await;
+            if head >= bytes {
+                return;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "{}: {journal} at {head}, not {bytes} bytes, after {WAIT:?}\n{}",
+                    b.id,
+                    self.problems(cluster)
+                );
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// What went wrong so far, and the brokers' threads.
+    fn problems(&self, cluster: &Cluster) -> String {
+        let wrong = self.wrong.lock().unwrap();
+        let shown = wrong.len().min(20);
+        format!(
+            "{} appends went wrong so far; the first {shown}:\n{}\nbroker threads:\n{}",
+            wrong.len(),
+            wrong[..shown].join("\n"),
+            cluster.threads_report()
+        )
+    }
+
+    async fn finish(self) -> (Vec<Acked>, HashSet<(u32, u32)>) {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut acked = Vec::new();
+        let mut unknown = HashSet::new();
+        for t in self.tasks {
+            let log = t.await.unwrap();
+            acked.extend(log.acked);
+            unknown.extend(log.unknown);
+        }
+        let wrong = self.wrong.lock().unwrap();
+        assert!(
+            wrong.is_empty(),
+            "{} appends went wrong:\n{}",
+            wrong.len(),
+            wrong.join("\n")
+        );
+        (acked, unknown)
+    }
+}
+
+/// Whether `frags` that live in a store (not `local`) chain from 0 to `head`.
+fn store_covers(frags: &[rotary_net::client::FragmentInfo], head: u64) -> bool {
+    let mut stored: Vec<(u64, u64)> = frags
+        .iter()
+        .filter(|f| f.store != "local")
+        .map(|f| (f.begin, f.end))
+        .collect();
+    stored.sort();
+    let mut at = 0;
+    for (begin, end) in stored {
+        if begin > at {
+            return false;
+        }
+        at = at.max(end);
+    }
+    at >= head
+}
+
+// ---------------------------------------------------------------------------
+// 3. A replica killed while writers run.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(&mut cluster, &store),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
+    cluster: &mut Cluster,
+    store: &TestStore,
+) {
+    const J: &str = "repl/replica-kill";
+    cluster.apply(&[store_spec(J, 3, store)]).await;
+    let route = agreed_route(cluster, J).await;
+    let primary = cluster.index(&route.members[0].id);
+    let victim = cluster.index(&route.members[1].id);
+    let survivor = cluster.index(&route.members[2].id);
+
+    // The journal takes appends once its store is listed.
+    let warm = record(100, 0, 100);
+    let warm_reply = append_retrying(&cluster.brokers[primary].client().await, J, &warm).await;
+    let mut acked_all = vec![acked(100, 0, &warm_reply)];
+
+    // Three writers follow routes to the primary; one goes through the
+    // surviving replica, which proxies to the primary.
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        clients.push(cluster.brokers[primary].client().await);
+    }
+    clients.push(cluster.brokers[survivor].pinned().await);
+    let writers = Writers::start(J, clients, false);
+    writers.wait_progress(cluster, survivor, J, 1 << 20).await;
+
+    writers.set_phase(PHASE_KILLING);
+    tokio::task::block_in_place(|| cluster.brokers[victim].kill9());
+    writers.set_phase(PHASE_DOWN);
+    writers
+        .wait_each(
+            cluster,
+            "failed appends while the replica is down",
+            &writers.failed_down,
+            3,
+            WAIT,
+        )
+        .await;
+
+    // What the survivors hold meanwhile: whole records, one offset space.
+    let p_copy = local_copy(&cluster.brokers[primary], J).await;
+    let s_copy = local_copy(&cluster.brokers[survivor], J).await;
+    let any: HashSet<(u32, u32)> = parse_records(&p_copy, 0)
+        .unwrap_or_else(|e| panic!("primary while the replica is down: {e}"))
+        .into_iter()
+        .chain(
+            parse_records(&s_copy, 0)
+                .unwrap_or_else(|e| panic!("surviving replica while the replica is down: {e}")),
+        )
+        .map(|f| (f.writer, f.seq))
+        .collect();
+    assert!(!any.is_empty());
+    assert_prefix_consistent(("primary", &p_copy), ("surviving replica", &s_copy));
+
+    // The replica comes back on its own disk and ports; appends resume.
+    writers.set_phase(PHASE_RESTARTED);
+    tokio::task::block_in_place(|| cluster.brokers[victim].start());
+    writers
+        .wait_each(
+            cluster,
+            "commits after the restart",
+            &writers.acked_restarted,
+            5,
+            WAIT,
+        )
+        .await;
+    let (acked, unknown) = writers.finish().await;
+    acked_all.extend(acked);
+    eprintln!(
+        "{} appends acknowledged, {} with unknown outcome",
+        acked_all.len(),
+        unknown.len()
+    );
+
+    // Seal, let the primary upload, and let every member list the uploads.
+    let head = local_head(&cluster.brokers[primary], J).await;
+    let max_acked = acked_all.iter().map(|a| a.found.end).max().unwrap();
+    assert!(
+        head >= max_acked,
+        "head {head} < acknowledged end {max_acked}"
+    );
+    cluster.brokers[primary]
+        .pinned()
+        .await
+        .seal(J)
+        .await
+        .expect("seal on the primary");
+    for b in &cluster.brokers {
+        let client = b.pinned().await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let frags = client
+                .fragments(J)
+                .await
+                .unwrap_or_else(|e| panic!("{}: fragments: {e}", b.id));
+            if store_covers(&frags, head) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: store fragments do not cover [0, {head}) within {WAIT:?}: {frags:#?}",
+                b.id
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    // Every member reads the same journal, holding every acknowledged append.
+    let mut digests = Vec::new();
+    let mut first: Option<Vec<u8>> = None;
+    for b in &cluster.brokers {
+        assert_eq!(local_head(b, J).await, head, "{}: write head", b.id);
+        let copy = direct_copy(b, J).await;
+        assert_eq!(copy.len() as u64, head, "{}: readable length", b.id);
+        check_copy(&b.id, &copy, &acked_all, &unknown);
+        digests.push((b.id.clone(), hex_sha1(&copy)));
+        match &first {
+            None => first = Some(copy),
+            Some(f) => assert_prefix_consistent(("first member", f), (&b.id, &copy)),
+        }
+    }
+    assert!(
+        digests.iter().all(|(_, d)| *d == digests[0].1),
+        "copies differ: {digests:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 4. The primary killed while writers run.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_killed_under_load_loses_no_acknowledged_append() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        primary_killed_under_load_loses_no_acknowledged_append_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn primary_killed_under_load_loses_no_acknowledged_append_body(cluster: &mut Cluster) {
+    const J: &str = "repl/primary-kill";
+    cluster.apply(&[spec(J, 3)]).await;
+    let route = agreed_route(cluster, J).await;
+    let primary = cluster.index(&route.members[0].id);
+    let replicas = [
+        cluster.index(&route.members[1].id),
+        cluster.index(&route.members[2].id),
+    ];
+
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(cluster.brokers[primary].client().await);
+    }
+    let writers = Writers::start(J, clients, true);
+    writers
+        .wait_progress(cluster, replicas[0], J, 2 << 20)
+        .await;
+    writers.set_phase(PHASE_KILLING);
+    tokio::task::block_in_place(|| cluster.brokers[primary].kill9());
+    writers.set_phase(PHASE_DOWN);
+    let (acked, unknown) = writers.finish().await;
+    assert!(
+        acked.len() > 20,
+        "only {} appends acknowledged",
+        acked.len()
+    );
+    // Each writer had at most one append in flight when the primary died.
+    assert!(unknown.len() <= 4, "{unknown:?}");
+
+    let mut copies = Vec::new();
+    for &i in &replicas {
+        let b = &cluster.brokers[i];
+        let copy = local_copy(b, J).await;
+        let found = check_copy(&b.id, &copy, &acked, &unknown);
+        eprintln!(
+            "{}: {} bytes, {} records ({} acknowledged)",
+            b.id,
+            copy.len(),
+            found.len(),
+            acked.len()
+        );
+        copies.push((b.id.clone(), copy));
+    }
+    assert_prefix_consistent((&copies[0].0, &copies[0].1), (&copies[1].0, &copies[1].1));
+}
+
+// ---------------------------------------------------------------------------
+// 5. Brokers outside a route proxy to it, unless asked not to.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_outside_the_route_proxy_or_refuse() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        brokers_outside_the_route_proxy_or_refuse_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn brokers_outside_the_route_proxy_or_refuse_body(cluster: &mut Cluster) {
+    let j = "repl/proxy";
+    cluster.apply(&[spec(j, 2)]).await;
+    let route = agreed_route(cluster, j).await;
+    assert_eq!(route.members.len(), 2, "{route:?}");
+    let members = ids(&route);
+    let outside = cluster
+        .brokers
+        .iter()
+        .find(|b| !members.contains(&b.id))
+        .expect("a broker outside the route");
+    let primary = cluster.by_id(&members[0]);
+    let replica = cluster.by_id(&members[1]);
+    let r = route_at(outside, j).await;
+    assert_eq!(r.broker, outside.id);
+    assert_eq!(ids(&r), members);
+
+    // The outside broker proxies an append to the primary...
+    let via_outside = outside.pinned().await;
+    let first = b"appended through a broker outside the route".to_vec();
+    let a = via_outside.append(&req(j), first.clone()).await.unwrap();
+    assert_eq!((a.begin, a.end), (0, first.len() as u64));
+    assert_eq!(a.sha1, sha1(&first));
+    // ...and a read to a member.
+    let (bytes, done) = read_range(&via_outside, j, 0, None).await.unwrap();
+    assert_eq!(done.status, Status::OK, "{done:?}");
+    assert_eq!(bytes, first);
+    let mut expected = first;
+
+    // A replica proxies appends to the primary too.
+    let via_replica = replica.pinned().await;
+    let second = b"; appended through the replica".to_vec();
+    let a = via_replica.append(&req(j), second.clone()).await.unwrap();
+    assert_eq!(
+        (a.begin, a.end),
+        (
+            expected.len() as u64,
+            (expected.len() + second.len()) as u64
+        )
+    );
+    expected.extend_from_slice(&second);
+    for b in [primary, replica] {
+        assert_eq!(local_copy(b, j).await, expected, "{}", b.id);
+    }
+    let (bytes, _) = read_range(&via_outside, j, 0, None).await.unwrap();
+    assert_eq!(bytes, expected, "proxied read from outside the route");
+
+    // Asked not to proxy, the outside broker refuses a read...
+    let (status, done) = match read_local(&via_outside, j, 0, None).await {
+        Ok((bytes, done)) => {
+            assert!(
+                bytes.is_empty(),
+                "{} bytes from outside the route",
+                bytes.len()
+            );
+            (done.status, Some(done))
+        }
+        Err(e) => (e.status().unwrap_or_else(|| panic!("{e}")), None),
+    };
+    assert_eq!(status, Status::NOT_JOURNAL_BROKER, "{done:?}");
+    // ...and it and the replica refuse appends; the primary takes one.
+    let no_proxy = AppendOptions { do_not_proxy: true };
+    for (who, client) in [(&outside.id, &via_outside), (&replica.id, &via_replica)] {
+        let r = client
+            .append_with(&req(j), b"refused".to_vec(), no_proxy)
+            .await;
+        assert_eq!(
+            status_of(r),
+            Status::NOT_JOURNAL_PRIMARY_BROKER,
+            "append with do_not_proxy on {who}"
+        );
+    }
+    let third = b"; appended at the primary".to_vec();
+    let a = primary
+        .pinned()
+        .await
+        .append_with(&req(j), third.clone(), no_proxy)
+        .await
+        .unwrap();
+    assert_eq!(a.begin, expected.len() as u64);
+    expected.extend_from_slice(&third);
+    for b in [primary, replica] {
+        assert_eq!(local_copy(b, j).await, expected, "{}", b.id);
+    }
+
+    // LIST on every broker and the CLI show the route.
+    for b in &cluster.brokers {
+        let list = b.client().await.list("").await.unwrap();
+        let e = list.iter().find(|e| e.spec.name == j).expect("listed");
+        assert_eq!(e.route.primary, members[0], "{}: {e:?}", b.id);
+        assert_eq!(e.route.members, members, "{}: {e:?}", b.id);
+
+        let (code, out, err) = run_cli(b.cli(&["journals", "list", "-o", "json"]), b"");
+        assert_eq!(code, 0, "{err}");
+        let entries: Vec<serde_json::Value> = serde_json::from_slice(&out).unwrap();
+        let e = entries
+            .iter()
+            .find(|e| e["spec"]["name"] == j)
+            .unwrap_or_else(|| panic!("{}: not in {entries:?}", b.id));
+        assert_eq!(e["route"]["primary"], members[0].as_str(), "{e}");
+        assert_eq!(e["route"]["members"], serde_json::json!(members), "{e}");
+
+        let (code, out, err) = run_cli(b.cli(&["journals", "list"]), b"");
+        assert_eq!(code, 0, "{err}");
+        let table = String::from_utf8(out).unwrap();
+        let line = table
+            .lines()
+            .find(|l| l.contains(j))
+            .unwrap_or_else(|| panic!("{table}"));
+        for m in &members {
+            assert!(line.contains(m.as_str()), "{m} not in {line:?}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 6. Fewer brokers than the replication factor.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_few_brokers_refuse_appends() {
+    let mut cluster = Cluster::start(2, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        too_few_brokers_refuse_appends_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn too_few_brokers_refuse_appends_body(cluster: &mut Cluster) {
+    let (short, fine) = ("repl/short", "repl/fine");
+    cluster.apply(&[spec(short, 3), spec(fine, 2)]).await;
+
+    for b in &cluster.brokers {
+        for client in [b.client().await, b.pinned().await] {
+            let r = client.append(&req(short), b"no".to_vec()).await;
+            assert_eq!(
+                status_of(r),
+                Status::INSUFFICIENT_JOURNAL_BROKERS,
+                "append to a journal of replication 3 on {}",
+                b.id
+            );
+        }
+    }
+    // Nothing of the refused appends is anywhere (a broker may refuse the
+    // read as well while the route is short).
+    for b in &cluster.brokers {
+        let pinned = b.pinned().await;
+        match read_local(&pinned, short, 0, None).await {
+            Ok((bytes, done)) => {
+                assert!(bytes.is_empty(), "{}: {} bytes", b.id, bytes.len());
+                assert!(
+                    matches!(
+                        done.status,
+                        Status::OFFSET_NOT_YET_AVAILABLE | Status::INSUFFICIENT_JOURNAL_BROKERS
+                    ),
+                    "{}: {done:?}",
+                    b.id
+                );
+                assert_eq!(done.write_head, 0, "{}: {done:?}", b.id);
+            }
+            Err(e) => assert_eq!(
+                e.status(),
+                Some(Status::INSUFFICIENT_JOURNAL_BROKERS),
+                "{}: {e}",
+                b.id
+            ),
+        }
+    }
+
+    // A journal the cluster can hold takes appends, on both brokers.
+    let r = cluster.brokers[1]
+        .client()
+        .await
+        .append(&req(fine), b"two copies".to_vec())
+        .await
+        .unwrap();
+    assert_eq!((r.begin, r.end), (0, 10));
+    for b in &cluster.brokers {
+        assert_eq!(local_copy(b, fine).await, b"two copies", "{}", b.id);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 7. The cluster file changes while the brokers run.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_follow_the_cluster_file() {
+    let mut cluster = Cluster::start_listed(3, CORES, &[0, 1]);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        routes_follow_the_cluster_file_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals of the route-change test: enough that the new broker becomes
+/// the primary of some and a replica of others.
+const MOVING_JOURNALS: usize = 6;
+
+async fn routes_follow_the_cluster_file_body(cluster: &mut Cluster) {
+    let names: Vec<String> = (0..MOVING_JOURNALS)
+        .map(|i| format!("repl/moving-{i}"))
+        .collect();
+    let specs: Vec<JournalSpec> = names.iter().map(|j| spec(j, 2)).collect();
+    cluster.apply(&specs).await;
+
+    // Before: every journal lives on b1 and b2.
+    let client = cluster.brokers[0].client().await;
+    let mut before = Vec::new();
+    for (k, j) in names.iter().enumerate() {
+        let route = agreed_route(cluster, j).await;
+        let mut members = ids(&route);
+        members.sort();
+        assert_eq!(members, ["b1", "b2"], "{route:?}");
+        let mut bytes = Vec::new();
+        for seq in 0..10 {
+            let c = record(k as u32, seq, 1000 + 37 * seq as usize);
+            let r = client.append(&req(j), c.clone()).await.unwrap();
+            assert_eq!(r.begin, bytes.len() as u64, "{j}");
+            bytes.extend_from_slice(&c);
+        }
+        for b in &cluster.brokers[..2] {
+            assert_eq!(local_copy(b, j).await, bytes, "{}: {j}", b.id);
+        }
+        before.push(bytes);
+    }
+
+    // b3 replaces b2.
+    cluster.write_file(&[0, 2]);
+    tokio::task::block_in_place(|| cluster.brokers[2].start());
+    let deadline = Instant::now() + WAIT;
+    for j in &names {
+        loop {
+            let r = route_at(&cluster.brokers[0], j).await;
+            let mut now = ids(&r);
+            now.sort();
+            if now == ["b1", "b3"] {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "b1 still routes {j} to {now:?} {WAIT:?} after the cluster file changed"
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    // b3 started after the specs were applied: apply them again, which
+    // reaches every broker the cluster file lists now.
+    cluster.apply(&specs).await;
+    let mut primaries = Vec::new();
+    for j in &names {
+        primaries.push(agreed_route(cluster, j).await.members[0].id.clone());
+    }
+    eprintln!("primaries after the change: {primaries:?}");
+    assert!(
+        primaries.iter().any(|p| p == "b3") && primaries.iter().any(|p| p == "b1"),
+        "the journals should include some whose primary moved to b3 and some that stayed \
+         on b1: {primaries:?}"
+    );
+
+    // After: appends succeed, never at an offset already used, and b3
+    // holds them.
+    let client = cluster.brokers[0].client().await;
+    for (k, j) in names.iter().enumerate() {
+        let old_head = before[k].len() as u64;
+        let mut after = Vec::new();
+        let mut after_begin = None;
+        for seq in 0..10 {
+            let c = record(100 + k as u32, seq, 500 + 91 * seq as usize);
+            let r = append_retrying(&client, j, &c).await;
+            let begin = *after_begin.get_or_insert(r.begin);
+            assert!(
+                begin >= old_head,
+                "{j} (primary {}): offsets went backwards: an append after the change \
+                 landed at {begin} < {old_head}",
+                primaries[k]
+            );
+            assert_eq!(
+                r.begin,
+                begin + after.len() as u64,
+                "{j}: appends after the change"
+            );
+            after.extend_from_slice(&c);
+        }
+        let begin = after_begin.unwrap();
+        let end = begin + after.len() as u64;
+        for id in ["b3", "b1"] {
+            let pinned = cluster.by_id(id).pinned().await;
+            let (bytes, done) = read_local(&pinned, j, begin, Some(end))
+                .await
+                .unwrap_or_else(|e| panic!("{id}: {j}: read [{begin}, {end}): {e}"));
+            assert_eq!(done.status, Status::OK, "{id}: {j}: {done:?}");
+            assert!(
+                bytes == after,
+                "{id}: {j} (primary {}): [{begin}, {end}) holds {} bytes (SHA-1 {}), not the {} \
+                 appended (SHA-1 {})",
+                primaries[k],
+                bytes.len(),
+                hex_sha1(&bytes),
+                after.len(),
+                hex_sha1(&after)
+            );
+        }
+        // b1 kept what it held before the change.
+        let pinned = cluster.brokers[0].pinned().await;
+        let (bytes, _) = read_local(&pinned, j, 0, Some(old_head)).await.unwrap();
+        assert_eq!(bytes, before[k], "b1: {j} before the change");
+    }
+}
