@@ -259,8 +259,8 @@ impl Conn {
                 }
                 Err(e) => self.admin_err(id, e.status(), &e.to_string()),
             },
-            Op::REPLICATE => return self.replicate(frame),
-            Op::SYNC => self.sync(frame),
+            Op::REPLICATE => return self.replicate(body.payload(&frame)),
+            Op::SYNC => self.sync(frame.request_id, body.payload(&frame)),
             Op::APPLY => self.apply(id, frame.flags, frame.payload).await,
             Op::LIST => self.list(id, frame.payload),
             Op::STATS => {
@@ -664,8 +664,8 @@ impl Conn {
     }
 
     /// REPLICATE: records of a primary's appends. False closes the connection.
-    fn replicate(&mut self, frame: Frame<'_>) -> bool {
-        let records = match rotary_net::repl::decode_records(frame.payload) {
+    fn replicate(&mut self, payload: &[u8]) -> bool {
+        let records = match rotary_net::repl::decode_records(payload) {
             Ok(r) => r,
             Err(e) => {
                 self.outbox
@@ -756,6 +756,7 @@ impl Conn {
                     message,
                     rewind_to,
                 } => {
+                    tracing::warn!(journal = %name, seq, %status, %message, "refused a replicated record; the primary must synchronize again");
                     if rewind_to.is_some() {
                         self.abort_replica_ops(&j);
                     }
@@ -816,15 +817,15 @@ impl Conn {
     }
 
     /// SYNC: the primary's view of a journal, to be applied by the flusher.
-    fn sync(&mut self, frame: Frame<'_>) {
+    fn sync(&mut self, request_id: u64, payload: &[u8]) {
         let sink = self.sink();
-        let req: rotary_net::repl::SyncRequest = match serde_json::from_slice(frame.payload) {
+        let req: rotary_net::repl::SyncRequest = match serde_json::from_slice(payload) {
             Ok(r) => r,
             Err(e) => {
                 return self.outbox.error(
                     Op::ERROR,
                     Status::BAD_REQUEST,
-                    frame.request_id,
+                    request_id,
                     &[],
                     &format!("SYNC: {e}"),
                 )

@@ -1110,7 +1110,11 @@ impl Shard {
                 again.push(j.clone());
             }
         }
-        // Journals with more to do go around again.
+        // Journals with more to do go around again, after other tasks
+        // (readers, the acker, connections) had a turn.
+        if !again.is_empty() {
+            yield_now().await;
+        }
         for j in again {
             self.ready.borrow_mut().push(j);
         }
@@ -1640,8 +1644,10 @@ impl Shard {
                     && (spool.staged() - spool.begin() >= jm.spec.fragment.length
                         || jm.seal_requested)
                 {
-                    // Roll to a new fragment first, once this batch commits.
-                    return true;
+                    // Roll to a new fragment first, once this batch commits
+                    // (and replicas have acknowledged what is in flight: the
+                    // acker marks the journal ready then).
+                    return jm.inflight == 0;
                 }
                 let reply = |status: Status, msg: &str, jm: &Journal| {
                     let r = AppendReply {
@@ -2375,6 +2381,21 @@ impl Shard {
     pub fn throttle(&self, j: &JournalRef, bytes: u64) -> std::time::Duration {
         j.borrow_mut().rate.reserve(bytes, Instant::now())
     }
+}
+
+/// Lets every other ready task of the shard run once.
+async fn yield_now() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            std::task::Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await
 }
 
 /// Tells replicas to forget an append whose content they may hold.
