@@ -509,6 +509,89 @@ async fn appends_of_several_frames_replicate_body(cluster: &mut Cluster) {
     }
 }
 
+/// Journals with one primary shard, each taking a large append at once:
+/// one turn of the primary carries more content than one frame may.
+const WIDE_JOURNALS: usize = 8;
+const WIDE_APPEND_LEN: usize = 4 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_larger_than_a_frame_replicates() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_turn_larger_than_a_frame_replicates_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_turn_larger_than_a_frame_replicates_body(cluster: &mut Cluster) {
+    // Journals whose primary is b1, so one shard stages all of them.
+    let mut names = Vec::new();
+    let mut specs = Vec::new();
+    for i in 0.. {
+        let j = format!("repl/wide-{i}");
+        specs.push(spec(&j, 3));
+        names.push(j);
+        if names.len() == 4 * WIDE_JOURNALS {
+            break;
+        }
+    }
+    for s in &mut specs {
+        s.fragment.length = 64 << 20;
+    }
+    cluster.apply(&specs).await;
+    let mut chosen = Vec::new();
+    for j in &names {
+        if agreed_route(cluster, j).await.members[0].id == "b1" {
+            chosen.push(j.clone());
+        }
+        if chosen.len() == WIDE_JOURNALS {
+            break;
+        }
+    }
+    assert!(
+        chosen.len() >= 4,
+        "too few journals with primary b1: {chosen:?}"
+    );
+    let client = cluster.by_id("b1").client().await;
+    let appends: Vec<_> = chosen
+        .iter()
+        .enumerate()
+        .map(|(i, j)| {
+            let client = client.clone();
+            let j = j.clone();
+            tokio::spawn(async move {
+                let c = record(i as u32, 0, WIDE_APPEND_LEN);
+                let r = client
+                    .append(&req(&j), c.clone())
+                    .await
+                    .unwrap_or_else(|e| panic!("{j}: {e}"));
+                assert_eq!((r.begin, r.end, r.sha1), (0, c.len() as u64, sha1(&c)));
+                (j, c)
+            })
+        })
+        .collect();
+    let mut written = Vec::new();
+    for a in appends {
+        written.push(a.await.expect("append task"));
+    }
+    for (j, c) in &written {
+        for b in &cluster.brokers {
+            let copy = local_copy(b, j).await;
+            assert!(
+                &copy == c,
+                "{}: {j}: copy of {} bytes (SHA-1 {}), appended {} (SHA-1 {})",
+                b.id,
+                copy.len(),
+                hex_sha1(&copy),
+                c.len(),
+                hex_sha1(c)
+            );
+        }
+    }
+}
+
 const ROLL_WRITERS: u32 = 6;
 const ROLL_APPENDS: u32 = 60;
 const ROLL_FRAGMENT_LEN: u64 = 64 << 10;

@@ -1109,5 +1109,10 @@ async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Rc<Outbox>) {
         }
         client.room().await;
     }
+    // Requests in flight over the relay will get no answer: closing the
+    // client's connection tells it so (it retries elsewhere).
+    if !relay.is_closed() {
+        client.close();
+    }
     relay.close();
 }

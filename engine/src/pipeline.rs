@@ -26,6 +26,11 @@ use std::time::{Duration, Instant};
 /// How long a primary waits for a replica's ack before it gives the
 /// pipeline up.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+/// A REPLICATE frame is sent once its records reach this many bytes (one
+/// content record is at most a spool write buffer).
+pub const REPLICATE_FRAME_BYTES: usize = 4 << 20;
+/// Acks kept for waiters before the oldest are dropped.
+const UNCLAIMED_ACKS_MAX: usize = 65_536;
 /// How long connecting to a peer may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -146,6 +151,10 @@ impl Pipeline {
         if self.live_epoch().is_none() {
             return;
         }
+        if self.pending.borrow().len() >= REPLICATE_FRAME_BYTES {
+            // Frames stay well under the receiver's limit; order is kept.
+            self.flush();
+        }
         rec.encode(&mut self.pending.borrow_mut());
         self.pending_records.set(self.pending_records.get() + 1);
     }
@@ -209,13 +218,16 @@ impl Pipeline {
         }
     }
 
-    /// Takes the ack of `seq`, dropping older ones nobody waits for.
+    /// Takes the ack of `seq`. Waiters are not in seq order (SYNCs of
+    /// several journals run at once), so acks are kept until taken; the
+    /// few nobody takes (a refusal of content whose commit was refused
+    /// too) are dropped once many have piled up.
     fn take(&self, seq: u64) -> Option<Ack> {
         let mut acks = self.acks.borrow_mut();
         let ack = acks.remove(&seq)?;
-        let stale: Vec<u64> = acks.range(..seq).map(|(k, _)| *k).collect();
-        for k in stale {
-            acks.remove(&k);
+        if acks.len() > UNCLAIMED_ACKS_MAX {
+            let keep = acks.split_off(&seq);
+            *acks = keep;
         }
         Some(ack)
     }

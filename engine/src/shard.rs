@@ -991,6 +991,10 @@ impl Shard {
                 let jm = j.borrow();
                 let last = jm.staged.last().expect("non-empty");
                 let spool = jm.spool.as_ref().expect("spool");
+                if last.end == spool.committed() && last.registers == jm.local_registers {
+                    // Empty appends (pulses) change nothing the log holds.
+                    continue;
+                }
                 let st = JournalState {
                     spool_begin: spool.begin(),
                     end: last.end,
@@ -1393,7 +1397,7 @@ impl Shard {
                 )
             };
             let mut pipelines = Vec::new();
-            let mut ahead: Option<u64> = None;
+            let mut ahead: Option<(u64, LabelSet)> = None;
             for m in &route.members[1..] {
                 let p = self.pipeline(m, &name);
                 let epoch = p.connect().await?;
@@ -1410,17 +1414,23 @@ impl Shard {
                 match ack.status {
                     Status::OK => pipelines.push((p, epoch)),
                     Status::PROPOSAL_MISMATCH if reply.head > head => {
-                        ahead = Some(ahead.unwrap_or(0).max(reply.head));
+                        if ahead.as_ref().is_none_or(|(h, _)| reply.head > *h) {
+                            ahead = Some((reply.head, reply.registers));
+                        }
                     }
                     status => {
+                        // Clients see a retryable status; the cause is named.
                         return Err(Failure::new(
-                            status,
-                            format!("replica {}: {}", m.id, reply.message),
-                        ))
+                            Status::REPLICATION_FAILED,
+                            format!(
+                                "replica {} answered SYNC with {status}: {}",
+                                m.id, reply.message
+                            ),
+                        ));
                     }
                 }
             }
-            let Some(to) = ahead else {
+            let Some((to, their_registers)) = ahead else {
                 return Ok(PrimaryRepl {
                     members: route.ids(),
                     pipelines,
@@ -1436,6 +1446,11 @@ impl Shard {
             jm.head = jm.head.max(to);
             jm.local_head = jm.local_head.max(to);
             jm.staged_head = jm.local_head;
+            // The registers go with the furthest history (fencing must not
+            // step back).
+            jm.registers = their_registers.clone();
+            jm.local_registers = their_registers.clone();
+            jm.staged_registers = their_registers;
         }
         Err(Failure::new(
             Status::PROPOSAL_MISMATCH,
@@ -1466,6 +1481,7 @@ impl Shard {
                 let body = SyncReply {
                     head,
                     route: route.ids(),
+                    registers: j.borrow().local_registers.clone(),
                     message,
                 };
                 w.sink
@@ -2023,10 +2039,15 @@ impl Shard {
                 &[],
             );
         }
+        // Pulses (internal, their outbox closed) are not client appends.
+        let counted = staged
+            .iter()
+            .filter(|s| !s.op.outbox.is_closed() || s.op.replica.is_some())
+            .count() as u64;
         if failure.is_some() {
-            metrics::add(&self.metrics.append_failures, staged.len() as u64);
+            metrics::add(&self.metrics.append_failures, counted);
         } else {
-            metrics::add(&self.metrics.appends, staged.len() as u64);
+            metrics::add(&self.metrics.appends, counted);
             metrics::add(&self.metrics.append_bytes, bytes);
         }
         jm.committed.notify(usize::MAX);

@@ -247,6 +247,9 @@ pub struct SyncReply {
     pub head: u64,
     /// The route as the replica computes it.
     pub route: Vec<String>,
+    /// The replica's registers (a primary rolling forward adopts them).
+    #[serde(default)]
+    pub registers: LabelSet,
     #[serde(default)]
     pub message: String,
 }

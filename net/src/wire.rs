@@ -357,6 +357,15 @@ impl MetaWriter {
         self
     }
 
+    /// Bytes written so far.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
     /// The bytes written, for a payload (which has no metadata limit).
     pub fn into_payload(self) -> Vec<u8> {
         self.buf
