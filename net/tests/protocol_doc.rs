@@ -221,3 +221,78 @@ fn shard_routing_matches_the_doc() {
     assert_eq!(rotary_net::shard_of("a/b/c", 4), 3);
     assert!(DOC.contains("0xff0a6c6c707f2b5d"));
 }
+
+#[test]
+fn replication_frames_match_the_doc() {
+    use rotary_net::repl::{self, Ack, Record};
+    let journal = "orders/part-000";
+    let frame_of = |op: Op, payload: &[u8]| {
+        let mut frame = Vec::new();
+        wire::encode_frame(&mut frame, op, 0, Status::OK, 0, &[], payload);
+        frame
+    };
+    let mut w = wire::MetaWriter::new();
+    Record::Content {
+        seq: 3,
+        journal,
+        offset: 0x1000,
+        bytes: CONTENT,
+    }
+    .encode(&mut w);
+    let content = frame_of(Op::REPLICATE, &w.into_payload());
+    assert_eq!(
+        content,
+        doc_hex("replicate-content"),
+        "REPLICATE content example in PROTOCOL.md is stale"
+    );
+
+    let sha1: [u8; 20] = Sha1::digest(CONTENT).into();
+    let mut w = wire::MetaWriter::new();
+    let commit = Record::Commit {
+        seq: 3,
+        journal,
+        begin: 0x1000,
+        end: 0x1006,
+        fragment_sha1: sha1,
+        registers: LabelSet::from_pairs([("owner", "w7")]).unwrap(),
+    };
+    commit.encode(&mut w);
+    let frame = frame_of(Op::REPLICATE, &w.into_payload());
+    assert_eq!(
+        frame,
+        doc_hex("replicate-commit"),
+        "REPLICATE commit example in PROTOCOL.md is stale"
+    );
+    let (decoded, _) = wire::decode_frame(&frame, BODY_LEN_MAX).unwrap().unwrap();
+    assert_eq!(repl::decode_records(decoded.payload).unwrap(), vec![commit]);
+
+    let ack = Ack {
+        seq: 3,
+        status: Status::OK,
+        body: Vec::new(),
+    };
+    let frame = frame_of(
+        Op::REPLICATE_ACK,
+        &repl::encode_acks(std::slice::from_ref(&ack)),
+    );
+    assert_eq!(
+        frame,
+        doc_hex("replicate-ack"),
+        "REPLICATE_ACK example in PROTOCOL.md is stale"
+    );
+    let (decoded, _) = wire::decode_frame(&frame, BODY_LEN_MAX).unwrap().unwrap();
+    assert_eq!(repl::decode_acks(decoded.payload).unwrap(), vec![ack]);
+
+    // The SYNC reply of the example, as a replica serializes it.
+    let reply = repl::SyncReply {
+        head: 4096,
+        route: vec!["b3".into(), "b2".into(), "b1".into()],
+        registers: LabelSet::new(),
+        message: String::new(),
+    };
+    let text = serde_json::to_string(&reply).unwrap();
+    assert!(
+        DOC.contains(&format!("body `{text}`")),
+        "SyncReply example: {text}"
+    );
+}
