@@ -24,6 +24,11 @@
 //! * `backfill` (only when asked for by name): history in a `file://` store
 //!   read with `read_direct` against a raw store GET, and 1 KiB append
 //!   latency on another journal with and without a backfill running.
+//! * `replication` (only when asked for by name): three `rotary serve
+//!   --cluster` child processes; 1 MiB throughput and 1 KiB fixed-rate
+//!   latency to a journal with `replication: 1` and to one with
+//!   `replication: 3`, both with the same primary, and the primary's acks
+//!   per ack frame.
 //!
 //! Everything listens on 127.0.0.1 only; every child process is stopped by
 //! its PID; every loop is bounded in time. Nothing here asserts timings:
@@ -38,6 +43,7 @@ mod child;
 mod cpu;
 mod load;
 mod pingpong;
+mod replication;
 mod report;
 mod sys;
 
@@ -71,6 +77,10 @@ pub enum Scenario {
     /// store GET, and live append latency with and without that backfill.
     /// Not part of `all`: it writes `--backfill-gib` GiB twice over.
     Backfill,
+    /// Three `rotary serve --cluster` child processes: 1 MiB MB/s and 1 KiB
+    /// latency with replication 1 and 3 on the same primary, and acks per
+    /// ack frame. Not part of `all`: it runs brokers of its own.
+    Replication,
 }
 
 /// `rotary bench`: load-tests one broker and compares it with the machine.
@@ -113,6 +123,9 @@ pub struct BenchArgs {
     /// Appends per second of the live journal in the backfill scenario.
     #[arg(long = "backfill-rate", default_value_t = 2_000)]
     pub backfill_rate: u64,
+    /// Appends per second of the 1 KiB phases of the replication scenario.
+    #[arg(long = "replication-rate", default_value_t = 2_000)]
+    pub replication_rate: u64,
     /// Appends in flight per journal in fanout-64x4k.
     #[arg(long = "fanout-depth", default_value_t = 4)]
     pub fanout_depth: usize,
@@ -149,7 +162,9 @@ impl BenchArgs {
     }
 
     fn wants(&self, s: Scenario) -> bool {
-        (self.scenarios.contains(&Scenario::All) && s != Scenario::Backfill)
+        (self.scenarios.contains(&Scenario::All)
+            && s != Scenario::Backfill
+            && s != Scenario::Replication)
             || self.scenarios.contains(&s)
     }
 
@@ -188,6 +203,11 @@ impl BenchArgs {
             load::RATE_MAX
         );
         anyhow::ensure!(
+            (1..=replication::RATE_MAX).contains(&self.replication_rate),
+            "--replication-rate must be 1 to {}",
+            replication::RATE_MAX
+        );
+        anyhow::ensure!(
             (1..=pingpong::MESSAGE_LEN_MAX).contains(&self.pingpong_size),
             "--pingpong-size must be 1 to {}",
             pingpong::MESSAGE_LEN_MAX
@@ -213,6 +233,16 @@ const FIO_4K_FILE_MIB: u64 = 256;
 
 /// Longest `--duration` or `--warmup` accepted.
 pub const DURATION_SECS_MAX: f64 = 3600.0;
+
+/// The load generator's runtime: `--client-threads` workers.
+fn client_runtime(args: &BenchArgs) -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.client_threads)
+        .thread_name("rotary-bench-client")
+        .enable_all()
+        .build()
+        .context("starting the client runtime")
+}
 
 /// Runs the scenarios `args` selects and prints their figures.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -287,12 +317,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::Backfill,
     ];
     if broker_scenarios.iter().any(|s| args.wants(*s)) {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(args.client_threads)
-            .thread_name("rotary-bench-client")
-            .enable_all()
-            .build()
-            .context("starting the client runtime")?;
+        let rt = client_runtime(&args)?;
         let target = broker::Target::open(&args, &scratch.path().join("broker"))?;
         figures.broker = Some(target.describe());
         let store_dir = scratch.path().join("store");
@@ -301,6 +326,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         rt.shutdown_timeout(Duration::from_secs(5));
         target.close();
         result?;
+    }
+    if args.wants(Scenario::Replication) {
+        let f = replication::run(&args, &scratch.path().join("replication"))?;
+        if let Some(p) = f.foreign_cpu_percent {
+            figures.foreign_cpu_percent.push(("replication", p));
+        }
+        figures.replication = Some(f);
     }
     drop(scratch);
 

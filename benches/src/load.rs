@@ -328,8 +328,9 @@ async fn closed_loop(
     out
 }
 
-/// append-1m and fanout-64x4k: `depth` closed-loop workers per journal.
-async fn throughput(
+/// append-1m and fanout-64x4k (and replication): `depth` closed-loop
+/// workers per journal.
+pub(crate) async fn throughput(
     client: &Client,
     args: &BenchArgs,
     journals: Vec<String>,

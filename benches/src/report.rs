@@ -18,6 +18,13 @@ pub const BACKFILL_THROUGHPUT_RATIO_MIN: f64 = 0.8;
 /// Live append p99 during a backfill may be at most this multiple of it without.
 pub const BACKFILL_LATENCY_RATIO_MAX: f64 = 1.2;
 
+/// 1 MiB appends replicated to 3 brokers must reach this share of the MB/s
+/// of appends that are not replicated, on the same primary.
+pub const REPLICATION_THROUGHPUT_RATIO_MIN: f64 = 0.5;
+/// 1 KiB append p99 replicated to 3 brokers may be at most this multiple of
+/// the p99 without replication, on the same primary.
+pub const REPLICATION_LATENCY_RATIO_MAX: f64 = 2.0;
+
 /// Largest latency a histogram records; longer ones are clamped to it.
 pub const LATENCY_NS_MAX: u64 = 60_000_000_000;
 
@@ -186,6 +193,7 @@ pub struct Figures {
     pub latency_1k: Option<LatencyFigures>,
     pub fanout_64x4k: Option<ThroughputFigures>,
     pub backfill: Option<crate::backfill::BackfillFigures>,
+    pub replication: Option<crate::replication::ReplicationFigures>,
     /// Per scenario: percent of all CPUs busy outside this process (other
     /// processes, kernel threads) while it ran.
     pub foreign_cpu_percent: Vec<(&'static str, f64)>,
@@ -221,6 +229,7 @@ impl Figures {
                 "fanout_depth": args.fanout_depth,
                 "backfill_gib": args.backfill_gib,
                 "backfill_rate": args.backfill_rate,
+                "replication_rate": args.replication_rate,
                 "pingpong_size": args.pingpong_size,
                 "client_threads": args.client_threads,
                 "fio_size_mib": args.fio_size_mib,
@@ -274,6 +283,26 @@ impl Figures {
                 });
             }
         }
+        if let Some(r) = &self.replication {
+            if r.append_1m_rep1.mb_per_s > 0.0 {
+                let value = r.append_1m_rep3.mb_per_s / r.append_1m_rep1.mb_per_s;
+                out.push(Ratio {
+                    name: "replication 1 MiB MB/s, rep 3 ÷ rep 1",
+                    value,
+                    target: format!("≥ {REPLICATION_THROUGHPUT_RATIO_MIN:.2}"),
+                    met: value >= REPLICATION_THROUGHPUT_RATIO_MIN,
+                });
+            }
+            if r.latency_1k_rep1.latency.p99_us > 0.0 {
+                let value = r.latency_1k_rep3.latency.p99_us / r.latency_1k_rep1.latency.p99_us;
+                out.push(Ratio {
+                    name: "replication 1 KiB p99, rep 3 ÷ rep 1",
+                    value,
+                    target: format!("≤ {REPLICATION_LATENCY_RATIO_MAX:.2}"),
+                    met: value <= REPLICATION_LATENCY_RATIO_MAX,
+                });
+            }
+        }
         out
     }
 
@@ -297,6 +326,10 @@ impl Figures {
                     l.latency.p99_us / p99,
                 ));
             }
+        }
+        if let Some(a) = self.replication.as_ref().and_then(|r| r.acks_per_ack_frame) {
+            // Acks the primary's pipelines received per REPLICATE_ACK frame.
+            out.push(("replication acks per ack frame (rep 3)", a));
         }
         out
     }
@@ -330,6 +363,7 @@ impl Figures {
             "latency_1k": self.latency_1k,
             "fanout_64x4k": self.fanout_64x4k,
             "backfill": self.backfill,
+            "replication": self.replication,
             "ratios": self.ratios(),
             "bounds": self.bounds().into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>(),
             "skipped": self.skipped,
@@ -485,6 +519,9 @@ impl Figures {
                 ),
             );
         }
+        if let Some(r) = &self.replication {
+            replication_rows(&mut rows, r);
+        }
         let w0 = rows
             .iter()
             .map(|r| r.0.chars().count())
@@ -544,6 +581,118 @@ impl Figures {
         }
         out
     }
+}
+
+fn replication_rows(
+    rows: &mut Vec<(String, String, String)>,
+    r: &crate::replication::ReplicationFigures,
+) {
+    let mut row = |f: String, v: String| rows.push(("replication".into(), f, v));
+    let threads: Vec<String> = r
+        .brokers
+        .iter()
+        .map(|b| format!("{} {}", b.id, b.shard_threads.join(", ")))
+        .collect();
+    row(
+        format!(
+            "{} brokers × 1 shard, primary {}",
+            r.brokers.len(),
+            r.primary
+        ),
+        threads.join(" · "),
+    );
+    let phases = [
+        ("rep 1", &r.append_1m_rep1, &r.latency_1k_rep1),
+        ("rep 3", &r.append_1m_rep3, &r.latency_1k_rep3),
+    ];
+    for (name, _, l) in phases {
+        row(
+            format!(
+                "{name}: {} B at {}/s, from intended send",
+                l.append_bytes, l.rate_target
+            ),
+            l.latency.line(),
+        );
+        row(
+            format!("{name}: from actual send · pacer lag p99"),
+            format!("{} · {}", l.service.line(), fmt_us(l.pacer_lag.p99_us)),
+        );
+        row(
+            format!("{name}: achieved rate · most in flight"),
+            format!(
+                "{:.0}/s · {} · {} errors",
+                l.rate_achieved, l.in_flight_max, l.errors
+            ),
+        );
+    }
+    for (name, t, _) in phases {
+        row(
+            format!("{name}: {} B, {} in flight", t.append_bytes, t.depth),
+            format!(
+                "{:.0} MB/s · {:.0} appends/s · {} errors",
+                t.mb_per_s, t.appends_per_s, t.errors
+            ),
+        );
+        row(
+            format!("{name}: append latency (closed loop)"),
+            t.latency.line(),
+        );
+    }
+    let opt = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |v| v.to_string());
+    row(
+        "primary: acks per ack frame (rep 3)".into(),
+        match r.acks_per_ack_frame {
+            Some(a) => format!(
+                "{a:.2} ({} acks in {} frames)",
+                opt(r.repl_acks),
+                opt(r.repl_ack_frames)
+            ),
+            None => format!(
+                "unknown ({} acks in {} frames)",
+                opt(r.repl_acks),
+                opt(r.repl_ack_frames)
+            ),
+        },
+    );
+    for p in &r.phases {
+        let cpu: Vec<String> = p
+            .broker_cpu_percent
+            .iter()
+            .map(|(id, c)| format!("{id} {c:.0}%"))
+            .collect();
+        row(
+            format!("{}: primary counters · broker CPU", p.phase),
+            format!(
+                "appends {} · replicated batches {} · syncs {} · ack frames {} · acks {} · {}",
+                opt(p.primary.appends),
+                opt(p.primary.replicated_batches),
+                opt(p.primary.syncs),
+                opt(p.primary.repl_ack_frames),
+                opt(p.primary.repl_acks),
+                cpu.join(" ")
+            ),
+        );
+    }
+    let first_errors = [
+        ("latency-1k rep 1", &r.latency_1k_rep1.first_error),
+        ("latency-1k rep 3", &r.latency_1k_rep3.first_error),
+        ("append-1m rep 1", &r.append_1m_rep1.first_error),
+        ("append-1m rep 3", &r.append_1m_rep3.first_error),
+    ];
+    for (phase, e) in first_errors {
+        if let Some(e) = e {
+            row(format!("{phase}: first error"), e.clone());
+        }
+    }
+    let warnings: Vec<String> = r
+        .brokers
+        .iter()
+        .map(|b| format!("{} {}", b.id, b.log_warnings))
+        .collect();
+    row(
+        "broker log lines at WARN/ERROR".into(),
+        warnings.join(" · "),
+    );
 }
 
 fn errors_line(errors: u64, forwards: Option<u64>) -> String {
