@@ -122,6 +122,11 @@ struct ServeArgs {
     /// Threads that compress and upload sealed fragments to their stores.
     #[arg(long = "upload-threads", value_name = "N", value_parser = parse_upload_threads, default_value = "2")]
     upload_threads: usize,
+    /// Cores to pin shards to, e.g. `1` or `0,2-3`: shard n runs on the
+    /// n-th (cycling). Without it shard n runs on core n. Brokers sharing a
+    /// host give each other disjoint lists.
+    #[arg(long = "cpus", value_name = "LIST", value_parser = parse_cpus)]
+    cpus: Option<CpuList>,
     /// Static cluster file (YAML `brokers: [{id, zone, endpoint}]`); the
     /// broker listens on its own endpoint from it and re-reads it when it
     /// changes or on SIGHUP. Needs --id; excludes --listen.
@@ -135,6 +140,29 @@ struct ServeArgs {
     /// This broker's id in the cluster file.
     #[arg(long = "id", value_name = "ID", requires = "cluster")]
     id: Option<String>,
+}
+
+/// Cores given to `--cpus`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct CpuList(Vec<usize>);
+
+/// A core list: `1`, `0,2`, `2-5`, or a mix.
+fn parse_cpus(s: &str) -> Result<CpuList, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let a: usize = a
+            .parse()
+            .map_err(|_| format!("{part:?} is not a core or range"))?;
+        let b: usize = b
+            .parse()
+            .map_err(|_| format!("{part:?} is not a core or range"))?;
+        if a > b || b >= 1024 {
+            return Err(format!("{part:?} is not a core range"));
+        }
+        out.extend(a..=b);
+    }
+    Ok(CpuList(out))
 }
 
 /// Most upload threads `serve` accepts.
@@ -459,6 +487,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.spool_budget_bytes = args.spool_budget;
     config.upload_threads = args.upload_threads;
     config.cluster = args.cluster.zip(args.id);
+    config.cpus = args.cpus.map(|c| c.0).unwrap_or_default();
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 
@@ -836,12 +865,22 @@ mod tests {
     }
 
     #[test]
+    fn core_lists() {
+        assert_eq!(parse_cpus("1").unwrap(), CpuList(vec![1]));
+        assert_eq!(parse_cpus("0,2-4").unwrap(), CpuList(vec![0, 2, 3, 4]));
+        assert!(parse_cpus("3-1").is_err());
+        assert!(parse_cpus("a").is_err());
+        assert!(parse_cpus("").is_err());
+    }
+
+    #[test]
     fn cli_shapes_parse() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
         for line in [
             "rotary serve --data /tmp/d --listen 127.0.0.1:7401 --cores 2 --disk-reserve 1G",
             "rotary serve --spool-budget 64M --upload-threads 4",
+            "rotary serve --cluster c.yaml --id b1 --cpus 0,2-3",
             "rotary journals reset-head a/b/c",
             "rotary journals prune -l app=orders --dry-run -o json",
             "rotary journals prune",

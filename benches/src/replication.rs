@@ -2,7 +2,9 @@
 //! costs an append, against no replication, on the same primary in one run.
 //!
 //! 1. Cluster: three child processes of this executable (`rotary serve
-//!    --cluster FILE --id bN --cores 1 --disk-reserve 0`), brokers `b1`,
+//!    --cluster FILE --id bN --cores 1 --cpus C --disk-reserve 0`: the
+//!    primary `b1` alone on core 0, the replicas on the other cores, shared
+//!    if there are fewer than two), brokers `b1`,
 //!    `b2`, `b3` in zones `a`, `b`, `c` on free ports of 127.0.0.1, each with
 //!    its data directory and its log (stdout and stderr) in the scratch
 //!    directory. Each must answer PING before the run goes on. Each is
@@ -249,7 +251,15 @@ impl Cluster {
         let mut cluster = Cluster {
             brokers: Vec::new(),
         };
-        for ((id, zone), endpoint) in BROKERS.iter().zip(endpoints) {
+        let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for (i, ((id, zone), endpoint)) in BROKERS.iter().zip(endpoints).enumerate() {
+            // The primary gets a core of its own where there are two or
+            // more; the replicas share the others.
+            let cpu = if ncpu < 2 || i == 0 {
+                0
+            } else {
+                1 + (i - 1) % (ncpu - 1)
+            };
             let data = dir.join(id).join("data");
             let log = dir.join(format!("{id}.log"));
             let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -263,6 +273,8 @@ impl Cluster {
                 .arg("--data")
                 .arg(&data)
                 .args(["--cores", "1", "--disk-reserve", "0"])
+                .arg("--cpus")
+                .arg(cpu.to_string())
                 .env("RUST_BACKTRACE", "1")
                 .stdin(Stdio::null())
                 .stdout(out)

@@ -49,6 +49,10 @@ pub struct ServeConfig {
     pub spool_sizing: rotary_storage::spool::SpoolSizing,
     /// Submission queue entries of each shard's ring.
     pub ring_entries: u32,
+    /// Cores the shards are pinned to, shard n on `cpus[n % len]`; empty =
+    /// shard n on core n (modulo the machine's cores). Lets brokers that
+    /// share a host keep to cores of their own.
+    pub cpus: Vec<usize>,
     /// A static cluster file and this broker's id in it. The broker then
     /// listens on its endpoint from the file (`listen` is ignored).
     pub cluster: Option<(PathBuf, String)>,
@@ -67,6 +71,7 @@ impl ServeConfig {
             shutdown_upload_timeout: Duration::from_secs(30),
             spool_sizing: rotary_storage::spool::SpoolSizing::default(),
             ring_entries: 1024,
+            cpus: Vec::new(),
             cluster: None,
         }
     }
@@ -170,11 +175,26 @@ impl Broker {
         let ncpu = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
-        let shards = if config.cores == 0 {
-            ncpu
-        } else {
-            config.cores
+        let shards = match (config.cores, config.cpus.len()) {
+            (0, 0) => ncpu,
+            (0, n) => n,
+            (n, _) => n,
         };
+        if let Some(c) = config.cpus.iter().find(|&&c| c >= ncpu) {
+            return Err(EngineError::Config(format!(
+                "--cpus: core {c} does not exist here (cores 0 to {})",
+                ncpu - 1
+            )));
+        }
+        let core_of = |n: usize| {
+            if config.cpus.is_empty() {
+                n % ncpu
+            } else {
+                config.cpus[n % config.cpus.len()]
+            }
+        };
+        let used: HashSet<usize> = (0..shards).map(core_of).collect();
+        let spare: Vec<usize> = (0..ncpu).filter(|c| !used.contains(c)).collect();
         if shards > 256 {
             return Err(EngineError::Config(format!(
                 "--cores {shards}: at most 256 shards"
@@ -225,9 +245,8 @@ impl Broker {
             let (stop_tx, stop_rx) = async_channel::bounded::<()>(1);
             stops.push(stop_tx);
             let ctx = ShardContext {
-                core: n % ncpu,
-                ncpu,
-                shards_total: shards,
+                core: core_of(n),
+                spare: spare.clone(),
                 shard: shard::ShardConfig {
                     index: n as u32,
                     shards: shards as u32,
@@ -287,9 +306,8 @@ impl Broker {
 
 struct ShardContext {
     core: usize,
-    ncpu: usize,
-    /// Shards of the broker; shard n runs on core n % ncpu.
-    shards_total: usize,
+    /// Cores that host no shard of this broker.
+    spare: Vec<usize>,
     ring_entries: u32,
     shard: shard::ShardConfig,
     shutdown_upload_timeout: Duration,
@@ -322,14 +340,14 @@ fn run_shard(ctx: ShardContext) {
         // work onto another shard's core would trade a stall for a
         // cross-core wake-up on every punted write, so with no spare core
         // the workers stay with their shard.
-        let spare: Vec<usize> = (ctx.shards_total..ctx.ncpu).collect();
+        let spare = &ctx.spare;
         if spare.is_empty() {
             tracing::debug!(
                 core = ctx.core,
                 "no core without a shard; io-wq workers stay on the shard's core"
             );
         } else {
-            match sys::set_iowq_affinity(rt.as_raw_fd(), &spare) {
+            match sys::set_iowq_affinity(rt.as_raw_fd(), spare) {
                 Ok(()) => tracing::debug!(
                     core = ctx.core,
                     ?spare,
