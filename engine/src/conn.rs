@@ -700,6 +700,14 @@ impl Conn {
             };
             match verdict {
                 Verdict::Start { seq, begin } => {
+                    // The journal's earlier appends have all their content.
+                    for (op, oj) in self.repl_ops.values() {
+                        if Rc::ptr_eq(oj, &j) {
+                            if let Some(r) = &op.replica {
+                                r.content_done.set(true);
+                            }
+                        }
+                    }
                     let op = self.replica_op(&j, &sink, seq, begin);
                     if let repl::Record::Content { bytes, .. } = &rec {
                         self.push_bytes(&op, bytes);
@@ -785,6 +793,7 @@ impl Conn {
             replica: Some(ReplicaOp {
                 sink: sink.clone(),
                 proposal: RefCell::new(None),
+                content_done: Cell::new(false),
             }),
         })
     }

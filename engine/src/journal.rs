@@ -67,6 +67,17 @@ pub struct AppendOp {
 pub struct ReplicaOp {
     pub sink: Rc<AckSink>,
     pub proposal: RefCell<Option<Proposal>>,
+    /// All of its content has arrived (the primary started a later append
+    /// of the journal): it can be staged whole before its proposal comes.
+    pub content_done: Cell<bool>,
+}
+
+/// A replica's append staged whole and waiting for its proposal.
+pub struct Awaiting {
+    pub op: Rc<AppendOp>,
+    pub start: CommitPoint,
+    pub end: CommitPoint,
+    pub seq: u64,
 }
 
 /// A primary's commit proposal for one append.
@@ -219,6 +230,8 @@ pub struct Journal {
     pub staged_with_replicas: bool,
     /// Replica: the position in the primary's stream.
     pub replica: Option<crate::replica::ReplicaTrack>,
+    /// Replica: appends staged whole, oldest first, awaiting proposals.
+    pub awaiting: VecDeque<Awaiting>,
     /// Replica: SYNCs waiting to be applied by the flusher.
     pub sync_waiters: Vec<SyncWaiter>,
     /// When the last append was queued (primaries pulse idle journals).
@@ -327,6 +340,7 @@ impl Journal {
             inflight: 0,
             staged_with_replicas: false,
             replica: None,
+            awaiting: VecDeque::new(),
             sync_waiters: Vec::new(),
             last_append: Instant::now(),
             queue: VecDeque::new(),

@@ -25,7 +25,7 @@ use rotary_net::status::Status;
 use rotary_net::wire::{AppendReply, Op};
 use rotary_storage::fragment::{list_dir, LocalFragment};
 use rotary_storage::sha::Sha1;
-use rotary_storage::spool::{read_range, Spool, SpoolSizing};
+use rotary_storage::spool::{read_range, CommitPoint, Spool, SpoolSizing};
 use rotary_storage::wal::{CommitLog, JournalState};
 use rotary_storage::StorageError;
 use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
@@ -1135,9 +1135,36 @@ impl Shard {
                     .queue
                     .iter()
                     .chain(jm.active.as_ref().map(|a| &a.op))
+                    .chain(jm.awaiting.iter().map(|w| &w.op))
                     .filter(|op| op.replica.is_some() && !op.complete.get());
                 for op in open {
                     op.aborted.set(Some(AbortReason::Closed));
+                }
+            }
+        }
+        // A replica append rolled back by its primary (or whose connection
+        // closed) drops it and everything staged after it.
+        {
+            let mut jm = j.borrow_mut();
+            let jm = &mut *jm;
+            if let Some(i) = jm
+                .awaiting
+                .iter()
+                .position(|w| w.op.aborted.get().is_some())
+            {
+                let start = jm.awaiting[i].start.clone();
+                for w in jm.awaiting.drain(i..) {
+                    w.op.finished.set(true);
+                }
+                if let Some(a) = jm.active.take() {
+                    a.op.finished.set(true);
+                    drop_budget(&a.op);
+                    jm.queue.pop_front();
+                }
+                jm.tail.truncate(start.offset);
+                jm.staged_head = start.offset;
+                if let Some(spool) = jm.spool.as_mut() {
+                    spool.rewind(start);
                 }
             }
         }
@@ -1469,6 +1496,7 @@ impl Shard {
                     || jm.active.is_some()
                     || !jm.queue.is_empty()
                     || !jm.staged.is_empty()
+                    || !jm.awaiting.is_empty()
                 {
                     return;
                 }
@@ -1590,6 +1618,79 @@ impl Shard {
     /// Stages queued appends of one journal. Returns true if it has more
     /// to stage as soon as the buffer is written.
     fn stage(&self, j: &JournalRef) -> bool {
+        let again = self.stage_queue(j);
+        let mut jm = j.borrow_mut();
+        if !jm.awaiting.is_empty() {
+            self.commit_awaiting(&mut jm);
+        }
+        again
+    }
+
+    /// Moves a replica's appends whose proposals arrived, oldest first,
+    /// from awaiting to this turn's batch, each checked against the bytes
+    /// staged for it. A mismatch drops it and everything staged after it.
+    fn commit_awaiting(&self, jm: &mut Journal) {
+        while let Some(front) = jm.awaiting.front() {
+            let proposal = match &front.op.replica {
+                Some(r) => r.proposal.borrow().clone(),
+                None => None,
+            };
+            let Some(proposal) = proposal else { break };
+            let w = jm.awaiting.pop_front().expect("front");
+            let staged_sha = w.end.sha.clone().finalize();
+            if let Err(msg) = crate::replica::check_proposal(
+                w.end.offset,
+                &staged_sha,
+                proposal.end,
+                &proposal.fragment_sha1,
+            ) {
+                let r = AppendReply {
+                    write_head: jm.head,
+                    ..Default::default()
+                };
+                w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, &msg);
+                self.drop_replica_tail(jm, w.start, &msg);
+                return;
+            }
+            jm.staged_registers = proposal.registers.clone();
+            jm.staged.push(Staged {
+                op: w.op,
+                begin: w.start.offset,
+                end: w.end.offset,
+                sha1: staged_sha,
+                point: w.end,
+                registers: proposal.registers,
+                seq: w.seq,
+            });
+        }
+    }
+
+    /// Drops a replica's awaiting and active appends and rewinds its spool
+    /// to `start`; the journal needs a SYNC before it takes more.
+    fn drop_replica_tail(&self, jm: &mut Journal, start: CommitPoint, msg: &str) {
+        let r = AppendReply {
+            write_head: jm.head,
+            ..Default::default()
+        };
+        for w in jm.awaiting.drain(..) {
+            w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
+        }
+        if let Some(a) = jm.active.take() {
+            a.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
+            drop_budget(&a.op);
+            jm.queue.pop_front();
+        }
+        jm.tail.truncate(start.offset);
+        jm.staged_head = start.offset;
+        if let Some(spool) = jm.spool.as_mut() {
+            spool.rewind(start);
+        }
+        if let Some(t) = jm.replica.as_mut() {
+            t.diverged();
+        }
+    }
+
+    fn stage_queue(&self, j: &JournalRef) -> bool {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let role = self.role(&jm.spec);
@@ -1827,7 +1928,8 @@ impl Shard {
                     return true;
                 }
             }
-            if !a.op.complete.get() || !a.op.chunks.borrow().is_empty() {
+            let content_done = a.op.replica.as_ref().is_some_and(|r| r.content_done.get());
+            if (!a.op.complete.get() && !content_done) || !a.op.chunks.borrow().is_empty() {
                 return false;
             }
             // The append is whole.
@@ -1836,40 +1938,14 @@ impl Shard {
             let point = spool.commit_point();
             let begin = a.start.offset;
             let end = point.offset;
-            if let Some(r) = &a.op.replica {
-                let proposal = r
-                    .proposal
-                    .borrow()
-                    .clone()
-                    .expect("a complete replica append carries its proposal");
-                let staged_sha: [u8; 20] = point.sha.clone().finalize();
-                if let Err(msg) = crate::replica::check_proposal(
-                    end,
-                    &staged_sha,
-                    proposal.end,
-                    &proposal.fragment_sha1,
-                ) {
-                    jm.tail.truncate(a.start.offset);
-                    spool.rewind(a.start);
-                    if let Some(t) = jm.replica.as_mut() {
-                        t.diverged();
-                    }
-                    let r = AppendReply {
-                        write_head: jm.staged_head,
-                        ..Default::default()
-                    };
-                    a.op.reply_error(Status::PROPOSAL_MISMATCH, &r, &msg);
-                    continue;
-                }
+            if a.op.replica.is_some() {
+                // Committed when its proposal comes (`commit_awaiting`);
+                // the next append's content is staged meanwhile.
                 jm.staged_head = end;
-                jm.staged_registers = proposal.registers.clone();
-                jm.staged.push(Staged {
+                jm.awaiting.push_back(crate::journal::Awaiting {
                     op: a.op,
-                    begin,
-                    end,
-                    sha1: staged_sha,
-                    point,
-                    registers: proposal.registers,
+                    start: a.start,
+                    end: point,
                     seq: a.seq,
                 });
                 continue;
@@ -1948,6 +2024,12 @@ impl Shard {
             drop_budget(&a.op);
             jm.queue.pop_front();
             metrics::add(&self.metrics.append_failures, 1);
+        }
+        for w in jm.awaiting.drain(..) {
+            w.op.reply_error(status, &reply, msg);
+        }
+        if let Some(t) = jm.replica.as_mut() {
+            t.diverged();
         }
         if let Some(spool) = jm.spool.as_mut() {
             spool.rollback();

@@ -388,21 +388,26 @@ impl Spool {
         self.committed_sha = point.sha;
     }
 
-    /// Discards staged bytes beyond `point`. A point at or after the
-    /// written offset is still in the buffer; an earlier one must be the
-    /// committed point, and the spool rolls back to it.
+    /// Discards staged bytes beyond `point`, which must not be below the
+    /// committed point. A point at or after the written offset is still in
+    /// the buffer; an earlier one was written, and the tail block must be
+    /// read back ([`Spool::load_tail`]) before staging again.
     pub fn rewind(&mut self, point: CommitPoint) {
         assert!(self.buf.is_some(), "rewind while a write is in flight");
+        assert!(point.offset <= self.staged);
         if point.offset >= self.written {
-            assert!(point.offset <= self.staged);
             self.staged = point.offset;
             self.sha = point.sha;
         } else {
-            assert_eq!(
-                point.offset, self.committed,
+            assert!(
+                point.offset >= self.committed,
                 "rewind below the committed point"
             );
-            self.rollback();
+            self.staged = point.offset;
+            self.written = point.offset;
+            self.sha = point.sha;
+            self.buf_start = self.begin + align_down(point.offset - self.begin);
+            self.tail_loaded = self.buf_start == point.offset;
         }
     }
 
@@ -423,7 +428,7 @@ impl Spool {
             return Ok(());
         }
         assert!(self.buf.is_some(), "load_tail while a write is in flight");
-        let want = (self.committed - self.buf_start) as usize;
+        let want = (self.written - self.buf_start) as usize;
         let (block, range) = read_range(&self.file, self.buf_start - self.begin, want)
             .await
             .map_err(|e| StorageError::io(&self.path, e))?;

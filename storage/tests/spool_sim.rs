@@ -44,6 +44,9 @@ async fn run(seed: u64, dir: &std::path::Path) {
         pending: Vec::new(),
     };
     let mut last_commit: CommitPoint = spool.commit_point();
+    // Staged points above the last commit, with the model's pending length
+    // there (a replica drops appends staged after one it keeps).
+    let mut marks: Vec<(CommitPoint, usize)> = Vec::new();
     let mut fragments = Vec::new();
     for _ in 0..60 {
         match rng.gen_range(0..100) {
@@ -64,6 +67,9 @@ async fn run(seed: u64, dir: &std::path::Path) {
                     }
                 }
                 m.pending.extend_from_slice(&bytes);
+                if rng.gen_bool(0.5) {
+                    marks.push((spool.commit_point(), m.pending.len()));
+                }
             }
             45..=69 => {
                 // Write and commit everything staged.
@@ -71,6 +77,27 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 last_commit = spool.commit_point();
                 spool.commit(last_commit.clone());
                 m.committed.append(&mut m.pending);
+                marks.clear();
+            }
+            75..=79 if !marks.is_empty() => {
+                // Rewind to a staged point above the commit, written or not.
+                let i = rng.gen_range(0..marks.len());
+                if rng.gen_bool(0.5) {
+                    write(&mut spool).await;
+                }
+                let (point, len) = marks[i].clone();
+                marks.truncate(i + 1);
+                spool.rewind(point);
+                spool.load_tail().await.unwrap();
+                m.pending.truncate(len);
+                // What stays staged commits exactly.
+                if rng.gen_bool(0.5) {
+                    write(&mut spool).await;
+                    last_commit = spool.commit_point();
+                    spool.commit(last_commit.clone());
+                    m.committed.append(&mut m.pending);
+                    marks.clear();
+                }
             }
             70..=79 => {
                 // Rewind to the last commit (an aborted append).
@@ -80,6 +107,7 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 spool.rewind(last_commit.clone());
                 spool.load_tail().await.unwrap();
                 m.pending.clear();
+                marks.clear();
             }
             80..=87 => {
                 // Crash and recover from the commit log's view.
@@ -93,6 +121,7 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 spool = s;
                 last_commit = spool.commit_point();
                 m.pending.clear();
+                marks.clear();
             }
             _ => {
                 // Seal (only with nothing uncommitted) and start anew.
@@ -115,6 +144,7 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 }
                 m.begin = end;
                 m.committed.clear();
+                marks.clear();
                 spool = Spool::create(dir, end).await.unwrap();
                 last_commit = spool.commit_point();
             }
