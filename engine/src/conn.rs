@@ -210,7 +210,7 @@ impl Conn {
                         .handle(
                             frame,
                             Body::Owned(Chunk {
-                                data: big,
+                                data: Rc::new(big),
                                 range: payload_at..total,
                             }),
                         )
@@ -259,7 +259,13 @@ impl Conn {
                 }
                 Err(e) => self.admin_err(id, e.status(), &e.to_string()),
             },
-            Op::REPLICATE => return self.replicate(body.payload(&frame)),
+            Op::REPLICATE => {
+                let own = match &body {
+                    Body::Owned(c) => Some(c.data.clone()),
+                    Body::Borrowed(_) => None,
+                };
+                return self.replicate(body.payload(&frame), own.as_ref());
+            }
             Op::SYNC => self.sync(frame.request_id, body.payload(&frame)),
             Op::APPLY => self.apply(id, frame.flags, frame.payload).await,
             Op::LIST => self.list(id, frame.payload),
@@ -430,7 +436,7 @@ impl Conn {
         let chunk = match body {
             Body::Owned(chunk) => chunk,
             Body::Borrowed(_) => Chunk {
-                data: frame.payload.to_vec(),
+                data: Rc::new(frame.payload.to_vec()),
                 range: 0..frame.payload.len(),
             },
         };
@@ -664,7 +670,7 @@ impl Conn {
     }
 
     /// REPLICATE: records of a primary's appends. False closes the connection.
-    fn replicate(&mut self, payload: &[u8]) -> bool {
+    fn replicate(&mut self, payload: &[u8], frame: Option<&Rc<Vec<u8>>>) -> bool {
         let records = match rotary_net::repl::decode_records(payload) {
             Ok(r) => r,
             Err(e) => {
@@ -710,7 +716,7 @@ impl Conn {
                     }
                     let op = self.replica_op(&j, &sink, seq, begin);
                     if let repl::Record::Content { bytes, .. } = &rec {
-                        self.push_bytes(&op, bytes);
+                        self.push_bytes(&op, bytes, frame);
                     }
                     self.repl_ops.insert(seq, (op.clone(), j.clone()));
                     self.shard.submit_append(&j, op);
@@ -718,7 +724,7 @@ impl Conn {
                 Verdict::Continue { seq } => {
                     if let Some((op, _)) = self.repl_ops.get(&seq).cloned() {
                         if let repl::Record::Content { bytes, .. } = &rec {
-                            self.push_bytes(&op, bytes);
+                            self.push_bytes(&op, bytes, frame);
                         }
                         op.last_activity.set(Instant::now());
                         self.shard.mark_ready(&j);
@@ -798,15 +804,26 @@ impl Conn {
         })
     }
 
-    fn push_bytes(&self, op: &Rc<AppendOp>, bytes: &[u8]) {
+    /// Queues a record's bytes on a replicated append: a range of the
+    /// received frame's own buffer when it has one (no copy), else a copy.
+    fn push_bytes(&self, op: &Rc<AppendOp>, bytes: &[u8], frame: Option<&Rc<Vec<u8>>>) {
         if bytes.is_empty() {
             return;
         }
         self.budget.charge(bytes.len());
-        op.chunks.borrow_mut().push_back(Chunk {
-            data: bytes.to_vec(),
-            range: 0..bytes.len(),
+        let shared = frame.and_then(|f| {
+            let at = (bytes.as_ptr() as usize).checked_sub(f.as_ptr() as usize)?;
+            (at + bytes.len() <= f.len()).then(|| Chunk {
+                data: f.clone(),
+                range: at..at + bytes.len(),
+            })
         });
+        op.chunks
+            .borrow_mut()
+            .push_back(shared.unwrap_or_else(|| Chunk {
+                data: Rc::new(bytes.to_vec()),
+                range: 0..bytes.len(),
+            }));
     }
 
     /// Drops this connection's open replicated appends of a journal.

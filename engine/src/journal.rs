@@ -22,7 +22,8 @@ pub const APPEND_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Content of one frame: a buffer and the range of it that is payload.
 pub struct Chunk {
-    pub data: Vec<u8>,
+    /// Shared: the records of one received frame may each be a chunk.
+    pub data: Rc<Vec<u8>>,
     pub range: Range<usize>,
 }
 

@@ -60,6 +60,22 @@ impl Outbox {
         self.filled.notify(1);
     }
 
+    /// Whole frames already encoded in a buffer of their own: taken over
+    /// without a copy when nothing else is queued.
+    pub fn raw_owned(&self, bytes: Vec<u8>) {
+        if self.closed.get() {
+            return;
+        }
+        let mut buf = self.buf.borrow_mut();
+        if buf.is_empty() {
+            *buf = bytes;
+        } else {
+            buf.extend_from_slice(&bytes);
+        }
+        drop(buf);
+        self.filled.notify(1);
+    }
+
     /// An error reply: the message travels as the payload.
     pub fn error(&self, op: Op, status: Status, request_id: u64, meta: &[u8], message: &str) {
         self.frame(op, status, request_id, meta, message.as_bytes());

@@ -84,7 +84,7 @@ impl Pipeline {
             connected: Event::new(),
             acks: RefCell::new(BTreeMap::new()),
             event: Event::new(),
-            pending: RefCell::new(MetaWriter::new()),
+            pending: RefCell::new(frame_buffer()),
             pending_records: Cell::new(0),
             metrics,
         })
@@ -137,7 +137,7 @@ impl Pipeline {
             compio::runtime::spawn(outbox::writer(wr, ob.clone())).detach();
             self.epoch.set(self.epoch.get() + 1);
             // Records buffered for the old connection are meaningless now.
-            *self.pending.borrow_mut() = MetaWriter::new();
+            *self.pending.borrow_mut() = frame_buffer();
             self.pending_records.set(0);
             *self.outbox.borrow_mut() = Some(ob.clone());
             compio::runtime::spawn(self.clone().read_acks(rd, ob, self.epoch.get())).detach();
@@ -151,7 +151,7 @@ impl Pipeline {
         if self.live_epoch().is_none() {
             return;
         }
-        if self.pending.borrow().len() >= REPLICATE_FRAME_BYTES {
+        if self.pending.borrow().len() >= wire::HEADER_LEN + REPLICATE_FRAME_BYTES {
             // Frames stay well under the receiver's limit; order is kept.
             self.flush();
         }
@@ -159,15 +159,27 @@ impl Pipeline {
         self.pending_records.set(self.pending_records.get() + 1);
     }
 
-    /// Sends the buffered records as one REPLICATE frame.
+    /// Sends the buffered records as one REPLICATE frame. The records were
+    /// encoded after room for the frame header, so the buffer goes to the
+    /// connection as it is.
     pub fn flush(&self) {
         if self.pending_records.get() == 0 {
             return;
         }
         self.pending_records.set(0);
-        let payload = std::mem::take(&mut *self.pending.borrow_mut()).into_payload();
+        let mut frame =
+            std::mem::replace(&mut *self.pending.borrow_mut(), frame_buffer()).into_payload();
+        let header = wire::frame_header(
+            Op::REPLICATE,
+            0,
+            Status::OK,
+            0,
+            0,
+            frame.len() - wire::HEADER_LEN,
+        );
+        frame[..wire::HEADER_LEN].copy_from_slice(zerocopy::IntoBytes::as_bytes(&header));
         if let Some(ob) = self.outbox.borrow().as_ref() {
-            ob.frame(Op::REPLICATE, Status::OK, 0, &[], &payload);
+            ob.raw_owned(frame);
         }
     }
 
@@ -297,6 +309,13 @@ impl Pipeline {
         tracing::info!(peer = %self.peer, addr = %self.addr, "pipeline to replica closed");
         self.event.notify(usize::MAX);
     }
+}
+
+/// A REPLICATE frame being built: room for the header, then records.
+fn frame_buffer() -> MetaWriter {
+    let mut w = MetaWriter::new();
+    w.raw(&[0; wire::HEADER_LEN]);
+    w
 }
 
 /// One request and its one reply over a fresh connection (admin fan-out
