@@ -179,6 +179,19 @@ impl ClusterView {
 
 /// Parses a cluster file and checks that `me` is in it.
 pub fn load_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
+    let view = parse_cluster_file(path, me)?;
+    if view.me().is_none() {
+        return Err(format!(
+            "cluster file {}: no broker with id {me:?}",
+            path.display()
+        ));
+    }
+    Ok(view)
+}
+
+/// Parses a cluster file; `me` need not be in it (a broker removed from
+/// the cluster is in no route, and proxies every request to the members).
+fn parse_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cluster file {}: {e}", path.display()))?;
     let file: ClusterFile =
@@ -199,12 +212,6 @@ pub fn load_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
                 b.id
             ));
         }
-    }
-    if !seen.contains(me) {
-        return Err(format!(
-            "cluster file {}: no broker with id {me:?}",
-            path.display()
-        ));
     }
     Ok(ClusterView {
         me: me.to_string(),
@@ -270,10 +277,14 @@ pub fn watch_cluster_file(topology: Arc<Topology>, path: PathBuf, me: String) {
                 continue;
             }
             seen = now;
-            match load_cluster_file(&path, &me) {
+            match parse_cluster_file(&path, &me) {
                 Ok(view) => {
+                    let listed = view.me().is_some();
                     if topology.set(view) {
                         tracing::info!(file = %path.display(), "cluster file changed; routes recomputed");
+                        if !listed {
+                            tracing::warn!(id = %me, "this broker is no longer in the cluster file: it is in no route and proxies every journal request");
+                        }
                     }
                 }
                 Err(e) => tracing::error!(error = %e, "keeping the previous cluster view"),
@@ -346,6 +357,10 @@ mod tests {
         assert!(load_cluster_file(&p, "b9")
             .unwrap_err()
             .contains("no broker"));
+        // Re-read while running, a file without this broker leaves it in no route.
+        let gone = parse_cluster_file(&p, "b9").unwrap();
+        assert!(gone.me().is_none());
+        assert!(!gone.route("j", 2).contains("b9"));
         std::fs::write(
             &p,
             "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401}\n  - {id: b1, endpoint: 127.0.0.1:7411}\n",
