@@ -290,6 +290,11 @@ struct ReadArgs {
     /// fetching those fragments from the store directly (the default).
     #[arg(long = "proxy")]
     proxy: bool,
+    /// Read the --broker's own copy: it answers from what it holds (and
+    /// the store) or refuses with NOT_JOURNAL_BROKER; nothing is proxied
+    /// to another broker. To compare the members of a route.
+    #[arg(long = "pin", conflicts_with = "proxy")]
+    pin: bool,
     #[command(flatten)]
     broker: BrokerArgs,
 }
@@ -741,13 +746,18 @@ async fn read(args: ReadArgs) -> CmdResult {
         },
         end_offset: args.end_offset,
     };
-    let client = connect(&args.broker).await?;
+    let client = if args.pin {
+        Client::connect_pinned(&args.broker.endpoint()).await?
+    } else {
+        connect(&args.broker).await?
+    };
     let mut stream = if args.proxy || args.metadata {
-        Reader::Broker(
-            client
-                .read(&req, args.block && !args.metadata, args.metadata)
-                .await?,
-        )
+        let options = rotary_net::client::ReadOptions {
+            block: args.block && !args.metadata,
+            metadata_only: args.metadata,
+            do_not_proxy: args.pin,
+        };
+        Reader::Broker(client.read_with(&req, options).await?)
     } else {
         Reader::Direct(client.read_direct(&req, args.block))
     };
@@ -885,6 +895,7 @@ mod tests {
             "rotary journals prune -l app=orders --dry-run -o json",
             "rotary journals prune",
             "rotary read a/b/c --proxy --block",
+            "rotary read a/b/c --pin --metadata --broker 127.0.0.1:7411",
             "rotary journals apply -f -",
             "rotary journals list -l app=orders -o yaml --broker 127.0.0.1:1",
             "rotary journals delete a/b/c",

@@ -1310,6 +1310,16 @@ async fn brokers_outside_the_route_proxy_or_refuse_body(cluster: &mut Cluster) {
         assert_eq!(local_copy(b, j).await, expected, "{}", b.id);
     }
 
+    // `rotary read --pin` reads a member's own copy, and refuses elsewhere.
+    for b in [primary, replica] {
+        let (code, out, err) = run_cli(b.cli(&["read", j, "--pin"]), b"");
+        assert_eq!(code, 0, "{}: {err}", b.id);
+        assert_eq!(out, expected, "{}: rotary read --pin", b.id);
+    }
+    let (code, _, err) = run_cli(outside.cli(&["read", j, "--pin"]), b"");
+    assert_ne!(code, 0, "read --pin on {} outside the route", outside.id);
+    assert!(err.contains("NOT_JOURNAL_BROKER"), "{err}");
+
     // LIST on every broker and the CLI show the route.
     for b in &cluster.brokers {
         let list = b.client().await.list("").await.unwrap();
