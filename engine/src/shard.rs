@@ -334,6 +334,11 @@ impl Shard {
         }
     }
 
+    /// Whether this broker is the journal's primary.
+    pub fn is_primary(&self, spec: &rotary_net::JournalSpec) -> bool {
+        matches!(self.role(spec), Role::Primary(_))
+    }
+
     /// The endpoint of `m`'s shard for `journal`.
     pub fn member_endpoint(
         &self,
@@ -453,7 +458,7 @@ impl Shard {
         let Some(store) = jm.spec.fragment.stores.first().cloned() else {
             return;
         };
-        if !matches!(self.role(&jm.spec), Role::Primary(_)) {
+        if !self.is_primary(&jm.spec) {
             // Only the primary uploads.
             return;
         }
@@ -529,7 +534,7 @@ impl Shard {
         let mut total = 0;
         for j in self.journals.borrow().values() {
             let jm = j.borrow();
-            if jm.has_stores() && matches!(self.role(&jm.spec), Role::Primary(_)) {
+            if jm.has_stores() && self.is_primary(&jm.spec) {
                 total += jm
                     .fragments
                     .iter()
@@ -619,7 +624,7 @@ impl Shard {
             }
             if let Some(shard) = me.upgrade() {
                 let mut jm = j.borrow_mut();
-                if !matches!(shard.role(&jm.spec), Role::Primary(_)) {
+                if !shard.is_primary(&jm.spec) {
                     // A replica's copies are dropped once the store holds them.
                     jm.fragments.retain(|f| {
                         if f.uploaded {
@@ -651,7 +656,7 @@ impl Shard {
             let wants = {
                 let jm = j.borrow();
                 jm.has_stores()
-                    && matches!(self.role(&jm.spec), Role::Primary(_))
+                    && self.is_primary(&jm.spec)
                     && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
             };
             if wants {
@@ -664,7 +669,7 @@ impl Shard {
             let pending = journals.iter().any(|j| {
                 let jm = j.borrow();
                 jm.has_stores()
-                    && matches!(self.role(&jm.spec), Role::Primary(_))
+                    && self.is_primary(&jm.spec)
                     && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
             });
             if !pending {
@@ -1173,15 +1178,7 @@ impl Shard {
             let mut jm = j.borrow_mut();
             let aborted = jm.active.as_ref().and_then(|a| a.op.aborted.get());
             if let Some(reason) = aborted {
-                let a = jm.active.take().expect("checked");
-                jm.tail.truncate(a.start.offset);
-                jm.spool
-                    .as_mut()
-                    .expect("active append has a spool")
-                    .rewind(a.start);
-                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-                jm.staged_head = jm.local_head;
-                jm.staged_registers = jm.local_registers.clone();
+                let a = abandon_active(&mut jm).expect("checked");
                 let reply = AppendReply {
                     write_head: jm.head,
                     registers: jm.registers.clone(),
@@ -1341,14 +1338,7 @@ impl Shard {
                 return;
             }
             // An open append's content went over pipelines being replaced.
-            if let Some(a) = jm.active.take() {
-                jm.tail.truncate(a.start.offset);
-                if let Some(spool) = jm.spool.as_mut() {
-                    spool.rewind(a.start);
-                }
-                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-                jm.staged_head = jm.local_head;
-                jm.staged_registers = jm.local_registers.clone();
+            if let Some(a) = abandon_active(jm) {
                 let reply = AppendReply {
                     write_head: jm.head,
                     registers: jm.registers.clone(),
@@ -2499,6 +2489,21 @@ async fn yield_now() {
         }
     })
     .await
+}
+
+/// Takes the journal's open append back out of its spool (and out of its
+/// replicas'): the next append begins where the last commit ended. Only
+/// between batches (nothing staged in this turn but the open append).
+fn abandon_active(jm: &mut Journal) -> Option<Active> {
+    let a = jm.active.take()?;
+    jm.tail.truncate(a.start.offset);
+    if let Some(spool) = jm.spool.as_mut() {
+        spool.rewind(a.start.clone());
+    }
+    send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+    jm.staged_head = jm.local_head;
+    jm.staged_registers = jm.local_registers.clone();
+    Some(a)
 }
 
 /// Tells replicas to forget an append whose content they may hold.
