@@ -144,38 +144,11 @@ async fn read_local(
     from: u64,
     to: Option<u64>,
 ) -> Result<(Vec<u8>, ReadDone), ClientError> {
-    let r = ReadRequest {
-        journal: journal.to_string(),
-        offset: Some(from),
-        end_offset: to,
-    };
     let options = ReadOptions {
         do_not_proxy: true,
         ..Default::default()
     };
-    let mut stream = client.read_with(&r, options).await?;
-    let mut out = Vec::new();
-    while let Some(ev) = stream.next().await {
-        match ev? {
-            ReadEvent::Data { offset, content } => {
-                assert_eq!(
-                    offset,
-                    from + out.len() as u64,
-                    "{}: {journal}: READ_DATA offsets must be contiguous",
-                    client.endpoint()
-                );
-                out.extend_from_slice(&content);
-            }
-            ev @ ReadEvent::Fragment { .. } => {
-                panic!(
-                    "{}: {journal}: a broker of the route sent a fragment location: {ev:?}",
-                    client.endpoint()
-                )
-            }
-            ReadEvent::Done(done) => return Ok((out, done)),
-        }
-    }
-    panic!("{journal}: read stream ended without READ_DONE");
+    read_range_with(client, journal, from, to, options).await
 }
 
 /// Everything broker `b` holds of `journal`, `[0, head)`, read through a

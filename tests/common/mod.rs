@@ -8,7 +8,7 @@ pub mod cluster;
 pub mod store;
 
 use rand::{Rng, RngCore, SeedableRng};
-use rotary_net::client::{Client, ClientError, ReadDone, ReadEvent};
+use rotary_net::client::{Client, ClientError, ReadDone, ReadEvent, ReadOptions};
 use rotary_net::spec::JournalSpec;
 use rotary_net::wire::{self, Op, ReadRequest};
 use rotary_net::Status;
@@ -386,12 +386,25 @@ pub async fn read_range(
     from: u64,
     to: Option<u64>,
 ) -> Result<(Vec<u8>, ReadDone), ClientError> {
+    read_range_with(client, journal, from, to, ReadOptions::default()).await
+}
+
+/// [`read_range`] with read options (it must not block). A fragment
+/// location (history only in a store) fails the test.
+pub async fn read_range_with(
+    client: &Client,
+    journal: &str,
+    from: u64,
+    to: Option<u64>,
+    options: ReadOptions,
+) -> Result<(Vec<u8>, ReadDone), ClientError> {
+    assert!(!options.block, "read_range reads without blocking");
     let req = ReadRequest {
         journal: journal.to_string(),
         offset: Some(from),
         end_offset: to,
     };
-    let mut stream = client.read(&req, false, false).await?;
+    let mut stream = client.read_with(&req, options).await?;
     let mut out = Vec::new();
     while let Some(ev) = stream.next().await {
         match ev? {
@@ -399,15 +412,19 @@ pub async fn read_range(
                 assert_eq!(
                     offset,
                     from + out.len() as u64,
-                    "READ_DATA offsets must be contiguous"
+                    "{}: {journal}: READ_DATA offsets must be contiguous",
+                    client.endpoint()
                 );
                 out.extend_from_slice(&content);
             }
-            ReadEvent::Fragment { .. } => panic!("a proxied read sent a fragment location"),
+            ev @ ReadEvent::Fragment { .. } => panic!(
+                "{}: {journal}: the broker sent a fragment location: {ev:?}",
+                client.endpoint()
+            ),
             ReadEvent::Done(done) => return Ok((out, done)),
         }
     }
-    panic!("read stream ended without READ_DONE");
+    panic!("{journal}: read stream ended without READ_DONE");
 }
 
 /// The whole journal from offset 0, checking READ_DONE is OK at the head (or
