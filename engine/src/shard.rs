@@ -1685,9 +1685,15 @@ impl Shard {
         let jm = &mut *jm;
         let role = self.role(&jm.spec);
         let replicated = matches!(&role, Role::Primary(r) if r.members.len() > 1);
-        if replicated && (jm.repl.is_none() || jm.inflight >= INFLIGHT_BATCHES_MAX) {
-            // Waiting for a SYNC, or for replicas to catch up (the acker
-            // marks the journal ready).
+        if replicated && jm.repl.is_none() {
+            // A SYNC is due (say, the spool was just sealed): the next
+            // turn's prepare starts it. One under way marks the journal
+            // ready when it ends, and so does the acker for batches in
+            // flight.
+            return !jm.syncing && jm.inflight == 0 && !jm.queue.is_empty();
+        }
+        if replicated && jm.inflight >= INFLIGHT_BATCHES_MAX {
+            // Replicas catch up first (the acker marks the journal ready).
             return false;
         }
         if jm.staged.is_empty() {
