@@ -30,7 +30,10 @@ mod fetch;
 pub use conn::{
     CONNECT_TIMEOUT, READ_FRAMES_BUFFERED_MAX, REPLY_BODY_LEN_MAX, WRITE_QUEUE_BYTES_MAX,
 };
-pub use direct::{DirectRead, DirectReadStats, DIRECT_DATA_LEN_MAX};
+pub use direct::{
+    DirectRead, DirectReadStats, DIRECT_AHEAD_BYTES_MAX, DIRECT_DATA_LEN_MAX,
+    DIRECT_FETCHES_AHEAD_MAX,
+};
 pub use fetch::{
     FragmentError, FETCH_CONNECT_TIMEOUT, FETCH_READ_TIMEOUT, FRAGMENT_DIRECT_LEN_MAX,
 };

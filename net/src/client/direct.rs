@@ -5,9 +5,16 @@
 //! answers READ_FRAGMENT (the fragment's location) and READ_DONE at the
 //! fragment's end. The reader then fetches the object itself
 //! ([`super::fetch`]), checks it, yields its bytes from the requested
-//! offset, and sends a new READ at the fragment's end: one offset space
-//! across the history → live handoff, with the broker out of the way of the
-//! bulk of the bytes.
+//! offset, and goes on from the fragment's end: one offset space across the
+//! history → live handoff, with the broker out of the way of the bulk of the
+//! bytes.
+//!
+//! The READ at the fragment's end goes out as soon as the fetch starts, not
+//! when its bytes have been consumed: up to [`DIRECT_FETCHES_AHEAD_MAX`]
+//! fetches run at once, each on a blocking-pool thread, so fetching and
+//! checking the next fragments overlaps the reader's use of the current
+//! one. Broker bytes that arrive behind a fetch wait for it; the order of
+//! offsets is never changed.
 //!
 //! If the object cannot be fetched (the store is unreachable from this
 //! client, a presigned URL expired, the fragment is too long to check in
@@ -15,7 +22,7 @@
 //! not match the fragment's SHA-1 are never yielded: that ends the read
 //! with [`ClientError::Fragment`].
 
-use super::fetch::{fetch_fragment, FragmentRef};
+use super::fetch::{fetch_fragment, FragmentError, FragmentRef};
 use super::{Client, ClientError, ProtocolError, ReadDone, ReadEvent, ReadOptions, ReadStream};
 use crate::status::Status;
 use crate::wire::ReadRequest;
@@ -67,7 +74,8 @@ impl std::fmt::Debug for DirectRead {
 struct State {
     client: Client,
     journal: String,
-    /// Next offset to read; `None` (the write head) only before the first READ.
+    /// Next offset to ask the broker for (past every fetch in `ahead`);
+    /// `None` (the write head) only before the first READ.
     offset: Option<u64>,
     end_offset: Option<u64>,
     block: bool,
@@ -77,11 +85,35 @@ struct State {
     fragment: Option<(FragmentRef, u64)>,
     /// Reading through the broker up to this offset: the store was unreachable.
     proxy_until: Option<u64>,
+    /// Fragments being fetched, in offset order: their bytes come next.
+    ahead: VecDeque<Fetch>,
+    /// Broker events that arrived while fetches were still ahead of them.
+    held: VecDeque<ReadEvent>,
+    /// No more READs: the broker's last READ_DONE is in `held` or `queued`,
+    /// or will be queued behind the last fetch.
+    broker_done: bool,
     /// Events ready to hand out (the checked bytes of a fetched fragment).
     queued: VecDeque<ReadEvent>,
     finished: bool,
     stats: Arc<DirectReadStats>,
 }
+
+/// A fragment fetch running on the blocking pool.
+struct Fetch {
+    fragment: FragmentRef,
+    /// First offset of the fragment the read wants.
+    from: u64,
+    /// The write head the broker reported with the fragment's location.
+    write_head: u64,
+    task: tokio::task::JoinHandle<Result<Vec<u8>, FragmentError>>,
+}
+
+/// Fetches a direct read keeps running ahead of the bytes it hands out:
+/// while one fragment is consumed the next ones are fetched and checked,
+/// each on a blocking-pool thread of its own.
+pub const DIRECT_FETCHES_AHEAD_MAX: usize = 3;
+/// Bytes of fragments fetched ahead beyond the first are bounded by this.
+pub const DIRECT_AHEAD_BYTES_MAX: u64 = 256 << 20;
 
 impl DirectRead {
     pub(crate) fn new(client: Client, req: &ReadRequest, block: bool) -> DirectRead {
@@ -96,6 +128,9 @@ impl DirectRead {
                 stream: None,
                 fragment: None,
                 proxy_until: None,
+                ahead: VecDeque::new(),
+                held: VecDeque::new(),
+                broker_done: false,
                 queued: VecDeque::new(),
                 finished: false,
                 stats: stats.clone(),
@@ -145,11 +180,30 @@ impl futures_core::Stream for DirectRead {
     }
 }
 
+impl Drop for State {
+    fn drop(&mut self) {
+        self.abort_ahead();
+    }
+}
+
+/// What the next step of a direct read waits for.
+enum Wake {
+    Fetched(Result<Result<Vec<u8>, FragmentError>, tokio::task::JoinError>),
+    Broker(Option<Result<ReadEvent, ClientError>>),
+}
+
 impl State {
     fn fail(&mut self, e: ClientError) -> Option<Result<ReadEvent, ClientError>> {
         self.finished = true;
         self.stream = None;
+        self.abort_ahead();
         Some(Err(e))
+    }
+
+    fn abort_ahead(&mut self) {
+        for f in self.ahead.drain(..) {
+            f.task.abort();
+        }
     }
 
     fn protocol(&self, source: ProtocolError) -> ClientError {
@@ -159,33 +213,83 @@ impl State {
         }
     }
 
+    /// Whether another broker event may be taken now: nothing from the
+    /// broker is waiting behind the fetches, and they are not too far ahead.
+    fn may_pull(&self) -> bool {
+        if self.broker_done || !self.held.is_empty() {
+            return false;
+        }
+        let ahead_bytes: u64 = self
+            .ahead
+            .iter()
+            .skip(1)
+            .map(|f| f.fragment.end - f.fragment.begin)
+            .sum();
+        self.ahead.len() < DIRECT_FETCHES_AHEAD_MAX && ahead_bytes < DIRECT_AHEAD_BYTES_MAX
+    }
+
     async fn next(&mut self) -> Option<Result<ReadEvent, ClientError>> {
         loop {
             if let Some(ev) = self.queued.pop_front() {
-                if let ReadEvent::Done(_) = ev {
-                    self.finished = true;
-                }
                 return Some(Ok(ev));
             }
             if self.finished {
                 return None;
             }
-            if self.stream.is_none() {
+            if self.ahead.is_empty() {
+                if let Some(ev) = self.held.pop_front() {
+                    if let ReadEvent::Done(_) = ev {
+                        self.finished = true;
+                    }
+                    return Some(Ok(ev));
+                }
+                if self.broker_done {
+                    self.finished = true;
+                    return None;
+                }
+            }
+            let pull = self.may_pull();
+            if pull && self.stream.is_none() {
                 match self.start().await {
                     Ok(s) => self.stream = Some(s),
                     Err(e) => return self.fail(e),
                 }
             }
-            let stream = self.stream.as_mut().expect("started above");
-            let ev = match stream.next().await {
-                Some(Ok(ev)) => ev,
-                Some(Err(e)) => return self.fail(e),
-                None => return self.fail(self.protocol(ProtocolError::Truncated)),
+            let wake = match (self.ahead.front_mut(), pull) {
+                (Some(front), false) => Wake::Fetched((&mut front.task).await),
+                (Some(front), true) => {
+                    let stream = self.stream.as_mut().expect("started above");
+                    tokio::select! {
+                        biased;
+                        r = &mut front.task => Wake::Fetched(r),
+                        ev = stream.next() => Wake::Broker(ev),
+                    }
+                }
+                (None, _) => {
+                    let stream = self.stream.as_mut().expect("started above");
+                    Wake::Broker(stream.next().await)
+                }
+            };
+            let ev = match wake {
+                Wake::Fetched(r) => {
+                    let fetch = self.ahead.pop_front().expect("polled above");
+                    if let Err(e) = self.on_fetched(fetch, r) {
+                        return self.fail(e);
+                    }
+                    continue;
+                }
+                Wake::Broker(Some(Ok(ev))) => ev,
+                Wake::Broker(Some(Err(e))) => return self.fail(e),
+                Wake::Broker(None) => return self.fail(self.protocol(ProtocolError::Truncated)),
             };
             match ev {
                 ReadEvent::Data { offset, content } => {
                     self.offset = Some(offset + content.len() as u64);
-                    return Some(Ok(ReadEvent::Data { offset, content }));
+                    let ev = ReadEvent::Data { offset, content };
+                    if self.ahead.is_empty() {
+                        return Some(Ok(ev));
+                    }
+                    self.held.push_back(ev);
                 }
                 ReadEvent::Fragment {
                     begin,
@@ -215,8 +319,12 @@ impl State {
                 ReadEvent::Done(done) => {
                     self.stream = None;
                     let first_read = self.stats.reads.load(Ordering::Relaxed) == 1;
-                    if let Some(item) = self.on_done(done, first_read).await {
-                        return Some(item);
+                    if let Some(done) = self.on_done(done, first_read) {
+                        if self.ahead.is_empty() {
+                            self.finished = true;
+                            return Some(Ok(done));
+                        }
+                        self.held.push_back(done);
                     }
                 }
             }
@@ -251,54 +359,41 @@ impl State {
             .await
     }
 
-    /// A READ ended. Returns the item to hand out, or `None` to go on with
-    /// another READ (or queued bytes).
-    async fn on_done(
-        &mut self,
-        done: ReadDone,
-        first_read: bool,
-    ) -> Option<Result<ReadEvent, ClientError>> {
+    /// A READ ended. Returns the READ_DONE that ends the whole read, or
+    /// `None` to go on: with another READ, or behind a fragment fetch.
+    fn on_done(&mut self, done: ReadDone, first_read: bool) -> Option<ReadEvent> {
         if done.status != Status::OK {
             self.fragment = None;
-            self.finished = true;
+            self.broker_done = true;
             // Once bytes were handed out, the read as a whole started below
             // the head: reaching the head is its normal end, as it is for a
             // single broker read.
             if done.status == Status::OFFSET_NOT_YET_AVAILABLE && !first_read && !self.block {
-                return Some(Ok(ReadEvent::Done(ReadDone {
+                return Some(ReadEvent::Done(ReadDone {
                     status: Status::OK,
                     message: String::new(),
                     ..done
-                })));
+                }));
             }
-            return Some(Ok(ReadEvent::Done(done)));
+            return Some(ReadEvent::Done(done));
         }
         if let Some((fragment, from)) = self.fragment.take() {
             // ReadStream checked begin <= from < end.
             let agent = self.client.http_agent();
             let f = fragment.clone();
-            let fetched = tokio::task::spawn_blocking(move || fetch_fragment(&agent, &f)).await;
-            let fetched = match fetched {
-                Ok(r) => r,
-                Err(join) => {
-                    return self.fail(ClientError::Io {
-                        endpoint: fragment.location.clone(),
-                        source: Arc::new(std::io::Error::other(join.to_string())),
-                    })
-                }
-            };
-            match fetched {
-                Ok(bytes) => {
-                    self.stats.fragments_fetched.fetch_add(1, Ordering::Relaxed);
-                    self.queue_fragment(&fragment, from, Bytes::from(bytes), done.write_head);
-                }
-                Err(e) if e.is_unreachable() => {
-                    self.stats.fragments_proxied.fetch_add(1, Ordering::Relaxed);
-                    self.offset = Some(from);
-                    self.proxy_until = Some(fragment.end);
-                }
-                Err(e) => return self.fail(ClientError::Fragment(e)),
-            }
+            let task = tokio::task::spawn_blocking(move || fetch_fragment(&agent, &f));
+            let to = self
+                .end_offset
+                .map_or(fragment.end, |e| e.min(fragment.end));
+            self.offset = Some(to);
+            // The fetch queues the read's READ_DONE if it ends there.
+            self.broker_done = self.end_offset.is_some_and(|e| to >= e);
+            self.ahead.push_back(Fetch {
+                fragment,
+                from,
+                write_head: done.write_head,
+                task,
+            });
             return None;
         }
         self.offset = Some(done.offset);
@@ -310,12 +405,53 @@ impl State {
                 return None;
             }
         }
-        self.finished = true;
-        Some(Ok(ReadEvent::Done(done)))
+        self.broker_done = true;
+        Some(ReadEvent::Done(done))
+    }
+
+    /// The fetch at the front finished: queue its bytes, or read its span
+    /// through the broker if the store could not be reached.
+    fn on_fetched(
+        &mut self,
+        fetch: Fetch,
+        result: Result<Result<Vec<u8>, FragmentError>, tokio::task::JoinError>,
+    ) -> Result<(), ClientError> {
+        let Fetch {
+            fragment,
+            from,
+            write_head,
+            ..
+        } = fetch;
+        let fetched = result.map_err(|join| ClientError::Io {
+            endpoint: fragment.location.clone(),
+            source: Arc::new(std::io::Error::other(join.to_string())),
+        })?;
+        match fetched {
+            Ok(bytes) => {
+                self.stats.fragments_fetched.fetch_add(1, Ordering::Relaxed);
+                self.queue_fragment(&fragment, from, Bytes::from(bytes), write_head);
+                Ok(())
+            }
+            Err(e) if e.is_unreachable() => {
+                // Everything read past this fragment is dropped and read
+                // again once its span came through the broker.
+                self.stats.fragments_proxied.fetch_add(1, Ordering::Relaxed);
+                self.abort_ahead();
+                self.held.clear();
+                self.stream = None;
+                self.fragment = None;
+                self.broker_done = false;
+                self.offset = Some(from);
+                self.proxy_until = Some(fragment.end);
+                Ok(())
+            }
+            Err(e) => Err(ClientError::Fragment(e)),
+        }
     }
 
     /// Queues a checked fragment's bytes from `from` (up to the read's end
-    /// offset) in READ_DATA-sized pieces, then goes on at its end.
+    /// offset) in READ_DATA-sized pieces, and the read's READ_DONE if it
+    /// ends there.
     fn queue_fragment(&mut self, f: &FragmentRef, from: u64, bytes: Bytes, write_head: u64) {
         let to = self.end_offset.map_or(f.end, |e| e.min(f.end));
         let mut at = from;
@@ -328,7 +464,6 @@ impl State {
             });
             at += n;
         }
-        self.offset = Some(to);
         if self.end_offset.is_some_and(|e| to >= e) {
             self.queued.push_back(ReadEvent::Done(ReadDone {
                 offset: to,
@@ -336,6 +471,7 @@ impl State {
                 status: Status::OK,
                 message: String::new(),
             }));
+            self.finished = true;
         }
     }
 }
@@ -348,6 +484,7 @@ mod tests {
     use crate::wire::{self, flag, Op};
     use sha1::{Digest, Sha1};
     use std::sync::Mutex;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use zerocopy::byteorder::little_endian::U64;
     use zerocopy::IntoBytes;
@@ -358,6 +495,12 @@ mod tests {
     /// A fake broker holding `journal` whose bytes `[store.0, store.1)` live
     /// only in a store at `location`; everything else it serves itself.
     async fn fake_broker(journal: Vec<u8>, store: (u64, u64), location: String) -> (String, Seen) {
+        fake_broker_spans(journal, vec![(store.0, store.1, location)]).await
+    }
+
+    /// A fake broker holding `journal` whose bytes in each span
+    /// `[begin, end)` live only in a store at its location.
+    async fn fake_broker_spans(journal: Vec<u8>, spans: Vec<(u64, u64, String)>) -> (String, Seen) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let seen: Seen = Arc::default();
@@ -401,10 +544,11 @@ mod tests {
                         let from = req.offset.unwrap_or(head);
                         let end = req.end_offset.unwrap_or(head).min(head);
                         let direct = f.flags & flag::DO_NOT_PROXY != 0;
-                        let data_to = if direct && from < store.1 {
-                            store.0.max(from).min(end)
-                        } else {
-                            end
+                        // The first store span at or past `from`.
+                        let span = spans.iter().find(|(_, e, _)| from < *e);
+                        let data_to = match span {
+                            Some((b, _, _)) if direct => (*b).max(from).min(end),
+                            _ => end,
                         };
                         let mut at = from;
                         while at < data_to {
@@ -423,14 +567,15 @@ mod tests {
                             );
                             at += n;
                         }
-                        let (status, next) = if direct && at >= store.0 && at < store.1 && at < end
-                        {
+                        let store = span
+                            .filter(|(b, e, _)| direct && at >= *b && at < *e && at < end)
+                            .cloned();
+                        let (status, next) = if let Some((b, e, location)) = store {
                             let meta = wire::ReadFragment {
-                                begin: U64::new(store.0),
-                                end: U64::new(store.1),
+                                begin: U64::new(b),
+                                end: U64::new(e),
                                 offset: U64::new(at),
-                                sha1: Sha1::digest(&journal[store.0 as usize..store.1 as usize])
-                                    .into(),
+                                sha1: Sha1::digest(&journal[b as usize..e as usize]).into(),
                                 codec: wire::codec_code(Codec::None),
                                 reserved: [0; 3],
                             };
@@ -443,7 +588,7 @@ mod tests {
                                 meta.as_bytes(),
                                 location.as_bytes(),
                             );
-                            (Status::OK, store.1)
+                            (Status::OK, e)
                         } else if from >= head {
                             (Status::OFFSET_NOT_YET_AVAILABLE, from)
                         } else {
@@ -562,7 +707,12 @@ mod tests {
         assert_eq!(bytes, j);
         assert_eq!((done.status, done.offset), (Status::OK, 10_000));
         assert_eq!(stats.fragments_proxied.load(Ordering::Relaxed), 1);
-        let reads = seen.lock().unwrap().clone();
+        // The read past the fragment may have been sent while the fetch
+        // was failing; it is sent again once the span came through the broker.
+        let mut reads = seen.lock().unwrap().clone();
+        if reads[1] == (Some(7000), None, flag::DO_NOT_PROXY) {
+            reads.remove(1);
+        }
         assert_eq!(
             reads,
             vec![
@@ -571,6 +721,109 @@ mod tests {
                 (Some(7000), None, flag::DO_NOT_PROXY),
             ]
         );
+    }
+
+    /// Three store fragments: `[1000, 3000)`, `[3000, 6000)`, `[6000, 8000)`,
+    /// the middle one at `middle` (a path, or anything else).
+    fn three_fragments(
+        dir: &std::path::Path,
+        j: &[u8],
+        middle: Option<String>,
+    ) -> Vec<(u64, u64, String)> {
+        [(1000u64, 3000u64), (3000, 6000), (6000, 8000)]
+            .into_iter()
+            .enumerate()
+            .map(|(i, (b, e))| {
+                let path = dir.join(format!("frag-{i}.raw"));
+                std::fs::write(&path, &j[b as usize..e as usize]).unwrap();
+                let location = match (&middle, i) {
+                    (Some(m), 1) => m.clone(),
+                    _ => format!("file://{}", path.display()),
+                };
+                (b, e, location)
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn fetches_run_ahead_of_the_reader() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = journal();
+        let spans = three_fragments(dir.path(), &j, None);
+        let (addr, seen) = fake_broker_spans(j.clone(), spans).await;
+        let client = Client::connect(&addr).await.unwrap();
+        let mut r = client.read_direct(&req(0, None), false);
+
+        // Take the broker's bytes and the first fragment's first piece,
+        // then stop asking: the reads for the later fragments go out anyway.
+        let mut got = Vec::new();
+        while got.len() < 1001 {
+            match r.next().await.unwrap().unwrap() {
+                ReadEvent::Data { offset, content } => {
+                    assert_eq!(offset, got.len() as u64);
+                    got.extend_from_slice(&content);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let mut waited = 0;
+        while seen.lock().unwrap().len() < 3 {
+            assert!(
+                waited < 500,
+                "reads never ran ahead: {:?}",
+                seen.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            waited += 1;
+        }
+        assert_eq!(
+            seen.lock().unwrap()[..3],
+            [
+                (Some(0), None, flag::DO_NOT_PROXY),
+                (Some(3000), None, flag::DO_NOT_PROXY),
+                (Some(6000), None, flag::DO_NOT_PROXY),
+            ]
+        );
+        let stats = r.stats.clone();
+        let (rest, done) = collect(r).await;
+        got.extend_from_slice(&rest);
+        assert_eq!(got, j);
+        assert_eq!((done.status, done.offset), (Status::OK, 10_000));
+        assert_eq!(stats.fragments_fetched.load(Ordering::Relaxed), 3);
+
+        // Ending inside the second fragment: no read past it.
+        seen.lock().unwrap().clear();
+        let (bytes, done) = collect(client.read_direct(&req(500, Some(4000)), false)).await;
+        assert_eq!(bytes, j[500..4000]);
+        assert_eq!((done.status, done.offset), (Status::OK, 4000));
+        assert!(seen
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|(o, _, _)| o.unwrap() < 4000));
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_fragment_between_fetched_ones_is_read_through_the_broker() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = journal();
+        let spans = three_fragments(
+            dir.path(),
+            &j,
+            Some("file:///nonexistent/rotary/frag.raw".into()),
+        );
+        let (addr, seen) = fake_broker_spans(j.clone(), spans).await;
+        let client = Client::connect(&addr).await.unwrap();
+        let r = client.read_direct(&req(0, None), false);
+        let stats = r.stats.clone();
+        let (bytes, done) = collect(r).await;
+        assert_eq!(bytes, j);
+        assert_eq!((done.status, done.offset), (Status::OK, 10_000));
+        assert_eq!(stats.fragments_fetched.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.fragments_proxied.load(Ordering::Relaxed), 1);
+        let seen = seen.lock().unwrap();
+        assert!(seen.contains(&(Some(3000), Some(6000), 0)), "{seen:?}");
+        assert_eq!(seen.last(), Some(&(Some(8000), None, flag::DO_NOT_PROXY)));
     }
 
     #[tokio::test]

@@ -28,6 +28,9 @@ pub const FETCH_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// may wait before the fetch is given up and the broker asked instead.
 pub const FETCH_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A fetched fragment is read and hashed in pieces of this length.
+const HASH_PIECE_LEN: u64 = 256 << 10;
+
 /// Why a fragment could not be read from its store.
 #[derive(Debug, thiserror::Error)]
 pub enum FragmentError {
@@ -166,11 +169,21 @@ pub(crate) fn fetch_fragment(
         Codec::Snappy => Box::new(snap::read::FrameDecoder::new(transport)),
     };
     // One byte past the expected length tells a too-long object apart.
+    // Each piece is hashed as it arrives, while it is still in cache.
+    let mut decoder = decoder.take(len + 1);
     let mut bytes = Vec::with_capacity(len as usize);
-    decoder
-        .take(len + 1)
-        .read_to_end(&mut bytes)
-        .map_err(decode_err)?;
+    let mut hasher = Sha1::new();
+    loop {
+        let at = bytes.len();
+        let n = (&mut decoder)
+            .take(HASH_PIECE_LEN)
+            .read_to_end(&mut bytes)
+            .map_err(decode_err)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&bytes[at..]);
+    }
     if bytes.len() as u64 != len {
         return Err(FragmentError::Length {
             location: location.clone(),
@@ -178,7 +191,7 @@ pub(crate) fn fetch_fragment(
             actual: bytes.len() as u64,
         });
     }
-    let actual: [u8; 20] = Sha1::digest(&bytes).into();
+    let actual: [u8; 20] = hasher.finalize().into();
     if actual != fragment.sha1 {
         return Err(FragmentError::Sha1 {
             location: location.clone(),
