@@ -30,6 +30,12 @@
 //!   `replication: 3`, both with the same primary, and the primary's acks
 //!   per ack frame.
 //!
+//! `--workload FILE` runs an OpenMessaging Benchmark workload instead of the
+//! scenarios ([`omb`]): against rotary or, with `--driver`, a peer; it
+//! writes OMB's result JSON (`--output`) and SVG charts (`--charts`).
+//! `--chart-results A.json B.json --charts DIR` draws several results into
+//! one set of charts.
+//!
 //! Everything listens on 127.0.0.1 only; every child process is stopped by
 //! its PID; every loop is bounded in time. Nothing here asserts timings:
 //! figures are reported, and the table says whether each target was met.
@@ -42,6 +48,7 @@ mod broker;
 mod child;
 mod cpu;
 mod load;
+pub mod omb;
 mod pingpong;
 mod replication;
 mod report;
@@ -141,9 +148,34 @@ pub struct BenchArgs {
     /// fio's I/Os in flight.
     #[arg(long = "fio-iodepth", default_value_t = 4)]
     pub fio_iodepth: u32,
-    /// Also write every figure to this file as JSON.
+    /// Also write every figure to this file as JSON (with --workload: the
+    /// OpenMessaging result JSON).
     #[arg(long = "output", value_name = "FILE.json")]
     pub output: Option<PathBuf>,
+    /// Run this OpenMessaging Benchmark workload (YAML) instead of the
+    /// scenarios.
+    #[arg(long = "workload", value_name = "FILE.yaml")]
+    pub workload: Option<PathBuf>,
+    /// The system --workload drives: rotary, or a peer at --broker.
+    #[arg(long = "driver", value_name = "NAME", default_value = "rotary")]
+    pub driver: String,
+    /// Seconds between --workload's progress lines and series values
+    /// (OpenMessaging's is 10).
+    #[arg(long = "period", value_name = "SECS", default_value_t = 10.0)]
+    pub period_secs: f64,
+    /// Write SVG charts (throughput over time, latency percentiles) of the
+    /// --workload run, or of --chart-results, into this directory.
+    #[arg(long = "charts", value_name = "DIR")]
+    pub charts: Option<PathBuf>,
+    /// Draw these result JSONs (of any driver, or of OpenMessaging itself)
+    /// into one set of charts in --charts, then exit.
+    #[arg(long = "chart-results", value_name = "RESULT.json", num_args = 1..)]
+    pub chart_results: Vec<PathBuf>,
+    /// Fragment store of the journals --workload creates on rotary
+    /// (file:///abs/dir/ or s3://…). Default: none; with the embedded broker
+    /// and a backlog workload, a file:// store in the temporary directory.
+    #[arg(long = "journal-store", value_name = "URL")]
+    pub journal_store: Option<String>,
     /// Internal: serve ping-pong echoes (the child process of `pingpong`).
     #[arg(long = "echo-server", hide = true)]
     pub echo_server: bool,
@@ -248,6 +280,12 @@ fn client_runtime(args: &BenchArgs) -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.echo_server {
         return pingpong::serve_echo(&args);
+    }
+    if !args.chart_results.is_empty() {
+        return omb::chart_results(&args);
+    }
+    if let Some(path) = &args.workload {
+        return omb::run_workload(&args, path);
     }
     args.check()?;
     let mut figures = Figures::new(&args);

@@ -1,0 +1,27 @@
+//! The systems `rotary bench --workload` can drive: rotary itself and the
+//! peers it is compared with.
+
+pub mod rotary;
+
+use super::driver::Driver;
+
+/// The names `--driver` accepts.
+pub const DRIVERS: &[&str] = &["rotary"];
+
+/// Connects the driver `name` to the system at `endpoint` (`HOST:PORT`) for
+/// a workload whose messages are `message_size` bytes long.
+pub async fn connect(
+    name: &str,
+    endpoint: &str,
+    message_size: usize,
+) -> anyhow::Result<Box<dyn Driver>> {
+    match name {
+        "rotary" => Ok(Box::new(
+            rotary::RotaryDriver::connect(endpoint, message_size, Default::default()).await?,
+        )),
+        _ => anyhow::bail!(
+            "unknown driver {name:?}; known drivers: {}",
+            DRIVERS.join(", ")
+        ),
+    }
+}
