@@ -150,6 +150,11 @@ async fn request_statuses() {
     // Bad names.
     for bad in ["a//b/c", "has space/x", "/abs/path", "abc"] {
         assert_eq!(
+            status_of(client.route(bad).await),
+            Status::BAD_REQUEST,
+            "{bad}"
+        );
+        assert_eq!(
             status_of(client.append(&req(bad), b"x".to_vec()).await),
             Status::BAD_REQUEST,
             "{bad}"

@@ -253,10 +253,13 @@ impl Conn {
                 .outbox
                 .frame(Op::PONG, Status::OK, id, &[], frame.payload),
             Op::ROUTE => match wire::decode_name(frame.meta) {
-                Ok(name) => {
-                    let body = self.route_json(name);
-                    self.admin_ok(id, &body);
-                }
+                Ok(name) => match rotary_net::spec::validate_journal_name(name) {
+                    Ok(()) => {
+                        let body = self.route_json(name);
+                        self.admin_ok(id, &body);
+                    }
+                    Err(e) => self.admin_err(id, Status::BAD_REQUEST, &e.to_string()),
+                },
                 Err(e) => self.admin_err(id, e.status(), &e.to_string()),
             },
             Op::REPLICATE => {
