@@ -1,12 +1,15 @@
 //! The systems `rotary bench --workload` can drive: rotary itself and the
 //! peers it is compared with.
 
+pub mod kafka;
+pub mod nats;
+pub mod redis;
 pub mod rotary;
 
 use super::driver::Driver;
 
 /// The names `--driver` accepts.
-pub const DRIVERS: &[&str] = &["rotary"];
+pub const DRIVERS: &[&str] = &["rotary", "nats", "redis", "kafka"];
 
 /// Connects the driver `name` to the system at `endpoint` (`HOST:PORT`) for
 /// a workload whose messages are `message_size` bytes long.
@@ -19,6 +22,9 @@ pub async fn connect(
         "rotary" => Ok(Box::new(
             rotary::RotaryDriver::connect(endpoint, message_size, Default::default()).await?,
         )),
+        "nats" => nats::connect(endpoint).await,
+        "redis" => redis::connect(endpoint).await,
+        "kafka" => kafka::connect(endpoint).await,
         _ => anyhow::bail!(
             "unknown driver {name:?}; known drivers: {}",
             DRIVERS.join(", ")
