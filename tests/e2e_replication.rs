@@ -1258,6 +1258,38 @@ async fn brokers_outside_the_route_proxy_or_refuse_body(cluster: &mut Cluster) {
         Err(e) => (e.status().unwrap_or_else(|| panic!("{e}")), None),
     };
     assert_eq!(status, Status::NOT_JOURNAL_BROKER, "{done:?}");
+    // ...and so does it a read another broker proxied (PROXIED): a read is
+    // proxied at most once, whatever the brokers' views of the route.
+    let proxied_read = |to: &str| {
+        let read = ReadRequest {
+            journal: j.to_string(),
+            offset: Some(0),
+            end_offset: None,
+        };
+        let mut s = raw_connect(to);
+        s.write_all(&frame(Op::READ, flag::PROXIED, 9, &read.encode(), &[]))
+            .unwrap();
+        let mut data = Vec::new();
+        loop {
+            let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+            assert_eq!(f.request_id, 9);
+            match f.op {
+                Op::READ_DATA => data.extend_from_slice(&f.payload),
+                Op::READ_DONE => return (Status::from_code(f.status), data),
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    let r = route_at(outside, j).await;
+    let (status, data) = proxied_read(&r.local_endpoint);
+    assert_eq!(status, Some(Status::NOT_JOURNAL_BROKER));
+    assert!(data.is_empty());
+    // A member serves it from its own copy.
+    let r = route_at(replica, j).await;
+    assert_eq!(
+        proxied_read(&r.local_endpoint),
+        (Some(Status::OK), expected.clone())
+    );
     // ...and it and the replica refuse appends; the primary takes one.
     let no_proxy = AppendOptions { do_not_proxy: true };
     for (who, client) in [(&outside.id, &via_outside), (&replica.id, &via_replica)] {

@@ -545,7 +545,7 @@ impl Conn {
                 );
             };
             let addr = self.shard.member_endpoint(primary, &req.journal);
-            if frame.flags & flag::DO_NOT_PROXY != 0 {
+            if frame.flags & (flag::DO_NOT_PROXY | flag::PROXIED) != 0 {
                 let msg = format!(
                     "broker {} is not in the journal's route {:?}; read from {} at {addr}",
                     self.shard.view().me,
@@ -562,7 +562,10 @@ impl Conn {
             }
             self.forwarded.insert(id, addr);
             metrics::add(&self.shard.metrics.proxied_requests, 1);
-            return self.forward_to(addr, raw).await;
+            // Marked so that the primary, should its view of the cluster
+            // differ from this broker's, refuses it instead of proxying it
+            // on (or back).
+            return self.forward_to(addr, &with_flag(raw, flag::PROXIED)).await;
         }
         let cancel = Rc::new(Cancel::default());
         self.reads.borrow_mut().insert(id, cancel.clone());

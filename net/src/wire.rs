@@ -88,7 +88,7 @@ ops! {
     /// Further content of the open append with the same request id.
     APPEND_CHUNK = 0x02, flags = flag::MORE | flag::ABORT;
     /// Reads a journal from an offset.
-    READ = 0x03, flags = flag::BLOCK | flag::METADATA_ONLY | flag::DO_NOT_PROXY;
+    READ = 0x03, flags = flag::BLOCK | flag::METADATA_ONLY | flag::DO_NOT_PROXY | flag::PROXIED;
     /// Cancels the request with the same request id (a blocking read).
     CANCEL = 0x04, flags = 0;
     /// Asks which shard owns a journal; meta is the name.
@@ -150,6 +150,9 @@ pub mod flag {
     /// READ: do not proxy to another broker or store. APPEND: do not proxy
     /// to the journal's primary.
     pub const DO_NOT_PROXY: u8 = 1 << 2;
+    /// READ: sent by a broker proxying a client's read; the receiver serves
+    /// it from its own copy or refuses it, and never proxies it on.
+    pub const PROXIED: u8 = 1 << 3;
     /// APPLY, DELETE: on this broker only (do not forward to the cluster).
     pub const LOCAL: u8 = 1 << 0;
 }
