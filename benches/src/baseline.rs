@@ -1,9 +1,10 @@
 //! The machine's ceilings, measured by the usual tools: `fio` for the disk
-//! under the data directory (O_DIRECT sequential overwrite of a preallocated
-//! file, 1 MiB blocks) and `iperf3` for one TCP stream on loopback. Both are
-//! parsed from their JSON output. A tool that is missing is skipped with a
-//! note on how to install it. Also the SHA-1 rate of one core, which bounds
-//! what one shard can append (it hashes every appended byte twice).
+//! under the data directory (O_DIRECT sequential writes: overwriting a file
+//! written whole, or extending a fresh one; and 4 KiB writes each followed by
+//! fdatasync) and `iperf3` for one TCP stream on loopback. Both are parsed
+//! from their JSON output. A tool that is missing is skipped with a note on
+//! how to install it. Also the SHA-1 rate of one core, which bounds what one
+//! shard can append (it hashes every appended byte twice).
 
 use crate::child::ChildGuard;
 use crate::report::{FioFigures, Iperf3Figures, Sha1Figures};
@@ -76,16 +77,83 @@ fn json_of(out: &str) -> anyhow::Result<serde_json::Value> {
     serde_json::from_str(&out[start..]).context("parsing the JSON output")
 }
 
+/// How a fio job's writes meet the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FioMode {
+    /// The file is written whole first; every measured write overwrites
+    /// written blocks (what a recycled spool does).
+    Overwrite,
+    /// A fresh file with nothing allocated; every write allocates blocks
+    /// (what a file grown by its writes costs).
+    Extend,
+}
+
+impl FioMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            FioMode::Overwrite => "overwrite",
+            FioMode::Extend => "extend",
+        }
+    }
+}
+
 /// One fio job: what to write and how.
 pub struct FioJob {
     /// Key of the figure in `skipped` and in messages.
     pub key: &'static str,
     pub block_kib: u64,
     pub iodepth: u32,
+    /// Overwrite: the file written over and over. Extend: the most the job
+    /// writes (it ends early when the file is full).
     pub file_mib: u64,
+    pub mode: FioMode,
+    /// fdatasync after every write; the figures are then the syncs'.
+    pub fdatasync: bool,
 }
 
-/// fio: O_DIRECT sequential overwrite of a preallocated file in `dir`.
+/// The `--baseline` matrix: 16 KiB and 1 MiB blocks, one and 32 deep,
+/// overwrite and extend.
+pub fn matrix(file_mib: u64) -> Vec<FioJob> {
+    let mut jobs = Vec::new();
+    for (mode, keys) in [
+        (
+            FioMode::Overwrite,
+            [
+                "fio-16k-qd1-overwrite",
+                "fio-16k-qd32-overwrite",
+                "fio-1m-qd1-overwrite",
+                "fio-1m-qd32-overwrite",
+            ],
+        ),
+        (
+            FioMode::Extend,
+            [
+                "fio-16k-qd1-extend",
+                "fio-16k-qd32-extend",
+                "fio-1m-qd1-extend",
+                "fio-1m-qd32-extend",
+            ],
+        ),
+    ] {
+        for (i, (block_kib, iodepth)) in [(16, 1), (16, 32), (1024, 1), (1024, 32)]
+            .into_iter()
+            .enumerate()
+        {
+            jobs.push(FioJob {
+                key: keys[i],
+                block_kib,
+                iodepth,
+                file_mib,
+                mode,
+                fdatasync: false,
+            });
+        }
+    }
+    jobs
+}
+
+/// fio: O_DIRECT sequential writes to a file in `dir`, as `job` says.
 pub fn fio(
     args: &BenchArgs,
     dir: &Path,
@@ -105,6 +173,7 @@ pub fn fio(
     let run_ms = (args.duration_secs * 1000.0).ceil() as u64;
     let ramp_ms = (args.warmup_secs * 1000.0).ceil() as u64;
     let ioengine = "io_uring";
+    let _ = std::fs::remove_file(&file);
     let mut cmd = Command::new("fio");
     cmd.arg(format!("--name={key}"))
         .arg(format!("--filename={}", file.display()))
@@ -114,13 +183,24 @@ pub fn fio(
         .arg("--direct=1")
         .arg(format!("--ioengine={ioengine}"))
         .arg(format!("--iodepth={}", job.iodepth))
-        // Lay the file out (write it whole) before the measured phase, so
-        // every measured write overwrites allocated, written blocks.
-        .arg("--overwrite=1")
-        .arg("--time_based")
         .arg(format!("--runtime={run_ms}ms"))
         .arg(format!("--ramp_time={ramp_ms}ms"))
         .arg("--output-format=json");
+    match job.mode {
+        // Lay the file out (write it whole) before the measured phase, so
+        // every measured write overwrites allocated, written blocks.
+        FioMode::Overwrite => {
+            cmd.arg("--overwrite=1").arg("--time_based");
+        }
+        // Nothing allocated ahead, and no wrapping around to blocks this
+        // job already wrote: it ends at the run time or at the file's end.
+        FioMode::Extend => {
+            cmd.arg("--overwrite=0").arg("--fallocate=none");
+        }
+    }
+    if job.fdatasync {
+        cmd.arg("--fdatasync=1");
+    }
     let timeout = args.duration() + args.warmup() + TOOL_GRACE;
     let result = output_with_timeout(cmd, timeout);
     let _ = std::fs::remove_file(&file);
@@ -141,20 +221,29 @@ pub fn fio(
         return Ok(None);
     }
     let w = &result["write"];
-    let pct = |p: &str| w["clat_ns"]["percentile"][p].as_f64().map(|ns| ns / 1000.0);
+    // With fdatasync the latencies that matter are the syncs'.
+    let lat = if job.fdatasync {
+        &result["sync"]["lat_ns"]
+    } else {
+        &w["clat_ns"]
+    };
+    let pct = |p: &str| lat["percentile"][p].as_f64().map(|ns| ns / 1000.0);
     Ok(Some(FioFigures {
+        key: key.to_string(),
         version: doc["fio version"].as_str().unwrap_or(&version).to_string(),
         ioengine: ioengine.into(),
         block_kib: job.block_kib,
         iodepth: job.iodepth,
         file_mib: job.file_mib,
+        mode: job.mode,
+        fdatasync: job.fdatasync,
         seconds: w["runtime"].as_f64().unwrap_or(0.0) / 1000.0,
         mb_per_s: w["bw_bytes"].as_f64().context("fio: no write.bw_bytes")? / 1e6,
         iops: w["iops"].as_f64().unwrap_or(0.0),
         clat_p50_us: pct("50.000000"),
         clat_p99_us: pct("99.000000"),
         clat_p999_us: pct("99.900000"),
-        clat_max_us: w["clat_ns"]["max"].as_f64().map(|ns| ns / 1000.0),
+        clat_max_us: lat["max"].as_f64().map(|ns| ns / 1000.0),
     }))
 }
 
@@ -253,5 +342,36 @@ pub fn sha1(args: &BenchArgs) -> Sha1Figures {
         buffer_bytes: SHA1_BUFFER_BYTES,
         seconds: secs,
         mb_per_s: hashed as f64 / secs / 1e6,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn the_matrix_covers_sizes_depths_and_modes_once_each() {
+        let jobs = matrix(1024);
+        let cells: HashSet<_> = jobs
+            .iter()
+            .map(|j| (j.block_kib, j.iodepth, j.mode))
+            .collect();
+        let mut want = HashSet::new();
+        for mode in [FioMode::Overwrite, FioMode::Extend] {
+            for block_kib in [16, 1024] {
+                for iodepth in [1, 32] {
+                    want.insert((block_kib, iodepth, mode));
+                }
+            }
+        }
+        assert_eq!(cells, want);
+        assert_eq!(jobs.len(), want.len());
+        let keys: HashSet<_> = jobs.iter().map(|j| j.key).collect();
+        assert_eq!(keys.len(), jobs.len(), "keys are unique");
+        for j in &jobs {
+            assert!(j.key.contains(j.mode.name()), "{}", j.key);
+            assert!(!j.fdatasync);
+        }
     }
 }

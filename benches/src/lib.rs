@@ -145,6 +145,12 @@ pub struct BenchArgs {
     /// Size of fio's preallocated test file, in MiB.
     #[arg(long = "fio-size-mib", default_value_t = 2048)]
     pub fio_size_mib: u64,
+    /// Also measure the machine's limits in full (adds the pingpong and
+    /// baseline scenarios): fio O_DIRECT writes of 16 KiB and 1 MiB, one and
+    /// 32 deep, overwriting and extending; 4 KiB writes with fdatasync;
+    /// iperf3; TCP ping-pong. Rotary's figures are reported as ratios to them.
+    #[arg(long = "baseline")]
+    pub baseline: bool,
     /// fio's I/Os in flight.
     #[arg(long = "fio-iodepth", default_value_t = 4)]
     pub fio_iodepth: u32,
@@ -194,9 +200,10 @@ impl BenchArgs {
     }
 
     fn wants(&self, s: Scenario) -> bool {
-        (self.scenarios.contains(&Scenario::All)
-            && s != Scenario::Backfill
-            && s != Scenario::Replication)
+        (self.baseline && matches!(s, Scenario::Pingpong | Scenario::Baseline))
+            || (self.scenarios.contains(&Scenario::All)
+                && s != Scenario::Backfill
+                && s != Scenario::Replication)
             || self.scenarios.contains(&s)
     }
 
@@ -332,6 +339,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             block_kib: 1024,
             iodepth: args.fio_iodepth,
             file_mib: args.fio_size_mib,
+            mode: baseline::FioMode::Overwrite,
+            fdatasync: false,
         };
         figures.fio = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
         eprintln!("baseline: fio, 4 KiB blocks one at a time");
@@ -340,8 +349,28 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             block_kib: 4,
             iodepth: 1,
             file_mib: FIO_4K_FILE_MIB,
+            mode: baseline::FioMode::Overwrite,
+            fdatasync: false,
         };
         figures.fio_4k = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
+        if args.baseline {
+            for job in baseline::matrix(args.fio_size_mib) {
+                eprintln!("baseline: {}", job.key);
+                if let Some(f) = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)? {
+                    figures.fio_matrix.push(f);
+                }
+            }
+            eprintln!("baseline: fio, 4 KiB writes each followed by fdatasync");
+            let job = baseline::FioJob {
+                key: "fio-4k-fdatasync",
+                block_kib: 4,
+                iodepth: 1,
+                file_mib: FIO_4K_FILE_MIB,
+                mode: baseline::FioMode::Overwrite,
+                fdatasync: true,
+            };
+            figures.fdatasync = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
+        }
         eprintln!("baseline: iperf3");
         figures.iperf3 = baseline::iperf3(&args, &mut figures.skipped)?;
         eprintln!("baseline: SHA-1");

@@ -141,14 +141,18 @@ pub struct PingpongFigures {
     pub rtt: Percentiles,
 }
 
-/// fio O_DIRECT sequential overwrite.
-#[derive(Clone, Debug, Default, Serialize)]
+/// One fio job's O_DIRECT sequential writes.
+#[derive(Clone, Debug, Serialize)]
 pub struct FioFigures {
+    pub key: String,
     pub version: String,
     pub ioengine: String,
     pub block_kib: u64,
     pub iodepth: u32,
     pub file_mib: u64,
+    pub mode: crate::baseline::FioMode,
+    /// Each write followed by fdatasync; the latencies are the syncs'.
+    pub fdatasync: bool,
     pub seconds: f64,
     pub mb_per_s: f64,
     pub iops: f64,
@@ -174,6 +178,23 @@ pub struct Sha1Figures {
     pub mb_per_s: f64,
 }
 
+impl FioFigures {
+    /// E.g. `fio 16 KiB O_DIRECT extend, 32 deep`.
+    pub fn describe(&self) -> String {
+        let size = if self.block_kib >= 1024 && self.block_kib.is_multiple_of(1024) {
+            format!("{} MiB", self.block_kib / 1024)
+        } else {
+            format!("{} KiB", self.block_kib)
+        };
+        let sync = if self.fdatasync { " + fdatasync" } else { "" };
+        format!(
+            "fio {size} O_DIRECT {}{sync}, {} deep",
+            self.mode.name(),
+            self.iodepth
+        )
+    }
+}
+
 /// Everything one run measured.
 #[derive(Clone, Debug, Default)]
 pub struct Figures {
@@ -187,6 +208,10 @@ pub struct Figures {
     pub fio: Option<FioFigures>,
     /// 4 KiB writes one at a time: the device's latency floor.
     pub fio_4k: Option<FioFigures>,
+    /// `--baseline`: fio's block size × queue depth × overwrite/extend.
+    pub fio_matrix: Vec<FioFigures>,
+    /// `--baseline`: 4 KiB O_DIRECT writes, each followed by fdatasync.
+    pub fdatasync: Option<FioFigures>,
     pub iperf3: Option<Iperf3Figures>,
     pub sha1: Option<Sha1Figures>,
     pub append_1m: Option<ThroughputFigures>,
@@ -307,28 +332,55 @@ impl Figures {
     }
 
     /// Ratios that explain a figure rather than judge it.
-    pub fn bounds(&self) -> Vec<(&'static str, f64)> {
+    pub fn bounds(&self) -> Vec<(String, f64)> {
         let mut out = Vec::new();
         if let (Some(a), Some(h)) = (&self.append_1m, &self.sha1) {
             if h.mb_per_s > 0.0 {
                 // One journal lives on one shard, which hashes each byte
                 // into two states in one interleaved pass (about 1.2 times
                 // the work of one).
-                out.push(("append-1m MB/s ÷ SHA-1 MB/s", a.mb_per_s / h.mb_per_s));
+                out.push((
+                    "append-1m MB/s ÷ SHA-1 MB/s".into(),
+                    a.mb_per_s / h.mb_per_s,
+                ));
             }
         }
         if let (Some(l), Some(f)) = (&self.latency_1k, &self.fio_4k) {
             if let Some(p99) = f.clat_p99_us.filter(|v| *v > 0.0) {
                 // A replicated append waits for at least one device write.
                 out.push((
-                    "latency-1k p99 ÷ fio 4 KiB write p99",
+                    "latency-1k p99 ÷ fio 4 KiB write p99".into(),
+                    l.latency.p99_us / p99,
+                ));
+            }
+        }
+        // Against the `--baseline` device figures: the share of each that
+        // rotary reached in the same run.
+        for f in &self.fio_matrix {
+            if f.mb_per_s <= 0.0 {
+                continue;
+            }
+            if let (Some(a), 1024) = (&self.append_1m, f.block_kib) {
+                out.push((
+                    (format!("append-1m MB/s ÷ {}", f.describe())),
+                    a.mb_per_s / f.mb_per_s,
+                ));
+            }
+            if let (Some(l), Some(p99), 16, 1) = (
+                &self.latency_1k,
+                f.clat_p99_us.filter(|v| *v > 0.0),
+                f.block_kib,
+                f.iodepth,
+            ) {
+                out.push((
+                    (format!("latency-1k p99 ÷ {} p99", f.describe())),
                     l.latency.p99_us / p99,
                 ));
             }
         }
         if let Some(a) = self.replication.as_ref().and_then(|r| r.acks_per_ack_frame) {
             // Acks the primary's pipelines received per REPLICATE_ACK frame.
-            out.push(("replication acks per ack frame (rep 3)", a));
+            out.push(("replication acks per ack frame (rep 3)".into(), a));
         }
         out
     }
@@ -356,6 +408,8 @@ impl Figures {
             "pingpong_pinned": self.pingpong_pinned,
             "fio": self.fio,
             "fio_4k": self.fio_4k,
+            "fio_matrix": self.fio_matrix,
+            "fdatasync": self.fdatasync,
             "iperf3": self.iperf3,
             "sha1": self.sha1,
             "append_1m": self.append_1m,
@@ -364,7 +418,7 @@ impl Figures {
             "backfill": self.backfill,
             "replication": self.replication,
             "ratios": self.ratios(),
-            "bounds": self.bounds().into_iter().map(|(k, v)| (k.to_string(), v)).collect::<BTreeMap<_, _>>(),
+            "bounds": self.bounds().into_iter().collect::<BTreeMap<_, _>>(),
             "skipped": self.skipped,
             "foreign_cpu_percent": self.foreign_cpu_percent.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
         })
@@ -384,10 +438,7 @@ impl Figures {
         if let Some(f) = &self.fio {
             row(
                 "baseline",
-                &format!(
-                    "fio {} KiB O_DIRECT overwrite, {} deep",
-                    f.block_kib, f.iodepth
-                ),
+                &f.describe(),
                 format!("{:.0} MB/s ({:.0} IOPS)", f.mb_per_s, f.iops),
             );
         }
@@ -395,16 +446,27 @@ impl Figures {
             let us = |v: Option<f64>| v.map(fmt_us).unwrap_or_else(|| "?".into());
             row(
                 "baseline",
-                &format!(
-                    "fio {} KiB O_DIRECT overwrite, {} deep",
-                    f.block_kib, f.iodepth
-                ),
+                &f.describe(),
                 format!(
                     "p50 {} · p99 {} · p99.9 {} · max {}",
                     us(f.clat_p50_us),
                     us(f.clat_p99_us),
                     us(f.clat_p999_us),
                     us(f.clat_max_us)
+                ),
+            );
+        }
+        for f in self.fio_matrix.iter().chain(&self.fdatasync) {
+            let us = |v: Option<f64>| v.map(fmt_us).unwrap_or_else(|| "?".into());
+            row(
+                "baseline",
+                &f.describe(),
+                format!(
+                    "{:.0} MB/s · p50 {} · p99 {} · p99.9 {}",
+                    f.mb_per_s,
+                    us(f.clat_p50_us),
+                    us(f.clat_p99_us),
+                    us(f.clat_p999_us),
                 ),
             );
         }
