@@ -9,9 +9,9 @@
 //! With the rotary driver and no `--broker`, a broker is started in this
 //! process with a temporary data directory, removed afterwards. For a
 //! backlog workload (`consumerBacklogSizeGB > 0`) its journals also get a
-//! `file://` fragment store in that directory, fragments of
-//! [`BACKLOG_FRAGMENT_BYTES`], and the broker keeps no local copy of what
-//! it uploaded, so held-back consumers catch up from the store.
+//! `file://` fragment store in that directory and fragments of
+//! [`BACKLOG_FRAGMENT_BYTES`]: the backlog is sealed and uploaded while it
+//! builds, and held-back consumers catch up on sealed fragments.
 
 pub mod chart;
 pub mod clock;
@@ -47,15 +47,16 @@ struct Embedded {
     endpoint: String,
 }
 
-fn start_embedded(args: &BenchArgs, data_dir: &Path, backlog: bool) -> anyhow::Result<Embedded> {
+fn start_embedded(args: &BenchArgs, data_dir: &Path) -> anyhow::Result<Embedded> {
     let listen: SocketAddr = "127.0.0.1:0".parse().expect("loopback address");
     let mut config = ServeConfig::new(data_dir.to_path_buf(), listen);
     config.cores = args.cores;
-    if backlog {
-        // Uploaded fragments leave the broker's disk at once: the catch-up
-        // reads history from the store, not from local copies.
-        config.local_cache_bytes = 0;
-    }
+    // The local cache of uploaded fragments stays at the broker's default.
+    // Without it (`local_cache_bytes = 0`) the catch-up would read only
+    // from the store, but a read of a span whose local copy was just
+    // evicted while a store listing started before its upload was in
+    // flight finds neither copy, and the shard's read loop then spins
+    // without yielding; so that setting is not used here.
     let broker = Broker::start(config)
         .with_context(|| format!("starting a broker in {}", data_dir.display()))?;
     let endpoint = broker.endpoints[0].to_string();
@@ -77,6 +78,7 @@ pub fn run_workload(args: &BenchArgs, path: &Path) -> anyhow::Result<()> {
     let options = Options {
         period: Duration::from_secs_f64(args.period_secs),
         progress: true,
+        stall_timeout: run::STALL_TIMEOUT,
     };
     anyhow::ensure!(
         drivers::DRIVERS.contains(&args.driver.as_str()),
@@ -100,7 +102,7 @@ pub fn run_workload(args: &BenchArgs, path: &Path) -> anyhow::Result<()> {
                 args.driver
             );
             eprintln!("scratch directory: {}", scratch.path().display());
-            let e = start_embedded(args, &scratch.path().join("broker"), backlog)?;
+            let e = start_embedded(args, &scratch.path().join("broker"))?;
             let endpoint = e.endpoint.clone();
             (Some(e), endpoint)
         }

@@ -46,7 +46,7 @@ pub const MAX_RATE_MAX: f64 = 10_000_000.0;
 /// How often the maximum-rate controller looks.
 pub const RATE_ADJUST_INTERVAL: Duration = Duration::from_secs(1);
 /// A phase that waits on progress (backlog build, drain, the final
-/// catch-up) gives up after this long without any.
+/// catch-up) gives up after this long without any, by default.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long sends may take to be answered once sending stops.
 pub const SEND_DRAIN_TIMEOUT: Duration = SEND_TIMEOUT;
@@ -66,6 +66,8 @@ pub struct Options {
     pub period: Duration,
     /// Print progress lines to stderr.
     pub progress: bool,
+    /// How long a waiting phase may see no progress before it fails.
+    pub stall_timeout: Duration,
 }
 
 impl Default for Options {
@@ -73,6 +75,7 @@ impl Default for Options {
         Options {
             period: Duration::from_secs(10),
             progress: true,
+            stall_timeout: STALL_TIMEOUT,
         }
     }
 }
@@ -390,16 +393,8 @@ async fn report(
                 let now = Instant::now();
                 stats.take_period(&mut current);
                 let c = stats.counters();
-                let secs = (now - last_at).as_secs_f64().max(1e-9);
-                let p = Period {
-                    publish_rate: (c.sent - last.sent) as f64 / secs,
-                    publish_error_rate: (c.errors - last.errors) as f64 / secs,
-                    consume_rate: (c.received - last.received) as f64 / secs,
-                    backlog: backlog(&c, subscriptions),
-                    publish_latency: Summary::of(&current.publish_latency_us),
-                    publish_delay: Summary::of(&current.publish_delay_us),
-                    end_to_end: Summary::of(&current.end_to_end_us),
-                };
+                let secs = (now - last_at).as_secs_f64();
+                let p = period_of(&c, &last, secs, subscriptions, &current);
                 if progress {
                     let phase = if measuring { "" } else { " (warm-up)" };
                     eprintln!(
@@ -426,12 +421,39 @@ async fn report(
                     next = tokio::time::Instant::now() + period;
                 }
                 Some(Command::Finish(reply)) => {
+                    // The last, partial period still counts in the
+                    // aggregates (a backlog drain may lie wholly in it);
+                    // it gets a series value only if it is at least half
+                    // a period long, so rates are not taken over a sliver.
+                    if measuring {
+                        stats.take_period(&mut current);
+                        let secs = last_at.elapsed().as_secs_f64();
+                        if secs >= period.as_secs_f64() / 2.0 {
+                            let c = stats.counters();
+                            periods.push(period_of(&c, &last, secs, subscriptions, &current));
+                        }
+                        aggregate.add(&current);
+                    }
                     let _ = reply.send((periods, aggregate));
                     return;
                 }
                 None => return,
             }
         }
+    }
+}
+
+/// The figures of a period of `secs` seconds that ended at `c`.
+fn period_of(c: &Counters, last: &Counters, secs: f64, subscriptions: u64, h: &Histos) -> Period {
+    let secs = secs.max(1e-9);
+    Period {
+        publish_rate: (c.sent - last.sent) as f64 / secs,
+        publish_error_rate: (c.errors - last.errors) as f64 / secs,
+        consume_rate: (c.received - last.received) as f64 / secs,
+        backlog: backlog(c, subscriptions),
+        publish_latency: Summary::of(&h.publish_latency_us),
+        publish_delay: Summary::of(&h.publish_delay_us),
+        end_to_end: Summary::of(&h.end_to_end_us),
     }
 }
 
@@ -486,9 +508,10 @@ fn run_id() -> String {
 }
 
 /// Waits until `done` says so, failing if `progress` stays the same for
-/// [`STALL_TIMEOUT`].
+/// `stall`.
 async fn wait_for(
     what: &str,
+    stall: Duration,
     mut done: impl FnMut() -> bool,
     mut progress: impl FnMut() -> u64,
 ) -> anyhow::Result<()> {
@@ -500,8 +523,8 @@ async fn wait_for(
         if now_seen != seen {
             seen = now_seen;
             moved_at = Instant::now();
-        } else if moved_at.elapsed() >= STALL_TIMEOUT {
-            anyhow::bail!("{what}: no progress for {STALL_TIMEOUT:?}");
+        } else if moved_at.elapsed() >= stall {
+            anyhow::bail!("{what}: no progress for {stall:?}");
         }
     }
     Ok(())
@@ -736,6 +759,7 @@ pub async fn run(
                 || backlog(&stats.counters(), subs).max(0) as u64 * w.message_size as u64;
             wait_for(
                 "building the backlog",
+                options.stall_timeout,
                 || backlog_bytes() >= target,
                 || stats.counters().sent + stats.counters().errors,
             )
@@ -772,6 +796,7 @@ pub async fn run(
                 (((1.0 - w.backlog_drain_ratio) * capacity as f64) as u64).max(capacity / 100);
             wait_for(
                 "draining the backlog",
+                options.stall_timeout,
                 || backlog(&stats.counters(), subs) <= floor as i64,
                 || stats.counters().received,
             )
@@ -831,6 +856,7 @@ pub async fn run(
     if !consumers.is_empty() {
         let caught_up = wait_for(
             "consumers catching up after sending stopped",
+            options.stall_timeout,
             || backlog(&stats.counters(), subs) <= 0,
             || stats.counters().received,
         )
