@@ -1,8 +1,9 @@
 //! The peer drivers against real servers: each test starts its server
 //! (`nats-server`, `redis-server`, `tansu`) on 127.0.0.1 with a data
-//! directory of its own, sends messages through the driver's producer and
-//! checks that every subscription receives every payload byte for byte, in
-//! order per partition, then stops the server by its PID.
+//! directory of its own, sends messages (one of 1 MiB) through the driver's
+//! producer, checks that a subscription reading during the sends and one
+//! created after them both receive exactly the payloads sent, byte for
+//! byte, in the same order per partition, then stops the server by its PID.
 //!
 //! The servers are not part of the build, so the tests are ignored by
 //! default; `benches/peers/run.sh` installs them. Run with
@@ -132,11 +133,19 @@ fn tansu_binary() -> String {
     }
 }
 
+/// Length of the first message: as large as the 1 MiB workloads send.
+const LARGE_MESSAGE_BYTES: usize = 1 << 20;
+
 /// The payload of message `n`: an 8-byte big-endian sequence number (where
 /// the runner puts its timestamp) and then bytes that differ by message and
 /// length, so that a truncated, padded or swapped payload fails the check.
+/// Message 0 is 1 MiB long; the others up to 2 KB.
 fn payload(n: usize) -> Bytes {
-    let length = 8 + (n * 37) % 2_000;
+    let length = if n == 0 {
+        LARGE_MESSAGE_BYTES
+    } else {
+        8 + (n * 37) % 2_000
+    };
     let mut bytes = (n as u64).to_be_bytes().to_vec();
     bytes.extend((0..length - 8).map(|i| (i * 31 + n * 7) as u8));
     Bytes::from(bytes)
@@ -253,7 +262,7 @@ async fn round_trip(driver: Box<dyn Driver>) {
 #[ignore = "needs nats-server (benches/peers/run.sh installs it)"]
 async fn nats_round_trip() {
     let server = start_nats();
-    let driver = drivers::connect("nats", &server.endpoint, 2_048)
+    let driver = drivers::connect("nats", &server.endpoint, LARGE_MESSAGE_BYTES)
         .await
         .expect("connecting");
     round_trip(driver).await;
@@ -263,7 +272,7 @@ async fn nats_round_trip() {
 #[ignore = "needs redis-server (benches/peers/run.sh installs it)"]
 async fn redis_round_trip() {
     let server = start_redis();
-    let driver = drivers::connect("redis", &server.endpoint, 2_048)
+    let driver = drivers::connect("redis", &server.endpoint, LARGE_MESSAGE_BYTES)
         .await
         .expect("connecting");
     assert!(
@@ -278,7 +287,7 @@ async fn redis_round_trip() {
 #[ignore = "needs tansu (benches/peers/run.sh installs it)"]
 async fn kafka_round_trip() {
     let server = start_tansu();
-    let driver = drivers::connect("kafka", &server.endpoint, 2_048)
+    let driver = drivers::connect("kafka", &server.endpoint, LARGE_MESSAGE_BYTES)
         .await
         .expect("connecting");
     round_trip(driver).await;

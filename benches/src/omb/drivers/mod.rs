@@ -24,7 +24,7 @@ pub async fn connect(
         )),
         "nats" => nats::connect(endpoint).await,
         "redis" => redis::connect(endpoint).await,
-        "kafka" => kafka::connect(endpoint).await,
+        "kafka" => kafka::connect(endpoint, message_size).await,
         _ => anyhow::bail!(
             "unknown driver {name:?}; known drivers: {}",
             DRIVERS.join(", ")
