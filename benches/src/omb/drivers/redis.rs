@@ -2,7 +2,12 @@
 //!
 //! A partition is one stream key, `<topic>:<partition>`. A send is one
 //! `XADD` with the payload as the single field `d`; its reply is the ack.
-//! Sends share one multiplexed connection, so many are pipelined at once.
+//! Sends take turns over [`PRODUCER_CONNECTIONS`] multiplexed connections,
+//! each pipelining many at once. More than one matters with `appendfsync
+//! always`: the server reads at most 16 KiB from a connection per
+//! event-loop round and fsyncs once per round, so one connection caps how
+//! many writes share an fsync (OpenMessaging's Redis driver also sends
+//! from a pool of connections).
 //! A consumer owns a connection of its own and loops on a blocking `XREAD`
 //! over all of its partitions' keys, starting at id `0` and moving each
 //! key's position past what it has read: every subscription reads
@@ -21,6 +26,8 @@ use redis::aio::MultiplexedConnection;
 use redis::streams::{StreamReadOptions, StreamReadReply};
 use redis::{AsyncCommands, AsyncConnectionConfig, Value};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
@@ -34,11 +41,13 @@ const READ_BLOCK_MS: usize = 100;
 const READ_COUNT_MAX: usize = 1_024;
 /// The stream entry field that carries the payload.
 const FIELD: &str = "d";
+/// Connections the producers of one driver send over, in turn.
+const PRODUCER_CONNECTIONS: usize = 4;
 
 /// A connection to one Redis server.
 pub struct Redis {
     client: redis::Client,
-    producers: MultiplexedConnection,
+    producers: Arc<[MultiplexedConnection]>,
     durability: String,
 }
 
@@ -51,11 +60,17 @@ fn connection_config() -> AsyncConnectionConfig {
 pub async fn connect(endpoint: &str) -> anyhow::Result<Box<dyn Driver>> {
     let client = redis::Client::open(format!("redis://{endpoint}/"))
         .with_context(|| format!("parsing the Redis address {endpoint:?}"))?;
-    let mut producers = client
-        .get_multiplexed_async_connection_with_config(&connection_config())
-        .await
-        .with_context(|| format!("connecting to redis-server at {endpoint}"))?;
-    let durability = describe_durability(&mut producers).await?;
+    let mut producers = Vec::with_capacity(PRODUCER_CONNECTIONS);
+    for _ in 0..PRODUCER_CONNECTIONS {
+        producers.push(
+            client
+                .get_multiplexed_async_connection_with_config(&connection_config())
+                .await
+                .with_context(|| format!("connecting to redis-server at {endpoint}"))?,
+        );
+    }
+    let durability = describe_durability(&mut producers[0]).await?;
+    let producers: Arc<[MultiplexedConnection]> = producers.into();
     Ok(Box::new(Redis {
         client,
         producers,
@@ -126,7 +141,7 @@ impl Driver for Redis {
             // Streams come into being with their first XADD; removing any
             // left from an earlier run keeps the topic fresh.
             let keys: Vec<String> = (0..partitions).map(|p| stream_key(topic, p)).collect();
-            let mut connection = self.producers.clone();
+            let mut connection = self.producers[0].clone();
             let _: usize = connection
                 .del(&keys)
                 .await
@@ -141,7 +156,8 @@ impl Driver for Redis {
     ) -> BoxFuture<'a, anyhow::Result<Box<dyn Producer>>> {
         Box::pin(async move {
             Ok(Box::new(RedisProducer {
-                connection: self.producers.clone(),
+                connections: self.producers.clone(),
+                next: AtomicUsize::new(0),
                 topic: topic.to_string(),
             }) as Box<dyn Producer>)
         })
@@ -157,7 +173,7 @@ impl Driver for Redis {
         Box::pin(async move {
             anyhow::ensure!(!partitions.is_empty(), "a consumer needs a partition");
             // A blocking XREAD holds its connection until it returns, so a
-            // consumer never shares the producers' connection.
+            // consumer never shares the producers' connections.
             let connection = self
                 .client
                 .get_multiplexed_async_connection_with_config(&connection_config())
@@ -211,13 +227,16 @@ async fn read_loop(
 }
 
 struct RedisProducer {
-    connection: MultiplexedConnection,
+    connections: Arc<[MultiplexedConnection]>,
+    /// The connection of the next send, modulo their number.
+    next: AtomicUsize,
     topic: String,
 }
 
 impl Producer for RedisProducer {
     fn send(&self, partition: usize, payload: Bytes) -> BoxFuture<'static, anyhow::Result<()>> {
-        let mut connection = self.connection.clone();
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
+        let mut connection = self.connections[turn].clone();
         let key = stream_key(&self.topic, partition);
         Box::pin(async move {
             let _id: String = redis::cmd("XADD")
