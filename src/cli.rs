@@ -67,7 +67,7 @@ enum Cmd {
     },
     /// Load-tests a broker and measures this machine's floors in the same
     /// run (docs/BENCHMARKS.md).
-    Bench(rotary_benches::BenchArgs),
+    Bench(Box<rotary_benches::BenchArgs>),
     /// Calibrates the data directory's device and writes
     /// <data>/tune-profile.json, which `serve` reads at start.
     Tune {
@@ -148,21 +148,7 @@ struct CpuList(Vec<usize>);
 
 /// A core list: `1`, `0,2`, `2-5`, or a mix.
 fn parse_cpus(s: &str) -> Result<CpuList, String> {
-    let mut out = Vec::new();
-    for part in s.split(',').map(str::trim) {
-        let (a, b) = part.split_once('-').unwrap_or((part, part));
-        let a: usize = a
-            .parse()
-            .map_err(|_| format!("{part:?} is not a core or range"))?;
-        let b: usize = b
-            .parse()
-            .map_err(|_| format!("{part:?} is not a core or range"))?;
-        if a > b || b >= 1024 {
-            return Err(format!("{part:?} is not a core range"));
-        }
-        out.extend(a..=b);
-    }
-    Ok(CpuList(out))
+    rotary_engine::parse_cpu_list(s).map(CpuList)
 }
 
 /// Most upload threads `serve` accepts.
@@ -436,7 +422,7 @@ pub fn run(cli: Cli) -> i32 {
         Cmd::Doctor { data } => return rotary_tuning::doctor::run(&data),
         Cmd::Tune { data, quick } => return tune(&data, quick),
         Cmd::Bench(args) => {
-            return match rotary_benches::run(args) {
+            return match rotary_benches::run(*args) {
                 Ok(()) => EXIT_OK,
                 Err(e) => {
                     eprintln!("error: BENCH_FAILED: {e:#}");

@@ -184,9 +184,15 @@ async fn measure(
         let (endpoint, history) = (target.endpoint.clone(), history.to_string());
         let (stop, bytes, passes, error) =
             (stop.clone(), bytes.clone(), passes.clone(), error.clone());
+        let backfill_cpus = args.backfill_cpus.clone();
         std::thread::Builder::new()
             .name("rotary-bench-backfill".into())
             .spawn(move || {
+                if let Some(cpus) = &backfill_cpus {
+                    if let Err(e) = crate::sys::pin_current_thread_to(&cpus.0) {
+                        eprintln!("backfill: cannot pin the backfill reader to CPUs {cpus:?}: {e}");
+                    }
+                }
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()

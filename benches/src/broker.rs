@@ -29,6 +29,7 @@ impl Target {
         let listen: SocketAddr = "127.0.0.1:0".parse().expect("loopback address");
         let mut config = ServeConfig::new(data_dir.to_path_buf(), listen);
         config.cores = args.cores;
+        config.cpus = args.broker_cpus.clone().map(|c| c.0).unwrap_or_default();
         if args.wants(crate::Scenario::Backfill) {
             // Uploaded fragments leave the broker's disk at once, so history
             // is read from the store, not from local copies. Only journals

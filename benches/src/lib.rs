@@ -90,6 +90,15 @@ pub enum Scenario {
     Replication,
 }
 
+/// A core list given on the command line, e.g. `0,2-3`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(transparent)]
+pub struct Cpus(pub Vec<usize>);
+
+fn parse_cpus(s: &str) -> Result<Cpus, String> {
+    rotary_engine::parse_cpu_list(s).map(Cpus)
+}
+
 /// `rotary bench`: load-tests one broker and compares it with the machine.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BenchArgs {
@@ -142,6 +151,16 @@ pub struct BenchArgs {
     /// Worker threads of the client's tokio runtime.
     #[arg(long = "client-threads", default_value_t = 1)]
     pub client_threads: usize,
+    /// Cores the embedded broker's shards are pinned to (as `serve --cpus`).
+    #[arg(long = "broker-cpus", value_name = "LIST", value_parser = parse_cpus)]
+    pub broker_cpus: Option<Cpus>,
+    /// Cores the load generator's threads are pinned to.
+    #[arg(long = "client-cpus", value_name = "LIST", value_parser = parse_cpus)]
+    pub client_cpus: Option<Cpus>,
+    /// Cores the backfill scenario's concurrent backfill reader (a client
+    /// of its own, like another machine's) is pinned to.
+    #[arg(long = "backfill-cpus", value_name = "LIST", value_parser = parse_cpus)]
+    pub backfill_cpus: Option<Cpus>,
     /// Size of fio's preallocated test file, in MiB.
     #[arg(long = "fio-size-mib", default_value_t = 2048)]
     pub fio_size_mib: u64,
@@ -275,9 +294,17 @@ pub const DURATION_SECS_MAX: f64 = 3600.0;
 
 /// The load generator's runtime: `--client-threads` workers.
 fn client_runtime(args: &BenchArgs) -> anyhow::Result<tokio::runtime::Runtime> {
+    let cpus = args.client_cpus.clone();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.client_threads)
         .thread_name("rotary-bench-client")
+        .on_thread_start(move || {
+            if let Some(cpus) = &cpus {
+                if let Err(e) = sys::pin_current_thread_to(&cpus.0) {
+                    eprintln!("bench: cannot pin a client thread to CPUs {cpus:?}: {e}");
+                }
+            }
+        })
         .enable_all()
         .build()
         .context("starting the client runtime")

@@ -6,16 +6,23 @@ use std::io;
 
 /// Pins the calling thread to `cpu`.
 pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
+    pin_current_thread_to(&[cpu])
+}
+
+/// Pins the calling thread (and the threads it starts later) to `cpus`.
+pub fn pin_current_thread_to(cpus: &[usize]) -> io::Result<()> {
     // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    if cpu >= libc::CPU_SETSIZE as usize {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("cpu {cpu} beyond CPU_SETSIZE"),
-        ));
+    for &cpu in cpus {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("cpu {cpu} beyond CPU_SETSIZE"),
+            ));
+        }
+        // SAFETY: `cpu` was checked to be below CPU_SETSIZE, the set's size.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
     }
-    // SAFETY: `cpu` was checked to be below CPU_SETSIZE, the set's size.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
     // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of
     // the size passed, read only during the call.
     let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };

@@ -96,6 +96,25 @@ const SHUTDOWN_DRAIN: Duration = Duration::from_secs(45);
 /// Sealed fragments queued for upload across the broker.
 const UPLOAD_QUEUE_MAX: usize = 1024;
 
+/// Parses a core list, `1`, `0,2`, `2-5` or a mix, as `--cpus` takes it.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let a: usize = a
+            .parse()
+            .map_err(|_| format!("{part:?} is not a core or range"))?;
+        let b: usize = b
+            .parse()
+            .map_err(|_| format!("{part:?} is not a core or range"))?;
+        if a > b || b >= 1024 {
+            return Err(format!("{part:?} is not a core range"));
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
+}
+
 /// Runs a broker until SIGINT or SIGTERM, then shuts it down cleanly.
 pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
     let broker = Broker::start(config)?;
