@@ -302,10 +302,11 @@ fn pace(
 /// [`RATE_ADJUST_INTERVAL`] it compares what was acknowledged in the
 /// interval with the target:
 ///
-/// * **falling behind** — the pacer found every in-flight slot taken, or
-///   the consumers' backlog grew by more than a tenth of the interval's
-///   sends and exceeds one second of them: the target drops to 90% of the
-///   rate actually acknowledged (never below [`MAX_RATE_MIN`]);
+/// * **falling behind** — the pacer found every in-flight slot taken, a
+///   send failed, or the consumers' backlog grew by more than a tenth of
+///   the interval's sends and exceeds one second of them: the target drops
+///   to 90% of the rate actually acknowledged (never below
+///   [`MAX_RATE_MIN`]);
 /// * **keeping up** — at least 95% of the target was acknowledged and
 ///   neither sign above: the target rises by 20%;
 /// * otherwise it holds.
@@ -342,7 +343,8 @@ impl Controller {
             && b - self.last_backlog > window_sends / 10
             && b as f64 > acked_rate;
         let target = shared.rate.get();
-        if saturated || backlog_growing {
+        let failed = c.errors > self.last.errors;
+        if saturated || failed || backlog_growing {
             let r = (acked_rate.min(target) * 0.9).max(MAX_RATE_MIN);
             shared.rate.set(r);
         } else if acked_rate >= 0.95 * target {
