@@ -256,6 +256,11 @@ pub struct Journal {
     /// through `set_listing`, `insert_remote` and `drop_remote`.
     pub remote: Vec<StoredFragment>,
     remote_end: u64,
+    /// Fragments this broker's uploads confirmed, with the count of
+    /// confirmations so far: a listing that started before a confirmation
+    /// must not drop it (the local copy may already be gone).
+    confirmed: Vec<(u64, StoredFragment)>,
+    confirmations: u64,
     /// A listing of every store succeeded at least once (always true for
     /// journals without stores). Appends wait for it: the store may hold
     /// offsets beyond the local head.
@@ -360,6 +365,8 @@ impl Journal {
             index_error: None,
             last_listing: None,
             listing: false,
+            confirmed: Vec::new(),
+            confirmations: 0,
             reset_waiters: Vec::new(),
             tail: TailCache::default(),
             waiting_readers: 0,
@@ -389,6 +396,17 @@ impl Journal {
 
     /// Adds a fragment the store confirmed, unless the index has it.
     pub fn insert_remote(&mut self, f: StoredFragment) {
+        self.confirmations += 1;
+        self.confirmed.push((self.confirmations, f.clone()));
+        self.add_remote(f);
+    }
+
+    /// Where a listing starting now stands: pass it to [`Self::set_listing`].
+    pub fn listing_mark(&self) -> u64 {
+        self.confirmations
+    }
+
+    fn add_remote(&mut self, f: StoredFragment) {
         if self
             .remote
             .iter()
@@ -404,6 +422,8 @@ impl Journal {
     /// Removes a fragment from the index (its bytes failed their SHA-1).
     pub fn drop_remote(&mut self, begin: u64, end: u64) {
         self.remote.retain(|r| !(r.begin == begin && r.end == end));
+        self.confirmed
+            .retain(|(_, r)| !(r.begin == begin && r.end == end));
         self.remote_changed();
     }
 
@@ -415,8 +435,10 @@ impl Journal {
 
     /// Merges a fresh listing into the index: the listing replaces what
     /// was known from the stores, so objects removed from a store leave the
-    /// log (local copies still serve their spans).
-    pub fn set_listing(&mut self, mut listed: Vec<StoredFragment>) {
+    /// log (local copies still serve their spans). Uploads confirmed after
+    /// the listing started (`mark`, from [`Self::listing_mark`]) stay.
+    /// Readers waiting for bytes are woken: the index may now hold them.
+    pub fn set_listing(&mut self, mut listed: Vec<StoredFragment>, mark: u64) {
         listed.sort_by_key(|f| (f.begin, std::cmp::Reverse(f.end)));
         listed.dedup_by(|b, a| a.begin == b.begin && a.end == b.end);
         for f in &mut self.fragments {
@@ -429,7 +451,12 @@ impl Journal {
             }
         }
         self.remote = listed;
+        self.confirmed.retain(|(n, _)| *n > mark);
+        for (_, f) in self.confirmed.clone() {
+            self.add_remote(f);
+        }
         self.remote_changed();
+        self.committed.notify(usize::MAX);
     }
 
     /// Whether the open spool should seal before the next append starts.
@@ -619,6 +646,53 @@ mod tests {
         assert_eq!(t.get(t.end() - 1, u64::MAX), Some(&[7u8][..]));
         t.truncate(0);
         assert_eq!(t.get(0, 10), None);
+    }
+
+    fn stored(begin: u64, end: u64) -> StoredFragment {
+        StoredFragment {
+            journal: "a/b".into(),
+            begin,
+            end,
+            sha1: [begin as u8; 20],
+            codec: rotary_net::spec::Codec::None,
+            store: "file:///store/".into(),
+            key: format!("a/b/{begin}-{end}"),
+            size: end - begin,
+            mod_time: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    fn spans(j: &Journal) -> Vec<(u64, u64)> {
+        j.remote.iter().map(|f| (f.begin, f.end)).collect()
+    }
+
+    #[test]
+    fn a_listing_keeps_uploads_confirmed_after_it_started() {
+        let mut j = Journal::new(JournalSpec::new("a/b"), PathBuf::from("/nonexistent"));
+        j.insert_remote(stored(0, 10));
+        let mark = j.listing_mark();
+        // Confirmed while the listing runs; the listing does not show it.
+        j.insert_remote(stored(10, 20));
+        j.set_listing(vec![stored(0, 10)], mark);
+        assert_eq!(spans(&j), [(0, 10), (10, 20)]);
+        assert_eq!(j.read_head(), 20);
+        assert!(j.locate(15).is_some());
+
+        // A later listing is the truth: an object gone from the store
+        // leaves the index, whatever was confirmed before it started.
+        let mark = j.listing_mark();
+        j.set_listing(vec![stored(10, 20)], mark);
+        assert_eq!(spans(&j), [(10, 20)]);
+        let mark = j.listing_mark();
+        j.set_listing(Vec::new(), mark);
+        assert!(spans(&j).is_empty());
+
+        // A fragment dropped for bad bytes is not brought back either.
+        let mark = j.listing_mark();
+        j.insert_remote(stored(20, 30));
+        j.drop_remote(20, 30);
+        j.set_listing(Vec::new(), mark);
+        assert!(spans(&j).is_empty());
     }
 
     #[test]

@@ -591,6 +591,7 @@ impl Shard {
             jm.listing = true;
             (jm.spec.fragment.stores.clone(), jm.name.clone())
         };
+        let mark = j.borrow().listing_mark();
         let uploader = self.uploader.clone();
         let j = j.clone();
         let me = self.me.borrow().clone();
@@ -612,7 +613,7 @@ impl Shard {
                 jm.last_listing = Some(Instant::now());
                 match err {
                     None => {
-                        jm.set_listing(all);
+                        jm.set_listing(all, mark);
                         jm.index_loaded = true;
                         jm.index_error = None;
                     }
@@ -2240,11 +2241,11 @@ impl Shard {
                 let commit = j.borrow().committed.listen();
                 let cancelled = cancel.event.listen();
                 let closed = outbox.drained.listen();
-                if j.borrow().read_head() > offset
-                    || j.borrow().locate(offset).is_some()
-                    || cancel.is_set()
-                    || outbox.is_closed()
-                {
+                // Only a readable span ends the wait. Bytes below the read
+                // head that no file holds (history missing, or a fragment
+                // between its local copy and the store's listing) wait for
+                // a commit or a new listing like bytes beyond the head.
+                if j.borrow().locate(offset).is_some() || cancel.is_set() || outbox.is_closed() {
                     continue;
                 }
                 let a = std::pin::pin!(commit);

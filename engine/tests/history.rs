@@ -165,3 +165,67 @@ fn history_survives_a_wiped_broker() {
     assert!(got == expected);
     broker.shutdown();
 }
+
+/// A blocking read at an offset that no file holds any more (its fragment
+/// left the broker's disk once uploaded, then left the store) waits as a
+/// read at the head does: the shard goes on serving everything else, and
+/// the read resumes where bytes exist again.
+#[test]
+fn a_read_in_missing_history_waits_without_stalling_the_shard() {
+    let root = tempfile::tempdir().unwrap();
+    let store_dir = root.path().join("store");
+    let mut cfg = ServeConfig::new(root.path().join("data"), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    // Uploaded fragments leave the broker's disk at once.
+    cfg.local_cache_bytes = 0;
+    let broker = Broker::start(cfg).unwrap();
+    let (a, b) = ("hist/missing-a", "hist/missing-b");
+    let mut spec = JournalSpec::new(a);
+    spec.fragment.compression_codec = Codec::None;
+    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
+    spec.fragment.refresh_interval = Duration::from_secs(1);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[spec, JournalSpec::new(b)]);
+
+    let history = vec![b'h'; 5000];
+    append(&mut c, a, &history);
+    c.send(Op::SEAL, 0, 40, &wire::encode_name(a), &[]);
+    let r = c.recv();
+    assert_eq!(
+        r.status,
+        Status::OK,
+        "{}",
+        String::from_utf8_lossy(&r.payload)
+    );
+    wait_until("the upload, and the local copy gone", || {
+        let f = fragments(&mut c, a);
+        !f.is_empty() && f.iter().all(|f| f["store"] != "local")
+    });
+    // The store loses the object; the next listing drops it from the index.
+    std::fs::remove_dir_all(store_dir.join(a)).unwrap();
+    wait_until("the listing without it", || fragments(&mut c, a).is_empty());
+
+    let mut reader = Conn::new(broker.endpoints[0]);
+    let r = ReadRequest {
+        journal: a.into(),
+        offset: Some(0),
+        end_offset: None,
+    };
+    reader.send(Op::READ, flag::BLOCK, 41, &r.encode(), &[]);
+    // Give the read time to reach its wait; nothing below depends on it.
+    std::thread::sleep(Duration::from_millis(200));
+
+    // The shard still answers: another journal's append, then this one's.
+    let reply = append(&mut c, b, b"elsewhere");
+    assert_eq!(reply.begin, 0);
+    let reply = append(&mut c, a, b"after the gap");
+    assert_eq!(reply.begin, history.len() as u64);
+    // The read jumps over the missing history to the bytes that exist.
+    let data = reader.recv();
+    assert_eq!((data.op, data.id), (Op::READ_DATA, 41));
+    let at = u64::from_le_bytes(data.meta[..8].try_into().unwrap());
+    assert_eq!(at, history.len() as u64);
+    assert_eq!(data.payload, b"after the gap");
+    broker.shutdown();
+}
