@@ -95,6 +95,16 @@ pub enum Scenario {
 #[serde(transparent)]
 pub struct Cpus(pub Vec<usize>);
 
+fn parse_durability(s: &str) -> Result<rotary_net::spec::Durability, String> {
+    match s {
+        "replicated" => Ok(rotary_net::spec::Durability::Replicated),
+        "fsync" => Ok(rotary_net::spec::Durability::Fsync),
+        other => Err(format!(
+            "{other:?} is not a durability (replicated or fsync)"
+        )),
+    }
+}
+
 fn parse_cpus(s: &str) -> Result<Cpus, String> {
     rotary_engine::parse_cpu_list(s).map(Cpus)
 }
@@ -201,6 +211,11 @@ pub struct BenchArgs {
     /// and a backlog workload, a file:// store in the temporary directory.
     #[arg(long = "journal-store", value_name = "URL")]
     pub journal_store: Option<String>,
+    /// Durability of the journals --workload creates on rotary: `replicated`
+    /// (O_DIRECT write and commit-log record before the ack) or `fsync`
+    /// (also fdatasync before the ack; survives a power loss).
+    #[arg(long = "journal-durability", value_name = "MODE", default_value = "replicated", value_parser = parse_durability)]
+    pub journal_durability: rotary_net::spec::Durability,
     /// Internal: serve ping-pong echoes (the child process of `pingpong`).
     #[arg(long = "echo-server", hide = true)]
     pub echo_server: bool,

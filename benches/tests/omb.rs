@@ -8,6 +8,7 @@ use rotary_benches::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Prod
 use rotary_benches::omb::drivers::rotary::{RotaryDriver, RotaryOptions};
 use rotary_benches::omb::{run, Options, TestResult, Workload};
 use rotary_engine::{Broker, ServeConfig};
+use rotary_net::spec::Durability;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -414,7 +415,9 @@ fn a_tiny_workload_reaches_every_subscription_exactly() {
 
 #[test]
 fn held_back_consumers_drain_a_sealed_and_uploaded_backlog() {
-    let (broker, store) = TestBroker::start(4 << 30);
+    // Uploaded fragments leave the broker's disk: the catch-up reads the
+    // store. The journals fdatasync before each ack.
+    let (broker, store) = TestBroker::start(0);
     // 4 MiB of backlog in 4 KiB messages.
     let w = Workload::parse(
         "name: backlog\ntopics: 1\npartitionsPerTopic: 2\nmessageSize: 4096\n\
@@ -429,6 +432,7 @@ fn held_back_consumers_drain_a_sealed_and_uploaded_backlog() {
     let options = RotaryOptions {
         store: Some(format!("file://{}/", store.display())),
         fragment_length: Some(256 << 10),
+        durability: Durability::Fsync,
     };
     let result = run_rotary(&broker, &w, options);
     let json = result.to_json();
@@ -442,7 +446,9 @@ fn held_back_consumers_drain_a_sealed_and_uploaded_backlog() {
         drain["drainedMessages"].as_u64().unwrap() >= w.backlog_messages(),
         "{drain}"
     );
-    assert!(json["durability"].as_str().unwrap().contains("file://"));
+    let durability = json["durability"].as_str().unwrap();
+    assert!(durability.contains("file://"), "{durability}");
+    assert!(durability.starts_with("fsync"), "{durability}");
     // The journals uploaded fragments to the store.
     let mut objects = 0;
     let mut stack = vec![store];

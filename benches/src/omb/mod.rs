@@ -47,16 +47,17 @@ struct Embedded {
     endpoint: String,
 }
 
-fn start_embedded(args: &BenchArgs, data_dir: &Path) -> anyhow::Result<Embedded> {
+fn start_embedded(args: &BenchArgs, data_dir: &Path, backlog: bool) -> anyhow::Result<Embedded> {
     let listen: SocketAddr = "127.0.0.1:0".parse().expect("loopback address");
     let mut config = ServeConfig::new(data_dir.to_path_buf(), listen);
     config.cores = args.cores;
-    // The local cache of uploaded fragments stays at the broker's default.
-    // Without it (`local_cache_bytes = 0`) the catch-up would read only
-    // from the store, but a read of a span whose local copy was just
-    // evicted while a store listing started before its upload was in
-    // flight finds neither copy, and the shard's read loop then spins
-    // without yielding; so that setting is not used here.
+    config.cpus = args.broker_cpus.clone().map(|c| c.0).unwrap_or_default();
+    if backlog {
+        // Uploaded fragments leave the broker's disk at once, so held-back
+        // consumers catch up from the store, as they would from a broker
+        // that was replaced.
+        config.local_cache_bytes = 0;
+    }
     let broker = Broker::start(config)
         .with_context(|| format!("starting a broker in {}", data_dir.display()))?;
     let endpoint = broker.endpoints[0].to_string();
@@ -102,7 +103,7 @@ pub fn run_workload(args: &BenchArgs, path: &Path) -> anyhow::Result<()> {
                 args.driver
             );
             eprintln!("scratch directory: {}", scratch.path().display());
-            let e = start_embedded(args, &scratch.path().join("broker"))?;
+            let e = start_embedded(args, &scratch.path().join("broker"), backlog)?;
             let endpoint = e.endpoint.clone();
             (Some(e), endpoint)
         }
@@ -119,6 +120,7 @@ pub fn run_workload(args: &BenchArgs, path: &Path) -> anyhow::Result<()> {
     let rotary_options = drivers::rotary::RotaryOptions {
         fragment_length: store.as_ref().map(|_| BACKLOG_FRAGMENT_BYTES),
         store,
+        durability: args.journal_durability,
     };
 
     let rt = crate::client_runtime(args)?;

@@ -39,6 +39,7 @@ pub struct RotaryOptions {
     pub store: Option<String>,
     /// `fragment.length` of every journal; `None` keeps the spec default.
     pub fragment_length: Option<u64>,
+    pub durability: Durability,
 }
 
 /// The journal of partition `p` of `topic`.
@@ -82,9 +83,17 @@ impl Driver for RotaryDriver {
     }
 
     fn durability(&self) -> String {
-        let mut s = "replicated: O_DIRECT write and commit-log record before the ack, \
-                     no fdatasync (survives a broker crash, not a power loss); replication 1"
-            .to_string();
+        let mut s = match self.options.durability {
+            Durability::Replicated => {
+                "replicated: O_DIRECT write and commit-log record before the ack, \
+                 no fdatasync (survives a broker crash, not a power loss); replication 1"
+            }
+            Durability::Fsync => {
+                "fsync: O_DIRECT write, commit-log record and fdatasync of both before \
+                 the ack (survives a power loss); replication 1"
+            }
+        }
+        .to_string();
         if let Some(store) = &self.options.store {
             s.push_str(&format!("; sealed fragments uploaded to {store}"));
         }
@@ -101,7 +110,7 @@ impl Driver for RotaryDriver {
                 .map(|p| {
                     let mut spec = JournalSpec::new(journal_name(topic, p));
                     spec.replication = 1;
-                    spec.durability = Durability::Replicated;
+                    spec.durability = self.options.durability;
                     if let Some(store) = &self.options.store {
                         spec.fragment.stores = vec![store.clone()];
                     }
