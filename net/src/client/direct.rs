@@ -22,7 +22,7 @@
 //! not match the fragment's SHA-1 are never yielded: that ends the read
 //! with [`ClientError::Fragment`].
 
-use super::fetch::{fetch_fragment, FragmentError, FragmentRef};
+use super::fetch::{fetch_fragment_into, FragmentError, FragmentRef};
 use super::{Client, ClientError, ProtocolError, ReadDone, ReadEvent, ReadOptions, ReadStream};
 use crate::status::Status;
 use crate::wire::ReadRequest;
@@ -43,6 +43,9 @@ pub struct DirectReadStats {
     pub fragments_proxied: AtomicU64,
     /// READ requests sent to the broker.
     pub reads: AtomicU64,
+    /// Fragments fetched into a buffer an earlier fragment of this read
+    /// had used (no fresh memory mapped for them).
+    pub buffers_reused: AtomicU64,
 }
 
 /// Checked fragment bytes are handed out in pieces of at most this length,
@@ -96,6 +99,53 @@ struct State {
     queued: VecDeque<ReadEvent>,
     finished: bool,
     stats: Arc<DirectReadStats>,
+    buffers: Arc<BufferPool>,
+}
+
+/// Fragment buffers a direct read has handed out and got back: a fetch
+/// reuses one instead of mapping (and later unmapping) fresh memory, which
+/// costs page faults and takes the process's memory-map lock that every
+/// thread of the process needs.
+#[derive(Default)]
+struct BufferPool {
+    free: std::sync::Mutex<Vec<Vec<u8>>>,
+}
+
+/// Buffers a pool keeps; more are freed.
+const POOLED_BUFFERS_MAX: usize = DIRECT_FETCHES_AHEAD_MAX + 2;
+/// Larger buffers are freed rather than kept.
+const POOLED_BUFFER_BYTES_MAX: usize = 256 << 20;
+
+impl BufferPool {
+    fn take(&self) -> Vec<u8> {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default()
+    }
+}
+
+/// A fetched fragment's bytes; back to the pool when the last piece of it
+/// handed out is dropped.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: Arc<BufferPool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < POOLED_BUFFERS_MAX && self.buf.capacity() <= POOLED_BUFFER_BYTES_MAX {
+            free.push(std::mem::take(&mut self.buf));
+        }
+    }
 }
 
 /// A fragment fetch running on the blocking pool.
@@ -134,6 +184,7 @@ impl DirectRead {
                 queued: VecDeque::new(),
                 finished: false,
                 stats: stats.clone(),
+                buffers: Arc::default(),
             })),
             step: None,
             stats,
@@ -381,7 +432,11 @@ impl State {
             // ReadStream checked begin <= from < end.
             let agent = self.client.http_agent();
             let f = fragment.clone();
-            let task = tokio::task::spawn_blocking(move || fetch_fragment(&agent, &f));
+            let buf = self.buffers.take();
+            if buf.capacity() > 0 {
+                self.stats.buffers_reused.fetch_add(1, Ordering::Relaxed);
+            }
+            let task = tokio::task::spawn_blocking(move || fetch_fragment_into(&agent, &f, buf));
             let to = self
                 .end_offset
                 .map_or(fragment.end, |e| e.min(fragment.end));
@@ -429,7 +484,11 @@ impl State {
         match fetched {
             Ok(bytes) => {
                 self.stats.fragments_fetched.fetch_add(1, Ordering::Relaxed);
-                self.queue_fragment(&fragment, from, Bytes::from(bytes), write_head);
+                let bytes = Bytes::from_owner(Pooled {
+                    buf: bytes,
+                    pool: self.buffers.clone(),
+                });
+                self.queue_fragment(&fragment, from, bytes, write_head);
                 Ok(())
             }
             Err(e) if e.is_unreachable() => {
@@ -801,6 +860,32 @@ mod tests {
             .unwrap()
             .iter()
             .all(|(o, _, _)| o.unwrap() < 4000));
+    }
+
+    #[tokio::test]
+    async fn fragment_buffers_are_reused_once_their_bytes_are_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = journal();
+        let spans: Vec<(u64, u64, String)> = (0..10u64)
+            .map(|i| {
+                let (b, e) = (i * 1000, (i + 1) * 1000);
+                let path = dir.path().join(format!("frag-{i}.raw"));
+                std::fs::write(&path, &j[b as usize..e as usize]).unwrap();
+                (b, e, format!("file://{}", path.display()))
+            })
+            .collect();
+        let (addr, _) = fake_broker_spans(j.clone(), spans).await;
+        let client = Client::connect(&addr).await.unwrap();
+        let r = client.read_direct(&req(0, None), false);
+        let stats = r.stats.clone();
+        // `collect` copies each piece and drops it.
+        let (bytes, done) = collect(r).await;
+        assert_eq!(bytes, j);
+        assert_eq!((done.status, done.offset), (Status::OK, 10_000));
+        assert_eq!(stats.fragments_fetched.load(Ordering::Relaxed), 10);
+        let reused = stats.buffers_reused.load(Ordering::Relaxed);
+        assert!(reused >= 1, "no buffer was reused");
+        assert!(reused <= 10 - 1, "{reused}");
     }
 
     #[tokio::test]

@@ -114,9 +114,20 @@ pub(crate) fn http_agent() -> ureq::Agent {
 }
 
 /// Fetches, decodes and checks a whole fragment. Blocking.
+#[cfg(test)]
 pub(crate) fn fetch_fragment(
     agent: &ureq::Agent,
     fragment: &FragmentRef,
+) -> Result<Vec<u8>, FragmentError> {
+    fetch_fragment_into(agent, fragment, Vec::new())
+}
+
+/// [`fetch_fragment`] into `bytes` (emptied first): a buffer used before
+/// has its memory mapped already, so reading into it costs no page faults.
+pub(crate) fn fetch_fragment_into(
+    agent: &ureq::Agent,
+    fragment: &FragmentRef,
+    mut bytes: Vec<u8>,
 ) -> Result<Vec<u8>, FragmentError> {
     assert!(fragment.begin <= fragment.end, "checked on decode");
     let location = &fragment.location;
@@ -171,7 +182,8 @@ pub(crate) fn fetch_fragment(
     // One byte past the expected length tells a too-long object apart.
     // Each piece is hashed as it arrives, while it is still in cache.
     let mut decoder = decoder.take(len + 1);
-    let mut bytes = Vec::with_capacity(len as usize);
+    bytes.clear();
+    bytes.reserve_exact(len as usize);
     let mut hasher = Sha1::new();
     loop {
         let at = bytes.len();
