@@ -119,6 +119,11 @@ struct ServeArgs {
     /// FRAGMENT_STORE_UNHEALTHY until uploads catch up. K, M, G, T suffixes.
     #[arg(long = "spool-budget", value_name = "BYTES", value_parser = parse_bytes, default_value = "8G")]
     spool_budget: u64,
+    /// Bytes of uploaded fragments kept on local disk to serve reads; the
+    /// oldest go first. 0 = drop each fragment once uploaded (history is
+    /// then read from the stores). K, M, G, T suffixes.
+    #[arg(long = "local-cache", value_name = "BYTES", value_parser = parse_bytes, default_value = "4G")]
+    local_cache: u64,
     /// Threads that compress and upload sealed fragments to their stores.
     #[arg(long = "upload-threads", value_name = "N", value_parser = parse_upload_threads, default_value = "2")]
     upload_threads: usize,
@@ -127,6 +132,12 @@ struct ServeArgs {
     /// host give each other disjoint lists.
     #[arg(long = "cpus", value_name = "LIST", value_parser = parse_cpus)]
     cpus: Option<CpuList>,
+    /// Cores the io-wq workers of the shards' rings run on (writes the
+    /// kernel cannot issue inline, fsyncs). Default: the cores without
+    /// shards, or each shard's own core when every core has a shard. Give
+    /// the shards' cores when the spare cores are busy with other work.
+    #[arg(long = "iowq-cpus", value_name = "LIST", value_parser = parse_cpus)]
+    iowq_cpus: Option<CpuList>,
     /// Static cluster file (YAML `brokers: [{id, zone, endpoint}]`); the
     /// broker listens on its own endpoint from it and re-reads it when it
     /// changes or on SIGHUP. Needs --id; excludes --listen.
@@ -477,8 +488,10 @@ fn serve(args: ServeArgs) -> CmdResult {
     }
     config.spool_budget_bytes = args.spool_budget;
     config.upload_threads = args.upload_threads;
+    config.local_cache_bytes = args.local_cache;
     config.cluster = args.cluster.zip(args.id);
     config.cpus = args.cpus.map(|c| c.0).unwrap_or_default();
+    config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 

@@ -53,6 +53,12 @@ pub struct ServeConfig {
     /// shard n on core n (modulo the machine's cores). Lets brokers that
     /// share a host keep to cores of their own.
     pub cpus: Vec<usize>,
+    /// Cores the rings' io-wq workers (which run writes the kernel cannot
+    /// issue inline, e.g. into newly allocated extents, and fsyncs) may run
+    /// on; empty = the cores without shards, or the shard's own core when
+    /// every core has one. A core that is busy with other work delays every
+    /// punted write by its scheduling latency.
+    pub iowq_cpus: Vec<usize>,
     /// A static cluster file and this broker's id in it. The broker then
     /// listens on its endpoint from the file (`listen` is ignored).
     pub cluster: Option<(PathBuf, String)>,
@@ -72,6 +78,7 @@ impl ServeConfig {
             spool_sizing: rotary_storage::spool::SpoolSizing::default(),
             ring_entries: 1024,
             cpus: Vec::new(),
+            iowq_cpus: Vec::new(),
             cluster: None,
         }
     }
@@ -115,8 +122,22 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
     Ok(out)
 }
 
-/// Runs a broker until SIGINT or SIGTERM, then shuts it down cleanly.
+/// Runs a broker until SIGINT or SIGTERM, then shuts it down cleanly. A
+/// broker given cores (`cpus`) keeps to them: its other threads (uploads,
+/// store listings) and its rings' io-wq workers run there too.
 pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
+    if !config.cpus.is_empty() {
+        let mut cores: Vec<usize> = config
+            .cpus
+            .iter()
+            .chain(&config.iowq_cpus)
+            .copied()
+            .collect();
+        cores.sort_unstable();
+        cores.dedup();
+        sys::confine_current_thread(&cores)
+            .map_err(|e| EngineError::Config(format!("--cpus {cores:?}: {e}")))?;
+    }
     let broker = Broker::start(config)?;
     wait_for_signal();
     tracing::info!("shutting down");
@@ -213,7 +234,17 @@ impl Broker {
             }
         };
         let used: HashSet<usize> = (0..shards).map(core_of).collect();
-        let spare: Vec<usize> = (0..ncpu).filter(|c| !used.contains(c)).collect();
+        // A broker given cores keeps its io-wq workers among them too.
+        let own: Vec<usize> = if config.cpus.is_empty() {
+            (0..ncpu).collect()
+        } else {
+            config.cpus.clone()
+        };
+        let spare: Vec<usize> = if config.iowq_cpus.is_empty() {
+            own.into_iter().filter(|c| !used.contains(c)).collect()
+        } else {
+            config.iowq_cpus.clone()
+        };
         if shards > 256 {
             return Err(EngineError::Config(format!(
                 "--cores {shards}: at most 256 shards"
@@ -355,7 +386,8 @@ fn run_shard(ctx: ShardContext) {
     {
         use std::os::fd::AsRawFd;
         // Cores that host no shard (counted by the broker before any thread
-        // was pinned: a pinned thread sees only its own core). Moving io-wq
+        // was pinned: a pinned thread sees only its own core), or the cores
+        // the operator chose (`iowq_cpus`). Moving io-wq
         // work onto another shard's core would trade a stall for a
         // cross-core wake-up on every punted write, so with no spare core
         // the workers stay with their shard.
@@ -370,7 +402,7 @@ fn run_shard(ctx: ShardContext) {
                 Ok(()) => tracing::debug!(
                     core = ctx.core,
                     ?spare,
-                    "io-wq workers kept on cores without shards"
+                    "io-wq workers kept on the chosen cores"
                 ),
                 Err(e) => {
                     tracing::info!(error = %e, "io-wq affinity not set; punted work may run on the shard's core")
@@ -434,6 +466,30 @@ mod sys {
     #![allow(unsafe_code)]
 
     const IORING_REGISTER_IOWQ_AFF: libc::c_uint = 17;
+
+    /// Confines the calling thread, and every thread it starts afterwards,
+    /// to `cpus`.
+    pub fn confine_current_thread(cpus: &[usize]) -> std::io::Result<()> {
+        // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &c in cpus {
+            if c >= libc::CPU_SETSIZE as usize {
+                return Err(std::io::Error::other(format!(
+                    "core {c} beyond CPU_SETSIZE"
+                )));
+            }
+            // SAFETY: CPU_SET writes within the set for c < CPU_SETSIZE.
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+        // SAFETY: pid 0 is the calling thread; the kernel reads
+        // size_of::<cpu_set_t>() bytes from &set during the call only.
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
 
     /// Pins the ring's io-wq workers (which run fsync and other punted
     /// work) to `cpus`, so that blocking work does not land on the core of
