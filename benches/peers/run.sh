@@ -12,7 +12,7 @@
 # script starts is stopped by its PID on exit, whatever the exit.
 #
 # Environment (all optional):
-#   SYSTEMS        systems to run, in order (default: rotary nats redis-always
+#   SYSTEMS        systems to run, in order (default: rotary rotary-fsync nats redis-always
 #                  redis-everysec kafka)
 #   SERVER_CPU     core of the servers (default 0)
 #   CLIENT_CPU     core of the load generator (default 1)
@@ -30,7 +30,7 @@ cd "$repo"
 
 workload=${1:-benches/workloads/1-topic-4-partitions-1kb-10k.yaml}
 out=${2:-target/peers/$(date -u +%Y%m%dT%H%M%SZ)}
-systems=${SYSTEMS:-rotary nats redis-always redis-everysec kafka}
+systems=${SYSTEMS:-rotary rotary-fsync nats redis-always redis-everysec kafka}
 server_cpu=${SERVER_CPU:-0}
 client_cpu=${CLIENT_CPU:-1}
 tansu_version=${TANSU_VERSION:-0.6.0}
@@ -128,12 +128,20 @@ rotary=$repo/target/release/rotary
 # pids, and sets: port, driver, setting (the durability this script
 # configured, in words, also handed to the driver as ROTARY_PEER_FSYNC).
 
+# start_rotary [replicated|fsync]: the durability of the journals the driver
+# creates.
 start_rotary() {
-  local dir=$tmp/rotary
+  local mode=${1:-replicated}
+  local dir=$tmp/rotary-$mode
   mkdir -p "$dir"
   port=$(free_port)
   driver=rotary
-  setting="journals created by the driver: durability replicated (O_DIRECT spool write and commit record before the ack, no fdatasync), replication 1; one shard"
+  durability=$mode
+  if [ "$mode" = fsync ]; then
+    setting="journals created by the driver: durability fsync (O_DIRECT spool write, commit record and fdatasync of both before the ack), replication 1; one shard"
+  else
+    setting="journals created by the driver: durability replicated (O_DIRECT spool write and commit record before the ack, no fdatasync), replication 1; one shard"
+  fi
   taskset -c "$server_cpu" "$rotary" serve --data "$dir/data" --listen "127.0.0.1:$port" \
     --cores 1 --cpus "$server_cpu" >"$out/rotary.server.log" 2>&1 &
   pids+=($!)
@@ -215,8 +223,10 @@ start_kafka() {
 
 failed=()
 for system in $systems; do
+  durability=replicated
   case $system in
-    rotary) start_rotary ;;
+    rotary) start_rotary replicated ;;
+    rotary-fsync) start_rotary fsync ;;
     nats) start_nats ;;
     redis-always) start_redis always ;;
     redis-everysec) start_redis everysec ;;
@@ -235,6 +245,7 @@ for system in $systems; do
   say "$system on 127.0.0.1:$port (server PID $server, CPU $server_cpu; load generator CPU $client_cpu)"
   if ! ROTARY_PEER_FSYNC=$setting taskset -c "$client_cpu" "$rotary" bench \
       --workload "$workload" --driver "$driver" --broker "127.0.0.1:$port" \
+      --journal-durability "$durability" \
       --output "$out/$system.json" 2>&1 | tee "$out/$system.log" >&2; then
     say "$system: the run failed; see $out/$system.log"
     failed+=("$system (run failed)")
