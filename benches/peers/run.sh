@@ -14,6 +14,7 @@
 # Environment (all optional):
 #   SYSTEMS        systems to run, in order (default: rotary rotary-fsync nats redis-always
 #                  redis-everysec kafka)
+#   PERIOD         seconds per point of the throughput series (default 1)
 #   SERVER_CPU     core of the servers (default 0)
 #   CLIENT_CPU     core of the load generator (default 1)
 #   NO_INSTALL=1   do not install anything; skip systems that are missing
@@ -31,6 +32,7 @@ cd "$repo"
 workload=${1:-benches/workloads/1-topic-4-partitions-1kb-10k.yaml}
 out=${2:-target/peers/$(date -u +%Y%m%dT%H%M%SZ)}
 systems=${SYSTEMS:-rotary rotary-fsync nats redis-always redis-everysec kafka}
+period=${PERIOD:-1}
 server_cpu=${SERVER_CPU:-0}
 client_cpu=${CLIENT_CPU:-1}
 tansu_version=${TANSU_VERSION:-0.6.0}
@@ -245,7 +247,7 @@ for system in $systems; do
   say "$system on 127.0.0.1:$port (server PID $server, CPU $server_cpu; load generator CPU $client_cpu)"
   if ! ROTARY_PEER_FSYNC=$setting taskset -c "$client_cpu" "$rotary" bench \
       --workload "$workload" --driver "$driver" --broker "127.0.0.1:$port" \
-      --journal-durability "$durability" \
+      --journal-durability "$durability" --period "$period" \
       --output "$out/$system.json" 2>&1 | tee "$out/$system.log" >&2; then
     say "$system: the run failed; see $out/$system.log"
     failed+=("$system (run failed)")
