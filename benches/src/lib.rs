@@ -325,6 +325,16 @@ fn client_runtime(args: &BenchArgs) -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the client runtime")
 }
 
+/// A temporary directory under `--data`, removed when dropped.
+fn scratch_dir(args: &BenchArgs) -> anyhow::Result<tempfile::TempDir> {
+    let parent = std::fs::canonicalize(&args.data)
+        .with_context(|| format!("--data {}", args.data.display()))?;
+    tempfile::Builder::new()
+        .prefix("rotary-bench-")
+        .tempdir_in(&parent)
+        .with_context(|| format!("making a temporary directory in {}", parent.display()))
+}
+
 /// Runs the scenarios `args` selects and prints their figures.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.echo_server {
@@ -338,12 +348,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     args.check()?;
     let mut figures = Figures::new(&args);
-    let parent = std::fs::canonicalize(&args.data)
-        .with_context(|| format!("--data {}", args.data.display()))?;
-    let scratch = tempfile::Builder::new()
-        .prefix("rotary-bench-")
-        .tempdir_in(&parent)
-        .with_context(|| format!("making a temporary directory in {}", parent.display()))?;
+    let scratch = scratch_dir(&args)?;
     eprintln!("scratch directory: {}", scratch.path().display());
 
     if args.wants(Scenario::Pingpong) {

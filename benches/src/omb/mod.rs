@@ -88,12 +88,7 @@ pub fn run_workload(args: &BenchArgs, path: &Path) -> anyhow::Result<()> {
         drivers::DRIVERS.join(", ")
     );
     let backlog = workload.consumer_backlog_bytes > 0;
-    let parent = std::fs::canonicalize(&args.data)
-        .with_context(|| format!("--data {}", args.data.display()))?;
-    let scratch = tempfile::Builder::new()
-        .prefix("rotary-bench-")
-        .tempdir_in(&parent)
-        .with_context(|| format!("making a temporary directory in {}", parent.display()))?;
+    let scratch = crate::scratch_dir(args)?;
     let (embedded, endpoint) = match &args.broker {
         Some(b) => (None, b.clone()),
         None => {
