@@ -126,7 +126,15 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
 /// broker given cores (`cpus`) keeps to them: its other threads (uploads,
 /// store listings) and its rings' io-wq workers run there too.
 pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
-    if !config.cpus.is_empty() {
+    // A core that does not exist is refused with its message by `start`.
+    let online = sys::online_cpus();
+    if !config.cpus.is_empty()
+        && config
+            .cpus
+            .iter()
+            .chain(&config.iowq_cpus)
+            .all(|&c| c < online)
+    {
         let mut cores: Vec<usize> = config
             .cpus
             .iter()
@@ -220,10 +228,13 @@ impl Broker {
             (0, n) => n,
             (n, _) => n,
         };
-        if let Some(c) = config.cpus.iter().find(|&&c| c >= ncpu) {
+        // A process confined to some cores (`serve --cpus` confines itself
+        // before it gets here) still names cores by the machine's numbers.
+        let online = sys::online_cpus().max(ncpu);
+        if let Some(c) = config.cpus.iter().find(|&&c| c >= online) {
             return Err(EngineError::Config(format!(
                 "--cpus: core {c} does not exist here (cores 0 to {})",
-                ncpu - 1
+                online - 1
             )));
         }
         let core_of = |n: usize| {
@@ -466,6 +477,13 @@ mod sys {
     #![allow(unsafe_code)]
 
     const IORING_REGISTER_IOWQ_AFF: libc::c_uint = 17;
+
+    /// Cores the machine has online (whatever this process may use).
+    pub fn online_cpus() -> usize {
+        // SAFETY: sysconf reads a system setting; no memory is passed.
+        let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        usize::try_from(n).unwrap_or(1).max(1)
+    }
 
     /// Confines the calling thread, and every thread it starts afterwards,
     /// to `cpus`.
