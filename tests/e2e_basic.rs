@@ -659,3 +659,47 @@ async fn requests_to_the_wrong_shard_are_forwarded() {
     assert!(after >= before + 4, "forwards counted: {before} -> {after}");
     assert_eq!(read_all(&client, &j).await, b"one frame;two frames;");
 }
+
+/// `serve --cpus` keeps the whole broker on the cores it is given: shards,
+/// uploader threads and the rings' io-wq workers alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_cpus_keeps_every_thread_of_the_broker_on_its_cores() {
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The last core, so that the mask differs from an unconfined process's.
+    let core = online - 1;
+    let broker = Broker::start_with(
+        1,
+        BrokerOpts {
+            args: vec!["--cpus".into(), core.to_string()],
+            ..Default::default()
+        },
+    );
+    // An append makes the shard's ring start an io-wq worker or two.
+    let client = broker.client().await;
+    create_journal(&client, "e2e/cpus/j", |_| {}).await;
+    let req = AppendRequest {
+        journal: "e2e/cpus/j".into(),
+        ..Default::default()
+    };
+    client.append(&req, vec![7u8; 1 << 20]).await.unwrap();
+    let pid = broker.pid().expect("running");
+    let mut threads = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+        let allowed = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_default();
+        threads.push((comm.trim().to_string(), allowed));
+    }
+    assert!(
+        threads.iter().any(|(c, _)| c.starts_with("rotary-shard")),
+        "{threads:?}"
+    );
+    for (comm, allowed) in &threads {
+        assert_eq!(allowed, &core.to_string(), "thread {comm}: {threads:?}");
+    }
+}
