@@ -275,6 +275,7 @@ impl Cluster {
                 .args(["--cores", "1", "--disk-reserve", "0"])
                 .arg("--cpus")
                 .arg(cpu.to_string())
+                .args(iowq_args(cpu, ncpu))
                 .env("RUST_BACKTRACE", "1")
                 .stdin(Stdio::null())
                 .stdout(out)
@@ -734,4 +735,18 @@ fn foreign_percent(
     }
     let brokers_percent = brokers as f64 / TICKS_PER_SEC / (secs * cpus) * 100.0;
     Some((outside_self - brokers_percent).clamp(0.0, 100.0))
+}
+
+/// Each broker's io-wq workers run on the cores its shard does not: the
+/// punted writes of a replica then do not queue behind the other replica
+/// and the load generator on their shared core.
+fn iowq_args(cpu: usize, ncpu: usize) -> Vec<String> {
+    let others: Vec<String> = (0..ncpu)
+        .filter(|&c| c != cpu)
+        .map(|c| c.to_string())
+        .collect();
+    if others.is_empty() {
+        return Vec::new();
+    }
+    vec!["--iowq-cpus".into(), others.join(",")]
 }
