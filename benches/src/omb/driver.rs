@@ -72,3 +72,52 @@ pub trait Consumer: Send {
     /// Stops receiving and releases the consumer's resources.
     fn close(self: Box<Self>) -> BoxFuture<'static, anyhow::Result<()>>;
 }
+
+/// A consumer made of spawned receiving tasks (one per partition, or one in
+/// all): closing it, or dropping it, aborts them; closing reports the first
+/// error a task had stopped with before that (or its panic).
+pub struct TaskConsumer(Vec<tokio::task::JoinHandle<anyhow::Result<()>>>);
+
+impl TaskConsumer {
+    pub fn new(tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>) -> TaskConsumer {
+        TaskConsumer(tasks)
+    }
+
+    pub fn push(&mut self, task: tokio::task::JoinHandle<anyhow::Result<()>>) {
+        self.0.push(task);
+    }
+}
+
+impl Consumer for TaskConsumer {
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, anyhow::Result<()>> {
+        let tasks = std::mem::take(&mut self.0);
+        Box::pin(async move {
+            for task in &tasks {
+                task.abort();
+            }
+            let mut first_error = None;
+            for task in tasks {
+                match task.await {
+                    Ok(Err(error)) => {
+                        first_error.get_or_insert(error);
+                    }
+                    Err(error) if error.is_panic() => {
+                        first_error
+                            .get_or_insert(anyhow::anyhow!("a consumer task panicked: {error}"));
+                    }
+                    // Ended by the abort, or cleanly before it.
+                    Ok(Ok(())) | Err(_) => {}
+                }
+            }
+            first_error.map_or(Ok(()), Err)
+        })
+    }
+}
+
+impl Drop for TaskConsumer {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}

@@ -17,7 +17,7 @@
 //! does not tell a client: the script that starts the broker says it in
 //! `ROTARY_PEER_FSYNC`, and [`Driver::durability`] repeats it.
 
-use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer};
+use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer, TaskConsumer};
 use anyhow::Context as _;
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -31,7 +31,6 @@ use rskafka::record::Record;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::task::JoinHandle;
 
 /// How long the broker may take to create a topic.
 const CREATE_TOPIC_TIMEOUT_MS: i32 = 30_000;
@@ -181,7 +180,7 @@ impl Driver for Kafka {
     ) -> BoxFuture<'a, anyhow::Result<Box<dyn Consumer>>> {
         Box::pin(async move {
             let name = topic_name(topic);
-            let mut tasks = Tasks(Vec::with_capacity(partitions.len()));
+            let mut tasks = TaskConsumer::new(Vec::with_capacity(partitions.len()));
             for partition in partitions {
                 let client = self.partition_client(&name, partition).await?;
                 let mut records = StreamConsumerBuilder::new(client, StartOffset::Earliest)
@@ -190,7 +189,7 @@ impl Driver for Kafka {
                     .build();
                 let sink = sink.clone();
                 let name = name.clone();
-                tasks.0.push(tokio::spawn(async move {
+                tasks.push(tokio::spawn(async move {
                     while let Some(record) = records.next().await {
                         let (record, _high_watermark) =
                             record.with_context(|| format!("fetching {name}/{partition}"))?;
@@ -249,43 +248,6 @@ impl Producer for KafkaProducer {
             );
             Ok(())
         })
-    }
-}
-
-/// The fetching tasks of one consumer, one per partition; stopped when
-/// closed or dropped.
-struct Tasks(Vec<JoinHandle<anyhow::Result<()>>>);
-
-impl Consumer for Tasks {
-    fn close(mut self: Box<Self>) -> BoxFuture<'static, anyhow::Result<()>> {
-        let tasks = std::mem::take(&mut self.0);
-        Box::pin(async move {
-            for task in &tasks {
-                task.abort();
-            }
-            let mut first_error = None;
-            for task in tasks {
-                match task.await {
-                    Ok(Err(error)) => {
-                        first_error.get_or_insert(error);
-                    }
-                    Err(error) if error.is_panic() => {
-                        first_error
-                            .get_or_insert(anyhow::anyhow!("a consumer task panicked: {error}"));
-                    }
-                    Ok(Ok(())) | Err(_) => {}
-                }
-            }
-            first_error.map_or(Ok(()), Err)
-        })
-    }
-}
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for task in &self.0 {
-            task.abort();
-        }
     }
 }
 

@@ -14,13 +14,12 @@
 //! always` exists from 2.10 on). The script that starts the server says
 //! which it chose in `ROTARY_PEER_FSYNC`; [`Driver::durability`] repeats it.
 
-use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer};
+use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer, TaskConsumer};
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use std::time::Duration;
-use tokio::task::JoinHandle;
 
 /// How long a publish or a JetStream API request may wait for its reply.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -144,7 +143,7 @@ impl Driver for Nats {
                 .get_stream(&name)
                 .await
                 .with_context(|| format!("looking up JetStream stream {name:?}"))?;
-            let mut tasks = Tasks(Vec::with_capacity(partitions.len()));
+            let mut tasks = TaskConsumer::new(Vec::with_capacity(partitions.len()));
             for partition in partitions {
                 let filter_subject = subject(&name, partition);
                 let messages = stream
@@ -160,7 +159,7 @@ impl Driver for Nats {
                     .await
                     .with_context(|| format!("pulling from {filter_subject:?}"))?;
                 let sink = sink.clone();
-                tasks.0.push(tokio::spawn(async move {
+                tasks.push(tokio::spawn(async move {
                     let mut messages = messages;
                     while let Some(message) = messages.next().await {
                         let message = message
@@ -198,45 +197,6 @@ impl Producer for NatsProducer {
             Ok(())
         })
     }
-}
-
-/// The receiving tasks of one consumer, one per partition; stopped when
-/// closed or dropped.
-struct Tasks(Vec<JoinHandle<anyhow::Result<()>>>);
-
-impl Consumer for Tasks {
-    fn close(mut self: Box<Self>) -> BoxFuture<'static, anyhow::Result<()>> {
-        Box::pin(close_tasks(std::mem::take(&mut self.0)))
-    }
-}
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for task in &self.0 {
-            task.abort();
-        }
-    }
-}
-
-/// Stops `tasks` and returns the first error any of them had stopped with
-/// before it was asked to.
-async fn close_tasks(tasks: Vec<JoinHandle<anyhow::Result<()>>>) -> anyhow::Result<()> {
-    for task in &tasks {
-        task.abort();
-    }
-    let mut first_error = None;
-    for task in tasks {
-        match task.await {
-            Ok(Err(error)) => {
-                first_error.get_or_insert(error);
-            }
-            Err(error) if error.is_panic() => {
-                first_error.get_or_insert(anyhow::anyhow!("a consumer task panicked: {error}"));
-            }
-            Ok(Ok(())) | Err(_) => {}
-        }
-    }
-    first_error.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

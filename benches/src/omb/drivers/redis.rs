@@ -19,7 +19,7 @@
 //! the reply. [`Driver::durability`] states what the server says its
 //! settings are.
 
-use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer};
+use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer, TaskConsumer};
 use anyhow::Context as _;
 use bytes::Bytes;
 use redis::aio::MultiplexedConnection;
@@ -29,7 +29,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::task::JoinHandle;
 
 /// How long a command may wait for its reply. Generous: with `appendfsync
 /// always` a reply waits for an fsync, and the machine may be loaded.
@@ -180,7 +179,7 @@ impl Driver for Redis {
                 .await
                 .context("connecting a consumer to redis-server")?;
             let task = tokio::spawn(read_loop(connection, topic.to_string(), partitions, sink));
-            Ok(Box::new(ReadTask(Some(task))) as Box<dyn Consumer>)
+            Ok(Box::new(TaskConsumer::new(vec![task])) as Box<dyn Consumer>)
         })
     }
 }
@@ -249,33 +248,5 @@ impl Producer for RedisProducer {
                 .with_context(|| format!("XADD to {key}"))?;
             Ok(())
         })
-    }
-}
-
-/// The reading task of one consumer; stopped when closed or dropped.
-struct ReadTask(Option<JoinHandle<anyhow::Result<()>>>);
-
-impl Consumer for ReadTask {
-    fn close(mut self: Box<Self>) -> BoxFuture<'static, anyhow::Result<()>> {
-        let task = self.0.take();
-        Box::pin(async move {
-            let Some(task) = task else { return Ok(()) };
-            task.abort();
-            match task.await {
-                Ok(result) => result,
-                Err(error) if error.is_panic() => {
-                    Err(anyhow::anyhow!("the consumer task panicked: {error}"))
-                }
-                Err(_) => Ok(()),
-            }
-        })
-    }
-}
-
-impl Drop for ReadTask {
-    fn drop(&mut self) {
-        if let Some(task) = &self.0 {
-            task.abort();
-        }
     }
 }

@@ -15,7 +15,7 @@
 //! once); every consumer has a client of its own, so reads do not queue
 //! behind appends on a connection.
 
-use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer};
+use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer, TaskConsumer};
 use anyhow::Context as _;
 use bytes::{Bytes, BytesMut};
 use rotary_net::client::{Client, ReadEvent};
@@ -171,7 +171,7 @@ impl Driver for RotaryDriver {
                     ))
                 })
                 .collect();
-            let c: Box<dyn Consumer> = Box::new(RotaryConsumer { tasks });
+            let c: Box<dyn Consumer> = Box::new(TaskConsumer::new(tasks));
             Ok(c)
         })
     }
@@ -216,37 +216,6 @@ impl Producer for RotaryProducer {
                 reply.end
             );
             Ok(())
-        })
-    }
-}
-
-struct RotaryConsumer {
-    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
-}
-
-impl Consumer for RotaryConsumer {
-    fn close(self: Box<Self>) -> BoxFuture<'static, anyhow::Result<()>> {
-        Box::pin(async move {
-            let mut first_error = None;
-            for t in &self.tasks {
-                t.abort();
-            }
-            for t in self.tasks {
-                match t.await {
-                    Ok(Err(e)) => {
-                        first_error.get_or_insert(e);
-                    }
-                    Err(e) if e.is_panic() => {
-                        first_error.get_or_insert(anyhow::anyhow!("consumer task panicked"));
-                    }
-                    // Ended by the abort (or it had ended cleanly).
-                    Ok(Ok(())) | Err(_) => {}
-                }
-            }
-            match first_error {
-                Some(e) => Err(e),
-                None => Ok(()),
-            }
         })
     }
 }
