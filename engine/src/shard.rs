@@ -4,10 +4,11 @@
 //! The flusher is the only writer. Each turn it (1) prepares journals that
 //! have work (reload a tail after rollback, seal, open a spool), (2) stages
 //! every ready append of every journal into its spool's buffer, (3) submits
-//! all spool writes at once, (4) fdatasyncs `fsync` journals, (5) writes one
-//! commit-log record per committed journal, and (6) acknowledges, in order,
-//! every append that committed. Appends that arrive meanwhile wait for the
-//! next turn: that is the group commit which batches ring submissions.
+//! all spool writes and one commit-log record per committing journal at
+//! once, fdatasyncing `fsync` journals' spools and the log after their
+//! writes, and (4) acknowledges, in order, every append that committed.
+//! Appends that arrive meanwhile wait for the next turn: that is the group
+//! commit which batches ring submissions.
 
 use crate::journal::{
     AbortReason, Active, FileRef, Journal, PrimaryRepl, Staged, APPEND_IDLE_TIMEOUT,
@@ -26,7 +27,7 @@ use rotary_net::wire::{AppendReply, Op};
 use rotary_storage::fragment::{list_dir, LocalFragment};
 use rotary_storage::sha::Sha1;
 use rotary_storage::spool::{read_range, CommitPoint, Spool, SpoolSizing};
-use rotary_storage::wal::{CommitLog, JournalState};
+use rotary_storage::wal::{CommitLog, JournalState, Replayed};
 use rotary_storage::StorageError;
 use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
 use std::cell::{Cell, RefCell};
@@ -163,7 +164,12 @@ impl Shard {
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
             .map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
-        let (log, states) = CommitLog::open(&dir).await?;
+        let (log, replayed) = CommitLog::open(&dir).await?;
+        // Until recovery checks them against the spools, the last records.
+        let states = replayed
+            .iter()
+            .map(|(name, r)| (name.clone(), r.last.clone()))
+            .collect();
         let (done_tx, done_rx) = async_channel::unbounded();
         let shard = Rc::new(Shard {
             index,
@@ -200,28 +206,56 @@ impl Shard {
         });
         *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
+        // Journals whose last record did not stand, with what stands instead.
+        let mut restated: Vec<(String, Option<JournalState>)> = Vec::new();
         for spec in shard.specs.all() {
             if rotary_net::shard_of(&spec.name, shards) == index {
-                let j = shard.recover(spec).await?;
+                let (j, chosen) = shard
+                    .recover(spec.clone(), replayed.get(&spec.name))
+                    .await?;
+                let last = replayed.get(&j.name).map(|r| &r.last);
+                if chosen.as_ref() != last {
+                    let mut states = shard.states.borrow_mut();
+                    match &chosen {
+                        Some(st) => states.insert(j.name.clone(), st.clone()),
+                        None => states.remove(&j.name),
+                    };
+                    restated.push((j.name.clone(), chosen));
+                }
                 shard
                     .journals
                     .borrow_mut()
                     .insert(j.name.clone(), Rc::new(RefCell::new(j)));
             }
         }
+        {
+            let mut log = shard.log.borrow_mut().take().expect("commit log present");
+            let states = shard.states.borrow().clone();
+            let res = log
+                .settle(
+                    restated.iter().map(|(n, st)| (n.as_str(), st.as_ref())),
+                    states.iter().map(|(k, v)| (k.as_str(), v)),
+                )
+                .await;
+            *shard.log.borrow_mut() = Some(log);
+            res?;
+        }
         Ok(shard)
     }
 
-    /// Rebuilds a journal from its directory and its commit-log state.
-    async fn recover(&self, spec: rotary_net::JournalSpec) -> Result<Journal, crate::EngineError> {
+    /// Rebuilds a journal from its directory and what the commit log holds
+    /// for it. Returns the journal and the commit-log state that stands: the
+    /// last record, or the one before it when the last record's spool
+    /// bytes did not all reach the disk (see `rotary_storage::wal`).
+    async fn recover(
+        &self,
+        spec: rotary_net::JournalSpec,
+        replayed: Option<&Replayed>,
+    ) -> Result<(Journal, Option<JournalState>), crate::EngineError> {
         let dir = journal_dir(&self.dir, &spec.name);
         let mut j = Journal::new(spec, dir.clone());
         j.init_index();
         let listing = list_dir(&dir).map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
-        let state = self.states.borrow().get(&j.name).cloned();
-        if let Some(st) = &state {
-            j.registers = st.registers.clone();
-        }
         j.fragments = listing.fragments;
         let mut head = j.fragments.iter().map(|f| f.end).max().unwrap_or(0);
         // Only the newest spool can hold commits; older ones are leftovers
@@ -232,38 +266,76 @@ impl Shard {
             tracing::warn!(path = %path.display(), "removing stale spool");
             let _ = std::fs::remove_file(&path);
         }
-        if let Some((begin, path)) = newest {
-            match state
-                .as_ref()
-                .filter(|st| st.spool_begin == begin && st.end > begin)
-            {
-                Some(st) if begin >= head => {
-                    let (spool, sha1) =
-                        Spool::recover_sized(path.clone(), begin, st.end, self.sizing).await?;
-                    if sha1 != st.sha1 {
-                        // Only possible after power loss in `replicated`
-                        // mode: the log reached the disk, the data did not.
-                        return Err(crate::EngineError::Corrupt(format!(
-                            "{}: SHA-1 of committed spool bytes does not match the commit log",
-                            path.display()
-                        )));
-                    }
-                    head = st.end;
+        let candidates: Vec<&JournalState> = replayed
+            .map(|r| r.candidates().collect())
+            .unwrap_or_default();
+        // A candidate commits bytes into the newest spool, or says the
+        // spool holds nothing committed (its commits are all in fragments).
+        let in_spool = |st: &JournalState| {
+            newest.as_ref().is_some_and(|(begin, _)| {
+                st.spool_begin == *begin && st.end > *begin && *begin >= head
+            })
+        };
+        let mut chosen: Option<JournalState> = None;
+        let mut use_spool = false;
+        if let Some((begin, path)) = &newest {
+            let checks: Vec<(u64, [u8; 20])> = candidates
+                .iter()
+                .filter(|st| in_spool(st))
+                .map(|st| (st.end, st.sha1))
+                .collect();
+            let found = if checks.is_empty() {
+                None
+            } else {
+                Spool::recover_checked(path.clone(), *begin, &checks, self.sizing).await?
+            };
+            // The first candidate that either is on disk or needs nothing
+            // from the spool stands. Candidates before it all commit into
+            // the spool, so its index among the checks is its index here.
+            for (i, st) in candidates.iter().enumerate() {
+                if !in_spool(st) {
+                    chosen = Some((*st).clone());
+                    break;
+                }
+                if found.as_ref().is_some_and(|(_, at)| *at == i) {
+                    chosen = Some((*st).clone());
+                    use_spool = true;
+                    break;
+                }
+            }
+            if chosen.is_none() && !candidates.is_empty() {
+                // Neither the last record nor the one before it matches
+                // the bytes on disk: only possible after power loss in
+                // `replicated` mode (the log reached the disk, the data
+                // did not), or damage to the file.
+                return Err(crate::EngineError::Corrupt(format!(
+                    "{}: SHA-1 of committed spool bytes matches neither of the commit log's last two records",
+                    path.display()
+                )));
+            }
+            match (use_spool, found) {
+                (true, Some((s, _))) => {
+                    head = s.committed();
                     j.spool_since = Some(SystemTime::now());
-                    j.spool = Some(spool);
+                    j.spool = Some(s);
                 }
                 _ => {
                     // Nothing committed into this spool.
-                    let _ = std::fs::remove_file(&path);
+                    let _ = std::fs::remove_file(path);
                 }
             }
+        } else {
+            chosen = candidates.first().map(|st| (*st).clone());
+        }
+        if let Some(st) = &chosen {
+            j.registers = st.registers.clone();
         }
         j.head = head;
         j.local_head = head;
         j.staged_head = head;
         j.staged_registers = j.registers.clone();
         j.local_registers = j.registers.clone();
-        Ok(j)
+        Ok((j, chosen))
     }
 
     /// Refreshes specs if the store changed; returns the journal if it exists.
@@ -911,107 +983,49 @@ impl Shard {
         }
         // Replicas get this turn's content while the spools are written.
         self.flush_pipelines();
-        // 3. Write every spool with staged bytes, all submitted together.
-        let mut writing: Vec<(
-            JournalRef,
-            rotary_storage::spool::PendingWrite,
-            Rc<compio::fs::File>,
-        )> = Vec::new();
-        for j in &ready {
-            let mut jm = j.borrow_mut();
-            if let Some(spool) = jm.spool.as_mut() {
-                let file = spool.file().clone();
-                if let Some(w) = spool.take_write() {
-                    writing.push((j.clone(), w, file));
-                }
-            }
-        }
-        let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
-        if !writing.is_empty() {
-            let results = join_all(writing.into_iter().map(|(j, w, file)| async move {
-                let (res, w) = w.run(&file).await;
-                (j, res, w)
-            }))
-            .await;
-            metrics::add(&self.metrics.batches, 1);
-            for (j, res, w) in results {
-                metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
-                let mut jm = j.borrow_mut();
-                let path = jm
-                    .spool
-                    .as_ref()
-                    .map(|s| s.path().to_path_buf())
-                    .unwrap_or_default();
-                jm.spool
-                    .as_mut()
-                    .expect("spool written")
-                    .write_done(w, res.is_ok());
-                if let Err(e) = res {
-                    let e = StorageError::io(&path, e);
-                    failed.push((j.clone(), storage_status(&e), e.to_string()));
-                }
-            }
-        }
-        for (j, status, msg) in &failed {
-            self.fail_batch(j, *status, msg);
-        }
-        // 4. fdatasync fsync-mode spools that committed something.
+        // 3. Write every spool with staged bytes and this batch's commit-log
+        // records, all at the same time; `fsync` spools and the log are
+        // fdatasync'ed after their writes. A record can thus reach the disk
+        // without its spool bytes; recovery checks each journal's last record
+        // against the spool's SHA-1 and falls back to the record before it.
         let committing: Vec<JournalRef> = ready
             .iter()
             .filter(|j| !j.borrow().staged.is_empty())
             .cloned()
             .collect();
-        let mut any_fsync = false;
-        let syncs: Vec<_> = committing
-            .iter()
-            .filter(|j| j.borrow().spec.durability == Durability::Fsync)
-            .map(|j| {
-                any_fsync = true;
-                let file = j.borrow().spool.as_ref().expect("spool").file().clone();
-                let j = j.clone();
-                async move { (j, file.sync_data().await) }
-            })
-            .collect();
-        let mut sync_failed = Vec::new();
-        for (j, res) in join_all(syncs).await {
-            metrics::add(&self.metrics.fsyncs, 1);
-            if let Err(e) = res {
-                sync_failed.push((j, e));
+        self.record_commits(&committing);
+        let mut writing = Vec::new();
+        for j in &ready {
+            let mut jm = j.borrow_mut();
+            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
+            let Some(spool) = jm.spool.as_mut() else {
+                continue;
+            };
+            let file = spool.file().clone();
+            let w = spool.take_write();
+            if w.is_some() || fsync {
+                writing.push((j.clone(), w, file, fsync));
             }
         }
-        for (j, e) in sync_failed {
-            let path = j.borrow().dir.clone();
-            let e = StorageError::io(&path, e);
-            self.fail_batch(&j, storage_status(&e), &e.to_string());
-        }
-        // 5. One commit-log record per committing journal.
-        let committing: Vec<JournalRef> = committing
-            .into_iter()
-            .filter(|j| !j.borrow().staged.is_empty())
-            .collect();
-        {
-            let mut log = self.log.borrow_mut();
-            let log = log.as_mut().expect("commit log present");
-            let mut states = self.states.borrow_mut();
-            for j in &committing {
-                let jm = j.borrow();
-                let last = jm.staged.last().expect("non-empty");
-                let spool = jm.spool.as_ref().expect("spool");
-                if last.end == spool.committed() && last.registers == jm.local_registers {
-                    // Empty appends (pulses) change nothing the log holds.
-                    continue;
+        let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
+        let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
+            let mut res = Ok(());
+            let w = match w {
+                Some(w) => {
+                    let (r, w) = w.run(&file).await;
+                    res = r;
+                    Some(w)
                 }
-                let st = JournalState {
-                    spool_begin: spool.begin(),
-                    end: last.end,
-                    sha1: last.point.sha.clone().finalize(),
-                    registers: last.registers.clone(),
-                };
-                log.record_commit(&jm.name, &st);
-                states.insert(jm.name.clone(), st);
-            }
-        }
-        let log_result = {
+                None => None,
+            };
+            let synced = if res.is_ok() && fsync {
+                Some(file.sync_data().await)
+            } else {
+                None
+            };
+            (j, res, w, synced)
+        }));
+        let log_write = async {
             // The log is taken out for the write so no borrow spans the await.
             let mut log = self.log.borrow_mut().take().expect("commit log present");
             let res = if log.has_pending() || any_fsync {
@@ -1025,83 +1039,110 @@ impl Shard {
             *self.log.borrow_mut() = Some(log);
             res
         };
-        if let Err(e) = log_result {
-            tracing::error!(error = %e, "commit log write failed; failing the batch");
-            let status = storage_status(&e);
-            for j in &committing {
-                self.fail_batch(j, status, &e.to_string());
-                // The in-memory state must not run ahead of the log.
-                let jm = j.borrow();
-                let mut states = self.states.borrow_mut();
-                if let Some(spool) = &jm.spool {
-                    states.insert(
-                        jm.name.clone(),
-                        JournalState {
-                            spool_begin: spool.begin(),
-                            end: spool.committed(),
-                            sha1: spool.committed_sha1(),
-                            registers: jm.registers.clone(),
-                        },
-                    );
-                }
+        let (results, log_result) = futures_util::join!(spool_writes, log_write);
+        let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
+        for (j, res, w, synced) in results {
+            let path = j
+                .borrow()
+                .spool
+                .as_ref()
+                .map(|s| s.path().to_path_buf())
+                .unwrap_or_default();
+            if let Some(w) = w {
+                metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
+                j.borrow_mut()
+                    .spool
+                    .as_mut()
+                    .expect("spool written")
+                    .write_done(w, res.is_ok());
             }
-        } else {
-            // 6. Acknowledge, or propose to the replicas and let the acker
-            // acknowledge once every replica has.
-            for j in &committing {
-                let (staged_with_replicas, repl_now) = {
-                    let jm = j.borrow();
-                    (jm.staged_with_replicas, jm.repl.is_some())
-                };
-                if !staged_with_replicas {
-                    self.acknowledge(j);
-                    continue;
-                }
-                if !repl_now {
-                    // The pipelines broke while this batch was written: it
-                    // is committed here, but no replica will confirm it.
-                    let staged = self.commit_local(j);
-                    let f = Failure::new(
-                        Status::REPLICATION_FAILED,
-                        "the replication pipeline broke before the append was proposed",
-                    );
-                    self.publish(j, staged, Some(&f));
-                    continue;
-                }
-                let staged = self.commit_local(j);
-                let mut jm = j.borrow_mut();
-                let repl = jm.repl.as_ref().expect("checked");
-                let mut waits = Vec::new();
-                for (p, epoch) in &repl.pipelines {
-                    for s in &staged {
-                        p.push(&Record::Commit {
-                            seq: s.seq,
-                            journal: &jm.name,
-                            begin: s.begin,
-                            end: s.end,
-                            fragment_sha1: s.point.sha.clone().finalize(),
-                            registers: s.registers.clone(),
-                        });
-                    }
-                    waits.push((p.clone(), *epoch, staged.iter().map(|s| s.seq).collect()));
-                }
-                jm.inflight += 1;
-                drop(jm);
-                self.inflight.borrow_mut().push_back(InFlight {
-                    j: j.clone(),
-                    staged,
-                    waits,
-                });
-                self.inflight_event.notify(usize::MAX);
+            if synced.is_some() {
+                metrics::add(&self.metrics.fsyncs, 1);
             }
-            self.flush_pipelines();
+            if let Err(e) = res.and(synced.unwrap_or(Ok(()))) {
+                let e = StorageError::io(&path, e);
+                failed.push((j, storage_status(&e), e.to_string()));
+            }
         }
+        metrics::add(&self.metrics.batches, 1);
+        for (j, status, msg) in &failed {
+            self.fail_batch(j, *status, msg);
+        }
+        if let Err(e) = &log_result {
+            tracing::error!(error = %e, "commit log write failed; failing the batch");
+            let status = storage_status(e);
+            for j in &committing {
+                if !j.borrow().staged.is_empty() {
+                    self.fail_batch(j, status, &e.to_string());
+                }
+            }
+        }
+        // Journals that failed may have a record in the log naming bytes
+        // that are not on disk: the log restates what they hold.
+        for j in &committing {
+            if j.borrow().staged.is_empty() {
+                self.restate(j);
+            }
+        }
+        let committing: Vec<JournalRef> = committing
+            .into_iter()
+            .filter(|j| !j.borrow().staged.is_empty())
+            .collect();
+        // 6. Acknowledge, or propose to the replicas and let the acker
+        // acknowledge once every replica has.
+        for j in &committing {
+            let (staged_with_replicas, repl_now) = {
+                let jm = j.borrow();
+                (jm.staged_with_replicas, jm.repl.is_some())
+            };
+            if !staged_with_replicas {
+                self.acknowledge(j);
+                continue;
+            }
+            if !repl_now {
+                // The pipelines broke while this batch was written: it
+                // is committed here, but no replica will confirm it.
+                let staged = self.commit_local(j);
+                let f = Failure::new(
+                    Status::REPLICATION_FAILED,
+                    "the replication pipeline broke before the append was proposed",
+                );
+                self.publish(j, staged, Some(&f));
+                continue;
+            }
+            let staged = self.commit_local(j);
+            let mut jm = j.borrow_mut();
+            let repl = jm.repl.as_ref().expect("checked");
+            let mut waits = Vec::new();
+            for (p, epoch) in &repl.pipelines {
+                for s in &staged {
+                    p.push(&Record::Commit {
+                        seq: s.seq,
+                        journal: &jm.name,
+                        begin: s.begin,
+                        end: s.end,
+                        fragment_sha1: s.point.sha.clone().finalize(),
+                        registers: s.registers.clone(),
+                    });
+                }
+                waits.push((p.clone(), *epoch, staged.iter().map(|s| s.seq).collect()));
+            }
+            jm.inflight += 1;
+            drop(jm);
+            self.inflight.borrow_mut().push_back(InFlight {
+                j: j.clone(),
+                staged,
+                waits,
+            });
+            self.inflight_event.notify(usize::MAX);
+        }
+        self.flush_pipelines();
         // Compaction between turns keeps the log short.
         let compact = self
             .log
             .borrow()
             .as_ref()
-            .is_some_and(|l| l.needs_compaction());
+            .is_some_and(|l| l.needs_compaction() && !l.has_pending());
         if compact {
             let mut log = self.log.borrow_mut().take().expect("commit log present");
             let states = self.states.borrow().clone();
@@ -1128,6 +1169,49 @@ impl Shard {
         for j in again {
             self.ready.borrow_mut().push(j);
         }
+    }
+
+    /// Adds a commit-log record for each journal's staged appends (none
+    /// for a batch of pulses, which change nothing the log holds).
+    fn record_commits(&self, committing: &[JournalRef]) {
+        let mut log = self.log.borrow_mut();
+        let log = log.as_mut().expect("commit log present");
+        let mut states = self.states.borrow_mut();
+        for j in committing {
+            let jm = j.borrow();
+            let last = jm.staged.last().expect("non-empty");
+            let spool = jm.spool.as_ref().expect("spool");
+            if last.end == spool.committed() && last.registers == jm.local_registers {
+                continue;
+            }
+            let st = JournalState {
+                spool_begin: spool.begin(),
+                end: last.end,
+                sha1: last.point.sha.clone().finalize(),
+                registers: last.registers.clone(),
+            };
+            log.record_commit(&jm.name, &st);
+            states.insert(jm.name.clone(), st);
+        }
+    }
+
+    /// Adds a commit-log record of what a journal's spool holds committed,
+    /// after a batch of it failed: the log may hold a record of that batch
+    /// (written at the same time as its spool bytes), and the in-memory
+    /// state must not run ahead of the spool.
+    fn restate(&self, j: &JournalRef) {
+        let jm = j.borrow();
+        let Some(spool) = &jm.spool else { return };
+        let st = JournalState {
+            spool_begin: spool.begin(),
+            end: spool.committed(),
+            sha1: spool.committed_sha1(),
+            registers: jm.local_registers.clone(),
+        };
+        if let Some(log) = self.log.borrow_mut().as_mut() {
+            log.record_commit(&jm.name, &st);
+        }
+        self.states.borrow_mut().insert(jm.name.clone(), st);
     }
 
     /// Async preparation of a journal before staging: handle an aborted

@@ -225,3 +225,116 @@ fn tailing_readers_are_served_from_memory() {
     let stats: serde_json::Value = serde_json::from_slice(&w.recv().payload).unwrap();
     assert!(stats["tail_cache_reads"].as_u64().unwrap() > 0, "{stats}");
 }
+
+/// The spool file of `name` in a single-shard data directory.
+fn spool_path(data: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let dir = data.join("shard-0/journals").join(name).join("@");
+    let spools: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "spool"))
+        .collect();
+    assert_eq!(spools.len(), 1, "{spools:?}");
+    spools[0].clone()
+}
+
+/// Reopens a crashed broker's files: a second broker on a copy of `dir`.
+fn restart_copy(
+    dir: &std::path::Path,
+    damage: impl FnOnce(&std::path::Path),
+) -> (tempfile::TempDir, rotary_engine::Broker) {
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir, copy.path());
+    std::fs::remove_file(copy.path().join("LOCK")).unwrap();
+    damage(copy.path());
+    let broker = start(copy.path(), 1);
+    (copy, broker)
+}
+
+fn registers_of(c: &mut Conn, name: &str) -> String {
+    let mut r = req(name);
+    r.check_registers = rotary_net::LabelSelector::parse("owner=nobody").unwrap();
+    let (status, reply) = c.append(&r, b"probe");
+    assert_eq!(status, Status::REGISTER_MISMATCH);
+    reply.registers.to_text()
+}
+
+#[test]
+fn a_commit_record_whose_spool_bytes_never_landed_is_passed_over() {
+    // A batch's spool bytes and its commit-log record are written at the
+    // same time, so a crash can leave the record on disk without the bytes.
+    // Recovery must then fall back to the record before it: the batch was
+    // never acknowledged.
+    let dir = tempfile::tempdir().unwrap();
+    let name = "smoke/torn-batch";
+    let a: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
+    let b = vec![0xabu8; 9000];
+    {
+        let broker = start(dir.path(), 1);
+        let mut c = Conn::new(broker.endpoints[0]);
+        c.apply(&[JournalSpec::new(name)]);
+        let mut r = req(name);
+        r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "a")]).unwrap();
+        assert_eq!(c.append(&r, &a).0, Status::OK);
+        let mut r = req(name);
+        r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "b")]).unwrap();
+        let (status, reply) = c.append(&r, &b);
+        assert_eq!((status, reply.begin), (Status::OK, a.len() as u64));
+        std::mem::forget(broker);
+    }
+    // Intact files: both appends are there.
+    let (_copy, broker) = restart_copy(dir.path(), |_| {});
+    let mut c = Conn::new(broker.endpoints[0]);
+    let (got, _) = c.read_all(name, 0);
+    assert!(got == [a.clone(), b.clone()].concat());
+    assert_eq!(registers_of(&mut c, name), "owner=a,owner=b");
+    drop(c);
+    drop(broker);
+
+    // B's bytes never reached the spool (what was there before: zeros).
+    let (copy, broker) = restart_copy(dir.path(), |data| {
+        let path = spool_path(data, name);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[a.len()..a.len() + b.len()].fill(0);
+        std::fs::write(&path, &bytes).unwrap();
+    });
+    let mut c = Conn::new(broker.endpoints[0]);
+    let (got, status) = c.read_all(name, 0);
+    assert_eq!(status, Status::OK);
+    assert!(
+        got == a,
+        "read {} bytes, want the first append's {}",
+        got.len(),
+        a.len()
+    );
+    assert_eq!(registers_of(&mut c, name), "owner=a");
+    let (status, reply) = c.append(&req(name), b"after");
+    assert_eq!((status, reply.begin), (Status::OK, a.len() as u64));
+    std::mem::forget(broker);
+    // The choice was written down: a further crash and restart keeps it.
+    let (_copy2, broker) = restart_copy(copy.path(), |_| {});
+    let mut c = Conn::new(broker.endpoints[0]);
+    let (got, _) = c.read_all(name, 0);
+    assert!(got == [&a[..], b"after"].concat());
+    assert_eq!(registers_of(&mut c, name), "owner=a");
+    drop(c);
+    drop(broker);
+
+    // Neither of the last two records matches the spool: the broker
+    // refuses to start rather than serve bytes the log does not vouch for.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    std::fs::remove_file(copy.path().join("LOCK")).unwrap();
+    let path = spool_path(copy.path(), name);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[0] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let mut cfg =
+        rotary_engine::ServeConfig::new(copy.path().to_path_buf(), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    let err = rotary_engine::Broker::start(cfg)
+        .err()
+        .expect("a corrupt spool stops the start");
+    assert!(err.to_string().contains("matches neither"), "{err}");
+}

@@ -29,7 +29,6 @@ use std::rc::Rc;
 pub const SPOOL_BUFFER_BYTES: usize = 4 << 20;
 /// Spools grow by at least this much per `fallocate`.
 pub const SPOOL_GROW_BYTES: u64 = 16 << 20;
-
 /// How a spool sizes its I/O: the write buffer (the largest batch of
 /// staged bytes written in one submission) and the fallocate step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -177,11 +176,7 @@ impl Spool {
     ) -> Result<(Spool, [u8; 20]), StorageError> {
         assert!(committed_end >= begin);
         let (file, direct) = open_direct(&path, false).await?;
-        let len = file
-            .metadata()
-            .await
-            .map_err(|e| StorageError::io(&path, e))?
-            .len();
+        let len = file_len(&file, &path).await?;
         let want = committed_end - begin;
         if len < want {
             return Err(StorageError::Corrupt {
@@ -189,34 +184,69 @@ impl Spool {
                 why: format!("spool holds {len} bytes but the commit log says {want}"),
             });
         }
-        let mut sha = Sha1::new();
-        let mut pos = 0u64;
-        let mut buf = AlignedBuf::new(1 << 20);
-        while pos < want {
-            let (res, b) = file.read_at(buf, pos).await.into();
-            buf = b;
-            let n = res.map_err(|e| StorageError::io(&path, e))? as u64;
-            if n == 0 {
-                return Err(StorageError::Corrupt {
-                    path,
-                    why: format!("spool ended at {pos} of {want} bytes"),
-                });
-            }
-            let take = n.min(want - pos) as usize;
-            sha.update(&buf.as_slice()[..take]);
-            pos += take as u64;
-        }
-        let digest: [u8; 20] = sha.clone().finalize();
+        let mut shas = hash_prefixes(&file, &path, &[want]).await?;
+        let sha = shas.pop().flatten().expect("the file holds `want` bytes");
+        let digest = sha.clone().finalize();
+        let spool =
+            Spool::reopened(file, path, begin, direct, sha, committed_end, len, sizing).await?;
+        Ok((spool, digest))
+    }
+
+    /// Reopens a spool after a restart at the first of `candidates` (commit
+    /// ends with the SHA-1 the commit log recorded for them, most preferred
+    /// first) whose bytes are on disk and hash to that SHA-1. Returns the
+    /// spool and the index of the candidate, or `None` if none matches.
+    pub async fn recover_checked(
+        path: PathBuf,
+        begin: u64,
+        candidates: &[(u64, [u8; 20])],
+        sizing: SpoolSizing,
+    ) -> Result<Option<(Spool, usize)>, StorageError> {
+        let (file, direct) = open_direct(&path, false).await?;
+        let len = file_len(&file, &path).await?;
+        let ends: Vec<u64> = candidates
+            .iter()
+            .map(|(end, _)| end.saturating_sub(begin))
+            .collect();
+        let shas = hash_prefixes(&file, &path, &ends).await?;
+        let found = candidates
+            .iter()
+            .zip(shas)
+            .enumerate()
+            .find_map(|(i, ((end, want), sha))| {
+                sha.filter(|sha| *end >= begin && sha.clone().finalize() == *want)
+                    .map(|sha| (i, *end, sha))
+            });
+        let Some((i, end, sha)) = found else {
+            return Ok(None);
+        };
+        let spool = Spool::reopened(file, path, begin, direct, sha, end, len, sizing).await?;
+        Ok(Some((spool, i)))
+    }
+
+    /// A spool whose bytes `[begin, committed_end)` are on disk with the
+    /// fragment SHA-1 state `sha`, and whose file holds `len` bytes.
+    #[allow(clippy::too_many_arguments)]
+    async fn reopened(
+        file: File,
+        path: PathBuf,
+        begin: u64,
+        direct: bool,
+        sha: Sha1,
+        committed_end: u64,
+        len: u64,
+        sizing: SpoolSizing,
+    ) -> Result<Spool, StorageError> {
         let mut spool = Spool::from_parts(file, path, begin, direct, sha, sizing);
         spool.committed = committed_end;
         spool.committed_sha = spool.sha.clone();
         spool.written = committed_end;
         spool.staged = committed_end;
         spool.allocated = len;
-        spool.buf_start = begin + align_down(want);
+        spool.buf_start = begin + align_down(committed_end - begin);
         spool.tail_loaded = false;
         spool.load_tail().await?;
-        Ok((spool, digest))
+        Ok(spool)
     }
 
     pub fn begin(&self) -> u64 {
@@ -229,6 +259,11 @@ impl Spool {
 
     pub fn staged(&self) -> u64 {
         self.staged
+    }
+
+    /// End of the bytes on disk.
+    pub fn written(&self) -> u64 {
+        self.written
     }
 
     /// Committed bytes in the spool.
@@ -523,6 +558,63 @@ impl PendingWrite {
     pub fn bytes(&self) -> usize {
         self.buf.len()
     }
+}
+
+async fn file_len(file: &File, path: &Path) -> Result<u64, StorageError> {
+    Ok(file
+        .metadata()
+        .await
+        .map_err(|e| StorageError::io(path, e))?
+        .len())
+}
+
+/// The SHA-1 state after the first `end` bytes of `file`, for each of
+/// `ends` (in any order), in one pass over the file. `None` for an end
+/// beyond the bytes the file holds.
+async fn hash_prefixes(
+    file: &File,
+    path: &Path,
+    ends: &[u64],
+) -> Result<Vec<Option<Sha1>>, StorageError> {
+    let len = file_len(file, path).await?;
+    let mut out: Vec<Option<Sha1>> = vec![None; ends.len()];
+    let mut order: Vec<usize> = (0..ends.len()).filter(|&i| ends[i] <= len).collect();
+    order.sort_by_key(|&i| ends[i]);
+    let mut order = order.into_iter().peekable();
+    let mut sha = Sha1::new();
+    // Reads stay aligned (O_DIRECT): `pos` is where the last read began,
+    // `hashed` how far the SHA-1 state has come.
+    let mut hashed = 0u64;
+    let mut buf = AlignedBuf::new(1 << 20);
+    while let Some(&i) = order.peek() {
+        if ends[i] == hashed {
+            out[i] = Some(sha.clone());
+            order.next();
+            continue;
+        }
+        let (res, b) = file.read_at(buf, hashed).await.into();
+        buf = b;
+        let n = res.map_err(|e| StorageError::io(path, e))? as u64;
+        let read_end = hashed + n;
+        let mut at = hashed;
+        // Hash up to each end that falls inside this read.
+        while let Some(&i) = order.peek() {
+            let stop = ends[i].min(read_end);
+            sha.update(&buf.as_slice()[(at - hashed) as usize..(stop - hashed) as usize]);
+            at = stop;
+            if ends[i] > read_end {
+                break;
+            }
+            out[i] = Some(sha.clone());
+            order.next();
+        }
+        if n == 0 || at != read_end {
+            // End of file, or every end is behind us.
+            break;
+        }
+        hashed = read_end;
+    }
+    Ok(out)
 }
 
 /// Reads up to `len` bytes at file offset `pos` with aligned I/O. Returns

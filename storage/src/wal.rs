@@ -2,11 +2,15 @@
 //! journal's registers at that commit.
 //!
 //! Spool files hold bytes of appends that may later roll back, so the file
-//! alone cannot say where the committed bytes end. After a batch's spool
-//! writes complete, the shard appends one record per journal it committed
-//! and acknowledges the batch only once that write completed (and, for
-//! `fsync` journals, was fdatasync'ed). On restart, the last record of a
-//! journal names its spool's committed end; everything beyond is discarded.
+//! alone cannot say where the committed bytes end. For each batch the shard
+//! appends one record per journal it commits, writing the records and the
+//! batch's spool bytes at the same time, and acknowledges the batch only
+//! once both writes completed (and, for `fsync` journals, were fdatasync'ed).
+//! A record can therefore reach the disk while its spool bytes do not (a
+//! crash between the two writes): on restart, the last record of a journal
+//! names its spool's committed end only if the spool's bytes hash to the
+//! record's SHA-1; otherwise the record before it stands, which described a
+//! batch whose writes had all completed. Everything beyond is discarded.
 //!
 //! Record: `u32 payload_len | u32 crc32c(payload) | payload`, little-endian.
 //! Payload: `u8 kind | str16 journal | (kind 1) u64 spool_begin | u64 end |
@@ -65,9 +69,24 @@ fn encode_record(out: &mut Vec<u8>, journal: &str, state: Option<&JournalState>)
     out.extend_from_slice(&payload);
 }
 
+/// What the log holds for one journal: its last record and the one before
+/// it. Only the last can describe spool bytes that never reached the disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replayed {
+    pub last: JournalState,
+    pub prev: Option<JournalState>,
+}
+
+impl Replayed {
+    /// The candidate states, most recent first.
+    pub fn candidates(&self) -> impl Iterator<Item = &JournalState> {
+        std::iter::once(&self.last).chain(self.prev.as_ref())
+    }
+}
+
 /// Parses records from `bytes`, applying them to `states`. Returns the
 /// length of the valid prefix.
-pub fn replay(bytes: &[u8], states: &mut HashMap<String, JournalState>) -> usize {
+pub fn replay(bytes: &[u8], states: &mut HashMap<String, Replayed>) -> usize {
     let mut pos = 0;
     while bytes.len() - pos >= 8 {
         let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().expect("4 bytes")) as usize;
@@ -87,7 +106,7 @@ pub fn replay(bytes: &[u8], states: &mut HashMap<String, JournalState>) -> usize
     pos
 }
 
-fn apply(payload: &[u8], states: &mut HashMap<String, JournalState>) -> Option<()> {
+fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
     let mut r = MetaReader::new(payload);
     let kind: u8 = r.fixed("kind").ok()?;
     let journal = r.str16("journal").ok()?.to_string();
@@ -101,15 +120,14 @@ fn apply(payload: &[u8], states: &mut HashMap<String, JournalState>) -> Option<(
             if end < spool_begin {
                 return None;
             }
-            states.insert(
-                journal,
-                JournalState {
-                    spool_begin,
-                    end,
-                    sha1,
-                    registers,
-                },
-            );
+            let last = JournalState {
+                spool_begin,
+                end,
+                sha1,
+                registers,
+            };
+            let prev = states.remove(&journal).map(|r| r.last);
+            states.insert(journal, Replayed { last, prev });
         }
         KIND_DELETE => {
             r.finish().ok()?;
@@ -121,65 +139,70 @@ fn apply(payload: &[u8], states: &mut HashMap<String, JournalState>) -> Option<(
 }
 
 impl CommitLog {
-    /// Reads the log in `dir` (if any) and starts a fresh, compacted one
-    /// holding the recovered states. Returns the log and the states.
-    pub async fn open(
-        dir: &Path,
-    ) -> Result<(CommitLog, HashMap<String, JournalState>), StorageError> {
+    /// Reads the log in `dir` (if any), cuts off a torn last record, and
+    /// opens it for appending. Returns the log and what it holds for each
+    /// journal. The caller decides which state stands for each journal
+    /// (see [`Replayed`]) and then calls [`CommitLog::settle`].
+    pub async fn open(dir: &Path) -> Result<(CommitLog, HashMap<String, Replayed>), StorageError> {
         let path = dir.join(FILE_NAME);
         let mut states = HashMap::new();
-        let mut valid = 0;
-        match std::fs::read(&path) {
-            Ok(bytes) => {
-                valid = replay(&bytes, &mut states);
-                if valid < bytes.len() {
-                    tracing::info!(
-                        path = %path.display(),
-                        torn_bytes = bytes.len() - valid,
-                        "commit log ends in a torn record; ignoring it"
-                    );
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(StorageError::io(&path, e)),
-        }
-        let snapshot =
-            Self::write_snapshot(&path, states.iter().map(|(k, v)| (k.as_str(), v))).await;
-        let (file, pos) = match snapshot {
-            Ok(file) => {
-                let pos = file
-                    .metadata()
-                    .await
-                    .map_err(|e| StorageError::io(&path, e))?
-                    .len();
-                (file, pos)
-            }
-            Err(e) if e.is_full() && path.exists() => {
-                // No room for a fresh log: keep the old one, cut back to its
-                // valid records, rather than refusing to start.
-                tracing::warn!(error = %e, "disk full; continuing with the uncompacted commit log");
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(&path)
-                    .await
-                    .map_err(|e| StorageError::io(&path, e))?;
-                file.set_len(valid as u64)
-                    .await
-                    .map_err(|e| StorageError::io(&path, e))?;
-                (file, valid as u64)
-            }
-            Err(e) => return Err(e),
         };
+        let valid = replay(&bytes, &mut states);
+        if valid < bytes.len() {
+            tracing::info!(
+                path = %path.display(),
+                torn_bytes = bytes.len() - valid,
+                "commit log ends in a torn record; ignoring it"
+            );
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .open(&path)
+            .await
+            .map_err(|e| StorageError::io(&path, e))?;
+        if valid < bytes.len() {
+            file.set_len(valid as u64)
+                .await
+                .map_err(|e| StorageError::io(&path, e))?;
+        }
         Ok((
             CommitLog {
                 file,
                 path,
-                pos,
+                pos: valid as u64,
                 pending: Vec::with_capacity(64 << 10),
             },
             states,
         ))
+    }
+
+    /// Records the states chosen at recovery and compacts the log to them.
+    /// `restated` are the journals whose chosen state is not their last
+    /// record (`None`: nothing committed); they are written as records
+    /// first, so the log stays right even if compaction fails (a full disk
+    /// leaves the uncompacted log in place).
+    pub async fn settle<'a>(
+        &mut self,
+        restated: impl Iterator<Item = (&'a str, Option<&'a JournalState>)>,
+        states: impl Iterator<Item = (&'a str, &'a JournalState)>,
+    ) -> Result<(), StorageError> {
+        for (journal, st) in restated {
+            encode_record(&mut self.pending, journal, st);
+        }
+        self.flush(true).await?;
+        match self.compact(states).await {
+            Err(e) if e.is_full() => {
+                tracing::warn!(error = %e, "disk full; continuing with the uncompacted commit log");
+                Ok(())
+            }
+            res => res,
+        }
     }
 
     /// Writes a log holding exactly `states` and moves it into place
@@ -301,7 +324,7 @@ mod tests {
     }
 
     #[test]
-    fn replay_keeps_last_state_and_stops_at_torn_tail() {
+    fn replay_keeps_last_two_states_and_stops_at_torn_tail() {
         let mut bytes = Vec::new();
         encode_record(&mut bytes, "a/b/c", Some(&st(10, "1")));
         encode_record(&mut bytes, "x/y/z", Some(&st(20, "2")));
@@ -314,20 +337,27 @@ mod tests {
             let mut states = HashMap::new();
             assert_eq!(replay(&bytes[..cut], &mut states), full);
             assert_eq!(states.len(), 1);
-            assert_eq!(states["a/b/c"], st(30, "3"));
+            assert_eq!(states["a/b/c"].last, st(30, "3"));
+            assert_eq!(states["a/b/c"].prev, Some(st(10, "1")));
         }
         let mut states = HashMap::new();
         assert_eq!(replay(&bytes, &mut states), bytes.len());
-        assert_eq!(states["a/b/c"], st(40, "4"));
+        let got: Vec<_> = states["a/b/c"].candidates().cloned().collect();
+        assert_eq!(got, vec![st(40, "4"), st(30, "3")]);
         // A flipped bit in a record stops replay there.
         let mut bad = bytes.clone();
         bad[full + 12] ^= 1;
         let mut states = HashMap::new();
         assert_eq!(replay(&bad, &mut states), full);
+        // A journal deleted and written again has no earlier state.
+        encode_record(&mut bytes, "x/y/z", Some(&st(50, "5")));
+        let mut states = HashMap::new();
+        replay(&bytes, &mut states);
+        assert_eq!(states["x/y/z"].prev, None);
     }
 
     #[test]
-    fn open_recovers_and_compacts() {
+    fn open_cuts_a_torn_tail_and_settle_compacts() {
         let dir = tempfile::tempdir().unwrap();
         compio::runtime::Runtime::new().unwrap().block_on(async {
             let (mut log, states) = CommitLog::open(dir.path()).await.unwrap();
@@ -337,16 +367,38 @@ mod tests {
             log.record_commit("d/e/f", &st(12, "3"));
             log.flush(true).await.unwrap();
             log.record_delete("d/e/f");
+            log.record_commit("g/h/i", &st(13, "4"));
             log.flush(false).await.unwrap();
+            drop(log);
+            // A torn record at the end is cut off, and records written
+            // after reopening are read back.
+            let path = dir.path().join(FILE_NAME);
+            let mut bytes = std::fs::read(&path).unwrap();
+            bytes.extend_from_slice(&[9, 0, 0, 0, 1, 2]);
+            std::fs::write(&path, &bytes).unwrap();
+            let (mut log, states) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(states.len(), 2);
+            assert_eq!(states["a/b/c"].last, st(11, "2"));
+            log.record_commit("a/b/c", &st(14, "5"));
+            log.flush(false).await.unwrap();
+            drop(log);
+            let (mut log, states) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(states["a/b/c"].last, st(14, "5"));
+            assert_eq!(states["a/b/c"].prev, Some(st(11, "2")));
+            // Settling: a/b/c falls back to its previous state, g/h/i to
+            // nothing. The compacted log holds just the chosen states.
+            let chosen = st(11, "2");
+            log.settle(
+                [("a/b/c", Some(&chosen)), ("g/h/i", None)].into_iter(),
+                [("a/b/c", &chosen)].into_iter(),
+            )
+            .await
+            .unwrap();
             drop(log);
             let (_, states) = CommitLog::open(dir.path()).await.unwrap();
             assert_eq!(states.len(), 1);
-            assert_eq!(states["a/b/c"], st(11, "2"));
-            // The compacted log holds one record.
-            let again = std::fs::read(dir.path().join(FILE_NAME)).unwrap();
-            let mut s2 = HashMap::new();
-            assert_eq!(replay(&again, &mut s2), again.len());
-            assert_eq!(s2, states);
+            assert_eq!(states["a/b/c"].last, chosen);
+            assert_eq!(states["a/b/c"].prev, None);
         });
     }
 }
