@@ -152,6 +152,11 @@ pub struct BenchArgs {
     /// Appends per second of the 1 KiB phases of the replication scenario.
     #[arg(long = "replication-rate", default_value_t = 2_000)]
     pub replication_rate: u64,
+    /// Appends in flight in the 1 MiB phases of the replication scenario.
+    /// Deeper than append-1m's: with replicas, each append waits a round
+    /// trip more, and only more appends in flight fill the pipeline.
+    #[arg(long = "replication-depth", default_value_t = 32)]
+    pub replication_depth: usize,
     /// Appends in flight per journal in fanout-64x4k.
     #[arg(long = "fanout-depth", default_value_t = 4)]
     pub fanout_depth: usize,
@@ -253,6 +258,11 @@ impl BenchArgs {
         anyhow::ensure!(
             (1..=load::DEPTH_MAX).contains(&self.append_depth),
             "--append-depth must be 1 to {}",
+            load::DEPTH_MAX
+        );
+        anyhow::ensure!(
+            (1..=load::DEPTH_MAX).contains(&self.replication_depth),
+            "--replication-depth must be 1 to {}",
             load::DEPTH_MAX
         );
         anyhow::ensure!(

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
-/// Largest `--append-depth` and `--fanout-depth`.
+/// Largest `--append-depth`, `--replication-depth` and `--fanout-depth`.
 pub const DEPTH_MAX: usize = 1024;
 /// Largest `--rate`.
 pub const RATE_MAX: u64 = 1_000_000;

@@ -18,7 +18,7 @@
 //! 3. 1 KiB appends at `--replication-rate` per second (latency-1k's pacer,
 //!    latency from each append's intended send time), to the rep-1 journal,
 //!    then to the rep-3 journal. First, while the journals are fresh.
-//! 4. 1 MiB appends, `--append-depth` in flight (append-1m's closed loop),
+//! 4. 1 MiB appends, `--replication-depth` in flight (append-1m's closed loop),
 //!    to each journal.
 //! 5. Around each phase: the primary's STATS counters (acks per ack frame =
 //!    `repl_acks` ÷ `repl_ack_frames` over the two rep-3 phases) and the CPU
@@ -658,7 +658,7 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
     for j in [&rep1, &rep3] {
         eprintln!(
             "replication: {APPEND_1M_BYTES} B appends to {j}, {} in flight",
-            args.append_depth
+            args.replication_depth
         );
         let name = if j == &rep1 {
             "append-1m rep 1"
@@ -674,7 +674,7 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
                 args,
                 vec![j.clone()],
                 APPEND_1M_BYTES,
-                args.append_depth,
+                args.replication_depth,
             ),
         )
         .await?;

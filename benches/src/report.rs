@@ -255,6 +255,7 @@ impl Figures {
                 "backfill_gib": args.backfill_gib,
                 "backfill_rate": args.backfill_rate,
                 "replication_rate": args.replication_rate,
+                "replication_depth": args.replication_depth,
                 "pingpong_size": args.pingpong_size,
                 "client_threads": args.client_threads,
                 "broker_cpus": args.broker_cpus,
