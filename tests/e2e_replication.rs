@@ -4,7 +4,7 @@
 //! append anywhere; a replica that was down catches up through the fragment
 //! store; brokers outside a route proxy to it (or refuse when asked not to);
 //! too few brokers refuse appends; routes follow the cluster file as it
-//! changes.
+//! changes, and a broker a journal leaves uploads what only it held.
 //!
 //! Copies are compared through pinned clients (every request to one broker)
 //! with DO_NOT_PROXY, so each broker answers from what it holds itself.
@@ -1549,5 +1549,116 @@ async fn routes_follow_the_cluster_file_body(cluster: &mut Cluster) {
         let pinned = cluster.brokers[0].pinned().await;
         let (bytes, _) = read_local(&pinned, j, 0, Some(old_head)).await.unwrap();
         assert_eq!(bytes, before[k], "b1: {j} before the change");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start_listed(3, CORES, &[0, 1]);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(&mut cluster, &store),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals with one replica on b2, which then leaves the cluster file: the
+/// bytes are on b2 alone, in an open spool. b2 must seal and upload them,
+/// though it is no longer any journal's primary.
+async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
+    cluster: &mut Cluster,
+    store: &TestStore,
+) {
+    // Rep-1 journals routed to b2 (names tried until three are).
+    let client = cluster.brokers[0].client().await;
+    let mut names = Vec::new();
+    let mut specs = Vec::new();
+    for i in 0..64 {
+        let j = format!("repl/leaving-{i}");
+        let mut s = store_spec(&j, 1, store);
+        // Neither length nor time seals the spool during the test.
+        s.fragment.length = 1 << 30;
+        cluster.apply(std::slice::from_ref(&s)).await;
+        specs.push(s);
+        if ids(&agreed_route(cluster, &j).await) == ["b2"] {
+            names.push(j);
+            if names.len() == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(names.len(), 3, "no three of 64 names routed to b2 alone");
+    let mut written = Vec::new();
+    for (k, j) in names.iter().enumerate() {
+        let mut bytes = Vec::new();
+        for seq in 0..20 {
+            let c = record(k as u32, seq, 700 + 53 * seq as usize);
+            let r = client.append(&req(j), c.clone()).await.unwrap();
+            assert_eq!(r.begin, bytes.len() as u64, "{j}");
+            bytes.extend_from_slice(&c);
+        }
+        // Nothing in the store yet: the spool is open.
+        assert!(
+            store.fragments(j).is_empty(),
+            "{j}: uploaded before the change"
+        );
+        written.push(bytes);
+    }
+
+    // b2 leaves; b3 joins. b2 keeps running, outside every route.
+    cluster.write_file(&[0, 2]);
+    tokio::task::block_in_place(|| cluster.brokers[2].start());
+    let deadline = Instant::now() + WAIT;
+    for (j, bytes) in names.iter().zip(&written) {
+        loop {
+            let frags = store.fragments(j);
+            let mut chained = Vec::new();
+            for f in &frags {
+                if f.begin == chained.len() as u64 {
+                    chained.extend_from_slice(&f.bytes);
+                }
+            }
+            if chained.len() >= bytes.len() {
+                assert!(
+                    chained[..bytes.len()] == bytes[..],
+                    "{j}: the store holds other bytes (SHA-1 {}) than were appended (SHA-1 {})",
+                    hex_sha1(&chained),
+                    hex_sha1(bytes)
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{j}: the store holds {} of {} bytes {WAIT:?} after b2 left the route: {:?}",
+                chained.len(),
+                bytes.len(),
+                frags.iter().map(|f| &f.key).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    // The broker that took each journal over finds the history in the
+    // store beyond its own head: it refuses appends rather than reuse those
+    // offsets, until the head is reset to the end of the history. (b3
+    // started after the specs were applied: apply them again.)
+    cluster.apply(&specs).await;
+    let client = cluster.brokers[0].client().await;
+    for (j, bytes) in names.iter().zip(&written) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            match client.append(&req(j), b"too early".to_vec()).await {
+                Err(e) if e.status() == Some(Status::INDEX_HAS_GREATER_OFFSET) => break,
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    tokio::time::sleep(POLL).await;
+                }
+                other => panic!("{j}: append after the move: {other:?}"),
+            }
+        }
+        let head = client.reset_head(j).await.unwrap();
+        assert_eq!(head, bytes.len() as u64, "{j}: head after reset-head");
+        let r = append_retrying(&client, j, b"after the move").await;
+        assert_eq!(r.begin, bytes.len() as u64, "{j}: append after reset-head");
     }
 }

@@ -530,8 +530,11 @@ impl Shard {
         let Some(store) = jm.spec.fragment.stores.first().cloned() else {
             return;
         };
-        if !self.is_primary(&jm.spec) {
-            // Only the primary uploads.
+        if matches!(self.role(&jm.spec), Role::Replica(_)) {
+            // The primary uploads. So does a broker outside the route, for
+            // fragments it still holds: the route's members may never have
+            // had those bytes. (A fragment uploaded twice has the same name
+            // and bytes both times.)
             return;
         }
         let codec = jm.spec.fragment.compression_codec;
@@ -856,11 +859,13 @@ impl Shard {
             let role = self.role(&j.borrow().spec);
             {
                 let jm = j.borrow();
-                if matches!(role, Role::Primary(_))
-                    && jm.wants_seal(now)
-                    && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
-                {
-                    due = true;
+                let holds_bytes = jm.spool.as_ref().is_some_and(|s| !s.is_empty());
+                match role {
+                    Role::Primary(_) if jm.wants_seal(now) && holds_bytes => due = true,
+                    // A journal routed away from this broker: its open spool
+                    // is sealed and uploaded (see `prepare`).
+                    Role::Outside(_) if holds_bytes => due = true,
+                    _ => {}
                 }
                 if let Some(a) = &jm.active {
                     if a.op.last_activity.get().elapsed() > APPEND_IDLE_TIMEOUT
@@ -1336,13 +1341,16 @@ impl Shard {
         }
         let wants_seal = {
             let jm = j.borrow();
+            let idle = jm.active.is_none() && jm.staged.is_empty() && jm.inflight == 0;
             // Replicas seal when their primary says so (SYNC), and a
-            // primary not while replicas have yet to ack.
-            matches!(role, Role::Primary(_))
-                && jm.active.is_none()
-                && jm.staged.is_empty()
-                && jm.inflight == 0
-                && jm.wants_seal(SystemTime::now())
+            // primary not while replicas have yet to ack. A broker the
+            // journal was routed away from seals what it holds, so that it
+            // can be uploaded: the new members may never have had it.
+            idle && match role {
+                Role::Primary(_) => jm.wants_seal(SystemTime::now()),
+                Role::Outside(_) => jm.spool.as_ref().is_some_and(|s| !s.is_empty()),
+                Role::Replica(_) => false,
+            }
         };
         if wants_seal {
             self.seal(j).await;
