@@ -1013,6 +1013,7 @@ impl Shard {
             }
         }
         let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
+        let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
         let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
             let mut res = Ok(());
             let w = match w {
@@ -1069,7 +1070,9 @@ impl Shard {
                 failed.push((j, storage_status(&e), e.to_string()));
             }
         }
-        metrics::add(&self.metrics.batches, 1);
+        if wrote {
+            metrics::add(&self.metrics.batches, 1);
+        }
         for (j, status, msg) in &failed {
             self.fail_batch(j, *status, msg);
         }
