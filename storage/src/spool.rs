@@ -29,6 +29,7 @@ use std::rc::Rc;
 pub const SPOOL_BUFFER_BYTES: usize = 4 << 20;
 /// Spools grow by at least this much per `fallocate`.
 pub const SPOOL_GROW_BYTES: u64 = 16 << 20;
+
 /// How a spool sizes its I/O: the write buffer (the largest batch of
 /// staged bytes written in one submission) and the fallocate step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -582,8 +583,8 @@ async fn hash_prefixes(
     order.sort_by_key(|&i| ends[i]);
     let mut order = order.into_iter().peekable();
     let mut sha = Sha1::new();
-    // Reads stay aligned (O_DIRECT): `pos` is where the last read began,
-    // `hashed` how far the SHA-1 state has come.
+    // Reads stay aligned (O_DIRECT): each begins at `hashed`, where the
+    // SHA-1 state stands, a multiple of the buffer's size.
     let mut hashed = 0u64;
     let mut buf = AlignedBuf::new(1 << 20);
     while let Some(&i) = order.peek() {
