@@ -5,25 +5,28 @@
 
 mod common;
 
-use common::{req, Conn};
+use common::{req, start, Conn};
 use rotary_engine::{Broker, ServeConfig};
 use rotary_net::spec::{Codec, JournalSpec};
 use rotary_net::status::Status;
 use rotary_net::wire::{self, flag, AppendReply, Op, ReadRequest};
 use std::time::{Duration, Instant};
 
-fn start(dir: &std::path::Path) -> Broker {
-    let mut cfg = ServeConfig::new(dir.to_path_buf(), "127.0.0.1:0".parse().unwrap());
-    cfg.cores = 1;
-    cfg.disk_reserve_bytes = 0;
-    Broker::start(cfg).unwrap()
+/// An admin request naming one journal; it must succeed. Its JSON reply.
+fn admin<T: serde::de::DeserializeOwned>(c: &mut Conn, op: Op, name: &str) -> T {
+    c.send(op, 0, 77, &wire::encode_name(name), &[]);
+    let r = c.recv();
+    assert_eq!(
+        r.status,
+        Status::OK,
+        "{op:?} {name}: {}",
+        String::from_utf8_lossy(&r.payload)
+    );
+    serde_json::from_slice(&r.payload).unwrap()
 }
 
 fn fragments(c: &mut Conn, name: &str) -> Vec<serde_json::Value> {
-    c.send(Op::FRAGMENTS, 0, 77, &wire::encode_name(name), &[]);
-    let r = c.recv();
-    assert_eq!(r.status, Status::OK);
-    serde_json::from_slice(&r.payload).unwrap()
+    admin(c, Op::FRAGMENTS, name)
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -64,7 +67,7 @@ fn history_survives_a_wiped_broker() {
 
     let mut expected = Vec::new();
     {
-        let broker = start(&data);
+        let broker = start(&data, 1);
         let mut c = Conn::new(broker.endpoints[0]);
         c.apply(std::slice::from_ref(&spec));
         for i in 0..40u32 {
@@ -113,7 +116,7 @@ fn history_survives_a_wiped_broker() {
 
     // Throw the broker's disk away.
     std::fs::remove_dir_all(&data).unwrap();
-    let broker = start(&data);
+    let broker = start(&data, 1);
     let mut c = Conn::new(broker.endpoints[0]);
     c.apply(std::slice::from_ref(&spec));
     // History is readable at once, proxied from the store.
@@ -148,15 +151,7 @@ fn history_survives_a_wiped_broker() {
     let (status, reply) = c.append(&req(name), b"too early");
     assert_eq!(status, Status::INDEX_HAS_GREATER_OFFSET);
     assert_eq!(reply.write_head, 0);
-    c.send(Op::RESET_HEAD, 0, 32, &wire::encode_name(name), &[]);
-    let r = c.recv();
-    assert_eq!(
-        r.status,
-        Status::OK,
-        "{}",
-        String::from_utf8_lossy(&r.payload)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+    let v: serde_json::Value = admin(&mut c, Op::RESET_HEAD, name);
     assert_eq!(v["write_head"], expected.len() as u64);
     let reply = append(&mut c, name, b"after reset");
     assert_eq!(reply.begin, expected.len() as u64);
@@ -190,14 +185,7 @@ fn a_read_in_missing_history_waits_without_stalling_the_shard() {
 
     let history = vec![b'h'; 5000];
     append(&mut c, a, &history);
-    c.send(Op::SEAL, 0, 40, &wire::encode_name(a), &[]);
-    let r = c.recv();
-    assert_eq!(
-        r.status,
-        Status::OK,
-        "{}",
-        String::from_utf8_lossy(&r.payload)
-    );
+    let _: serde_json::Value = admin(&mut c, Op::SEAL, a);
     wait_until("the upload, and the local copy gone", || {
         let f = fragments(&mut c, a);
         !f.is_empty() && f.iter().all(|f| f["store"] != "local")

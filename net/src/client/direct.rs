@@ -677,6 +677,16 @@ mod tests {
         (addr, seen)
     }
 
+    /// A whole direct read from `offset` to the head through a fresh client,
+    /// with the read's stats.
+    async fn read_whole(addr: &str, offset: u64) -> (Vec<u8>, ReadDone, Arc<DirectReadStats>) {
+        let client = Client::connect(addr).await.unwrap();
+        let r = client.read_direct(&req(offset, None), false);
+        let stats = r.stats.clone();
+        let (bytes, done) = collect(r).await;
+        (bytes, done, stats)
+    }
+
     async fn collect(mut r: DirectRead) -> (Vec<u8>, ReadDone) {
         let mut out = Vec::new();
         let mut from = None;
@@ -719,7 +729,6 @@ mod tests {
         )
         .await;
         let client = Client::connect(&addr).await.unwrap();
-
         let r = client.read_direct(&req(500, None), false);
         let stats = r.stats.clone();
         let (bytes, done) = collect(r).await;
@@ -759,10 +768,7 @@ mod tests {
             "file:///nonexistent/rotary/frag.raw".into(),
         )
         .await;
-        let client = Client::connect(&addr).await.unwrap();
-        let r = client.read_direct(&req(0, None), false);
-        let stats = r.stats.clone();
-        let (bytes, done) = collect(r).await;
+        let (bytes, done, stats) = read_whole(&addr, 0).await;
         assert_eq!(bytes, j);
         assert_eq!((done.status, done.offset), (Status::OK, 10_000));
         assert_eq!(stats.fragments_proxied.load(Ordering::Relaxed), 1);
@@ -875,11 +881,8 @@ mod tests {
             })
             .collect();
         let (addr, _) = fake_broker_spans(j.clone(), spans).await;
-        let client = Client::connect(&addr).await.unwrap();
-        let r = client.read_direct(&req(0, None), false);
-        let stats = r.stats.clone();
         // `collect` copies each piece and drops it.
-        let (bytes, done) = collect(r).await;
+        let (bytes, done, stats) = read_whole(&addr, 0).await;
         assert_eq!(bytes, j);
         assert_eq!((done.status, done.offset), (Status::OK, 10_000));
         assert_eq!(stats.fragments_fetched.load(Ordering::Relaxed), 10);
@@ -901,10 +904,7 @@ mod tests {
             Some("file:///nonexistent/rotary/frag.raw".into()),
         );
         let (addr, seen) = fake_broker_spans(j.clone(), spans).await;
-        let client = Client::connect(&addr).await.unwrap();
-        let r = client.read_direct(&req(0, None), false);
-        let stats = r.stats.clone();
-        let (bytes, done) = collect(r).await;
+        let (bytes, done, stats) = read_whole(&addr, 0).await;
         assert_eq!(bytes, j);
         assert_eq!((done.status, done.offset), (Status::OK, 10_000));
         assert_eq!(stats.fragments_fetched.load(Ordering::Relaxed), 2);
