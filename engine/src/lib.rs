@@ -128,21 +128,15 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
 pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
     // A core that does not exist is refused with its message by `start`.
     let online = sys::online_cpus();
-    if !config.cpus.is_empty()
-        && config
-            .cpus
-            .iter()
-            .chain(&config.iowq_cpus)
-            .all(|&c| c < online)
-    {
-        let mut cores: Vec<usize> = config
-            .cpus
-            .iter()
-            .chain(&config.iowq_cpus)
-            .copied()
-            .collect();
-        cores.sort_unstable();
-        cores.dedup();
+    let mut cores: Vec<usize> = config
+        .cpus
+        .iter()
+        .chain(&config.iowq_cpus)
+        .copied()
+        .collect();
+    cores.sort_unstable();
+    cores.dedup();
+    if !config.cpus.is_empty() && cores.iter().all(|&c| c < online) {
         sys::confine_current_thread(&cores)
             .map_err(|e| EngineError::Config(format!("--cpus {cores:?}: {e}")))?;
     }
