@@ -97,6 +97,8 @@ struct InFlight {
 const INFLIGHT_BATCHES_MAX: usize = 16;
 /// How long a primary waits before retrying a failed SYNC.
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
+/// A turn that takes this long is logged with the time of each phase.
+const SLOW_TURN: std::time::Duration = std::time::Duration::from_millis(50);
 /// A primary pulses a replicated journal idle this long.
 const PULSE_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -969,6 +971,7 @@ impl Shard {
     }
 
     async fn turn(&self) {
+        let started = Instant::now();
         let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
         // Dedup by identity, keeping first-come order.
         let mut seen = std::collections::HashSet::new();
@@ -979,6 +982,7 @@ impl Shard {
         for j in &ready {
             self.prepare(j).await;
         }
+        let prepared = Instant::now();
         // 2. Stage.
         let mut again = Vec::new();
         for j in &ready {
@@ -986,6 +990,7 @@ impl Shard {
                 again.push(j.clone());
             }
         }
+        let staged_at = Instant::now();
         // Replicas get this turn's content while the spools are written.
         self.flush_pipelines();
         // 3. Write every spool with staged bytes and this batch's commit-log
@@ -1046,6 +1051,7 @@ impl Shard {
             res
         };
         let (results, log_result) = futures_util::join!(spool_writes, log_write);
+        let written = Instant::now();
         let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
         for (j, res, w, synced) in results {
             let path = j
@@ -1145,6 +1151,7 @@ impl Shard {
             self.inflight_event.notify(usize::MAX);
         }
         self.flush_pipelines();
+        let acked = Instant::now();
         // Compaction between turns keeps the log short.
         let compact = self
             .log
@@ -1161,6 +1168,18 @@ impl Shard {
                 tracing::error!(error = %e, "commit log compaction failed");
             }
             *self.log.borrow_mut() = Some(log);
+        }
+        if started.elapsed() >= SLOW_TURN {
+            let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
+            tracing::warn!(
+                journals = ready.len(),
+                prepare_ms = ms(started, prepared),
+                stage_ms = ms(prepared, staged_at),
+                write_ms = ms(staged_at, written),
+                ack_ms = ms(written, acked),
+                compact_ms = ms(acked, Instant::now()),
+                "slow turn: the shard's appends waited this long"
+            );
         }
         // Replica journals with a SYNC waiting go around again once their
         // queued appends are through.
