@@ -23,23 +23,15 @@ pub const fn align_up(n: u64) -> u64 {
     (n + BLOCK as u64 - 1) & !(BLOCK as u64 - 1)
 }
 
-/// Buffers of at least this many bytes are mapped from the kernel rather
-/// than taken from the allocator.
-///
-/// Asked for 4096-byte alignment, the allocator zeroes a buffer by writing
-/// every byte before returning it: about 2 ms for a spool's 4 MiB buffer,
-/// spent on the shard's thread each time a spool is created. A fresh
-/// anonymous mapping is zero already, and the kernel provides each page on
-/// first touch, so a spool that only ever stages a few blocks at its front
-/// keeps only those pages resident.
-const MAP_MIN: usize = 1 << 20;
-
 /// A fixed-capacity buffer aligned to [`BLOCK`]. Zero-filled on creation, so
 /// every byte up to `cap` is initialized.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
     len: usize,
+    /// An anonymous mapping ([`AlignedBuf::mapped`]) rather than an
+    /// allocation.
+    mapped: bool,
 }
 
 impl AlignedBuf {
@@ -47,28 +39,52 @@ impl AlignedBuf {
     pub fn new(cap: usize) -> Self {
         let cap = align_up(cap.max(BLOCK) as u64) as usize;
         let layout = Layout::from_size_align(cap, BLOCK).expect("valid layout");
-        let raw = if cap >= MAP_MIN {
-            // SAFETY: an anonymous private mapping of `cap` bytes, no file.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    cap,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                std::alloc::handle_alloc_error(layout);
-            }
-            p.cast::<u8>()
-        } else {
-            // SAFETY: layout has non-zero size; the pointer is checked below.
-            unsafe { alloc_zeroed(layout) }
-        };
+        // SAFETY: layout has non-zero size; the pointer is checked for null.
+        let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, cap, len: 0 }
+        AlignedBuf {
+            ptr,
+            cap,
+            len: 0,
+            mapped: false,
+        }
+    }
+
+    /// A zeroed buffer like [`AlignedBuf::new`], mapped from the kernel: for
+    /// large buffers that live long, such as a spool's.
+    ///
+    /// Asked for 4096-byte alignment, the allocator zeroes a buffer by
+    /// writing every byte before returning it: about 2 ms for a spool's
+    /// 4 MiB buffer, spent on the shard's thread each time a spool is
+    /// created. A fresh anonymous mapping is zero already, and the kernel
+    /// provides each page on first touch, so a spool that only ever stages a
+    /// few blocks at its front keeps only those pages resident. Mapping and
+    /// unmapping are system calls, so short-lived buffers use `new`.
+    pub fn mapped(cap: usize) -> Self {
+        let cap = align_up(cap.max(BLOCK) as u64) as usize;
+        // SAFETY: an anonymous private mapping of `cap` bytes, no file.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        let layout = Layout::from_size_align(cap, BLOCK).expect("valid layout");
+        if p == libc::MAP_FAILED {
+            std::alloc::handle_alloc_error(layout);
+        }
+        let ptr =
+            NonNull::new(p.cast::<u8>()).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf {
+            ptr,
+            cap,
+            len: 0,
+            mapped: true,
+        }
     }
 
     pub fn capacity(&self) -> usize {
@@ -105,7 +121,7 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if self.cap >= MAP_MIN {
+        if self.mapped {
             // SAFETY: mapped in `new` with this same length, not yet unmapped.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
             return;
@@ -151,12 +167,12 @@ mod tests {
 
     #[test]
     fn mapped_buffers_are_zeroed_aligned_and_writable() {
-        let mut b = AlignedBuf::new(MAP_MIN + 1);
-        assert_eq!(b.capacity(), MAP_MIN + BLOCK);
+        let mut b = AlignedBuf::mapped((1 << 20) + 1);
+        assert_eq!(b.capacity(), (1 << 20) + BLOCK);
         assert_eq!(b.as_slice().as_ptr() as usize % BLOCK, 0);
         assert!(b.full_mut().iter().all(|x| *x == 0));
-        b.full_mut()[MAP_MIN + 10] = 7;
-        b.set_len_checked(MAP_MIN + 11);
-        assert_eq!(b.as_slice()[MAP_MIN + 10], 7);
+        b.full_mut()[(1 << 20) + 10] = 7;
+        b.set_len_checked((1 << 20) + 11);
+        assert_eq!(b.as_slice()[(1 << 20) + 10], 7);
     }
 }
