@@ -1173,11 +1173,11 @@ impl Shard {
             let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
             tracing::warn!(
                 journals = ready.len(),
-                prepare_ms = ms(started, prepared),
-                stage_ms = ms(prepared, staged_at),
-                write_ms = ms(staged_at, written),
-                ack_ms = ms(written, acked),
-                compact_ms = ms(acked, Instant::now()),
+                prepare_ms = %ms(started, prepared),
+                stage_ms = %ms(prepared, staged_at),
+                write_ms = %ms(staged_at, written),
+                ack_ms = %ms(written, acked),
+                compact_ms = %ms(acked, Instant::now()),
                 "slow turn: the shard's appends waited this long"
             );
         }
