@@ -630,11 +630,8 @@ impl Shard {
         let mut total = 0;
         for j in self.journals.borrow().values() {
             for f in j.borrow().fragments.iter().filter(|f| f.uploaded) {
-                let mtime = std::fs::metadata(&f.path)
-                    .and_then(|m| m.modified())
-                    .unwrap_or(SystemTime::UNIX_EPOCH);
                 total += f.end - f.begin;
-                cached.push((mtime, f.end - f.begin, j.clone(), f.begin));
+                cached.push((f.sealed_at, f.end - f.begin, j.clone(), f.begin));
             }
         }
         if total <= self.local_cache_bytes {
@@ -2650,10 +2647,7 @@ fn unix_secs(t: SystemTime) -> u64 {
 }
 
 fn fragment_json(f: &LocalFragment, open: bool) -> serde_json::Value {
-    let mod_time = std::fs::metadata(&f.path)
-        .and_then(|m| m.modified())
-        .map(unix_secs)
-        .unwrap_or(0);
+    let mod_time = unix_secs(f.sealed_at);
     serde_json::json!({
         "begin": f.begin,
         "end": f.end,

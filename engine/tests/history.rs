@@ -217,3 +217,57 @@ fn a_read_in_missing_history_waits_without_stalling_the_shard() {
     assert_eq!(data.payload, b"after the gap");
     broker.shutdown();
 }
+
+/// Once the local copies of uploaded fragments exceed the cache budget, the
+/// oldest sealed go first and the newest stay on the broker's disk.
+#[test]
+fn the_local_cache_drops_the_oldest_uploaded_fragments_first() {
+    let root = tempfile::tempdir().unwrap();
+    let store_dir = root.path().join("store");
+    let mut cfg = ServeConfig::new(root.path().join("data"), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    // Room for two of the three fragments below.
+    cfg.local_cache_bytes = 2000;
+    let broker = Broker::start(cfg).unwrap();
+    let name = "hist/cache";
+    let mut spec = JournalSpec::new(name);
+    spec.fragment.compression_codec = Codec::None;
+    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[spec]);
+
+    let local = |c: &mut Conn| -> Vec<(u64, u64, bool)> {
+        fragments(c, name)
+            .iter()
+            .filter(|f| f["store"] == "local")
+            .map(|f| {
+                (
+                    f["begin"].as_u64().unwrap(),
+                    f["end"].as_u64().unwrap(),
+                    f["uploaded"] == true,
+                )
+            })
+            .collect()
+    };
+    for i in 0..3u64 {
+        append(&mut c, name, &[b'a' + i as u8; 1000]);
+        let _: serde_json::Value = admin(&mut c, Op::SEAL, name);
+        wait_until("the upload", || {
+            local(&mut c)
+                .iter()
+                .any(|&(b, _, uploaded)| b == i * 1000 && uploaded)
+        });
+    }
+    assert_eq!(
+        local(&mut c),
+        vec![(1000, 2000, true), (2000, 3000, true)],
+        "the first fragment sealed left the disk"
+    );
+    // Its bytes still read, from the store.
+    let (got, status) = c.read_all(name, 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(got.len(), 3000);
+    assert!(got[..1000].iter().all(|b| *b == b'a'));
+    broker.shutdown();
+}

@@ -17,6 +17,10 @@ pub struct LocalFragment {
     pub uploaded: bool,
     /// An upload of it is queued or running.
     pub uploading: bool,
+    /// When it was sealed (for a fragment found on disk at start, its
+    /// file's modification time). Held here so that cache eviction and
+    /// listings need no system call per fragment.
+    pub sealed_at: std::time::SystemTime,
 }
 
 /// `<begin:016x>-<end:016x>-<sha1:40 hex>.raw`: Gazette's fragment name
@@ -80,6 +84,10 @@ pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
                 file: None,
                 uploaded: false,
                 uploading: false,
+                sealed_at: entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::SystemTime::UNIX_EPOCH),
             });
         }
     }

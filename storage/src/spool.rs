@@ -528,6 +528,7 @@ impl Spool {
             file: Some(self.file),
             uploaded: false,
             uploading: false,
+            sealed_at: std::time::SystemTime::now(),
         }))
     }
 }
