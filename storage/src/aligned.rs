@@ -1,7 +1,7 @@
 //! Block-aligned buffers for O_DIRECT I/O.
 //!
 //! This is one of the two modules where `unsafe` is allowed: it owns a raw
-//! allocation (or, for large buffers, an anonymous mapping) so that its
+//! allocation (or, for spool buffers, an anonymous mapping) so that its
 //! address and length meet O_DIRECT's alignment.
 //! Invariants: `ptr` is a live allocation or mapping of `cap` bytes aligned to
 //! [`BLOCK`]; `len <= cap`; bytes `0..len` are initialized.
@@ -122,7 +122,7 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if self.mapped {
-            // SAFETY: mapped in `new` with this same length, not yet unmapped.
+            // SAFETY: mapped in `mapped` with this same length, not yet unmapped.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
             return;
         }
