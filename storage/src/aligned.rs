@@ -1,9 +1,8 @@
-//! Block-aligned buffers for O_DIRECT I/O.
+//! Block-aligned heap buffers for O_DIRECT I/O.
 //!
 //! This is one of the two modules where `unsafe` is allowed: it owns a raw
-//! allocation (or, for spool buffers, an anonymous mapping) so that its
-//! address and length meet O_DIRECT's alignment.
-//! Invariants: `ptr` is a live allocation or mapping of `cap` bytes aligned to
+//! allocation so that its address and length meet O_DIRECT's alignment.
+//! Invariants: `ptr` is a live allocation of `cap` bytes aligned to
 //! [`BLOCK`]; `len <= cap`; bytes `0..len` are initialized.
 #![allow(unsafe_code)]
 
@@ -29,9 +28,6 @@ pub struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
     len: usize,
-    /// An anonymous mapping ([`AlignedBuf::mapped`]) rather than an
-    /// allocation.
-    mapped: bool,
 }
 
 impl AlignedBuf {
@@ -42,49 +38,7 @@ impl AlignedBuf {
         // SAFETY: layout has non-zero size; the pointer is checked for null.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf {
-            ptr,
-            cap,
-            len: 0,
-            mapped: false,
-        }
-    }
-
-    /// A zeroed buffer like [`AlignedBuf::new`], mapped from the kernel: for
-    /// large buffers that live long, such as a spool's.
-    ///
-    /// Asked for 4096-byte alignment, the allocator zeroes a buffer by
-    /// writing every byte before returning it: about 2 ms for a spool's
-    /// 4 MiB buffer, spent on the shard's thread each time a spool is
-    /// created. A fresh anonymous mapping is zero already, and the kernel
-    /// provides each page on first touch, so a spool that only ever stages a
-    /// few blocks at its front keeps only those pages resident. Mapping and
-    /// unmapping are system calls, so short-lived buffers use `new`.
-    pub fn mapped(cap: usize) -> Self {
-        let cap = align_up(cap.max(BLOCK) as u64) as usize;
-        // SAFETY: an anonymous private mapping of `cap` bytes, no file.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                cap,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        let layout = Layout::from_size_align(cap, BLOCK).expect("valid layout");
-        if p == libc::MAP_FAILED {
-            std::alloc::handle_alloc_error(layout);
-        }
-        let ptr =
-            NonNull::new(p.cast::<u8>()).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf {
-            ptr,
-            cap,
-            len: 0,
-            mapped: true,
-        }
+        AlignedBuf { ptr, cap, len: 0 }
     }
 
     pub fn capacity(&self) -> usize {
@@ -121,11 +75,6 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if self.mapped {
-            // SAFETY: mapped in `mapped` with this same length, not yet unmapped.
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
-            return;
-        }
         let layout = Layout::from_size_align(self.cap, BLOCK).expect("valid layout");
         // SAFETY: allocated in `new` with this same layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) }
@@ -163,16 +112,5 @@ mod tests {
         assert_eq!(align_down(4097), 4096);
         assert_eq!(align_up(4097), 8192);
         assert_eq!(align_up(0), 0);
-    }
-
-    #[test]
-    fn mapped_buffers_are_zeroed_aligned_and_writable() {
-        let mut b = AlignedBuf::mapped((1 << 20) + 1);
-        assert_eq!(b.capacity(), (1 << 20) + BLOCK);
-        assert_eq!(b.as_slice().as_ptr() as usize % BLOCK, 0);
-        assert!(b.full_mut().iter().all(|x| *x == 0));
-        b.full_mut()[(1 << 20) + 10] = 7;
-        b.set_len_checked((1 << 20) + 11);
-        assert_eq!(b.as_slice()[(1 << 20) + 10], 7);
     }
 }

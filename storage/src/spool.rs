@@ -147,7 +147,7 @@ impl Spool {
             written: begin,
             staged: begin,
             sha,
-            buf: Some(AlignedBuf::mapped(sizing.buffer_bytes + BLOCK)),
+            buf: Some(AlignedBuf::new(sizing.buffer_bytes + BLOCK)),
             buf_start: begin,
             tail_loaded: true,
             allocated: 0,
