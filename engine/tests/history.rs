@@ -29,6 +29,16 @@ fn fragments(c: &mut Conn, name: &str) -> Vec<serde_json::Value> {
     admin(c, Op::FRAGMENTS, name)
 }
 
+/// A one-shard broker under `root/data` that keeps at most
+/// `local_cache_bytes` of uploaded fragments on its disk.
+fn start_with_cache(root: &std::path::Path, local_cache_bytes: u64) -> Broker {
+    let mut cfg = ServeConfig::new(root.join("data"), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    cfg.local_cache_bytes = local_cache_bytes;
+    Broker::start(cfg).unwrap()
+}
+
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !f() {
@@ -169,12 +179,8 @@ fn history_survives_a_wiped_broker() {
 fn a_read_in_missing_history_waits_without_stalling_the_shard() {
     let root = tempfile::tempdir().unwrap();
     let store_dir = root.path().join("store");
-    let mut cfg = ServeConfig::new(root.path().join("data"), "127.0.0.1:0".parse().unwrap());
-    cfg.cores = 1;
-    cfg.disk_reserve_bytes = 0;
     // Uploaded fragments leave the broker's disk at once.
-    cfg.local_cache_bytes = 0;
-    let broker = Broker::start(cfg).unwrap();
+    let broker = start_with_cache(root.path(), 0);
     let (a, b) = ("hist/missing-a", "hist/missing-b");
     let mut spec = JournalSpec::new(a);
     spec.fragment.compression_codec = Codec::None;
@@ -224,12 +230,8 @@ fn a_read_in_missing_history_waits_without_stalling_the_shard() {
 fn the_local_cache_drops_the_oldest_uploaded_fragments_first() {
     let root = tempfile::tempdir().unwrap();
     let store_dir = root.path().join("store");
-    let mut cfg = ServeConfig::new(root.path().join("data"), "127.0.0.1:0".parse().unwrap());
-    cfg.cores = 1;
-    cfg.disk_reserve_bytes = 0;
     // Room for two of the three fragments below.
-    cfg.local_cache_bytes = 2000;
-    let broker = Broker::start(cfg).unwrap();
+    let broker = start_with_cache(root.path(), 2000);
     let name = "hist/cache";
     let mut spec = JournalSpec::new(name);
     spec.fragment.compression_codec = Codec::None;
