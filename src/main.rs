@@ -11,6 +11,7 @@ mod output;
 use clap::Parser;
 
 fn main() {
+    rotary_engine::tune_allocator();
     let args = cli::Cli::parse();
     let code = cli::run(args);
     std::process::exit(code);

@@ -208,9 +208,25 @@ fn check_shard_count(dir: &std::path::Path, shards: usize) -> Result<(), EngineE
     }
 }
 
+/// Keeps the C allocator from mapping and unmapping the data path's large
+/// buffers. glibc serves allocations above its mmap threshold (128 KiB at
+/// start) with a fresh mapping each, so every 1 MiB append frame and read
+/// buffer would cost 256 page faults and as many zeroed pages, on the
+/// shard's thread. glibc raises that threshold by itself only after the
+/// process frees one such mapping, which made throughput depend on when a
+/// large buffer was first freed: `append-1m` ran 5-15% slower in a broker
+/// that had not yet freed a spool buffer (docs/BENCHMARKS.md). Fixed
+/// thresholds instead: allocations up to 32 MiB come from the heap, and up
+/// to 64 MiB of free heap is kept rather than returned to the kernel. Called
+/// by [`Broker::start`]; binaries call it first thing as well.
+pub fn tune_allocator() {
+    sys::tune_allocator();
+}
+
 impl Broker {
     /// Starts every shard and returns once all of them listen.
     pub fn start(config: ServeConfig) -> Result<Broker, EngineError> {
+        tune_allocator();
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(dir.clone(), e))?;
         let lock = lock_data_dir(dir)?;
@@ -471,6 +487,21 @@ mod sys {
     #![allow(unsafe_code)]
 
     const IORING_REGISTER_IOWQ_AFF: libc::c_uint = 17;
+
+    /// See [`super::tune_allocator`]. Other C libraries keep their defaults.
+    pub fn tune_allocator() {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        {
+            const MMAP_THRESHOLD: libc::c_int = 32 << 20;
+            const TRIM_THRESHOLD: libc::c_int = 64 << 20;
+            // SAFETY: mallopt only changes allocator settings; it is
+            // thread-safe and may be called at any time.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+            }
+        }
+    }
 
     /// Cores the machine has online (whatever this process may use).
     pub fn online_cpus() -> usize {

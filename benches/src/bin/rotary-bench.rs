@@ -15,6 +15,7 @@ struct Cli {
 }
 
 fn main() {
+    rotary_engine::tune_allocator();
     let cli = Cli::parse();
     if let Err(e) = rotary_benches::run(cli.bench) {
         eprintln!("error: {e:#}");
