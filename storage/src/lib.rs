@@ -9,6 +9,7 @@
 
 pub mod aligned;
 pub mod fragment;
+pub mod pool;
 pub mod sha;
 pub mod spool;
 pub mod wal;

@@ -29,6 +29,9 @@ use std::rc::Rc;
 pub const SPOOL_BUFFER_BYTES: usize = 4 << 20;
 /// Spools grow by at least this much per `fallocate`.
 pub const SPOOL_GROW_BYTES: u64 = 16 << 20;
+/// A spool's first buffer, when no idle one is in the pool: enough for
+/// small appends; larger batches grow it (see [`crate::pool`]).
+const FIRST_BUFFER_BYTES: usize = 64 << 10;
 
 /// How a spool sizes its I/O: the write buffer (the largest batch of
 /// staged bytes written in one submission) and the fallocate step.
@@ -64,8 +67,9 @@ pub struct Spool {
     written: u64,
     staged: u64,
     sha: Sha1,
-    /// `None` while a write owns it.
+    /// `None` while a write owns it. Grows up to `max_buf` bytes.
     buf: Option<AlignedBuf>,
+    max_buf: usize,
     /// Journal offset of `buf[0]`; always `begin` plus a block multiple.
     buf_start: u64,
     /// False after a rollback until the tail block is read back.
@@ -138,6 +142,7 @@ impl Spool {
         sha: Sha1,
         sizing: SpoolSizing,
     ) -> Spool {
+        let max_buf = align_up((sizing.buffer_bytes + BLOCK) as u64) as usize;
         Spool {
             file: Rc::new(file),
             path,
@@ -147,7 +152,8 @@ impl Spool {
             written: begin,
             staged: begin,
             sha,
-            buf: Some(AlignedBuf::new(sizing.buffer_bytes + BLOCK)),
+            buf: Some(crate::pool::take(FIRST_BUFFER_BYTES.min(max_buf), max_buf)),
+            max_buf,
             buf_start: begin,
             tail_loaded: true,
             allocated: 0,
@@ -302,7 +308,7 @@ impl Spool {
     /// Bytes that can be staged before the buffer must be written.
     pub fn room(&self) -> usize {
         match &self.buf {
-            Some(b) if self.tail_loaded => b.capacity() - (self.staged - self.buf_start) as usize,
+            Some(_) if self.tail_loaded => self.max_buf - (self.staged - self.buf_start) as usize,
             _ => 0,
         }
     }
@@ -356,8 +362,9 @@ impl Spool {
 
     fn stage_into(&mut self, bytes: &[u8], also: Option<&mut Sha1>) -> usize {
         assert!(self.tail_loaded, "stage before the tail block was reloaded");
-        let buf = self.buf.as_mut().expect("stage while a write is in flight");
         let at = (self.staged - self.buf_start) as usize;
+        self.grow_buffer(at + bytes.len());
+        let buf = self.buf.as_mut().expect("stage while a write is in flight");
         let n = bytes.len().min(buf.capacity() - at);
         buf.full_mut()[at..at + n].copy_from_slice(&bytes[..n]);
         match also {
@@ -366,6 +373,21 @@ impl Spool {
         }
         self.staged += n as u64;
         n
+    }
+
+    /// Makes the buffer hold `need` bytes, up to its maximum, moving the
+    /// staged bytes into a larger buffer (an idle one from the pool if it
+    /// has one) when it is too small.
+    fn grow_buffer(&mut self, need: usize) {
+        let buf = self.buf.as_mut().expect("grow while a write is in flight");
+        if need <= buf.capacity() || buf.capacity() >= self.max_buf {
+            return;
+        }
+        let want = need.max(buf.capacity() * 2).min(self.max_buf);
+        let mut bigger = crate::pool::take(want, self.max_buf);
+        let live = (self.staged - self.buf_start) as usize;
+        bigger.full_mut()[..live].copy_from_slice(&buf.full_mut()[..live]);
+        crate::pool::give(std::mem::replace(buf, bigger));
     }
 
     /// The current staged point, to commit once it is written.
@@ -525,11 +547,19 @@ impl Spool {
             end: self.committed,
             sha1,
             path: dest,
-            file: Some(self.file),
+            file: Some(self.file.clone()),
             uploaded: false,
             uploading: false,
             sealed_at: std::time::SystemTime::now(),
         }))
+    }
+}
+
+impl Drop for Spool {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            crate::pool::give(buf);
+        }
     }
 }
 
@@ -673,5 +703,55 @@ mod sys {
         // SAFETY: fstatvfs succeeded and filled st.
         let st = unsafe { st.assume_init() };
         Ok(st.f_bavail * st.f_frsize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn write_all(spool: &mut Spool) {
+        if let Some(w) = spool.take_write() {
+            let file = spool.file().clone();
+            let (res, w) = w.run(&file).await;
+            res.unwrap();
+            spool.write_done(w, true);
+        }
+    }
+
+    #[test]
+    fn buffers_start_small_grow_on_demand_and_are_reused_without_their_stale_bytes() {
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let max = SPOOL_BUFFER_BYTES + BLOCK;
+            let mut spool = Spool::create(dir.path(), 0).await.unwrap();
+            assert_eq!(spool.room(), max, "room counts what the buffer can grow to");
+            // One batch larger than the first buffer is taken whole.
+            let big: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+            spool.ensure_allocated(big.len() as u64, 0).unwrap();
+            assert_eq!(spool.stage(&big), big.len());
+            write_all(&mut spool).await;
+            spool.commit(spool.commit_point());
+            let frag = spool.seal(false).await.unwrap().unwrap();
+            assert_eq!(std::fs::read(&frag.path).unwrap(), big);
+
+            // The sealed spool's buffer, full of its bytes, goes to the next
+            // spool; bytes past a partial block are zeros on disk, not the
+            // previous fragment's.
+            let mut next = Spool::create(dir.path(), big.len() as u64).await.unwrap();
+            assert!(next.buf.as_ref().unwrap().capacity() > FIRST_BUFFER_BYTES);
+            next.ensure_allocated(100, 0).unwrap();
+            assert_eq!(next.stage(&[7u8; 100]), 100);
+            write_all(&mut next).await;
+            let mut on_disk = vec![0u8; BLOCK];
+            let (block, range) = read_range(next.file(), 0, BLOCK).await.unwrap();
+            on_disk[..range.len()].copy_from_slice(&block.as_slice()[range]);
+            assert_eq!(&on_disk[..100], &[7u8; 100][..]);
+            assert!(
+                on_disk[100..].iter().all(|&b| b == 0),
+                "stale bytes written"
+            );
+        });
     }
 }
