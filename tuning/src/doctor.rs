@@ -130,6 +130,7 @@ pub fn check_all(data_dir: &Path) -> Vec<Finding> {
         dir_finding,
         check_o_direct(&probe_dir),
         check_io_scheduler(&probe_dir),
+        check_disk_irqs(&probe_dir),
         check_disk_space(&probe_dir),
     ]
 }
@@ -816,27 +817,28 @@ pub fn dev_major_minor(dev: u64) -> (u64, u64) {
     (major, minor)
 }
 
-fn check_io_scheduler(dir: &Path) -> Finding {
-    const CHECK: &str = "io_scheduler";
+/// The whole block device (not the partition) that holds `dir`: its name
+/// and its sysfs directory. `Err` is a finding to report as it is.
+fn block_device(check: &'static str, dir: &Path) -> Result<(String, PathBuf), Finding> {
     let dev = match fs::metadata(dir) {
         Ok(m) => m.dev(),
         Err(e) => {
-            return Finding::warn(
-                CHECK,
+            return Err(Finding::warn(
+                check,
                 format!("stat {}: {e}", dir.display()),
                 &["fix the data_dir check first"],
-            )
+            ))
         }
     };
     let (major, minor) = dev_major_minor(dev);
     let Ok(mut sys_dev) = fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")) else {
-        return Finding::ok(
-            CHECK,
+        return Err(Finding::ok(
+            check,
             format!(
                 "{} is not on a block device ({major}:{minor}); nothing to tune",
                 dir.display()
             ),
-        );
+        ));
     };
     if sys_dev.join("partition").exists() {
         sys_dev.pop();
@@ -845,6 +847,15 @@ fn check_io_scheduler(dir: &Path) -> Finding {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    Ok((name, sys_dev))
+}
+
+fn check_io_scheduler(dir: &Path) -> Finding {
+    const CHECK: &str = "io_scheduler";
+    let (name, sys_dev) = match block_device(CHECK, dir) {
+        Ok(found) => found,
+        Err(finding) => return finding,
+    };
     let Ok(text) = fs::read_to_string(sys_dev.join("queue/scheduler")) else {
         return Finding::ok(
             CHECK,
@@ -876,6 +887,119 @@ fn check_io_scheduler(dir: &Path) -> Finding {
             )
         }
     }
+}
+
+// ------------------------------------------------------- disk interrupts
+
+/// Fewer interrupts than this since boot say nothing about where they go.
+const IRQ_COUNT_MIN: u64 = 1000;
+
+/// Per-CPU interrupt counts of the IRQs `irqs`, summed, from the text of
+/// `/proc/interrupts` (header line of `CPUn` columns, then one line per IRQ).
+pub fn irq_counts_per_cpu(interrupts: &str, irqs: &[u32]) -> Vec<u64> {
+    let mut lines = interrupts.lines();
+    let cpus = lines.next().map_or(0, |h| h.split_whitespace().count());
+    let mut per_cpu = vec![0u64; cpus];
+    for line in lines {
+        let Some((irq, rest)) = line.split_once(':') else {
+            continue;
+        };
+        let Ok(irq) = irq.trim().parse::<u32>() else {
+            continue;
+        };
+        if !irqs.contains(&irq) {
+            continue;
+        }
+        for (cpu, count) in rest.split_whitespace().take(cpus).enumerate() {
+            per_cpu[cpu] += count.parse::<u64>().unwrap_or(0);
+        }
+    }
+    per_cpu
+}
+
+/// The CPUs that took at least 1% of the interrupts counted, or `None` when
+/// there were too few to tell.
+pub fn irq_cpus(per_cpu: &[u64]) -> Option<Vec<usize>> {
+    let total: u64 = per_cpu.iter().sum();
+    if total < IRQ_COUNT_MIN {
+        return None;
+    }
+    Some(
+        per_cpu
+            .iter()
+            .enumerate()
+            .filter(|(_, &n)| n * 100 >= total)
+            .map(|(cpu, _)| cpu)
+            .collect(),
+    )
+}
+
+/// The MSI interrupts of the device behind a block device's sysfs directory
+/// (its PCI function's `msi_irqs`, found by walking up from `device`).
+fn device_irqs(sys_dev: &Path) -> Vec<u32> {
+    let Ok(mut at) = fs::canonicalize(sys_dev.join("device")) else {
+        return Vec::new();
+    };
+    loop {
+        if let Ok(entries) = fs::read_dir(at.join("msi_irqs")) {
+            let mut irqs: Vec<u32> = entries
+                .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect();
+            irqs.sort_unstable();
+            return irqs;
+        }
+        if !at.pop() || at == Path::new("/sys/devices") {
+            return Vec::new();
+        }
+    }
+}
+
+/// Where the data device's completion interrupts land. Every spool write
+/// completes through the kernel on the CPU that took its interrupt (ext4
+/// finishes O_DIRECT writes in a per-CPU kernel worker), and only then
+/// wakes the shard that issued it. A shard on another CPU pays a cross-CPU
+/// wake-up per write, and waits whenever that CPU is busy.
+fn check_disk_irqs(dir: &Path) -> Finding {
+    const CHECK: &str = "disk_irqs";
+    let (name, sys_dev) = match block_device(CHECK, dir) {
+        Ok(found) => found,
+        Err(finding) => return finding,
+    };
+    let irqs = device_irqs(&sys_dev);
+    if irqs.is_empty() {
+        return Finding::ok(
+            CHECK,
+            format!("{name}: no MSI interrupts found; not checked"),
+        );
+    }
+    let interrupts = fs::read_to_string("/proc/interrupts").unwrap_or_default();
+    let per_cpu = irq_counts_per_cpu(&interrupts, &irqs);
+    let Some(cpus) = irq_cpus(&per_cpu) else {
+        return Finding::ok(
+            CHECK,
+            format!("{name}: too few interrupts since boot to tell where they land"),
+        );
+    };
+    let online = read_cpu_list("/sys/devices/system/cpu/online").unwrap_or_default();
+    let text = format!(
+        "{name}: completion interrupts land on CPU {} of {} online",
+        format_cpu_list(&cpus),
+        format_cpu_list(&online)
+    );
+    if online.len() <= 1 || cpus.len() >= online.len() {
+        return Finding::ok(CHECK, text);
+    }
+    let list = format_cpu_list(&cpus);
+    Finding::warn(
+        CHECK,
+        format!(
+            "{text}; a shard on any other CPU waits for a cross-CPU wake-up on every spool write"
+        ),
+        &[
+            &format!("rotary serve --cpus {list} …   # a broker with fewer shards than CPUs: put them where the interrupts are"),
+            &format!("give {name} one queue per CPU (NVMe has them; virtio-blk: num-queues on the host), so each CPU completes its own writes"),
+        ],
+    )
 }
 
 /// Free space below which a broker refuses appends soon.
@@ -984,6 +1108,23 @@ mod tests {
         assert_eq!(format_cpu_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
         assert_eq!(format_cpu_list(&[]), "none");
         assert_eq!(format_cpu_list(&[5]), "5");
+    }
+
+    #[test]
+    fn disk_interrupts_per_cpu() {
+        let text = "           CPU0       CPU1\n\
+            35:          0          1 PCI-MSIX-0000:00:02.0   0-edge      virtio1-config\n\
+            36:         12   47242253 PCI-MSIX-0000:00:02.0   1-edge      virtio1-req.0\n\
+            37:        900          0 PCI-MSIX-0000:00:03.0   0-edge      virtio2-config\n\
+           NMI:          0          0   Non-maskable interrupts\n";
+        let counts = irq_counts_per_cpu(text, &[35, 36]);
+        assert_eq!(counts, vec![12, 47242254]);
+        assert_eq!(irq_cpus(&counts), Some(vec![1]));
+        // Spread: both CPUs take a share.
+        assert_eq!(irq_cpus(&[5000, 4000]), Some(vec![0, 1]));
+        // Too few to judge.
+        assert_eq!(irq_cpus(&irq_counts_per_cpu(text, &[37])), None);
+        assert_eq!(irq_counts_per_cpu(text, &[99]), vec![0, 0]);
     }
 
     #[test]
@@ -1116,6 +1257,7 @@ mod tests {
                 "data_dir",
                 "o_direct",
                 "io_scheduler",
+                "disk_irqs",
                 "disk_space",
             ]
         );
