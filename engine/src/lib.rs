@@ -13,6 +13,7 @@ pub mod journal;
 pub mod metrics;
 pub mod outbox;
 pub mod pipeline;
+pub mod reaper;
 pub mod replica;
 pub mod shard;
 pub mod specs;
@@ -372,6 +373,8 @@ impl Broker {
                 break;
             }
         }
+        // Files the shards handed over for deletion are gone before exit.
+        reaper::flush();
     }
 }
 

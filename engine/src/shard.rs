@@ -131,6 +131,19 @@ pub struct ShardConfig {
 /// How long a presigned location handed to a direct reader stays valid.
 const LOCATION_TTL: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// Directories of deleted journals, until the reaper removes them, are
+/// `<shard dir>/<TRASH_PREFIX><unique>`.
+const TRASH_PREFIX: &str = "deleted-";
+
+fn trash_dir(shard_dir: &std::path::Path) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    shard_dir.join(format!("{TRASH_PREFIX}{nanos:x}-{n}"))
+}
+
 fn journal_dir(shard_dir: &std::path::Path, name: &str) -> PathBuf {
     // `@` never occurs in journal names, so `a/b`'s files never mix with
     // the directory of journal `a/b/c`.
@@ -166,6 +179,19 @@ impl Shard {
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
             .map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
+        // Files of journals deleted before a crash, not yet removed.
+        for entry in std::fs::read_dir(&dir)
+            .map_err(|e| crate::EngineError::Io(dir.clone(), e))?
+            .flatten()
+        {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(TRASH_PREFIX)
+            {
+                crate::reaper::remove_dir_all(entry.path());
+            }
+        }
         let (log, replayed) = CommitLog::open(&dir).await?;
         // Until recovery checks them against the spools, the last records.
         let states = replayed
@@ -322,7 +348,8 @@ impl Shard {
                     j.spool = Some(s);
                 }
                 _ => {
-                    // Nothing committed into this spool.
+                    // Nothing committed into this spool. Removed here, not
+                    // by the reaper: the next spool may take the same name.
                     let _ = std::fs::remove_file(path);
                 }
             }
@@ -649,7 +676,8 @@ impl Shard {
                 .position(|f| f.begin == begin && f.uploaded)
             {
                 let f = jm.fragments.remove(at);
-                let _ = std::fs::remove_file(&f.path);
+                crate::reaper::remove_file(f.path.clone());
+                drop(f);
                 total -= len;
             }
         }
@@ -703,7 +731,7 @@ impl Shard {
                     // A replica's copies are dropped once the store holds them.
                     jm.fragments.retain(|f| {
                         if f.uploaded {
-                            let _ = std::fs::remove_file(&f.path);
+                            crate::reaper::remove_file(f.path.clone());
                         }
                         !f.uploaded
                     });
@@ -827,7 +855,16 @@ impl Shard {
             }
             j.committed.notify(usize::MAX);
             let root = self.dir.join("journals").join(name);
-            let _ = std::fs::remove_dir_all(root.join("@"));
+            // Renamed first, so that a journal of the same name can be
+            // created again at once; the reaper deletes the rest.
+            let trash = trash_dir(&self.dir);
+            match std::fs::rename(root.join("@"), &trash) {
+                Ok(()) => crate::reaper::remove_dir_all(trash),
+                // Not renamed: removed here, before the name can be reused.
+                Err(_) => {
+                    let _ = std::fs::remove_dir_all(root.join("@"));
+                }
+            }
             // Parent directories of other journals stay.
             let _ = std::fs::remove_dir(&root);
         }

@@ -338,3 +338,63 @@ fn a_commit_record_whose_spool_bytes_never_landed_is_passed_over() {
         .expect("a corrupt spool stops the start");
     assert!(err.to_string().contains("matches neither"), "{err}");
 }
+
+/// Deleting a journal moves its files aside and removes them off the
+/// shard's thread; its name can be used again at once, with nothing of the
+/// old journal in it.
+#[test]
+fn a_deleted_journal_leaves_the_disk_and_its_name_is_free_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), 1);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let name = "smoke/deleted";
+    let mut spec = JournalSpec::new(name);
+    spec.fragment.length = 4096;
+    c.apply(std::slice::from_ref(&spec));
+    for _ in 0..3 {
+        assert_eq!(c.append(&req(name), &[b'a'; 3000]).0, Status::OK);
+    }
+    let shard = dir.path().join("shard-0");
+    let jdir = shard.join("journals").join(name).join("@");
+    let names = |d: &std::path::Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .map(|r| {
+                r.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    assert!(
+        names(&jdir).iter().any(|n| n.ends_with(".raw")),
+        "{:?}",
+        names(&jdir)
+    );
+
+    c.send(Op::DELETE, 0, 9, &rotary_net::wire::encode_name(name), &[]);
+    let r = c.recv();
+    assert_eq!(
+        r.status,
+        Status::OK,
+        "{}",
+        String::from_utf8_lossy(&r.payload)
+    );
+    c.apply(std::slice::from_ref(&spec));
+    let (status, reply) = c.append(&req(name), b"again");
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.begin, 0);
+    let (got, _) = c.read_all(name, 0);
+    assert_eq!(got, b"again");
+
+    rotary_engine::reaper::flush();
+    assert!(
+        !names(&shard).iter().any(|n| n.starts_with("deleted-")),
+        "{:?}",
+        names(&shard)
+    );
+    // Only the new journal's spool is left.
+    let left = names(&jdir);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].ends_with(".spool"), "{left:?}");
+}
