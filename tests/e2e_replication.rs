@@ -1662,3 +1662,67 @@ async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
         assert_eq!(r.begin, bytes.len() as u64, "{j}: append after reset-head");
     }
 }
+
+/// A broker that was down while journals were created learns them from its
+/// peers when it starts again: it lists them, proxies or serves appends and
+/// reads, and does not answer JOURNAL_NOT_FOUND.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_down_during_an_apply_learns_the_journals_when_it_starts() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_broker_down_during_an_apply_learns_the_journals_when_it_starts_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_broker_down_during_an_apply_learns_the_journals_when_it_starts_body(
+    cluster: &mut Cluster,
+) {
+    let away = 2;
+    tokio::task::block_in_place(|| cluster.brokers[away].kill9());
+    let names: Vec<String> = (0..12).map(|i| format!("repl/missed-{i}")).collect();
+    let specs: Vec<JournalSpec> = names.iter().map(|n| spec(n, 2)).collect();
+    cluster.apply(&specs).await;
+    tokio::task::block_in_place(|| cluster.brokers[away].start());
+
+    let b = &cluster.brokers[away];
+    let client = b.pinned().await;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let listed = client.list("").await.unwrap();
+        let missing: Vec<&String> = names
+            .iter()
+            .filter(|n| !listed.iter().any(|l| &l.spec.name == *n))
+            .collect();
+        if missing.is_empty() {
+            for l in &listed {
+                assert_eq!(l.spec.replication, 2, "{l:?}");
+            }
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} still lacks {missing:?}: {listed:?}",
+            b.id
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    let mut outside = 0;
+    for n in &names {
+        let route = route_at(b, n).await;
+        if !ids(&route).contains(&b.id) {
+            outside += 1;
+        }
+        let bytes = format!("appended through {} to {n}", b.id).into_bytes();
+        let a = append_retrying(&client, n, &bytes).await;
+        assert_eq!(a.begin, 0);
+        let (got, done) = read_range(&client, n, 0, None).await.unwrap();
+        assert_eq!(done.status, Status::OK, "{done:?}");
+        assert_eq!(got, bytes, "{n}");
+    }
+    // Replication 2 of 3 brokers: some journal's route leaves this one out,
+    // and it proxied that journal's append and read.
+    assert!(outside > 0, "every route included {}", b.id);
+}

@@ -21,7 +21,7 @@ use crate::topology::{ClusterView, Route, Topology};
 use event_listener::Event;
 use futures_util::future::join_all;
 use rotary_net::repl::Record;
-use rotary_net::spec::{Durability, JournalFlags, LabelSet};
+use rotary_net::spec::{Durability, JournalFlags, JournalSpec, LabelSet};
 use rotary_net::status::Status;
 use rotary_net::wire::{AppendReply, Op};
 use rotary_storage::fragment::{list_dir, LocalFragment};
@@ -130,6 +130,12 @@ pub struct ShardConfig {
 
 /// How long a presigned location handed to a direct reader stays valid.
 const LOCATION_TTL: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// One entry of a peer's LIST answer; only the spec is needed.
+#[derive(serde::Deserialize)]
+struct ListedSpec {
+    spec: JournalSpec,
+}
 
 /// Directories of deleted journals, until the reaper removes them, are
 /// `<shard dir>/<TRASH_PREFIX><unique>`.
@@ -525,6 +531,74 @@ impl Shard {
         }
     }
 
+    /// Learns the journals created while this broker was down. APPLY reaches
+    /// the brokers that are up; one that starts later asks each peer for
+    /// its specs and adopts those it does not have, so that it serves (or
+    /// proxies) them instead of answering JOURNAL_NOT_FOUND. A spec it
+    /// already has is kept even if a peer's differs, and nothing is deleted:
+    /// without versions, this broker cannot tell which side is newer. A
+    /// peer that does not answer is asked again, for a minute at most.
+    async fn catch_up_specs(self: Rc<Self>) {
+        const ROUNDS: usize = 12;
+        const PAUSE: std::time::Duration = std::time::Duration::from_secs(5);
+        let body = serde_json::to_vec(&serde_json::json!({ "selector": "" })).expect("JSON");
+        let view = self.view();
+        let mut waiting: Vec<_> = view.brokers.iter().filter(|m| m.id != view.me).collect();
+        for round in 0..ROUNDS {
+            if round > 0 {
+                compio::time::sleep(PAUSE).await;
+            }
+            let mut still = Vec::new();
+            for m in waiting {
+                let listed = crate::pipeline::unary(
+                    m.endpoint,
+                    Op::LIST,
+                    0,
+                    &[],
+                    &body,
+                    std::time::Duration::from_secs(5),
+                )
+                .await;
+                let specs = match listed {
+                    Ok((Status::OK, payload)) => {
+                        match serde_json::from_slice::<Vec<ListedSpec>>(&payload) {
+                            Ok(v) => v,
+                            Err(e) => {
+                                tracing::warn!(peer = %m.id, error = %e, "a peer's journal list did not parse");
+                                continue;
+                            }
+                        }
+                    }
+                    _ => {
+                        still.push(m);
+                        continue;
+                    }
+                };
+                let missing: Vec<JournalSpec> = specs
+                    .into_iter()
+                    .map(|l| l.spec)
+                    .filter(|s| self.specs.get(&s.name).is_none())
+                    .collect();
+                if missing.is_empty() {
+                    continue;
+                }
+                let names: Vec<String> = missing.iter().map(|s| s.name.clone()).collect();
+                match self.specs.apply(missing) {
+                    Ok(n) => {
+                        tracing::info!(peer = %m.id, journals = ?names, "adopted {n} journal specs created while this broker was away")
+                    }
+                    Err(e) => {
+                        tracing::warn!(peer = %m.id, error = %e, "adopting a peer's journal specs failed")
+                    }
+                }
+            }
+            if still.is_empty() {
+                return;
+            }
+            waiting = still;
+        }
+    }
+
     /// Spawns the shard's background tasks: the flusher, the once-a-second
     /// ticker, the upload-result consumer and the first store listings.
     pub fn start_background(self: &Rc<Self>) {
@@ -540,6 +614,9 @@ impl Shard {
         .detach();
         if let Some(rx) = self.upload_done_rx.borrow_mut().take() {
             compio::runtime::spawn(self.clone().upload_results(rx)).detach();
+        }
+        if self.index == 0 && !self.view().is_single() {
+            compio::runtime::spawn(self.clone().catch_up_specs()).detach();
         }
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         for j in journals {
