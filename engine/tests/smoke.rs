@@ -372,14 +372,7 @@ fn a_deleted_journal_leaves_the_disk_and_its_name_is_free_at_once() {
         names(&jdir)
     );
 
-    c.send(Op::DELETE, 0, 9, &rotary_net::wire::encode_name(name), &[]);
-    let r = c.recv();
-    assert_eq!(
-        r.status,
-        Status::OK,
-        "{}",
-        String::from_utf8_lossy(&r.payload)
-    );
+    assert_eq!(c.delete(name), Status::OK);
     c.apply(std::slice::from_ref(&spec));
     let (status, reply) = c.append(&req(name), b"again");
     assert_eq!(status, Status::OK);

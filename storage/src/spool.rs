@@ -439,6 +439,19 @@ impl Spool {
         self.buf = Some(w.buf);
     }
 
+    /// Writes the staged bytes and waits for the write: [`Spool::take_write`],
+    /// [`PendingWrite::run`] and [`Spool::write_done`] in one call, for
+    /// callers with nothing else to do meanwhile.
+    pub async fn write_staged(&mut self) -> Result<(), StorageError> {
+        let Some(w) = self.take_write() else {
+            return Ok(());
+        };
+        let file = self.file.clone();
+        let (res, w) = w.run(&file).await;
+        self.write_done(w, res.is_ok());
+        res.map_err(|e| StorageError::io(&self.path, e))
+    }
+
     /// Marks everything up to `point` committed. The point must be written.
     pub fn commit(&mut self, point: CommitPoint) {
         assert!(point.offset >= self.committed && point.offset <= self.written);
@@ -710,15 +723,6 @@ mod sys {
 mod tests {
     use super::*;
 
-    async fn write_all(spool: &mut Spool) {
-        if let Some(w) = spool.take_write() {
-            let file = spool.file().clone();
-            let (res, w) = w.run(&file).await;
-            res.unwrap();
-            spool.write_done(w, true);
-        }
-    }
-
     #[test]
     fn buffers_start_small_grow_on_demand_and_are_reused_without_their_stale_bytes() {
         let rt = compio::runtime::Runtime::new().unwrap();
@@ -731,7 +735,7 @@ mod tests {
             let big: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
             spool.ensure_allocated(big.len() as u64, 0).unwrap();
             assert_eq!(spool.stage(&big), big.len());
-            write_all(&mut spool).await;
+            spool.write_staged().await.unwrap();
             spool.commit(spool.commit_point());
             let frag = spool.seal(false).await.unwrap().unwrap();
             assert_eq!(std::fs::read(&frag.path).unwrap(), big);
@@ -743,7 +747,7 @@ mod tests {
             assert!(next.buf.as_ref().unwrap().capacity() > FIRST_BUFFER_BYTES);
             next.ensure_allocated(100, 0).unwrap();
             assert_eq!(next.stage(&[7u8; 100]), 100);
-            write_all(&mut next).await;
+            next.write_staged().await.unwrap();
             let mut on_disk = vec![0u8; BLOCK];
             let (block, range) = read_range(next.file(), 0, BLOCK).await.unwrap();
             on_disk[..range.len()].copy_from_slice(&block.as_slice()[range]);

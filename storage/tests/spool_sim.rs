@@ -27,12 +27,7 @@ async fn check_file(spool: &Spool, m: &Model) {
 }
 
 async fn write(spool: &mut Spool) {
-    if let Some(w) = spool.take_write() {
-        let file = spool.file().clone();
-        let (res, w) = w.run(&file).await;
-        res.unwrap();
-        spool.write_done(w, true);
-    }
+    spool.write_staged().await.unwrap();
 }
 
 async fn run(seed: u64, dir: &std::path::Path) {

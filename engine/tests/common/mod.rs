@@ -67,6 +67,12 @@ impl Conn {
         );
     }
 
+    /// DELETE of one journal; returns the reply's status.
+    pub fn delete(&mut self, name: &str) -> Status {
+        self.send(Op::DELETE, 0, 1, &rotary_net::wire::encode_name(name), &[]);
+        self.recv().status
+    }
+
     pub fn append(&mut self, req: &AppendRequest, content: &[u8]) -> (Status, AppendReply) {
         self.send(Op::APPEND, 0, 7, &req.encode(), content);
         let r = self.recv();
