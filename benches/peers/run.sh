@@ -15,8 +15,10 @@
 #   SYSTEMS        systems to run, in order (default: rotary rotary-fsync nats redis-always
 #                  redis-everysec kafka)
 #   PERIOD         seconds per point of the throughput series (default 1)
-#   SERVER_CPU     core of the servers (default 0)
-#   CLIENT_CPU     core of the load generator (default 1)
+#   SERVER_CPU     core of the servers (default: the one CPU that takes the
+#                  temporary directory's disk interrupts, as `rotary doctor`
+#                  reports them; else 0)
+#   CLIENT_CPU     core of the load generator (default: another core, 1 or 0)
 #   NO_INSTALL=1   do not install anything; skip systems that are missing
 #   TANSU_VERSION  tansu from crates.io (default 0.6.0)
 #   TANSU_FEATURES its features (default dynostore)
@@ -33,8 +35,8 @@ workload=${1:-benches/workloads/1-topic-4-partitions-1kb-10k.yaml}
 out=${2:-target/peers/$(date -u +%Y%m%dT%H%M%SZ)}
 systems=${SYSTEMS:-rotary rotary-fsync nats redis-always redis-everysec kafka}
 period=${PERIOD:-1}
-server_cpu=${SERVER_CPU:-0}
-client_cpu=${CLIENT_CPU:-1}
+server_cpu=${SERVER_CPU:-}
+client_cpu=${CLIENT_CPU:-}
 tansu_version=${TANSU_VERSION:-0.6.0}
 tansu_features=${TANSU_FEATURES:-dynostore}
 tansu_storage=${TANSU_STORAGE:-memory://tansu/}
@@ -123,6 +125,19 @@ fi
 say "building rotary (release)"
 cargo build --release
 rotary=$repo/target/release/rotary
+
+# Servers go where the disk's completion interrupts land when that is one
+# CPU: a write that completes there wakes its server without a cross-CPU hop
+# (docs/BENCHMARKS.md, "Where the disk's interrupts land"). Every system gets
+# the same CPU.
+if [ -z "$server_cpu" ]; then
+  server_cpu=$("$rotary" doctor --data "$tmp/probe" 2>/dev/null |
+    sed -n 's/.*disk_irqs: .* land on CPU \([0-9][0-9]*\) of .*/\1/p' | head -n 1 || true)
+  server_cpu=${server_cpu:-0}
+fi
+if [ -z "$client_cpu" ]; then
+  if [ "$server_cpu" = 0 ]; then client_cpu=1; else client_cpu=0; fi
+fi
 
 # ---- the systems -----------------------------------------------------------
 
