@@ -125,6 +125,10 @@ fi
 say "building rotary (release)"
 cargo build --release
 rotary=$repo/target/release/rotary
+# The build leaves hundreds of MB of dirty pages; their writeback shares the
+# disk with the first system's writes (a rotary row right after a rebuild
+# had 54-128 ms write stalls, and none in the next run). Flush them first.
+sync
 
 # Servers go where the disk's completion interrupts land when that is one
 # CPU: a write that completes there wakes its server without a cross-CPU hop
