@@ -125,7 +125,7 @@ fi
 say "building rotary (release)"
 cargo build --release
 rotary=$repo/target/release/rotary
-# The build leaves hundreds of MB of dirty pages; their writeback shares the
+# The build leaves dirty pages behind, and their writeback may share the
 # disk with the first system's writes (a rotary row right after a rebuild
 # had 54-128 ms write stalls, and none in the next run). Flush them first.
 sync
