@@ -19,7 +19,7 @@ use rotary_net::client::{
     AppendOptions, Client, ClientError, ReadDone, ReadEvent, ReadOptions, RouteInfo,
     APPEND_CHUNK_LEN,
 };
-use rotary_net::spec::{Codec, JournalSpec};
+use rotary_net::spec::{Codec, JournalSpec, LabelSet};
 use rotary_net::wire::{flag, AppendReply, AppendRequest, Op, ReadRequest};
 use rotary_net::Status;
 use std::collections::{HashMap, HashSet};
@@ -1725,4 +1725,107 @@ async fn a_broker_down_during_an_apply_learns_the_journals_when_it_starts_body(
     // Replication 2 of 3 brokers: some journal's route leaves this one out,
     // and it proxied that journal's append and read.
     assert!(outside > 0, "every route included {}", b.id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn changes_and_deletes_made_while_a_broker_was_down_reach_it_and_stay() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        changes_and_deletes_made_while_a_broker_was_down_reach_it_and_stay_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn changes_and_deletes_made_while_a_broker_was_down_reach_it_and_stay_body(
+    cluster: &mut Cluster,
+) {
+    let labelled = |name: &str, app: &str| {
+        let mut s = spec(name, 2);
+        s.labels = LabelSet::from_pairs([("app", app)]).unwrap();
+        s
+    };
+    let gone: Vec<String> = (0..4).map(|i| format!("repl/gone-{i}")).collect();
+    let changed = "repl/changed";
+    let mut specs: Vec<JournalSpec> = gone.iter().map(|n| spec(n, 3)).collect();
+    specs.push(labelled(changed, "v1"));
+    cluster.apply(&specs).await;
+    // b3 holds a copy of every deleted journal's bytes.
+    let client = cluster.brokers[0].client().await;
+    for n in &gone {
+        append_retrying(&client, n, b"bytes of a journal about to be deleted").await;
+    }
+    let away = 2;
+    let journal_dir =
+        |b: &ClusterBroker, n: &str| b.data.join("shard-0/journals").join(n).join("@");
+    assert!(journal_dir(&cluster.brokers[away], &gone[0]).exists());
+
+    // b3 misses the deletes and the change.
+    tokio::task::block_in_place(|| cluster.brokers[away].kill9());
+    let client = cluster.brokers[0].pinned().await;
+    for n in &gone {
+        client.delete(n).await.unwrap();
+    }
+    let v2 = labelled(changed, "v2");
+    client.apply(std::slice::from_ref(&v2)).await.unwrap();
+    // b3 comes back while b1 and b2 are down, so nothing can tell it yet;
+    // then b2, which must not learn the deleted journals from b3, then b1.
+    tokio::task::block_in_place(|| {
+        cluster.brokers[0].kill9();
+        cluster.brokers[1].kill9();
+        cluster.brokers[away].start();
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::block_in_place(|| cluster.brokers[1].start());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::block_in_place(|| cluster.brokers[0].start());
+
+    for b in &cluster.brokers {
+        let c = b.pinned().await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let listed = c.list("").await.unwrap();
+            let back: Vec<&str> = listed
+                .iter()
+                .map(|l| l.spec.name.as_str())
+                .filter(|n| n.starts_with("repl/gone-"))
+                .collect();
+            let now = listed.iter().find(|l| l.spec.name == changed);
+            if back.is_empty() && now.is_some_and(|l| l.spec == v2) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} lists deleted journals {back:?} or an old spec of {changed}: {listed:?}",
+                b.id
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    // b3 deleted its copies too, and nobody serves the journals.
+    let b3 = &cluster.brokers[away];
+    let deadline = Instant::now() + WAIT;
+    while gone.iter().any(|n| journal_dir(b3, n).exists()) {
+        assert!(
+            Instant::now() < deadline,
+            "{} kept deleted journals' files",
+            b3.id
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    for b in &cluster.brokers {
+        let res = b.pinned().await.append(&req(&gone[0]), &b"late"[..]).await;
+        assert_eq!(
+            res.as_ref().err().and_then(|e| e.status()),
+            Some(Status::JOURNAL_NOT_FOUND),
+            "append to a deleted journal through {}: {res:?}",
+            b.id
+        );
+    }
+    // A journal of a deleted name can be created again.
+    cluster.apply(&[spec(&gone[0], 3)]).await;
+    let client = cluster.brokers[0].client().await;
+    let a = append_retrying(&client, &gone[0], b"new").await;
+    assert_eq!(a.begin, 0);
 }

@@ -367,3 +367,129 @@ async fn malformed_frames() {
     let r = client.append(&req(j), b"after".to_vec()).await.unwrap();
     assert_eq!((r.begin, r.end), (6, 11));
 }
+
+/// One admin request on a raw connection; the reply's status and JSON body.
+fn admin(endpoint: &str, op: Op, flags: u8, meta: &[u8], payload: &[u8]) -> (u16, String) {
+    let mut s = raw_connect(endpoint);
+    s.write_all(&frame(op, flags, 9, meta, payload)).unwrap();
+    let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+    (f.status, String::from_utf8_lossy(&f.payload).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spec_revisions_order_changes_and_deletions() {
+    let mut broker = Broker::start();
+    broker.client().await;
+    let endpoint = broker.endpoint();
+    let ok = Status::OK as u16;
+    let name = "e2e/status/revised";
+    let spec = |app: &str| serde_json::json!({"name": name, "labels": {"app": app}, "fragment": {"compression_codec": "none"}});
+    let listed = |endpoint: &str, deleted: bool| -> serde_json::Value {
+        let body = serde_json::json!({ "selector": "", "deleted": deleted }).to_string();
+        let (status, body) = admin(endpoint, Op::LIST, 0, &[], body.as_bytes());
+        assert_eq!(status, Status::OK as u16, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+
+    // A client's APPLY gets a revision.
+    let (status, body) = admin(
+        &endpoint,
+        Op::APPLY,
+        0,
+        &[],
+        spec("v1").to_string().as_bytes(),
+    );
+    assert_eq!(
+        status,
+        Status::BAD_REQUEST as u16,
+        "a bare object is not a list: {body}"
+    );
+    let payload = serde_json::json!([spec("v1")]).to_string();
+    let (status, body) = admin(&endpoint, Op::APPLY, 0, &[], payload.as_bytes());
+    assert_eq!(status, ok, "{body}");
+    let r1 = serde_json::from_str::<serde_json::Value>(&body).unwrap()["revision"]
+        .as_u64()
+        .expect("a revision");
+    assert_eq!(listed(&endpoint, false)[0]["revision"], r1);
+
+    // A peer's older change is ignored; a later one is taken.
+    let from_peer = |app: &str, revision: u64| {
+        serde_json::json!({ "revision": revision, "specs": [spec(app)] }).to_string()
+    };
+    let (status, body) = admin(
+        &endpoint,
+        Op::APPLY,
+        0,
+        &[],
+        from_peer("v0", r1 - 1).as_bytes(),
+    );
+    assert_eq!(
+        status,
+        Status::BAD_REQUEST as u16,
+        "revisions only from peers (LOCAL): {body}"
+    );
+    let (status, body) = admin(
+        &endpoint,
+        Op::APPLY,
+        flag::LOCAL,
+        &[],
+        from_peer("v0", r1 - 1).as_bytes(),
+    );
+    assert_eq!(status, ok, "{body}");
+    assert!(body.contains("\"applied\":0"), "{body}");
+    let l = listed(&endpoint, false);
+    assert_eq!(
+        (
+            l[0]["spec"]["labels"]["app"].as_str(),
+            l[0]["revision"].as_u64()
+        ),
+        (Some("v1"), Some(r1))
+    );
+    let (status, body) = admin(
+        &endpoint,
+        Op::APPLY,
+        flag::LOCAL,
+        &[],
+        from_peer("v2", r1 + 10).as_bytes(),
+    );
+    assert_eq!(status, ok, "{body}");
+    assert_eq!(listed(&endpoint, false)[0]["spec"]["labels"]["app"], "v2");
+
+    // A deletion older than the spec leaves it; a client's DELETE takes a
+    // revision after every one seen and leaves a tombstone.
+    let meta = wire::encode_name(name);
+    let older = serde_json::json!({ "revision": r1 + 5 }).to_string();
+    let (status, body) = admin(&endpoint, Op::DELETE, 0, &meta, older.as_bytes());
+    assert_eq!(status, Status::BAD_REQUEST as u16, "{body}");
+    let (status, body) = admin(&endpoint, Op::DELETE, flag::LOCAL, &meta, older.as_bytes());
+    assert_eq!(status, Status::JOURNAL_NOT_FOUND as u16, "{body}");
+    assert_eq!(listed(&endpoint, false).as_array().unwrap().len(), 1);
+    let (status, body) = admin(&endpoint, Op::DELETE, 0, &meta, &[]);
+    assert_eq!(status, ok, "{body}");
+    assert_eq!(listed(&endpoint, false), serde_json::json!([]));
+    let tombstones = listed(&endpoint, true);
+    assert_eq!(tombstones[0]["deleted"], name);
+    let gone_at = tombstones[0]["revision"].as_u64().unwrap();
+    assert!(gone_at > r1 + 10, "{tombstones}");
+
+    // The tombstone survives a restart and still stops an older spec.
+    broker.restart();
+    broker.client().await;
+    let endpoint = broker.endpoint();
+    assert_eq!(listed(&endpoint, true), tombstones);
+    let (status, body) = admin(
+        &endpoint,
+        Op::APPLY,
+        flag::LOCAL,
+        &[],
+        from_peer("v3", gone_at - 1).as_bytes(),
+    );
+    assert_eq!(status, ok, "{body}");
+    assert_eq!(listed(&endpoint, false), serde_json::json!([]));
+    // A later APPLY creates the journal again and clears the tombstone.
+    let (status, body) = admin(&endpoint, Op::APPLY, 0, &[], payload.as_bytes());
+    assert_eq!(status, ok, "{body}");
+    let l = listed(&endpoint, true);
+    assert_eq!(l.as_array().unwrap().len(), 1, "{l}");
+    assert!(l[0]["revision"].as_u64().unwrap() > gone_at);
+}

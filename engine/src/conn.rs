@@ -581,22 +581,30 @@ impl Conn {
     }
 
     async fn apply(&self, id: u64, flags: u8, payload: &[u8]) {
-        let specs: Vec<JournalSpec> = match serde_json::from_slice(payload) {
-            Ok(s) => s,
-            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &format!("specs: {e}")),
+        let local = flags & flag::LOCAL != 0;
+        let (specs, revision) = match parse_apply(payload, local) {
+            Ok(r) => r,
+            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         for s in &specs {
             if let Err(e) = s.validate() {
                 return self.admin_err(id, Status::BAD_REQUEST, &e.to_string());
             }
         }
-        let n = match self.shard.specs.apply(specs) {
+        let revision = revision.unwrap_or_else(|| self.shard.specs.next_revision());
+        let n = match self.shard.specs.apply_at(specs.clone(), revision) {
             Ok(n) => n,
             Err(e) => return self.admin_err(id, Status::IO_ERROR, &e.to_string()),
         };
-        let mut body = serde_json::json!({ "applied": n });
-        if flags & flag::LOCAL == 0 {
-            if let Some(peers) = self.fan_out(Op::APPLY, &[], payload).await {
+        let mut body = serde_json::json!({ "applied": n, "revision": revision });
+        if !local {
+            // Peers store the same revision.
+            let revised = serde_json::to_vec(&serde_json::json!({
+                "revision": revision,
+                "specs": specs,
+            }))
+            .expect("json");
+            if let Some(peers) = self.fan_out(Op::APPLY, &[], &revised).await {
                 body["peers"] = peers;
             }
         }
@@ -882,9 +890,28 @@ impl Conn {
                 ),
             );
         }
-        // A replica that missed an APPLY learns the spec from its primary.
+        // A replica that missed an APPLY learns the spec from its primary;
+        // one that saw the journal deleted after the primary's spec says so.
+        if self
+            .shard
+            .specs
+            .tombstone(&req.journal)
+            .is_some_and(|t| t >= req.revision)
+        {
+            return refuse(
+                Status::JOURNAL_NOT_FOUND,
+                format!(
+                    "journal {:?} was deleted after the primary's spec (revision {})",
+                    req.journal, req.revision
+                ),
+            );
+        }
         if self.shard.specs.get(&req.journal).as_ref() != Some(&req.spec) {
-            if let Err(e) = self.shard.specs.apply(vec![req.spec.clone()]) {
+            if let Err(e) = self
+                .shard
+                .specs
+                .apply_at(vec![req.spec.clone()], req.revision)
+            {
                 return refuse(Status::IO_ERROR, e.to_string());
             }
         }
@@ -897,17 +924,20 @@ impl Conn {
     }
 
     fn list(&self, id: u64, payload: &[u8]) {
-        let sel = match SelectorRequest::parse(payload, "list") {
-            Ok(r) => r.selector,
+        let req = match SelectorRequest::parse(payload, "list") {
+            Ok(r) => r,
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
-        let out: Vec<serde_json::Value> = self
+        let sel = req.selector;
+        let mut out: Vec<serde_json::Value> = self
             .shard
             .specs
-            .all()
+            .all_revised()
             .into_iter()
-            .filter(|s| sel.matches(&s.labels))
-            .map(|s| {
+            .filter(|r| sel.matches(&r.spec.labels))
+            .map(|r| {
+                let revision = r.revision;
+                let s = r.spec;
                 let r = self.route_json(&s.name);
                 let ids: Vec<serde_json::Value> = r["members"]
                     .as_array()
@@ -915,6 +945,7 @@ impl Conn {
                     .unwrap_or_default();
                 serde_json::json!({
                     "spec": s,
+                    "revision": revision,
                     "route": {
                         "shard": r["shard"],
                         "endpoint": r["endpoint"],
@@ -924,6 +955,15 @@ impl Conn {
                 })
             })
             .collect();
+        if req.deleted {
+            out.extend(
+                self.shard
+                    .specs
+                    .tombstones()
+                    .into_iter()
+                    .map(|t| serde_json::json!({ "deleted": t.name, "revision": t.revision })),
+            );
+        }
         self.admin_ok(id, &serde_json::Value::Array(out));
     }
 
@@ -956,9 +996,16 @@ impl Conn {
         let not_found = format!("journal {name:?} does not exist");
         match frame.op {
             Op::DELETE => {
-                let local = self.shard.delete_journal(&name);
-                let peers = if frame.flags & flag::LOCAL == 0 {
-                    self.fan_out(Op::DELETE, frame.meta, &[]).await
+                let is_local = frame.flags & flag::LOCAL != 0;
+                let revision = match parse_revision(frame.payload, is_local) {
+                    Ok(r) => r.unwrap_or_else(|| self.shard.specs.next_revision()),
+                    Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
+                };
+                let local = self.shard.delete_journal(&name, revision);
+                let peers = if !is_local {
+                    let revised = serde_json::to_vec(&serde_json::json!({ "revision": revision }))
+                        .expect("json");
+                    self.fan_out(Op::DELETE, frame.meta, &revised).await
                 } else {
                     None
                 };
@@ -1056,6 +1103,8 @@ impl Conn {
 struct SelectorRequest {
     selector: LabelSelector,
     dry_run: bool,
+    /// LIST: also the tombstones of deleted journals.
+    deleted: bool,
 }
 
 impl SelectorRequest {
@@ -1067,6 +1116,8 @@ impl SelectorRequest {
             selector: String,
             #[serde(default)]
             dry_run: bool,
+            #[serde(default)]
+            deleted: bool,
         }
         let raw: Raw = if payload.is_empty() {
             Raw::default()
@@ -1077,6 +1128,7 @@ impl SelectorRequest {
         Ok(SelectorRequest {
             selector,
             dry_run: raw.dry_run,
+            deleted: raw.deleted,
         })
     }
 }
@@ -1147,4 +1199,43 @@ async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Rc<Outbox>) {
         client.close();
     }
     relay.close();
+}
+
+/// APPLY's payload: a JSON array of specs from a client, or, from a peer
+/// broker (flag LOCAL), `{"revision": N, "specs": [...]}` so that every
+/// broker stores the change at the same revision.
+fn parse_apply(payload: &[u8], local: bool) -> Result<(Vec<JournalSpec>, Option<u64>), String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Revised {
+        revision: u64,
+        specs: Vec<JournalSpec>,
+    }
+    match serde_json::from_slice::<Vec<JournalSpec>>(payload) {
+        Ok(specs) => Ok((specs, None)),
+        Err(e) if !local => Err(format!("specs: {e}")),
+        Err(e) => match serde_json::from_slice::<Revised>(payload) {
+            Ok(r) => Ok((r.specs, Some(r.revision))),
+            Err(_) => Err(format!("specs: {e}")),
+        },
+    }
+}
+
+/// DELETE's payload: empty, or from a peer broker (flag LOCAL)
+/// `{"revision": N}`.
+fn parse_revision(payload: &[u8], local: bool) -> Result<Option<u64>, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Revision {
+        revision: u64,
+    }
+    if payload.is_empty() {
+        return Ok(None);
+    }
+    if !local {
+        return Err("DELETE takes no payload".into());
+    }
+    serde_json::from_slice::<Revision>(payload)
+        .map(|r| Some(r.revision))
+        .map_err(|e| format!("delete: {e}"))
 }

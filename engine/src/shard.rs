@@ -131,10 +131,14 @@ pub struct ShardConfig {
 /// How long a presigned location handed to a direct reader stays valid.
 const LOCATION_TTL: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// One entry of a peer's LIST answer; only the spec is needed.
+/// One entry of a peer's LIST answer with deletions: a spec or a
+/// tombstone, and its revision.
 #[derive(serde::Deserialize)]
-struct ListedSpec {
-    spec: JournalSpec,
+struct Listed {
+    spec: Option<JournalSpec>,
+    deleted: Option<String>,
+    #[serde(default)]
+    revision: u64,
 }
 
 /// Directories of deleted journals, until the reaper removes them, are
@@ -531,17 +535,18 @@ impl Shard {
         }
     }
 
-    /// Learns the journals created while this broker was down. APPLY reaches
-    /// the brokers that are up; one that starts later asks each peer for
-    /// its specs and adopts those it does not have, so that it serves (or
-    /// proxies) them instead of answering JOURNAL_NOT_FOUND. A spec it
-    /// already has is kept even if a peer's differs, and nothing is deleted:
-    /// without versions, this broker cannot tell which side is newer. A
-    /// peer that does not answer is asked again, for a minute at most.
+    /// Learns the spec changes made while this broker was down. APPLY and
+    /// DELETE reach the brokers that are up; one that starts later asks each
+    /// peer for its specs and tombstones and takes whatever has a later
+    /// revision than its own: journals created or changed meanwhile, and
+    /// journals deleted meanwhile (deleted here through their shard, files
+    /// and all). A peer that does not answer is asked again, for a minute
+    /// at most.
     async fn catch_up_specs(self: Rc<Self>) {
         const ROUNDS: usize = 12;
         const PAUSE: std::time::Duration = std::time::Duration::from_secs(5);
-        let body = serde_json::to_vec(&serde_json::json!({ "selector": "" })).expect("JSON");
+        let body = serde_json::to_vec(&serde_json::json!({ "selector": "", "deleted": true }))
+            .expect("JSON");
         let view = self.view();
         let mut waiting: Vec<_> = view.brokers.iter().filter(|m| m.id != view.me).collect();
         for round in 0..ROUNDS {
@@ -559,43 +564,76 @@ impl Shard {
                     std::time::Duration::from_secs(5),
                 )
                 .await;
-                let specs = match listed {
+                match listed {
                     Ok((Status::OK, payload)) => {
-                        match serde_json::from_slice::<Vec<ListedSpec>>(&payload) {
-                            Ok(v) => v,
+                        match serde_json::from_slice::<Vec<Listed>>(&payload) {
+                            Ok(entries) => self.adopt_newer(&m.id, entries).await,
                             Err(e) => {
-                                tracing::warn!(peer = %m.id, error = %e, "a peer's journal list did not parse");
-                                continue;
+                                tracing::warn!(peer = %m.id, error = %e, "a peer's journal list did not parse")
                             }
                         }
                     }
-                    _ => {
-                        still.push(m);
-                        continue;
-                    }
-                };
-                let missing: Vec<JournalSpec> = specs
-                    .into_iter()
-                    .map(|l| l.spec)
-                    .filter(|s| self.specs.get(&s.name).is_none())
-                    .collect();
-                if missing.is_empty() {
-                    continue;
-                }
-                let names: Vec<String> = missing.iter().map(|s| s.name.clone()).collect();
-                match self.specs.apply(missing) {
-                    Ok(n) => {
-                        tracing::info!(peer = %m.id, journals = ?names, "adopted {n} journal specs created while this broker was away")
-                    }
-                    Err(e) => {
-                        tracing::warn!(peer = %m.id, error = %e, "adopting a peer's journal specs failed")
-                    }
+                    _ => still.push(m),
                 }
             }
             if still.is_empty() {
                 return;
             }
             waiting = still;
+        }
+    }
+
+    /// Takes a peer's specs and deletions that are newer than this
+    /// broker's.
+    async fn adopt_newer(&self, peer: &str, entries: Vec<Listed>) {
+        let mut adopted = Vec::new();
+        for e in entries {
+            match (e.spec, e.deleted) {
+                (Some(spec), None) => {
+                    let name = spec.name.clone();
+                    match self.specs.apply_at(vec![spec], e.revision) {
+                        Ok(1) => adopted.push(name),
+                        Ok(_) => {}
+                        Err(err) => {
+                            tracing::warn!(%peer, journal = %name, error = %err, "adopting a peer's journal spec failed")
+                        }
+                    }
+                }
+                (None, Some(name)) => {
+                    let ours = self.specs.get_revised(&name).map(|r| r.revision);
+                    if ours.is_none_or(|r| r >= e.revision) {
+                        // Not here, or created again after that deletion.
+                        let _ = self.specs.delete_at(&name, e.revision);
+                        continue;
+                    }
+                    // The journal's own shard deletes it, files and all.
+                    let owner = rotary_net::shard_of(&name, self.shards) as usize;
+                    let payload =
+                        serde_json::to_vec(&serde_json::json!({ "revision": e.revision }))
+                            .expect("json");
+                    let res = crate::pipeline::unary(
+                        self.endpoints[owner],
+                        Op::DELETE,
+                        rotary_net::wire::flag::LOCAL,
+                        &rotary_net::wire::encode_name(&name),
+                        &payload,
+                        std::time::Duration::from_secs(5),
+                    )
+                    .await;
+                    match res {
+                        Ok((Status::OK, _)) => {
+                            tracing::info!(%peer, journal = %name, "deleted a journal that was deleted while this broker was away")
+                        }
+                        other => {
+                            tracing::warn!(%peer, journal = %name, outcome = ?other.map(|(s, _)| s), "deleting a journal deleted while this broker was away failed")
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        if !adopted.is_empty() {
+            tracing::info!(%peer, journals = ?adopted, "adopted {} journal specs created or changed while this broker was away", adopted.len());
         }
     }
 
@@ -918,8 +956,13 @@ impl Shard {
 
     /// Deletes a journal owned by this shard: its spec, its queued appends,
     /// its local files. Returns false if it did not exist.
-    pub fn delete_journal(&self, name: &str) -> Result<bool, crate::EngineError> {
-        let existed = self.specs.delete(name)?;
+    pub fn delete_journal(&self, name: &str, revision: u64) -> Result<bool, crate::EngineError> {
+        let existed = match self.specs.delete_at(name, revision)? {
+            crate::specs::Deleted::Removed => true,
+            crate::specs::Deleted::Absent => false,
+            // Created again after this deletion: nothing to do.
+            crate::specs::Deleted::KeptNewer => return Ok(false),
+        };
         if let Some(j) = self.journals.borrow_mut().remove(name) {
             let mut j = j.borrow_mut();
             j.deleted = true;
@@ -1644,10 +1687,16 @@ impl Shard {
             for m in &route.members[1..] {
                 let p = self.pipeline(m, &name);
                 let epoch = p.connect().await?;
+                let revision = self
+                    .specs
+                    .get_revised(&name)
+                    .filter(|r| r.spec == spec)
+                    .map_or(0, |r| r.revision);
                 let req = SyncRequest {
                     seq: self.seq(),
                     journal: name.clone(),
                     spec: spec.clone(),
+                    revision,
                     route: route.ids(),
                     head,
                     registers: registers.clone(),

@@ -1,37 +1,117 @@
-//! The journal spec store of a single-node broker: specs live in
-//! `<data>/specs.json`, shared by every shard behind a lock. Specs change
-//! rarely and never on the data path; shards notice changes through
-//! `version` and refresh their local copies.
+//! The journal spec store of a broker: specs live in `<data>/specs.json`,
+//! shared by every shard behind a lock. Specs change rarely and never on
+//! the data path; shards notice changes through `version` and refresh
+//! their local copies.
+//!
+//! Every change has a revision: a hybrid clock, the wall clock in
+//! nanoseconds unless the store has already seen a later revision, in
+//! which case one more than that. The broker that takes a client's APPLY or
+//! DELETE picks the revision and sends it with the change to its peers, so
+//! every broker stores the same one. A deleted journal leaves a tombstone
+//! with its revision. Brokers that missed changes while they were down
+//! compare revisions with their peers' and take whatever is newer: a
+//! changed spec, or a deletion (see `Shard::catch_up_specs`).
 
 use crate::EngineError;
 use rotary_net::spec::JournalSpec;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+/// A spec and the revision that set it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Revised {
+    pub revision: u64,
+    pub spec: JournalSpec,
+}
+
+/// A deleted journal's name and the revision of its deletion.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tombstone {
+    pub name: String,
+    pub revision: u64,
+}
+
+/// What [`SpecStore::delete_at`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deleted {
+    /// The spec was removed.
+    Removed,
+    /// There was no spec (a tombstone is kept all the same).
+    Absent,
+    /// The spec is newer than the deletion and stays.
+    KeptNewer,
+}
+
+#[derive(Default, Serialize, Deserialize)]
+struct State {
+    specs: BTreeMap<String, Revised>,
+    tombstones: BTreeMap<String, u64>,
+}
+
+/// The file's shape. Before revisions it was a bare array of specs, which
+/// is still read (every spec at revision 0).
+#[derive(Serialize, Deserialize)]
+struct OnDisk {
+    specs: Vec<Revised>,
+    #[serde(default)]
+    deleted: Vec<Tombstone>,
+}
+
 pub struct SpecStore {
     path: PathBuf,
-    specs: Mutex<BTreeMap<String, JournalSpec>>,
+    state: Mutex<State>,
     version: AtomicU64,
+    /// The highest revision seen or issued.
+    clock: AtomicU64,
 }
 
 impl SpecStore {
     pub fn open(path: PathBuf) -> Result<SpecStore, EngineError> {
-        let specs = match std::fs::read(&path) {
+        let bad = |e: serde_json::Error| EngineError::Config(format!("{}: {e}", path.display()));
+        let state = match std::fs::read(&path) {
             Ok(bytes) => {
-                let list: Vec<JournalSpec> = serde_json::from_slice(&bytes)
-                    .map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?;
-                list.into_iter().map(|s| (s.name.clone(), s)).collect()
+                let disk: OnDisk = match serde_json::from_slice::<Vec<JournalSpec>>(&bytes) {
+                    Ok(list) => OnDisk {
+                        specs: list
+                            .into_iter()
+                            .map(|spec| Revised { revision: 0, spec })
+                            .collect(),
+                        deleted: Vec::new(),
+                    },
+                    Err(_) => serde_json::from_slice(&bytes).map_err(bad)?,
+                };
+                State {
+                    specs: disk
+                        .specs
+                        .into_iter()
+                        .map(|r| (r.spec.name.clone(), r))
+                        .collect(),
+                    tombstones: disk
+                        .deleted
+                        .into_iter()
+                        .map(|t| (t.name, t.revision))
+                        .collect(),
+                }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::default(),
             Err(e) => return Err(EngineError::Io(path, e)),
         };
+        let newest = state
+            .specs
+            .values()
+            .map(|r| r.revision)
+            .chain(state.tombstones.values().copied())
+            .max()
+            .unwrap_or(0);
         Ok(SpecStore {
             path,
-            specs: Mutex::new(specs),
+            state: Mutex::new(state),
             version: AtomicU64::new(1),
+            clock: AtomicU64::new(newest),
         })
     }
 
@@ -39,50 +119,139 @@ impl SpecStore {
         self.version.load(Ordering::Acquire)
     }
 
+    /// A revision later than every one this store has seen.
+    pub fn next_revision(&self) -> u64 {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let mut seen = self.clock.load(Ordering::Acquire);
+        loop {
+            let next = wall.max(seen + 1);
+            match self
+                .clock
+                .compare_exchange(seen, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return next,
+                Err(now) => seen = now,
+            }
+        }
+    }
+
+    fn observe(&self, revision: u64) {
+        self.clock.fetch_max(revision, Ordering::AcqRel);
+    }
+
     pub fn get(&self, name: &str) -> Option<JournalSpec> {
-        self.specs.lock().expect("spec lock").get(name).cloned()
+        self.lock().specs.get(name).map(|r| r.spec.clone())
+    }
+
+    pub fn get_revised(&self, name: &str) -> Option<Revised> {
+        self.lock().specs.get(name).cloned()
+    }
+
+    /// The revision of the journal's deletion, if it was deleted.
+    pub fn tombstone(&self, name: &str) -> Option<u64> {
+        self.lock().tombstones.get(name).copied()
     }
 
     pub fn all(&self) -> Vec<JournalSpec> {
-        self.specs
-            .lock()
-            .expect("spec lock")
-            .values()
-            .cloned()
+        self.lock().specs.values().map(|r| r.spec.clone()).collect()
+    }
+
+    pub fn all_revised(&self) -> Vec<Revised> {
+        self.lock().specs.values().cloned().collect()
+    }
+
+    pub fn tombstones(&self) -> Vec<Tombstone> {
+        self.lock()
+            .tombstones
+            .iter()
+            .map(|(name, &revision)| Tombstone {
+                name: name.clone(),
+                revision,
+            })
             .collect()
     }
 
-    /// Creates or replaces specs, all or none, and persists them.
-    pub fn apply(&self, specs: Vec<JournalSpec>) -> Result<usize, EngineError> {
-        let mut map = self.specs.lock().expect("spec lock");
-        let mut next = map.clone();
-        let n = specs.len();
-        for s in specs {
-            next.insert(s.name.clone(), s);
+    /// Creates or replaces specs at `revision` (from
+    /// [`SpecStore::next_revision`] for a client's change), all or none,
+    /// except those this store knows a later (or the same) revision of, as a
+    /// spec or as a deletion. Returns how many it took.
+    pub fn apply_at(&self, specs: Vec<JournalSpec>, revision: u64) -> Result<usize, EngineError> {
+        self.observe(revision);
+        let mut state = self.lock();
+        let mut specs_next = state.specs.clone();
+        let mut tombstones_next = state.tombstones.clone();
+        let mut n = 0;
+        for spec in specs {
+            let known = specs_next.get(&spec.name).map(|r| r.revision);
+            let gone = tombstones_next.get(&spec.name).copied();
+            let newer_known = known.is_some_and(|k| k > revision || (k == revision && k != 0))
+                || gone.is_some_and(|g| g >= revision);
+            if newer_known {
+                continue;
+            }
+            tombstones_next.remove(&spec.name);
+            specs_next.insert(spec.name.clone(), Revised { revision, spec });
+            n += 1;
         }
-        self.persist(&next)?;
-        *map = next;
+        if n == 0 {
+            return Ok(0);
+        }
+        self.persist(&specs_next, &tombstones_next)?;
+        state.specs = specs_next;
+        state.tombstones = tombstones_next;
         self.version.fetch_add(1, Ordering::AcqRel);
         Ok(n)
     }
 
-    /// Removes a spec; false if it did not exist.
-    pub fn delete(&self, name: &str) -> Result<bool, EngineError> {
-        let mut map = self.specs.lock().expect("spec lock");
-        if !map.contains_key(name) {
-            return Ok(false);
+    /// Deletes a spec as of `revision`, leaving a tombstone, unless the
+    /// spec was set at a later revision.
+    pub fn delete_at(&self, name: &str, revision: u64) -> Result<Deleted, EngineError> {
+        self.observe(revision);
+        let mut state = self.lock();
+        let known = state.specs.get(name).map(|r| r.revision);
+        if known.is_some_and(|k| k > revision) {
+            return Ok(Deleted::KeptNewer);
         }
-        let mut next = map.clone();
-        next.remove(name);
-        self.persist(&next)?;
-        *map = next;
+        if known.is_none() && state.tombstones.get(name).is_some_and(|&t| t >= revision) {
+            return Ok(Deleted::Absent);
+        }
+        let mut specs_next = state.specs.clone();
+        let mut tombstones_next = state.tombstones.clone();
+        let removed = specs_next.remove(name).is_some();
+        tombstones_next.insert(name.to_string(), revision);
+        self.persist(&specs_next, &tombstones_next)?;
+        state.specs = specs_next;
+        state.tombstones = tombstones_next;
         self.version.fetch_add(1, Ordering::AcqRel);
-        Ok(true)
+        Ok(if removed {
+            Deleted::Removed
+        } else {
+            Deleted::Absent
+        })
     }
 
-    fn persist(&self, map: &BTreeMap<String, JournalSpec>) -> Result<(), EngineError> {
-        let list: Vec<&JournalSpec> = map.values().collect();
-        let bytes = serde_json::to_vec_pretty(&list).expect("specs serialize");
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("spec lock")
+    }
+
+    fn persist(
+        &self,
+        specs: &BTreeMap<String, Revised>,
+        tombstones: &BTreeMap<String, u64>,
+    ) -> Result<(), EngineError> {
+        let disk = OnDisk {
+            specs: specs.values().cloned().collect(),
+            deleted: tombstones
+                .iter()
+                .map(|(name, &revision)| Tombstone {
+                    name: name.clone(),
+                    revision,
+                })
+                .collect(),
+        };
+        let bytes = serde_json::to_vec_pretty(&disk).expect("specs serialize");
         let tmp = self.path.with_extension("json.next");
         let write = || -> std::io::Result<()> {
             let mut f = std::fs::File::create(&tmp)?;
@@ -92,5 +261,81 @@ impl SpecStore {
             std::fs::File::open(self.path.parent().expect("has parent"))?.sync_all()
         };
         write().map_err(|e| EngineError::Io(self.path.clone(), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, app: &str) -> JournalSpec {
+        let mut s = JournalSpec::new(name);
+        s.labels = rotary_net::spec::LabelSet::from_pairs([("app", app)]).expect("labels");
+        s
+    }
+
+    fn store() -> (tempfile::TempDir, SpecStore) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = SpecStore::open(dir.path().join("specs.json")).expect("open");
+        (dir, s)
+    }
+
+    #[test]
+    fn a_later_revision_wins_whichever_arrives_first() {
+        let (_d, s) = store();
+        assert_eq!(s.apply_at(vec![spec("a/one", "v2")], 20).unwrap(), 1);
+        // An older change arriving late is ignored.
+        assert_eq!(s.apply_at(vec![spec("a/one", "v1")], 10).unwrap(), 0);
+        assert_eq!(s.get("a/one").unwrap().labels, spec("a/one", "v2").labels);
+        assert_eq!(s.apply_at(vec![spec("a/one", "v3")], 30).unwrap(), 1);
+        assert_eq!(s.get_revised("a/one").unwrap().revision, 30);
+        // Revisions issued here come after every one seen.
+        assert!(s.next_revision() > 30);
+    }
+
+    #[test]
+    fn a_deletion_leaves_a_tombstone_that_stops_older_specs() {
+        let (_d, s) = store();
+        s.apply_at(vec![spec("a/one", "v1")], 10).unwrap();
+        assert_eq!(s.delete_at("a/one", 5).unwrap(), Deleted::KeptNewer);
+        assert_eq!(s.delete_at("a/one", 20).unwrap(), Deleted::Removed);
+        assert_eq!(s.get("a/one"), None);
+        assert_eq!(s.tombstone("a/one"), Some(20));
+        // The spec as it was before the deletion does not come back...
+        assert_eq!(s.apply_at(vec![spec("a/one", "v1")], 10).unwrap(), 0);
+        assert_eq!(s.get("a/one"), None);
+        // ...but a later APPLY creates the journal again.
+        assert_eq!(s.apply_at(vec![spec("a/one", "v4")], 40).unwrap(), 1);
+        assert_eq!(s.tombstone("a/one"), None);
+        assert_eq!(s.delete_at("a/two", 50).unwrap(), Deleted::Absent);
+        assert_eq!(s.tombstone("a/two"), Some(50));
+    }
+
+    #[test]
+    fn revisions_and_tombstones_survive_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        {
+            let s = SpecStore::open(path.clone()).unwrap();
+            s.apply_at(vec![spec("a/one", "v1"), spec("a/two", "v1")], 10)
+                .unwrap();
+            s.delete_at("a/two", 11).unwrap();
+        }
+        let s = SpecStore::open(path).unwrap();
+        assert_eq!(s.get_revised("a/one").unwrap().revision, 10);
+        assert_eq!(s.tombstone("a/two"), Some(11));
+        assert!(s.next_revision() > 11);
+    }
+
+    #[test]
+    fn a_file_from_before_revisions_reads_at_revision_zero() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let old = vec![spec("a/one", "v1")];
+        std::fs::write(&path, serde_json::to_vec(&old).unwrap()).unwrap();
+        let s = SpecStore::open(path).unwrap();
+        assert_eq!(s.get_revised("a/one").unwrap().revision, 0);
+        // Any revisioned change is newer.
+        assert_eq!(s.apply_at(vec![spec("a/one", "v2")], 1).unwrap(), 1);
     }
 }

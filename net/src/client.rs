@@ -213,6 +213,10 @@ pub struct AppendOptions {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JournalInfo {
     pub spec: JournalSpec,
+    /// The revision of the spec's last change (0 from brokers before
+    /// revisions).
+    #[serde(default)]
+    pub revision: u64,
     pub route: JournalRoute,
 }
 

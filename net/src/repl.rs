@@ -234,6 +234,9 @@ pub struct SyncRequest {
     pub journal: String,
     /// The journal's spec, so a replica that missed an APPLY learns it.
     pub spec: crate::spec::JournalSpec,
+    /// The revision of `spec` (0 from brokers that predate revisions).
+    #[serde(default)]
+    pub revision: u64,
     /// Route member ids as the primary computes them, primary first.
     pub route: Vec<String>,
     pub head: u64,
