@@ -50,6 +50,9 @@ pub struct ServeConfig {
     pub spool_sizing: rotary_storage::spool::SpoolSizing,
     /// Submission queue entries of each shard's ring.
     pub ring_entries: u32,
+    /// A shard's commit log is rewritten from a snapshot once it grows past
+    /// this many bytes.
+    pub commit_log_compact_bytes: u64,
     /// Cores the shards are pinned to, shard n on `cpus[n % len]`; empty =
     /// shard n on core n (modulo the machine's cores). Lets brokers that
     /// share a host keep to cores of their own.
@@ -78,6 +81,7 @@ impl ServeConfig {
             shutdown_upload_timeout: Duration::from_secs(30),
             spool_sizing: rotary_storage::spool::SpoolSizing::default(),
             ring_entries: 1024,
+            commit_log_compact_bytes: rotary_storage::wal::COMMIT_LOG_COMPACT_BYTES,
             cpus: Vec::new(),
             iowq_cpus: Vec::new(),
             cluster: None,
@@ -333,6 +337,7 @@ impl Broker {
                     local_cache_bytes: config.local_cache_bytes,
                     sizing: config.spool_sizing,
                     topology: topology.clone(),
+                    commit_log_compact_bytes: config.commit_log_compact_bytes,
                 },
                 ring_entries: config.ring_entries,
                 shutdown_upload_timeout: config.shutdown_upload_timeout,

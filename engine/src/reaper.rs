@@ -16,9 +16,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// How long the reaper holds a deleted journal's files open before it
-/// closes them: long enough for the shard to drop the journal's own
-/// descriptors, so that the last close is the reaper's.
+/// How long the reaper holds a deleted journal's files (or a replaced
+/// commit log) open before it closes them: long enough for the shard to
+/// drop its own descriptors, so that the last close is the reaper's.
 const JOURNAL_GRACE: Duration = Duration::from_secs(2);
 
 enum Job {
@@ -28,6 +28,8 @@ enum Job {
     /// A directory to remove with everything in it, and descriptors of the
     /// files it held.
     Dir(PathBuf, Vec<std::fs::File>),
+    /// Descriptors to close once the grace has passed.
+    Hold(Vec<std::fs::File>),
     /// Sent by [`flush`]; answered once every earlier job is done.
     Flush(crossbeam_channel::Sender<()>),
 }
@@ -70,6 +72,7 @@ fn reap(rx: crossbeam_channel::Receiver<Job>) {
                 remove(&path, std::fs::remove_dir_all(&path));
                 held.push_back((Instant::now() + JOURNAL_GRACE, keep));
             }
+            Some(Job::Hold(keep)) => held.push_back((Instant::now() + JOURNAL_GRACE, keep)),
             Some(Job::Flush(done)) => {
                 let _ = done.send(());
             }
@@ -117,6 +120,13 @@ pub fn remove_dir_all(path: PathBuf) {
         }
     }
     let _ = jobs().send(Job::Dir(path, keep));
+}
+
+/// Closes `files` on the reaper thread, a grace period from now: hand it a
+/// descriptor of a file whose last name is about to go (a rename over it),
+/// and the blocks are freed here once the shard has closed its own.
+pub fn close_later(files: Vec<std::fs::File>) {
+    let _ = jobs().send(Job::Hold(files));
 }
 
 /// Waits until every removal asked for so far is done (tests, shutdown).

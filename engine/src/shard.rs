@@ -126,6 +126,7 @@ pub struct ShardConfig {
     pub local_cache_bytes: u64,
     pub sizing: SpoolSizing,
     pub topology: Arc<Topology>,
+    pub commit_log_compact_bytes: u64,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -185,6 +186,7 @@ impl Shard {
             local_cache_bytes,
             sizing,
             topology,
+            commit_log_compact_bytes,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
@@ -202,7 +204,8 @@ impl Shard {
                 crate::reaper::remove_dir_all(entry.path());
             }
         }
-        let (log, replayed) = CommitLog::open(&dir).await?;
+        let (mut log, replayed) = CommitLog::open(&dir).await?;
+        log.set_compact_bytes(commit_log_compact_bytes);
         // Until recovery checks them against the spools, the last records.
         let states = replayed
             .iter()
@@ -1315,12 +1318,17 @@ impl Shard {
         if compact {
             let mut log = self.log.borrow_mut().take().expect("commit log present");
             let states = self.states.borrow().clone();
+            // The snapshot replaces the old log, whose blocks are freed at
+            // its last close: the reaper's, not this thread's (with
+            // `discard`, 13-22 ms for 64 MiB on the test machine).
+            let old = std::fs::File::open(log.path()).ok();
             if let Err(e) = log
                 .compact(states.iter().map(|(k, v)| (k.as_str(), v)))
                 .await
             {
                 tracing::error!(error = %e, "commit log compaction failed");
             }
+            crate::reaper::close_later(old.into_iter().collect());
             *self.log.borrow_mut() = Some(log);
         }
         if started.elapsed() >= SLOW_TURN {

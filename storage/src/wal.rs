@@ -53,6 +53,7 @@ pub struct CommitLog {
     path: PathBuf,
     pos: u64,
     pending: Vec<u8>,
+    compact_bytes: u64,
 }
 
 fn encode_record(out: &mut Vec<u8>, journal: &str, state: Option<&JournalState>) {
@@ -195,6 +196,7 @@ impl CommitLog {
                 path,
                 pos: valid as u64,
                 pending: Vec::with_capacity(64 << 10),
+                compact_bytes: COMMIT_LOG_COMPACT_BYTES,
             },
             states,
         ))
@@ -299,11 +301,22 @@ impl CommitLog {
     }
 
     pub fn needs_compaction(&self) -> bool {
-        self.pos > COMMIT_LOG_COMPACT_BYTES
+        self.pos > self.compact_bytes
+    }
+
+    /// Sets the size past which [`CommitLog::needs_compaction`] says yes
+    /// (default [`COMMIT_LOG_COMPACT_BYTES`]).
+    pub fn set_compact_bytes(&mut self, bytes: u64) {
+        self.compact_bytes = bytes;
     }
 
     /// Replaces the log with a snapshot of `states`. Pending records must
     /// have been flushed.
+    /// The log's file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     pub async fn compact<'a>(
         &mut self,
         states: impl Iterator<Item = (&'a str, &'a JournalState)>,
