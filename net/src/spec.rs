@@ -625,20 +625,37 @@ impl JournalSpec {
 }
 
 /// Parses `journals apply` input: one spec or a list of specs, YAML or JSON.
+/// An error names the journal (or the list entry) and the field at fault.
 pub fn parse_specs(text: &str) -> Result<Vec<JournalSpec>, SpecError> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum OneOrMany {
-        Many(Vec<JournalSpec>),
-        One(Box<JournalSpec>),
-    }
-    let parsed: OneOrMany = serde_yaml::from_str(text).map_err(|e| SpecError::BadSpec {
+    let doc: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| SpecError::BadSpec {
         name: String::new(),
         why: e.to_string(),
     })?;
-    let specs = match parsed {
-        OneOrMany::Many(v) => v,
-        OneOrMany::One(s) => vec![*s],
+    let parse_one = |v: serde_yaml::Value, entry: Option<usize>| {
+        let name = v
+            .get("name")
+            .and_then(|n| n.as_str())
+            .map(str::to_string)
+            .or_else(|| entry.map(|i| format!("entry {i}")))
+            .unwrap_or_default();
+        serde_yaml::from_value::<JournalSpec>(v).map_err(|e| SpecError::BadSpec {
+            name,
+            why: e.to_string(),
+        })
+    };
+    let specs = match doc {
+        serde_yaml::Value::Sequence(items) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| parse_one(v, Some(i)))
+            .collect::<Result<Vec<_>, _>>()?,
+        v @ serde_yaml::Value::Mapping(_) => vec![parse_one(v, None)?],
+        _ => {
+            return Err(SpecError::BadSpec {
+                name: String::new(),
+                why: "expected one spec (a mapping) or a list of specs".into(),
+            })
+        }
     };
     for s in &specs {
         s.validate()?;
@@ -732,7 +749,20 @@ mod tests {
         assert_eq!(s.fragment.retention, Duration::from_secs(720 * 3600));
         let back = serde_yaml::to_string(&specs).unwrap();
         assert_eq!(parse_specs(&back).unwrap(), specs);
-        assert!(parse_specs("name: x/y/z\nbogus: 1").is_err());
+        let e = parse_specs("name: x/y/z\nbogus: 1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"x/y/z\"") && e.contains("unknown field `bogus`"),
+            "{e}"
+        );
+        let e = parse_specs("- name: a/b/c\n- name: d/e/f\n  fragment: {flush_interval: 5x}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"d/e/f\"") && e.contains("5x"), "{e}");
+        let e = parse_specs("- {replication: 2}").unwrap_err().to_string();
+        assert!(e.contains("entry 0") && e.contains("name"), "{e}");
+        assert!(parse_specs("just text").is_err());
         assert!(parse_specs("name: ab").is_err());
     }
 }
