@@ -21,6 +21,18 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+/// Tombstones are dropped once their revision is this old (by the wall
+/// clock the revisions mostly carry): a broker down for longer must not
+/// rejoin with its old data directory, or journals deleted meanwhile can
+/// come back from it.
+pub const TOMBSTONE_TTL: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+
+fn now_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// A spec and the revision that set it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Revised {
@@ -121,9 +133,7 @@ impl SpecStore {
 
     /// A revision later than every one this store has seen.
     pub fn next_revision(&self) -> u64 {
-        let wall = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
+        let wall = now_nanos();
         let mut seen = self.clock.load(Ordering::Acquire);
         loop {
             let next = wall.max(seen + 1);
@@ -199,6 +209,8 @@ impl SpecStore {
             return Ok(0);
         }
         self.persist(&specs_next, &tombstones_next)?;
+        let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
+        tombstones_next.retain(|_, revision| *revision >= expired);
         state.specs = specs_next;
         state.tombstones = tombstones_next;
         self.version.fetch_add(1, Ordering::AcqRel);
@@ -222,6 +234,8 @@ impl SpecStore {
         let removed = specs_next.remove(name).is_some();
         tombstones_next.insert(name.to_string(), revision);
         self.persist(&specs_next, &tombstones_next)?;
+        let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
+        tombstones_next.retain(|_, revision| *revision >= expired);
         state.specs = specs_next;
         state.tombstones = tombstones_next;
         self.version.fetch_add(1, Ordering::AcqRel);
@@ -241,10 +255,12 @@ impl SpecStore {
         specs: &BTreeMap<String, Revised>,
         tombstones: &BTreeMap<String, u64>,
     ) -> Result<(), EngineError> {
+        let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
         let disk = OnDisk {
             specs: specs.values().cloned().collect(),
             deleted: tombstones
                 .iter()
+                .filter(|(_, &revision)| revision >= expired)
                 .map(|(name, &revision)| Tombstone {
                     name: name.clone(),
                     revision,
@@ -268,6 +284,12 @@ impl SpecStore {
 mod tests {
     use super::*;
 
+    /// Revisions near now: older tombstones expire.
+    static NOW: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    fn base() -> u64 {
+        *NOW.get_or_init(now_nanos)
+    }
+
     fn spec(name: &str, app: &str) -> JournalSpec {
         let mut s = JournalSpec::new(name);
         s.labels = rotary_net::spec::LabelSet::from_pairs([("app", app)]).expect("labels");
@@ -283,32 +305,50 @@ mod tests {
     #[test]
     fn a_later_revision_wins_whichever_arrives_first() {
         let (_d, s) = store();
-        assert_eq!(s.apply_at(vec![spec("a/one", "v2")], 20).unwrap(), 1);
+        assert_eq!(
+            s.apply_at(vec![spec("a/one", "v2")], base() + 20).unwrap(),
+            1
+        );
         // An older change arriving late is ignored.
-        assert_eq!(s.apply_at(vec![spec("a/one", "v1")], 10).unwrap(), 0);
+        assert_eq!(
+            s.apply_at(vec![spec("a/one", "v1")], base() + 10).unwrap(),
+            0
+        );
         assert_eq!(s.get("a/one").unwrap().labels, spec("a/one", "v2").labels);
-        assert_eq!(s.apply_at(vec![spec("a/one", "v3")], 30).unwrap(), 1);
-        assert_eq!(s.get_revised("a/one").unwrap().revision, 30);
+        assert_eq!(
+            s.apply_at(vec![spec("a/one", "v3")], base() + 30).unwrap(),
+            1
+        );
+        assert_eq!(s.get_revised("a/one").unwrap().revision, base() + 30);
         // Revisions issued here come after every one seen.
-        assert!(s.next_revision() > 30);
+        assert!(s.next_revision() > base() + 30);
     }
 
     #[test]
     fn a_deletion_leaves_a_tombstone_that_stops_older_specs() {
         let (_d, s) = store();
-        s.apply_at(vec![spec("a/one", "v1")], 10).unwrap();
-        assert_eq!(s.delete_at("a/one", 5).unwrap(), Deleted::KeptNewer);
-        assert_eq!(s.delete_at("a/one", 20).unwrap(), Deleted::Removed);
+        s.apply_at(vec![spec("a/one", "v1")], base() + 10).unwrap();
+        assert_eq!(
+            s.delete_at("a/one", base() + 5).unwrap(),
+            Deleted::KeptNewer
+        );
+        assert_eq!(s.delete_at("a/one", base() + 20).unwrap(), Deleted::Removed);
         assert_eq!(s.get("a/one"), None);
-        assert_eq!(s.tombstone("a/one"), Some(20));
+        assert_eq!(s.tombstone("a/one"), Some(base() + 20));
         // The spec as it was before the deletion does not come back...
-        assert_eq!(s.apply_at(vec![spec("a/one", "v1")], 10).unwrap(), 0);
+        assert_eq!(
+            s.apply_at(vec![spec("a/one", "v1")], base() + 10).unwrap(),
+            0
+        );
         assert_eq!(s.get("a/one"), None);
         // ...but a later APPLY creates the journal again.
-        assert_eq!(s.apply_at(vec![spec("a/one", "v4")], 40).unwrap(), 1);
+        assert_eq!(
+            s.apply_at(vec![spec("a/one", "v4")], base() + 40).unwrap(),
+            1
+        );
         assert_eq!(s.tombstone("a/one"), None);
-        assert_eq!(s.delete_at("a/two", 50).unwrap(), Deleted::Absent);
-        assert_eq!(s.tombstone("a/two"), Some(50));
+        assert_eq!(s.delete_at("a/two", base() + 50).unwrap(), Deleted::Absent);
+        assert_eq!(s.tombstone("a/two"), Some(base() + 50));
     }
 
     #[test]
@@ -317,14 +357,25 @@ mod tests {
         let path = dir.path().join("specs.json");
         {
             let s = SpecStore::open(path.clone()).unwrap();
-            s.apply_at(vec![spec("a/one", "v1"), spec("a/two", "v1")], 10)
+            s.apply_at(vec![spec("a/one", "v1"), spec("a/two", "v1")], base() + 10)
                 .unwrap();
-            s.delete_at("a/two", 11).unwrap();
+            s.delete_at("a/two", base() + 11).unwrap();
         }
         let s = SpecStore::open(path).unwrap();
-        assert_eq!(s.get_revised("a/one").unwrap().revision, 10);
-        assert_eq!(s.tombstone("a/two"), Some(11));
-        assert!(s.next_revision() > 11);
+        assert_eq!(s.get_revised("a/one").unwrap().revision, base() + 10);
+        assert_eq!(s.tombstone("a/two"), Some(base() + 11));
+        assert!(s.next_revision() > base() + 11);
+    }
+
+    #[test]
+    fn tombstones_expire() {
+        let (_d, s) = store();
+        let old = base() - TOMBSTONE_TTL.as_nanos() as u64 - 1;
+        s.apply_at(vec![spec("a/one", "v1")], old - 10).unwrap();
+        assert_eq!(s.delete_at("a/one", old).unwrap(), Deleted::Removed);
+        assert_eq!(s.tombstone("a/one"), None);
+        assert_eq!(s.delete_at("a/two", base()).unwrap(), Deleted::Absent);
+        assert_eq!(s.tombstone("a/two"), Some(base()));
     }
 
     #[test]
@@ -336,6 +387,9 @@ mod tests {
         let s = SpecStore::open(path).unwrap();
         assert_eq!(s.get_revised("a/one").unwrap().revision, 0);
         // Any revisioned change is newer.
-        assert_eq!(s.apply_at(vec![spec("a/one", "v2")], 1).unwrap(), 1);
+        assert_eq!(
+            s.apply_at(vec![spec("a/one", "v2")], base() + 1).unwrap(),
+            1
+        );
     }
 }
