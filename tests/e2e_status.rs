@@ -416,6 +416,15 @@ async fn spec_revisions_order_changes_and_deletions() {
     let from_peer = |app: &str, revision: u64| {
         serde_json::json!({ "revision": revision, "specs": [spec(app)] }).to_string()
     };
+    let peer_apply = |endpoint: &str, app: &str, revision: u64| {
+        admin(
+            endpoint,
+            Op::APPLY,
+            flag::LOCAL,
+            &[],
+            from_peer(app, revision).as_bytes(),
+        )
+    };
     let (status, body) = admin(
         &endpoint,
         Op::APPLY,
@@ -428,13 +437,7 @@ async fn spec_revisions_order_changes_and_deletions() {
         Status::BAD_REQUEST as u16,
         "revisions only from peers (LOCAL): {body}"
     );
-    let (status, body) = admin(
-        &endpoint,
-        Op::APPLY,
-        flag::LOCAL,
-        &[],
-        from_peer("v0", r1 - 1).as_bytes(),
-    );
+    let (status, body) = peer_apply(&endpoint, "v0", r1 - 1);
     assert_eq!(status, ok, "{body}");
     assert!(body.contains("\"applied\":0"), "{body}");
     let l = listed(&endpoint, false);
@@ -445,13 +448,7 @@ async fn spec_revisions_order_changes_and_deletions() {
         ),
         (Some("v1"), Some(r1))
     );
-    let (status, body) = admin(
-        &endpoint,
-        Op::APPLY,
-        flag::LOCAL,
-        &[],
-        from_peer("v2", r1 + 10).as_bytes(),
-    );
+    let (status, body) = peer_apply(&endpoint, "v2", r1 + 10);
     assert_eq!(status, ok, "{body}");
     assert_eq!(listed(&endpoint, false)[0]["spec"]["labels"]["app"], "v2");
 
@@ -477,13 +474,7 @@ async fn spec_revisions_order_changes_and_deletions() {
     broker.client().await;
     let endpoint = broker.endpoint();
     assert_eq!(listed(&endpoint, true), tombstones);
-    let (status, body) = admin(
-        &endpoint,
-        Op::APPLY,
-        flag::LOCAL,
-        &[],
-        from_peer("v3", gone_at - 1).as_bytes(),
-    );
+    let (status, body) = peer_apply(&endpoint, "v3", gone_at - 1);
     assert_eq!(status, ok, "{body}");
     assert_eq!(listed(&endpoint, false), serde_json::json!([]));
     // A later APPLY creates the journal again and clears the tombstone.

@@ -1135,10 +1135,11 @@ impl Shard {
         ready.retain(|j| seen.insert(Rc::as_ptr(j)));
         ready.retain(|j| !j.borrow().deleted);
 
-        // 1. Prepare.
-        for j in &ready {
-            self.prepare(j).await;
-        }
+        // 1. Prepare, every journal at once: seals, new spools and tail
+        // loads are file operations that wait on the kernel, and journals
+        // sealing at the same flush-interval boundary would otherwise wait
+        // for each other's.
+        join_all(ready.iter().map(|j| self.prepare(j))).await;
         let prepared = Instant::now();
         // 2. Stage.
         let mut again = Vec::new();
