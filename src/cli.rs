@@ -151,6 +151,15 @@ struct ServeArgs {
     /// This broker's id in the cluster file.
     #[arg(long = "id", value_name = "ID", requires = "cluster")]
     id: Option<String>,
+    /// In a cluster: how often the broker compares its journal specs with
+    /// each peer's and takes newer ones (changes and deletions it missed),
+    /// besides once at start. A duration such as 30s or 5m; 0 = only at start.
+    #[arg(long = "spec-sync-interval", value_name = "DURATION", value_parser = parse_spec_sync, default_value = "1m")]
+    spec_sync_interval: std::time::Duration,
+}
+
+fn parse_spec_sync(s: &str) -> Result<std::time::Duration, String> {
+    rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())
 }
 
 /// Cores given to `--cpus`.
@@ -492,6 +501,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.cluster = args.cluster.zip(args.id);
     config.cpus = args.cpus.map(|c| c.0).unwrap_or_default();
     config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
+    config.spec_sync_interval = args.spec_sync_interval;
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 

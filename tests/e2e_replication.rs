@@ -1829,3 +1829,60 @@ async fn changes_and_deletes_made_while_a_broker_was_down_reach_it_and_stay_body
     let a = append_retrying(&client, &gone[0], b"new").await;
     assert_eq!(a.begin, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broker_that_missed_a_change_while_up_catches_up() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_broker_that_missed_a_change_while_up_catches_up_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_broker_that_missed_a_change_while_up_catches_up_body(cluster: &mut Cluster) {
+    tokio::task::block_in_place(|| {
+        for b in &mut cluster.brokers {
+            b.kill9();
+            b.serve_args = vec!["--spec-sync-interval".into(), "1s".into()];
+            b.start();
+        }
+    });
+    let gone = "repl/missed-delete";
+    let changed = "repl/missed-change";
+    cluster.apply(&[spec(gone, 2), spec(changed, 2)]).await;
+    // Two changes that reach b1 alone (flag LOCAL), as if their fan-out to
+    // the others had failed.
+    let local = |op: Op, meta: &[u8], payload: &[u8]| {
+        let mut s = raw_connect(&cluster.brokers[0].endpoint());
+        s.write_all(&frame(op, flag::LOCAL, 1, meta, payload))
+            .unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+        assert_eq!(f.status, Status::OK as u16, "{op:?}: {f:?}");
+    };
+    local(Op::DELETE, &rotary_net::wire::encode_name(gone), &[]);
+    let mut v2 = spec(changed, 2);
+    v2.fragment.length = 2 << 20;
+    local(Op::APPLY, &[], &serde_json::to_vec(&[&v2]).unwrap());
+
+    // The others learn both within a few sync intervals.
+    for b in &cluster.brokers[1..] {
+        let c = b.pinned().await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let listed = c.list("").await.unwrap();
+            let has_gone = listed.iter().any(|l| l.spec.name == gone);
+            let now = listed.iter().find(|l| l.spec.name == changed);
+            if !has_gone && now.is_some_and(|l| l.spec == v2) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} still lists {gone} or the old {changed}: {listed:?}",
+                b.id
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}

@@ -63,6 +63,10 @@ pub struct ServeConfig {
     /// every core has one. A core that is busy with other work delays every
     /// punted write by its scheduling latency.
     pub iowq_cpus: Vec<usize>,
+    /// In a cluster, how often shard 0 compares the broker's specs with
+    /// each peer's and takes newer ones, besides once at start; zero = only
+    /// at start.
+    pub spec_sync_interval: Duration,
     /// A static cluster file and this broker's id in it. The broker then
     /// listens on its endpoint from the file (`listen` is ignored).
     pub cluster: Option<(PathBuf, String)>,
@@ -84,6 +88,7 @@ impl ServeConfig {
             commit_log_compact_bytes: rotary_storage::wal::COMMIT_LOG_COMPACT_BYTES,
             cpus: Vec::new(),
             iowq_cpus: Vec::new(),
+            spec_sync_interval: Duration::from_secs(60),
             cluster: None,
         }
     }
@@ -338,6 +343,7 @@ impl Broker {
                     sizing: config.spool_sizing,
                     topology: topology.clone(),
                     commit_log_compact_bytes: config.commit_log_compact_bytes,
+                    spec_sync_interval: config.spec_sync_interval,
                 },
                 ring_entries: config.ring_entries,
                 shutdown_upload_timeout: config.shutdown_upload_timeout,

@@ -74,6 +74,7 @@ pub struct Shard {
     me: RefCell<std::rc::Weak<Shard>>,
     sizing: SpoolSizing,
     topology: Arc<Topology>,
+    spec_sync_interval: std::time::Duration,
     /// The last snapshot taken, and the topology version it came from.
     view: RefCell<(u64, Arc<ClusterView>)>,
     /// Pipelines to peer shards, by (peer id, endpoint).
@@ -127,6 +128,7 @@ pub struct ShardConfig {
     pub sizing: SpoolSizing,
     pub topology: Arc<Topology>,
     pub commit_log_compact_bytes: u64,
+    pub spec_sync_interval: std::time::Duration,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -187,6 +189,7 @@ impl Shard {
             sizing,
             topology,
             commit_log_compact_bytes,
+            spec_sync_interval,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
@@ -240,6 +243,7 @@ impl Shard {
             sizing,
             view: RefCell::new((topology.version(), topology.snapshot())),
             topology,
+            spec_sync_interval,
             pipelines: RefCell::new(HashMap::new()),
             next_seq: Cell::new(1),
             inflight: RefCell::new(Default::default()),
@@ -544,12 +548,11 @@ impl Shard {
     /// revision than its own: journals created or changed meanwhile, and
     /// journals deleted meanwhile (deleted here through their shard, files
     /// and all). A peer that does not answer is asked again, for a minute
-    /// at most.
+    /// at most. After that it asks every peer again each
+    /// `spec_sync_interval`.
     async fn catch_up_specs(self: Rc<Self>) {
         const ROUNDS: usize = 12;
         const PAUSE: std::time::Duration = std::time::Duration::from_secs(5);
-        let body = serde_json::to_vec(&serde_json::json!({ "selector": "", "deleted": true }))
-            .expect("JSON");
         let view = self.view();
         let mut waiting: Vec<_> = view.brokers.iter().filter(|m| m.id != view.me).collect();
         for round in 0..ROUNDS {
@@ -558,32 +561,53 @@ impl Shard {
             }
             let mut still = Vec::new();
             for m in waiting {
-                let listed = crate::pipeline::unary(
-                    m.endpoint,
-                    Op::LIST,
-                    0,
-                    &[],
-                    &body,
-                    std::time::Duration::from_secs(5),
-                )
-                .await;
-                match listed {
-                    Ok((Status::OK, payload)) => {
-                        match serde_json::from_slice::<Vec<Listed>>(&payload) {
-                            Ok(entries) => self.adopt_newer(&m.id, entries).await,
-                            Err(e) => {
-                                tracing::warn!(peer = %m.id, error = %e, "a peer's journal list did not parse")
-                            }
-                        }
-                    }
-                    _ => still.push(m),
+                if !self.sync_specs_with(m).await {
+                    still.push(m);
                 }
             }
             if still.is_empty() {
-                return;
+                break;
             }
             waiting = still;
         }
+        // Then now and again, for changes a peer's fan-out did not deliver
+        // while this broker was up (a timeout, a stalled process).
+        if self.spec_sync_interval.is_zero() {
+            return;
+        }
+        loop {
+            compio::time::sleep(self.spec_sync_interval).await;
+            let view = self.view();
+            for m in view.brokers.iter().filter(|m| m.id != view.me) {
+                self.sync_specs_with(m).await;
+            }
+        }
+    }
+
+    /// Lists a peer's specs and tombstones and takes the newer ones; false
+    /// if the peer did not answer.
+    async fn sync_specs_with(&self, peer: &crate::topology::Member) -> bool {
+        let body = serde_json::to_vec(&serde_json::json!({ "selector": "", "deleted": true }))
+            .expect("JSON");
+        let listed = crate::pipeline::unary(
+            peer.endpoint,
+            Op::LIST,
+            0,
+            &[],
+            &body,
+            std::time::Duration::from_secs(5),
+        )
+        .await;
+        let Ok((Status::OK, payload)) = listed else {
+            return false;
+        };
+        match serde_json::from_slice::<Vec<Listed>>(&payload) {
+            Ok(entries) => self.adopt_newer(&peer.id, entries).await,
+            Err(e) => {
+                tracing::warn!(peer = %peer.id, error = %e, "a peer's journal list did not parse")
+            }
+        }
+        true
     }
 
     /// Takes a peer's specs and deletions that are newer than this

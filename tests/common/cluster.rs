@@ -44,6 +44,8 @@ pub struct ClusterBroker {
     child: Option<Child>,
     starts: u32,
     cluster_file: PathBuf,
+    /// More `rotary serve` arguments, for the next start.
+    pub serve_args: Vec<String>,
 }
 
 impl ClusterBroker {
@@ -114,6 +116,7 @@ impl ClusterBroker {
             .arg(self.cores.to_string())
             .arg("--disk-reserve")
             .arg("0")
+            .args(&self.serve_args)
             .env("RUST_BACKTRACE", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log file"))
@@ -255,6 +258,7 @@ impl Cluster {
                     child: None,
                     starts: 0,
                     cluster_file: file.clone(),
+                    serve_args: Vec::new(),
                 }
             })
             .collect();
