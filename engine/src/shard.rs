@@ -649,10 +649,10 @@ impl Shard {
                     .await;
                     match res {
                         Ok((Status::OK, _)) => {
-                            tracing::info!(%peer, journal = %name, "deleted a journal that was deleted while this broker was away")
+                            tracing::info!(%peer, journal = %name, "deleted a journal whose deletion this broker had missed")
                         }
                         other => {
-                            tracing::warn!(%peer, journal = %name, outcome = ?other.map(|(s, _)| s), "deleting a journal deleted while this broker was away failed")
+                            tracing::warn!(%peer, journal = %name, outcome = ?other.map(|(s, _)| s), "deleting a journal whose deletion this broker had missed failed")
                         }
                     }
                 }
@@ -660,7 +660,7 @@ impl Shard {
             }
         }
         if !adopted.is_empty() {
-            tracing::info!(%peer, journals = ?adopted, "adopted {} journal specs created or changed while this broker was away", adopted.len());
+            tracing::info!(%peer, journals = ?adopted, "adopted {} journal specs created or changed without this broker", adopted.len());
         }
     }
 
