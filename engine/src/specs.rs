@@ -58,7 +58,7 @@ pub enum Deleted {
     KeptNewer,
 }
 
-#[derive(Default, Serialize, Deserialize)]
+#[derive(Default)]
 struct State {
     specs: BTreeMap<String, Revised>,
     tombstones: BTreeMap<String, u64>,
@@ -173,14 +173,7 @@ impl SpecStore {
     }
 
     pub fn tombstones(&self) -> Vec<Tombstone> {
-        self.lock()
-            .tombstones
-            .iter()
-            .map(|(name, &revision)| Tombstone {
-                name: name.clone(),
-                revision,
-            })
-            .collect()
+        tombstones_of(&self.lock())
     }
 
     /// Creates or replaces specs at `revision` (from
@@ -190,30 +183,27 @@ impl SpecStore {
     pub fn apply_at(&self, specs: Vec<JournalSpec>, revision: u64) -> Result<usize, EngineError> {
         self.observe(revision);
         let mut state = self.lock();
-        let mut specs_next = state.specs.clone();
-        let mut tombstones_next = state.tombstones.clone();
+        let mut next = State {
+            specs: state.specs.clone(),
+            tombstones: state.tombstones.clone(),
+        };
         let mut n = 0;
         for spec in specs {
-            let known = specs_next.get(&spec.name).map(|r| r.revision);
-            let gone = tombstones_next.get(&spec.name).copied();
+            let known = next.specs.get(&spec.name).map(|r| r.revision);
+            let gone = next.tombstones.get(&spec.name).copied();
             let newer_known = known.is_some_and(|k| k > revision || (k == revision && k != 0))
                 || gone.is_some_and(|g| g >= revision);
             if newer_known {
                 continue;
             }
-            tombstones_next.remove(&spec.name);
-            specs_next.insert(spec.name.clone(), Revised { revision, spec });
+            next.tombstones.remove(&spec.name);
+            next.specs
+                .insert(spec.name.clone(), Revised { revision, spec });
             n += 1;
         }
-        if n == 0 {
-            return Ok(0);
+        if n > 0 {
+            self.install(&mut state, next)?;
         }
-        self.persist(&specs_next, &tombstones_next)?;
-        let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
-        tombstones_next.retain(|_, revision| *revision >= expired);
-        state.specs = specs_next;
-        state.tombstones = tombstones_next;
-        self.version.fetch_add(1, Ordering::AcqRel);
         Ok(n)
     }
 
@@ -229,16 +219,13 @@ impl SpecStore {
         if known.is_none() && state.tombstones.get(name).is_some_and(|&t| t >= revision) {
             return Ok(Deleted::Absent);
         }
-        let mut specs_next = state.specs.clone();
-        let mut tombstones_next = state.tombstones.clone();
-        let removed = specs_next.remove(name).is_some();
-        tombstones_next.insert(name.to_string(), revision);
-        self.persist(&specs_next, &tombstones_next)?;
-        let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
-        tombstones_next.retain(|_, revision| *revision >= expired);
-        state.specs = specs_next;
-        state.tombstones = tombstones_next;
-        self.version.fetch_add(1, Ordering::AcqRel);
+        let mut next = State {
+            specs: state.specs.clone(),
+            tombstones: state.tombstones.clone(),
+        };
+        let removed = next.specs.remove(name).is_some();
+        next.tombstones.insert(name.to_string(), revision);
+        self.install(&mut state, next)?;
         Ok(if removed {
             Deleted::Removed
         } else {
@@ -250,22 +237,21 @@ impl SpecStore {
         self.state.lock().expect("spec lock")
     }
 
-    fn persist(
-        &self,
-        specs: &BTreeMap<String, Revised>,
-        tombstones: &BTreeMap<String, u64>,
-    ) -> Result<(), EngineError> {
+    /// Drops expired tombstones from `next`, persists it and makes it the
+    /// store's state; `state` stays as it was if persisting fails.
+    fn install(&self, state: &mut State, mut next: State) -> Result<(), EngineError> {
         let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
+        next.tombstones.retain(|_, revision| *revision >= expired);
+        self.persist(&next)?;
+        *state = next;
+        self.version.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn persist(&self, state: &State) -> Result<(), EngineError> {
         let disk = OnDisk {
-            specs: specs.values().cloned().collect(),
-            deleted: tombstones
-                .iter()
-                .filter(|(_, &revision)| revision >= expired)
-                .map(|(name, &revision)| Tombstone {
-                    name: name.clone(),
-                    revision,
-                })
-                .collect(),
+            specs: state.specs.values().cloned().collect(),
+            deleted: tombstones_of(state),
         };
         let bytes = serde_json::to_vec_pretty(&disk).expect("specs serialize");
         let tmp = self.path.with_extension("json.next");
@@ -278,6 +264,17 @@ impl SpecStore {
         };
         write().map_err(|e| EngineError::Io(self.path.clone(), e))
     }
+}
+
+fn tombstones_of(state: &State) -> Vec<Tombstone> {
+    state
+        .tombstones
+        .iter()
+        .map(|(name, &revision)| Tombstone {
+            name: name.clone(),
+            revision,
+        })
+        .collect()
 }
 
 #[cfg(test)]
