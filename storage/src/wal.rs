@@ -310,13 +310,13 @@ impl CommitLog {
         self.compact_bytes = bytes;
     }
 
-    /// Replaces the log with a snapshot of `states`. Pending records must
-    /// have been flushed.
     /// The log's file.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
+    /// Replaces the log with a snapshot of `states`. Pending records must
+    /// have been flushed.
     pub async fn compact<'a>(
         &mut self,
         states: impl Iterator<Item = (&'a str, &'a JournalState)>,
