@@ -216,6 +216,10 @@ pub struct Journal {
     /// Write head visible to readers: committed here and on every replica.
     pub head: u64,
     pub registers: LabelSet,
+    /// Answered to appenders. Beyond `head` only while a batch answered
+    /// from the commit log (see `Shard::answer_early`) waits for its spool
+    /// write; readers of those bytes wait for it too.
+    pub answered: u64,
     /// Committed here (in the commit log); replicas may not have acked yet.
     pub local_head: u64,
     pub local_registers: LabelSet,
@@ -338,6 +342,7 @@ impl Journal {
             spool: None,
             head: 0,
             registers: LabelSet::new(),
+            answered: 0,
             local_head: 0,
             local_registers: LabelSet::new(),
             repl: None,

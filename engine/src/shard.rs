@@ -3,12 +3,14 @@
 //!
 //! The flusher is the only writer. Each turn it (1) prepares journals that
 //! have work (reload a tail after rollback, seal, open a spool), (2) stages
-//! every ready append of every journal into its spool's buffer, (3) submits
-//! all spool writes and one commit-log record per committing journal at
-//! once, fdatasyncing `fsync` journals' spools and the log after their
-//! writes, and (4) acknowledges, in order, every append that committed.
-//! Appends that arrive meanwhile wait for the next turn: that is the group
-//! commit which batches ring submissions.
+//! every ready append of every journal into its spool's buffer, (3) writes
+//! one commit-log record per committing journal into the page cache and
+//! answers the batches whose records carry their bytes, (4) submits all
+//! spool writes at once, fdatasyncing `fsync` journals' spools and the log
+//! after their writes, and (5) acknowledges, in order, every other append
+//! that committed, and makes every committed byte readable. Appends that
+//! arrive meanwhile wait for the next turn: that is the group commit which
+//! batches ring submissions.
 
 use crate::journal::{
     AbortReason, Active, FileRef, Journal, PrimaryRepl, Staged, APPEND_IDLE_TIMEOUT,
@@ -90,9 +92,36 @@ pub struct Shard {
 struct InFlight {
     j: JournalRef,
     staged: Vec<Staged>,
-    /// (pipeline, epoch, highest seq proposed on it).
-    waits: Vec<(Rc<Pipeline>, u64, Vec<u64>)>,
+    waits: Vec<Wait>,
 }
+
+/// (pipeline, epoch, seqs proposed on it) of a proposed batch.
+type Wait = (Rc<Pipeline>, u64, Vec<u64>);
+
+/// Proposes a journal's batch to each of its replicas: the commit record
+/// of every staged append. Returns what to wait for.
+fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
+    let repl = jm.repl.as_ref().expect("proposed with replicas");
+    let mut waits = Vec::new();
+    for (p, epoch) in &repl.pipelines {
+        for s in staged {
+            p.push(&Record::Commit {
+                seq: s.seq,
+                journal: &jm.name,
+                begin: s.begin,
+                end: s.end,
+                fragment_sha1: s.point.sha.clone().finalize(),
+                registers: s.registers.clone(),
+            });
+        }
+        waits.push((p.clone(), *epoch, staged.iter().map(|s| s.seq).collect()));
+    }
+    waits
+}
+
+/// New bytes of one journal's batch that its commit record may carry, so
+/// that the batch is answered without waiting for its spool write.
+const INLINE_BYTES_MAX: u64 = 32 << 10;
 
 /// Batches of one journal proposed to replicas and not yet acknowledged.
 const INFLIGHT_BATCHES_MAX: usize = 16;
@@ -324,6 +353,14 @@ impl Shard {
         let mut chosen: Option<JournalState> = None;
         let mut use_spool = false;
         if let Some((begin, path)) = &newest {
+            // The last record may carry bytes that were answered before
+            // their spool write completed: they go back into the spool
+            // (identical bytes if the write did complete).
+            if let Some(r) = replayed {
+                if let Some(inline) = r.inline.as_ref().filter(|_| in_spool(&r.last)) {
+                    Spool::repair(path, *begin, inline.at, &inline.bytes).await?;
+                }
+            }
             let checks: Vec<(u64, [u8; 20])> = candidates
                 .iter()
                 .filter(|st| in_spool(st))
@@ -1185,7 +1222,7 @@ impl Shard {
             .filter(|j| !j.borrow().staged.is_empty())
             .cloned()
             .collect();
-        self.record_commits(&committing);
+        let early = self.record_commits(&committing);
         let mut writing = Vec::new();
         for j in &ready {
             let mut jm = j.borrow_mut();
@@ -1201,6 +1238,27 @@ impl Shard {
         }
         let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
         let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
+        // The log's records go first, into the page cache. Batches whose
+        // records carry their bytes (or whose bytes are already on disk)
+        // are answered now; their replies and proposals are sent before
+        // the spool writes are submitted.
+        let log_written = self.write_log();
+        // Without their records nothing is answered early; the batch fails.
+        let early = if log_written.is_ok() {
+            early
+        } else {
+            Vec::new()
+        };
+        let mut early_waits = HashMap::new();
+        if !early.is_empty() {
+            for j in &early {
+                if let Some(waits) = self.answer_early(j) {
+                    early_waits.insert(Rc::as_ptr(j), waits);
+                }
+            }
+            self.flush_pipelines();
+            yield_now().await;
+        }
         let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
             let mut res = Ok(());
             let w = match w {
@@ -1218,21 +1276,17 @@ impl Shard {
             };
             (j, res, w, synced)
         }));
-        let log_write = async {
-            // The log is taken out for the write so no borrow spans the await.
-            let mut log = self.log.borrow_mut().take().expect("commit log present");
-            let res = if log.has_pending() || any_fsync {
-                log.flush(any_fsync).await
-            } else {
-                Ok(())
-            };
-            if res.is_err() {
-                log.discard_pending();
+        let log_sync = async {
+            if !any_fsync || log_written.is_err() {
+                return log_written;
             }
+            // The log is taken out for the sync so no borrow spans the await.
+            let mut log = self.log.borrow_mut().take().expect("commit log present");
+            let res = log.flush(true).await;
             *self.log.borrow_mut() = Some(log);
             res
         };
-        let (results, log_result) = futures_util::join!(spool_writes, log_write);
+        let (results, log_result) = futures_util::join!(spool_writes, log_sync);
         let written = Instant::now();
         let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
         for (j, res, w, synced) in results {
@@ -1255,6 +1309,13 @@ impl Shard {
             }
             if let Err(e) = res.and(synced.unwrap_or(Ok(()))) {
                 let e = StorageError::io(&path, e);
+                if early.iter().any(|x| Rc::ptr_eq(x, &j)) {
+                    // Answered already: the bytes are in the commit log
+                    // only, and the spool cannot take them. Recovery writes
+                    // them from the log into the spool.
+                    tracing::error!(error = %e, "spool write of an answered batch failed; stopping so recovery restores it from the commit log");
+                    std::process::abort();
+                }
                 failed.push((j, storage_status(&e), e.to_string()));
             }
         }
@@ -1268,7 +1329,9 @@ impl Shard {
             tracing::error!(error = %e, "commit log write failed; failing the batch");
             let status = storage_status(e);
             for j in &committing {
-                if !j.borrow().staged.is_empty() {
+                // Batches answered early had their records written; only
+                // the fdatasync for `fsync` journals failed.
+                if !j.borrow().staged.is_empty() && !early.iter().any(|x| Rc::ptr_eq(x, j)) {
                     self.fail_batch(j, status, &e.to_string());
                 }
             }
@@ -1292,7 +1355,13 @@ impl Shard {
                 (jm.staged_with_replicas, jm.repl.is_some())
             };
             if !staged_with_replicas {
-                self.acknowledge(j);
+                if early.iter().any(|x| Rc::ptr_eq(x, j)) {
+                    // Answered and counted when its record was written.
+                    let staged = self.commit_local(j);
+                    self.publish_counted(j, staged, None);
+                } else {
+                    self.acknowledge(j);
+                }
                 continue;
             }
             if !repl_now {
@@ -1306,23 +1375,11 @@ impl Shard {
                 self.publish(j, staged, Some(&f));
                 continue;
             }
+            // Proposed already if the batch was answered from the log.
+            let early = early_waits.remove(&Rc::as_ptr(j));
             let staged = self.commit_local(j);
             let mut jm = j.borrow_mut();
-            let repl = jm.repl.as_ref().expect("checked");
-            let mut waits = Vec::new();
-            for (p, epoch) in &repl.pipelines {
-                for s in &staged {
-                    p.push(&Record::Commit {
-                        seq: s.seq,
-                        journal: &jm.name,
-                        begin: s.begin,
-                        end: s.end,
-                        fragment_sha1: s.point.sha.clone().finalize(),
-                        registers: s.registers.clone(),
-                    });
-                }
-                waits.push((p.clone(), *epoch, staged.iter().map(|s| s.seq).collect()));
-            }
+            let waits = early.unwrap_or_else(|| propose(&jm, &staged));
             jm.inflight += 1;
             drop(jm);
             self.inflight.borrow_mut().push_back(InFlight {
@@ -1386,11 +1443,15 @@ impl Shard {
     }
 
     /// Adds a commit-log record for each journal's staged appends (none
-    /// for a batch of pulses, which change nothing the log holds).
-    fn record_commits(&self, committing: &[JournalRef]) {
+    /// for a batch of pulses, which change nothing the log holds). Returns
+    /// the journals whose batch can be answered once the log is written:
+    /// `replicated` ones whose new bytes are few enough for the record to
+    /// carry them (or are on disk already).
+    fn record_commits(&self, committing: &[JournalRef]) -> Vec<JournalRef> {
         let mut log = self.log.borrow_mut();
         let log = log.as_mut().expect("commit log present");
         let mut states = self.states.borrow_mut();
+        let mut early = Vec::new();
         for j in committing {
             let jm = j.borrow();
             let last = jm.staged.last().expect("non-empty");
@@ -1404,9 +1465,76 @@ impl Shard {
                 sha1: last.point.sha.clone().finalize(),
                 registers: last.registers.clone(),
             };
-            log.record_commit(&jm.name, &st);
+            let from = spool.written();
+            let carried = (jm.spec.durability == Durability::Replicated)
+                .then(|| match last.end.checked_sub(from) {
+                    None | Some(0) => Some(None),
+                    Some(n) if n <= INLINE_BYTES_MAX => {
+                        spool.staged_since(from).map(|b| Some(&b[..n as usize]))
+                    }
+                    Some(_) => None,
+                })
+                .flatten();
+            match carried {
+                Some(Some(bytes)) => log.record_commit_inline(&jm.name, &st, from, bytes),
+                _ => log.record_commit(&jm.name, &st),
+            }
+            if carried.is_some() {
+                early.push(j.clone());
+            }
             states.insert(jm.name.clone(), st);
         }
+        early
+    }
+
+    /// Writes the log's pending records into the page cache. A failed
+    /// write leaves none pending: the batch fails.
+    fn write_log(&self) -> Result<(), StorageError> {
+        let mut log = self.log.borrow_mut();
+        let log = log.as_mut().expect("commit log present");
+        let res = log.write_pending();
+        if res.is_err() {
+            log.discard_pending();
+        }
+        res
+    }
+
+    /// Answers a batch whose commit record is written while its spool
+    /// write has yet to complete (the record carries the bytes, or they
+    /// are on disk). A replica's appends are acknowledged to the primary;
+    /// a client's get their replies; a primary's are proposed to its
+    /// replicas, and the waits for their acks are returned.
+    fn answer_early(&self, j: &JournalRef) -> Option<Vec<Wait>> {
+        let mut jm = j.borrow_mut();
+        let last = jm.staged.last().expect("non-empty").end;
+        if jm.staged_with_replicas {
+            return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
+        }
+        self.count_appends(&jm.staged, false);
+        for s in &jm.staged {
+            if s.op.finished.replace(true) {
+                continue;
+            }
+            match &s.op.replica {
+                Some(r) => r.sink.push(s.seq, Status::OK, Vec::new()),
+                None => s.op.outbox.frame(
+                    Op::APPEND_REPLY,
+                    Status::OK,
+                    s.op.request_id,
+                    &AppendReply {
+                        begin: s.begin,
+                        end: s.end,
+                        write_head: s.end,
+                        sha1: s.sha1,
+                        registers: s.registers.clone(),
+                    }
+                    .encode(),
+                    &[],
+                ),
+            }
+        }
+        jm.answered = jm.answered.max(last);
+        None
     }
 
     /// Adds a commit-log record of what a journal's spool holds committed,
@@ -2386,14 +2514,34 @@ impl Shard {
     /// `failure` when a replica did not acknowledge (they stay committed
     /// here, like appends whose reply was lost).
     fn publish(&self, j: &JournalRef, staged: Vec<Staged>, failure: Option<&Failure>) {
+        self.count_appends(&staged, failure.is_some());
+        self.publish_counted(j, staged, failure);
+    }
+
+    /// Counts a batch's appends (and their bytes) as succeeded or failed.
+    fn count_appends(&self, staged: &[Staged], failed: bool) {
+        // Pulses (internal, their outbox closed) are not client appends.
+        let counted = staged
+            .iter()
+            .filter(|s| !s.op.outbox.is_closed() || s.op.replica.is_some())
+            .count() as u64;
+        if failed {
+            metrics::add(&self.metrics.append_failures, counted);
+        } else {
+            let bytes = staged.iter().map(|s| s.end - s.begin).sum();
+            metrics::add(&self.metrics.appends, counted);
+            metrics::add(&self.metrics.append_bytes, bytes);
+        }
+    }
+
+    /// [`Shard::publish`] of a batch already counted (when it was answered).
+    fn publish_counted(&self, j: &JournalRef, staged: Vec<Staged>, failure: Option<&Failure>) {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let Some(last) = staged.last() else { return };
         jm.head = jm.head.max(last.end);
         jm.registers = last.registers.clone();
-        let mut bytes = 0;
         for s in &staged {
-            bytes += s.end - s.begin;
             if let Some(f) = failure {
                 let reply = AppendReply {
                     write_head: jm.head,
@@ -2424,17 +2572,6 @@ impl Shard {
                 &reply.encode(),
                 &[],
             );
-        }
-        // Pulses (internal, their outbox closed) are not client appends.
-        let counted = staged
-            .iter()
-            .filter(|s| !s.op.outbox.is_closed() || s.op.replica.is_some())
-            .count() as u64;
-        if failure.is_some() {
-            metrics::add(&self.metrics.append_failures, counted);
-        } else {
-            metrics::add(&self.metrics.appends, counted);
-            metrics::add(&self.metrics.append_bytes, bytes);
         }
         jm.committed.notify(usize::MAX);
     }
@@ -2473,8 +2610,13 @@ impl Shard {
             let head = j.borrow().head;
             return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
-        let head = j.borrow().read_head();
         let mut offset = req.offset.unwrap_or(j.borrow().head);
+        // Bytes already answered to their appender are readable, if a
+        // moment later (their spool write completes within the turn).
+        if !block {
+            settle_answered(&j, offset).await;
+        }
+        let head = j.borrow().read_head();
         if metadata_only {
             return done(Status::OK, offset, head, "");
         }
@@ -2541,6 +2683,10 @@ impl Shard {
                 continue;
             }
             let Some(loc) = located else {
+                if !block && offset < j.borrow().answered {
+                    settle_answered(&j, offset).await;
+                    continue;
+                }
                 if !block {
                     return done(Status::OK, offset, head, "");
                 }
@@ -2808,6 +2954,22 @@ async fn yield_now() {
 /// Takes the journal's open append back out of its spool (and out of its
 /// replicas'): the next append begins where the last commit ended. Only
 /// between batches (nothing staged in this turn but the open append).
+/// Waits until `offset` is readable if the bytes there were answered to
+/// their appender but are still being written to the spool.
+async fn settle_answered(j: &JournalRef, offset: u64) {
+    loop {
+        let l = {
+            let jm = j.borrow();
+            if jm.deleted || offset < jm.head || offset >= jm.answered {
+                return;
+            }
+            jm.committed.listen()
+        };
+        // The turn publishes the batch as soon as its write completes.
+        l.await;
+    }
+}
+
 fn abandon_active(jm: &mut Journal) -> Option<Active> {
     let a = jm.active.take()?;
     jm.tail.truncate(a.start.offset);

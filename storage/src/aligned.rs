@@ -65,6 +65,12 @@ impl AlignedBuf {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
+    /// The whole capacity (every byte is initialized).
+    pub fn full(&self) -> &[u8] {
+        // SAFETY: ptr is valid for cap initialized bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
+    }
+
     /// The whole capacity, initialized or not from the caller's view (all
     /// bytes are in fact initialized).
     pub fn full_mut(&mut self) -> &mut [u8] {

@@ -390,6 +390,57 @@ impl Spool {
         crate::pool::give(std::mem::replace(buf, bigger));
     }
 
+    /// The staged bytes from journal offset `from` on, while they are in
+    /// the buffer: `None` if a write owns it or `from` is before its start.
+    pub fn staged_since(&self, from: u64) -> Option<&[u8]> {
+        let buf = self.buf.as_ref()?;
+        if from < self.buf_start || from > self.staged {
+            return None;
+        }
+        let start = (from - self.buf_start) as usize;
+        let end = (self.staged - self.buf_start) as usize;
+        Some(&buf.full()[start..end])
+    }
+
+    /// Writes `bytes` at journal offset `at` into the spool file at `path`
+    /// (whose first byte is journal offset `begin`), keeping the rest of
+    /// the blocks it touches, and waits for the write. Recovery uses it to
+    /// put back bytes whose commit record carried them but whose own write
+    /// never reached the disk.
+    pub async fn repair(
+        path: &Path,
+        begin: u64,
+        at: u64,
+        bytes: &[u8],
+    ) -> Result<(), StorageError> {
+        assert!(at >= begin);
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let (file, _) = open_direct(path, false).await?;
+        let pos = at - begin;
+        let start = align_down(pos);
+        let end = align_up(pos + bytes.len() as u64);
+        let mut buf = AlignedBuf::new((end - start) as usize);
+        let (res, b) = file.read_at(buf, start).await.into();
+        buf = b;
+        // Bytes past the file's end read as nothing; the buffer is zeroed.
+        res.map_err(|e| StorageError::io(path, e))?;
+        let from = (pos - start) as usize;
+        buf.full_mut()[from..from + bytes.len()].copy_from_slice(bytes);
+        buf.set_len_checked((end - start) as usize);
+        let w = PendingWrite {
+            buf,
+            file_pos: start,
+            staged_to: 0,
+        };
+        let (res, _) = w.run(&file).await;
+        res.map_err(|e| StorageError::io(path, e))?;
+        file.sync_data()
+            .await
+            .map_err(|e| StorageError::io(path, e))
+    }
+
     /// The current staged point, to commit once it is written.
     pub fn commit_point(&self) -> CommitPoint {
         CommitPoint {

@@ -12,9 +12,19 @@
 //! record's SHA-1; otherwise the record before it stands, which described a
 //! batch whose writes had all completed. Everything beyond is discarded.
 //!
+//! A batch of few bytes does not wait for its spool write at all: its
+//! record carries the bytes themselves (kind 3), the log's write into the
+//! page cache is all that must complete before the batch is answered, and
+//! the spool write finishes during the same turn. The turn still waits for
+//! it before the next batch, so again only a journal's last record can name
+//! bytes missing from its spool; if that record carries them, recovery
+//! writes them into the spool ([`Replayed::inline`]).
+//!
 //! Record: `u32 payload_len | u32 crc32c(payload) | payload`, little-endian.
-//! Payload: `u8 kind | str16 journal | (kind 1) u64 spool_begin | u64 end |
-//! [u8; 20] sha1 | label set registers`. Kind 2 deletes the journal.
+//! Payload: `u8 kind | str16 journal | (kind 1 and 3) u64 spool_begin | u64
+//! end | [u8; 20] sha1 | label set registers | (kind 3) u64 at | bytes`,
+//! where `bytes` runs to the end of the payload and are the journal's bytes
+//! `[at, end)`. Kind 2 deletes the journal.
 //! Reading stops at the first record that is truncated or fails its CRC:
 //! that is the torn tail of a write that never completed.
 
@@ -28,6 +38,7 @@ use std::path::{Path, PathBuf};
 
 const KIND_COMMIT: u8 = 1;
 const KIND_DELETE: u8 = 2;
+const KIND_COMMIT_INLINE: u8 = 3;
 /// The log is rewritten from a snapshot once it grows past this size.
 pub const COMMIT_LOG_COMPACT_BYTES: u64 = 64 << 20;
 const FILE_NAME: &str = "commit.log";
@@ -56,21 +67,42 @@ pub struct CommitLog {
     compact_bytes: u64,
 }
 
-fn encode_record(out: &mut Vec<u8>, journal: &str, state: Option<&JournalState>) {
+/// The journal's bytes `[at, end)` of a commit, carried in its record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Inline {
+    pub at: u64,
+    pub bytes: Vec<u8>,
+}
+
+fn encode_record(
+    out: &mut Vec<u8>,
+    journal: &str,
+    state: Option<&JournalState>,
+    inline: Option<(u64, &[u8])>,
+) {
     let mut w = MetaWriter::new();
     match state {
         Some(st) => {
-            w.fixed(&KIND_COMMIT).str16(journal);
+            let kind = if inline.is_some() {
+                KIND_COMMIT_INLINE
+            } else {
+                KIND_COMMIT
+            };
+            w.fixed(&kind).str16(journal);
             w.fixed(&st.spool_begin.to_le_bytes())
                 .fixed(&st.end.to_le_bytes())
                 .fixed(&st.sha1)
                 .labels(&st.registers);
+            if let Some((at, bytes)) = inline {
+                debug_assert_eq!(at + bytes.len() as u64, st.end);
+                w.fixed(&at.to_le_bytes()).raw(bytes);
+            }
         }
         None => {
             w.fixed(&KIND_DELETE).str16(journal);
         }
     }
-    let payload = w.finish();
+    let payload = w.into_payload();
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     out.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
     out.extend_from_slice(&payload);
@@ -92,6 +124,8 @@ fn writer_of(file: &File, path: &Path) -> Result<std::fs::File, StorageError> {
 pub struct Replayed {
     pub last: JournalState,
     pub prev: Option<JournalState>,
+    /// The bytes the last record carries, if it carries them.
+    pub inline: Option<Inline>,
 }
 
 impl Replayed {
@@ -128,11 +162,22 @@ fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
     let kind: u8 = r.fixed("kind").ok()?;
     let journal = r.str16("journal").ok()?.to_string();
     match kind {
-        KIND_COMMIT => {
+        KIND_COMMIT | KIND_COMMIT_INLINE => {
             let spool_begin = u64::from_le_bytes(r.fixed("spool_begin").ok()?);
             let end = u64::from_le_bytes(r.fixed("end").ok()?);
             let sha1: [u8; 20] = r.fixed("sha1").ok()?;
             let registers = r.labels("registers").ok()?;
+            let inline = if kind == KIND_COMMIT_INLINE {
+                let at = u64::from_le_bytes(r.fixed("at").ok()?);
+                let len = end.checked_sub(at)?;
+                if at < spool_begin || len > payload.len() as u64 {
+                    return None;
+                }
+                let bytes = r.bytes(len as usize, "bytes").ok()?.to_vec();
+                Some(Inline { at, bytes })
+            } else {
+                None
+            };
             r.finish().ok()?;
             if end < spool_begin {
                 return None;
@@ -144,7 +189,7 @@ fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
                 registers,
             };
             let prev = states.remove(&journal).map(|r| r.last);
-            states.insert(journal, Replayed { last, prev });
+            states.insert(journal, Replayed { last, prev, inline });
         }
         KIND_DELETE => {
             r.finish().ok()?;
@@ -213,7 +258,7 @@ impl CommitLog {
         states: impl Iterator<Item = (&'a str, &'a JournalState)>,
     ) -> Result<(), StorageError> {
         for (journal, st) in restated {
-            encode_record(&mut self.pending, journal, st);
+            encode_record(&mut self.pending, journal, st, None);
         }
         self.flush(true).await?;
         match self.compact(states).await {
@@ -234,7 +279,7 @@ impl CommitLog {
         let tmp = path.with_extension("log.next");
         let mut bytes = Vec::new();
         for (journal, st) in states {
-            encode_record(&mut bytes, journal, Some(st));
+            encode_record(&mut bytes, journal, Some(st), None);
         }
         let mut file = OpenOptions::new()
             .read(true)
@@ -264,11 +309,22 @@ impl CommitLog {
     }
 
     pub fn record_commit(&mut self, journal: &str, state: &JournalState) {
-        encode_record(&mut self.pending, journal, Some(state));
+        encode_record(&mut self.pending, journal, Some(state), None);
+    }
+
+    /// A commit whose record carries the journal's bytes `[at, state.end)`.
+    pub fn record_commit_inline(
+        &mut self,
+        journal: &str,
+        state: &JournalState,
+        at: u64,
+        bytes: &[u8],
+    ) {
+        encode_record(&mut self.pending, journal, Some(state), Some((at, bytes)));
     }
 
     pub fn record_delete(&mut self, journal: &str) {
-        encode_record(&mut self.pending, journal, None);
+        encode_record(&mut self.pending, journal, None, None);
     }
 
     pub fn has_pending(&self) -> bool {
@@ -280,9 +336,9 @@ impl CommitLog {
         self.pending.clear();
     }
 
-    /// Writes pending records (synchronously, into the page cache); with
-    /// `sync`, fdatasyncs them too.
-    pub async fn flush(&mut self, sync: bool) -> Result<(), StorageError> {
+    /// Writes pending records with a plain `pwrite` on the calling thread,
+    /// into the page cache: they survive the process, not the machine.
+    pub fn write_pending(&mut self) -> Result<(), StorageError> {
         if !self.pending.is_empty() {
             use std::os::unix::fs::FileExt;
             self.writer
@@ -291,6 +347,13 @@ impl CommitLog {
             self.pos += self.pending.len() as u64;
             self.pending.clear();
         }
+        Ok(())
+    }
+
+    /// Writes pending records (synchronously, into the page cache); with
+    /// `sync`, fdatasyncs them too.
+    pub async fn flush(&mut self, sync: bool) -> Result<(), StorageError> {
+        self.write_pending()?;
         if sync {
             self.file
                 .sync_data()
@@ -350,12 +413,12 @@ mod tests {
     #[test]
     fn replay_keeps_last_two_states_and_stops_at_torn_tail() {
         let mut bytes = Vec::new();
-        encode_record(&mut bytes, "a/b/c", Some(&st(10, "1")));
-        encode_record(&mut bytes, "x/y/z", Some(&st(20, "2")));
-        encode_record(&mut bytes, "a/b/c", Some(&st(30, "3")));
-        encode_record(&mut bytes, "x/y/z", None);
+        encode_record(&mut bytes, "a/b/c", Some(&st(10, "1")), None);
+        encode_record(&mut bytes, "x/y/z", Some(&st(20, "2")), None);
+        encode_record(&mut bytes, "a/b/c", Some(&st(30, "3")), None);
+        encode_record(&mut bytes, "x/y/z", None, None);
         let full = bytes.len();
-        encode_record(&mut bytes, "a/b/c", Some(&st(40, "4")));
+        encode_record(&mut bytes, "a/b/c", Some(&st(40, "4")), None);
         // Every cut inside the last record leaves exactly the first four.
         for cut in full..bytes.len() {
             let mut states = HashMap::new();
@@ -374,10 +437,54 @@ mod tests {
         let mut states = HashMap::new();
         assert_eq!(replay(&bad, &mut states), full);
         // A journal deleted and written again has no earlier state.
-        encode_record(&mut bytes, "x/y/z", Some(&st(50, "5")));
+        encode_record(&mut bytes, "x/y/z", Some(&st(50, "5")), None);
         let mut states = HashMap::new();
         replay(&bytes, &mut states);
         assert_eq!(states["x/y/z"].prev, None);
+    }
+
+    #[test]
+    fn only_the_last_record_keeps_its_inline_bytes() {
+        let mut bytes = Vec::new();
+        let mut log = |st: JournalState, inline: Option<(u64, &[u8])>| {
+            encode_record(&mut bytes, "a/b/c", Some(&st), inline);
+        };
+        log(st(10, "1"), Some((7, b"abc")));
+        log(st(12, "2"), Some((10, b"de")));
+        let mut states = HashMap::new();
+        replay(&bytes, &mut states);
+        let r = &states["a/b/c"];
+        assert_eq!((&r.last, &r.prev), (&st(12, "2"), &Some(st(10, "1"))));
+        assert_eq!(
+            r.inline,
+            Some(Inline {
+                at: 10,
+                bytes: b"de".to_vec()
+            })
+        );
+        // A record without bytes after it leaves none.
+        encode_record(&mut bytes, "a/b/c", Some(&st(12, "3")), None);
+        let mut states = HashMap::new();
+        assert_eq!(replay(&bytes, &mut states), bytes.len());
+        assert_eq!(states["a/b/c"].inline, None);
+        // Bytes that do not end at the record's end are a damaged record.
+        let mut bad = Vec::new();
+        encode_record(&mut bad, "a/b/c", Some(&st(9, "1")), None);
+        let good = bad.len();
+        let mut w = MetaWriter::new();
+        w.fixed(&KIND_COMMIT_INLINE).str16("a/b/c");
+        w.fixed(&7u64.to_le_bytes())
+            .fixed(&10u64.to_le_bytes())
+            .fixed(&[0u8; 20])
+            .labels(&LabelSet::default())
+            .fixed(&8u64.to_le_bytes())
+            .raw(b"x");
+        let payload = w.into_payload();
+        bad.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        bad.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
+        bad.extend_from_slice(&payload);
+        let mut states = HashMap::new();
+        assert_eq!(replay(&bad, &mut states), good);
     }
 
     #[test]
