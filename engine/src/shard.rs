@@ -122,6 +122,10 @@ fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
 /// New bytes of one journal's batch that its commit record may carry, so
 /// that the batch is answered without waiting for its spool write.
 const INLINE_BYTES_MAX: u64 = 32 << 10;
+/// New bytes of a whole turn beyond which no record carries any: a turn
+/// that busy is bound by the CPU, which copying every byte into the log as
+/// well would only slow, and its write is shared by many appends.
+const INLINE_TURN_BYTES_MAX: u64 = 64 << 10;
 
 /// Batches of one journal proposed to replicas and not yet acknowledged.
 const INFLIGHT_BATCHES_MAX: usize = 16;
@@ -1210,8 +1214,6 @@ impl Shard {
             }
         }
         let staged_at = Instant::now();
-        // Replicas get this turn's content while the spools are written.
-        self.flush_pipelines();
         // 3. Write every spool with staged bytes and this batch's commit-log
         // records, all at the same time; `fsync` spools and the log are
         // fdatasync'ed after their writes. A record can thus reach the disk
@@ -1250,13 +1252,15 @@ impl Shard {
             Vec::new()
         };
         let mut early_waits = HashMap::new();
-        if !early.is_empty() {
-            for j in &early {
-                if let Some(waits) = self.answer_early(j) {
-                    early_waits.insert(Rc::as_ptr(j), waits);
-                }
+        for j in &early {
+            if let Some(waits) = self.answer_early(j) {
+                early_waits.insert(Rc::as_ptr(j), waits);
             }
-            self.flush_pipelines();
+        }
+        // Replicas get this turn's content (and early proposals, in the
+        // same send) while the spools are written.
+        self.flush_pipelines();
+        if !early.is_empty() {
             yield_now().await;
         }
         let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
@@ -1452,6 +1456,19 @@ impl Shard {
         let log = log.as_mut().expect("commit log present");
         let mut states = self.states.borrow_mut();
         let mut early = Vec::new();
+        let new_bytes: u64 = committing
+            .iter()
+            .map(|j| {
+                let jm = j.borrow();
+                let end = jm.staged.last().expect("non-empty").end;
+                end.saturating_sub(jm.spool.as_ref().expect("spool").written())
+            })
+            .sum();
+        let carry_max = if new_bytes <= INLINE_TURN_BYTES_MAX {
+            INLINE_BYTES_MAX
+        } else {
+            0
+        };
         for j in committing {
             let jm = j.borrow();
             let last = jm.staged.last().expect("non-empty");
@@ -1469,7 +1486,7 @@ impl Shard {
             let carried = (jm.spec.durability == Durability::Replicated)
                 .then(|| match last.end.checked_sub(from) {
                     None | Some(0) => Some(None),
-                    Some(n) if n <= INLINE_BYTES_MAX => {
+                    Some(n) if n <= carry_max => {
                         spool.staged_since(from).map(|b| Some(&b[..n as usize]))
                     }
                     Some(_) => None,
