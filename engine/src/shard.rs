@@ -2627,12 +2627,10 @@ impl Shard {
             let head = j.borrow().head;
             return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
+        // Appends already answered are readable, and count in the write
+        // head, if a moment later: their spool write completes in the turn.
+        settle_answered(&j).await;
         let mut offset = req.offset.unwrap_or(j.borrow().head);
-        // Bytes already answered to their appender are readable, if a
-        // moment later (their spool write completes within the turn).
-        if !block {
-            settle_answered(&j, offset).await;
-        }
         let head = j.borrow().read_head();
         if metadata_only {
             return done(Status::OK, offset, head, "");
@@ -2701,7 +2699,7 @@ impl Shard {
             }
             let Some(loc) = located else {
                 if !block && offset < j.borrow().answered {
-                    settle_answered(&j, offset).await;
+                    settle_answered(&j).await;
                     continue;
                 }
                 if !block {
@@ -2971,13 +2969,13 @@ async fn yield_now() {
 /// Takes the journal's open append back out of its spool (and out of its
 /// replicas'): the next append begins where the last commit ended. Only
 /// between batches (nothing staged in this turn but the open append).
-/// Waits until `offset` is readable if the bytes there were answered to
-/// their appender but are still being written to the spool.
-async fn settle_answered(j: &JournalRef, offset: u64) {
+/// Waits while appends answered to their appenders are still being
+/// written to the spool, until they are readable.
+async fn settle_answered(j: &JournalRef) {
     loop {
         let l = {
             let jm = j.borrow();
-            if jm.deleted || offset < jm.head || offset >= jm.answered {
+            if jm.deleted || jm.head >= jm.answered {
                 return;
             }
             jm.committed.listen()

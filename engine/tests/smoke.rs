@@ -339,6 +339,24 @@ fn an_answered_append_is_readable_at_once() {
         let (got, status) = reader.read_all(name, reply.begin);
         assert_eq!(status, Status::OK, "append {i}");
         assert!(got == bytes, "append {i}: read {} bytes", got.len());
+        // At the new head there is nothing yet, and the write head in the
+        // answer (READ_DONE meta: offset, write_head) counts the append;
+        // so does the head a metadata-only read resolves.
+        for (offset, flags, status) in [
+            (Some(reply.end), 0, Status::OFFSET_NOT_YET_AVAILABLE),
+            (None, flag::METADATA_ONLY, Status::OK),
+        ] {
+            let read = rotary_net::wire::ReadRequest {
+                journal: name.into(),
+                offset,
+                end_offset: None,
+            };
+            reader.send(Op::READ, flags, 7, &read.encode(), &[]);
+            let done = reader.recv();
+            assert_eq!((done.op, done.status), (Op::READ_DONE, status));
+            let head = u64::from_le_bytes(done.meta[8..16].try_into().unwrap());
+            assert_eq!(head, reply.end, "append {i}: write head of {offset:?}");
+        }
     }
 }
 
