@@ -260,6 +260,24 @@ fn registers_of(c: &mut Conn, name: &str) -> String {
     reply.registers.to_text()
 }
 
+/// Appends `a` (registers owner=a) and then `b` (owner=b) to a new journal
+/// on a broker over `dir` that is left running, as if killed; returns b's
+/// reply.
+fn append_owned_pair(dir: &std::path::Path, name: &str, a: &[u8], b: &[u8]) -> AppendReply {
+    let broker = start(dir, 1);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new(name)]);
+    let mut r = req(name);
+    r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "a")]).unwrap();
+    assert_eq!(c.append(&r, a).0, Status::OK);
+    let mut r = req(name);
+    r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "b")]).unwrap();
+    let (status, reply) = c.append(&r, b);
+    assert_eq!((status, reply.begin), (Status::OK, a.len() as u64));
+    std::mem::forget(broker);
+    reply
+}
+
 #[test]
 fn an_answered_batch_whose_spool_write_never_landed_comes_back_from_the_log() {
     // A small batch is answered once its commit-log record, which carries
@@ -270,21 +288,7 @@ fn an_answered_batch_whose_spool_write_never_landed_comes_back_from_the_log() {
     let name = "smoke/carried-batch";
     let a: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
     let b: Vec<u8> = (0..3000u32).map(|i| (i * 13 + 1) as u8).collect();
-    let sha_b;
-    {
-        let broker = start(dir.path(), 1);
-        let mut c = Conn::new(broker.endpoints[0]);
-        c.apply(&[JournalSpec::new(name)]);
-        let mut r = req(name);
-        r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "a")]).unwrap();
-        assert_eq!(c.append(&r, &a).0, Status::OK);
-        let mut r = req(name);
-        r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "b")]).unwrap();
-        let (status, reply) = c.append(&r, &b);
-        assert_eq!((status, reply.begin), (Status::OK, a.len() as u64));
-        sha_b = reply.sha1;
-        std::mem::forget(broker);
-    }
+    let sha_b = append_owned_pair(dir.path(), name, &a, &b).sha1;
     let mut hasher = sha1::Sha1::new();
     sha1::Digest::update(&mut hasher, &b);
     assert_eq!(sha_b, <[u8; 20]>::from(sha1::Digest::finalize(hasher)));
@@ -371,19 +375,7 @@ fn a_commit_record_whose_spool_bytes_never_landed_is_passed_over() {
     let name = "smoke/torn-batch";
     let a: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
     let b = vec![0xabu8; 40_000];
-    {
-        let broker = start(dir.path(), 1);
-        let mut c = Conn::new(broker.endpoints[0]);
-        c.apply(&[JournalSpec::new(name)]);
-        let mut r = req(name);
-        r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "a")]).unwrap();
-        assert_eq!(c.append(&r, &a).0, Status::OK);
-        let mut r = req(name);
-        r.union_registers = rotary_net::LabelSet::from_pairs([("owner", "b")]).unwrap();
-        let (status, reply) = c.append(&r, &b);
-        assert_eq!((status, reply.begin), (Status::OK, a.len() as u64));
-        std::mem::forget(broker);
-    }
+    append_owned_pair(dir.path(), name, &a, &b);
     // Intact files: both appends are there.
     let (_copy, broker) = restart_copy(dir.path(), |_| {});
     let mut c = Conn::new(broker.endpoints[0]);
