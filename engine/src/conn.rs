@@ -1003,8 +1003,7 @@ impl Conn {
                 };
                 let local = self.shard.delete_journal(&name, revision);
                 let peers = if !is_local {
-                    let revised = serde_json::to_vec(&serde_json::json!({ "revision": revision }))
-                        .expect("json");
+                    let revised = delete_payload(revision);
                     self.fan_out(Op::DELETE, frame.meta, &revised).await
                 } else {
                     None
@@ -1219,6 +1218,12 @@ fn parse_apply(payload: &[u8], local: bool) -> Result<(Vec<JournalSpec>, Option<
             Err(_) => Err(format!("specs: {e}")),
         },
     }
+}
+
+/// DELETE's payload from a peer broker (flag LOCAL): the deletion's
+/// revision, `{"revision": N}`. Read back by [`parse_revision`].
+pub(crate) fn delete_payload(revision: u64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({ "revision": revision })).expect("json")
 }
 
 /// DELETE's payload: empty, or from a peer broker (flag LOCAL)

@@ -676,9 +676,7 @@ impl Shard {
                     }
                     // The journal's own shard deletes it, files and all.
                     let owner = rotary_net::shard_of(&name, self.shards) as usize;
-                    let payload =
-                        serde_json::to_vec(&serde_json::json!({ "revision": e.revision }))
-                            .expect("json");
+                    let payload = crate::conn::delete_payload(e.revision);
                     let res = crate::pipeline::unary(
                         self.endpoints[owner],
                         Op::DELETE,
