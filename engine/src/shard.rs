@@ -1249,6 +1249,7 @@ impl Shard {
         } else {
             Vec::new()
         };
+        let is_early = |j: &JournalRef| early.iter().any(|x| Rc::ptr_eq(x, j));
         let mut early_waits = HashMap::new();
         for j in &early {
             if let Some(waits) = self.answer_early(j) {
@@ -1311,7 +1312,7 @@ impl Shard {
             }
             if let Err(e) = res.and(synced.unwrap_or(Ok(()))) {
                 let e = StorageError::io(&path, e);
-                if early.iter().any(|x| Rc::ptr_eq(x, &j)) {
+                if is_early(&j) {
                     // Answered already: the bytes are in the commit log
                     // only, and the spool cannot take them. Recovery writes
                     // them from the log into the spool.
@@ -1333,7 +1334,7 @@ impl Shard {
             for j in &committing {
                 // Batches answered early had their records written; only
                 // the fdatasync for `fsync` journals failed.
-                if !j.borrow().staged.is_empty() && !early.iter().any(|x| Rc::ptr_eq(x, j)) {
+                if !j.borrow().staged.is_empty() && !is_early(j) {
                     self.fail_batch(j, status, &e.to_string());
                 }
             }
@@ -1357,7 +1358,7 @@ impl Shard {
                 (jm.staged_with_replicas, jm.repl.is_some())
             };
             if !staged_with_replicas {
-                if early.iter().any(|x| Rc::ptr_eq(x, j)) {
+                if is_early(j) {
                     // Answered and counted when its record was written.
                     let staged = self.commit_local(j);
                     self.publish_counted(j, staged, None);
@@ -1526,28 +1527,7 @@ impl Shard {
             return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
         }
         self.count_appends(&jm.staged, false);
-        for s in &jm.staged {
-            if s.op.finished.replace(true) {
-                continue;
-            }
-            match &s.op.replica {
-                Some(r) => r.sink.push(s.seq, Status::OK, Vec::new()),
-                None => s.op.outbox.frame(
-                    Op::APPEND_REPLY,
-                    Status::OK,
-                    s.op.request_id,
-                    &AppendReply {
-                        begin: s.begin,
-                        end: s.end,
-                        write_head: s.end,
-                        sha1: s.sha1,
-                        registers: s.registers.clone(),
-                    }
-                    .encode(),
-                    &[],
-                ),
-            }
-        }
+        jm.staged.iter().for_each(answer_ok);
         jm.answered = jm.answered.max(last);
         None
     }
@@ -2566,27 +2546,7 @@ impl Shard {
                 s.op.reply_error(f.status, &reply, &f.message);
                 continue;
             }
-            if s.op.finished.replace(true) {
-                continue;
-            }
-            if let Some(r) = &s.op.replica {
-                r.sink.push(s.seq, Status::OK, Vec::new());
-                continue;
-            }
-            let reply = AppendReply {
-                begin: s.begin,
-                end: s.end,
-                write_head: s.end,
-                sha1: s.sha1,
-                registers: s.registers.clone(),
-            };
-            s.op.outbox.frame(
-                Op::APPEND_REPLY,
-                Status::OK,
-                s.op.request_id,
-                &reply.encode(),
-                &[],
-            );
+            answer_ok(s);
         }
         jm.committed.notify(usize::MAX);
     }
@@ -2967,6 +2927,32 @@ async fn yield_now() {
 /// Takes the journal's open append back out of its spool (and out of its
 /// replicas'): the next append begins where the last commit ended. Only
 /// between batches (nothing staged in this turn but the open append).
+/// Answers a committed append OK, unless it was answered already: a
+/// replica's append with an ack to its primary, a client's with its reply.
+fn answer_ok(s: &Staged) {
+    if s.op.finished.replace(true) {
+        return;
+    }
+    if let Some(r) = &s.op.replica {
+        r.sink.push(s.seq, Status::OK, Vec::new());
+        return;
+    }
+    let reply = AppendReply {
+        begin: s.begin,
+        end: s.end,
+        write_head: s.end,
+        sha1: s.sha1,
+        registers: s.registers.clone(),
+    };
+    s.op.outbox.frame(
+        Op::APPEND_REPLY,
+        Status::OK,
+        s.op.request_id,
+        &reply.encode(),
+        &[],
+    );
+}
+
 /// Waits while appends answered to their appenders are still being
 /// written to the spool, until they are readable.
 async fn settle_answered(j: &JournalRef) {
