@@ -216,13 +216,10 @@ pub struct Journal {
     /// Write head visible to readers: committed here and on every replica.
     pub head: u64,
     pub registers: LabelSet,
-    /// The spool's committed bytes up to here go to its file behind the
-    /// appends (see `Shard::write_behind`), one write at a time.
-    pub write_target: u64,
-    /// A task is writing the spool up to `write_target`.
-    pub writing: bool,
-    /// Notified each time that task's write completes, and when it ends.
-    pub written: Event,
+    /// Answered to appenders. Beyond `head` only while a batch answered
+    /// from the commit log (see `Shard::answer_early`) waits for its spool
+    /// write; readers of those bytes wait for it too.
+    pub answered: u64,
     /// Committed here (in the commit log); replicas may not have acked yet.
     pub local_head: u64,
     pub local_registers: LabelSet,
@@ -345,9 +342,7 @@ impl Journal {
             spool: None,
             head: 0,
             registers: LabelSet::new(),
-            write_target: 0,
-            writing: false,
-            written: Event::new(),
+            answered: 0,
             local_head: 0,
             local_registers: LabelSet::new(),
             repl: None,
@@ -486,12 +481,6 @@ impl Journal {
     /// Where `offset` can be read: local files first (sealed fragments,
     /// then the spool), then the stores, preferring the larger fragment.
     /// An offset in a gap of history resolves to the next span's start.
-    /// Readable bytes of `[from, to)` that the open spool holds only in its
-    /// buffer, while the write behind the appends catches up.
-    pub fn unwritten(&self, from: u64, to: u64) -> Option<&[u8]> {
-        self.spool.as_ref()?.unwritten(from, to.min(self.head))
-    }
-
     pub fn locate(&self, offset: u64) -> Option<Located> {
         let local = |at: u64| -> Option<Located> {
             for f in &self.fragments {
@@ -506,9 +495,8 @@ impl Journal {
             }
             let spool = self.spool.as_ref()?;
             // Bytes committed here but not yet acknowledged by every
-            // replica are not readable, and bytes not yet written are read
-            // from the spool's buffer (`Journal::unwritten`).
-            let end = spool.committed().min(self.head).min(spool.written());
+            // replica are not readable.
+            let end = spool.committed().min(self.head);
             (spool.begin() <= at && at < end).then(|| Located {
                 file: FileRef::Open(spool.file().clone()),
                 offset: at,

@@ -64,9 +64,6 @@ pub struct Shard {
     /// Set while the flusher works on a turn.
     busy: Cell<bool>,
     idle: Event,
-    /// Journals with a write behind their appends ([`Shard::write_behind`]).
-    writers: Cell<usize>,
-    writers_idle: Event,
     pub uploader: Uploader,
     upload_done: async_channel::Sender<UploadDone>,
     upload_done_rx: RefCell<Option<async_channel::Receiver<UploadDone>>>,
@@ -268,8 +265,6 @@ impl Shard {
             shutting_down: Cell::new(false),
             busy: Cell::new(false),
             idle: Event::new(),
-            writers: Cell::new(0),
-            writers_idle: Event::new(),
             uploader,
             upload_done: done_tx,
             upload_done_rx: RefCell::new(Some(done_rx)),
@@ -1167,17 +1162,15 @@ impl Shard {
         self.submit_append(j, op);
     }
 
-    /// Waits until the flusher has nothing queued and is not mid-turn, and
-    /// every committed byte is in its spool file.
+    /// Waits until the flusher has nothing queued and is not mid-turn.
     pub async fn drained(&self) {
         loop {
             let l = self.idle.listen();
             if !self.busy.get() && self.ready.borrow().is_empty() {
-                break;
+                return;
             }
             l.await;
         }
-        self.settle_all_writes().await;
     }
 
     /// The flusher loop. Never returns.
@@ -1219,89 +1212,57 @@ impl Shard {
             }
         }
         let staged_at = Instant::now();
-        // 3. Commit-log records of every journal with complete appends.
+        // 3. Write every spool with staged bytes and this batch's commit-log
+        // records, all at the same time; `fsync` spools and the log are
+        // fdatasync'ed after their writes. A record can thus reach the disk
+        // without its spool bytes; recovery checks each journal's last record
+        // against the spool's SHA-1 and falls back to the record before it.
         let committing: Vec<JournalRef> = ready
             .iter()
             .filter(|j| !j.borrow().staged.is_empty())
             .cloned()
             .collect();
-        // Recovery takes carried bytes from a journal's last record only,
-        // so a record that cannot carry its batch must follow every earlier
-        // byte of the journal onto the disk.
-        for j in &committing {
-            if j.borrow().writing && !carriable(&j.borrow()) {
-                settle_write(j).await;
+        let early = self.record_commits(&committing);
+        let mut writing = Vec::new();
+        for j in &ready {
+            let mut jm = j.borrow_mut();
+            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
+            let Some(spool) = jm.spool.as_mut() else {
+                continue;
+            };
+            let file = spool.file().clone();
+            let w = spool.take_write();
+            if w.is_some() || fsync {
+                writing.push((j.clone(), w, file, fsync));
             }
         }
-        let early = self.record_commits(&committing);
+        let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
+        let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
         // The log's records go first, into the page cache. Batches whose
-        // records carry their bytes (or whose bytes are on disk already)
-        // are answered, committed and published now, and their spools are
-        // written behind them: the next batch does not wait for that write.
+        // records carry their bytes (or whose bytes are already on disk)
+        // are answered now; their replies and proposals are sent before
+        // the spool writes are submitted.
         let log_written = self.write_log();
+        // Without their records nothing is answered early; the batch fails.
         let early = if log_written.is_ok() {
             early
         } else {
-            // No record reached the log, and the failed batches are
-            // restated below: by then their journals' earlier bytes must be
-            // on disk, since the restating records carry none.
-            for j in &committing {
-                settle_write(j).await;
-            }
             Vec::new()
         };
         let is_early = |j: &JournalRef| early.iter().any(|x| Rc::ptr_eq(x, j));
+        let mut early_waits = HashMap::new();
         for j in &early {
-            let waits = self.answer_early(j);
-            self.finish_batch(j, true, waits);
+            if let Some(waits) = self.answer_early(j) {
+                early_waits.insert(Rc::as_ptr(j), waits);
+            }
         }
-        // Replicas get this turn's content and early proposals while the
-        // spools are written.
+        // Replicas get this turn's content (and early proposals, in the
+        // same send) while the spools are written.
         self.flush_pipelines();
-        for j in &early {
-            let to = j.borrow().spool.as_ref().map_or(0, |s| s.committed());
-            self.write_behind(j, to);
-        }
-        // 4. Write the other journals' staged bytes, each once the write
-        // behind its earlier appends is done; `fsync` spools and the log
-        // are fdatasync'ed after their writes. A record can thus reach the
-        // disk without its spool bytes; recovery checks each journal's last
-        // record against the spool's SHA-1 and falls back to the record
-        // before it.
-        // Staged bytes of appends not yet complete (or of a replica's
-        // appends awaiting their proposals) are written too, to make room
-        // in the buffer, unless a write behind the journal's appends is
-        // still running and the buffer has room: they wait for their
-        // commit then, and the turn does not wait for that write.
-        let mut writing = Vec::new();
-        for j in &ready {
-            if is_early(j) {
-                continue;
-            }
-            let jm = j.borrow();
-            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
-            let deferred =
-                jm.writing && jm.staged.is_empty() && !again.iter().any(|x| Rc::ptr_eq(x, j));
-            if jm
-                .spool
-                .as_ref()
-                .is_some_and(|s| (s.staged() > s.written() && !deferred) || fsync)
-            {
-                writing.push((j.clone(), fsync));
-            }
-        }
-        let any_fsync = writing.iter().any(|(_, fsync)| *fsync);
-        if !early.is_empty() && !writing.is_empty() {
-            // Replies first, then the writes.
+        if !early.is_empty() {
             yield_now().await;
         }
-        let spool_writes = join_all(writing.into_iter().map(|(j, fsync)| async move {
-            settle_write(&j).await;
-            let (w, file) = {
-                let mut jm = j.borrow_mut();
-                let spool = jm.spool.as_mut().expect("checked");
-                (spool.take_write(), spool.file().clone())
-            };
+        let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
             let mut res = Ok(());
             let w = match w {
                 Some(w) => {
@@ -1340,7 +1301,6 @@ impl Shard {
                 .unwrap_or_default();
             if let Some(w) = w {
                 metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
-                metrics::add(&self.metrics.batches, 1);
                 j.borrow_mut()
                     .spool
                     .as_mut()
@@ -1352,8 +1312,18 @@ impl Shard {
             }
             if let Err(e) = res.and(synced.unwrap_or(Ok(()))) {
                 let e = StorageError::io(&path, e);
+                if is_early(&j) {
+                    // Answered already: the bytes are in the commit log
+                    // only, and the spool cannot take them. Recovery writes
+                    // them from the log into the spool.
+                    tracing::error!(error = %e, "spool write of an answered batch failed; stopping so recovery restores it from the commit log");
+                    std::process::abort();
+                }
                 failed.push((j, storage_status(&e), e.to_string()));
             }
+        }
+        if wrote {
+            metrics::add(&self.metrics.batches, 1);
         }
         for (j, status, msg) in &failed {
             self.fail_batch(j, *status, msg);
@@ -1372,16 +1342,55 @@ impl Shard {
         // Journals that failed may have a record in the log naming bytes
         // that are not on disk: the log restates what they hold.
         for j in &committing {
-            if j.borrow().staged.is_empty() && !is_early(j) {
+            if j.borrow().staged.is_empty() {
                 self.restate(j);
             }
         }
-        // 5. Acknowledge, or propose to the replicas and let the acker
+        let committing: Vec<JournalRef> = committing
+            .into_iter()
+            .filter(|j| !j.borrow().staged.is_empty())
+            .collect();
+        // 6. Acknowledge, or propose to the replicas and let the acker
         // acknowledge once every replica has.
         for j in &committing {
-            if !is_early(j) && !j.borrow().staged.is_empty() {
-                self.finish_batch(j, false, None);
+            let (staged_with_replicas, repl_now) = {
+                let jm = j.borrow();
+                (jm.staged_with_replicas, jm.repl.is_some())
+            };
+            if !staged_with_replicas {
+                if is_early(j) {
+                    // Answered and counted when its record was written.
+                    let staged = self.commit_local(j);
+                    self.publish_counted(j, staged, None);
+                } else {
+                    self.acknowledge(j);
+                }
+                continue;
             }
+            if !repl_now {
+                // The pipelines broke while this batch was written: it
+                // is committed here, but no replica will confirm it.
+                let staged = self.commit_local(j);
+                let f = Failure::new(
+                    Status::REPLICATION_FAILED,
+                    "the replication pipeline broke before the append was proposed",
+                );
+                self.publish(j, staged, Some(&f));
+                continue;
+            }
+            // Proposed already if the batch was answered from the log.
+            let early = early_waits.remove(&Rc::as_ptr(j));
+            let staged = self.commit_local(j);
+            let mut jm = j.borrow_mut();
+            let waits = early.unwrap_or_else(|| propose(&jm, &staged));
+            jm.inflight += 1;
+            drop(jm);
+            self.inflight.borrow_mut().push_back(InFlight {
+                j: j.clone(),
+                staged,
+                waits,
+            });
+            self.inflight_event.notify(usize::MAX);
         }
         self.flush_pipelines();
         let acked = Instant::now();
@@ -1392,8 +1401,6 @@ impl Shard {
             .as_ref()
             .is_some_and(|l| l.needs_compaction() && !l.has_pending());
         if compact {
-            // The snapshot carries no bytes: every spool must hold its own.
-            self.settle_all_writes().await;
             let mut log = self.log.borrow_mut().take().expect("commit log present");
             let states = self.states.borrow().clone();
             // The snapshot replaces the old log, whose blocks are freed at
@@ -1475,24 +1482,15 @@ impl Shard {
                 registers: last.registers.clone(),
             };
             let from = spool.written();
-            // A journal with a write behind it always carries (the turn
-            // made sure it can): its earlier bytes may not be on disk.
-            let max = if jm.writing {
-                INLINE_BYTES_MAX
-            } else {
-                carry_max
-            };
             let carried = (jm.spec.durability == Durability::Replicated)
                 .then(|| match last.end.checked_sub(from) {
                     None | Some(0) => Some(None),
-                    Some(n) if n <= max => spool.staged_since(from).map(|b| Some(&b[..n as usize])),
+                    Some(n) if n <= carry_max => {
+                        spool.staged_since(from).map(|b| Some(&b[..n as usize]))
+                    }
                     Some(_) => None,
                 })
                 .flatten();
-            debug_assert!(
-                carried.is_some() || !jm.writing,
-                "an uncarried record behind a write"
-            );
             match carried {
                 Some(Some(bytes)) => log.record_commit_inline(&jm.name, &st, from, bytes),
                 _ => log.record_commit(&jm.name, &st),
@@ -1523,128 +1521,15 @@ impl Shard {
     /// a client's get their replies; a primary's are proposed to its
     /// replicas, and the waits for their acks are returned.
     fn answer_early(&self, j: &JournalRef) -> Option<Vec<Wait>> {
-        let jm = j.borrow();
+        let mut jm = j.borrow_mut();
+        let last = jm.staged.last().expect("non-empty").end;
         if jm.staged_with_replicas {
             return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
         }
         self.count_appends(&jm.staged, false);
         jm.staged.iter().for_each(answer_ok);
+        jm.answered = jm.answered.max(last);
         None
-    }
-
-    /// Commits a journal's batch whose record is in the log and, unless it
-    /// has replicas, publishes and answers it. A primary's batch goes to
-    /// the acker, which publishes it once every replica acknowledged;
-    /// `proposed` holds the waits if it was proposed already. An `early`
-    /// batch was answered (or proposed) when its record was written.
-    fn finish_batch(&self, j: &JournalRef, early: bool, proposed: Option<Vec<Wait>>) {
-        let (staged_with_replicas, repl_now) = {
-            let jm = j.borrow();
-            (jm.staged_with_replicas, jm.repl.is_some())
-        };
-        if !staged_with_replicas {
-            let staged = self.commit_local(j);
-            if early {
-                self.publish_counted(j, staged, None);
-            } else {
-                self.publish(j, staged, None);
-            }
-            return;
-        }
-        if !repl_now {
-            // The pipelines broke while this batch was staged or written:
-            // it is committed here, but no replica will confirm it.
-            let staged = self.commit_local(j);
-            let f = Failure::new(
-                Status::REPLICATION_FAILED,
-                "the replication pipeline broke before the append was proposed",
-            );
-            self.publish(j, staged, Some(&f));
-            return;
-        }
-        let staged = self.commit_local(j);
-        let mut jm = j.borrow_mut();
-        let waits = proposed.unwrap_or_else(|| propose(&jm, &staged));
-        jm.inflight += 1;
-        drop(jm);
-        self.inflight.borrow_mut().push_back(InFlight {
-            j: j.clone(),
-            staged,
-            waits,
-        });
-        self.inflight_event.notify(usize::MAX);
-    }
-
-    /// Has a task of the journal's own write its spool up to `to`, which
-    /// is committed and carried by the commit log, while the shard stages
-    /// and answers the next batches. One such task per journal: it writes
-    /// whatever is committed by the time each of its writes completes.
-    fn write_behind(&self, j: &JournalRef, to: u64) {
-        let mut jm = j.borrow_mut();
-        jm.write_target = jm.write_target.max(to);
-        if jm.writing || jm.spool.as_ref().is_none_or(|s| s.written() >= to) {
-            return;
-        }
-        jm.writing = true;
-        drop(jm);
-        self.writers.set(self.writers.get() + 1);
-        let me = self
-            .me
-            .borrow()
-            .upgrade()
-            .expect("the shard outlives its tasks");
-        let j = j.clone();
-        compio::runtime::spawn(async move { me.write_behind_task(j).await }).detach();
-    }
-
-    async fn write_behind_task(&self, j: JournalRef) {
-        loop {
-            let next = {
-                let mut jm = j.borrow_mut();
-                let target = jm.write_target;
-                match jm.spool.as_mut() {
-                    Some(s) if s.written() < target && target <= s.committed() => {
-                        Some((s.take_copy_write(target), s.file().clone()))
-                    }
-                    _ => None,
-                }
-            };
-            let Some((w, file)) = next else { break };
-            let (res, w) = w.run(&file).await;
-            metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
-            metrics::add(&self.metrics.batches, 1);
-            let mut jm = j.borrow_mut();
-            if let Err(e) = res {
-                let path = jm.spool.as_ref().map(|s| s.path().display().to_string());
-                // Answered already: the bytes are in the commit log only,
-                // and the spool cannot take them. Recovery writes them from
-                // the log into the spool.
-                tracing::error!(path = ?path, error = %e, "spool write of answered appends failed; stopping so that recovery restores them from the commit log");
-                std::process::abort();
-            }
-            // A deleted journal's spool is gone; its write no longer matters.
-            if let Some(s) = jm.spool.as_mut().filter(|s| Rc::ptr_eq(s.file(), &file)) {
-                s.copy_write_done(w, true);
-            }
-            jm.written.notify(usize::MAX);
-        }
-        let mut jm = j.borrow_mut();
-        jm.writing = false;
-        jm.written.notify(usize::MAX);
-        drop(jm);
-        self.writers.set(self.writers.get() - 1);
-        self.writers_idle.notify(usize::MAX);
-    }
-
-    /// Waits until no spool of this shard has a write behind its appends.
-    async fn settle_all_writes(&self) {
-        loop {
-            let l = self.writers_idle.listen();
-            if self.writers.get() == 0 {
-                return;
-            }
-            l.await;
-        }
     }
 
     /// Adds a commit-log record of what a journal's spool holds committed,
@@ -2000,7 +1885,6 @@ impl Shard {
                 });
             };
             tracing::warn!(journal = %name, from = head, to, "a replica is ahead; rolling the journal forward");
-            settle_write(j).await;
             let spool = j.borrow_mut().spool.take();
             if let Some(spool) = spool {
                 // Empty: the SYNC started by sealing.
@@ -2101,7 +1985,6 @@ impl Shard {
     }
 
     async fn seal(&self, j: &JournalRef) {
-        settle_write(j).await;
         let (spool, durable) = {
             let mut jm = j.borrow_mut();
             let durable = jm.spec.durability == Durability::Fsync;
@@ -2600,6 +2483,12 @@ impl Shard {
         jm.active = None;
     }
 
+    /// Commits and acknowledges the staged appends of a journal.
+    fn acknowledge(&self, j: &JournalRef) {
+        let staged = self.commit_local(j);
+        self.publish(j, staged, None);
+    }
+
     /// Moves the journal's local commit point past its staged appends
     /// (the commit log holds them) and returns them.
     fn commit_local(&self, j: &JournalRef) -> Vec<Staged> {
@@ -2696,6 +2585,9 @@ impl Shard {
             let head = j.borrow().head;
             return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
+        // Appends already answered are readable, and count in the write
+        // head, if a moment later: their spool write completes in the turn.
+        settle_answered(&j).await;
         let mut offset = req.offset.unwrap_or(j.borrow().head);
         let head = j.borrow().read_head();
         if metadata_only {
@@ -2735,17 +2627,14 @@ impl Shard {
                     "journal was deleted",
                 );
             }
-            // Recent bytes come from memory when the tail cache has them,
-            // or when the spool's write has yet to take them to its file.
+            // Recent bytes come from memory when the tail cache has them.
             let served = {
                 let jm = j.borrow();
                 let limit = req
                     .end_offset
                     .map_or(jm.head, |e| e.min(jm.head))
                     .min(offset + READ_CHUNK_BYTES as u64);
-                let cached = jm.tail.get(offset, limit);
-                let bytes = cached.or_else(|| jm.unwritten(offset, limit));
-                bytes.map(|bytes| {
+                jm.tail.get(offset, limit).map(|bytes| {
                     let meta = ReadData {
                         offset: U64::new(offset),
                     };
@@ -2767,6 +2656,10 @@ impl Shard {
                 continue;
             }
             let Some(loc) = located else {
+                if !block && offset < j.borrow().answered {
+                    settle_answered(&j).await;
+                    continue;
+                }
                 if !block {
                     return done(Status::OK, offset, head, "");
                 }
@@ -3060,28 +2953,20 @@ fn answer_ok(s: &Staged) {
     );
 }
 
-/// Waits until the journal's spool has no write behind its appends
-/// ([`Shard::write_behind`]): every committed byte is in the file.
-async fn settle_write(j: &JournalRef) {
+/// Waits while appends answered to their appenders are still being
+/// written to the spool, until they are readable.
+async fn settle_answered(j: &JournalRef) {
     loop {
         let l = {
             let jm = j.borrow();
-            if !jm.writing {
+            if jm.deleted || jm.head >= jm.answered {
                 return;
             }
-            jm.written.listen()
+            jm.committed.listen()
         };
+        // The turn publishes the batch as soon as its write completes.
         l.await;
     }
-}
-
-/// Whether a journal's next commit record can carry every byte of it that
-/// is not yet on disk (see [`Shard::record_commits`]).
-fn carriable(jm: &Journal) -> bool {
-    let Some(spool) = &jm.spool else { return true };
-    let end = jm.staged.last().map_or(spool.committed(), |s| s.end);
-    jm.spec.durability == Durability::Replicated
-        && end.saturating_sub(spool.written()) <= INLINE_BYTES_MAX
 }
 
 fn abandon_active(jm: &mut Journal) -> Option<Active> {

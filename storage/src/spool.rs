@@ -69,8 +69,6 @@ pub struct Spool {
     sha: Sha1,
     /// `None` while a write owns it. Grows up to `max_buf` bytes.
     buf: Option<AlignedBuf>,
-    /// A write of a copy of the buffer is in flight ([`Spool::take_copy_write`]).
-    copy_in_flight: bool,
     max_buf: usize,
     /// Journal offset of `buf[0]`; always `begin` plus a block multiple.
     buf_start: u64,
@@ -155,7 +153,6 @@ impl Spool {
             staged: begin,
             sha,
             buf: Some(crate::pool::take(FIRST_BUFFER_BYTES.min(max_buf), max_buf)),
-            copy_in_flight: false,
             max_buf,
             buf_start: begin,
             tail_loaded: true,
@@ -301,11 +298,6 @@ impl Spool {
     /// Whether a write owns the buffer.
     pub fn write_in_flight(&self) -> bool {
         self.buf.is_none()
-    }
-
-    /// Whether a write of a copy of the buffer is in flight.
-    pub fn copy_in_flight(&self) -> bool {
-        self.copy_in_flight
     }
 
     /// Whether the spool can take bytes now (no write in flight, tail loaded).
@@ -460,7 +452,6 @@ impl Spool {
     /// Takes the buffer for writing the staged bytes. `None` if nothing is
     /// staged beyond what is written.
     pub fn take_write(&mut self) -> Option<PendingWrite> {
-        assert!(!self.copy_in_flight, "take_write while a copy is written");
         if self.staged == self.written || self.buf.is_none() {
             return None;
         }
@@ -499,71 +490,6 @@ impl Spool {
         self.buf = Some(w.buf);
     }
 
-    /// A write of the staged bytes up to `to` from a copy of the buffer,
-    /// which stays with the spool: staging, commits, and reads of the
-    /// unwritten bytes ([`Spool::unwritten`]) go on while it is in flight.
-    /// `to` must be committed, so that no rewind can reach below it before
-    /// [`Spool::copy_write_done`]. One such write at a time.
-    pub fn take_copy_write(&mut self, to: u64) -> PendingWrite {
-        assert!(!self.copy_in_flight, "one copy write at a time");
-        assert!(self.written < to && to <= self.committed);
-        let buf = self
-            .buf
-            .as_ref()
-            .expect("copy write while a write owns the buffer");
-        let used = (to - self.buf_start) as usize;
-        let len = if self.direct {
-            align_up(used as u64) as usize
-        } else {
-            used
-        };
-        // Staged bytes past `to` in its last block go too; past `staged`
-        // the buffer is stale, and the file gets zeros instead.
-        let live = len.min((self.staged - self.buf_start) as usize);
-        let mut copy = crate::pool::take(len, len.max(FIRST_BUFFER_BYTES));
-        copy.full_mut()[..live].copy_from_slice(&buf.full()[..live]);
-        copy.full_mut()[live..len].fill(0);
-        copy.set_len_checked(len);
-        self.copy_in_flight = true;
-        PendingWrite {
-            buf: copy,
-            file_pos: self.buf_start - self.begin,
-            staged_to: to,
-        }
-    }
-
-    /// Ends a [`Spool::take_copy_write`]. On success its bytes are on disk,
-    /// and the buffer lets go of the blocks before the new tail block.
-    pub fn copy_write_done(&mut self, w: PendingWrite, ok: bool) {
-        assert!(self.copy_in_flight);
-        self.copy_in_flight = false;
-        crate::pool::give(w.buf);
-        if !ok {
-            return;
-        }
-        self.written = self.written.max(w.staged_to);
-        let buf = self
-            .buf
-            .as_mut()
-            .expect("the buffer stays during a copy write");
-        let tail_start = self.begin + align_down(self.written - self.begin);
-        let from = (tail_start - self.buf_start) as usize;
-        let to = (self.staged - self.buf_start) as usize;
-        buf.full_mut().copy_within(from..to, 0);
-        self.buf_start = tail_start;
-    }
-
-    /// The committed bytes of `[from, to)` that are not yet written, from
-    /// the buffer: `None` unless `from` is at or past the written point and
-    /// before the committed one.
-    pub fn unwritten(&self, from: u64, to: u64) -> Option<&[u8]> {
-        let to = to.min(self.committed);
-        if from < self.written || from >= to {
-            return None;
-        }
-        self.staged_since(from).map(|b| &b[..(to - from) as usize])
-    }
-
     /// Writes the staged bytes and waits for the write: [`Spool::take_write`],
     /// [`PendingWrite::run`] and [`Spool::write_done`] in one call, for
     /// callers with nothing else to do meanwhile.
@@ -577,11 +503,9 @@ impl Spool {
         res.map_err(|e| StorageError::io(&self.path, e))
     }
 
-    /// Marks everything up to `point` committed. The point must be staged;
-    /// committed bytes not yet written are read from the buffer
-    /// ([`Spool::unwritten`]) until a write takes them to the file.
+    /// Marks everything up to `point` committed. The point must be written.
     pub fn commit(&mut self, point: CommitPoint) {
-        assert!(point.offset >= self.committed && point.offset <= self.staged);
+        assert!(point.offset >= self.committed && point.offset <= self.written);
         self.committed = point.offset;
         self.committed_sha = point.sha;
     }
@@ -601,7 +525,6 @@ impl Spool {
                 point.offset >= self.committed,
                 "rewind below the committed point"
             );
-            assert!(!self.copy_in_flight, "rewind below a copy write");
             self.staged = point.offset;
             self.written = point.offset;
             self.sha = point.sha;
@@ -610,14 +533,15 @@ impl Spool {
         }
     }
 
-    /// Discards everything beyond the committed point (see
-    /// [`Spool::rewind`]).
+    /// Discards everything beyond the committed point. The tail block must
+    /// be read back ([`Spool::load_tail`]) before staging again.
     pub fn rollback(&mut self) {
-        let point = CommitPoint {
-            offset: self.committed,
-            sha: self.committed_sha.clone(),
-        };
-        self.rewind(point);
+        assert!(self.buf.is_some(), "rollback while a write is in flight");
+        self.staged = self.committed;
+        self.written = self.committed;
+        self.sha = self.committed_sha.clone();
+        self.buf_start = self.begin + align_down(self.committed - self.begin);
+        self.tail_loaded = self.buf_start == self.committed;
     }
 
     /// Reads the committed part of the tail block back into the buffer.
@@ -626,7 +550,6 @@ impl Spool {
             return Ok(());
         }
         assert!(self.buf.is_some(), "load_tail while a write is in flight");
-        assert!(!self.copy_in_flight, "load_tail while a copy is written");
         let want = (self.written - self.buf_start) as usize;
         let (block, range) = read_range(&self.file, self.buf_start - self.begin, want)
             .await
@@ -660,10 +583,6 @@ impl Spool {
     ) -> Result<Option<crate::fragment::LocalFragment>, StorageError> {
         assert_eq!(self.staged, self.committed, "seal with uncommitted bytes");
         assert!(self.buf.is_some(), "seal while a write is in flight");
-        assert!(
-            !self.copy_in_flight && self.written >= self.committed,
-            "seal before every committed byte is written"
-        );
         if self.is_empty() {
             compio::fs::remove_file(&self.path)
                 .await
@@ -888,62 +807,6 @@ mod tests {
                 on_disk[100..].iter().all(|&b| b == 0),
                 "stale bytes written"
             );
-        });
-    }
-    #[test]
-    fn copy_writes_let_staging_and_reads_go_on_and_land_every_committed_byte() {
-        let rt = compio::runtime::Runtime::new().unwrap();
-        rt.block_on(async {
-            let dir = tempfile::tempdir().unwrap();
-            let mut spool = Spool::create(dir.path(), 1000).await.unwrap();
-            let bytes: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
-            spool.ensure_allocated(bytes.len() as u64, 0).unwrap();
-            // A first batch, committed before any write: readable from the
-            // buffer, not yet from the file.
-            spool.stage(&bytes[..5000]);
-            spool.commit(spool.commit_point());
-            assert_eq!(spool.written(), 1000);
-            assert_eq!(spool.unwritten(1000, 7000), Some(&bytes[..5000]));
-            assert_eq!(spool.unwritten(3000, 4000), Some(&bytes[2000..3000]));
-            let first = spool.take_copy_write(6000);
-            // While it is in flight, the next batch stages and commits, and
-            // a staged tail that is rolled back is never readable.
-            spool.stage(&bytes[5000..12_345]);
-            spool.commit(spool.commit_point());
-            spool.stage(&bytes[12_345..13_000]);
-            spool.rollback();
-            assert_eq!(spool.staged(), 13_345);
-            assert_eq!(
-                spool.unwritten(12_000, 20_000),
-                Some(&bytes[11_000..12_345])
-            );
-            let file = spool.file().clone();
-            let (res, first) = first.run(&file).await;
-            res.unwrap();
-            spool.copy_write_done(first, true);
-            assert_eq!(spool.written(), 6000);
-            assert_eq!(
-                spool.unwritten(5999, 7000),
-                None,
-                "written bytes come from the file"
-            );
-            assert_eq!(spool.unwritten(6000, 7000), Some(&bytes[5000..6000]));
-            // The second write starts at the first one's last block.
-            let second = spool.take_copy_write(13_345);
-            let (res, second) = second.run(&file).await;
-            res.unwrap();
-            spool.copy_write_done(second, true);
-            assert_eq!(spool.written(), 13_345);
-            assert_eq!(spool.unwritten(13_000, 20_000), None);
-            let (block, range) = read_range(&file, 0, 12_345).await.unwrap();
-            assert_eq!(&block.as_slice()[range], &bytes[..12_345]);
-            // Staging goes on at the tail block kept in the buffer.
-            spool.stage(&bytes[12_345..20_000]);
-            spool.commit(spool.commit_point());
-            spool.write_staged().await.unwrap();
-            let frag = spool.seal(false).await.unwrap().unwrap();
-            assert_eq!((frag.begin, frag.end), (1000, 21_000));
-            assert_eq!(std::fs::read(&frag.path).unwrap(), bytes);
         });
     }
 }
