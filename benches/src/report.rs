@@ -235,6 +235,35 @@ pub struct Ratio {
     pub met: bool,
 }
 
+impl Ratio {
+    /// `num ÷ den` against a target it must reach; `None` without a floor
+    /// to divide by.
+    fn at_least(name: &'static str, num: f64, den: f64, min: f64) -> Option<Ratio> {
+        (den > 0.0).then(|| {
+            let value = num / den;
+            Ratio {
+                name,
+                value,
+                target: format!("≥ {min:.2}"),
+                met: value >= min,
+            }
+        })
+    }
+
+    /// `num ÷ den` against a target it must not exceed.
+    fn at_most(name: &'static str, num: f64, den: f64, max: f64) -> Option<Ratio> {
+        (den > 0.0).then(|| {
+            let value = num / den;
+            Ratio {
+                name,
+                value,
+                target: format!("≤ {max:.2}"),
+                met: value <= max,
+            }
+        })
+    }
+}
+
 impl Figures {
     pub fn new(args: &BenchArgs) -> Figures {
         Figures {
@@ -280,57 +309,41 @@ impl Figures {
     pub fn ratios(&self) -> Vec<Ratio> {
         let mut out = Vec::new();
         if let (Some(a), Some(fio), Some(net)) = (&self.append_1m, &self.fio, &self.iperf3) {
-            let floor = fio.mb_per_s.min(net.mb_per_s);
-            if floor > 0.0 {
-                let value = a.mb_per_s / floor;
-                out.push(Ratio {
-                    name: "append-1m MB/s ÷ min(fio, iperf3) MB/s",
-                    value,
-                    target: format!("≥ {APPEND_THROUGHPUT_RATIO_MIN:.2}"),
-                    met: value >= APPEND_THROUGHPUT_RATIO_MIN,
-                });
-            }
+            out.extend(Ratio::at_least(
+                "append-1m MB/s ÷ min(fio, iperf3) MB/s",
+                a.mb_per_s,
+                fio.mb_per_s.min(net.mb_per_s),
+                APPEND_THROUGHPUT_RATIO_MIN,
+            ));
         }
         self.latency_ratio(&mut out);
         if let Some(b) = &self.backfill {
-            if b.raw_get.mb_per_s > 0.0 {
-                let value = b.direct.mb_per_s / b.raw_get.mb_per_s;
-                out.push(Ratio {
-                    name: "backfill MB/s ÷ raw store GET MB/s",
-                    value,
-                    target: format!("≥ {BACKFILL_THROUGHPUT_RATIO_MIN:.2}"),
-                    met: value >= BACKFILL_THROUGHPUT_RATIO_MIN,
-                });
-            }
-            if b.live_alone.latency.p99_us > 0.0 {
-                let value = b.live_with_backfill.latency.p99_us / b.live_alone.latency.p99_us;
-                out.push(Ratio {
-                    name: "live p99 with backfill ÷ without",
-                    value,
-                    target: format!("≤ {BACKFILL_LATENCY_RATIO_MAX:.2}"),
-                    met: value <= BACKFILL_LATENCY_RATIO_MAX,
-                });
-            }
+            out.extend(Ratio::at_least(
+                "backfill MB/s ÷ raw store GET MB/s",
+                b.direct.mb_per_s,
+                b.raw_get.mb_per_s,
+                BACKFILL_THROUGHPUT_RATIO_MIN,
+            ));
+            out.extend(Ratio::at_most(
+                "live p99 with backfill ÷ without",
+                b.live_with_backfill.latency.p99_us,
+                b.live_alone.latency.p99_us,
+                BACKFILL_LATENCY_RATIO_MAX,
+            ));
         }
         if let Some(r) = &self.replication {
-            if r.append_1m_rep1.mb_per_s > 0.0 {
-                let value = r.append_1m_rep3.mb_per_s / r.append_1m_rep1.mb_per_s;
-                out.push(Ratio {
-                    name: "replication 1 MiB MB/s, rep 3 ÷ rep 1",
-                    value,
-                    target: format!("≥ {REPLICATION_THROUGHPUT_RATIO_MIN:.2}"),
-                    met: value >= REPLICATION_THROUGHPUT_RATIO_MIN,
-                });
-            }
-            if r.latency_1k_rep1.latency.p99_us > 0.0 {
-                let value = r.latency_1k_rep3.latency.p99_us / r.latency_1k_rep1.latency.p99_us;
-                out.push(Ratio {
-                    name: "replication 1 KiB p99, rep 3 ÷ rep 1",
-                    value,
-                    target: format!("≤ {REPLICATION_LATENCY_RATIO_MAX:.2}"),
-                    met: value <= REPLICATION_LATENCY_RATIO_MAX,
-                });
-            }
+            out.extend(Ratio::at_least(
+                "replication 1 MiB MB/s, rep 3 ÷ rep 1",
+                r.append_1m_rep3.mb_per_s,
+                r.append_1m_rep1.mb_per_s,
+                REPLICATION_THROUGHPUT_RATIO_MIN,
+            ));
+            out.extend(Ratio::at_most(
+                "replication 1 KiB p99, rep 3 ÷ rep 1",
+                r.latency_1k_rep3.latency.p99_us,
+                r.latency_1k_rep1.latency.p99_us,
+                REPLICATION_LATENCY_RATIO_MAX,
+            ));
         }
         out
     }
@@ -391,15 +404,12 @@ impl Figures {
 
     fn latency_ratio(&self, out: &mut Vec<Ratio>) {
         if let (Some(l), Some(p)) = (&self.latency_1k, &self.pingpong) {
-            if p.rtt.p99_us > 0.0 {
-                let value = l.latency.p99_us / p.rtt.p99_us;
-                out.push(Ratio {
-                    name: "latency-1k p99 ÷ pingpong p99 (unpinned)",
-                    value,
-                    target: format!("≤ {LATENCY_P99_RATIO_MAX:.2}"),
-                    met: value <= LATENCY_P99_RATIO_MAX,
-                });
-            }
+            out.extend(Ratio::at_most(
+                "latency-1k p99 ÷ pingpong p99 (unpinned)",
+                l.latency.p99_us,
+                p.rtt.p99_us,
+                LATENCY_P99_RATIO_MAX,
+            ));
         }
     }
 
@@ -797,4 +807,21 @@ fn machine() -> serde_json::Value {
         "kernel": read("/proc/sys/kernel/osrelease").trim(),
         "loadavg_at_start": read("/proc/loadavg").split_whitespace().take(3).collect::<Vec<_>>().join(" "),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_judge_against_their_target_and_need_a_floor() {
+        let r = Ratio::at_least("a", 80.0, 100.0, 0.8).unwrap();
+        assert_eq!((r.value, r.met, r.target.as_str()), (0.8, true, "≥ 0.80"));
+        assert!(!Ratio::at_least("a", 79.0, 100.0, 0.8).unwrap().met);
+        let r = Ratio::at_most("b", 300.0, 100.0, 2.0).unwrap();
+        assert_eq!((r.value, r.met, r.target.as_str()), (3.0, false, "≤ 2.00"));
+        assert!(Ratio::at_most("b", 200.0, 100.0, 2.0).unwrap().met);
+        assert!(Ratio::at_least("a", 1.0, 0.0, 0.8).is_none());
+        assert!(Ratio::at_most("b", 1.0, 0.0, 2.0).is_none());
+    }
 }
