@@ -19,6 +19,11 @@ const PLOT_RIGHT: f64 = 660.0;
 const PLOT_TOP: f64 = 50.0;
 const PLOT_BOTTOM: f64 = 430.0;
 const LEGEND_LEFT: f64 = 680.0;
+/// Where a legend entry's text starts.
+const LEGEND_TEXT_LEFT: f64 = LEGEND_LEFT + 34.0;
+/// Width allowed per character of legend text (12 px sans-serif), so that
+/// the picture widens to hold the longest label.
+const LEGEND_CHAR_WIDTH: f64 = 7.0;
 /// Series colours, in order (Tableau 10).
 const COLOURS: [&str; 10] = [
     "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -117,6 +122,18 @@ fn escape(s: &str) -> String {
 
 impl Chart {
     /// The chart as a standalone SVG document.
+    /// The picture's width: [`WIDTH`], or more when the longest legend
+    /// label would run past it.
+    fn width(&self) -> f64 {
+        let chars = self
+            .series
+            .iter()
+            .map(|s| s.label.chars().count())
+            .max()
+            .unwrap_or(0);
+        WIDTH.max((LEGEND_TEXT_LEFT + chars as f64 * LEGEND_CHAR_WIDTH + 10.0).ceil())
+    }
+
     pub fn render(&self) -> String {
         let x_of = |x: f64| match self.x_axis {
             XAxis::Linear => x,
@@ -173,11 +190,12 @@ impl Chart {
         };
         let py = |y: f64| PLOT_BOTTOM - y / y_top * (PLOT_BOTTOM - PLOT_TOP);
 
+        let width = self.width();
         let mut s = String::new();
         let _ = write!(
             s,
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{HEIGHT}\" \
-             viewBox=\"0 0 {WIDTH} {HEIGHT}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{HEIGHT}\" \
+             viewBox=\"0 0 {width} {HEIGHT}\" font-family=\"sans-serif\" font-size=\"12\">\n\
              <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
              <text x=\"{}\" y=\"28\" text-anchor=\"middle\" font-size=\"16\">{}</text>\n",
             (PLOT_LEFT + PLOT_RIGHT) / 2.0,
@@ -263,7 +281,7 @@ impl Chart {
                 "<line x1=\"{LEGEND_LEFT}\" y1=\"{ly:.1}\" x2=\"{:.1}\" y2=\"{ly:.1}\" \
                  stroke=\"{colour}\" stroke-width=\"2\"{dash}/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
                 LEGEND_LEFT + 28.0,
-                LEGEND_LEFT + 34.0,
+                LEGEND_TEXT_LEFT,
                 ly + 4.0,
                 escape(&series.label)
             );
@@ -514,5 +532,28 @@ mod tests {
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert!(svg.contains("t &lt;&amp;&gt;"));
         assert!(svg.contains(">99.99<"));
+        assert!(svg.contains("width=\"900\""), "short labels keep the width");
+    }
+
+    #[test]
+    fn a_long_legend_label_widens_the_picture() {
+        let label = "rotary · 1-topic-16-partitions-1kb · publish".to_string();
+        let c = Chart {
+            title: "t".into(),
+            x_label: "x".into(),
+            y_label: "y".into(),
+            x_axis: XAxis::Linear,
+            series: vec![Series {
+                label: label.clone(),
+                points: vec![(0.0, 1.0), (1.0, 2.0)],
+                dashed: false,
+                colour: 0,
+            }],
+        };
+        let need = LEGEND_TEXT_LEFT + label.chars().count() as f64 * LEGEND_CHAR_WIDTH;
+        assert!(c.width() > need && need > WIDTH);
+        assert!(c
+            .render()
+            .contains(&format!("viewBox=\"0 0 {} {HEIGHT}\"", c.width())));
     }
 }
