@@ -295,6 +295,9 @@ impl Broker {
         };
         let uploader =
             rotary_uploader::Uploader::start(config.upload_threads.max(1), UPLOAD_QUEUE_MAX);
+        // On the broker's cores, like the uploader, before a shard pins its
+        // thread to one of them.
+        reaper::start();
         let metrics = Arc::new(metrics::Metrics::default());
         // Bind every listener first so that a busy port fails the start.
         let mut listeners = Vec::new();

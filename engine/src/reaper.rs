@@ -10,6 +10,13 @@
 //! it opens one more descriptor of each file (so that none of its own
 //! closes is the last one) and hands names and descriptors to the reaper
 //! thread, which unlinks the names and then closes the descriptors.
+//!
+//! That work still takes a CPU, in bursts of milliseconds (a replaced
+//! 64 MiB commit log), so the reaper runs at `SCHED_IDLE`: a shard that
+//! wakes on the same core preempts it at once instead of waiting out its
+//! time slice. The broker starts it ([`start`]) before any shard is pinned,
+//! so that it may run on any of the broker's cores, not only on the core of
+//! the shard that first needed it.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -32,6 +39,9 @@ enum Job {
     Hold(Vec<std::fs::File>),
     /// Sent by [`flush`]; answered once every earlier job is done.
     Flush(crossbeam_channel::Sender<()>),
+    /// Asks the reaper for its scheduling policy.
+    #[cfg(test)]
+    Policy(crossbeam_channel::Sender<i32>),
 }
 
 fn jobs() -> &'static crossbeam_channel::Sender<Job> {
@@ -40,10 +50,36 @@ fn jobs() -> &'static crossbeam_channel::Sender<Job> {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         std::thread::Builder::new()
             .name("rotary-reaper".into())
-            .spawn(move || reap(rx))
+            .spawn(move || {
+                yield_to_everything();
+                reap(rx)
+            })
             .expect("spawning the reaper thread");
         tx
     })
+}
+
+/// Starts the reaper thread now, on the calling thread's cores.
+pub fn start() {
+    jobs();
+}
+
+/// Puts the calling thread in `SCHED_IDLE`: it runs only when nothing else
+/// on its core wants to.
+fn yield_to_everything() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: plain syscall on the calling thread with a valid parameter.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "reaper stays at the normal priority");
+    }
+}
+
+/// The calling thread's scheduling policy.
+#[cfg(test)]
+fn policy() -> i32 {
+    // SAFETY: plain syscall on the calling thread.
+    unsafe { libc::sched_getscheduler(0) }
 }
 
 fn reap(rx: crossbeam_channel::Receiver<Job>) {
@@ -75,6 +111,10 @@ fn reap(rx: crossbeam_channel::Receiver<Job>) {
             Some(Job::Hold(keep)) => held.push_back((Instant::now() + JOURNAL_GRACE, keep)),
             Some(Job::Flush(done)) => {
                 let _ = done.send(());
+            }
+            #[cfg(test)]
+            Some(Job::Policy(tell)) => {
+                let _ = tell.send(policy());
             }
             None => {}
         }
@@ -163,5 +203,14 @@ mod tests {
         // Removing what is already gone is not an error.
         remove_file(file);
         flush();
+    }
+
+    #[test]
+    fn the_reaper_yields_its_core_to_everything_else() {
+        start();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        jobs().send(Job::Policy(tx)).unwrap();
+        assert_eq!(rx.recv().unwrap(), libc::SCHED_IDLE);
+        assert_ne!(policy(), libc::SCHED_IDLE, "only the reaper thread");
     }
 }
