@@ -17,6 +17,8 @@
 //! time slice. The broker starts it ([`start`]) before any shard is pinned,
 //! so that it may run on any of the broker's cores, not only on the core of
 //! the shard that first needed it.
+//! The price: while every one of those cores is kept busy, it waits, and
+//! the blocks of the files it holds stay allocated until a core idles.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
