@@ -2924,9 +2924,6 @@ async fn yield_now() {
     .await
 }
 
-/// Takes the journal's open append back out of its spool (and out of its
-/// replicas'): the next append begins where the last commit ended. Only
-/// between batches (nothing staged in this turn but the open append).
 /// Answers a committed append OK, unless it was answered already: a
 /// replica's append with an ack to its primary, a client's with its reply.
 fn answer_ok(s: &Staged) {
@@ -2969,6 +2966,9 @@ async fn settle_answered(j: &JournalRef) {
     }
 }
 
+/// Takes the journal's open append back out of its spool (and out of its
+/// replicas'): the next append begins where the last commit ended. Only
+/// between batches (nothing staged in this turn but the open append).
 fn abandon_active(jm: &mut Journal) -> Option<Active> {
     let a = jm.active.take()?;
     jm.tail.truncate(a.start.offset);
