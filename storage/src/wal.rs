@@ -102,10 +102,14 @@ fn encode_record(
             w.fixed(&KIND_DELETE).str16(journal);
         }
     }
-    let payload = w.into_payload();
+    frame(out, &w.into_payload());
+}
+
+/// Appends one record: `u32 payload_len | u32 crc32c(payload) | payload`.
+fn frame(out: &mut Vec<u8>, payload: &[u8]) {
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
-    out.extend_from_slice(&payload);
+    out.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
+    out.extend_from_slice(payload);
 }
 
 /// A second descriptor of `file` for plain writes.
@@ -479,10 +483,7 @@ mod tests {
             .labels(&LabelSet::default())
             .fixed(&8u64.to_le_bytes())
             .raw(b"x");
-        let payload = w.into_payload();
-        bad.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-        bad.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
-        bad.extend_from_slice(&payload);
+        frame(&mut bad, &w.into_payload());
         let mut states = HashMap::new();
         assert_eq!(replay(&bad, &mut states), good);
     }
