@@ -49,6 +49,25 @@ fn aws_env() {
     });
 }
 
+/// A free port that no other test of this process was given. A test that
+/// stops its server and starts it again on the same port leaves that port
+/// free in between, and the kernel may offer it to another test's `bind(0)`.
+fn unused_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
+}
+
 /// A running moto server; killed by PID when dropped.
 struct Moto {
     child: Child,
@@ -58,12 +77,7 @@ struct Moto {
 
 impl Moto {
     fn start() -> Moto {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        Moto::start_on(port)
+        Moto::start_on(unused_port())
     }
 
     fn start_on(port: u16) -> Moto {
