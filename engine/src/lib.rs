@@ -405,15 +405,49 @@ struct ShardContext {
     done: crossbeam_channel::Sender<u32>,
 }
 
+/// Builds a shard's runtime, its ring pinned with it to `core`.
+///
+/// Only the shard's thread ever submits to its ring, so the ring is set up as
+/// single-issuer with deferred task work (Linux 6.1): completions are reaped
+/// when the shard next enters the kernel to wait, instead of interrupting it
+/// wherever it runs, and no inter-processor interrupt is sent to make it do
+/// so. On a kernel that refuses those flags the ring is built without them;
+/// the flag returned says which ring was built.
+fn shard_runtime(
+    core: usize,
+    ring_entries: u32,
+) -> std::io::Result<(compio::runtime::Runtime, bool)> {
+    let build = |deferred: bool| {
+        let mut proactor = compio::driver::ProactorBuilder::new();
+        proactor.capacity(ring_entries);
+        if deferred {
+            proactor
+                .single_issuer(true)
+                .defer_taskrun(true)
+                .coop_taskrun(true)
+                .taskrun_flag(true);
+        }
+        compio::runtime::RuntimeBuilder::new()
+            .with_proactor(proactor)
+            .thread_affinity(HashSet::from([core]))
+            .build()
+    };
+    match build(true) {
+        Ok(rt) => Ok((rt, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::info!(
+                core,
+                "io_uring refused deferred task work; the shard's ring runs without it"
+            );
+            Ok((build(false)?, false))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 fn run_shard(ctx: ShardContext) {
-    let mut proactor = compio::driver::ProactorBuilder::new();
-    proactor.capacity(ctx.ring_entries);
-    let rt = match compio::runtime::RuntimeBuilder::new()
-        .with_proactor(proactor)
-        .thread_affinity(HashSet::from([ctx.core]))
-        .build()
-    {
-        Ok(rt) => rt,
+    let rt = match shard_runtime(ctx.core, ctx.ring_entries) {
+        Ok((rt, _)) => rt,
         Err(e) => {
             let _ = ctx
                 .ready
@@ -583,6 +617,55 @@ mod sys {
 
 #[cfg(test)]
 mod tests {
+    /// A shard's ring defers its task work to the shard's next wait. Wake-ups
+    /// from other threads and completions of sockets and files must still
+    /// arrive while it waits.
+    #[test]
+    fn a_shard_runtime_is_woken_by_other_threads_and_by_its_ring() {
+        let (rt, deferred) = super::shard_runtime(0, 64).unwrap();
+        // The shard's ring defers its task work wherever the kernel can.
+        assert_eq!(deferred, rotary_tuning::doctor::defer_taskrun_accepted());
+        let (tx, rx) = async_channel::bounded::<u64>(1);
+        let sender = std::thread::spawn(move || {
+            for i in 0..3u64 {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                tx.send_blocking(i * 7).unwrap();
+            }
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let (got, echoed, read_back) = rt.block_on(async move {
+            let mut got = Vec::new();
+            for _ in 0..3 {
+                got.push(rx.recv().await.unwrap());
+            }
+            let listener = compio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let server = compio::runtime::spawn(async move {
+                use compio::io::{AsyncReadExt, AsyncWriteExt};
+                let (mut s, _) = listener.accept().await.unwrap();
+                let compio::buf::BufResult(read, buf) = s.read_exact(vec![0u8; 5]).await;
+                read.unwrap();
+                s.write_all(buf).await.0.unwrap();
+            });
+            let mut c = compio::net::TcpStream::connect(addr).await.unwrap();
+            use compio::io::{AsyncReadExt, AsyncWriteExt};
+            c.write_all(b"hello".to_vec()).await.0.unwrap();
+            let compio::buf::BufResult(read, echoed) = c.read_exact(vec![0u8; 5]).await;
+            read.unwrap();
+            server.await.unwrap();
+            let mut f = compio::fs::File::create(&path).await.unwrap();
+            use compio::io::AsyncWriteAtExt;
+            f.write_all_at(b"rotary".to_vec(), 3).await.0.unwrap();
+            let back = compio::fs::read(&path).await.unwrap();
+            (got, echoed, back)
+        });
+        sender.join().unwrap();
+        assert_eq!(got, vec![0, 7, 14]);
+        assert_eq!(echoed, b"hello");
+        assert_eq!(read_back, b"\0\0\0rotary");
+    }
+
     #[test]
     fn iowq_affinity_registers_on_a_compio_ring() {
         use std::os::fd::AsRawFd;

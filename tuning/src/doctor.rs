@@ -185,6 +185,7 @@ fn check_io_uring() -> Finding {
         ("fast_poll", params.is_feature_fast_poll()),
         ("ext_arg", params.is_feature_ext_arg()),
         ("native_workers", params.is_feature_native_workers()),
+        ("defer_taskrun", defer_taskrun_accepted()),
     ];
     let have: Vec<&str> = features.iter().filter(|f| f.1).map(|f| f.0).collect();
     let lacking: Vec<&str> = features.iter().filter(|f| !f.1).map(|f| f.0).collect();
@@ -231,6 +232,18 @@ fn check_io_uring() -> Finding {
         );
     }
     Finding::ok(CHECK, summary)
+}
+
+/// Whether the kernel builds a ring as a shard asks for it: one submitting
+/// thread, task work deferred to its waits (Linux 6.1).
+pub fn defer_taskrun_accepted() -> bool {
+    io_uring::IoUring::<io_uring::squeue::Entry>::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .setup_coop_taskrun()
+        .setup_taskrun_flag()
+        .build(8)
+        .is_ok()
 }
 
 fn io_uring_setup_failed(release: &str, e: &io::Error) -> Finding {
