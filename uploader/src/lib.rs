@@ -170,6 +170,27 @@ impl Drop for Inner {
     }
 }
 
+/// How much lower than the broker's own an uploader thread's priority is.
+/// Nice 10 weighs about a tenth of nice 0: a shard that wakes on a core where
+/// the uploader compresses or hashes preempts it sooner, and the uploader
+/// still gets its tenth of a busy core, so uploads never starve.
+const UPLOADER_NICENESS: i32 = 10;
+
+/// Lowers the calling thread's priority by [`UPLOADER_NICENESS`].
+fn yield_to_shards() {
+    // SAFETY: plain syscalls on the calling thread (on Linux, nice is per
+    // thread). getpriority's -1 is also a valid nice; either way the result
+    // is clamped to the kernel's range.
+    let rc = unsafe {
+        let tid = libc::gettid() as libc::id_t;
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        libc::setpriority(libc::PRIO_PROCESS, tid, (now + UPLOADER_NICENESS).min(19))
+    };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "uploader thread keeps the broker's priority");
+    }
+}
+
 /// Bytes of history streamed from a store, decompressed, in order.
 pub struct HistoryChunk {
     /// Journal offset of `bytes[0]`.
@@ -186,6 +207,7 @@ impl Uploader {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("rotary-upload")
+            .on_thread_start(yield_to_shards)
             .enable_all()
             .build()
             .expect("cannot start the uploader's runtime");
@@ -732,5 +754,36 @@ async fn locate(
                 .map_err(|e| store.err(&fragment.key, e))?;
             Ok(url.to_string())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The calling thread's nice value.
+    fn nice() -> i32 {
+        // SAFETY: plain syscall on the calling thread. -1 is also a valid
+        // nice, but never one these tests expect.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+    }
+
+    #[test]
+    fn uploader_threads_yield_to_shards() {
+        let lower = (nice() + super::UPLOADER_NICENESS).min(19);
+        let up = super::Uploader::start(2, 4);
+        let handle = up.inner.handle.clone();
+        let worker = std::thread::spawn(move || {
+            handle.block_on(async { tokio::spawn(async { nice() }).await.unwrap() })
+        });
+        assert_eq!(worker.join().unwrap(), lower, "a worker thread");
+        let handle = up.inner.handle.clone();
+        let pool = std::thread::spawn(move || {
+            handle.block_on(async { tokio::task::spawn_blocking(nice).await.unwrap() })
+        });
+        assert_eq!(pool.join().unwrap(), lower, "a blocking-pool thread");
+        assert_eq!(
+            nice() + super::UPLOADER_NICENESS,
+            lower,
+            "only the uploader's threads"
+        );
     }
 }
