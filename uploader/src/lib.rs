@@ -176,18 +176,27 @@ impl Drop for Inner {
 /// still gets its tenth of a busy core, so uploads never starve.
 const UPLOADER_NICENESS: i32 = 10;
 
-/// Lowers the calling thread's priority by [`UPLOADER_NICENESS`].
-fn yield_to_shards() {
-    // SAFETY: plain syscalls on the calling thread (on Linux, nice is per
-    // thread). getpriority's -1 is also a valid nice; either way the result
-    // is clamped to the kernel's range.
+/// The calling thread's nice (on Linux, nice is per thread).
+fn thread_nice() -> i32 {
+    // SAFETY: plain syscall on the calling thread. Its -1 is also a valid
+    // nice, so an error reads as -1; callers clamp what they derive from it.
+    unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+}
+
+/// Sets the calling thread's nice to `nice` (clamped to at most 19). Absolute,
+/// not relative: a blocking-pool thread is created by an uploader thread and
+/// inherits its nice.
+fn set_thread_nice(nice: i32) {
+    // SAFETY: plain syscall on the calling thread.
     let rc = unsafe {
-        let tid = libc::gettid() as libc::id_t;
-        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-        libc::setpriority(libc::PRIO_PROCESS, tid, (now + UPLOADER_NICENESS).min(19))
+        libc::setpriority(
+            libc::PRIO_PROCESS,
+            libc::gettid() as libc::id_t,
+            nice.min(19),
+        )
     };
     if rc != 0 {
-        tracing::debug!(error = %std::io::Error::last_os_error(), "uploader thread keeps the broker's priority");
+        tracing::debug!(error = %std::io::Error::last_os_error(), "uploader thread keeps the priority it was created with");
     }
 }
 
@@ -207,7 +216,11 @@ impl Uploader {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("rotary-upload")
-            .on_thread_start(yield_to_shards)
+            .on_thread_start({
+                // Below the broker's threads, whichever thread creates them.
+                let nice = thread_nice() + UPLOADER_NICENESS;
+                move || set_thread_nice(nice)
+            })
             .enable_all()
             .build()
             .expect("cannot start the uploader's runtime");
@@ -759,12 +772,7 @@ async fn locate(
 
 #[cfg(test)]
 mod tests {
-    /// The calling thread's nice value.
-    fn nice() -> i32 {
-        // SAFETY: plain syscall on the calling thread. -1 is also a valid
-        // nice, but never one these tests expect.
-        unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
-    }
+    use super::thread_nice as nice;
 
     #[test]
     fn uploader_threads_yield_to_shards() {
@@ -772,15 +780,18 @@ mod tests {
         let lower = (own + super::UPLOADER_NICENESS).min(19);
         let up = super::Uploader::start(2, 4);
         let handle = up.inner.handle.clone();
-        let worker = std::thread::spawn(move || {
-            handle.block_on(async { tokio::spawn(async { nice() }).await.unwrap() })
-        });
-        assert_eq!(worker.join().unwrap(), lower, "a worker thread");
-        let handle = up.inner.handle.clone();
-        let pool = std::thread::spawn(move || {
-            handle.block_on(async { tokio::task::spawn_blocking(nice).await.unwrap() })
-        });
-        assert_eq!(pool.join().unwrap(), lower, "a blocking-pool thread");
+        let (worker, pool) = std::thread::spawn(move || {
+            handle.block_on(async {
+                // The pool thread is created from an uploader thread.
+                tokio::spawn(async { (nice(), tokio::task::spawn_blocking(nice).await.unwrap()) })
+                    .await
+                    .unwrap()
+            })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(worker, lower, "a worker thread");
+        assert_eq!(pool, lower, "a blocking-pool thread");
         assert_eq!(nice(), own, "only the uploader's threads");
     }
 }
