@@ -531,6 +531,17 @@ async fn journals_apply_list_delete_through_the_cli() {
     let (code, _, err) = run_cli(broker.cli(&["journals", "apply", "-f", "-"]), b"name: ab\n");
     assert_eq!(code, 2);
     assert!(err.starts_with("error: BAD_REQUEST: "), "{err}");
+    let long_part = format!("name: cli/{}\n", "b".repeat(256));
+    let (code, _, err) = run_cli(
+        broker.cli(&["journals", "apply", "-f", "-"]),
+        long_part.as_bytes(),
+    );
+    assert_eq!(code, 2);
+    assert!(err.contains("at most 255 bytes"), "{err}");
+    let twice = b"- {name: cli/twice, flags: read-only}\n- {name: cli/twice}\n";
+    let (code, _, err) = run_cli(broker.cli(&["journals", "apply", "-f", "-"]), twice);
+    assert_eq!(code, 2);
+    assert!(err.contains("named twice"), "{err}");
     let (code, _, err) = run_cli(broker.cli(&["journals", "list", "-l", "a="]), b"");
     assert_eq!(code, 2, "{err}");
     assert_eq!(list_yaml("").len(), 2);

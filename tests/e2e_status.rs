@@ -251,6 +251,31 @@ async fn request_statuses() {
     let mut spec = rotary_net::spec::JournalSpec::new("e2e/status/bad-spec");
     spec.fragment.length = 1;
     assert_eq!(status_of(client.apply(&[spec]).await), Status::BAD_REQUEST);
+    // A name part too long to be a directory name.
+    let long = rotary_net::spec::JournalSpec::new(format!("e2e/{}", "b".repeat(256)));
+    assert_eq!(status_of(client.apply(&[long]).await), Status::BAD_REQUEST);
+    // Store URLs the uploader could not use, refused in full at apply.
+    for store in [
+        "s3://",
+        "s3:///prefix/",
+        "s3://Bad_Bucket!/p/",
+        "s3://bucket/p/?endpoint=notaurl",
+        "s3://bucket/p/?bogus=1",
+        "file://relative/dir/",
+    ] {
+        let mut spec = rotary_net::spec::JournalSpec::new("e2e/status/bad-store");
+        spec.fragment.stores = vec![store.to_string()];
+        let res = client.apply(&[spec]).await;
+        assert_eq!(status_of(res), Status::BAD_REQUEST, "{store}");
+    }
+    // One journal named twice in one apply: neither entry is guessed at.
+    let mut ro = rotary_net::spec::JournalSpec::new("e2e/status/twice");
+    ro.flags = rotary_net::spec::JournalFlags::ReadOnly;
+    let rw = rotary_net::spec::JournalSpec::new("e2e/status/twice");
+    assert_eq!(
+        status_of(client.apply(&[ro, rw]).await),
+        Status::BAD_REQUEST
+    );
     assert_eq!(client.list("").await.unwrap().len(), 3);
 }
 

@@ -586,10 +586,8 @@ impl Conn {
             Ok(r) => r,
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
-        for s in &specs {
-            if let Err(e) = s.validate() {
-                return self.admin_err(id, Status::BAD_REQUEST, &e.to_string());
-            }
+        if let Err(e) = check_specs(&specs) {
+            return self.admin_err(id, Status::BAD_REQUEST, &e);
         }
         let revision = revision.unwrap_or_else(|| self.shard.specs.next_revision());
         let n = match self.shard.specs.apply_at(specs.clone(), revision) {
@@ -1218,6 +1216,20 @@ fn parse_apply(payload: &[u8], local: bool) -> Result<(Vec<JournalSpec>, Option<
             Err(_) => Err(format!("specs: {e}")),
         },
     }
+}
+
+/// Checks specs applied together: each one, no journal twice, and every
+/// store URL in full (a store the uploader could not use would fail every
+/// append of the journal later, with a retryable status).
+fn check_specs(specs: &[JournalSpec]) -> Result<(), String> {
+    rotary_net::spec::validate_specs(specs).map_err(|e| e.to_string())?;
+    for s in specs {
+        for store in &s.fragment.stores {
+            rotary_uploader::StoreUrl::parse(store)
+                .map_err(|e| format!("spec of {:?}: {e}", s.name))?;
+        }
+    }
+    Ok(())
 }
 
 /// DELETE's payload from a peer broker (flag LOCAL): the deletion's

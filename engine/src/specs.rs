@@ -100,6 +100,17 @@ impl SpecStore {
                     specs: disk
                         .specs
                         .into_iter()
+                        .filter(|r| match r.spec.validate() {
+                            Ok(()) => true,
+                            Err(e) => {
+                                // Stored before a rule tightened: serving it
+                                // could fail every journal's start, so it is
+                                // left out until applied again under a valid
+                                // name or with valid fields.
+                                tracing::error!(error = %e, "ignoring a stored spec that is no longer valid");
+                                false
+                            }
+                        })
                         .map(|r| (r.spec.name.clone(), r))
                         .collect(),
                     tombstones: disk
@@ -388,5 +399,18 @@ mod tests {
             s.apply_at(vec![spec("a/one", "v2")], base() + 1).unwrap(),
             1
         );
+    }
+
+    #[test]
+    fn a_stored_spec_no_longer_valid_is_left_out() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        // A name part of 256 bytes cannot be a directory name.
+        let long = format!("a/{}", "b".repeat(256));
+        let stored = vec![spec("a/one", "v1"), spec(&long, "v1")];
+        std::fs::write(&path, serde_json::to_vec(&stored).unwrap()).unwrap();
+        let s = SpecStore::open(path).unwrap();
+        let names: Vec<String> = s.all().into_iter().map(|s| s.name).collect();
+        assert_eq!(names, vec!["a/one".to_string()]);
     }
 }

@@ -25,6 +25,9 @@ pub enum SpecError {
 /// Shortest and longest journal names, in bytes.
 pub const JOURNAL_NAME_LEN_MIN: usize = 4;
 pub const JOURNAL_NAME_LEN_MAX: usize = 512;
+/// Longest `/`-separated part of a journal name, in bytes: each part names a
+/// directory of the broker's data dir, and Linux file systems allow 255.
+pub const JOURNAL_NAME_PART_LEN_MAX: usize = 255;
 /// Longest label name and value, in bytes.
 pub const LABEL_NAME_LEN_MAX: usize = 64;
 pub const LABEL_VALUE_LEN_MAX: usize = 1024;
@@ -35,7 +38,7 @@ fn is_name_char(c: char) -> bool {
 
 /// Checks a journal name: 4–512 bytes of letters, digits and `-_+/.=%`,
 /// forming a clean relative path (no leading or trailing `/`, no empty,
-/// `.` or `..` components).
+/// `.` or `..` components, none longer than 255 bytes).
 pub fn validate_journal_name(name: &str) -> Result<(), SpecError> {
     let bad = |why| {
         Err(SpecError::BadName {
@@ -55,6 +58,9 @@ pub fn validate_journal_name(name: &str) -> Result<(), SpecError> {
     for part in name.split('/') {
         if part.is_empty() || part == "." || part == ".." {
             return bad("must be a clean path (no empty, '.' or '..' components)");
+        }
+        if part.len() > JOURNAL_NAME_PART_LEN_MAX {
+            return bad("each '/'-separated part must be at most 255 bytes long");
         }
     }
     Ok(())
@@ -657,10 +663,25 @@ pub fn parse_specs(text: &str) -> Result<Vec<JournalSpec>, SpecError> {
             })
         }
     };
-    for s in &specs {
-        s.validate()?;
-    }
+    validate_specs(&specs)?;
     Ok(specs)
+}
+
+/// Checks a set of specs applied together: each one, and that no journal is
+/// named twice (which of two entries should win is not for the broker to
+/// guess).
+pub fn validate_specs(specs: &[JournalSpec]) -> Result<(), SpecError> {
+    let mut seen = std::collections::HashSet::with_capacity(specs.len());
+    for s in specs {
+        s.validate()?;
+        if !seen.insert(s.name.as_str()) {
+            return Err(SpecError::BadSpec {
+                name: s.name.clone(),
+                why: "the journal is named twice in one apply".into(),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -669,10 +690,18 @@ mod tests {
 
     #[test]
     fn journal_names_follow_gazette_rules() {
-        for ok in ["orders/part-000", "a/b/c=d%20", "abcd", "x.y+z_w"] {
+        let part_255 = format!("{}/{}", "p".repeat(255), "q".repeat(255));
+        for ok in [
+            "orders/part-000",
+            "a/b/c=d%20",
+            "abcd",
+            "x.y+z_w",
+            part_255.as_str(),
+        ] {
             validate_journal_name(ok).unwrap();
         }
         let long = "a".repeat(513);
+        let part_256 = format!("a/{}/b", "p".repeat(256));
         for bad in [
             "abc",
             "/abs/path",
@@ -683,10 +712,25 @@ mod tests {
             "sp ace",
             "semi;colon",
             long.as_str(),
+            part_256.as_str(),
             "../up",
         ] {
             assert!(validate_journal_name(bad).is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn one_apply_names_each_journal_once() {
+        let specs =
+            parse_specs("- {name: dup/cccc, flags: read-only}\n- {name: dup/dddd}\n").unwrap();
+        assert_eq!(specs.len(), 2);
+        let err = parse_specs("- {name: dup/cccc, flags: read-only}\n- {name: dup/cccc}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("dup/cccc") && err.contains("named twice"),
+            "{err}"
+        );
     }
 
     #[test]
