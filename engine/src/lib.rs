@@ -282,6 +282,14 @@ impl Broker {
             )));
         }
         check_shard_count(dir, shards)?;
+        match rotary_storage::spool::free_bytes_at(dir) {
+            Ok(free) if free <= config.disk_reserve_bytes => tracing::warn!(
+                free,
+                reserve = config.disk_reserve_bytes,
+                "the data dir's file system has no space above --disk-reserve: appends answer STORAGE_FULL until space returns"
+            ),
+            _ => {}
+        }
         let specs = Arc::new(specs::SpecStore::open(dir.join("specs.json"))?);
         let cluster_view = match &config.cluster {
             Some((path, me)) => {

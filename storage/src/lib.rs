@@ -25,9 +25,11 @@ pub enum StorageError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: disk full: {free} bytes free, {reserve} reserved")]
+    #[error("{path}: disk full: {}{free} bytes free, {reserve} reserved", needs(*.need))]
     Full {
         path: PathBuf,
+        /// Bytes the write needed beyond what was allocated (0: unknown).
+        need: u64,
         free: u64,
         reserve: u64,
     },
@@ -42,6 +44,7 @@ impl StorageError {
         {
             return StorageError::Full {
                 path: path.to_path_buf(),
+                need: 0,
                 free: 0,
                 reserve: 0,
             };
@@ -74,4 +77,12 @@ pub async fn sync_dir(dir: &Path) -> Result<(), StorageError> {
         .await
         .map_err(|e| StorageError::io(dir, e))?;
     f.sync_all().await.map_err(|e| StorageError::io(dir, e))
+}
+
+fn needs(need: u64) -> String {
+    if need == 0 {
+        String::new()
+    } else {
+        format!("needs {need} bytes, ")
+    }
 }

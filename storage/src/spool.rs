@@ -321,28 +321,26 @@ impl Spool {
         if need <= self.allocated {
             return Ok(());
         }
-        let grow = (need - self.allocated).max(self.grow_bytes);
-        let target = align_up(self.allocated + grow);
         let fd = self.file.as_raw_fd();
         let free = free_bytes(fd).map_err(|e| StorageError::io(&self.path, e))?;
-        if free < (target - self.allocated) + reserve {
-            return Err(StorageError::Full {
-                path: self.path.clone(),
-                free,
-                reserve,
-            });
-        }
+        let full = |free| StorageError::Full {
+            path: self.path.clone(),
+            need: need - self.allocated,
+            free,
+            reserve,
+        };
+        let short = align_up(need) - self.allocated;
+        let Some(grow) = grow_by(short, free.saturating_sub(reserve), self.grow_bytes) else {
+            return Err(full(free));
+        };
+        let target = align_up(self.allocated + grow);
         let rc = sys::fallocate(fd, self.allocated, target - self.allocated);
         match rc {
             Ok(()) => {
                 self.allocated = target;
                 Ok(())
             }
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => Err(StorageError::Full {
-                path: self.path.clone(),
-                free,
-                reserve,
-            }),
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => Err(full(free)),
             Err(e) => Err(StorageError::io(&self.path, e)),
         }
     }
@@ -730,8 +728,25 @@ pub async fn read_range(
     Ok((buf, skip..skip + avail))
 }
 
+/// How far to grow a spool that is `short` bytes short, with `usable`
+/// bytes free above the reserve: by the usual `step`, or by what is left
+/// above the reserve when that is less (so the last megabytes before the
+/// reserve stay usable), but never by less than `short`. None: no room.
+fn grow_by(short: u64, usable: u64, step: u64) -> Option<u64> {
+    if usable < short {
+        return None;
+    }
+    Some(short.max(step.min(align_down(usable))))
+}
+
 fn free_bytes(fd: i32) -> std::io::Result<u64> {
     sys::fstatvfs_free(fd)
+}
+
+/// Bytes free to unprivileged writers on the file system holding `path`.
+pub fn free_bytes_at(path: &Path) -> std::io::Result<u64> {
+    let f = std::fs::File::open(path)?;
+    sys::fstatvfs_free(f.as_raw_fd())
 }
 
 /// The libc calls this module needs, kept in one place.
@@ -773,6 +788,34 @@ mod sys {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spools_grow_into_the_last_space_above_the_reserve() {
+        const MIB: u64 = 1 << 20;
+        // Plenty of room: the usual step, or what the write needs if more.
+        assert_eq!(grow_by(4096, 100 * MIB, 16 * MIB), Some(16 * MIB));
+        assert_eq!(grow_by(20 * MIB, 100 * MIB, 16 * MIB), Some(20 * MIB));
+        // Less than a step left above the reserve: all of it, in blocks.
+        assert_eq!(grow_by(4096, 8 * MIB + 100, 16 * MIB), Some(8 * MIB));
+        assert_eq!(grow_by(4096, 4096, 16 * MIB), Some(4096));
+        // Not even what the write needs.
+        assert_eq!(grow_by(8192, 4096, 16 * MIB), None);
+        assert_eq!(grow_by(4096, 0, 16 * MIB), None);
+    }
+
+    #[test]
+    fn a_full_disk_says_what_the_write_needed() {
+        let e = StorageError::Full {
+            path: "/d/spool".into(),
+            need: 409600,
+            free: 16764928,
+            reserve: 16777216,
+        };
+        assert_eq!(
+            e.to_string(),
+            "/d/spool: disk full: needs 409600 bytes, 16764928 bytes free, 16777216 reserved"
+        );
+    }
 
     #[test]
     fn buffers_start_small_grow_on_demand_and_are_reused_without_their_stale_bytes() {
