@@ -509,3 +509,124 @@ async fn spec_revisions_order_changes_and_deletions() {
     assert_eq!(l.as_array().unwrap().len(), 1, "{l}");
     assert!(l[0]["revision"].as_u64().unwrap() > gone_at);
 }
+
+/// Open descriptors of a process.
+fn open_fds(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count() as u64)
+        .unwrap_or(0)
+}
+
+/// A broker out of file descriptors closes the connections it cannot
+/// serve, so their clients see the close instead of waiting forever, and
+/// serves again once descriptors are free.
+#[test]
+#[allow(unsafe_code)]
+fn out_of_file_descriptors_closes_unserved_connections() {
+    let broker = Broker::start_with_cores(1);
+    let pid = broker.pid().expect("running");
+    let lim = libc::rlimit {
+        rlim_cur: open_fds(pid) + 16,
+        rlim_max: open_fds(pid) + 16,
+    };
+    // SAFETY: prlimit on our own child with a valid rlimit and no old value.
+    let rc = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &lim,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+
+    // More connections than descriptors: the last ones cannot be served.
+    let held: Vec<std::net::TcpStream> = (0..40).map(|_| raw_connect(&broker.endpoint())).collect();
+    let mut probe = raw_connect(&broker.endpoint());
+    probe
+        .write_all(&frame(Op::PING, 0, 7, &[], b"served?"))
+        .unwrap();
+    match read_raw_frame(&mut probe) {
+        // Closed unserved: the client knows at once.
+        Ok(None) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("a connection past the descriptor limit got {other:?}"),
+    }
+    let warnings = broker.log().matches("accept failed").count();
+    assert!(
+        (1..=2).contains(&warnings),
+        "{warnings} warnings:\n{}",
+        broker.log()
+    );
+
+    // Descriptors free again: served again.
+    drop(held);
+    drop(probe);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !raw_ping(&broker.endpoint()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not served after the connections closed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A client that sends many reads and then stops reading its socket holds a
+/// bounded share of the broker's memory, and appends to other journals go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_holds_bounded_memory() {
+    let broker = Broker::start_with_cores(1);
+    let pid = broker.pid().expect("running");
+    let client = broker.client().await;
+    let big = "e2e/status/stalled-reads";
+    let other = "e2e/status/beside-stalled";
+    create_journal(&client, big, |_| {}).await;
+    create_journal(&client, other, |_| {}).await;
+    // 64 MiB to read, in 1 MiB appends.
+    let chunk = vec![7u8; 1 << 20];
+    for _ in 0..64 {
+        client.append(&req(big), chunk.clone()).await.unwrap();
+    }
+    let rss = |pid: u32| -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with("RssAnon:")).unwrap();
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            * 1024
+    };
+    let before = rss(pid);
+
+    // 500 reads of the whole journal on one connection that never reads.
+    let mut s = raw_connect(&broker.endpoint());
+    let mut reqs = Vec::new();
+    for id in 1..=500u64 {
+        let meta = ReadRequest {
+            journal: big.to_string(),
+            offset: Some(0),
+            end_offset: None,
+        }
+        .encode();
+        reqs.extend_from_slice(&frame(Op::READ, 0, id, &meta, &[]));
+    }
+    s.write_all(&reqs).unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let grown = rss(pid).saturating_sub(before);
+
+    // Appends beside it still answer.
+    let r = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        client.append(&req(other), b"still here".to_vec()),
+    )
+    .await
+    .expect("an append beside a stalled reader answers")
+    .unwrap();
+    assert_eq!((r.begin, r.end), (0, 10));
+    // Unbounded, each read would hold at least a 1 MiB chunk: 500 MiB.
+    assert!(grown < 64 << 20, "broker memory grew by {grown} bytes");
+    drop(s);
+}
+

@@ -237,6 +237,9 @@ impl Broker {
     /// Starts every shard and returns once all of them listen.
     pub fn start(config: ServeConfig) -> Result<Broker, EngineError> {
         tune_allocator();
+        // Every connection, spool and fragment is a descriptor: use all the
+        // hard limit allows, not the soft default of 1024.
+        sys::raise_open_files_limit();
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(dir.clone(), e))?;
         let lock = lock_data_dir(dir)?;
@@ -513,16 +516,46 @@ fn run_shard(ctx: ShardContext) {
         };
         shard.start_background();
         let _ = ctx.ready.send(Ok(()));
+        // Out of file descriptors, a connection would wait in the listen
+        // backlog and its client would hang. One descriptor is kept spare
+        // to accept such a connection and close it at once: its client sees
+        // the close and can retry.
+        let mut spare = std::fs::File::open("/dev/null").ok();
+        let mut shed = false;
+        let mut warned: Option<std::time::Instant> = None;
+        let mut failures = 0u64;
         loop {
             let accept = std::pin::pin!(listener.accept());
             let stop = std::pin::pin!(ctx.stop.recv());
             match futures_util::future::select(accept, stop).await {
                 futures_util::future::Either::Left((Ok((stream, _)), _)) => {
+                    if shed {
+                        drop(stream);
+                        shed = false;
+                        spare = std::fs::File::open("/dev/null").ok();
+                        continue;
+                    }
                     compio::runtime::spawn(conn::serve(shard.clone(), stream)).detach();
                 }
                 futures_util::future::Either::Left((Err(e), _)) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    compio::time::sleep(Duration::from_millis(10)).await;
+                    failures += 1;
+                    // One line per 10 s, not one per attempt.
+                    if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                        tracing::warn!(
+                            error = %e,
+                            failures,
+                            "accept failed; connections are closed unserved until it succeeds (out of file descriptors: raise `ulimit -n`)"
+                        );
+                        warned = Some(std::time::Instant::now());
+                        failures = 0;
+                    }
+                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_fds && spare.is_some() {
+                        spare = None;
+                        shed = true;
+                    } else {
+                        compio::time::sleep(Duration::from_millis(10)).await;
+                    }
                 }
                 futures_util::future::Either::Right(_) => break,
             }
@@ -559,6 +592,23 @@ mod sys {
                 libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
                 libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
             }
+        }
+    }
+
+    /// Raises this process's soft RLIMIT_NOFILE to its hard limit.
+    pub fn raise_open_files_limit() {
+        let mut lim = std::mem::MaybeUninit::<libc::rlimit>::uninit();
+        // SAFETY: lim is a valid out-pointer for getrlimit.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, lim.as_mut_ptr()) } != 0 {
+            return;
+        }
+        // SAFETY: getrlimit succeeded and filled lim.
+        let mut lim = unsafe { lim.assume_init() };
+        if lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            // SAFETY: lim is a valid rlimit; raising the soft limit up to
+            // the hard one needs no privilege. Failure leaves it as it was.
+            unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
         }
     }
 

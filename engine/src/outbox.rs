@@ -7,17 +7,41 @@ use rotary_net::status::Status;
 use rotary_net::wire::{self, Op};
 use std::cell::{Cell, RefCell};
 
-/// Producers wait once this many bytes are queued.
-pub const OUTBOX_HIGH_WATER_BYTES: usize = 8 << 20;
+/// Producers wait once this many bytes are queued or being written: a
+/// client that stops reading holds at most about this much of the broker's
+/// memory per connection, plus one chunk per producing read.
+pub const OUTBOX_HIGH_WATER_BYTES: usize = 4 << 20;
+/// Reads of one connection that may produce a chunk at once. Reads beyond
+/// these wait for a turn before they read from disk, so a connection with
+/// thousands of reads in flight does not hold a chunk for each.
+pub const OUTBOX_PRODUCERS_MAX: usize = 2;
 
 #[derive(Default)]
 pub struct Outbox {
     buf: RefCell<Vec<u8>>,
+    /// Bytes the writer took and is still writing.
+    writing: Cell<usize>,
+    /// Reads holding a [`Producing`] turn.
+    producing: Cell<usize>,
     /// Wakes the writer.
     pub(crate) filled: Event,
-    /// Wakes producers waiting for room.
+    /// Wakes producers waiting for room (and, on close, everyone).
     pub(crate) drained: Event,
+    /// Wakes reads waiting for a producing turn.
+    turn: Event,
     closed: Cell<bool>,
+}
+
+/// A read's turn to produce one chunk into the outbox; ends when dropped.
+pub struct Producing<'a> {
+    outbox: &'a Outbox,
+}
+
+impl Drop for Producing<'_> {
+    fn drop(&mut self) {
+        self.outbox.producing.set(self.outbox.producing.get() - 1);
+        self.outbox.turn.notify(1);
+    }
 }
 
 impl Outbox {
@@ -33,6 +57,7 @@ impl Outbox {
         self.closed.set(true);
         self.filled.notify(usize::MAX);
         self.drained.notify(usize::MAX);
+        self.turn.notify(usize::MAX);
     }
 
     pub fn frame(&self, op: Op, status: Status, request_id: u64, meta: &[u8], payload: &[u8]) {
@@ -85,15 +110,40 @@ impl Outbox {
         self.buf.borrow().len()
     }
 
-    /// Waits until the queue is below the high-water mark (or closed).
+    /// Bytes queued or being written.
+    fn backlog(&self) -> usize {
+        self.queued() + self.writing.get()
+    }
+
+    /// Waits until the backlog is below the high-water mark (or closed).
     pub async fn room(&self) {
         loop {
-            if self.closed.get() || self.queued() < OUTBOX_HIGH_WATER_BYTES {
+            if self.closed.get() || self.backlog() < OUTBOX_HIGH_WATER_BYTES {
                 return;
             }
             let l = self.drained.listen();
-            if self.closed.get() || self.queued() < OUTBOX_HIGH_WATER_BYTES {
+            if self.closed.get() || self.backlog() < OUTBOX_HIGH_WATER_BYTES {
                 return;
+            }
+            l.await;
+        }
+    }
+
+    /// Waits for room and a producing turn, for a read about to fetch and
+    /// queue one chunk. None once the outbox is closed.
+    pub async fn produce(&self) -> Option<Producing<'_>> {
+        loop {
+            self.room().await;
+            if self.closed.get() {
+                return None;
+            }
+            if self.producing.get() < OUTBOX_PRODUCERS_MAX {
+                self.producing.set(self.producing.get() + 1);
+                return Some(Producing { outbox: self });
+            }
+            let l = self.turn.listen();
+            if self.closed.get() || self.producing.get() < OUTBOX_PRODUCERS_MAX {
+                continue;
             }
             l.await;
         }
@@ -122,8 +172,10 @@ pub async fn writer<W: compio::io::AsyncWrite>(mut stream: W, outbox: std::rc::R
             continue;
         }
         let bytes = outbox.take(spare);
-        outbox.drained.notify(usize::MAX);
+        outbox.writing.set(bytes.len());
         let BufResult(res, mut bytes) = stream.write_all(bytes).await;
+        outbox.writing.set(0);
+        outbox.drained.notify(usize::MAX);
         if res.is_err() {
             outbox.close();
             break;

@@ -2612,9 +2612,12 @@ impl Shard {
                 let head = j.borrow().head;
                 return done(Status::CANCELLED, offset, head, "read cancelled");
             }
-            if outbox.is_closed() {
+            // Fetch a chunk only with room for it and a turn: a client
+            // that stops reading, however many reads it has in flight,
+            // holds a bounded share of the shard's memory.
+            let Some(turn) = outbox.produce().await else {
                 return;
-            }
+            };
             let (located, head, deleted) = {
                 let jm = j.borrow();
                 (jm.locate(offset), jm.head, jm.deleted)
@@ -2652,10 +2655,10 @@ impl Shard {
                 metrics::add(&self.metrics.read_bytes, n);
                 metrics::add(&self.metrics.tail_cache_reads, 1);
                 offset += n;
-                outbox.room().await;
                 continue;
             }
             let Some(loc) = located else {
+                drop(turn);
                 if !block && offset < j.borrow().answered {
                     settle_answered(&j).await;
                     continue;
@@ -2690,6 +2693,8 @@ impl Shard {
             }
             let file = match loc.file {
                 FileRef::Remote(frag) => {
+                    // Each chunk from the store takes its own turn.
+                    drop(turn);
                     let step = if flags & rotary_net::wire::flag::DO_NOT_PROXY != 0 {
                         self.direct(&frag, offset, request_id, &outbox)
                             .await
@@ -2759,7 +2764,7 @@ impl Shard {
                     );
                     metrics::add(&self.metrics.read_bytes, range.len() as u64);
                     offset += range.len() as u64;
-                    outbox.room().await;
+                    drop(turn);
                 }
                 Ok(_) => {
                     let head = j.borrow().head;
@@ -2835,6 +2840,9 @@ impl Shard {
                     chunk.offset
                 ));
             }
+            let Some(_turn) = outbox.produce().await else {
+                break;
+            };
             let mut bytes = &chunk.bytes[..];
             if let Some(end) = end_offset {
                 bytes = &bytes[..bytes.len().min(end.saturating_sub(offset) as usize)];
@@ -2854,7 +2862,6 @@ impl Shard {
             if end_offset.is_some_and(|e| offset >= e) || cancel.is_set() || outbox.is_closed() {
                 break;
             }
-            outbox.room().await;
         }
         Ok(offset)
     }
