@@ -630,3 +630,59 @@ async fn a_client_that_stops_reading_holds_bounded_memory() {
     drop(s);
 }
 
+/// A streamed append that trickles holds up the appends behind it only so
+/// long: after 30 s of others waiting, being under 1 MiB/s, it is rolled
+/// back with APPEND_TIMEOUT and the waiting append commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_append_does_not_hold_a_journal_forever() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let j = "e2e/status/trickle";
+    create_journal(&client, j, |_| {}).await;
+
+    let endpoint = broker.endpoint();
+    let meta = req(j).encode();
+    let trickler = std::thread::spawn(move || {
+        let mut s = raw_connect(&endpoint);
+        s.set_read_timeout(Some(std::time::Duration::from_millis(500)))
+            .unwrap();
+        s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, b"t"))
+            .unwrap();
+        // One byte every 2 s: never idle for 30 s, far under 1 MiB/s.
+        let started = std::time::Instant::now();
+        loop {
+            match read_raw_frame(&mut s) {
+                Ok(Some(f)) => return (f, started.elapsed()),
+                Ok(None) => panic!("closed without a reply"),
+                Err(_) => {}
+            }
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(90),
+                "no reply"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            s.write_all(&frame(Op::APPEND_CHUNK, flag::MORE, 1, &[], b"t"))
+                .unwrap();
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let waited = std::time::Instant::now();
+    let r = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        client.append(&req(j), b"behind".to_vec()),
+    )
+    .await
+    .expect("the append behind the trickle answers")
+    .unwrap();
+    assert!(waited.elapsed() >= std::time::Duration::from_secs(30));
+    // The trickle was rolled back: the waiting append is the journal's first.
+    assert_eq!((r.begin, r.end), (0, 6));
+    let (reply, _) = trickler.join().unwrap();
+    assert_eq!(
+        (reply.op, reply.status),
+        (Op::APPEND_REPLY, Status::APPEND_TIMEOUT as u16),
+        "{reply:?}"
+    );
+    let (bytes, _) = read_range(&client, j, 0, Some(6)).await.unwrap();
+    assert_eq!(bytes, b"behind");
+}

@@ -19,6 +19,11 @@ use std::time::{Duration, Instant, SystemTime};
 
 /// A streamed append idle this long is rolled back.
 pub const APPEND_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A streamed append that another append has waited behind this long ...
+pub const APPEND_BLOCKING_TIMEOUT: Duration = Duration::from_secs(30);
+/// ... is rolled back if it has sent less than this many bytes per second
+/// since it began: a trickle must not hold a journal from everyone else.
+pub const APPEND_MIN_RATE: u64 = 1 << 20;
 
 /// Content of one frame: a buffer and the range of it that is payload.
 pub struct Chunk {
@@ -42,6 +47,8 @@ pub enum AbortReason {
     Closed,
     /// Idle too long: reply APPEND_TIMEOUT.
     Timeout,
+    /// Too slow while others waited behind it: reply APPEND_TIMEOUT.
+    TooSlow,
 }
 
 /// One append, shared by the connection that feeds it and the flusher that
@@ -170,6 +177,24 @@ pub struct Active {
     pub chunk_pos: usize,
     /// Sequence number on the journal's pipelines (primaries with replicas).
     pub seq: u64,
+    /// When it began to be staged.
+    pub started: Instant,
+}
+
+impl Active {
+    /// Whether this append, still streaming, has held the journal from an
+    /// append waiting behind it too long while sending too slowly.
+    pub fn holds_up(&self, waiting: Option<&AppendOp>) -> bool {
+        let Some(waiting) = waiting else {
+            return false;
+        };
+        let held = self.started.elapsed();
+        !self.op.complete.get()
+            && self.op.replica.is_none()
+            && held > APPEND_BLOCKING_TIMEOUT
+            && waiting.last_activity.get().elapsed() > APPEND_BLOCKING_TIMEOUT
+            && (self.sha.len() as f64) < APPEND_MIN_RATE as f64 * held.as_secs_f64()
+    }
 }
 
 /// An append fully staged in the current batch, waiting for durability.

@@ -1095,6 +1095,14 @@ impl Shard {
                     {
                         a.op.aborted.set(Some(AbortReason::Timeout));
                         due = true;
+                    } else if a.holds_up(
+                        jm.queue
+                            .iter()
+                            .find(|w| !Rc::ptr_eq(w, &a.op))
+                            .map(|w| &**w),
+                    ) {
+                        a.op.aborted.set(Some(AbortReason::TooSlow));
+                        due = true;
                     }
                 }
             }
@@ -1616,6 +1624,11 @@ impl Shard {
                         Status::APPEND_TIMEOUT,
                         &reply,
                         "append idle too long; rolled back",
+                    ),
+                    AbortReason::TooSlow => a.op.reply_error(
+                        Status::APPEND_TIMEOUT,
+                        &reply,
+                        "append streamed under 1 MiB/s while another append waited 30 s behind it; rolled back",
                     ),
                     AbortReason::Closed => a.op.finished.set(true),
                 }
@@ -2291,6 +2304,7 @@ impl Shard {
                     sha: Sha1::new(),
                     chunk_pos: 0,
                     seq,
+                    started: Instant::now(),
                 });
             }
             let a = jm.active.as_mut().expect("set above");
