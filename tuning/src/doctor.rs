@@ -384,7 +384,10 @@ fn check_memlock() -> Finding {
     } else {
         Level::Warn
     };
-    match limit.soft {
+    // `rotary serve` raises its soft limit to the hard one, so the hard
+    // limit is what a broker started from here gets.
+    let text = format!("{text} (serve raises soft to hard)");
+    match limit.hard {
         None => Finding::ok(CHECK, text),
         Some(v) if v >= MEMLOCK_BYTES_MIN => Finding::ok(CHECK, text),
         Some(_) => Finding::bad(
@@ -419,7 +422,10 @@ fn check_nofile() -> Finding {
         "printf '* - nofile 1048576\\n' | sudo tee /etc/security/limits.d/91-rotary-nofile.conf   # persist, next login",
         "sudo systemctl edit rotary   # under systemd: [Service] LimitNOFILE=1048576",
     ];
-    match limit.soft {
+    // `rotary serve` raises its soft limit to the hard one, so the hard
+    // limit is what a broker started from here gets.
+    let text = format!("{text} (serve raises soft to hard)");
+    match limit.hard {
         None => Finding::ok(CHECK, text),
         Some(v) if v >= NOFILE_MIN => Finding::ok(CHECK, text),
         Some(v) if v < NOFILE_FAIL_BELOW => Finding::fail(
