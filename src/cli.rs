@@ -399,6 +399,7 @@ impl CliError {
                 ClientError::Io { .. } => ("UNAVAILABLE", e.to_string(), EXIT_RETRYABLE),
                 ClientError::Protocol { .. } => ("PROTOCOL_ERROR", e.to_string(), EXIT_FAILED),
                 ClientError::Invalid(inner) => ("BAD_REQUEST", inner.to_string(), EXIT_USAGE),
+                ClientError::Offset(inner) => ("BAD_REQUEST", inner.to_string(), EXIT_USAGE),
                 ClientError::Content(inner) => (
                     "INPUT_ERROR",
                     format!("reading content: {inner}"),

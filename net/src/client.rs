@@ -122,6 +122,12 @@ pub enum ClientError {
     /// (none of them were yielded).
     #[error(transparent)]
     Fragment(#[from] FragmentError),
+    /// A requested offset exceeds [`wire::OFFSET_MAX`]: the wire carries
+    /// offsets as `i64`, and it would wrap to a negative value (`-1` is "no
+    /// expected offset" on APPEND, "the write head" on READ). Nothing was
+    /// sent.
+    #[error("invalid request: {0}")]
+    Offset(#[source] WireError),
 }
 
 impl ClientError {
@@ -152,6 +158,7 @@ impl ClientError {
             ClientError::Io { .. } => true,
             ClientError::Protocol { .. }
             | ClientError::Invalid(_)
+            | ClientError::Offset(_)
             | ClientError::Content(_)
             | ClientError::Fragment(_) => false,
         }
@@ -771,6 +778,7 @@ impl Client {
             do_not_proxy,
         } = options;
         check_name_len(&req.journal)?;
+        wire::check_offset(req.offset).map_err(ClientError::Offset)?;
         let r = async {
             let conn = self.journal_conn(&req.journal).await?;
             let (tx, rx) = mpsc::channel(READ_FRAMES_BUFFERED_MAX);
@@ -828,6 +836,7 @@ fn check_name_len(journal: &str) -> Result<(), ClientError> {
 /// APPEND metadata, refusing requests whose metadata would not fit a frame.
 fn encode_append_meta(req: &AppendRequest) -> Result<Bytes, ClientError> {
     check_name_len(&req.journal)?;
+    wire::check_offset(req.expect_offset).map_err(ClientError::Offset)?;
     let sets = [
         &req.check_registers.include,
         &req.check_registers.exclude,
@@ -1227,6 +1236,29 @@ mod tests {
             encode_append_meta(&req),
             Err(ClientError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn append_offsets_beyond_i64_are_refused() {
+        let mut req = AppendRequest {
+            journal: "a/b/c".into(),
+            expect_offset: Some(wire::OFFSET_MAX),
+            ..Default::default()
+        };
+        assert!(encode_append_meta(&req).is_ok());
+        for offset in [wire::OFFSET_MAX + 1, u64::MAX] {
+            req.expect_offset = Some(offset);
+            let err = encode_append_meta(&req).unwrap_err();
+            assert!(
+                matches!(err, ClientError::Offset(WireError::OffsetTooLarge(o)) if o == offset),
+                "{err}"
+            );
+            assert!(!err.is_retryable());
+            assert_eq!(
+                err.to_string(),
+                format!("invalid request: offset {offset} exceeds 9223372036854775807 (i64::MAX), the largest offset a request carries")
+            );
+        }
     }
 
     /// A fake broker on loopback: answers APPENDs out of order and checks

@@ -182,6 +182,8 @@ pub enum WireError {
     UnknownStatus(u16),
     #[error("offset {0} is negative (only -1, the write head, is allowed)")]
     BadOffset(i64),
+    #[error("offset {0} exceeds {OFFSET_MAX} (i64::MAX), the largest offset a request carries")]
+    OffsetTooLarge(u64),
     #[error(transparent)]
     Spec(#[from] SpecError),
 }
@@ -455,6 +457,34 @@ impl<'a> MetaReader<'a> {
     }
 }
 
+/// Largest offset a request can name: requested offsets travel as `i64`,
+/// whose negative values mean "none" (`-1`) or are refused.
+pub const OFFSET_MAX: u64 = i64::MAX as u64;
+
+/// Refuses a requested offset that does not fit the wire's `i64`. Encoding
+/// one would wrap it to a negative number, and `-1` means "no expected
+/// offset" on APPEND and "the write head" on READ.
+pub fn check_offset(offset: Option<u64>) -> Result<(), WireError> {
+    match offset {
+        Some(o) if o > OFFSET_MAX => Err(WireError::OffsetTooLarge(o)),
+        _ => Ok(()),
+    }
+}
+
+/// A requested offset as it travels: `None` is `-1`.
+///
+/// # Panics
+///
+/// If the offset exceeds [`OFFSET_MAX`]: callers check requests with
+/// [`check_offset`] first (the client does), since the value would wrap.
+fn offset_to_wire(offset: Option<u64>) -> i64 {
+    match offset {
+        None => -1,
+        Some(o) => i64::try_from(o)
+            .unwrap_or_else(|_| panic!("offset {o} exceeds OFFSET_MAX; call check_offset first")),
+    }
+}
+
 /// Fixed part of APPEND's metadata.
 #[derive(Clone, Copy, Debug, FromBytes, IntoBytes, Immutable, KnownLayout)]
 #[repr(C)]
@@ -478,10 +508,13 @@ pub struct AppendRequest {
 }
 
 impl AppendRequest {
+    /// # Panics
+    ///
+    /// If `expect_offset` exceeds [`OFFSET_MAX`] (see [`check_offset`]).
     pub fn encode(&self) -> Vec<u8> {
         let mut w = MetaWriter::new();
         w.fixed(&AppendFixed {
-            expect_offset: I64::new(self.expect_offset.map_or(-1, |o| o as i64)),
+            expect_offset: I64::new(offset_to_wire(self.expect_offset)),
         })
         .str16(&self.journal)
         .labels(&self.check_registers.include)
@@ -592,10 +625,13 @@ pub struct ReadRequest {
 }
 
 impl ReadRequest {
+    /// # Panics
+    ///
+    /// If `offset` exceeds [`OFFSET_MAX`] (see [`check_offset`]).
     pub fn encode(&self) -> Vec<u8> {
         let mut w = MetaWriter::new();
         w.fixed(&ReadFixed {
-            offset: I64::new(self.offset.map_or(-1, |o| o as i64)),
+            offset: I64::new(offset_to_wire(self.offset)),
             end_offset: U64::new(self.end_offset.unwrap_or(0)),
         })
         .str16(&self.journal);
@@ -720,11 +756,54 @@ mod tests {
         "[a-z0-9]{2,10}(/[a-z0-9_.=%+-]{1,10}){1,3}"
     }
 
+    #[test]
+    fn offsets_beyond_i64_are_refused_not_wrapped() {
+        assert_eq!(check_offset(None), Ok(()));
+        assert_eq!(check_offset(Some(OFFSET_MAX)), Ok(()));
+        assert_eq!(
+            check_offset(Some(OFFSET_MAX + 1)),
+            Err(WireError::OffsetTooLarge(OFFSET_MAX + 1))
+        );
+        assert_eq!(
+            check_offset(Some(u64::MAX)),
+            Err(WireError::OffsetTooLarge(u64::MAX))
+        );
+        let req = AppendRequest {
+            journal: "a/b/c".into(),
+            expect_offset: Some(OFFSET_MAX),
+            ..Default::default()
+        };
+        assert_eq!(&req.encode()[..8], &i64::MAX.to_le_bytes());
+        assert_eq!(AppendRequest::decode(&req.encode()).unwrap(), req);
+    }
+
+    #[test]
+    #[should_panic(expected = "exceeds OFFSET_MAX")]
+    fn encoding_an_append_offset_beyond_i64_panics() {
+        let req = AppendRequest {
+            journal: "a/b/c".into(),
+            expect_offset: Some(u64::MAX),
+            ..Default::default()
+        };
+        let _ = req.encode();
+    }
+
+    #[test]
+    #[should_panic(expected = "exceeds OFFSET_MAX")]
+    fn encoding_a_read_offset_beyond_i64_panics() {
+        let req = ReadRequest {
+            journal: "a/b/c".into(),
+            offset: Some(OFFSET_MAX + 1),
+            end_offset: None,
+        };
+        let _ = req.encode();
+    }
+
     proptest! {
         #[test]
         fn append_request_round_trips(
             journal in journal(),
-            expect in proptest::option::of(0u64..i64::MAX as u64),
+            expect in proptest::option::of(0u64..=OFFSET_MAX),
             include in label_set(), exclude in label_set(),
             union in label_set(), subtract in label_set(),
         ) {
@@ -750,7 +829,7 @@ mod tests {
 
         #[test]
         fn read_request_round_trips(journal in journal(),
-                                    offset in proptest::option::of(0u64..i64::MAX as u64),
+                                    offset in proptest::option::of(0u64..=OFFSET_MAX),
                                     end in proptest::option::of(1u64..u64::MAX)) {
             let req = ReadRequest { journal, offset, end_offset: end };
             prop_assert_eq!(ReadRequest::decode(&req.encode()).unwrap(), req);
