@@ -5,7 +5,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use rotary_net::client::{Client, ClientError, ReadEvent};
 use rotary_net::spec::{parse_specs, LabelSelector, LabelSet, SpecError};
-use rotary_net::wire::{AppendRequest, ReadRequest};
+use rotary_net::wire::{AppendRequest, ReadRequest, OFFSET_MAX};
 use rotary_net::Status;
 use std::io::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -261,8 +261,10 @@ struct AppendArgs {
     /// Read content from this file instead of standard input.
     #[arg(short = 'i', long = "input", value_name = "FILE")]
     input: Option<PathBuf>,
-    /// Commit only if the journal's write head is exactly this offset.
-    #[arg(long = "offset", value_name = "N")]
+    /// Commit only if the journal's write head is exactly this offset, 0
+    /// to 9223372036854775807 (0: only into an empty journal). Without it
+    /// the append commits at the write head, wherever that is.
+    #[arg(long = "offset", value_name = "N", value_parser = parse_append_offset, allow_hyphen_values = true)]
     offset: Option<u64>,
     /// Commit only if the journal's registers match this selector.
     #[arg(long = "check-registers", value_name = "SELECTOR")]
@@ -280,7 +282,8 @@ struct AppendArgs {
 #[derive(Args, Debug)]
 struct ReadArgs {
     name: String,
-    /// First offset to read; `head` (or -1) is the write head.
+    /// First offset to read, 0 to 9223372036854775807; `head` (or -1) is
+    /// the write head.
     #[arg(long = "offset", default_value = "0", value_parser = parse_offset, allow_hyphen_values = true)]
     offset: ReadOffset,
     /// Stop before this offset.
@@ -314,10 +317,40 @@ enum ReadOffset {
 fn parse_offset(s: &str) -> Result<ReadOffset, String> {
     match s {
         "head" | "-1" => Ok(ReadOffset::Head),
-        _ => s
-            .parse::<u64>()
-            .map(ReadOffset::At)
-            .map_err(|_| format!("{s:?} is not an offset (a byte count, or `head`)")),
+        _ => parse_offset_number(s).map(ReadOffset::At).map_err(|e| {
+            e.unwrap_or_else(|| format!("{s:?} is not an offset (a byte count, or `head`)"))
+        }),
+    }
+}
+
+/// An append's expected write head. The wire's `-1` (no expectation) is
+/// what leaving `--offset` out sends, so negative values are refused
+/// rather than taken to mean "the head" as they do for `read`.
+fn parse_append_offset(s: &str) -> Result<u64, String> {
+    if s.starts_with('-') {
+        return Err(format!(
+            "append takes the write head it expects, 0 to {OFFSET_MAX}; \
+             to append wherever the head is, leave --offset out"
+        ));
+    }
+    parse_offset_number(s).map_err(|e| {
+        e.unwrap_or_else(|| format!("{s:?} is not an offset (a byte count, 0 to {OFFSET_MAX})"))
+    })
+}
+
+/// A decimal offset the wire can carry. `Err(Some(_))` names the limit;
+/// `Err(None)` is not a number at all.
+fn parse_offset_number(s: &str) -> Result<u64, Option<String>> {
+    let too_large = || {
+        Some(format!(
+            "{s} exceeds {OFFSET_MAX} (i64::MAX), the largest offset"
+        ))
+    };
+    match s.parse::<u64>() {
+        Ok(o) if o <= OFFSET_MAX => Ok(o),
+        Ok(_) => Err(too_large()),
+        Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => Err(too_large()),
+        Err(_) => Err(None),
     }
 }
 
@@ -872,6 +905,30 @@ mod tests {
         assert!(matches!(parse_offset("-1"), Ok(ReadOffset::Head)));
         assert!(matches!(parse_offset("42"), Ok(ReadOffset::At(42))));
         assert!(parse_offset("-2").is_err());
+        // The wire carries offsets as i64: larger ones would wrap to -1.
+        let max = i64::MAX.to_string();
+        assert!(matches!(parse_offset(&max), Ok(ReadOffset::At(o)) if o == OFFSET_MAX));
+        for big in [
+            "9223372036854775808",
+            "18446744073709551615",
+            "18446744073709551616",
+        ] {
+            let err = parse_offset(big).unwrap_err();
+            assert_eq!(
+                err,
+                format!("{big} exceeds 9223372036854775807 (i64::MAX), the largest offset")
+            );
+            assert_eq!(parse_append_offset(big).unwrap_err(), err);
+        }
+        assert_eq!(parse_append_offset("0"), Ok(0));
+        assert_eq!(parse_append_offset(&max), Ok(OFFSET_MAX));
+        for negative in ["-1", "-2"] {
+            let err = parse_append_offset(negative).unwrap_err();
+            assert!(err.contains("leave --offset out"), "{err}");
+        }
+        assert!(parse_append_offset("head")
+            .unwrap_err()
+            .contains("is not an offset"));
     }
 
     #[test]

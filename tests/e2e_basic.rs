@@ -714,3 +714,106 @@ async fn serve_cpus_keeps_every_thread_of_the_broker_on_its_cores() {
         assert_eq!(allowed, &core.to_string(), "thread {comm}: {threads:?}");
     }
 }
+
+/// Offsets travel as i64, -1 meaning "no expected offset" on APPEND and
+/// "the write head" on READ: an offset of 2^63 or more must be refused, by
+/// the CLI and by the client library, never wrapped to -1 and sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offsets_beyond_i64_are_refused_not_wrapped() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/cli/offset-limit";
+    create_journal(&client, j, |_| {}).await;
+    client
+        .append(&append_req(j), b"abc".to_vec())
+        .await
+        .unwrap();
+
+    // u64::MAX was -1 on the wire: committed at the head, fence defeated.
+    for big in [
+        "18446744073709551615",
+        "9223372036854775808",
+        "18446744073709551616",
+    ] {
+        let (code, out, err) = run_cli(broker.cli(&["append", j, "--offset", big]), b"fenced");
+        assert_eq!(code, 2, "{err}");
+        assert!(out.is_empty());
+        assert!(
+            err.contains(&format!(
+                "{big} exceeds 9223372036854775807 (i64::MAX), the largest offset"
+            )),
+            "{err}"
+        );
+        let (code, out, err) = run_cli(broker.cli(&["read", j, "--offset", big]), b"");
+        assert_eq!(code, 2, "{err}");
+        assert!(out.is_empty());
+        assert!(err.contains("9223372036854775807 (i64::MAX)"), "{err}");
+    }
+    assert_eq!(read_all(&client, j).await, b"abc");
+
+    // The largest offset goes through unchanged: the head is not there.
+    let (code, _, err) = run_cli(
+        broker.cli(&["append", j, "--offset", "9223372036854775807"]),
+        b"fenced",
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.starts_with("error: WRONG_APPEND_OFFSET: "), "{err}");
+
+    // -1 means the head for read; append has no such offset, and says how
+    // to append without an expected offset instead of a parse failure.
+    for args in [["--offset", "-1"].as_slice(), ["--offset=-1"].as_slice()] {
+        let mut argv = vec!["append", j];
+        argv.extend_from_slice(args);
+        let (code, out, err) = run_cli(broker.cli(&argv), b"fenced");
+        assert_eq!(code, 2, "{err}");
+        assert!(out.is_empty());
+        assert!(
+            err.contains("append takes the write head it expects, 0 to 9223372036854775807; to append wherever the head is, leave --offset out"),
+            "{err}"
+        );
+        assert!(!err.contains("invalid digit"), "{err}");
+    }
+    let (code, out, err) = run_cli(
+        broker.cli(&["read", j, "--offset", "-1", "--metadata"]),
+        b"",
+    );
+    assert_eq!(code, 0, "{err}");
+    let meta: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(meta, serde_json::json!({"offset": 3, "write_head": 3}));
+    assert_eq!(read_all(&client, j).await, b"abc");
+
+    // The client library refuses them before sending anything.
+    let mut req = append_req(j);
+    req.expect_offset = Some(u64::MAX);
+    let err = client.append(&req, b"fenced".to_vec()).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            rotary_net::client::ClientError::Offset(rotary_net::wire::WireError::OffsetTooLarge(
+                u64::MAX
+            ))
+        ),
+        "{err}"
+    );
+    let read = ReadRequest {
+        journal: j.to_string(),
+        offset: Some(rotary_net::wire::OFFSET_MAX + 1),
+        end_offset: None,
+    };
+    let err = client.read(&read, false, false).await.unwrap_err();
+    assert!(
+        matches!(err, rotary_net::client::ClientError::Offset(_)),
+        "{err}"
+    );
+    assert_eq!(read_all(&client, j).await, b"abc");
+
+    // The expected head still fences.
+    let (code, out, err) = run_cli(broker.cli(&["append", j, "--offset", "3"]), b"fenced");
+    assert_eq!(code, 0, "{err}");
+    let line: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        (line["begin"].as_u64(), line["end"].as_u64()),
+        (Some(3), Some(9))
+    );
+    assert_eq!(read_all(&client, j).await, b"abcfenced");
+}
