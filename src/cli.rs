@@ -88,11 +88,35 @@ struct BrokerArgs {
 }
 
 impl BrokerArgs {
-    fn endpoint(&self) -> String {
-        self.broker
-            .clone()
-            .or_else(|| std::env::var(BROKER_ENV).ok().filter(|s| !s.is_empty()))
-            .unwrap_or_else(|| BROKER_DEFAULT.to_string())
+    /// The endpoint to connect to: `--broker`, else `ROTARY_BROKER`, else
+    /// the default. One that is not `HOST:PORT` is bad usage, not an
+    /// unreachable broker: trying again cannot help.
+    fn endpoint(&self) -> Result<String, CliError> {
+        let (endpoint, source) = match (&self.broker, std::env::var(BROKER_ENV)) {
+            (Some(b), _) => (b.clone(), "--broker"),
+            (None, Ok(e)) if !e.is_empty() => (e, BROKER_ENV),
+            (None, _) => (BROKER_DEFAULT.to_string(), "the default broker"),
+        };
+        check_endpoint(&endpoint)
+            .map_err(|why| CliError::Usage("BAD_USAGE", format!("{source} {endpoint:?}: {why}")))?;
+        Ok(endpoint)
+    }
+}
+
+/// Checks the shape of `HOST:PORT`: a host (a name, an IPv4 address or a
+/// bracketed IPv6 address) and a port from 1 to 65535. Whether the host
+/// resolves, and whether a broker listens there, is for connecting to find
+/// out.
+fn check_endpoint(endpoint: &str) -> Result<(), String> {
+    let Some((host, port)) = endpoint.rsplit_once(':') else {
+        return Err("want HOST:PORT, e.g. 127.0.0.1:7401".into());
+    };
+    if host.is_empty() || host.chars().any(char::is_whitespace) {
+        return Err("want HOST:PORT with a host before the colon".into());
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => Err(format!("port {port:?} is not a number from 1 to 65535")),
     }
 }
 
@@ -417,11 +441,7 @@ impl CliError {
                 ClientError::Status {
                     status, message, ..
                 } => {
-                    let code = if status.is_retryable() {
-                        EXIT_RETRYABLE
-                    } else {
-                        EXIT_FAILED
-                    };
+                    let code = status_exit_code(*status);
                     let text = if message.is_empty() {
                         status_explanation(*status).to_string()
                     } else {
@@ -447,6 +467,20 @@ impl CliError {
         };
         eprintln!("error: {name}: {}", one_line(&text));
         code
+    }
+}
+
+/// A broker status's exit code: `BAD_REQUEST` is what the command line
+/// asked for (an empty append with register changes, a spec the broker
+/// refuses), so it exits like every other invalid input; retryable
+/// statuses exit 3 so that scripts know to try again.
+fn status_exit_code(status: Status) -> i32 {
+    if status == Status::BAD_REQUEST {
+        EXIT_USAGE
+    } else if status.is_retryable() {
+        EXIT_RETRYABLE
+    } else {
+        EXIT_FAILED
     }
 }
 
@@ -479,7 +513,7 @@ pub fn run(cli: Cli) -> i32 {
             return match rotary_benches::run(*args) {
                 Ok(()) => EXIT_OK,
                 Err(e) => {
-                    eprintln!("error: BENCH_FAILED: {e:#}");
+                    eprintln!("error: BENCH_FAILED: {}", one_line(&format!("{e:#}")));
                     EXIT_FAILED
                 }
             }
@@ -492,7 +526,7 @@ pub fn run(cli: Cli) -> i32 {
                 Ok(rt) => rt,
                 Err(e) => {
                     return CliError::Other(
-                        "IO_ERROR",
+                        "RUNTIME_FAILED",
                         anyhow::Error::new(e).context("starting the runtime"),
                     )
                     .report()
@@ -556,7 +590,7 @@ fn tune(data: &std::path::Path, quick: bool) -> i32 {
             EXIT_OK
         }
         Err(e) => {
-            eprintln!("error: IO_ERROR: rotary tune: {e}");
+            eprintln!("error: TUNE_FAILED: {}", one_line(&e.to_string()));
             EXIT_FAILED
         }
     }
@@ -596,7 +630,7 @@ fn apply_tune_profile(config: &mut rotary_engine::ServeConfig) {
 }
 
 async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
-    Ok(Client::connect(&broker.endpoint()).await?)
+    Ok(Client::connect(&broker.endpoint()?).await?)
 }
 
 async fn client_command(cmd: Cmd) -> CmdResult {
@@ -790,7 +824,7 @@ async fn read(args: ReadArgs) -> CmdResult {
         end_offset: args.end_offset,
     };
     let client = if args.pin {
-        Client::connect_pinned(&args.broker.endpoint()).await?
+        Client::connect_pinned(&args.broker.endpoint()?).await?
     } else {
         connect(&args.broker).await?
     };
@@ -929,6 +963,37 @@ mod tests {
         assert!(parse_append_offset("head")
             .unwrap_err()
             .contains("is not an offset"));
+    }
+
+    #[test]
+    fn broker_endpoints() {
+        for good in [
+            "127.0.0.1:7401",
+            "broker-1:1",
+            "[::1]:65535",
+            "localhost:7401",
+        ] {
+            assert_eq!(check_endpoint(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "nonsense",
+            "127.0.0.1:99999",
+            "127.0.0.1:0",
+            ":7401",
+            "h:",
+            "h:x",
+        ] {
+            assert!(check_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn status_exit_codes() {
+        assert_eq!(status_exit_code(Status::BAD_REQUEST), EXIT_USAGE);
+        assert_eq!(status_exit_code(Status::JOURNAL_NOT_FOUND), EXIT_FAILED);
+        assert_eq!(status_exit_code(Status::WRONG_APPEND_OFFSET), EXIT_FAILED);
+        assert_eq!(status_exit_code(Status::STORAGE_FULL), EXIT_RETRYABLE);
+        assert_eq!(status_exit_code(Status::IO_ERROR), EXIT_RETRYABLE);
     }
 
     #[test]

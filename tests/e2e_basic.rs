@@ -254,7 +254,8 @@ async fn cli_append_read_round_trip() {
     let (code, out, err) = run_cli(cmd, b"");
     assert_eq!((code, out), (0, all[..4].to_vec()), "{err}");
 
-    // Errors: one line naming the status, exit 1 (or 3 when retryable).
+    // Errors: one line naming the status, exit 1 (2 for invalid input, 3
+    // when retryable).
     let (code, out, err) = run_cli(broker.cli(&["append", "e2e/cli/missing"]), b"x");
     assert_eq!(code, 1);
     assert!(out.is_empty());
@@ -816,4 +817,83 @@ async fn offsets_beyond_i64_are_refused_not_wrapped() {
         (Some(3), Some(9))
     );
     assert_eq!(read_all(&client, j).await, b"abcfenced");
+}
+
+/// Exit codes as the README's table gives them: 2 for invalid input,
+/// whether the CLI or the broker finds it, 3 when a retry may succeed,
+/// 1 otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_exit_codes_follow_the_readme() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/cli/exit-codes";
+    create_journal(&client, j, |_| {}).await;
+
+    // The broker refuses an empty append with register changes.
+    let (code, out, err) = run_cli(broker.cli(&["append", j, "--union-registers", "k=v"]), b"");
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty());
+    assert!(err.starts_with("error: BAD_REQUEST: "), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let (code, out, err) = run_cli(broker.cli(&["append", j, "--union-registers", "k=v"]), b"x");
+    assert_eq!(code, 0, "{err}");
+    let line: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(line["registers"], serde_json::json!({"k": "v"}));
+
+    // Endpoints that are not HOST:PORT are bad usage, not an unreachable
+    // broker: no retry can help.
+    let rotary = || {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rotary"));
+        cmd.env_remove("ROTARY_BROKER");
+        cmd
+    };
+    for (bad, why) in [
+        ("nonsense", "want HOST:PORT, e.g. 127.0.0.1:7401"),
+        (
+            "127.0.0.1:99999",
+            "port \"99999\" is not a number from 1 to 65535",
+        ),
+        ("127.0.0.1:0", "port \"0\" is not a number from 1 to 65535"),
+        (":7401", "want HOST:PORT with a host before the colon"),
+    ] {
+        for argv in [
+            vec!["stats", "--broker", bad],
+            vec!["append", j, "--broker", bad],
+            vec!["read", j, "--pin", "--broker", bad],
+        ] {
+            let mut cmd = rotary();
+            cmd.args(&argv);
+            let (code, out, err) = run_cli(cmd, b"x");
+            assert_eq!(code, 2, "{argv:?}: {err}");
+            assert!(out.is_empty());
+            assert_eq!(
+                err,
+                format!("error: BAD_USAGE: --broker {bad:?}: {why}\n"),
+                "{argv:?}"
+            );
+        }
+        let mut cmd = rotary();
+        cmd.args(["stats"]).env("ROTARY_BROKER", bad);
+        let (code, _, err) = run_cli(cmd, b"");
+        assert_eq!(code, 2, "{err}");
+        assert_eq!(
+            err,
+            format!("error: BAD_USAGE: ROTARY_BROKER {bad:?}: {why}\n")
+        );
+    }
+    assert_eq!(read_all(&client, j).await, b"x");
+
+    // A well-formed endpoint nobody listens on: retryable.
+    let mut cmd = rotary();
+    let dead = format!("127.0.0.1:{}", free_port_range(1));
+    cmd.args(["append", j, "--broker", &dead]);
+    let (code, _, err) = run_cli(cmd, b"y");
+    assert_eq!(code, 3, "{err}");
+    assert!(err.starts_with("error: UNAVAILABLE: "), "{err}");
+
+    // Other refusals: 1.
+    let (code, _, err) = run_cli(broker.cli(&["journals", "delete", "e2e/cli/none"]), b"");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.starts_with("error: JOURNAL_NOT_FOUND: "), "{err}");
+    assert_eq!(read_all(&client, j).await, b"x");
 }
