@@ -75,8 +75,9 @@ fn route_text(members: &[String]) -> String {
         .join(",")
 }
 
-/// What a fragment row is: the live spool, a local fragment (and whether
-/// it reached its store), or an object in a store.
+/// What a fragment row is: the live spool, a local fragment (whether it
+/// reached its store, or `local` for a journal without stores, whose
+/// fragments stay on the broker's disk), or an object in a store.
 fn fragment_state(f: &FragmentInfo) -> &'static str {
     if f.open {
         "open"
@@ -86,7 +87,7 @@ fn fragment_state(f: &FragmentInfo) -> &'static str {
         match f.uploaded {
             Some(true) => "uploaded",
             Some(false) => "uploading",
-            None => "sealed",
+            None => "local",
         }
     }
 }
@@ -193,7 +194,20 @@ mod tests {
             mod_time: 0,
             ..local.clone()
         };
-        let t = fragments_table(&[local, stored], 1000 + 3 * 3600);
+        let waiting = FragmentInfo {
+            uploaded: Some(false),
+            ..local.clone()
+        };
+        let no_stores = FragmentInfo {
+            uploaded: None,
+            ..local.clone()
+        };
+        let open = FragmentInfo {
+            open: true,
+            uploaded: None,
+            ..local.clone()
+        };
+        let t = fragments_table(&[local, stored, waiting, no_stores, open], 1000 + 3 * 3600);
         let rows: Vec<Vec<&str>> = t.lines().map(|l| l.split_whitespace().collect()).collect();
         assert_eq!(
             rows[0],
@@ -218,6 +232,8 @@ mod tests {
                 "s3://b/p/"
             ]
         );
+        let states: Vec<&str> = rows[3..].iter().map(|r| r[6]).collect();
+        assert_eq!(states, ["uploading", "local", "open"]);
         assert_eq!(age_text(59), "59s");
         assert_eq!(age_text(3600), "60m");
         assert_eq!(age_text(90_000), "25h");

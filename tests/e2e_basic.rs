@@ -897,3 +897,82 @@ async fn cli_exit_codes_follow_the_readme() {
     assert!(err.starts_with("error: JOURNAL_NOT_FOUND: "), "{err}");
     assert_eq!(read_all(&client, j).await, b"x");
 }
+
+/// A journal without `fragment.stores` keeps its sealed fragments on the
+/// broker's disk: `rotary fragments` says `local`, not an upload that
+/// never comes. With a store, the state follows the upload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragments_of_a_journal_without_stores_are_local() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let store = tempfile::tempdir().unwrap();
+    let local = "e2e/cli/frag-local";
+    let stored = "e2e/cli/frag-stored";
+    create_journal(&client, local, |_| {}).await;
+    create_journal(&client, stored, |s| {
+        s.fragment.stores = vec![format!("file://{}/", store.path().display())];
+    })
+    .await;
+
+    let state_column = |name: &str| -> Vec<(String, String, String)> {
+        let (code, out, err) = run_cli(broker.cli(&["fragments", name]), b"");
+        assert_eq!(code, 0, "{err}");
+        let text = String::from_utf8(out).unwrap();
+        let mut lines = text.lines();
+        let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        assert_eq!(header[6], "STATE", "{text}");
+        lines
+            .map(|l| {
+                let cells: Vec<&str> = l.split_whitespace().collect();
+                (cells[0].into(), cells[1].into(), cells[6].into())
+            })
+            .collect()
+    };
+    let row = |b: &str, e: &str, s: &str| (b.to_string(), e.to_string(), s.to_string());
+
+    for j in [local, stored] {
+        client
+            .append(&append_req(j), b"sealed".to_vec())
+            .await
+            .unwrap();
+        let (code, _, err) = run_cli(broker.cli(&["journals", "seal", j]), b"");
+        assert_eq!(code, 0, "{err}");
+        client
+            .append(&append_req(j), b"open".to_vec())
+            .await
+            .unwrap();
+    }
+
+    assert_eq!(
+        state_column(local),
+        [row("0", "6", "local"), row("6", "10", "open")]
+    );
+    let (code, out, err) = run_cli(broker.cli(&["fragments", local, "-o", "json"]), b"");
+    assert_eq!(code, 0, "{err}");
+    let frags: Vec<serde_json::Value> = serde_json::from_slice(&out).unwrap();
+    assert_eq!(frags.len(), 2, "{frags:?}");
+    assert!(
+        frags.iter().all(|f| f.get("uploaded").is_none()),
+        "{frags:?}"
+    );
+    assert_eq!(frags[0]["store"], "local");
+
+    // With a store: uploading, then uploaded (and the store's object).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let rows = state_column(stored);
+        assert!(
+            matches!(rows[0].2.as_str(), "uploading" | "uploaded"),
+            "{rows:?}"
+        );
+        if rows.contains(&row("0", "6", "uploaded")) {
+            assert!(rows.contains(&row("6", "10", "open")), "{rows:?}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not uploaded after 30 s: {rows:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

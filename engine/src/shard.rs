@@ -2027,7 +2027,7 @@ impl Shard {
         // Replicas must start their next spool where this one ended.
         jm.repl = None;
         let json = match &sealed {
-            Some(f) => fragment_json(f, false),
+            Some(f) => fragment_json(f, jm.has_stores()),
             None => serde_json::Value::Null,
         };
         if let Some(f) = sealed {
@@ -2886,7 +2886,7 @@ impl Shard {
         let mut out: Vec<serde_json::Value> = jm
             .fragments
             .iter()
-            .map(|f| fragment_json(f, false))
+            .map(|f| fragment_json(f, jm.has_stores()))
             .collect();
         for r in &jm.remote {
             let mod_time = unix_secs(r.mod_time);
@@ -3024,9 +3024,12 @@ fn unix_secs(t: SystemTime) -> u64 {
         .as_secs()
 }
 
-fn fragment_json(f: &LocalFragment, open: bool) -> serde_json::Value {
+/// A sealed local fragment as FRAGMENTS and SEAL answer it. `uploaded` is
+/// there only for a journal with stores: a fragment of one without stays
+/// local, and `false` would read as an upload still to come.
+fn fragment_json(f: &LocalFragment, has_stores: bool) -> serde_json::Value {
     let mod_time = unix_secs(f.sealed_at);
-    serde_json::json!({
+    let mut json = serde_json::json!({
         "begin": f.begin,
         "end": f.end,
         "sha1": hex::encode(f.sha1),
@@ -3035,7 +3038,10 @@ fn fragment_json(f: &LocalFragment, open: bool) -> serde_json::Value {
         "store": "local",
         "path": f.path.display().to_string(),
         "mod_time": mod_time,
-        "open": open,
-        "uploaded": f.uploaded,
-    })
+        "open": false,
+    });
+    if has_stores {
+        json["uploaded"] = f.uploaded.into();
+    }
+    json
 }

@@ -253,7 +253,8 @@ pub struct FragmentInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
     /// For a local sealed fragment of a journal with stores: whether it has
-    /// been uploaded to the journal's first store.
+    /// been uploaded to the journal's first store. Absent for a journal
+    /// without stores, whose fragments stay local.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uploaded: Option<bool>,
 }
