@@ -629,8 +629,33 @@ fn apply_tune_profile(config: &mut rotary_engine::ServeConfig) {
     }
 }
 
+/// How long a broker has to answer the PING each client command starts with.
+const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
-    Ok(Client::connect(&broker.endpoint()?).await?)
+    answering(Client::connect(&broker.endpoint()?).await?).await
+}
+
+/// The client, once its broker answered a PING. A listener that accepts but
+/// never answers (a wedged broker, another service on the port) would
+/// otherwise hang the command; this way it fails as UNAVAILABLE (exit 3).
+async fn answering(client: Client) -> Result<Client, CliError> {
+    match tokio::time::timeout(PING_TIMEOUT, client.ping()).await {
+        Ok(answer) => answer?,
+        Err(_) => {
+            return Err(CliError::Client(ClientError::Io {
+                endpoint: client.endpoint().to_string(),
+                source: std::sync::Arc::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no answer to PING in {} s: is a rotary broker listening there?",
+                        PING_TIMEOUT.as_secs()
+                    ),
+                )),
+            }))
+        }
+    }
+    Ok(client)
 }
 
 async fn client_command(cmd: Cmd) -> CmdResult {
@@ -824,7 +849,7 @@ async fn read(args: ReadArgs) -> CmdResult {
         end_offset: args.end_offset,
     };
     let client = if args.pin {
-        Client::connect_pinned(&args.broker.endpoint()?).await?
+        answering(Client::connect_pinned(&args.broker.endpoint()?).await?).await?
     } else {
         connect(&args.broker).await?
     };

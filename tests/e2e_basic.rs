@@ -891,6 +891,32 @@ async fn cli_exit_codes_follow_the_readme() {
     assert_eq!(code, 3, "{err}");
     assert!(err.starts_with("error: UNAVAILABLE: "), "{err}");
 
+    // A listener that accepts and never answers: retryable, not a hang.
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mute_at = mute.local_addr().unwrap().to_string();
+    let held = std::thread::spawn(move || {
+        let mut conns = Vec::new();
+        for c in mute.incoming().take(3) {
+            conns.push(c);
+        }
+        std::thread::sleep(std::time::Duration::from_secs(15));
+    });
+    for argv in [
+        vec!["stats", "--broker", &mute_at],
+        vec!["append", j, "--broker", &mute_at],
+        vec!["read", j, "--pin", "--broker", &mute_at],
+    ] {
+        let mut cmd = rotary();
+        cmd.args(&argv);
+        let (code, _, err) = run_cli(cmd, b"z");
+        assert_eq!(code, 3, "{argv:?}: {err}");
+        assert!(
+            err.starts_with("error: UNAVAILABLE: ") && err.contains("no answer to PING"),
+            "{argv:?}: {err}"
+        );
+    }
+    drop(held);
+
     // Other refusals: 1.
     let (code, _, err) = run_cli(broker.cli(&["journals", "delete", "e2e/cli/none"]), b"");
     assert_eq!(code, 1, "{err}");
