@@ -140,12 +140,14 @@ struct ServeArgs {
     disk_reserve: Option<u64>,
     /// Sealed bytes of journals with stores that may wait on local disk for
     /// their upload; beyond it, appends to such journals are refused with
-    /// FRAGMENT_STORE_UNHEALTHY until uploads catch up. K, M, G, T suffixes.
+    /// FRAGMENT_STORE_UNHEALTHY until uploads catch up. Each shard has an
+    /// equal share, for its own journals. K, M, G, T suffixes.
     #[arg(long = "spool-budget", value_name = "BYTES", value_parser = parse_bytes, default_value = "8G")]
     spool_budget: u64,
     /// Bytes of uploaded fragments kept on local disk to serve reads; the
     /// oldest go first. 0 = drop each fragment once uploaded (history is
-    /// then read from the stores). K, M, G, T suffixes.
+    /// then read from the stores). Each shard has an equal share. K, M, G,
+    /// T suffixes.
     #[arg(long = "local-cache", value_name = "BYTES", value_parser = parse_bytes, default_value = "4G")]
     local_cache: u64,
     /// Threads that compress and upload sealed fragments to their stores.
@@ -864,7 +866,10 @@ async fn read(args: ReadArgs) -> CmdResult {
         Reader::Direct(client.read_direct(&req, args.block))
     };
     let mut out = std::io::stdout().lock();
-    let mut next_offset: Option<u64> = None;
+    // Where the next byte should begin: bytes skipped over (history that
+    // no fragment holds) are reported, at the start and end of the range
+    // as in its middle.
+    let mut next_offset: Option<u64> = req.offset;
     while let Some(event) = stream.next().await {
         match event? {
             ReadEvent::Fragment { .. } => {
@@ -890,6 +895,12 @@ async fn read(args: ReadArgs) -> CmdResult {
                     || (done.status == Status::OFFSET_NOT_YET_AVAILABLE && !args.block);
                 if !normal_end {
                     done.check()?;
+                }
+                if let Some(expected) = next_offset.filter(|&e| e < done.offset) {
+                    if done.status == Status::OK && !args.metadata {
+                        let found = done.offset;
+                        eprintln!("warning: offsets {expected}..{found} are missing from the journal's history");
+                    }
                 }
                 if args.metadata {
                     let line =

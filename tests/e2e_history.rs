@@ -704,6 +704,81 @@ async fn s3_store_prefixed_names_keep_apart() {
 }
 
 // ---------------------------------------------------------------------------
+// A gap in the history.
+
+/// A fragment lost from the store leaves a gap: a read whose range ends in
+/// it ends cleanly (the broker keeps serving), and the CLI warns about the
+/// missing offsets wherever they are in the range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_gap_in_history_is_read_around() {
+    let store = TestStore::file();
+    let broker = broker_for(&store, &["--local-cache", "0"]);
+    let client = broker.client().await;
+    let j = "hist/gap";
+    apply(&client, &spec(j, &store, Codec::None, 1 << 20)).await;
+    append(&client, j, b"AAAA").await;
+    client.seal(j).await.unwrap();
+    wait_store_covers(&store, j, 4).await;
+    append(&client, j, b"BBBB").await;
+    client.seal(j).await.unwrap();
+    let frags = wait_store_covers(&store, j, 8).await;
+    let first = frags.iter().find(|f| f.begin == 0).expect("first fragment");
+    let TestStore::File { dir } = &store else {
+        unreachable!()
+    };
+    std::fs::remove_file(dir.path().join(&first.key)).unwrap();
+    // Once the broker lists the store again, [0, 4) is a gap.
+    let deadline = Instant::now() + WAIT;
+    while client
+        .fragments(j)
+        .await
+        .unwrap()
+        .iter()
+        .any(|f| f.begin == 0)
+    {
+        assert!(Instant::now() < deadline, "the lost fragment stays listed");
+        tokio::time::sleep(POLL).await;
+    }
+
+    // A range inside the gap: no bytes, READ_DONE OK at its end.
+    let (bytes, done) = read_range(&client, j, 0, Some(3)).await.unwrap();
+    assert!(bytes.is_empty());
+    assert_eq!((done.status, done.offset), (Status::OK, 3));
+    client.ping().await.expect("the broker still serves");
+    // The CLI says what is missing, at the start and at the end.
+    for (args, out, warning) in [
+        (
+            vec!["read", j, "--offset", "0", "--proxy"],
+            &b"BBBB"[..],
+            "0..4",
+        ),
+        (
+            vec!["read", j, "--offset", "0", "--end-offset", "3", "--proxy"],
+            &b""[..],
+            "0..3",
+        ),
+        (
+            vec!["read", j, "--offset", "4", "--proxy"],
+            &b"BBBB"[..],
+            "",
+        ),
+    ] {
+        let (code, stdout, err) = run_cli(broker.cli(&args), b"");
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert_eq!(stdout, out, "{args:?}");
+        if warning.is_empty() {
+            assert!(err.is_empty(), "{args:?}: {err}");
+        } else {
+            assert_eq!(
+                err,
+                format!("warning: offsets {warning} are missing from the journal's history\n"),
+                "{args:?}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // A store outage.
 
 /// Spool budget of the outage tests: room for six 5 000-byte fragments

@@ -2701,6 +2701,15 @@ impl Shard {
                 continue;
             };
             offset = loc.offset;
+            if let Some(end) = req.end_offset {
+                if offset >= end {
+                    // The rest of the range lies in a gap of the history:
+                    // the read ends at its end, and the client sees that
+                    // no bytes came for it.
+                    let head = j.borrow().head;
+                    return done(Status::OK, end, head, "");
+                }
+            }
             let mut len = (loc.end - offset).min(READ_CHUNK_BYTES as u64);
             if let Some(end) = req.end_offset {
                 len = len.min(end - offset);
