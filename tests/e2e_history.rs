@@ -778,6 +778,42 @@ async fn file_store_gap_in_history_is_read_around() {
     }
 }
 
+/// With no local cache, sealed fragments leave the disk once uploaded; a
+/// restart, clean or not, still continues the journal at its head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_restart_without_local_cache_keeps_the_head() {
+    let store = TestStore::file();
+    let mut broker = broker_for(&store, &["--local-cache", "0"]);
+    let j = "hist/nocache";
+    let mut head = 0;
+    for graceful in [false, true, false] {
+        let client = broker.client().await;
+        if head == 0 {
+            apply(&client, &spec(j, &store, Codec::None, 1 << 20)).await;
+        }
+        let r = append(&client, j, b"hello").await;
+        assert_eq!(r.begin, head, "after a restart (graceful: {graceful})");
+        head = r.end;
+        client.seal(j).await.unwrap();
+        wait_store_covers(&store, j, head).await;
+        wait_fragments(&client, j, "the local copy dropped", |f| {
+            local(f).is_empty()
+        })
+        .await;
+        drop(client);
+        if graceful {
+            broker.stop_graceful();
+            broker.start_again();
+        } else {
+            broker.restart();
+        }
+    }
+    let client = broker.client().await;
+    let r = append(&client, j, b"hello").await;
+    assert_eq!((r.begin, r.end), (15, 20));
+    assert_eq!(read_proxied(&client, j, 0).await, b"hello".repeat(4));
+}
+
 // ---------------------------------------------------------------------------
 // A store outage.
 

@@ -416,6 +416,12 @@ impl Shard {
         }
         if let Some(st) = &chosen {
             j.registers = st.registers.clone();
+            if !use_spool {
+                // Its bytes are all in sealed fragments, which may since
+                // have left the local cache for the store: the head is at
+                // least where they end, so no offset is given out twice.
+                head = head.max(st.end);
+            }
         }
         j.head = head;
         j.local_head = head;
