@@ -351,9 +351,10 @@ impl Broker {
                     endpoints: endpoints.clone(),
                     disk_reserve_bytes: config.disk_reserve_bytes,
                     uploader: uploader.clone(),
-                    // The budget is the broker's; each shard holds an equal share.
+                    // The budget and the cache are the broker's; each shard
+                    // holds an equal share.
                     spool_budget_bytes: config.spool_budget_bytes / shards as u64,
-                    local_cache_bytes: config.local_cache_bytes,
+                    local_cache_bytes: config.local_cache_bytes / shards as u64,
                     sizing: config.spool_sizing,
                     topology: topology.clone(),
                     commit_log_compact_bytes: config.commit_log_compact_bytes,
