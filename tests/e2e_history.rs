@@ -973,6 +973,10 @@ async fn s3_store_unlisted_journal_refuses_appends_until_listed() {
             "{err}"
         );
         assert!(err.is_retryable());
+        // A read does not take the unlisted journal for an empty one.
+        let (bytes, done) = read_range(&client, name, 0, None).await.unwrap();
+        assert!(bytes.is_empty());
+        assert_eq!(done.status, Status::FRAGMENT_STORE_UNHEALTHY, "{done:?}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     store.moto().start_again();

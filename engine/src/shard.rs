@@ -909,6 +909,8 @@ impl Shard {
                     Some(e) => {
                         tracing::warn!(journal = %name, error = %e, "listing the fragment store failed");
                         jm.index_error = Some(e);
+                        // Reads waiting for a first listing get its error.
+                        jm.committed.notify(usize::MAX);
                     }
                 }
             }
@@ -2604,6 +2606,53 @@ impl Shard {
         if j.borrow().spec.flags == JournalFlags::WriteOnly {
             let head = j.borrow().head;
             return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
+        }
+        // A journal with stores is whole only once its store was first
+        // listed: the store may hold history the local disk does not (a
+        // wiped data dir, `--local-cache 0`). Until then a read would see
+        // an empty journal, so it waits for the listing, and a listing
+        // that failed is the read's answer, as it is an append's.
+        loop {
+            let (listed, failed) = {
+                let jm = j.borrow();
+                (jm.index_loaded, jm.index_error.clone())
+            };
+            if listed {
+                break;
+            }
+            let head = j.borrow().head;
+            if let Some(e) = failed {
+                return done(
+                    Status::FRAGMENT_STORE_UNHEALTHY,
+                    req.offset.unwrap_or(head),
+                    head,
+                    &format!("fragment index not yet listed: {e}"),
+                );
+            }
+            let listing = j.borrow().committed.listen();
+            let cancelled = cancel.event.listen();
+            let closed = outbox.drained.listen();
+            {
+                let jm = j.borrow();
+                if jm.index_loaded || jm.index_error.is_some() {
+                    continue;
+                }
+            }
+            if cancel.is_set() {
+                return done(
+                    Status::CANCELLED,
+                    req.offset.unwrap_or(head),
+                    head,
+                    "read cancelled",
+                );
+            }
+            if outbox.is_closed() {
+                return;
+            }
+            let a = std::pin::pin!(listing);
+            let b = std::pin::pin!(cancelled);
+            let c = std::pin::pin!(closed);
+            futures_util::future::select(a, futures_util::future::select(b, c)).await;
         }
         // Appends already answered are readable, and count in the write
         // head, if a moment later: their spool write completes in the turn.
