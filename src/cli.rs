@@ -545,7 +545,9 @@ pub fn run(cli: Cli) -> i32 {
 
 fn serve(args: ServeArgs) -> CmdResult {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // The store client logs each of its retries at info; the uploader
+        // reports what matters (a failed upload or listing) itself.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,object_store=warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

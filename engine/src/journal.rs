@@ -17,6 +17,10 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime};
 
+/// A failure that repeats (a replica down, a store unreachable) is logged
+/// at most this often per journal.
+pub const REPEAT_WARN_INTERVAL: Duration = Duration::from_secs(60);
+
 /// A streamed append idle this long is rolled back.
 pub const APPEND_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// A streamed append that another append has waited behind this long ...
@@ -254,6 +258,11 @@ pub struct Journal {
     pub syncing: bool,
     /// Primary: after a failed SYNC, when to try again, and why it failed.
     pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
+    /// When a failed SYNC was last logged: at most once a minute while
+    /// replicas stay unreachable (retries run every 250 ms).
+    pub sync_warned: Option<Instant>,
+    /// When a failed store listing was last logged, likewise.
+    pub listing_warned: Option<Instant>,
     /// Primary: committed batches awaiting replica acks.
     pub inflight: usize,
     /// Primary: this turn's staged appends went to replicas.
@@ -373,6 +382,8 @@ impl Journal {
             repl: None,
             syncing: false,
             sync_retry: None,
+            sync_warned: None,
+            listing_warned: None,
             inflight: 0,
             staged_with_replicas: false,
             replica: None,

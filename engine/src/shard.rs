@@ -14,6 +14,7 @@
 
 use crate::journal::{
     AbortReason, Active, FileRef, Journal, PrimaryRepl, Staged, APPEND_IDLE_TIMEOUT,
+    REPEAT_WARN_INTERVAL,
 };
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
@@ -905,9 +906,17 @@ impl Shard {
                         jm.set_listing(all, mark);
                         jm.index_loaded = true;
                         jm.index_error = None;
+                        if jm.listing_warned.take().is_some() {
+                            tracing::info!(journal = %name, "listing the fragment store works again");
+                        }
                     }
                     Some(e) => {
-                        tracing::warn!(journal = %name, error = %e, "listing the fragment store failed");
+                        if jm.listing_warned.is_none_or(|t| t.elapsed() >= REPEAT_WARN_INTERVAL) {
+                            tracing::warn!(journal = %name, error = %e, "listing the fragment store failed; retrying, logged once a minute while it lasts");
+                            jm.listing_warned = Some(Instant::now());
+                        } else {
+                            tracing::debug!(journal = %name, error = %e, "listing the fragment store failed");
+                        }
                         jm.index_error = Some(e);
                         // Reads waiting for a first listing get its error.
                         jm.committed.notify(usize::MAX);
@@ -1832,9 +1841,17 @@ impl Shard {
                         metrics::add(&me.metrics.syncs, 1);
                         jm.repl = Some(repl);
                         jm.sync_retry = None;
+                        if jm.sync_warned.take().is_some() {
+                            tracing::info!(journal = %jm.name, "replicas synchronized again");
+                        }
                     }
                     Err(f) => {
-                        tracing::warn!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
+                        if jm.sync_warned.is_none_or(|t| t.elapsed() >= REPEAT_WARN_INTERVAL) {
+                            tracing::warn!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize; retrying every 250 ms, logged once a minute while it lasts");
+                            jm.sync_warned = Some(Instant::now());
+                        } else {
+                            tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
+                        }
                         jm.sync_retry = Some((Instant::now() + SYNC_RETRY, f));
                     }
                 }
