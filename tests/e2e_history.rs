@@ -456,6 +456,10 @@ async fn wiped_broker_serves_history(store: TestStore, codec: Codec) {
     let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(v, serde_json::json!({"journal": name, "write_head": head}));
 
+    // The new head outlives a crash before the next append.
+    drop(client);
+    tokio::task::block_in_place(|| broker.restart());
+    let client = broker.client().await;
     let r = append(&client, name, b"after the reset").await;
     assert_eq!((r.begin, r.end), (head, head + 15));
     expected.extend_from_slice(b"after the reset");

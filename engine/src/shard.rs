@@ -1771,6 +1771,28 @@ impl Shard {
         let mut jm = j.borrow_mut();
         let local_end = jm.fragments.iter().map(|f| f.end).max().unwrap_or(0);
         let head = jm.head.max(jm.remote_end()).max(local_end);
+        if head > jm.head {
+            // Recorded, so that a restart before the next append keeps the
+            // new head: an empty spool beginning there (recovery starts a
+            // journal at least at its last record's end).
+            let st = JournalState {
+                spool_begin: head,
+                end: head,
+                sha1: Sha1::new().finalize(),
+                registers: jm.local_registers.clone(),
+            };
+            if let Some(log) = self.log.borrow_mut().as_mut() {
+                log.record_commit(&jm.name, &st);
+            }
+            if let Err(e) = self.write_log() {
+                let msg = format!("recording the new write head: {e}");
+                for (outbox, id) in jm.reset_waiters.drain(..) {
+                    outbox.error(Op::ADMIN_REPLY, storage_status(&e), id, &[], &msg);
+                }
+                return;
+            }
+            self.states.borrow_mut().insert(jm.name.clone(), st);
+        }
         jm.head = head;
         jm.local_head = head;
         jm.staged_head = head;
