@@ -2668,9 +2668,7 @@ impl Shard {
                     &format!("fragment index not yet listed: {e}"),
                 );
             }
-            let listing = j.borrow().committed.listen();
-            let cancelled = cancel.event.listen();
-            let closed = outbox.drained.listen();
+            let wakeup = read_wakeup(&j, &cancel, &outbox);
             {
                 let jm = j.borrow();
                 if jm.index_loaded || jm.index_error.is_some() {
@@ -2688,10 +2686,7 @@ impl Shard {
             if outbox.is_closed() {
                 return;
             }
-            let a = std::pin::pin!(listing);
-            let b = std::pin::pin!(cancelled);
-            let c = std::pin::pin!(closed);
-            futures_util::future::select(a, futures_util::future::select(b, c)).await;
+            wakeup.await;
         }
         // Appends already answered are readable, and count in the write
         // head, if a moment later: their spool write completes in the turn.
@@ -2775,9 +2770,7 @@ impl Shard {
                     return done(Status::OK, offset, head, "");
                 }
                 // Wait for a commit (or cancel, or a closed connection).
-                let commit = j.borrow().committed.listen();
-                let cancelled = cancel.event.listen();
-                let closed = outbox.drained.listen();
+                let wakeup = read_wakeup(&j, &cancel, &outbox);
                 // Only a readable span ends the wait. Bytes below the read
                 // head that no file holds (history missing, or a fragment
                 // between its local copy and the store's listing) wait for
@@ -2785,12 +2778,9 @@ impl Shard {
                 if j.borrow().locate(offset).is_some() || cancel.is_set() || outbox.is_closed() {
                     continue;
                 }
-                let a = std::pin::pin!(commit);
-                let b = std::pin::pin!(cancelled);
-                let c = std::pin::pin!(closed);
                 // While readers wait, appends keep their bytes in memory.
                 j.borrow_mut().waiting_readers += 1;
-                futures_util::future::select(a, futures_util::future::select(b, c)).await;
+                wakeup.await;
                 j.borrow_mut().waiting_readers -= 1;
                 continue;
             };
@@ -3087,6 +3077,28 @@ async fn settle_answered(j: &JournalRef) {
         };
         // The turn publishes the batch as soon as its write completes.
         l.await;
+    }
+}
+
+/// What wakes a waiting read: a commit or a new store listing of its
+/// journal, a CANCEL, or its connection closing. Call it before the last
+/// check of what the read waits for, so nothing in between is missed, then
+/// await it.
+fn read_wakeup(
+    j: &JournalRef,
+    cancel: &crate::conn::Cancel,
+    outbox: &Outbox,
+) -> impl std::future::Future<Output = ()> {
+    let commit = j.borrow().committed.listen();
+    let cancelled = cancel.event.listen();
+    let closed = outbox.drained.listen();
+    async move {
+        let (a, b, c) = (
+            std::pin::pin!(commit),
+            std::pin::pin!(cancelled),
+            std::pin::pin!(closed),
+        );
+        futures_util::future::select(a, futures_util::future::select(b, c)).await;
     }
 }
 
