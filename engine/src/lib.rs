@@ -540,17 +540,21 @@ fn run_shard(ctx: ShardContext) {
                 }
                 futures_util::future::Either::Left((Err(e), _)) => {
                     failures += 1;
+                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
                     // One line per 10 s, not one per attempt.
                     if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-                        tracing::warn!(
-                            error = %e,
-                            failures,
-                            "accept failed; connections are closed unserved until it succeeds (out of file descriptors: raise `ulimit -n`)"
-                        );
+                        if out_of_fds {
+                            tracing::warn!(
+                                error = %e,
+                                failures,
+                                "out of file descriptors: connections are closed unserved until some are free (raise `ulimit -n`)"
+                            );
+                        } else {
+                            tracing::warn!(error = %e, failures, "accept failed");
+                        }
                         warned = Some(std::time::Instant::now());
                         failures = 0;
                     }
-                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
                     if out_of_fds && spare.is_some() {
                         spare = None;
                         shed = true;
