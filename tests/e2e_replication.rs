@@ -4,7 +4,9 @@
 //! append anywhere; a replica that was down catches up through the fragment
 //! store; brokers outside a route proxy to it (or refuse when asked not to);
 //! too few brokers refuse appends; routes follow the cluster file as it
-//! changes, and a broker a journal leaves uploads what only it held.
+//! changes, a broker a journal leaves uploads what only it held, and a
+//! primary that lost its data copies what its replicas hold before it takes
+//! appends again.
 //!
 //! Copies are compared through pinned clients (every request to one broker)
 //! with DO_NOT_PROXY, so each broker answers from what it holds itself.
@@ -1884,5 +1886,155 @@ async fn a_broker_that_missed_a_change_while_up_catches_up_body(cluster: &mut Cl
             );
             tokio::time::sleep(POLL).await;
         }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 9. A primary that comes back without its data.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_lost_its_data_copies_the_history_from_a_replica() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_primary_that_lost_its_data_copies_the_history_from_a_replica_body(&mut cluster, &store),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// The primary of two journals (one without a store, one with small
+/// fragments in a store) is killed and starts again on an empty data
+/// directory, as after a replaced disk. Its replicas are ahead of it. It
+/// must not take appends until it holds what they hold: it then serves the
+/// whole history itself, uploads what the store lacked, and appends follow
+/// the history at the next offset.
+async fn a_primary_that_lost_its_data_copies_the_history_from_a_replica_body(
+    cluster: &mut Cluster,
+    store: &TestStore,
+) {
+    const PLAIN: &str = "repl/lost-data";
+    cluster.apply(&[spec(PLAIN, 3)]).await;
+    let primary_id = agreed_route(cluster, PLAIN).await.members[0].id.clone();
+    // A journal with a store and the same primary (names tried in turn).
+    let mut stored = None;
+    for i in 0..32 {
+        let j = format!("repl/lost-data-stored-{i}");
+        let mut s = store_spec(&j, 3, store);
+        s.fragment.length = 64 << 10;
+        cluster.apply(std::slice::from_ref(&s)).await;
+        if agreed_route(cluster, &j).await.members[0].id == primary_id {
+            stored = Some(j);
+            break;
+        }
+    }
+    let stored = stored.expect("one of 32 names has the same primary");
+    let journals = [PLAIN.to_string(), stored.clone()];
+    let primary = cluster.index(&primary_id);
+
+    let client = cluster.brokers[primary].client().await;
+    let mut written = [Vec::new(), Vec::new()];
+    for seq in 0..40 {
+        for (k, j) in journals.iter().enumerate() {
+            let c = record(k as u32, seq, 1500 + 97 * seq as usize);
+            let r = append_retrying(&client, j, &c).await;
+            assert_eq!(r.begin, written[k].len() as u64, "{j}");
+            written[k].extend_from_slice(&c);
+        }
+    }
+    drop(client);
+    // Some of the stored journal is in the store, not all of it.
+    let deadline = Instant::now() + WAIT;
+    while store.fragments(&stored).is_empty() {
+        assert!(Instant::now() < deadline, "{stored}: nothing uploaded");
+        tokio::time::sleep(POLL).await;
+    }
+
+    tokio::task::block_in_place(|| {
+        let b = &mut cluster.brokers[primary];
+        b.kill9();
+        std::fs::remove_dir_all(&b.data).unwrap();
+        std::fs::create_dir_all(&b.data).unwrap();
+        b.start();
+    });
+    let client = cluster.brokers[primary].client().await;
+    for (k, j) in journals.iter().enumerate() {
+        let tail = format!("after the restart of {primary_id}").into_bytes();
+        let r = append_retrying(&client, j, &tail).await;
+        assert_eq!(
+            r.begin,
+            written[k].len() as u64,
+            "{j}: the first append after the restart"
+        );
+        written[k].extend_from_slice(&tail);
+    }
+    // The primary holds every byte itself (the store-held part of the
+    // stored journal it serves from the store).
+    let b = &cluster.brokers[primary];
+    let plain = local_copy(b, PLAIN).await;
+    assert!(
+        plain == written[0],
+        "{PLAIN}: {primary_id} holds {} bytes (SHA-1 {}), {} were appended (SHA-1 {})",
+        plain.len(),
+        hex_sha1(&plain),
+        written[0].len(),
+        hex_sha1(&written[0])
+    );
+    let copy = direct_copy(b, &stored).await;
+    assert!(
+        copy == written[1],
+        "{stored}: {primary_id} serves {} bytes (SHA-1 {}), {} were appended (SHA-1 {})",
+        copy.len(),
+        hex_sha1(&copy),
+        written[1].len(),
+        hex_sha1(&written[1])
+    );
+    for other in cluster.listed().iter().filter(|&&i| i != primary) {
+        let o = &cluster.brokers[*other];
+        assert_eq!(
+            local_copy(o, PLAIN).await,
+            written[0],
+            "{PLAIN} on {}",
+            o.id
+        );
+    }
+    // What the store lacked reaches it, uploaded by the primary: every
+    // byte from before the restart is in the store once the spool seals.
+    let before = written[1].len() - format!("after the restart of {primary_id}").len();
+    let sealed = cluster.brokers[primary]
+        .client()
+        .await
+        .seal(&stored)
+        .await
+        .unwrap();
+    assert!(
+        sealed.is_some(),
+        "{stored}: the spool after the restart was empty"
+    );
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut chained = Vec::new();
+        for f in store.fragments(&stored) {
+            if f.begin == chained.len() as u64 {
+                chained.extend_from_slice(&f.bytes);
+            }
+        }
+        if chained.len() >= written[1].len() {
+            assert!(
+                chained == written[1],
+                "{stored}: the store holds other bytes (SHA-1 {}) than were appended (SHA-1 {})",
+                hex_sha1(&chained),
+                hex_sha1(&written[1])
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{stored}: the store chains {} bytes from 0 of {} ({before} before the restart) {WAIT:?} after the seal",
+            chained.len(),
+            written[1].len()
+        );
+        tokio::time::sleep(POLL).await;
     }
 }

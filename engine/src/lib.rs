@@ -9,6 +9,7 @@
 //! lock because they change rarely and never on the data path.
 
 pub mod conn;
+pub mod fetch;
 pub mod journal;
 pub mod metrics;
 pub mod outbox;

@@ -336,6 +336,10 @@ impl Shard {
         j.init_index();
         let listing = list_dir(&dir).map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
         j.fragments = listing.fragments;
+        for path in &listing.partial {
+            tracing::warn!(path = %path.display(), "removing an unfinished copy from a replica");
+            let _ = std::fs::remove_file(path);
+        }
         let mut head = j.fragments.iter().map(|f| f.end).max().unwrap_or(0);
         // Only the newest spool can hold commits; older ones are leftovers
         // of a seal interrupted after its rename target was written.
@@ -1899,7 +1903,7 @@ impl Shard {
                 )
             };
             let mut pipelines = Vec::new();
-            let mut ahead: Option<(u64, LabelSet)> = None;
+            let mut ahead: Option<(u64, LabelSet, &crate::topology::Member)> = None;
             for m in &route.members[1..] {
                 let p = self.pipeline(m, &name);
                 let epoch = p.connect().await?;
@@ -1922,8 +1926,8 @@ impl Shard {
                 match ack.status {
                     Status::OK => pipelines.push((p, epoch)),
                     Status::PROPOSAL_MISMATCH if reply.head > head => {
-                        if ahead.as_ref().is_none_or(|(h, _)| reply.head > *h) {
-                            ahead = Some((reply.head, reply.registers));
+                        if ahead.as_ref().is_none_or(|(h, _, _)| reply.head > *h) {
+                            ahead = Some((reply.head, reply.registers, m));
                         }
                     }
                     status => {
@@ -1938,19 +1942,50 @@ impl Shard {
                     }
                 }
             }
-            let Some((to, their_registers)) = ahead else {
+            let Some((to, their_registers, member)) = ahead else {
                 return Ok(PrimaryRepl {
                     members: route.ids(),
                     pipelines,
                 });
             };
-            tracing::warn!(journal = %name, from = head, to, "a replica is ahead; rolling the journal forward");
+            // Only after a route change, or a restart without the data
+            // (a replaced disk): the replica holds bytes this primary does
+            // not. They are copied before the head moves past them, so the
+            // primary serves and uploads them like its own.
+            let addr = self.member_endpoint(member, &name);
+            tracing::warn!(journal = %name, from = head, to, replica = %member.id, "a replica is ahead; copying the journal's bytes from it and rolling forward");
             let spool = j.borrow_mut().spool.take();
             if let Some(spool) = spool {
                 // Empty: the SYNC started by sealing.
                 let _ = spool.seal(false).await;
             }
+            let (dir, durable, from) = {
+                let jm = j.borrow();
+                // What a listed store holds need not be copied.
+                let listed = if jm.index_loaded { jm.remote_end() } else { 0 };
+                (
+                    jm.dir.clone(),
+                    jm.spec.durability == Durability::Fsync,
+                    head.max(listed).min(to),
+                )
+            };
+            let copied = crate::fetch::copy_span(addr, &name, from, to, &dir, durable)
+                .await
+                .map_err(|e| Failure::new(Status::REPLICATION_FAILED, e))?;
+            let held: u64 = copied.iter().map(|f| f.end - f.begin).sum();
+            if held < to - from {
+                tracing::warn!(journal = %name, from = head, to, copied = held, "the replica ahead holds only part of the span; the rest is read from the store, if any holds it");
+            }
             let mut jm = j.borrow_mut();
+            if jm.has_stores() {
+                self.unuploaded_bytes
+                    .set(self.unuploaded_bytes.get() + held);
+            }
+            jm.fragments.extend(copied);
+            jm.fragments.sort_by_key(|f| (f.begin, f.end));
+            if jm.has_stores() {
+                self.queue_uploads(&mut jm);
+            }
             jm.head = jm.head.max(to);
             jm.local_head = jm.local_head.max(to);
             jm.staged_head = jm.local_head;

@@ -51,12 +51,19 @@ pub fn parse_fragment_name(name: &str) -> Option<(u64, u64, [u8; 20], &str)> {
     Some((begin, end, sha1, ext))
 }
 
+/// Extension of a fragment file still being copied from a peer
+/// (`<begin:016x>.copying`). A copy that did not finish is made again, so
+/// recovery removes such files.
+pub const COPYING_EXT: &str = "copying";
+
 /// What a journal's local directory holds.
 #[derive(Default)]
 pub struct LocalListing {
     pub fragments: Vec<LocalFragment>,
     /// Spool files by begin offset, ascending.
     pub spools: Vec<(u64, PathBuf)>,
+    /// Files of copies that did not finish (see [`COPYING_EXT`]).
+    pub partial: Vec<PathBuf>,
 }
 
 /// Lists a journal's directory. A missing directory is empty.
@@ -75,6 +82,11 @@ pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
             if let Ok(begin) = u64::from_str_radix(stem, 16) {
                 out.spools.push((begin, entry.path()));
             }
+        } else if name
+            .strip_suffix(COPYING_EXT)
+            .is_some_and(|stem| stem.ends_with('.'))
+        {
+            out.partial.push(entry.path());
         } else if let Some((begin, end, sha1, ".raw")) = parse_fragment_name(name) {
             out.fragments.push(LocalFragment {
                 begin,
@@ -115,5 +127,29 @@ mod tests {
         assert_eq!(parse_fragment_name("x-y-z.raw"), None);
         let backwards = fragment_file_name(0x20, 0x10, &sha);
         assert_eq!(parse_fragment_name(&backwards), None);
+    }
+
+    #[test]
+    fn listing_sorts_out_fragments_spools_and_unfinished_copies() {
+        let dir = tempfile::tempdir().unwrap();
+        let sha = [7; 20];
+        let frag = fragment_file_name(0, 100, &sha);
+        for name in [
+            frag.as_str(),
+            "0000000000000064.spool",
+            "0000000000000064.copying",
+            "notes.copying.txt",
+            "xcopying",
+        ] {
+            std::fs::write(dir.path().join(name), b"x").unwrap();
+        }
+        let l = list_dir(dir.path()).unwrap();
+        assert_eq!(l.fragments.len(), 1);
+        assert_eq!((l.fragments[0].begin, l.fragments[0].end), (0, 100));
+        assert_eq!(
+            l.spools,
+            vec![(100, dir.path().join("0000000000000064.spool"))]
+        );
+        assert_eq!(l.partial, vec![dir.path().join("0000000000000064.copying")]);
     }
 }

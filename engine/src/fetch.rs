@@ -1,0 +1,243 @@
+//! Copies a span of a journal from a peer broker into local fragments.
+//!
+//! A primary that restarted without its data (a replaced disk) can find a
+//! replica ahead of it. It moves its head forward to the replica's rather
+//! than give offsets out twice, and first copies the bytes in between from
+//! that replica, so that it serves them, uploads them, and holds the whole
+//! history like any other primary.
+
+use compio::buf::{BufResult, IntoInner, IoBufMut};
+use compio::io::{AsyncRead, AsyncWriteAtExt, AsyncWriteExt};
+use compio::net::TcpStream;
+use rotary_net::wire::{self, flag, Op, ReadData, ReadDone, ReadRequest};
+use rotary_net::Status;
+use rotary_storage::fragment::{fragment_file_name, LocalFragment, COPYING_EXT};
+use rotary_storage::sha::Sha1;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Longest wait for the next frame of the peer's answer.
+pub const FETCH_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Copies `[from, to)` of `journal` from the peer shard at `addr` into
+/// fragment files in `dir`, one per contiguous run of bytes the peer holds
+/// itself. Bytes the peer knows only from a store are skipped (they stay
+/// in the store); so are bytes it does not hold at all. Returns the new
+/// fragments in offset order. On error no file of the copy is left behind.
+pub async fn copy_span(
+    addr: SocketAddr,
+    journal: &str,
+    from: u64,
+    to: u64,
+    dir: &Path,
+    durable: bool,
+) -> Result<Vec<LocalFragment>, String> {
+    let mut done = Vec::new();
+    let mut piece = None;
+    let copied = async {
+        compio::fs::create_dir_all(dir)
+            .await
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut at = from;
+        while at < to {
+            let next =
+                read_once(addr, journal, at, to, dir, durable, &mut piece, &mut done).await?;
+            if next <= at {
+                // The peer holds nothing at or beyond `at`.
+                break;
+            }
+            at = next;
+        }
+        if let Some(p) = piece.take() {
+            done.push(p.finish(dir, durable).await?);
+        }
+        Ok::<(), String>(())
+    }
+    .await;
+    match copied {
+        Ok(()) => Ok(done),
+        Err(e) => {
+            if let Some(p) = piece.take() {
+                let _ = compio::fs::remove_file(&p.path).await;
+            }
+            for f in done {
+                let _ = compio::fs::remove_file(&f.path).await;
+            }
+            Err(format!("copying [{from}, {to}) from {addr}: {e}"))
+        }
+    }
+}
+
+/// One non-blocking READ of `[from, to)` with DO_NOT_PROXY, its data
+/// written into `piece` (a new piece at every discontinuity). Returns the
+/// offset the read ended at: `to`, or the end of a store-held fragment
+/// the peer pointed at, or `from` if the peer holds nothing there.
+#[allow(clippy::too_many_arguments)]
+async fn read_once(
+    addr: SocketAddr,
+    journal: &str,
+    from: u64,
+    to: u64,
+    dir: &Path,
+    durable: bool,
+    piece: &mut Option<Piece>,
+    done: &mut Vec<LocalFragment>,
+) -> Result<u64, String> {
+    let mut s = compio::time::timeout(FETCH_IDLE_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let _ = s.set_nodelay(true);
+    let req = ReadRequest {
+        journal: journal.to_string(),
+        offset: Some(from),
+        end_offset: Some(to),
+    };
+    let mut out = Vec::new();
+    wire::encode_frame(
+        &mut out,
+        Op::READ,
+        flag::DO_NOT_PROXY,
+        Status::OK,
+        1,
+        &req.encode(),
+        &[],
+    );
+    let BufResult(res, _) = s.write_all(out).await;
+    res.map_err(|e| e.to_string())?;
+
+    let mut buf: Vec<u8> = Vec::with_capacity(2 << 20);
+    let mut at = 0;
+    loop {
+        let decoded = wire::decode_frame(&buf[at..], wire::BODY_LEN_MAX)
+            .map_err(|e| format!("bad frame from the peer: {e}"))?;
+        let Some((f, used)) = decoded else {
+            // Keep the partial frame; read more behind it.
+            buf.drain(..at);
+            at = 0;
+            if buf.capacity() - buf.len() < 64 << 10 {
+                buf.reserve(1 << 20);
+            }
+            let read = compio::time::timeout(FETCH_IDLE_TIMEOUT, s.read(buf.uninit()));
+            let BufResult(res, b) = read
+                .await
+                .map_err(|_| format!("no answer for {FETCH_IDLE_TIMEOUT:?}"))?;
+            buf = b.into_inner();
+            match res {
+                Ok(0) => return Err("the peer closed the connection".into()),
+                Ok(_) => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        };
+        at += used;
+        let status = Status::from_code(f.status).unwrap_or(Status::IO_ERROR);
+        match f.op {
+            Op::READ_DATA if status == Status::OK => {
+                let offset = wire::decode_fixed::<ReadData>(f.meta, "READ_DATA offset")
+                    .map_err(|e| e.to_string())?
+                    .offset
+                    .get();
+                let end = offset + f.payload.len() as u64;
+                if offset < from || end > to {
+                    return Err(format!(
+                        "the peer sent [{offset}, {end}) for [{from}, {to})"
+                    ));
+                }
+                if piece.as_ref().is_some_and(|p| p.end != offset) {
+                    let p = piece.take().expect("piece");
+                    done.push(p.finish(dir, durable).await?);
+                }
+                if piece.is_none() {
+                    *piece = Some(Piece::create(dir, offset).await?);
+                }
+                piece.as_mut().expect("piece").write(f.payload).await?;
+            }
+            // History only in a store stays there: the read ends at the
+            // fragment's end, and the copy goes on from it.
+            Op::READ_FRAGMENT if status == Status::OK => {}
+            Op::READ_DONE if status == Status::OK => {
+                let next = wire::decode_fixed::<ReadDone>(f.meta, "READ_DONE offsets")
+                    .map_err(|e| e.to_string())?
+                    .offset
+                    .get();
+                return Ok(next.min(to));
+            }
+            op => {
+                let msg = String::from_utf8_lossy(f.payload);
+                return Err(format!("{op:?} {status}: {msg}"));
+            }
+        }
+    }
+}
+
+/// A fragment file being written: `[begin, end)` so far.
+struct Piece {
+    file: compio::fs::File,
+    path: PathBuf,
+    begin: u64,
+    end: u64,
+    sha: Sha1,
+}
+
+impl Piece {
+    async fn create(dir: &Path, begin: u64) -> Result<Piece, String> {
+        let path = dir.join(format!("{begin:016x}.{COPYING_EXT}"));
+        // Readable too: readers are served from the same handle.
+        let file = compio::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .await
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Piece {
+            file,
+            path,
+            begin,
+            end: begin,
+            sha: Sha1::new(),
+        })
+    }
+
+    async fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+        self.sha.update(bytes);
+        let pos = self.end - self.begin;
+        let BufResult(res, _) = self.file.write_all_at(bytes.to_vec(), pos).await;
+        res.map_err(|e| format!("{}: {e}", self.path.display()))?;
+        self.end += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Makes the file a fragment under its final name.
+    async fn finish(self, dir: &Path, durable: bool) -> Result<LocalFragment, String> {
+        let fail = |p: &Path, e: &dyn std::fmt::Display| format!("{}: {e}", p.display());
+        if durable {
+            self.file
+                .sync_data()
+                .await
+                .map_err(|e| fail(&self.path, &e))?;
+        }
+        let sha1 = self.sha.finalize();
+        let dest = dir.join(fragment_file_name(self.begin, self.end, &sha1));
+        compio::fs::rename(&self.path, &dest)
+            .await
+            .map_err(|e| fail(&dest, &e))?;
+        if durable {
+            rotary_storage::sync_dir(dir)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(LocalFragment {
+            begin: self.begin,
+            end: self.end,
+            sha1,
+            path: dest,
+            file: Some(std::rc::Rc::new(self.file)),
+            uploaded: false,
+            uploading: false,
+            sealed_at: std::time::SystemTime::now(),
+        })
+    }
+}
