@@ -312,8 +312,9 @@ struct ReadArgs {
     /// the write head.
     #[arg(long = "offset", default_value = "0", value_parser = parse_offset, allow_hyphen_values = true)]
     offset: ReadOffset,
-    /// Stop before this offset.
-    #[arg(long = "end-offset", value_name = "N")]
+    /// Stop before this offset, 1 to 9223372036854775807. Without it
+    /// the read ends at the write head (or, with --block, never).
+    #[arg(long = "end-offset", value_name = "N", value_parser = parse_end_offset)]
     end_offset: Option<u64>,
     /// Wait at the write head for more content (until --end-offset, if given).
     #[arg(long = "block")]
@@ -362,6 +363,20 @@ fn parse_append_offset(s: &str) -> Result<u64, String> {
     parse_offset_number(s).map_err(|e| {
         e.unwrap_or_else(|| format!("{s:?} is not an offset (a byte count, 0 to {OFFSET_MAX})"))
     })
+}
+
+/// A read's end. 0 would name an empty range, but on the wire it means
+/// "no end": it is refused rather than read as the whole journal.
+fn parse_end_offset(s: &str) -> Result<u64, String> {
+    match parse_offset_number(s) {
+        Ok(0) => Err(
+            "the end offset must be at least 1; leave --end-offset out to read to the head".into(),
+        ),
+        Ok(o) => Ok(o),
+        Err(e) => Err(e.unwrap_or_else(|| {
+            format!("{s:?} is not an offset (a byte count, 1 to {OFFSET_MAX})")
+        })),
+    }
 }
 
 /// A decimal offset the wire can carry. `Err(Some(_))` names the limit;
@@ -999,6 +1014,19 @@ mod tests {
             assert!(err.contains("leave --offset out"), "{err}");
         }
         assert!(parse_append_offset("head")
+            .unwrap_err()
+            .contains("is not an offset"));
+    }
+
+    #[test]
+    fn end_offsets() {
+        assert_eq!(parse_end_offset("1"), Ok(1));
+        assert_eq!(parse_end_offset(&i64::MAX.to_string()), Ok(OFFSET_MAX));
+        assert!(parse_end_offset("0").unwrap_err().contains("at least 1"));
+        assert!(parse_end_offset("9223372036854775808")
+            .unwrap_err()
+            .contains("the largest offset"));
+        assert!(parse_end_offset("-1")
             .unwrap_err()
             .contains("is not an offset"));
     }

@@ -246,6 +246,13 @@ async fn request_statuses() {
     let (bytes, done) = read_range(&client, rw, 5, Some(5)).await.unwrap();
     assert!(bytes.is_empty());
     assert_eq!(done.status, Status::OK);
+    // An end offset of 0 would mean "no end" on the wire: the client
+    // refuses it rather than read the whole journal.
+    let err = read_range(&client, rw, 0, Some(0)).await.unwrap_err();
+    assert!(
+        matches!(err, rotary_net::client::ClientError::Offset(_)),
+        "{err}"
+    );
 
     // Bad specs.
     let mut spec = rotary_net::spec::JournalSpec::new("e2e/status/bad-spec");
@@ -265,6 +272,17 @@ async fn request_statuses() {
     ] {
         let mut spec = rotary_net::spec::JournalSpec::new("e2e/status/bad-store");
         spec.fragment.stores = vec![store.to_string()];
+        let res = client.apply(&[spec]).await;
+        assert_eq!(status_of(res), Status::BAD_REQUEST, "{store}");
+    }
+    // A file store whose path runs through a regular file.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    for store in [
+        format!("file://{}/", file.path().display()),
+        format!("file://{}/below/", file.path().display()),
+    ] {
+        let mut spec = rotary_net::spec::JournalSpec::new("e2e/status/bad-store");
+        spec.fragment.stores = vec![store.clone()];
         let res = client.apply(&[spec]).await;
         assert_eq!(status_of(res), Status::BAD_REQUEST, "{store}");
     }

@@ -1225,11 +1225,34 @@ fn check_specs(specs: &[JournalSpec]) -> Result<(), String> {
     rotary_net::spec::validate_specs(specs).map_err(|e| e.to_string())?;
     for s in specs {
         for store in &s.fragment.stores {
-            rotary_uploader::StoreUrl::parse(store)
+            let url = rotary_uploader::StoreUrl::parse(store)
                 .map_err(|e| format!("spec of {:?}: {e}", s.name))?;
+            if let Some(dir) = url.file_dir() {
+                check_store_dir(dir).map_err(|e| format!("spec of {:?}: {e}", s.name))?;
+            }
         }
     }
     Ok(())
+}
+
+/// A `file://` store's directory need not exist yet (uploads create it),
+/// but nothing on its path may be a file that is not a directory: every
+/// upload would fail.
+fn check_store_dir(dir: &std::path::Path) -> Result<(), String> {
+    // Without the trailing '/': `file/` does not "exist", `file` does.
+    let dir: std::path::PathBuf = dir.components().collect();
+    let Some(existing) = dir.ancestors().find(|p| p.exists()) else {
+        return Ok(());
+    };
+    if existing.is_dir() {
+        Ok(())
+    } else {
+        Err(format!(
+            "store directory {}: {} exists and is not a directory",
+            dir.display(),
+            existing.display()
+        ))
+    }
 }
 
 /// DELETE's payload from a peer broker (flag LOCAL): the deletion's

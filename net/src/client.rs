@@ -780,6 +780,7 @@ impl Client {
         } = options;
         check_name_len(&req.journal)?;
         wire::check_offset(req.offset).map_err(ClientError::Offset)?;
+        wire::check_end_offset(req.end_offset).map_err(ClientError::Offset)?;
         let r = async {
             let conn = self.journal_conn(&req.journal).await?;
             let (tx, rx) = mpsc::channel(READ_FRAMES_BUFFERED_MAX);

@@ -304,7 +304,14 @@ impl LabelSelector {
             text: text.to_string(),
             why,
         };
-        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        if text.trim().is_empty() {
+            return Ok(sel);
+        }
+        for part in text.split(',').map(str::trim) {
+            if part.is_empty() {
+                // `a=b,,c` or a trailing comma: likely a term left out.
+                return Err(bad("an empty term between commas"));
+            }
             if let Some((n, v)) = part.split_once("!=") {
                 if v.is_empty() {
                     return Err(bad("'name!=' needs a value; use '!name'"));
@@ -754,7 +761,13 @@ mod tests {
         assert!(m("!missing"));
         assert!(!m("!app"));
         assert!(m(""));
+        assert!(m(" "));
+        assert!(m(" app = orders , region "));
         assert!(LabelSelector::parse("a=").is_err());
+        for empty_term in ["a=b,,c", "a,", ",a", ",", "a, ,b"] {
+            let err = LabelSelector::parse(empty_term).unwrap_err().to_string();
+            assert!(err.contains("an empty term"), "{empty_term}: {err}");
+        }
     }
 
     #[test]

@@ -184,6 +184,8 @@ pub enum WireError {
     BadOffset(i64),
     #[error("offset {0} exceeds {OFFSET_MAX} (i64::MAX), the largest offset a request carries")]
     OffsetTooLarge(u64),
+    #[error("end offset 0 cannot be sent: 0 means \"no end\" on the wire (the range [offset, 0) is empty)")]
+    ZeroEndOffset,
     #[error(transparent)]
     Spec(#[from] SpecError),
 }
@@ -471,6 +473,15 @@ pub fn check_offset(offset: Option<u64>) -> Result<(), WireError> {
     }
 }
 
+/// Refuses `Some(0)` as a READ's end: on the wire 0 means "no end", so
+/// sending it would read the whole journal instead of nothing.
+pub fn check_end_offset(end_offset: Option<u64>) -> Result<(), WireError> {
+    match end_offset {
+        Some(0) => Err(WireError::ZeroEndOffset),
+        _ => check_offset(end_offset),
+    }
+}
+
 /// A requested offset as it travels: `None` is `-1`.
 ///
 /// # Panics
@@ -754,6 +765,17 @@ mod tests {
 
     fn journal() -> impl Strategy<Value = String> {
         "[a-z0-9]{2,10}(/[a-z0-9_.=%+-]{1,10}){1,3}"
+    }
+
+    #[test]
+    fn a_zero_end_offset_is_refused_before_it_means_no_end() {
+        assert_eq!(check_end_offset(None), Ok(()));
+        assert_eq!(check_end_offset(Some(1)), Ok(()));
+        assert_eq!(check_end_offset(Some(0)), Err(WireError::ZeroEndOffset));
+        assert_eq!(
+            check_end_offset(Some(OFFSET_MAX + 1)),
+            Err(WireError::OffsetTooLarge(OFFSET_MAX + 1))
+        );
     }
 
     #[test]
