@@ -2014,10 +2014,15 @@ async fn a_primary_that_lost_its_data_copies_the_history_from_a_replica_body(
     );
     let deadline = Instant::now() + WAIT;
     loop {
+        // Fragments may overlap: the copy may have started before the
+        // store was listed, and then covers what the store held already.
+        let mut frags = store.fragments(&stored);
+        frags.sort_by_key(|f| f.begin);
         let mut chained = Vec::new();
-        for f in store.fragments(&stored) {
-            if f.begin == chained.len() as u64 {
-                chained.extend_from_slice(&f.bytes);
+        for f in frags {
+            let at = chained.len() as u64;
+            if f.begin <= at && f.end > at {
+                chained.extend_from_slice(&f.bytes[(at - f.begin) as usize..]);
             }
         }
         if chained.len() >= written[1].len() {
@@ -2037,4 +2042,77 @@ async fn a_primary_that_lost_its_data_copies_the_history_from_a_replica_body(
         );
         tokio::time::sleep(POLL).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_lost_its_data_fills_its_copy_from_every_replica() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_primary_that_lost_its_data_fills_its_copy_from_every_replica_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// The first replica lost its data earlier and holds only the newest
+/// bytes; the second holds them all, at the same head. The primary, after
+/// losing its own data, must take what the first lacks from the second.
+/// And until it holds the history it does not answer reads as if the
+/// journal were empty.
+async fn a_primary_that_lost_its_data_fills_its_copy_from_every_replica_body(
+    cluster: &mut Cluster,
+) {
+    const J: &str = "repl/lost-data-twice";
+    cluster.apply(&[spec(J, 3)]).await;
+    let route = agreed_route(cluster, J).await;
+    let primary = cluster.index(&route.members[0].id);
+    let first_replica = cluster.index(&route.members[1].id);
+    let mut written = Vec::new();
+    let append_some = |client: Client, n: u32, k: u32| {
+        let mut out = Vec::new();
+        async move {
+            for seq in 0..n {
+                let c = record(k, seq, 900 + 131 * seq as usize);
+                let r = append_retrying(&client, J, &c).await;
+                out.push((r.begin, c));
+            }
+            out
+        }
+    };
+    for (begin, c) in append_some(cluster.brokers[primary].client().await, 30, 0).await {
+        assert_eq!(begin, written.len() as u64);
+        written.extend_from_slice(&c);
+    }
+    let wipe = |b: &mut ClusterBroker| {
+        b.kill9();
+        std::fs::remove_dir_all(&b.data).unwrap();
+        std::fs::create_dir_all(&b.data).unwrap();
+        b.start();
+    };
+    tokio::task::block_in_place(|| wipe(&mut cluster.brokers[first_replica]));
+    for (begin, c) in append_some(cluster.brokers[primary].client().await, 5, 1).await {
+        assert_eq!(begin, written.len() as u64);
+        written.extend_from_slice(&c);
+    }
+    // The first replica holds the newest records only.
+    let b = &cluster.brokers[first_replica];
+    assert_eq!(local_head(b, J).await, written.len() as u64);
+
+    tokio::task::block_in_place(|| wipe(&mut cluster.brokers[primary]));
+    let b = &cluster.brokers[primary];
+    // At once: the head of a journal it has no data of is not 0.
+    assert_eq!(local_head(b, J).await, written.len() as u64, "{}", b.id);
+    let copy = local_copy(b, J).await;
+    assert!(
+        copy == written,
+        "{}: holds {} bytes (SHA-1 {}), {} were appended (SHA-1 {})",
+        b.id,
+        copy.len(),
+        hex_sha1(&copy),
+        written.len(),
+        hex_sha1(&written)
+    );
+    let r = append_retrying(&b.client().await, J, b"after").await;
+    assert_eq!(r.begin, written.len() as u64);
 }

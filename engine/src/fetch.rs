@@ -69,6 +69,68 @@ pub async fn copy_span(
     }
 }
 
+/// Copies `[from, to)` from several peers: each `(head, addr)` in turn,
+/// the furthest first, fills what the ones before it did not hold, up to
+/// its own head. A peer that was itself restarted without its data may
+/// hold only the newest bytes while another holds all of them. Returns the
+/// fragments in offset order; on error none is left behind.
+pub async fn copy_from_each(
+    sources: &[(u64, SocketAddr)],
+    journal: &str,
+    from: u64,
+    to: u64,
+    dir: &Path,
+    durable: bool,
+) -> Result<Vec<LocalFragment>, String> {
+    let mut copied: Vec<LocalFragment> = Vec::new();
+    let mut missing = vec![(from, to)];
+    for &(head, addr) in sources {
+        let mut still = Vec::new();
+        for (a, b) in std::mem::take(&mut missing) {
+            let end = b.min(head);
+            if a >= end {
+                still.push((a, b));
+                continue;
+            }
+            match copy_span(addr, journal, a, end, dir, durable).await {
+                Ok(got) => {
+                    still.extend(uncovered(a, b, &got));
+                    copied.extend(got);
+                }
+                Err(e) => {
+                    for f in copied {
+                        let _ = compio::fs::remove_file(&f.path).await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        missing = still;
+        if missing.is_empty() {
+            break;
+        }
+    }
+    copied.sort_by_key(|f| f.begin);
+    Ok(copied)
+}
+
+/// The parts of `[a, b)` that `got` (ascending, disjoint, within it) does
+/// not cover.
+fn uncovered(a: u64, b: u64, got: &[LocalFragment]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = a;
+    for f in got {
+        if f.begin > at {
+            out.push((at, f.begin));
+        }
+        at = at.max(f.end);
+    }
+    if at < b {
+        out.push((at, b));
+    }
+    out
+}
+
 /// One non-blocking READ of `[from, to)` with DO_NOT_PROXY, its data
 /// written into `piece` (a new piece at every discontinuity). Returns the
 /// offset the read ended at: `to`, or the end of a store-held fragment
@@ -239,5 +301,34 @@ impl Piece {
             uploading: false,
             sealed_at: std::time::SystemTime::now(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frag(begin: u64, end: u64) -> LocalFragment {
+        LocalFragment {
+            begin,
+            end,
+            sha1: [0; 20],
+            path: PathBuf::new(),
+            file: None,
+            uploaded: false,
+            uploading: false,
+            sealed_at: std::time::SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn what_a_copy_left_uncovered() {
+        assert_eq!(uncovered(0, 10, &[]), vec![(0, 10)]);
+        assert_eq!(uncovered(0, 10, &[frag(0, 10)]), vec![]);
+        assert_eq!(uncovered(0, 10, &[frag(8, 10)]), vec![(0, 8)]);
+        assert_eq!(
+            uncovered(0, 10, &[frag(2, 4), frag(6, 7)]),
+            vec![(0, 2), (4, 6), (7, 10)]
+        );
     }
 }

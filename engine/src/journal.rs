@@ -256,6 +256,10 @@ pub struct Journal {
     pub repl: Option<PrimaryRepl>,
     /// Primary: a SYNC is under way.
     pub syncing: bool,
+    /// The broker started with none of the journal's data (no fragment,
+    /// spool or commit record): as its primary it knows its head only
+    /// after its first SYNC, so reads wait for that (see `Shard::read`).
+    pub first_sync_pending: bool,
     /// Primary: after a failed SYNC, when to try again, and why it failed.
     pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
     /// When a failed SYNC was last logged: at most once a minute while
@@ -263,6 +267,8 @@ pub struct Journal {
     pub sync_warned: Option<Instant>,
     /// When a failed store listing was last logged, likewise.
     pub listing_warned: Option<Instant>,
+    /// When a failed upload of this journal was last logged, likewise.
+    pub upload_warned: Option<Instant>,
     /// Primary: committed batches awaiting replica acks.
     pub inflight: usize,
     /// Primary: this turn's staged appends went to replicas.
@@ -384,6 +390,8 @@ impl Journal {
             sync_retry: None,
             sync_warned: None,
             listing_warned: None,
+            first_sync_pending: false,
+            upload_warned: None,
             inflight: 0,
             staged_with_replicas: false,
             replica: None,

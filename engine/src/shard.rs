@@ -433,6 +433,7 @@ impl Shard {
         j.staged_head = head;
         j.staged_registers = j.registers.clone();
         j.local_registers = j.registers.clone();
+        j.first_sync_pending = j.fragments.is_empty() && j.spool.is_none() && chosen.is_none();
         Ok((j, chosen))
     }
 
@@ -464,6 +465,7 @@ impl Shard {
                     let dir = journal_dir(&self.dir, &spec.name);
                     let mut j = Journal::new(spec.clone(), dir);
                     j.init_index();
+                    j.first_sync_pending = true;
                     if let Some(st) = self.states.borrow().get(&spec.name) {
                         j.registers = st.registers.clone();
                         j.staged_registers = st.registers.clone();
@@ -802,13 +804,24 @@ impl Shard {
                     f.uploaded = true;
                     jm.insert_remote(stored);
                     *self.store_error.borrow_mut() = None;
+                    if jm.upload_warned.take().is_some() {
+                        tracing::info!(journal = %done.journal, "uploads succeed again");
+                    }
                 }
                 Err(e) => {
                     // Only a local fragment that does not match its name is
                     // beyond retrying: store-side refusals (a bucket being
                     // recreated, a credential being fixed) may pass.
                     if !matches!(e, rotary_uploader::StoreError::LocalCorrupt { .. }) {
-                        tracing::warn!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                        if jm
+                            .upload_warned
+                            .is_none_or(|t| t.elapsed() >= REPEAT_WARN_INTERVAL)
+                        {
+                            tracing::warn!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; retrying, logged once a minute while it lasts");
+                            jm.upload_warned = Some(Instant::now());
+                        } else {
+                            tracing::debug!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                        }
                     } else {
                         // Park it for an operator. It stays counted against
                         // the spool budget, so appends are eventually
@@ -1131,7 +1144,7 @@ impl Shard {
                 self.mark_ready(&j);
             }
             if let Role::Primary(route) = &role {
-                self.pulse(&j, route);
+                self.pulse(&j, route, false);
             }
             let refresh = {
                 let mut jm = j.borrow_mut();
@@ -1158,14 +1171,16 @@ impl Shard {
     /// Sends an empty append through an idle replicated journal, so that a
     /// broken replica is found (and the journal re-synchronized once it is
     /// back) without waiting for client traffic.
-    fn pulse(&self, j: &JournalRef, route: &Route) {
+    /// `now` sends it without waiting for the journal to be idle a while
+    /// (a read waits for the first SYNC).
+    fn pulse(&self, j: &JournalRef, route: &Route, now: bool) {
         {
             let mut jm = j.borrow_mut();
             let idle = jm.queue.is_empty()
                 && jm.active.is_none()
                 && jm.inflight == 0
                 && !jm.syncing
-                && jm.last_append.elapsed() >= PULSE_IDLE;
+                && (now || jm.last_append.elapsed() >= PULSE_IDLE);
             if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
                 return;
             }
@@ -1867,6 +1882,7 @@ impl Shard {
                         metrics::add(&me.metrics.syncs, 1);
                         jm.repl = Some(repl);
                         jm.sync_retry = None;
+                        jm.first_sync_pending = false;
                         if jm.sync_warned.take().is_some() {
                             tracing::info!(journal = %jm.name, "replicas synchronized again");
                         }
@@ -1881,6 +1897,8 @@ impl Shard {
                         jm.sync_retry = Some((Instant::now() + SYNC_RETRY, f));
                     }
                 }
+                // Reads waiting for the first SYNC get its outcome.
+                jm.committed.notify(usize::MAX);
             }
             me.mark_ready(&j);
         })
@@ -1903,7 +1921,8 @@ impl Shard {
                 )
             };
             let mut pipelines = Vec::new();
-            let mut ahead: Option<(u64, LabelSet, &crate::topology::Member)> = None;
+            // Replicas ahead of this primary: head, registers, member.
+            let mut ahead: Vec<(u64, LabelSet, &crate::topology::Member)> = Vec::new();
             for m in &route.members[1..] {
                 let p = self.pipeline(m, &name);
                 let epoch = p.connect().await?;
@@ -1926,9 +1945,7 @@ impl Shard {
                 match ack.status {
                     Status::OK => pipelines.push((p, epoch)),
                     Status::PROPOSAL_MISMATCH if reply.head > head => {
-                        if ahead.as_ref().is_none_or(|(h, _, _)| reply.head > *h) {
-                            ahead = Some((reply.head, reply.registers, m));
-                        }
+                        ahead.push((reply.head, reply.registers, m));
                     }
                     status => {
                         // Clients see a retryable status; the cause is named.
@@ -1942,18 +1959,20 @@ impl Shard {
                     }
                 }
             }
-            let Some((to, their_registers, member)) = ahead else {
+            if ahead.is_empty() {
                 return Ok(PrimaryRepl {
                     members: route.ids(),
                     pipelines,
                 });
-            };
+            }
+            // Furthest first; among equals, route order.
+            ahead.sort_by_key(|a| std::cmp::Reverse(a.0));
+            let (to, their_registers) = (ahead[0].0, ahead[0].1.clone());
             // Only after a route change, or a restart without the data
-            // (a replaced disk): the replica holds bytes this primary does
+            // (a replaced disk): replicas hold bytes this primary does
             // not. They are copied before the head moves past them, so the
             // primary serves and uploads them like its own.
-            let addr = self.member_endpoint(member, &name);
-            tracing::warn!(journal = %name, from = head, to, replica = %member.id, "a replica is ahead; copying the journal's bytes from it and rolling forward");
+            tracing::warn!(journal = %name, from = head, to, replica = %ahead[0].2.id, "a replica is ahead; copying the journal's bytes from the replicas and rolling forward");
             let spool = j.borrow_mut().spool.take();
             if let Some(spool) = spool {
                 // Empty: the SYNC started by sealing.
@@ -1969,12 +1988,16 @@ impl Shard {
                     head.max(listed).min(to),
                 )
             };
-            let copied = crate::fetch::copy_span(addr, &name, from, to, &dir, durable)
+            let sources: Vec<(u64, std::net::SocketAddr)> = ahead
+                .iter()
+                .map(|(h, _, m)| (*h, self.member_endpoint(m, &name)))
+                .collect();
+            let copied = crate::fetch::copy_from_each(&sources, &name, from, to, &dir, durable)
                 .await
                 .map_err(|e| Failure::new(Status::REPLICATION_FAILED, e))?;
             let held: u64 = copied.iter().map(|f| f.end - f.begin).sum();
             if held < to - from {
-                tracing::warn!(journal = %name, from = head, to, copied = held, "the replica ahead holds only part of the span; the rest is read from the store, if any holds it");
+                tracing::warn!(journal = %name, from, to, copied = held, "the replicas ahead hold only part of the span; the rest is read from the store, if one holds it");
             }
             let mut jm = j.borrow_mut();
             if jm.has_stores() {
@@ -2323,11 +2346,9 @@ impl Shard {
                         continue;
                     }
                     if self.unuploaded_bytes.get() > self.spool_budget_bytes {
-                        let cause = self
-                            .store_error
-                            .borrow()
-                            .clone()
-                            .unwrap_or_else(|| "uploads are behind".into());
+                        let cause = self.store_error.borrow().clone().unwrap_or_else(|| {
+                            "no upload has failed yet; uploads are slower than appends".into()
+                        });
                         let msg = format!(
                             "{} bytes of sealed fragments await upload (budget {}): {cause}",
                             self.unuploaded_bytes.get(),
@@ -2710,6 +2731,59 @@ impl Shard {
                     continue;
                 }
             }
+            if cancel.is_set() {
+                return done(
+                    Status::CANCELLED,
+                    req.offset.unwrap_or(head),
+                    head,
+                    "read cancelled",
+                );
+            }
+            if outbox.is_closed() {
+                return;
+            }
+            wakeup.await;
+        }
+        // A primary that started with none of a replicated journal's data
+        // (a new journal, or a data dir lost with its disk) learns its head
+        // from its replicas' at the first SYNC, copying what they hold
+        // beyond its own. Until then a read would see an empty journal, so
+        // it waits for that SYNC, and a SYNC that failed is its answer.
+        loop {
+            let (route, failed) = {
+                let jm = j.borrow();
+                // (A route short of brokers cannot synchronize at all.)
+                let route = match self.role(&jm.spec) {
+                    Role::Primary(r)
+                        if jm.first_sync_pending && r.members.len() > 1 && r.is_complete() =>
+                    {
+                        r
+                    }
+                    _ => break,
+                };
+                // A failure stands until its retry is due.
+                let failed = jm
+                    .sync_retry
+                    .as_ref()
+                    .filter(|(at, _)| Instant::now() < *at && !jm.syncing)
+                    .map(|(_, f)| f.clone());
+                (route, failed)
+            };
+            let head = j.borrow().head;
+            if let Some(f) = failed {
+                let msg = format!(
+                    "the primary started without the journal's data and has not synchronized with its replicas yet: {}",
+                    f.message
+                );
+                return done(
+                    Status::REPLICATION_FAILED,
+                    req.offset.unwrap_or(head),
+                    head,
+                    &msg,
+                );
+            }
+            let wakeup = read_wakeup(&j, &cancel, &outbox);
+            self.pulse(&j, &route, true);
             if cancel.is_set() {
                 return done(
                     Status::CANCELLED,
