@@ -18,6 +18,8 @@ pub enum SpecError {
     BadSelector { text: String, why: &'static str },
     #[error("duration {text:?}: expected e.g. 90s, 1m, 6h, 1h30m")]
     BadDuration { text: String },
+    #[error("duration {text:?}: finer than a millisecond; durations are whole milliseconds")]
+    DurationPrecision { text: String },
     #[error("spec of {name:?}: {why}")]
     BadSpec { name: String, why: String },
 }
@@ -420,6 +422,13 @@ pub fn parse_duration(text: &str) -> Result<Duration, SpecError> {
             .checked_add(n.checked_mul(unit_ns).ok_or_else(bad)?)
             .ok_or_else(bad)?;
     }
+    if !total_ns.is_multiple_of(1_000_000) {
+        // Stored and shown in milliseconds: `1us` would read back as `0s`,
+        // which for `retention` means "forever".
+        return Err(SpecError::DurationPrecision {
+            text: text.to_string(),
+        });
+    }
     let secs = u64::try_from(total_ns / 1_000_000_000).map_err(|_| bad())?;
     Ok(Duration::new(secs, (total_ns % 1_000_000_000) as u32))
 }
@@ -447,16 +456,46 @@ pub fn format_duration(d: Duration) -> String {
 }
 
 mod duration_text {
-    use serde::{Deserialize, Deserializer, Serializer};
+    use serde::{Deserializer, Serializer};
     use std::time::Duration;
 
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&super::format_duration(*d))
     }
 
+    /// Text, or the bare number 0 (YAML's `retention: 0`).
+    struct Visitor;
+
+    impl serde::de::Visitor<'_> for Visitor {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a duration such as 90s, 1m, 6h, 1h30m or 0")
+        }
+
+        fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Duration, E> {
+            super::parse_duration(text).map_err(E::custom)
+        }
+
+        fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Duration, E> {
+            match n {
+                0 => Ok(Duration::ZERO),
+                n => Err(E::custom(format!(
+                    "duration {n}: needs a unit, e.g. {n}s or {n}m"
+                ))),
+            }
+        }
+
+        fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Duration, E> {
+            match u64::try_from(n) {
+                Ok(n) => self.visit_u64(n),
+                Err(_) => Err(E::custom(format!("duration {n}: must not be negative"))),
+            }
+        }
+    }
+
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        super::parse_duration(&text).map_err(serde::de::Error::custom)
+        d.deserialize_any(Visitor)
     }
 }
 
@@ -768,6 +807,27 @@ mod tests {
             let err = LabelSelector::parse(empty_term).unwrap_err().to_string();
             assert!(err.contains("an empty term"), "{empty_term}: {err}");
         }
+    }
+
+    #[test]
+    fn durations_are_whole_milliseconds() {
+        assert_eq!(parse_duration("2000us").unwrap(), Duration::from_millis(2));
+        assert_eq!(parse_duration("1s").unwrap(), Duration::from_secs(1));
+        for fine in ["1us", "1ns", "1s1ns", "1500us"] {
+            let err = parse_duration(fine).unwrap_err().to_string();
+            assert!(err.contains("whole milliseconds"), "{fine}: {err}");
+        }
+        #[derive(Deserialize, Debug)]
+        struct D {
+            #[serde(with = "duration_text")]
+            d: Duration,
+        }
+        let d: D = serde_json::from_str(r#"{"d": 0}"#).unwrap();
+        assert_eq!(d.d, Duration::ZERO);
+        let err = serde_json::from_str::<D>(r#"{"d": 5}"#).unwrap_err();
+        assert!(err.to_string().contains("needs a unit"), "{err}");
+        let d: D = serde_json::from_str(r#"{"d": "90s"}"#).unwrap();
+        assert_eq!(d.d, Duration::from_secs(90));
     }
 
     #[test]
