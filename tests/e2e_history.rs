@@ -451,6 +451,12 @@ async fn wiped_broker_serves_history(store: TestStore, codec: Codec) {
         .append_reply()
         .expect("the refusal carries the write head");
     assert!(reply.write_head < head, "{reply:?}");
+    // A read "from the head" starts at the end of the history, not at
+    // the lower head appends are refused at: a tail of new data does not
+    // replay the store.
+    let out = cli_ok(&broker, &["read", name, "--offset", "head", "--metadata"]);
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v, serde_json::json!({"offset": head, "write_head": head}));
 
     let out = cli_ok(&broker, &["journals", "reset-head", name]);
     let v: serde_json::Value = serde_json::from_slice(&out).unwrap();

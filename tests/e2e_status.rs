@@ -704,3 +704,84 @@ async fn a_trickling_append_does_not_hold_a_journal_forever() {
     let (bytes, _) = read_range(&client, j, 0, Some(6)).await.unwrap();
     assert_eq!(bytes, b"behind");
 }
+
+/// Sealed fragments are opened per read: a journal of thousands of small
+/// fragments does not hold a descriptor for each (which once exhausted the
+/// broker's, failing every request of every journal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_fragments_do_not_each_hold_a_descriptor() {
+    const FRAGMENTS: usize = 1500;
+    let broker = Broker::start_with_cores(1);
+    let pid = broker.pid().expect("running");
+    let client = broker.client().await;
+    let j = "e2e/status/many-fragments";
+    create_journal(&client, j, |s| s.fragment.length = 4096).await;
+    let before = open_fds(pid);
+    let mut written = Vec::new();
+    for i in 0..FRAGMENTS {
+        let content = record(0, i as u32, 4096);
+        let r = client.append(&req(j), content.clone()).await.unwrap();
+        assert_eq!(r.begin, written.len() as u64);
+        written.extend_from_slice(&content);
+    }
+    let sealed = client.fragments(j).await.unwrap().len();
+    assert!(sealed >= FRAGMENTS - 1, "{sealed} fragments");
+    let after = open_fds(pid);
+    assert!(
+        after < before + 100,
+        "{sealed} fragments: {before} descriptors before, {after} after"
+    );
+    let (bytes, done) = read_range(&client, j, 0, None).await.unwrap();
+    assert_eq!(done.status, Status::OK);
+    assert!(
+        bytes == written,
+        "read {} bytes (SHA-1 {}), wrote {} (SHA-1 {})",
+        bytes.len(),
+        hex_sha1(&bytes),
+        written.len(),
+        hex_sha1(&written)
+    );
+}
+
+/// A READ under the id of an open read is refused; the open read goes on
+/// and can still be cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_id_in_use_is_refused() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let j = "e2e/status/read-ids";
+    create_journal(&client, j, |_| {}).await;
+    client.append(&req(j), b"abc".to_vec()).await.unwrap();
+    let endpoint = broker.endpoint();
+    tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        let read = ReadRequest {
+            journal: j.into(),
+            offset: Some(0),
+            end_offset: None,
+        }
+        .encode();
+        s.write_all(&frame(Op::READ, flag::BLOCK, 5, &read, &[]))
+            .unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("READ_DATA");
+        assert_eq!(
+            (f.op, f.request_id, &f.payload[..]),
+            (Op::READ_DATA, 5, &b"abc"[..])
+        );
+        s.write_all(&frame(Op::READ, flag::BLOCK, 5, &read, &[]))
+            .unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("READ_DONE");
+        assert_eq!(
+            (f.op, f.status, f.request_id),
+            (Op::READ_DONE, Status::BAD_REQUEST as u16, 5),
+            "{f:?}"
+        );
+        s.write_all(&frame(Op::CANCEL, 0, 5, &[], &[])).unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("READ_DONE");
+        assert_eq!(
+            (f.op, f.status, f.request_id),
+            (Op::READ_DONE, Status::CANCELLED as u16, 5),
+            "{f:?}"
+        );
+    });
+}

@@ -567,6 +567,17 @@ impl Conn {
             // on (or back).
             return self.forward_to(addr, &with_flag(raw, flag::PROXIED)).await;
         }
+        if self.reads.borrow().contains_key(&id) {
+            // A second read under one id could not be told apart, nor
+            // cancelled.
+            return self.outbox.error(
+                Op::READ_DONE,
+                Status::BAD_REQUEST,
+                id,
+                &[0; 16],
+                "request id already in use by an open read",
+            );
+        }
         let cancel = Rc::new(Cancel::default());
         self.reads.borrow_mut().insert(id, cancel.clone());
         let reads = self.reads.clone();

@@ -296,7 +296,9 @@ impl Piece {
             end: self.end,
             sha1,
             path: dest,
-            file: Some(std::rc::Rc::new(self.file)),
+            // Opened per read, like any older fragment: a long copy makes
+            // many fragments, and none keeps a descriptor.
+            file: None,
             uploaded: false,
             uploading: false,
             sealed_at: std::time::SystemTime::now(),

@@ -2143,6 +2143,13 @@ impl Shard {
                 self.unuploaded_bytes
                     .set(self.unuploaded_bytes.get() + (f.end - f.begin));
             }
+            // Only the newest sealed fragment keeps its spool's open file
+            // (tailing readers finish it); older ones are opened per read.
+            // Else every fragment of a journal with small fragments holds a
+            // descriptor, and tens of thousands exhaust the process's.
+            if let Some(prev) = jm.fragments.last_mut() {
+                prev.file = None;
+            }
             jm.fragments.push(f);
         }
         if jm.has_stores() {
@@ -2800,8 +2807,11 @@ impl Shard {
         // Appends already answered are readable, and count in the write
         // head, if a moment later: their spool write completes in the turn.
         settle_answered(&j).await;
-        let mut offset = req.offset.unwrap_or(j.borrow().head);
+        // `-1` is the end of readable history, the head READ_DONE reports:
+        // beyond the write head only before a head reset, when a tail "from
+        // now on" must not replay the store's history.
         let head = j.borrow().read_head();
+        let mut offset = req.offset.unwrap_or(head);
         if metadata_only {
             return done(Status::OK, offset, head, "");
         }
