@@ -590,6 +590,59 @@ fn out_of_file_descriptors_closes_unserved_connections() {
     }
 }
 
+/// Anonymous resident memory of a process, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("RssAnon:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+/// A client that sends many small requests with large replies (LIST) and
+/// never reads them stalls itself: the broker stops reading its requests
+/// once some MiB of replies are queued, instead of queueing every reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_replies_holds_bounded_memory() {
+    let broker = Broker::start_with_cores(1);
+    let pid = broker.pid().expect("running");
+    let client = broker.client().await;
+    for i in 0..24 {
+        create_journal(&client, &format!("e2e/status/listed-{i:02}"), |s| {
+            s.labels = LabelSet::from_pairs([("team", "x".repeat(200).as_str())]).unwrap();
+        })
+        .await;
+    }
+    let reply_len = serde_json::to_vec(&client.list("").await.unwrap())
+        .unwrap()
+        .len();
+    assert!(reply_len > 8 << 10, "a LIST reply of {reply_len} bytes");
+    let before = rss(pid);
+
+    // 20,000 LISTs (about 480 KB of requests) from a client that never
+    // reads: queued whole, their replies would take over 160 MB.
+    let s = raw_connect(&broker.endpoint());
+    s.set_write_timeout(Some(std::time::Duration::from_secs(3)))
+        .unwrap();
+    let mut reqs = Vec::new();
+    for id in 1..=20_000u64 {
+        reqs.extend_from_slice(&frame(Op::LIST, 0, id, &[], &[]));
+    }
+    let mut w = s.try_clone().unwrap();
+    // May block once the broker stops reading; the timeout ends it.
+    let writer = std::thread::spawn(move || w.write_all(&reqs).is_ok());
+    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+    writer.join().unwrap();
+    let grown = rss(pid).saturating_sub(before);
+    assert!(grown < 64 << 20, "broker memory grew by {grown} bytes");
+    // Others are served.
+    assert_eq!(client.list("").await.unwrap().len(), 24);
+    drop(s);
+}
+
 /// A client that sends many reads and then stops reading its socket holds a
 /// bounded share of the broker's memory, and appends to other journals go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -606,16 +659,6 @@ async fn a_client_that_stops_reading_holds_bounded_memory() {
     for _ in 0..64 {
         client.append(&req(big), chunk.clone()).await.unwrap();
     }
-    let rss = |pid: u32| -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let line = status.lines().find(|l| l.starts_with("RssAnon:")).unwrap();
-        line.split_whitespace()
-            .nth(1)
-            .unwrap()
-            .parse::<u64>()
-            .unwrap()
-            * 1024
-    };
     let before = rss(pid);
 
     // 500 reads of the whole journal on one connection that never reads.

@@ -4,7 +4,7 @@
 
 use crate::journal::{AbortReason, AckSink, AppendOp, Chunk, Proposal, ReplicaOp, SyncWaiter};
 use crate::metrics;
-use crate::outbox::{self, Outbox};
+use crate::outbox::{self, Outbox, OUTBOX_REQUESTS_PAUSE_BYTES};
 use crate::replica::Verdict;
 use crate::shard::Role;
 use crate::shard::{JournalRef, Shard};
@@ -174,6 +174,11 @@ impl Conn {
                     let (frame, _) = wire::decode_frame(avail, BODY_LEN_MAX)
                         .expect("header checked")
                         .expect("whole frame");
+                    // New requests wait while their replies would pile up
+                    // (chunks of an open append and cancels go on).
+                    if !matches!(frame.op, Op::APPEND_CHUNK | Op::CANCEL) {
+                        self.outbox.below(OUTBOX_REQUESTS_PAUSE_BYTES).await;
+                    }
                     if !self.handle(frame, Body::Borrowed(&avail[..total])).await {
                         return;
                     }

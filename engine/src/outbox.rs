@@ -11,6 +11,10 @@ use std::cell::{Cell, RefCell};
 /// client that stops reading holds at most about this much of the broker's
 /// memory per connection, plus one chunk per producing read.
 pub const OUTBOX_HIGH_WATER_BYTES: usize = 4 << 20;
+/// A connection's requests are not read on while this much of its replies
+/// is queued or being written: a client that sends requests and never
+/// reads their replies stalls itself, not the broker's memory.
+pub const OUTBOX_REQUESTS_PAUSE_BYTES: usize = 2 * OUTBOX_HIGH_WATER_BYTES;
 /// Reads of one connection that may produce a chunk at once. Reads beyond
 /// these wait for a turn before they read from disk, so a connection with
 /// thousands of reads in flight does not hold a chunk for each.
@@ -117,12 +121,17 @@ impl Outbox {
 
     /// Waits until the backlog is below the high-water mark (or closed).
     pub async fn room(&self) {
+        self.below(OUTBOX_HIGH_WATER_BYTES).await;
+    }
+
+    /// Waits until the backlog is below `limit` bytes (or closed).
+    pub async fn below(&self, limit: usize) {
         loop {
-            if self.closed.get() || self.backlog() < OUTBOX_HIGH_WATER_BYTES {
+            if self.closed.get() || self.backlog() < limit {
                 return;
             }
             let l = self.drained.listen();
-            if self.closed.get() || self.backlog() < OUTBOX_HIGH_WATER_BYTES {
+            if self.closed.get() || self.backlog() < limit {
                 return;
             }
             l.await;
