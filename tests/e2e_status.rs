@@ -828,3 +828,39 @@ async fn a_read_id_in_use_is_refused() {
         );
     });
 }
+
+/// An APPEND under the id of an open streamed append is refused, and the
+/// open one is rolled back: the chunks that follow could be either's, so
+/// neither commits with the other's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_id_in_use_rolls_back_both() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let j = "e2e/status/append-ids";
+    create_journal(&client, j, |_| {}).await;
+    let endpoint = broker.endpoint();
+    tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        let meta = req(j).encode();
+        s.write_all(&frame(Op::APPEND, flag::MORE, 9, &meta, b"A1"))
+            .unwrap();
+        s.write_all(&frame(Op::APPEND, flag::MORE, 9, &meta, b"B1"))
+            .unwrap();
+        s.write_all(&frame(Op::APPEND_CHUNK, 0, 9, &[], b"C"))
+            .unwrap();
+        let mut statuses = Vec::new();
+        for _ in 0..2 {
+            let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+            assert_eq!((f.op, f.request_id), (Op::APPEND_REPLY, 9), "{f:?}");
+            statuses.push(f.status);
+        }
+        statuses.sort();
+        let mut want = vec![Status::BAD_REQUEST as u16, Status::CANCELLED as u16];
+        want.sort();
+        assert_eq!(statuses, want);
+    });
+    let r = client.append(&req(j), b"next".to_vec()).await.unwrap();
+    assert_eq!(r.begin, 0, "nothing of either append committed");
+    let (bytes, _) = read_range(&client, j, 0, None).await.unwrap();
+    assert_eq!(bytes, b"next");
+}

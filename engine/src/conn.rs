@@ -346,10 +346,17 @@ impl Conn {
             return self.refuse_append(&frame, Status::BAD_REQUEST, &e.to_string());
         }
         if self.appends.contains_key(&id) || self.forwarded.contains_key(&id) {
+            // The chunks that follow could belong to either: the open
+            // append is rolled back too, rather than finished with the
+            // other's bytes.
+            if let Some((op, j)) = self.appends.remove(&id) {
+                op.aborted.set(Some(AbortReason::Client));
+                self.shard.mark_ready(&j);
+            }
             return self.refuse_append(
                 &frame,
                 Status::BAD_REQUEST,
-                "request id already in use by an open append",
+                "request id already in use by an open append; both are refused",
             );
         }
         let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
