@@ -284,7 +284,8 @@ enum TableOrJson {
 #[derive(Args, Debug)]
 struct AppendArgs {
     name: String,
-    /// Read content from this file instead of standard input.
+    /// Read content from this file instead of standard input (`-` is
+    /// standard input).
     #[arg(short = 'i', long = "input", value_name = "FILE")]
     input: Option<PathBuf>,
     /// Commit only if the journal's write head is exactly this offset, 0
@@ -447,6 +448,22 @@ impl From<ClientError> for CliError {
     }
 }
 
+/// An error and its causes, `a: b: c`, leaving out a cause whose text the
+/// message before it already carries (many errors print their source).
+fn chain_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if text.is_empty() {
+            text = c;
+        } else if !text.contains(&c) {
+            text.push_str(": ");
+            text.push_str(&c);
+        }
+    }
+    text
+}
+
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
@@ -480,7 +497,7 @@ impl CliError {
                 }
             },
             CliError::Usage(name, text) => (name, text.clone(), EXIT_USAGE),
-            CliError::Other(name, e) => (name, format!("{e:#}"), EXIT_FAILED),
+            CliError::Other(name, e) => (name, chain_text(e), EXIT_FAILED),
         };
         eprintln!("error: {name}: {}", one_line(&text));
         code
@@ -838,6 +855,8 @@ async fn append(args: AppendArgs) -> CmdResult {
         },
     };
     let input = match &args.input {
+        // `-i -` is standard input, as `apply -f -` is.
+        Some(path) if path.as_os_str() == "-" => None,
         Some(path) => Some(tokio::fs::File::open(path).await.map_err(|e| {
             CliError::Usage("BAD_USAGE", format!("opening {}: {e}", path.display()))
         })?),
@@ -1016,6 +1035,15 @@ mod tests {
         assert!(parse_append_offset("head")
             .unwrap_err()
             .contains("is not an offset"));
+    }
+
+    #[test]
+    fn error_chains_name_each_cause_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        let e = anyhow::Error::new(std::io::Error::other(format!("cannot listen: {io}")));
+        assert_eq!(chain_text(&e), format!("cannot listen: {io}"));
+        let e = anyhow::Error::new(io).context("starting");
+        assert_eq!(chain_text(&e), "starting: address in use");
     }
 
     #[test]
