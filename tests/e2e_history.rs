@@ -358,6 +358,14 @@ async fn wiped_broker_serves_history(store: TestStore, codec: Codec) {
     broker.start_again();
     let client = broker.client().await;
     apply(&client, &spec).await;
+    // FRAGMENTS waits for the first listing: the stored history at once,
+    // not an empty journal.
+    let frags = client.fragments(name).await.unwrap();
+    let covered: u64 = frags.iter().map(|f| f.end - f.begin).sum();
+    assert!(
+        covered >= head && frags.iter().all(|f| f.store != "local"),
+        "{frags:?}"
+    );
 
     // History is readable at its offsets once the store is listed.
     let deadline = Instant::now() + WAIT;

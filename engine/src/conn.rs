@@ -22,7 +22,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Append bytes a connection may have queued before the broker stops
 /// reading from it.
@@ -1062,8 +1062,50 @@ impl Conn {
                 }
                 match op {
                     Op::FRAGMENTS => {
-                        let body = self.shard.fragments_json(&j);
-                        self.admin_ok(id, &body);
+                        // Before the first listing of its store a journal's
+                        // fragments are not known: the answer waits for it
+                        // (in its own task; the connection goes on), or is
+                        // the listing's error.
+                        let shard = self.shard.clone();
+                        let outbox = self.outbox.clone();
+                        compio::runtime::spawn(async move {
+                            let deadline = Instant::now() + FRAGMENTS_LISTING_WAIT;
+                            loop {
+                                let listen = j.borrow().committed.listen();
+                                let (listed, failed) = {
+                                    let jm = j.borrow();
+                                    (jm.index_loaded, jm.index_error.clone())
+                                };
+                                if listed {
+                                    break;
+                                }
+                                let left = deadline.saturating_duration_since(Instant::now());
+                                let failed = failed.or_else(|| {
+                                    left.is_zero().then(|| {
+                                        format!("no listing in {FRAGMENTS_LISTING_WAIT:?}")
+                                    })
+                                });
+                                if let Some(e) = failed {
+                                    let msg = format!("fragment index not yet listed: {e}");
+                                    outbox.error(
+                                        Op::ADMIN_REPLY,
+                                        Status::FRAGMENT_STORE_UNHEALTHY,
+                                        id,
+                                        &[],
+                                        &msg,
+                                    );
+                                    return;
+                                }
+                                if outbox.is_closed() {
+                                    return;
+                                }
+                                let _ = compio::time::timeout(left, listen).await;
+                            }
+                            let body = shard.fragments_json(&j);
+                            let bytes = serde_json::to_vec(&body).expect("json");
+                            outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &bytes);
+                        })
+                        .detach();
                     }
                     Op::RESET_HEAD => self.shard.request_reset_head(&j, self.outbox.clone(), id),
                     Op::SEAL => self.shard.request_seal(&j, self.outbox.clone(), id),
@@ -1277,6 +1319,9 @@ fn check_store_dir(dir: &std::path::Path) -> Result<(), String> {
         ))
     }
 }
+
+/// Longest a FRAGMENTS request waits for its journal's first store listing.
+const FRAGMENTS_LISTING_WAIT: Duration = Duration::from_secs(30);
 
 /// DELETE's payload from a peer broker (flag LOCAL): the deletion's
 /// revision, `{"revision": N}`. Read back by [`parse_revision`].
