@@ -2709,6 +2709,20 @@ impl Shard {
             let head = j.borrow().head;
             return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
+        // A read waiting before it starts ends if it is cancelled
+        // (answered here) or its connection closed.
+        let ended = |head: u64| {
+            if cancel.is_set() {
+                done(
+                    Status::CANCELLED,
+                    req.offset.unwrap_or(head),
+                    head,
+                    "read cancelled",
+                );
+                return true;
+            }
+            outbox.is_closed()
+        };
         // A journal with stores is whole only once its store was first
         // listed: the store may hold history the local disk does not (a
         // wiped data dir, `--local-cache 0`). Until then a read would see
@@ -2738,15 +2752,7 @@ impl Shard {
                     continue;
                 }
             }
-            if cancel.is_set() {
-                return done(
-                    Status::CANCELLED,
-                    req.offset.unwrap_or(head),
-                    head,
-                    "read cancelled",
-                );
-            }
-            if outbox.is_closed() {
+            if ended(head) {
                 return;
             }
             wakeup.await;
@@ -2791,15 +2797,7 @@ impl Shard {
             }
             let wakeup = read_wakeup(&j, &cancel, &outbox);
             self.pulse(&j, &route, true);
-            if cancel.is_set() {
-                return done(
-                    Status::CANCELLED,
-                    req.offset.unwrap_or(head),
-                    head,
-                    "read cancelled",
-                );
-            }
-            if outbox.is_closed() {
+            if ended(head) {
                 return;
             }
             wakeup.await;
