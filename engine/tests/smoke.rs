@@ -46,9 +46,7 @@ fn append_read_seal_and_recover() {
         // files are reopened by a second broker on a copy of the directory.
         std::mem::forget(broker);
     }
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    std::fs::remove_file(copy.path().join("LOCK")).unwrap();
+    let copy = crash_image(dir.path());
     let broker = start(copy.path(), 1);
     let mut c = Conn::new(broker.endpoints[0]);
     let (got, _) = c.read_all(name, 0);
@@ -59,17 +57,26 @@ fn append_read_seal_and_recover() {
     assert_eq!(reply.begin, expected.len() as u64);
 }
 
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+/// Copies a directory tree. False if a file vanished while it was copied
+/// (a running broker renamed or removed it): the copy is then no image of
+/// one moment, and the caller copies again.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> bool {
+    let mut whole = true;
     for e in std::fs::read_dir(from).unwrap() {
         let e = e.unwrap();
         let dest = to.join(e.file_name());
         if e.file_type().unwrap().is_dir() {
             std::fs::create_dir_all(&dest).unwrap();
-            copy_dir(&e.path(), &dest);
+            whole &= copy_dir(&e.path(), &dest);
         } else {
-            std::fs::copy(e.path(), &dest).unwrap();
+            match std::fs::copy(e.path(), &dest) {
+                Ok(_) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => whole = false,
+                Err(err) => panic!("copying {}: {err}", e.path().display()),
+            }
         }
     }
+    whole
 }
 
 #[test]
@@ -239,14 +246,30 @@ fn spool_path(data: &std::path::Path, name: &str) -> std::path::PathBuf {
     spools[0].clone()
 }
 
+/// A copy of a broker's directory as a crash would leave it, without the
+/// lock. A broker left running may still compact its commit log: copied
+/// again until nothing changed under the copy.
+fn crash_image(dir: &std::path::Path) -> tempfile::TempDir {
+    let mut attempts = 0;
+    let copy = loop {
+        let copy = tempfile::tempdir().unwrap();
+        if copy_dir(dir, copy.path()) {
+            break copy;
+        }
+        attempts += 1;
+        assert!(attempts < 20, "files kept vanishing under the copy");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::fs::remove_file(copy.path().join("LOCK")).unwrap();
+    copy
+}
+
 /// Reopens a crashed broker's files: a second broker on a copy of `dir`.
 fn restart_copy(
     dir: &std::path::Path,
     damage: impl FnOnce(&std::path::Path),
 ) -> (tempfile::TempDir, rotary_engine::Broker) {
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir, copy.path());
-    std::fs::remove_file(copy.path().join("LOCK")).unwrap();
+    let copy = crash_image(dir);
     damage(copy.path());
     let broker = start(copy.path(), 1);
     (copy, broker)
@@ -416,9 +439,7 @@ fn a_commit_record_whose_spool_bytes_never_landed_is_passed_over() {
 
     // Neither of the last two records matches the spool: the broker
     // refuses to start rather than serve bytes the log does not vouch for.
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    std::fs::remove_file(copy.path().join("LOCK")).unwrap();
+    let copy = crash_image(dir.path());
     let path = spool_path(copy.path(), name);
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[0] ^= 1;
