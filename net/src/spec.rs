@@ -260,26 +260,101 @@ impl Serialize for LabelSet {
 
 impl<'de> Deserialize<'de> for LabelSet {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum OneOrMany {
-            One(String),
-            Many(Vec<String>),
-        }
-        let map: std::collections::BTreeMap<String, OneOrMany> =
+        let map: std::collections::BTreeMap<String, LabelValues> =
             std::collections::BTreeMap::deserialize(d)?;
         let mut set = LabelSet::new();
-        for (name, v) in map {
-            let values = match v {
-                OneOrMany::One(v) => vec![v],
-                OneOrMany::Many(v) => v,
-            };
+        for (name, LabelValues(values)) in map {
             for value in values {
                 set.add(name.clone(), value)
                     .map_err(serde::de::Error::custom)?;
             }
         }
         Ok(set)
+    }
+}
+
+/// The value of one label name in YAML or JSON: a string or a list of
+/// strings. Anything else (`a: 5`, `a: true`) is refused with a message that
+/// says to quote it, not stringified: `1.0` and `1` would otherwise differ
+/// from what was written.
+struct LabelValues(Vec<String>);
+
+impl<'de> Deserialize<'de> for LabelValues {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(LabelValuesVisitor { in_list: false })
+            .map(LabelValues)
+    }
+}
+
+/// Visits one label value, or (outside a list) a list of them.
+#[derive(Clone, Copy)]
+struct LabelValuesVisitor {
+    in_list: bool,
+}
+
+impl LabelValuesVisitor {
+    fn unquoted<E: serde::de::Error>(what: impl std::fmt::Display) -> Result<Vec<String>, E> {
+        Err(E::custom(format!(
+            "label value {what}: label values are strings; quote it"
+        )))
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for LabelValuesVisitor {
+    type Value = Vec<String>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Vec<String>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for LabelValuesVisitor {
+    type Value = Vec<String>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self.in_list {
+            false => f.write_str("a label value (a string) or a list of them"),
+            true => f.write_str("a label value (a string)"),
+        }
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Vec<String>, E> {
+        Ok(vec![v.to_owned()])
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Vec<String>, E> {
+        Self::unquoted(v)
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Vec<String>, E> {
+        Self::unquoted(v)
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Vec<String>, E> {
+        Self::unquoted(v)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Vec<String>, E> {
+        Self::unquoted(v)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Vec<String>, E> {
+        Err(E::custom(
+            "label value missing: write \"\" for an empty value",
+        ))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<String>, A::Error> {
+        if self.in_list {
+            return Err(serde::de::Error::custom(
+                "a list of label values holds strings, not lists",
+            ));
+        }
+        let mut values = Vec::new();
+        while let Some(v) = seq.next_element_seed(LabelValuesVisitor { in_list: true })? {
+            values.extend(v);
+        }
+        Ok(values)
     }
 }
 
@@ -828,6 +903,45 @@ mod tests {
         assert!(err.to_string().contains("needs a unit"), "{err}");
         let d: D = serde_json::from_str(r#"{"d": "90s"}"#).unwrap();
         assert_eq!(d.d, Duration::from_secs(90));
+    }
+
+    #[test]
+    fn label_values_are_strings_or_lists_of_strings() {
+        let one = parse_specs("name: a/b/c\nlabels: {app: orders, zone: [x, y], e: ''}").unwrap();
+        let labels = &one[0].labels;
+        assert_eq!(labels.values_of("app").collect::<Vec<_>>(), ["orders"]);
+        assert_eq!(labels.values_of("zone").collect::<Vec<_>>(), ["x", "y"]);
+        assert_eq!(labels.values_of("e").collect::<Vec<_>>(), [""]);
+        for (yaml, says) in [
+            (
+                "{a: 5}",
+                "label value 5: label values are strings; quote it",
+            ),
+            (
+                "{a: -2}",
+                "label value -2: label values are strings; quote it",
+            ),
+            (
+                "{a: 1.5}",
+                "label value 1.5: label values are strings; quote it",
+            ),
+            (
+                "{a: true}",
+                "label value true: label values are strings; quote it",
+            ),
+            (
+                "{a: [x, 7]}",
+                "label value 7: label values are strings; quote it",
+            ),
+            ("{a: }", "label value missing"),
+            ("{a: [[x]]}", "holds strings, not lists"),
+            ("{a: {b: c}}", "a label value (a string) or a list of them"),
+        ] {
+            let e = parse_specs(&format!("name: a/b/c\nlabels: {yaml}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("\"a/b/c\"") && e.contains(says), "{yaml}: {e}");
+        }
     }
 
     #[test]
