@@ -20,6 +20,9 @@ pub const EXIT_OK: i32 = 0;
 pub const EXIT_FAILED: i32 = 1;
 pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_RETRYABLE: i32 = 3;
+/// The command's change was made but its result could not be written out:
+/// a script must not retry it.
+pub const EXIT_CHANGED_UNREPORTED: i32 = 4;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -440,6 +443,9 @@ pub enum CliError {
     Usage(&'static str, String),
     /// Anything else (exit 1).
     Other(&'static str, anyhow::Error),
+    /// The command changed something (`what`) and then could not write its
+    /// result (exit 4).
+    ChangedUnreported { what: String, error: anyhow::Error },
 }
 
 impl From<ClientError> for CliError {
@@ -498,6 +504,11 @@ impl CliError {
             },
             CliError::Usage(name, text) => (name, text.clone(), EXIT_USAGE),
             CliError::Other(name, e) => (name, chain_text(e), EXIT_FAILED),
+            CliError::ChangedUnreported { what, error } => (
+                "OUTPUT_ERROR_AFTER_CHANGE",
+                format!("{what}, but {}: do not retry", chain_text(error)),
+                EXIT_CHANGED_UNREPORTED,
+            ),
         };
         eprintln!("error: {name}: {}", one_line(&text));
         code
@@ -593,6 +604,12 @@ fn serve(args: ServeArgs) -> CmdResult {
         .ok_or_else(|| {
             CliError::Usage("BAD_USAGE", format!("--listen {}: no address", args.listen))
         })?;
+    if args.data.exists() && !args.data.is_dir() {
+        return Err(CliError::Usage(
+            "BAD_USAGE",
+            format!("--data {}: not a directory", args.data.display()),
+        ));
+    }
     let mut config = rotary_engine::ServeConfig::new(args.data, listen);
     apply_tune_profile(&mut config);
     config.cores = args.cores;
@@ -755,6 +772,18 @@ fn ignore_broken_pipe(e: std::io::Error) -> CmdResult {
     }
 }
 
+/// The result of printing what a command changed: an output error then says
+/// that the change was made, so that nobody retries it.
+fn after_change(printed: CmdResult, what: impl FnOnce() -> String) -> CmdResult {
+    match printed {
+        Err(CliError::Other("OUTPUT_ERROR", error)) => Err(CliError::ChangedUnreported {
+            what: what(),
+            error,
+        }),
+        other => other,
+    }
+}
+
 async fn journals(cmd: JournalsCmd) -> CmdResult {
     match cmd {
         JournalsCmd::Apply { file, broker } => {
@@ -771,10 +800,8 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             let client = connect(&broker).await?;
             let applied = client.apply(&specs).await?;
             let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-            print_text(&format!(
-                "applied {applied} journal(s): {}\n",
-                names.join(", ")
-            ))
+            let text = format!("applied {applied} journal(s): {}", names.join(", "));
+            after_change(print_text(&format!("{text}\n")), || text)
         }
         JournalsCmd::List {
             selector,
@@ -800,18 +827,23 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
         JournalsCmd::Delete { name, broker } => {
             let client = connect(&broker).await?;
             client.delete(&name).await?;
-            print_text(&format!("deleted {name}\n"))
+            after_change(print_text(&format!("deleted {name}\n")), || {
+                format!("deleted {name}")
+            })
         }
         JournalsCmd::Seal { name, broker } => {
             let client = connect(&broker).await?;
             let sealed = client.seal(&name).await?;
-            print_json(&serde_json::json!({ "sealed": sealed }))
+            let line = serde_json::json!({ "sealed": sealed });
+            after_change(print_json(&line), || format!("sealed: {line}"))
         }
         JournalsCmd::ResetHead { name, broker } => {
             let client = connect(&broker).await?;
             let write_head = client.reset_head(&name).await?;
             let line = serde_json::json!({ "journal": name, "write_head": write_head });
-            print_text(&format!("{line}\n"))
+            after_change(print_text(&format!("{line}\n")), || {
+                format!("reset the head: {line}")
+            })
         }
         JournalsCmd::Prune {
             selector,
@@ -823,15 +855,19 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             let pruned = client.prune(&selector, dry_run).await?;
-            match output {
+            let verb = if dry_run { "would prune" } else { "pruned" };
+            let printed = match output {
                 TableOrJson::Json => print_json(&pruned),
-                TableOrJson::Table => {
-                    print_text(&output::pruned_lines(&pruned, dry_run))?;
-                    let verb = if dry_run { "would prune" } else { "pruned" };
-                    eprintln!("{verb} {} fragment(s)", pruned.len());
-                    Ok(())
-                }
+                TableOrJson::Table => print_text(&output::pruned_lines(&pruned, dry_run)),
+            };
+            let printed = match dry_run {
+                true => printed,
+                false => after_change(printed, || format!("pruned {} fragment(s)", pruned.len())),
+            };
+            if printed.is_ok() && matches!(output, TableOrJson::Table) {
+                eprintln!("{verb} {} fragment(s)", pruned.len());
             }
+            printed
         }
     }
 }
@@ -874,7 +910,9 @@ async fn append(args: AppendArgs) -> CmdResult {
         "sha1": hex::encode(reply.sha1),
         "registers": reply.registers,
     });
-    print_text(&format!("{line}\n"))
+    after_change(print_text(&format!("{line}\n")), || {
+        format!("the append committed: {line}")
+    })
 }
 
 async fn read(args: ReadArgs) -> CmdResult {

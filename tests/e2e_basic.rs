@@ -922,6 +922,63 @@ async fn cli_exit_codes_follow_the_readme() {
     assert_eq!(code, 1, "{err}");
     assert!(err.starts_with("error: JOURNAL_NOT_FOUND: "), "{err}");
     assert_eq!(read_all(&client, j).await, b"x");
+
+    // A change whose result cannot be written out still happened: exit 4,
+    // and the error says what was done, so that a script does not retry.
+    let full = || std::fs::File::create("/dev/full").unwrap();
+    let mut cmd = broker.cli(&["append", j]);
+    cmd.stdin(std::process::Stdio::piped())
+        .stdout(full())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"w").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(
+        err.starts_with("error: OUTPUT_ERROR_AFTER_CHANGE: the append committed: ")
+            && err.contains(r#""begin":1,"end":2"#)
+            && err.trim_end().ends_with("do not retry"),
+        "{err}"
+    );
+    assert_eq!(read_all(&client, j).await, b"xw");
+    let out = broker
+        .cli(&["journals", "delete", j])
+        .stdout(full())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(
+        err.starts_with(&format!(
+            "error: OUTPUT_ERROR_AFTER_CHANGE: deleted {j}, but "
+        )),
+        "{err}"
+    );
+    // A data directory that is a file.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let mut cmd = rotary();
+    cmd.args(["serve", "--listen", "127.0.0.1:1", "--data"])
+        .arg(file.path());
+    let (code, _, err) = run_cli(cmd, b"");
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "error: BAD_USAGE: --data {}: not a directory\n",
+            file.path().display()
+        )
+    );
+
+    // Output that changes nothing is an ordinary failure.
+    let out = broker
+        .cli(&["journals", "list", "-o", "json"])
+        .stdout(full())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("error: OUTPUT_ERROR: "), "{err}");
 }
 
 /// A journal without `fragment.stores` keeps its sealed fragments on the

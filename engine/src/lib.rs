@@ -242,6 +242,12 @@ impl Broker {
         // hard limit allows, not the soft default of 1024.
         sys::raise_open_files_limit();
         let dir = &config.data_dir;
+        if dir.exists() && !dir.is_dir() {
+            return Err(EngineError::Config(format!(
+                "data directory {}: not a directory",
+                dir.display()
+            )));
+        }
         std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(dir.clone(), e))?;
         let lock = lock_data_dir(dir)?;
         let ncpu = std::thread::available_parallelism()
