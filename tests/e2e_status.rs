@@ -864,3 +864,77 @@ async fn an_append_id_in_use_rolls_back_both() {
     let (bytes, _) = read_range(&client, j, 0, None).await.unwrap();
     assert_eq!(bytes, b"next");
 }
+
+/// A clean stop (SIGTERM) answers what it ends: an append still streaming
+/// is rolled back and answered `SHUTTING_DOWN`, and so is a read waiting
+/// for data, at the offset it reached; an append whose content is whole
+/// commits and is answered. Nothing of the rolled-back append is visible
+/// after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_answers_what_it_ends() {
+    let mut broker = Broker::start_with_cores(1);
+    let j = "e2e/status/clean-stop";
+    {
+        let client = broker.client().await;
+        create_journal(&client, j, |_| {}).await;
+        client.append(&req(j), b"kept".to_vec()).await.unwrap();
+    }
+    let endpoint = broker.endpoint();
+    let ping = |s: &mut std::net::TcpStream, id: u64| {
+        s.write_all(&frame(Op::PING, 0, id, &[], b"")).unwrap();
+        let f = read_raw_frame(s).unwrap().expect("PONG");
+        assert_eq!((f.op, f.request_id), (Op::PONG, id), "{f:?}");
+    };
+    let (mut appender, mut reader) = tokio::task::block_in_place(|| {
+        let mut appender = raw_connect(&endpoint);
+        let meta = req(j).encode();
+        appender
+            .write_all(&frame(Op::APPEND, flag::MORE, 9, &meta, b"lost"))
+            .unwrap();
+        ping(&mut appender, 10);
+        let mut reader = raw_connect(&endpoint);
+        let read = ReadRequest {
+            journal: j.into(),
+            offset: Some(4),
+            end_offset: None,
+        }
+        .encode();
+        reader
+            .write_all(&frame(Op::READ, flag::BLOCK, 5, &read, &[]))
+            .unwrap();
+        ping(&mut reader, 6);
+        (appender, reader)
+    });
+    tokio::task::block_in_place(|| broker.stop_graceful());
+    tokio::task::block_in_place(|| {
+        let f = read_raw_frame(&mut appender)
+            .unwrap()
+            .expect("APPEND_REPLY");
+        assert_eq!(
+            (f.op, f.status, f.request_id),
+            (Op::APPEND_REPLY, Status::SHUTTING_DOWN as u16, 9),
+            "{f:?}"
+        );
+        assert!(
+            String::from_utf8_lossy(&f.payload).contains("rolled back"),
+            "{f:?}"
+        );
+        let f = read_raw_frame(&mut reader).unwrap().expect("READ_DONE");
+        assert_eq!(
+            (f.op, f.status, f.request_id),
+            (Op::READ_DONE, Status::SHUTTING_DOWN as u16, 5),
+            "{f:?}"
+        );
+        let u64_at = |at: usize| u64::from_le_bytes(f.meta[at..at + 8].try_into().unwrap());
+        assert_eq!(
+            (u64_at(0), u64_at(8)),
+            (4, 4),
+            "offset and write head: {f:?}"
+        );
+    });
+    broker.start_again();
+    let client = broker.client().await;
+    assert_eq!(read_all(&client, j).await, b"kept");
+    let r = client.append(&req(j), b"next".to_vec()).await.unwrap();
+    assert_eq!(r.begin, 4);
+}

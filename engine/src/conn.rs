@@ -103,6 +103,7 @@ pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
     metrics::add(&shard.metrics.connections, 1);
     let (rd, wr) = stream.into_split();
     let outbox = Rc::new(Outbox::new());
+    shard.add_outbox(&outbox);
     compio::runtime::spawn(outbox::writer(wr, outbox.clone())).detach();
     let mut conn = Conn {
         shard,
@@ -368,7 +369,7 @@ impl Conn {
             metrics::add(&self.shard.metrics.cross_core_forwards, 1);
             return self.forward_to(addr, raw).await;
         }
-        if self.shard.shutting_down.get() {
+        if self.shard.is_shutting_down() {
             return self.refuse_append(&frame, Status::SHUTTING_DOWN, "broker is shutting down");
         }
         let Some(j) = self.shard.journal(&req.journal) else {

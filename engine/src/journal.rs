@@ -53,6 +53,29 @@ pub enum AbortReason {
     Timeout,
     /// Too slow while others waited behind it: reply APPEND_TIMEOUT.
     TooSlow,
+    /// The broker is stopping and the append was still streaming: reply
+    /// SHUTTING_DOWN.
+    ShuttingDown,
+}
+
+impl AbortReason {
+    /// The reply to an append rolled back for this reason, if anybody is
+    /// left to receive one.
+    pub fn reply(self) -> Option<(Status, &'static str)> {
+        match self {
+            AbortReason::Client => Some((Status::CANCELLED, "append cancelled by the client")),
+            AbortReason::Closed => None,
+            AbortReason::Timeout => Some((Status::APPEND_TIMEOUT, "append idle too long; rolled back")),
+            AbortReason::TooSlow => Some((
+                Status::APPEND_TIMEOUT,
+                "append streamed under 1 MiB/s while another append waited 30 s behind it; rolled back",
+            )),
+            AbortReason::ShuttingDown => Some((
+                Status::SHUTTING_DOWN,
+                "the broker is shutting down; the append was rolled back",
+            )),
+        }
+    }
 }
 
 /// One append, shared by the connection that feeds it and the flusher that

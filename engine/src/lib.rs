@@ -111,6 +111,9 @@ pub enum EngineError {
 
 /// How long a clean shutdown waits for appends to commit and uploads to finish.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(45);
+/// How long a clean stop waits for its last answers to be written out to
+/// clients that are slow to read them.
+const SHUTDOWN_ANSWERS_WAIT: Duration = Duration::from_secs(2);
 /// Sealed fragments queued for upload across the broker.
 const UPLOAD_QUEUE_MAX: usize = 1024;
 
@@ -572,8 +575,11 @@ fn run_shard(ctx: ShardContext) {
                 futures_util::future::Either::Right(_) => break,
             }
         }
-        shard.shutting_down.set(true);
+        shard.begin_shutdown();
         shard.drained().await;
+        // The answers of the stop (appends rolled back, reads ended) and
+        // of the last turns reach their clients before the process exits.
+        shard.answers_sent(SHUTDOWN_ANSWERS_WAIT).await;
         // Hand every open spool to its store before exiting, so a clean
         // stop-and-wipe loses nothing.
         if !shard.flush_to_stores(ctx.shutdown_upload_timeout).await {

@@ -115,7 +115,7 @@ impl Outbox {
     }
 
     /// Bytes queued or being written.
-    fn backlog(&self) -> usize {
+    pub fn backlog(&self) -> usize {
         self.queued() + self.writing.get()
     }
 

@@ -61,7 +61,13 @@ pub struct Shard {
     states: RefCell<HashMap<String, JournalState>>,
     ready: RefCell<Vec<JournalRef>>,
     wake: Event,
-    pub shutting_down: Cell<bool>,
+    /// Set once a clean stop began; see [`Shard::begin_shutdown`].
+    shutting_down: Cell<bool>,
+    /// Wakes waiting reads when a clean stop begins.
+    stopping: Event,
+    /// Every connection's outbox, so that a clean stop can wait for the
+    /// answers it gave to reach their clients.
+    outboxes: RefCell<Vec<std::rc::Weak<Outbox>>>,
     /// Set while the flusher works on a turn.
     busy: Cell<bool>,
     idle: Event,
@@ -264,6 +270,8 @@ impl Shard {
             ready: RefCell::new(Vec::new()),
             wake: Event::new(),
             shutting_down: Cell::new(false),
+            stopping: Event::new(),
+            outboxes: RefCell::new(Vec::new()),
             busy: Cell::new(false),
             idle: Event::new(),
             uploader,
@@ -1207,6 +1215,66 @@ impl Shard {
     }
 
     /// Waits until the flusher has nothing queued and is not mid-turn.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.get()
+    }
+
+    /// Registers a connection's outbox (see [`Shard::answers_sent`]).
+    pub fn add_outbox(&self, outbox: &Rc<Outbox>) {
+        let mut all = self.outboxes.borrow_mut();
+        if all.len() == all.capacity() {
+            all.retain(|o| o.strong_count() > 0);
+        }
+        all.push(Rc::downgrade(outbox));
+    }
+
+    /// Begins a clean stop: appends arriving from now on are refused,
+    /// appends still streaming their content are rolled back and answered
+    /// `SHUTTING_DOWN`, and reads end with `SHUTTING_DOWN` at the offset
+    /// they reached, so that clients know what happened rather than see
+    /// their connection break. Appends whose content is whole commit as
+    /// usual ([`Shard::drained`] waits for them).
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.set(true);
+        let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
+        for j in journals {
+            let mut streaming = false;
+            {
+                let jm = j.borrow();
+                for op in jm.queue.iter().chain(jm.active.as_ref().map(|a| &a.op)) {
+                    if op.replica.is_none() && !op.complete.get() && op.aborted.get().is_none() {
+                        op.aborted.set(Some(AbortReason::ShuttingDown));
+                        streaming = true;
+                    }
+                }
+            }
+            if streaming {
+                self.mark_ready(&j);
+            }
+        }
+        self.stopping.notify(usize::MAX);
+    }
+
+    /// Waits, up to `limit`, until every connection has written out what
+    /// it was given to send.
+    pub async fn answers_sent(&self, limit: std::time::Duration) {
+        let deadline = Instant::now() + limit;
+        // Reads woken by the stop answer in their next step.
+        yield_now().await;
+        while Instant::now() < deadline {
+            let pending = self
+                .outboxes
+                .borrow()
+                .iter()
+                .filter_map(|o| o.upgrade())
+                .any(|o| !o.is_closed() && o.backlog() > 0);
+            if !pending {
+                return;
+            }
+            compio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     pub async fn drained(&self) {
         loop {
             let l = self.idle.listen();
@@ -1650,23 +1718,9 @@ impl Shard {
                     registers: jm.registers.clone(),
                     ..Default::default()
                 };
-                match reason {
-                    AbortReason::Client => a.op.reply_error(
-                        Status::CANCELLED,
-                        &reply,
-                        "append cancelled by the client",
-                    ),
-                    AbortReason::Timeout => a.op.reply_error(
-                        Status::APPEND_TIMEOUT,
-                        &reply,
-                        "append idle too long; rolled back",
-                    ),
-                    AbortReason::TooSlow => a.op.reply_error(
-                        Status::APPEND_TIMEOUT,
-                        &reply,
-                        "append streamed under 1 MiB/s while another append waited 30 s behind it; rolled back",
-                    ),
-                    AbortReason::Closed => a.op.finished.set(true),
+                match reason.reply() {
+                    Some((status, why)) => a.op.reply_error(status, &reply, why),
+                    None => a.op.finished.set(true),
                 }
                 drop_budget(&a.op);
                 metrics::add(&self.metrics.append_failures, 1);
@@ -2274,12 +2328,12 @@ impl Shard {
                 };
                 if op.aborted.get().is_some() || op.finished.get() {
                     jm.queue.pop_front();
-                    if op.aborted.get() == Some(AbortReason::Client) {
+                    if let Some((status, why)) = op.aborted.get().and_then(AbortReason::reply) {
                         let reply = AppendReply {
                             write_head: jm.staged_head,
                             ..Default::default()
                         };
-                        op.reply_error(Status::CANCELLED, &reply, "append cancelled by the client");
+                        op.reply_error(status, &reply, why);
                     }
                     drop_budget(&op);
                     continue;
@@ -2709,16 +2763,24 @@ impl Shard {
             let head = j.borrow().head;
             return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
-        // A read waiting before it starts ends if it is cancelled
-        // (answered here) or its connection closed.
-        let ended = |head: u64| {
+        // Why a read ends early: a CANCEL, or a clean stop of the broker.
+        let stopped = || {
             if cancel.is_set() {
-                done(
-                    Status::CANCELLED,
-                    req.offset.unwrap_or(head),
-                    head,
-                    "read cancelled",
-                );
+                Some((Status::CANCELLED, "read cancelled"))
+            } else if self.shutting_down.get() {
+                Some((
+                    Status::SHUTTING_DOWN,
+                    "the broker is shutting down; read on from this offset elsewhere or later",
+                ))
+            } else {
+                None
+            }
+        };
+        // A read waiting before it starts ends if it is stopped (answered
+        // here) or its connection closed.
+        let ended = |head: u64| {
+            if let Some((status, why)) = stopped() {
+                done(status, req.offset.unwrap_or(head), head, why);
                 return true;
             }
             outbox.is_closed()
@@ -2745,7 +2807,7 @@ impl Shard {
                     &format!("fragment index not yet listed: {e}"),
                 );
             }
-            let wakeup = read_wakeup(&j, &cancel, &outbox);
+            let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
             {
                 let jm = j.borrow();
                 if jm.index_loaded || jm.index_error.is_some() {
@@ -2795,7 +2857,7 @@ impl Shard {
                     &msg,
                 );
             }
-            let wakeup = read_wakeup(&j, &cancel, &outbox);
+            let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
             self.pulse(&j, &route, true);
             if ended(head) {
                 return;
@@ -2828,9 +2890,9 @@ impl Shard {
                     return done(Status::OK, offset, head, "");
                 }
             }
-            if cancel.is_set() {
+            if let Some((status, why)) = stopped() {
                 let head = j.borrow().head;
-                return done(Status::CANCELLED, offset, head, "read cancelled");
+                return done(status, offset, head, why);
             }
             // Fetch a chunk only with room for it and a turn: a client
             // that stops reading, however many reads it has in flight,
@@ -2887,12 +2949,13 @@ impl Shard {
                     return done(Status::OK, offset, head, "");
                 }
                 // Wait for a commit (or cancel, or a closed connection).
-                let wakeup = read_wakeup(&j, &cancel, &outbox);
+                let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
                 // Only a readable span ends the wait. Bytes below the read
                 // head that no file holds (history missing, or a fragment
                 // between its local copy and the store's listing) wait for
                 // a commit or a new listing like bytes beyond the head.
-                if j.borrow().locate(offset).is_some() || cancel.is_set() || outbox.is_closed() {
+                if j.borrow().locate(offset).is_some() || stopped().is_some() || outbox.is_closed()
+                {
                     continue;
                 }
                 // While readers wait, appends keep their bytes in memory.
@@ -3083,7 +3146,11 @@ impl Shard {
             );
             metrics::add(&self.metrics.read_bytes, bytes.len() as u64);
             offset += bytes.len() as u64;
-            if end_offset.is_some_and(|e| offset >= e) || cancel.is_set() || outbox.is_closed() {
+            if end_offset.is_some_and(|e| offset >= e)
+                || cancel.is_set()
+                || self.shutting_down.get()
+                || outbox.is_closed()
+            {
                 break;
             }
         }
@@ -3198,24 +3265,31 @@ async fn settle_answered(j: &JournalRef) {
 }
 
 /// What wakes a waiting read: a commit or a new store listing of its
-/// journal, a CANCEL, or its connection closing. Call it before the last
-/// check of what the read waits for, so nothing in between is missed, then
-/// await it.
+/// journal, a CANCEL, its connection closing, or the broker stopping. Call
+/// it before the last check of what the read waits for, so nothing in
+/// between is missed, then await it.
 fn read_wakeup(
     j: &JournalRef,
     cancel: &crate::conn::Cancel,
     outbox: &Outbox,
+    stopping: &Event,
 ) -> impl std::future::Future<Output = ()> {
     let commit = j.borrow().committed.listen();
     let cancelled = cancel.event.listen();
     let closed = outbox.drained.listen();
+    let stopped = stopping.listen();
     async move {
-        let (a, b, c) = (
+        let (a, b, c, d) = (
             std::pin::pin!(commit),
             std::pin::pin!(cancelled),
             std::pin::pin!(closed),
+            std::pin::pin!(stopped),
         );
-        futures_util::future::select(a, futures_util::future::select(b, c)).await;
+        futures_util::future::select(
+            futures_util::future::select(a, b),
+            futures_util::future::select(c, d),
+        )
+        .await;
     }
 }
 
