@@ -796,6 +796,38 @@ async fn file_store_gap_in_history_is_read_around() {
     }
 }
 
+/// An object already bearing a fragment's name is read back before the
+/// local copy is let go: one that holds other bytes (here written by hand)
+/// is replaced, never trusted for its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_an_object_in_the_way_is_replaced() {
+    let store = TestStore::file();
+    let broker = broker_for(&store, &["--local-cache", "0"]);
+    let client = broker.client().await;
+    let j = "hist/in-the-way";
+    apply(&client, &spec(j, &store, Codec::None, 1 << 20)).await;
+    let r = append(&client, j, b"important data").await;
+    let name = format!(
+        "{:016x}-{:016x}-{}.raw",
+        r.begin,
+        r.end,
+        hex_sha1(b"important data")
+    );
+    let TestStore::File { dir } = &store else {
+        unreachable!()
+    };
+    let object = dir.path().join(j).join(&name);
+    std::fs::create_dir_all(object.parent().unwrap()).unwrap();
+    std::fs::write(&object, b"garbage garbage").unwrap();
+    client.seal(j).await.unwrap();
+    wait_fragments(&client, j, "the local copy dropped", |f| {
+        local(f).is_empty()
+    })
+    .await;
+    assert_eq!(std::fs::read(&object).unwrap(), b"important data");
+    assert_eq!(read_proxied(&client, j, 0).await, b"important data");
+}
+
 /// With no local cache, sealed fragments leave the disk once uploaded; a
 /// restart, clean or not, still continues the journal at its head.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

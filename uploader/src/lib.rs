@@ -529,14 +529,23 @@ async fn upload_attempt(
         mod_time,
     };
     if !*overwrite {
-        // Content-addressed: an object of this name holds these bytes.
+        // Content-addressed: an object of this name should hold these
+        // bytes. It is read back before the local copy is let go, since
+        // one that does not (written by hand, or damaged) would leave the
+        // fragment nowhere: then it is replaced.
         match object.head(&path).await {
-            Ok(meta) => {
-                return Ok(Uploaded::Existing(stored(
-                    meta.size,
-                    meta.last_modified.into(),
-                )))
-            }
+            Ok(meta) => match reads_back_as_named(store, job, key).await? {
+                Ok(()) => {
+                    return Ok(Uploaded::Existing(stored(
+                        meta.size,
+                        meta.last_modified.into(),
+                    )))
+                }
+                Err(why) => {
+                    tracing::warn!(store = %job.store, %key, why, "an object of the fragment's name holds other bytes; replacing it");
+                    *overwrite = true;
+                }
+            },
             Err(object_store::Error::NotFound { .. }) => {}
             Err(e) => return Err(store.err(key, e)),
         }
@@ -644,29 +653,43 @@ async fn verify(
         )));
     }
     if let Backend::File(_) = store.backend {
-        let back = store
-            .object()
-            .get(&path)
-            .await
-            .map_err(|e| store.err(key, e))?
-            .bytes()
-            .await
-            .map_err(|e| store.err(key, e))?;
-        let (codec, sha1, len) = (job.codec, job.sha1, job.end - job.begin);
-        let check = blocking(move || {
-            let mut decoded = codec::HashingReader::new(codec::decoder(codec, &back[..])?);
-            std::io::copy(&mut decoded, &mut std::io::sink())?;
-            let got: [u8; 20] = decoded.hasher.finalize().into();
-            Ok::<_, std::io::Error>(decoded.bytes == len && got == sha1)
-        })
-        .await;
-        match check {
-            Ok(true) => {}
-            Ok(false) => return Err(failed("reads back as other bytes".into())),
-            Err(e) => return Err(failed(format!("reads back undecodable: {e}"))),
-        }
+        reads_back_as_named(store, job, key)
+            .await?
+            .map_err(failed)?;
     }
     Ok(meta)
+}
+
+/// Reads the object at `key` back and checks that it decodes to the job's
+/// bytes. The outer error is the store's (fetching failed); the inner one
+/// says how the object differs.
+async fn reads_back_as_named(
+    store: &Store,
+    job: &UploadJob,
+    key: &str,
+) -> Result<Result<(), String>, StoreError> {
+    let path = store.path(key)?;
+    let back = store
+        .object()
+        .get(&path)
+        .await
+        .map_err(|e| store.err(key, e))?
+        .bytes()
+        .await
+        .map_err(|e| store.err(key, e))?;
+    let (codec, sha1, len) = (job.codec, job.sha1, job.end - job.begin);
+    let check = blocking(move || {
+        let mut decoded = codec::HashingReader::new(codec::decoder(codec, &back[..])?);
+        std::io::copy(&mut decoded, &mut std::io::sink())?;
+        let got: [u8; 20] = decoded.hasher.finalize().into();
+        Ok::<_, std::io::Error>(decoded.bytes == len && got == sha1)
+    })
+    .await;
+    Ok(match check {
+        Ok(true) => Ok(()),
+        Ok(false) => Err("reads back as other bytes".into()),
+        Err(e) => Err(format!("reads back undecodable: {e}")),
+    })
 }
 
 /// Runs blocking work on the runtime's blocking threads.

@@ -74,7 +74,9 @@ impl FragmentName {
         let mut sha1 = [0u8; 20];
         hex::decode_to_slice(&stem[2 * OFFSET_HEX_LEN + 2..], &mut sha1).ok()?;
         let codec = Codec::from_extension(ext)?;
-        if begin > end {
+        // Offsets beyond i64::MAX are not a journal's: no request carries
+        // them, and a head there could not grow.
+        if begin > end || end > i64::MAX as u64 {
             return None;
         }
         Some(FragmentName {
@@ -115,7 +117,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn names_round_trip(a: u64, b: u64, sha1: [u8; 20], codec in codec_strategy()) {
+        fn names_round_trip(a in 0..=i64::MAX as u64, b in 0..=i64::MAX as u64, sha1: [u8; 20], codec in codec_strategy()) {
             let n = FragmentName { begin: a.min(b), end: a.max(b), sha1, codec };
             let name = n.file_name();
             prop_assert_eq!(name.len(), STEM_LEN + codec.extension().len());
@@ -143,6 +145,17 @@ mod tests {
         );
         assert_eq!(n.file_name(), name);
         assert_eq!(n.key("a/b"), format!("a/b/{name}"));
+        // Ends beyond i64::MAX are no journal's fragments.
+        let sha = "da39a3ee5e6b4b0d3255bfef95601890afd80709";
+        assert!(
+            FragmentName::parse(&format!("0000000000000004-ffffffffffffffff-{sha}.raw")).is_none()
+        );
+        assert!(
+            FragmentName::parse(&format!("0000000000000004-8000000000000000-{sha}.raw")).is_none()
+        );
+        let top =
+            FragmentName::parse(&format!("0000000000000004-7fffffffffffffff-{sha}.raw")).unwrap();
+        assert_eq!(top.end, i64::MAX as u64);
         // Upper-case hex is Gazette-legal on read.
         assert!(FragmentName::parse(&name.to_uppercase().replace(".GZ", ".gz")).is_some());
     }
