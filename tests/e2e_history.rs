@@ -828,6 +828,184 @@ async fn file_store_an_object_in_the_way_is_replaced() {
     assert_eq!(read_proxied(&client, j, 0).await, b"important data");
 }
 
+/// A journal deleted while its fragment is still uploading, and created
+/// again at once: the new journal lists its store only once that upload
+/// ended, so it either holds the old history (appends refused until a
+/// reset-head) or starts empty; never are two journals' bytes mixed, and a
+/// read never returns the old bytes at offsets acknowledged to the new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_a_journal_created_again_keeps_its_own_bytes() {
+    let store = TestStore::file();
+    let broker = broker_for(&store, &["--local-cache", "0"]);
+    let client = broker.client().await;
+    let j = "hist/again";
+    let s = spec(j, &store, Codec::Gzip, 64 << 20);
+    apply(&client, &s).await;
+    // Large enough that its upload is still running at the delete.
+    let old = content(2, 24 << 20);
+    for chunk in old.chunks(4 << 20) {
+        append(&client, j, chunk).await;
+    }
+    client.seal(j).await.unwrap();
+    client.delete(j).await.unwrap();
+    apply(&client, &s).await;
+    let new = content(1, old.len());
+    let deadline = Instant::now() + WAIT;
+    let appended = loop {
+        match client.append(&req(j), new.clone()).await {
+            Ok(r) => break Ok(r),
+            Err(e) if e.status() == Some(Status::INDEX_HAS_GREATER_OFFSET) => break Err(e),
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(POLL).await;
+            }
+            Err(e) => panic!("append to the new journal: {e}"),
+        }
+    };
+    // Whatever the store holds, once every upload ended and a listing
+    // followed, the journal reads as one history.
+    match appended {
+        Ok(r) => {
+            assert_eq!((r.begin, r.end), (0, new.len() as u64));
+            client.seal(j).await.unwrap();
+            wait_fragments(&client, j, "the local copy dropped", |f| {
+                local(f).is_empty() && !stored(f).is_empty()
+            })
+            .await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let got = read_proxied(&client, j, 0).await;
+            assert!(
+                got == new,
+                "the new journal reads other bytes than it was given"
+            );
+        }
+        Err(_) => {
+            let got = read_proxied(&client, j, 0).await;
+            assert!(got == old, "the old history reads back whole");
+        }
+    }
+}
+
+/// A store object that does not hold the bytes its name says is found out
+/// even by a read that ends inside it (the rest of it is read to check it),
+/// and leaves the index: reads then use the good fragments beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_a_corrupt_fragment_is_never_served() {
+    let store = TestStore::file();
+    let broker = broker_for(&store, &["--local-cache", "0"]);
+    let client = broker.client().await;
+    let j = "hist/corrupt";
+    apply(&client, &spec(j, &store, Codec::None, 1 << 20)).await;
+    for part in [b"AAAA", b"BBBB"] {
+        append(&client, j, part).await;
+        client.seal(j).await.unwrap();
+    }
+    wait_store_covers(&store, j, 8).await;
+    wait_fragments(&client, j, "the local copies dropped", |f| {
+        local(f).is_empty()
+    })
+    .await;
+    // A larger fragment, preferred by reads, whose bytes differ from its
+    // name's SHA-1.
+    let TestStore::File { dir } = &store else {
+        unreachable!()
+    };
+    let name = format!("{:016x}-{:016x}-{}.raw", 0, 8, hex_sha1(b"AAAABBBB"));
+    std::fs::write(dir.path().join(j).join(name), b"AAAABBBX").unwrap();
+    wait_fragments(&client, j, "the corrupt object listed", |f| {
+        f.iter().any(|f| f.begin == 0 && f.end == 8)
+    })
+    .await;
+    let (bytes, done) = read_range(&client, j, 0, Some(2)).await.unwrap();
+    assert_eq!(
+        done.status,
+        Status::FRAGMENT_STORE_UNHEALTHY,
+        "a read ending inside the corrupt fragment: {bytes:?}, {done:?}"
+    );
+    // Out of the index, now and after later listings.
+    for _ in 0..2 {
+        assert_eq!(read_proxied(&client, j, 0).await, b"AAAABBBB");
+        assert!(!client
+            .fragments(j)
+            .await
+            .unwrap()
+            .iter()
+            .any(|f| f.begin == 0 && f.end == 8));
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+}
+
+/// Pruning lists every store first: one that cannot be listed fails the
+/// prune before anything is deleted, so no deletion goes unreported. A
+/// pruned span then reads as a gap at once, not as a failing store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_deletes_nothing_it_cannot_report() {
+    let file = TestStore::file();
+    let mut s3 = TestStore::s3("prune-half/");
+    let broker = broker_for(&s3, &["--local-cache", "0"]);
+    let client = broker.client().await;
+    let (on_file, on_s3) = ("half/file", "half/s3");
+    for (j, store) in [(on_file, &file), (on_s3, &s3)] {
+        let mut s = spec(j, store, Codec::None, 1 << 20);
+        s.labels.add("app".into(), "half".into()).unwrap();
+        s.fragment.retention = Duration::from_secs(1);
+        s.fragment.refresh_interval = Duration::from_secs(600);
+        apply(&client, &s).await;
+        append(&client, j, b"old bytes").await;
+        client.seal(j).await.unwrap();
+        wait_store_covers(store, j, 9).await;
+    }
+    wait_fragments(&client, on_file, "the local copy dropped", |f| {
+        local(f).is_empty()
+    })
+    .await;
+    append(&client, on_file, b"new").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    s3.moto().stop();
+    let err = client.prune("app=half", false).await.unwrap_err();
+    assert_eq!(
+        err.status(),
+        Some(Status::FRAGMENT_STORE_UNHEALTHY),
+        "{err}"
+    );
+    assert!(err.to_string().contains("nothing was pruned"), "{err}");
+    assert_eq!(
+        file.fragments(on_file).len(),
+        1,
+        "a fragment was deleted unreported"
+    );
+    s3.moto().start_again();
+    let s3_held = s3.fragments(on_s3).len();
+    let pruned = client.prune("app=half", false).await.unwrap();
+    assert_eq!(pruned.len(), 1 + s3_held, "{pruned:?}");
+    assert!(pruned.iter().any(|p| p.journal == on_file), "{pruned:?}");
+    assert!(file.fragments(on_file).is_empty());
+    // The pruned span is a gap at once (the next listing is 10 minutes
+    // off): the read goes on past it.
+    let mut stream = client
+        .read_with(
+            &ReadRequest {
+                journal: on_file.to_string(),
+                offset: Some(0),
+                end_offset: None,
+            },
+            ReadOptions::default(),
+        )
+        .await
+        .unwrap();
+    let mut events = Vec::new();
+    while let Some(ev) = stream.next().await {
+        match ev.unwrap() {
+            ReadEvent::Data { offset, content } => events.push((offset, content.to_vec())),
+            ReadEvent::Done(done) => {
+                assert_eq!((done.status, done.offset), (Status::OK, 12), "{done:?}");
+                break;
+            }
+            ev => panic!("{ev:?}"),
+        }
+    }
+    assert_eq!(events, [(9, b"new".to_vec())]);
+}
+
 /// With no local cache, sealed fragments leave the disk once uploaded; a
 /// restart, clean or not, still continues the journal at its head.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

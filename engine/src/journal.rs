@@ -323,6 +323,9 @@ pub struct Journal {
     /// through `set_listing`, `insert_remote` and `drop_remote`.
     pub remote: Vec<StoredFragment>,
     remote_end: u64,
+    /// Objects found not to hold the bytes their names say (store, key):
+    /// left out of every listing.
+    corrupt: std::collections::HashSet<(String, String)>,
     /// Fragments this broker's uploads confirmed, with the count of
     /// confirmations so far: a listing that started before a confirmation
     /// must not drop it (the local copy may already be gone).
@@ -432,6 +435,7 @@ impl Journal {
             spool_since: None,
             deleted: false,
             remote: Vec::new(),
+            corrupt: std::collections::HashSet::new(),
             remote_end: 0,
             index_loaded: false,
             index_error: None,
@@ -478,12 +482,18 @@ impl Journal {
         self.confirmations
     }
 
+    /// Adds a fragment this broker uploaded. Another object of the same
+    /// span but other bytes (a deleted journal's of the same name) gives
+    /// way to it: these are the bytes this broker committed.
     fn add_remote(&mut self, f: StoredFragment) {
-        if self
+        if let Some(r) = self
             .remote
-            .iter()
-            .any(|r| r.begin == f.begin && r.end == f.end)
+            .iter_mut()
+            .find(|r| r.begin == f.begin && r.end == f.end)
         {
+            if r.sha1 != f.sha1 {
+                *r = f;
+            }
             return;
         }
         let at = self.remote.partition_point(|r| r.begin < f.begin);
@@ -491,11 +501,16 @@ impl Journal {
         self.remote_changed();
     }
 
-    /// Removes a fragment from the index (its bytes failed their SHA-1).
-    pub fn drop_remote(&mut self, begin: u64, end: u64) {
-        self.remote.retain(|r| !(r.begin == begin && r.end == end));
-        self.confirmed
-            .retain(|(_, r)| !(r.begin == begin && r.end == end));
+    /// Removes a fragment from the index: its object is gone (pruned), or
+    /// does not hold the bytes its name says (`corrupt`), when later
+    /// listings leave it out too.
+    pub fn drop_remote(&mut self, f: &StoredFragment, corrupt: bool) {
+        let same = |r: &StoredFragment| r.store == f.store && r.key == f.key;
+        self.remote.retain(|r| !same(r));
+        self.confirmed.retain(|(_, r)| !same(r));
+        if corrupt {
+            self.corrupt.insert((f.store.clone(), f.key.clone()));
+        }
         self.remote_changed();
     }
 
@@ -511,7 +526,15 @@ impl Journal {
     /// the listing started (`mark`, from [`Self::listing_mark`]) stay.
     /// Readers waiting for bytes are woken: the index may now hold them.
     pub fn set_listing(&mut self, mut listed: Vec<StoredFragment>, mark: u64) {
-        listed.sort_by_key(|f| (f.begin, std::cmp::Reverse(f.end)));
+        listed.retain(|f| !self.corrupt.contains(&(f.store.clone(), f.key.clone())));
+        // Of two objects of one span, the one holding the bytes of a local
+        // fragment comes first and stays.
+        let local = |f: &StoredFragment| {
+            self.fragments
+                .iter()
+                .any(|l| l.begin == f.begin && l.end == f.end && l.sha1 == f.sha1)
+        };
+        listed.sort_by_key(|f| (f.begin, std::cmp::Reverse(f.end), !local(f)));
         listed.dedup_by(|b, a| a.begin == b.begin && a.end == b.end);
         for f in &mut self.fragments {
             if !f.uploaded
@@ -696,6 +719,71 @@ mod tests {
         ));
     }
 
+    fn object(begin: u64, end: u64, sha: u8) -> StoredFragment {
+        StoredFragment {
+            journal: "a/b/c".into(),
+            begin,
+            end,
+            sha1: [sha; 20],
+            codec: rotary_net::spec::Codec::None,
+            store: "file:///s/".into(),
+            key: format!("a/b/c/{begin}-{end}-{sha}"),
+            size: end - begin,
+            mod_time: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    fn shas(j: &Journal) -> Vec<(u64, u64, u8)> {
+        j.remote
+            .iter()
+            .map(|r| (r.begin, r.end, r.sha1[0]))
+            .collect()
+    }
+
+    /// Two objects of one span (a journal deleted and created again): the
+    /// index keeps the one holding this broker's bytes, whichever order
+    /// the store lists them in; a corrupt object stays out of it.
+    #[test]
+    fn the_index_prefers_this_brokers_bytes_and_forgets_corrupt_objects() {
+        let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
+        j.fragments.push(LocalFragment {
+            begin: 0,
+            end: 8,
+            sha1: [2; 20],
+            path: PathBuf::from("/nonexistent/f"),
+            file: None,
+            uploaded: false,
+            uploading: false,
+            sealed_at: SystemTime::UNIX_EPOCH,
+        });
+        for listed in [
+            vec![object(0, 8, 1), object(0, 8, 2)],
+            vec![object(0, 8, 2), object(0, 8, 1)],
+        ] {
+            j.set_listing(listed, j.listing_mark());
+            assert_eq!(shas(&j), [(0, 8, 2)]);
+            assert!(j.fragments[0].uploaded);
+        }
+        // Without a local copy, an upload this broker confirmed wins over
+        // an object listed before it.
+        j.fragments.clear();
+        j.set_listing(vec![object(8, 16, 1)], j.listing_mark());
+        j.insert_remote(object(8, 16, 3));
+        assert_eq!(shas(&j), [(8, 16, 3)]);
+        // A corrupt object leaves the index for good; a pruned one comes
+        // back if a store lists it again.
+        let bad = object(8, 16, 3);
+        j.drop_remote(&bad, true);
+        let gone = object(16, 24, 4);
+        j.set_listing(vec![bad.clone(), gone.clone()], j.listing_mark());
+        assert_eq!(shas(&j), [(16, 24, 4)]);
+        j.drop_remote(&gone, false);
+        assert!(j.remote.is_empty());
+        assert_eq!(j.remote_end(), 0);
+        j.set_listing(vec![bad, gone], j.listing_mark());
+        assert_eq!(shas(&j), [(16, 24, 4)]);
+    }
+
     #[test]
     fn tail_cache_window() {
         let mut t = TailCache::default();
@@ -762,7 +850,7 @@ mod tests {
         // A fragment dropped for bad bytes is not brought back either.
         let mark = j.listing_mark();
         j.insert_remote(stored(20, 30));
-        j.drop_remote(20, 30);
+        j.drop_remote(&stored(20, 30), true);
         j.set_listing(Vec::new(), mark);
         assert!(spans(&j).is_empty());
     }

@@ -34,13 +34,16 @@ use rotary_storage::wal::{CommitLog, JournalState, Replayed};
 use rotary_storage::StorageError;
 use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 pub type JournalRef = Rc<RefCell<Journal>>;
+
+/// Which fragment an upload is of: journal, begin, end, SHA-1.
+type UploadKey = (String, u64, u64, [u8; 20]);
 
 /// Largest READ_DATA payload.
 pub const READ_CHUNK_BYTES: usize = 1 << 20;
@@ -63,6 +66,8 @@ pub struct Shard {
     wake: Event,
     /// Set once a clean stop began; see [`Shard::begin_shutdown`].
     shutting_down: Cell<bool>,
+    /// Upload jobs handed to the uploader and not yet answered.
+    uploads_in_flight: RefCell<HashSet<UploadKey>>,
     /// Wakes waiting reads when a clean stop begins.
     stopping: Event,
     /// Every connection's outbox, so that a clean stop can wait for the
@@ -271,6 +276,7 @@ impl Shard {
             wake: Event::new(),
             shutting_down: Cell::new(false),
             stopping: Event::new(),
+            uploads_in_flight: RefCell::new(HashSet::new()),
             outboxes: RefCell::new(Vec::new()),
             busy: Cell::new(false),
             idle: Event::new(),
@@ -788,6 +794,9 @@ impl Shard {
             if self.uploader.try_upload(job).is_err() {
                 break;
             }
+            self.uploads_in_flight
+                .borrow_mut()
+                .insert((name.clone(), f.begin, f.end, f.sha1));
             f.uploading = true;
         }
     }
@@ -795,14 +804,22 @@ impl Shard {
     /// Applies upload outcomes reported by the uploader pool.
     async fn upload_results(self: Rc<Self>, rx: async_channel::Receiver<UploadDone>) {
         while let Ok(done) = rx.recv().await {
+            self.uploads_in_flight.borrow_mut().remove(&(
+                done.journal.clone(),
+                done.begin,
+                done.end,
+                done.sha1,
+            ));
             let Some(j) = self.journals.borrow().get(&done.journal).cloned() else {
                 continue;
             };
             let mut jm = j.borrow_mut();
+            // The SHA-1 tells a fragment from one of the same span of a
+            // deleted journal of the same name, whose upload may end late.
             let Some(f) = jm
                 .fragments
                 .iter_mut()
-                .find(|f| f.begin == done.begin && f.end == done.end)
+                .find(|f| f.begin == done.begin && f.end == done.end && f.sha1 == done.sha1)
             else {
                 continue;
             };
@@ -901,6 +918,26 @@ impl Shard {
         let (stores, name) = {
             let mut jm = j.borrow_mut();
             if jm.listing || !jm.has_stores() {
+                return;
+            }
+            // A journal deleted and created again lists its stores only once
+            // the uploads of the deleted one have ended: listed before, the
+            // new journal would start at 0 and an old fragment land beside
+            // its own. Listed after, it holds the old history (appends
+            // answer INDEX_HAS_GREATER_OFFSET until a reset-head).
+            if !jm.index_loaded
+                && self
+                    .uploads_in_flight
+                    .borrow()
+                    .iter()
+                    .any(|(n, begin, end, sha1)| {
+                        *n == jm.name
+                            && !jm
+                                .fragments
+                                .iter()
+                                .any(|f| f.begin == *begin && f.end == *end && f.sha1 == *sha1)
+                    })
+            {
                 return;
             }
             jm.listing = true;
@@ -1021,7 +1058,9 @@ impl Shard {
         dry_run: bool,
     ) -> Result<Vec<serde_json::Value>, String> {
         let now = SystemTime::now();
-        let mut out = Vec::new();
+        // Every store is listed before anything is deleted, so that a
+        // store that cannot be listed fails the prune, not half of it.
+        let mut due = Vec::new();
         for spec in self.specs.all() {
             let retention = spec.fragment.retention;
             if !selector.matches(&spec.labels) || retention.is_zero() {
@@ -1032,26 +1071,47 @@ impl Shard {
                     .uploader
                     .list(store, &spec.name)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| format!("nothing was pruned: {e}"))?;
                 for f in listed {
                     let age = now.duration_since(f.mod_time).unwrap_or_default();
-                    if age <= retention {
-                        continue;
+                    if age > retention {
+                        due.push((f, age));
                     }
-                    if !dry_run {
-                        self.uploader.delete(&f).await.map_err(|e| e.to_string())?;
-                    }
-                    out.push(serde_json::json!({
-                        "journal": f.journal,
-                        "begin": f.begin,
-                        "end": f.end,
-                        "sha1": hex::encode(f.sha1),
-                        "store": f.store,
-                        "key": f.key,
-                        "age_secs": age.as_secs(),
-                    }));
                 }
             }
+        }
+        let mut out = Vec::new();
+        for (f, age) in due {
+            if !dry_run {
+                if let Err(e) = self.uploader.delete(&f).await {
+                    let keys: Vec<String> = out
+                        .iter()
+                        .map(|v: &serde_json::Value| {
+                            let text = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+                            text("store") + &text("key")
+                        })
+                        .collect();
+                    return Err(format!(
+                        "{e}; {} fragment(s) were pruned before it: [{}]",
+                        keys.len(),
+                        keys.join(", ")
+                    ));
+                }
+                // Reads of this shard's journals go around it at once; other
+                // shards find it gone when they next list or read it.
+                if let Some(j) = self.journals.borrow().get(&f.journal) {
+                    j.borrow_mut().drop_remote(&f, false);
+                }
+            }
+            out.push(serde_json::json!({
+                "journal": f.journal,
+                "begin": f.begin,
+                "end": f.end,
+                "sha1": hex::encode(f.sha1),
+                "store": f.store,
+                "key": f.key,
+                "age_secs": age.as_secs(),
+            }));
         }
         Ok(out)
     }
@@ -2986,10 +3046,15 @@ impl Shard {
                         self.direct(&frag, offset, request_id, &outbox)
                             .await
                             .map(|()| None)
+                            .map_err(|msg| (None, msg))
                     } else {
                         self.proxy(&frag, offset, req.end_offset, request_id, &outbox, &cancel)
                             .await
                             .map(Some)
+                            .map_err(|(e, reached)| {
+                                let msg = e.to_string();
+                                (Some((e, reached)), msg)
+                            })
                     };
                     match step {
                         // The client reads this fragment from the store and
@@ -3002,6 +3067,8 @@ impl Shard {
                             offset = next;
                             continue;
                         }
+                        // Stopped before its first chunk: answered above.
+                        Ok(Some(_)) if stopped().is_some() || outbox.is_closed() => continue,
                         Ok(Some(_)) => {
                             let head = j.borrow().read_head();
                             return done(
@@ -3011,11 +3078,25 @@ impl Shard {
                                 "store returned no bytes for the fragment",
                             );
                         }
-                        Err(msg) => {
+                        Err((failed, msg)) => {
+                            use rotary_uploader::StoreError;
                             let mut jm = j.borrow_mut();
-                            if msg.contains("SHA-1") {
-                                // Never serve it again.
-                                jm.drop_remote(frag.begin, frag.end);
+                            match failed {
+                                // Never served again (bytes already sent from
+                                // it are the client's to discard).
+                                Some((StoreError::Corrupt { .. }, _)) => {
+                                    tracing::warn!(journal = %jm.name, key = %frag.key, error = %msg, "a store fragment is corrupt; left out of the index");
+                                    jm.drop_remote(&frag, true);
+                                }
+                                // Gone from the store (pruned) before a byte
+                                // of it was sent: read on around it.
+                                Some((StoreError::NotFound { .. }, reached)) => {
+                                    jm.drop_remote(&frag, false);
+                                    if reached == offset {
+                                        continue;
+                                    }
+                                }
+                                _ => {}
                             }
                             let head = jm.read_head();
                             return done(Status::FRAGMENT_STORE_UNHEALTHY, offset, head, &msg);
@@ -3114,18 +3195,27 @@ impl Shard {
         request_id: u64,
         outbox: &Outbox,
         cancel: &crate::conn::Cancel,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, (rotary_uploader::StoreError, u64)> {
         use rotary_net::wire::ReadData;
         use zerocopy::byteorder::little_endian::U64;
         use zerocopy::IntoBytes;
         let rx = self.uploader.read(frag, offset, READ_CHUNK_BYTES);
+        // Set once `end_offset` is reached inside the fragment: the rest of
+        // it is still read, not sent, so that its SHA-1 is checked before
+        // the read is answered OK.
+        let mut served = false;
         while let Ok(chunk) = rx.recv().await {
-            let chunk = chunk.map_err(|e| e.to_string())?;
+            let chunk = chunk.map_err(|e| (e, offset))?;
+            if served {
+                continue;
+            }
             if chunk.offset != offset {
-                return Err(format!(
-                    "store stream skipped from {offset} to {}",
-                    chunk.offset
-                ));
+                let skipped = rotary_uploader::StoreError::Corrupt {
+                    store: frag.store.clone(),
+                    key: frag.key.clone(),
+                    why: format!("store stream skipped from {offset} to {}", chunk.offset),
+                };
+                return Err((skipped, offset));
             }
             let Some(_turn) = outbox.produce().await else {
                 break;
@@ -3146,11 +3236,9 @@ impl Shard {
             );
             metrics::add(&self.metrics.read_bytes, bytes.len() as u64);
             offset += bytes.len() as u64;
-            if end_offset.is_some_and(|e| offset >= e)
-                || cancel.is_set()
-                || self.shutting_down.get()
-                || outbox.is_closed()
-            {
+            if end_offset.is_some_and(|e| offset >= e) {
+                served = true;
+            } else if cancel.is_set() || self.shutting_down.get() || outbox.is_closed() {
                 break;
             }
         }

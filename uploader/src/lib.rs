@@ -93,6 +93,10 @@ pub struct UploadDone {
     pub journal: String,
     pub begin: u64,
     pub end: u64,
+    /// The fragment's SHA-1: with `begin` and `end`, which fragment this
+    /// is (a journal deleted and created again may hold another of the
+    /// same span).
+    pub sha1: [u8; 20],
     pub result: Result<StoredFragment, StoreError>,
 }
 
@@ -431,7 +435,7 @@ enum Uploaded {
 async fn run_job(shared: &Shared, job: UploadJob) {
     let started = Instant::now();
     let done = job.done.clone();
-    let (journal, begin, end) = (job.journal.clone(), job.begin, job.end);
+    let (journal, begin, end, sha1) = (job.journal.clone(), job.begin, job.end, job.sha1);
     let result = upload(shared, job).await;
     let metrics = &shared.metrics;
     let result = match result {
@@ -462,6 +466,7 @@ async fn run_job(shared: &Shared, job: UploadJob) {
             journal,
             begin,
             end,
+            sha1,
             result,
         })
         .await;
