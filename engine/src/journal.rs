@@ -21,6 +21,31 @@ use std::time::{Duration, Instant, SystemTime};
 /// at most this often per journal.
 pub const REPEAT_WARN_INTERVAL: Duration = Duration::from_secs(60);
 
+/// Lets a message that may repeat every turn (a full disk fails each
+/// batch) through once per [`REPEAT_WARN_INTERVAL`], counting the rest.
+#[derive(Default)]
+pub struct Repeated {
+    last: Cell<Option<Instant>>,
+    held: Cell<u64>,
+}
+
+impl Repeated {
+    /// Some(number of occurrences held back since the last one let
+    /// through) if this one is to be logged.
+    pub fn due(&self) -> Option<u64> {
+        if self
+            .last
+            .get()
+            .is_some_and(|t| t.elapsed() < REPEAT_WARN_INTERVAL)
+        {
+            self.held.set(self.held.get() + 1);
+            return None;
+        }
+        self.last.set(Some(Instant::now()));
+        Some(self.held.replace(0))
+    }
+}
+
 /// A streamed append idle this long is rolled back.
 pub const APPEND_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// A streamed append that another append has waited behind this long ...
@@ -782,6 +807,17 @@ mod tests {
         assert_eq!(j.remote_end(), 0);
         j.set_listing(vec![bad, gone], j.listing_mark());
         assert_eq!(shas(&j), [(16, 24, 4)]);
+    }
+
+    #[test]
+    fn repeated_messages_pass_once_a_minute_with_a_count() {
+        let r = Repeated::default();
+        assert_eq!(r.due(), Some(0));
+        assert_eq!(r.due(), None);
+        assert_eq!(r.due(), None);
+        r.last.set(Instant::now().checked_sub(REPEAT_WARN_INTERVAL));
+        assert_eq!(r.due(), Some(2));
+        assert_eq!(r.due(), None);
     }
 
     #[test]

@@ -330,7 +330,7 @@ impl Broker {
                 .checked_add(n as u16)
                 .ok_or_else(|| EngineError::Config("port range overflows".into()))?;
             addr.set_port(if listen.port() == 0 { 0 } else { port });
-            let l = std::net::TcpListener::bind(addr).map_err(|e| EngineError::Listen(addr, e))?;
+            let l = bind_listener(addr).map_err(|e| EngineError::Listen(addr, e))?;
             endpoints.push(l.local_addr().map_err(|e| EngineError::Listen(addr, e))?);
             listeners.push(l);
         }
@@ -411,6 +411,27 @@ impl Broker {
         }
         // Files the shards handed over for deletion are gone before exit.
         reaper::flush();
+    }
+}
+
+/// How long a start waits for its ports to come free: a broker that just
+/// exited may hold its listening sockets for a moment after its process is
+/// gone (their rings are torn down after it), and a supervisor restarting
+/// it at once would otherwise fail on "address in use".
+const BIND_RETRY_FOR: Duration = Duration::from_secs(2);
+
+fn bind_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let deadline = std::time::Instant::now() + BIND_RETRY_FOR;
+    loop {
+        match std::net::TcpListener::bind(addr) {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => return other,
+        }
     }
 }
 
@@ -693,6 +714,25 @@ mod sys {
 
 #[cfg(test)]
 mod tests {
+    /// A port held a moment longer (by a broker still exiting) is waited
+    /// for; one held for good fails the start once the wait is over.
+    #[test]
+    fn a_start_waits_a_moment_for_its_port() {
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = held.local_addr().unwrap();
+        let freed = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(held);
+        });
+        let l = super::bind_listener(addr).expect("bound once the port came free");
+        assert_eq!(l.local_addr().unwrap(), addr);
+        freed.join().unwrap();
+        let started = std::time::Instant::now();
+        let e = super::bind_listener(addr).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+        assert!(started.elapsed() >= super::BIND_RETRY_FOR);
+    }
+
     /// A shard's ring defers its task work to the shard's next wait. Wake-ups
     /// from other threads and completions of sockets and files must still
     /// arrive while it waits.

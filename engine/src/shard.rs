@@ -66,6 +66,9 @@ pub struct Shard {
     wake: Event,
     /// Set once a clean stop began; see [`Shard::begin_shutdown`].
     shutting_down: Cell<bool>,
+    /// Commit-log write and compaction failures, logged once a minute.
+    log_write_failed: crate::journal::Repeated,
+    log_compaction_failed: crate::journal::Repeated,
     /// Upload jobs handed to the uploader and not yet answered.
     uploads_in_flight: RefCell<HashSet<UploadKey>>,
     /// Wakes waiting reads when a clean stop begins.
@@ -277,6 +280,8 @@ impl Shard {
             shutting_down: Cell::new(false),
             stopping: Event::new(),
             uploads_in_flight: RefCell::new(HashSet::new()),
+            log_write_failed: Default::default(),
+            log_compaction_failed: Default::default(),
             outboxes: RefCell::new(Vec::new()),
             busy: Cell::new(false),
             idle: Event::new(),
@@ -1501,7 +1506,9 @@ impl Shard {
             self.fail_batch(j, *status, msg);
         }
         if let Err(e) = &log_result {
-            tracing::error!(error = %e, "commit log write failed; failing the batch");
+            if let Some(held) = self.log_write_failed.due() {
+                tracing::error!(error = %e, since_last_logged = held, "commit log write failed; failing the batch (logged once a minute while it lasts)");
+            }
             let status = storage_status(e);
             for j in &committing {
                 // Batches answered early had their records written; only
@@ -1583,7 +1590,9 @@ impl Shard {
                 .compact(states.iter().map(|(k, v)| (k.as_str(), v)))
                 .await
             {
-                tracing::error!(error = %e, "commit log compaction failed");
+                if let Some(held) = self.log_compaction_failed.due() {
+                    tracing::error!(error = %e, since_last_logged = held, "commit log compaction failed (logged once a minute while it lasts)");
+                }
             }
             crate::reaper::close_later(old.into_iter().collect());
             *self.log.borrow_mut() = Some(log);
@@ -2468,7 +2477,7 @@ impl Shard {
                     }
                     if self.unuploaded_bytes.get() > self.spool_budget_bytes {
                         let cause = self.store_error.borrow().clone().unwrap_or_else(|| {
-                            "no upload has failed yet; uploads are slower than appends".into()
+                            "no upload has reported a failure yet: uploads are behind appends, or still retrying against a store that does not answer".into()
                         });
                         let msg = format!(
                             "{} bytes of sealed fragments await upload (budget {}): {cause}",
