@@ -1279,7 +1279,6 @@ impl Shard {
         self.submit_append(j, op);
     }
 
-    /// Waits until the flusher has nothing queued and is not mid-turn.
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down.get()
     }
@@ -1340,6 +1339,7 @@ impl Shard {
         }
     }
 
+    /// Waits until the flusher has nothing queued and is not mid-turn.
     pub async fn drained(&self) {
         loop {
             let l = self.idle.listen();
