@@ -129,6 +129,7 @@ fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
 /// New bytes of one journal's batch that its commit record may carry, so
 /// that the batch is answered without waiting for its spool write.
 const INLINE_BYTES_MAX: u64 = 32 << 10;
+const _: () = assert!(INLINE_BYTES_MAX as usize <= rotary_storage::wal::RECORD_INLINE_BYTES_MAX);
 /// New bytes of a whole turn beyond which no record carries any: a turn
 /// that busy is bound by the CPU, which copying every byte into the log as
 /// well would only slow, and its write is shared by many appends.
