@@ -204,6 +204,31 @@ fn journal_dir(shard_dir: &std::path::Path, name: &str) -> PathBuf {
     shard_dir.join("journals").join(name).join("@")
 }
 
+/// Some file of a journal (spool, fragment, copy) in the shard directory
+/// `shard_dir`, if there is one.
+fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, crate::EngineError> {
+    let mut dirs = vec![shard_dir.join("journals")];
+    while let Some(dir) = dirs.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(crate::EngineError::Io(dir, e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
+            let kind = entry
+                .file_type()
+                .map_err(|e| crate::EngineError::Io(entry.path(), e))?;
+            if kind.is_dir() {
+                dirs.push(entry.path());
+            } else {
+                return Ok(Some(entry.path()));
+            }
+        }
+    }
+    Ok(None)
+}
+
 fn storage_status(e: &StorageError) -> Status {
     if e.is_full() {
         Status::STORAGE_FULL
@@ -248,7 +273,48 @@ impl Shard {
                 crate::reaper::remove_dir_all(entry.path());
             }
         }
-        let (mut log, replayed) = CommitLog::open(&dir).await?;
+        // Every start writes the commit log (`settle`) before any journal
+        // has a file, so journal files without a log mean the log was lost:
+        // recovering from nothing would drop every spool and give out
+        // acknowledged offsets again. (A start that died before writing
+        // the log left no journal files.)
+        let log_path = CommitLog::path_in(&dir);
+        let has_log = log_path
+            .try_exists()
+            .map_err(|e| crate::EngineError::Io(log_path.clone(), e))?;
+        if !has_log {
+            if let Some(file) = first_journal_file(&dir)? {
+                return Err(crate::EngineError::Corrupt(format!(
+                    "{} is missing, but the shard holds journal files, such as {}",
+                    log_path.display(),
+                    file.display()
+                )));
+            }
+        }
+        let (mut log, replayed) = CommitLog::open(&dir).await.map_err(|e| match e {
+            StorageError::Corrupt { path, why } => {
+                crate::EngineError::Corrupt(format!("{}: {why}", path.display()))
+            }
+            e => e.into(),
+        })?;
+        // Likewise, specs are stored before a journal has data: without
+        // them, every journal of this shard would be forgotten, and one
+        // applied again would start over beside its old files.
+        if specs.file_was_missing() {
+            let named = replayed.keys().min();
+            let found = match named {
+                Some(name) => Some(format!("its commit log names journal {name}")),
+                None => first_journal_file(&dir)?
+                    .map(|file| format!("it holds journal files, such as {}", file.display())),
+            };
+            if let Some(found) = found {
+                return Err(crate::EngineError::Corrupt(format!(
+                    "{} is missing, but {} is no new shard: {found}",
+                    specs.path().display(),
+                    dir.display()
+                )));
+            }
+        }
         log.set_compact_bytes(commit_log_compact_bytes);
         // Until recovery checks them against the spools, the last records.
         let states = replayed
