@@ -416,17 +416,44 @@ impl Shard {
             let _ = std::fs::remove_file(path);
         }
         let mut head = j.fragments.iter().map(|f| f.end).max().unwrap_or(0);
-        // Only the newest spool can hold commits; older ones are leftovers
-        // of a seal interrupted after its rename target was written.
-        let mut spools = listing.spools;
-        let newest = spools.pop();
-        for (_, path) in spools {
-            tracing::warn!(path = %path.display(), "removing stale spool");
-            let _ = std::fs::remove_file(&path);
-        }
         let candidates: Vec<&JournalState> = replayed
             .map(|r| r.candidates().collect())
             .unwrap_or_default();
+        // Only one spool can hold commits: the one the commit log names
+        // (its last record, or the one before when that one's bytes did not
+        // reach the disk). Without such a spool, the newest: one begun
+        // after the last commit, with nothing committed in it yet.
+        let mut spools = listing.spools;
+        let named = candidates
+            .iter()
+            .filter(|st| st.end > st.spool_begin && st.spool_begin >= head)
+            .find_map(|st| {
+                spools
+                    .iter()
+                    .position(|(begin, _)| *begin == st.spool_begin)
+            });
+        let newest = match named {
+            Some(i) => Some(spools.remove(i)),
+            None => spools.pop(),
+        };
+        for (begin, path) in spools {
+            if j.fragments.iter().any(|f| f.begin == begin) {
+                // A leftover of a seal interrupted after its rename target
+                // was written: its bytes are in that fragment.
+                tracing::warn!(path = %path.display(), "removing stale spool");
+                let _ = std::fs::remove_file(&path);
+            } else {
+                // Not the spool the commit log's records commit into, and
+                // no fragment holds its bytes: it is left as it is, for
+                // whoever put it there. (A spool begun at a replica's new
+                // head just before a crash is one too: the next spool
+                // there takes its name.)
+                tracing::warn!(
+                    path = %path.display(),
+                    "ignoring a spool the commit log does not name"
+                );
+            }
+        }
         // A candidate commits bytes into the newest spool, or says the
         // spool holds nothing committed (its commits are all in fragments).
         let in_spool = |st: &JournalState| {
@@ -435,6 +462,8 @@ impl Shard {
             })
         };
         let mut chosen: Option<JournalState> = None;
+        // Its index among the candidates.
+        let mut chosen_at = candidates.len();
         let mut use_spool = false;
         if let Some((begin, path)) = &newest {
             // The last record may carry bytes that were answered before
@@ -461,10 +490,12 @@ impl Shard {
             for (i, st) in candidates.iter().enumerate() {
                 if !in_spool(st) {
                     chosen = Some((*st).clone());
+                    chosen_at = i;
                     break;
                 }
                 if found.as_ref().is_some_and(|(_, at)| *at == i) {
                     chosen = Some((*st).clone());
+                    chosen_at = i;
                     use_spool = true;
                     break;
                 }
@@ -484,6 +515,16 @@ impl Shard {
                     head = s.committed();
                     j.spool_since = Some(SystemTime::now());
                     j.spool = Some(s);
+                }
+                _ if candidates[chosen_at..].iter().any(|st| in_spool(st)) => {
+                    // The record that stands does not commit into this
+                    // spool, but an older one does: the log names a spool
+                    // that is not there. This one may hold acknowledged
+                    // bytes no fragment has; it stays.
+                    tracing::error!(
+                        path = %path.display(),
+                        "keeping a spool that an earlier commit record names"
+                    );
                 }
                 _ => {
                     // Nothing committed into this spool. Removed here, not
