@@ -582,16 +582,57 @@ impl Shard {
                     let mut j = Journal::new(spec.clone(), dir);
                     j.init_index();
                     j.first_sync_pending = true;
-                    if let Some(st) = self.states.borrow().get(&spec.name) {
+                    let state = self.states.borrow().get(&spec.name).cloned();
+                    if let Some(st) = &state {
                         j.registers = st.registers.clone();
                         j.staged_registers = st.registers.clone();
                         j.local_registers = st.registers.clone();
                     }
+                    self.adopt_files(&mut j, state.as_ref());
                     map.insert(spec.name.clone(), Rc::new(RefCell::new(j)));
                 }
             }
         }
         self.journals.borrow().get(name).cloned()
+    }
+
+    /// Files in the directory of a journal created while the broker runs
+    /// (a spec applied again after it was set aside at start, say, or
+    /// files put there by hand). A restart would recover their fragments
+    /// and prefer them to new bytes at the same offsets, so the journal
+    /// takes them now and goes on after them and after its last commit
+    /// record, giving out none of their offsets again. A spool stays where
+    /// it is: a restart passes over one the commit log does not name.
+    fn adopt_files(&self, j: &mut Journal, state: Option<&JournalState>) {
+        let listing = match list_dir(&j.dir) {
+            Ok(listing) => listing,
+            Err(e) => {
+                tracing::warn!(dir = %j.dir.display(), error = %e, "listing a new journal's directory");
+                return;
+            }
+        };
+        if listing.fragments.is_empty() && listing.spools.is_empty() {
+            return;
+        }
+        let head = listing
+            .fragments
+            .iter()
+            .map(|f| f.end)
+            .chain(state.map(|st| st.end))
+            .max()
+            .unwrap_or(0);
+        tracing::warn!(
+            journal = %j.name,
+            fragments = listing.fragments.len(),
+            spools = listing.spools.len(),
+            head,
+            "a new journal's directory holds files; it continues after them"
+        );
+        j.fragments = listing.fragments;
+        j.head = head;
+        j.local_head = head;
+        j.staged_head = head;
+        j.first_sync_pending = j.fragments.is_empty() && state.is_none();
     }
 
     pub fn mark_ready(&self, j: &JournalRef) {
