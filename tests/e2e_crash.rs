@@ -401,3 +401,220 @@ async fn specs_and_deletes_survive_kill9() {
     assert_eq!(read_all(&client, b).await, b"fresh".to_vec());
     assert_eq!(read_all(&client, a).await, b"kept bytes".to_vec());
 }
+
+/// Starts `rotary serve` on the stopped `broker`'s data directory and
+/// expects it to refuse to start; returns what it printed.
+fn start_refused(broker: &Broker) -> String {
+    let port = free_port_range(broker.cores);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rotary"))
+        .arg("serve")
+        .arg("--data")
+        .arg(&broker.data)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--cores")
+        .arg(broker.cores.to_string())
+        .arg("--disk-reserve")
+        .arg("0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + READY_TIMEOUT;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline || raw_ping(&format!("127.0.0.1:{port}")) {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "rotary serve started on a damaged data directory:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "rotary serve exited with success");
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    text
+}
+
+/// Every file under `dir` (but the lock) with its bytes.
+fn files_of(dir: &std::path::Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                dirs.push(e.path());
+            } else if e.file_name() != "LOCK" {
+                out.insert(e.path(), std::fs::read(e.path()).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// A broker of one shard with a journal holding three acknowledged
+/// appends, killed with SIGKILL. Returns the journal's bytes.
+async fn three_appends_then_kill9(broker: &mut Broker, j: &str) -> Vec<u8> {
+    let client = broker.client().await;
+    create_journal(&client, j, |_| {}).await;
+    let mut all = Vec::new();
+    for (i, len) in [5usize, 40_000, 300].into_iter().enumerate() {
+        let bytes = vec![b'a' + i as u8; len];
+        let r = client.append(&req(j), bytes.clone()).await.unwrap();
+        assert_eq!(r.begin, all.len() as u64);
+        all.extend_from_slice(&bytes);
+    }
+    drop(client);
+    broker.kill9();
+    all
+}
+
+/// A shard whose commit log is gone holds spools that nothing says are
+/// committed: the broker refuses to start rather than drop them and give
+/// out their offsets again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_commit_log_stops_the_start() {
+    let mut broker = Broker::start_with_cores(1);
+    let j = "e2e/damage/no-commit-log";
+    let all = three_appends_then_kill9(&mut broker, j).await;
+    let log = broker.data.join("shard-0/commit.log");
+    let kept = std::fs::read(&log).unwrap();
+    std::fs::remove_file(&log).unwrap();
+    let before = files_of(&broker.data);
+    let out = start_refused(&broker);
+    assert!(
+        out.contains("corrupt data") && out.contains("commit.log is missing"),
+        "{out}"
+    );
+    assert!(
+        files_of(&broker.data) == before,
+        "the refused start changed files"
+    );
+
+    // Nothing was lost: with the log back, every append is there.
+    std::fs::write(&log, kept).unwrap();
+    broker.start_again();
+    let client = broker.client().await;
+    assert!(read_all(&client, j).await == all);
+}
+
+/// A damaged byte in the middle of the commit log is no torn tail: the
+/// broker refuses to start and leaves the log as it is, instead of cutting
+/// off every record after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_commit_log_stops_the_start_and_is_kept_whole() {
+    let mut broker = Broker::start_with_cores(1);
+    let j = "e2e/damage/flipped-byte";
+    let all = three_appends_then_kill9(&mut broker, j).await;
+    let log = broker.data.join("shard-0/commit.log");
+    let kept = std::fs::read(&log).unwrap();
+    let mut bad = kept.clone();
+    bad[20] ^= 0xff;
+    std::fs::write(&log, &bad).unwrap();
+    let before = files_of(&broker.data);
+    let out = start_refused(&broker);
+    assert!(
+        out.contains("corrupt data") && out.contains("no torn last write"),
+        "{out}"
+    );
+    assert!(
+        files_of(&broker.data) == before,
+        "the refused start changed files"
+    );
+
+    std::fs::write(&log, kept).unwrap();
+    broker.start_again();
+    let client = broker.client().await;
+    assert!(read_all(&client, j).await == all);
+}
+
+/// A spool file that the commit log does not name is no reason to drop the
+/// one it names: recovery reopens the named one and leaves the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_spool_does_not_replace_the_committed_one() {
+    let mut broker = Broker::start_with_cores(1);
+    let j = "e2e/damage/stray-spool";
+    let mut all = three_appends_then_kill9(&mut broker, j).await;
+    let dir = broker.data.join("shard-0/journals").join(j).join("@");
+    let stray = dir.join("00000000000000ff.spool");
+    std::fs::write(&stray, b"").unwrap();
+    broker.start_again();
+    let client = broker.client().await;
+    assert!(read_all(&client, j).await == all);
+    let r = client.append(&req(j), b"after".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (all.len() as u64, all.len() as u64 + 5));
+    all.extend_from_slice(b"after");
+    assert!(stray.exists(), "the stray spool was removed");
+    drop(client);
+    broker.restart();
+    let client = broker.client().await;
+    assert!(read_all(&client, j).await == all);
+}
+
+/// Without specs.json the broker would know no journal, and one applied
+/// again would start over beside its old files: it refuses to start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_specs_stop_the_start() {
+    let mut broker = Broker::start_with_cores(1);
+    let j = "e2e/damage/no-specs";
+    let all = three_appends_then_kill9(&mut broker, j).await;
+    let specs = broker.data.join("specs.json");
+    let kept = std::fs::read(&specs).unwrap();
+    std::fs::remove_file(&specs).unwrap();
+    let before = files_of(&broker.data);
+    let out = start_refused(&broker);
+    assert!(
+        out.contains("corrupt data") && out.contains("specs.json is missing"),
+        "{out}"
+    );
+    assert!(
+        files_of(&broker.data) == before,
+        "the refused start changed files"
+    );
+
+    std::fs::write(&specs, kept).unwrap();
+    broker.start_again();
+    let client = broker.client().await;
+    assert!(read_all(&client, j).await == all);
+}
+
+/// A journal created over a directory that already holds its fragments
+/// goes on after them: new bytes get offsets of their own, and a restart
+/// serves both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_created_over_old_files_goes_on_after_them() {
+    let j = "e2e/damage/old-files";
+    let old = b"old bytes".to_vec();
+    let mut a = Broker::start_with_cores(1);
+    {
+        let client = a.client().await;
+        create_journal(&client, j, |_| {}).await;
+        client.append(&req(j), old.clone()).await.unwrap();
+        client.seal(j).await.unwrap().expect("a fragment");
+    }
+    a.kill9();
+    let from = a.data.join("shard-0/journals").join(j).join("@");
+
+    let mut b = Broker::start_with_cores(1);
+    let to = b.data.join("shard-0/journals").join(j).join("@");
+    std::fs::create_dir_all(&to).unwrap();
+    for e in std::fs::read_dir(&from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    let client = b.client().await;
+    create_journal(&client, j, |_| {}).await;
+    let r = client.append(&req(j), b"new".to_vec()).await.unwrap();
+    assert_eq!((r.begin, r.end), (old.len() as u64, old.len() as u64 + 3));
+    let want = [&old[..], b"new"].concat();
+    assert!(read_all(&client, j).await == want);
+    drop(client);
+    b.restart();
+    let client = b.client().await;
+    assert!(read_all(&client, j).await == want);
+}

@@ -137,6 +137,7 @@ fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
 /// New bytes of one journal's batch that its commit record may carry, so
 /// that the batch is answered without waiting for its spool write.
 const INLINE_BYTES_MAX: u64 = 32 << 10;
+const _: () = assert!(INLINE_BYTES_MAX as usize <= rotary_storage::wal::RECORD_INLINE_BYTES_MAX);
 /// New bytes of a whole turn beyond which no record carries any: a turn
 /// that busy is bound by the CPU, which copying every byte into the log as
 /// well would only slow, and its write is shared by many appends.
@@ -211,6 +212,31 @@ fn journal_dir(shard_dir: &std::path::Path, name: &str) -> PathBuf {
     shard_dir.join("journals").join(name).join("@")
 }
 
+/// Some file of a journal (spool, fragment, copy) in the shard directory
+/// `shard_dir`, if there is one.
+fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, crate::EngineError> {
+    let mut dirs = vec![shard_dir.join("journals")];
+    while let Some(dir) = dirs.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(crate::EngineError::Io(dir, e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
+            let kind = entry
+                .file_type()
+                .map_err(|e| crate::EngineError::Io(entry.path(), e))?;
+            if kind.is_dir() {
+                dirs.push(entry.path());
+            } else {
+                return Ok(Some(entry.path()));
+            }
+        }
+    }
+    Ok(None)
+}
+
 fn storage_status(e: &StorageError) -> Status {
     if e.is_full() {
         Status::STORAGE_FULL
@@ -255,7 +281,48 @@ impl Shard {
                 crate::reaper::remove_dir_all(entry.path());
             }
         }
-        let (mut log, replayed) = CommitLog::open(&dir).await?;
+        // Every start writes the commit log (`settle`) before any journal
+        // has a file, so journal files without a log mean the log was lost:
+        // recovering from nothing would drop every spool and give out
+        // acknowledged offsets again. (A start that died before writing
+        // the log left no journal files.)
+        let log_path = CommitLog::path_in(&dir);
+        let has_log = log_path
+            .try_exists()
+            .map_err(|e| crate::EngineError::Io(log_path.clone(), e))?;
+        if !has_log {
+            if let Some(file) = first_journal_file(&dir)? {
+                return Err(crate::EngineError::Corrupt(format!(
+                    "{} is missing, but the shard holds journal files, such as {}",
+                    log_path.display(),
+                    file.display()
+                )));
+            }
+        }
+        let (mut log, replayed) = CommitLog::open(&dir).await.map_err(|e| match e {
+            StorageError::Corrupt { path, why } => {
+                crate::EngineError::Corrupt(format!("{}: {why}", path.display()))
+            }
+            e => e.into(),
+        })?;
+        // Likewise, specs are stored before a journal has data: without
+        // them, every journal of this shard would be forgotten, and one
+        // applied again would start over beside its old files.
+        if specs.file_was_missing() {
+            let named = replayed.keys().min();
+            let found = match named {
+                Some(name) => Some(format!("its commit log names journal {name}")),
+                None => first_journal_file(&dir)?
+                    .map(|file| format!("it holds journal files, such as {}", file.display())),
+            };
+            if let Some(found) = found {
+                return Err(crate::EngineError::Corrupt(format!(
+                    "{} is missing, but {} is no new shard: {found}",
+                    specs.path().display(),
+                    dir.display()
+                )));
+            }
+        }
         log.set_compact_bytes(commit_log_compact_bytes);
         // Until recovery checks them against the spools, the last records.
         let states = replayed
@@ -360,17 +427,44 @@ impl Shard {
             let _ = std::fs::remove_file(path);
         }
         let mut head = j.fragments.iter().map(|f| f.end).max().unwrap_or(0);
-        // Only the newest spool can hold commits; older ones are leftovers
-        // of a seal interrupted after its rename target was written.
-        let mut spools = listing.spools;
-        let newest = spools.pop();
-        for (_, path) in spools {
-            tracing::warn!(path = %path.display(), "removing stale spool");
-            let _ = std::fs::remove_file(&path);
-        }
         let candidates: Vec<&JournalState> = replayed
             .map(|r| r.candidates().collect())
             .unwrap_or_default();
+        // Only one spool can hold commits: the one the commit log names
+        // (its last record, or the one before when that one's bytes did not
+        // reach the disk). Without such a spool, the newest: one begun
+        // after the last commit, with nothing committed in it yet.
+        let mut spools = listing.spools;
+        let named = candidates
+            .iter()
+            .filter(|st| st.end > st.spool_begin && st.spool_begin >= head)
+            .find_map(|st| {
+                spools
+                    .iter()
+                    .position(|(begin, _)| *begin == st.spool_begin)
+            });
+        let newest = match named {
+            Some(i) => Some(spools.remove(i)),
+            None => spools.pop(),
+        };
+        for (begin, path) in spools {
+            if j.fragments.iter().any(|f| f.begin == begin) {
+                // A leftover of a seal interrupted after its rename target
+                // was written: its bytes are in that fragment.
+                tracing::warn!(path = %path.display(), "removing stale spool");
+                let _ = std::fs::remove_file(&path);
+            } else {
+                // Not the spool the commit log's records commit into, and
+                // no fragment holds its bytes: it is left as it is, for
+                // whoever put it there. (A spool begun at a replica's new
+                // head just before a crash is one too: the next spool
+                // there takes its name.)
+                tracing::warn!(
+                    path = %path.display(),
+                    "ignoring a spool the commit log does not name"
+                );
+            }
+        }
         // A candidate commits bytes into the newest spool, or says the
         // spool holds nothing committed (its commits are all in fragments).
         let in_spool = |st: &JournalState| {
@@ -379,6 +473,8 @@ impl Shard {
             })
         };
         let mut chosen: Option<JournalState> = None;
+        // Its index among the candidates.
+        let mut chosen_at = candidates.len();
         let mut use_spool = false;
         if let Some((begin, path)) = &newest {
             // The last record may carry bytes that were answered before
@@ -405,10 +501,12 @@ impl Shard {
             for (i, st) in candidates.iter().enumerate() {
                 if !in_spool(st) {
                     chosen = Some((*st).clone());
+                    chosen_at = i;
                     break;
                 }
                 if found.as_ref().is_some_and(|(_, at)| *at == i) {
                     chosen = Some((*st).clone());
+                    chosen_at = i;
                     use_spool = true;
                     break;
                 }
@@ -428,6 +526,16 @@ impl Shard {
                     head = s.committed();
                     j.spool_since = Some(SystemTime::now());
                     j.spool = Some(s);
+                }
+                _ if candidates[chosen_at..].iter().any(|st| in_spool(st)) => {
+                    // The record that stands does not commit into this
+                    // spool, but an older one does: the log names a spool
+                    // that is not there. This one may hold acknowledged
+                    // bytes no fragment has; it stays.
+                    tracing::error!(
+                        path = %path.display(),
+                        "keeping a spool that an earlier commit record names"
+                    );
                 }
                 _ => {
                     // Nothing committed into this spool. Removed here, not
@@ -485,16 +593,57 @@ impl Shard {
                     let mut j = Journal::new(spec.clone(), dir);
                     j.init_index();
                     j.first_sync_pending = true;
-                    if let Some(st) = self.states.borrow().get(&spec.name) {
+                    let state = self.states.borrow().get(&spec.name).cloned();
+                    if let Some(st) = &state {
                         j.registers = st.registers.clone();
                         j.staged_registers = st.registers.clone();
                         j.local_registers = st.registers.clone();
                     }
+                    self.adopt_files(&mut j, state.as_ref());
                     map.insert(spec.name.clone(), Rc::new(RefCell::new(j)));
                 }
             }
         }
         self.journals.borrow().get(name).cloned()
+    }
+
+    /// Files in the directory of a journal created while the broker runs
+    /// (a spec applied again after it was set aside at start, say, or
+    /// files put there by hand). A restart would recover their fragments
+    /// and prefer them to new bytes at the same offsets, so the journal
+    /// takes them now and goes on after them and after its last commit
+    /// record, giving out none of their offsets again. A spool stays where
+    /// it is: a restart passes over one the commit log does not name.
+    fn adopt_files(&self, j: &mut Journal, state: Option<&JournalState>) {
+        let listing = match list_dir(&j.dir) {
+            Ok(listing) => listing,
+            Err(e) => {
+                tracing::warn!(dir = %j.dir.display(), error = %e, "listing a new journal's directory");
+                return;
+            }
+        };
+        if listing.fragments.is_empty() && listing.spools.is_empty() {
+            return;
+        }
+        let head = listing
+            .fragments
+            .iter()
+            .map(|f| f.end)
+            .chain(state.map(|st| st.end))
+            .max()
+            .unwrap_or(0);
+        tracing::warn!(
+            journal = %j.name,
+            fragments = listing.fragments.len(),
+            spools = listing.spools.len(),
+            head,
+            "a new journal's directory holds files; it continues after them"
+        );
+        j.fragments = listing.fragments;
+        j.head = head;
+        j.local_head = head;
+        j.staged_head = head;
+        j.first_sync_pending = j.fragments.is_empty() && state.is_none();
     }
 
     pub fn mark_ready(&self, j: &JournalRef) {

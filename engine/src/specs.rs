@@ -79,11 +79,14 @@ pub struct SpecStore {
     version: AtomicU64,
     /// The highest revision seen or issued.
     clock: AtomicU64,
+    /// The file did not exist when the store was opened.
+    file_was_missing: bool,
 }
 
 impl SpecStore {
     pub fn open(path: PathBuf) -> Result<SpecStore, EngineError> {
         let bad = |e: serde_json::Error| EngineError::Config(format!("{}: {e}", path.display()));
+        let mut file_was_missing = false;
         let state = match std::fs::read(&path) {
             Ok(bytes) => {
                 let disk: OnDisk = match serde_json::from_slice::<Vec<JournalSpec>>(&bytes) {
@@ -120,7 +123,10 @@ impl SpecStore {
                         .collect(),
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::default(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                file_was_missing = true;
+                State::default()
+            }
             Err(e) => return Err(EngineError::Io(path, e)),
         };
         let newest = state
@@ -135,7 +141,19 @@ impl SpecStore {
             state: Mutex::new(state),
             version: AtomicU64::new(1),
             clock: AtomicU64::new(newest),
+            file_was_missing,
         })
+    }
+
+    /// Whether the file did not exist when the store was opened: a new
+    /// data directory, unless shards hold journal data (they check).
+    pub fn file_was_missing(&self) -> bool {
+        self.file_was_missing
+    }
+
+    /// The file the specs are stored in.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
     }
 
     pub fn version(&self) -> u64 {

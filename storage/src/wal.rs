@@ -25,14 +25,15 @@
 //! end | [u8; 20] sha1 | label set registers | (kind 3) u64 at | bytes`,
 //! where `bytes` runs to the end of the payload and are the journal's bytes
 //! `[at, end)`. Kind 2 deletes the journal.
-//! Reading stops at the first record that is truncated or fails its CRC:
-//! that is the torn tail of a write that never completed.
+//! Reading stops at the first record that is truncated or fails its CRC.
+//! That may be the torn tail of a write that never completed, which is cut
+//! off, or damage, which stops the start (see [`torn_tail_error`]).
 
 use crate::StorageError;
 use compio::fs::{File, OpenOptions};
 use compio::io::AsyncWriteAt;
 use rotary_net::spec::LabelSet;
-use rotary_net::wire::{MetaReader, MetaWriter};
+use rotary_net::wire::{MetaReader, MetaWriter, META_LEN_MAX};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -42,6 +43,17 @@ const KIND_COMMIT_INLINE: u8 = 3;
 /// The log is rewritten from a snapshot once it grows past this size.
 pub const COMMIT_LOG_COMPACT_BYTES: u64 = 64 << 20;
 const FILE_NAME: &str = "commit.log";
+/// A record's header: `u32 payload_len | u32 crc32c(payload)`.
+const RECORD_HEADER_LEN: usize = 8;
+/// Most bytes one record may carry (kind 3). The shard carries fewer (its
+/// own limit, checked against this one at compile time).
+pub const RECORD_INLINE_BYTES_MAX: usize = 64 << 10;
+/// Largest payload of a record: kind, journal name (`str16`), spool_begin,
+/// end, SHA-1, registers (which travel in a request's metadata, so fit
+/// [`META_LEN_MAX`]), `at` and the carried bytes.
+pub const RECORD_PAYLOAD_LEN_MAX: usize =
+    1 + 2 + u16::MAX as usize + 8 + 8 + 20 + META_LEN_MAX + 8 + RECORD_INLINE_BYTES_MAX;
+const _: () = assert!(RECORD_PAYLOAD_LEN_MAX <= u32::MAX as usize);
 
 /// A journal's last committed state.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,6 +106,7 @@ fn encode_record(
                 .fixed(&st.sha1)
                 .labels(&st.registers);
             if let Some((at, bytes)) = inline {
+                assert!(bytes.len() <= RECORD_INLINE_BYTES_MAX);
                 debug_assert_eq!(at + bytes.len() as u64, st.end);
                 w.fixed(&at.to_le_bytes()).raw(bytes);
             }
@@ -107,6 +120,8 @@ fn encode_record(
 
 /// Appends one record: `u32 payload_len | u32 crc32c(payload) | payload`.
 fn frame(out: &mut Vec<u8>, payload: &[u8]) {
+    // Recovery takes a longer record for damage (see `torn_tail_error`).
+    debug_assert!(payload.len() <= RECORD_PAYLOAD_LEN_MAX);
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     out.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
     out.extend_from_slice(payload);
@@ -161,6 +176,113 @@ pub fn replay(bytes: &[u8], states: &mut HashMap<String, Replayed>) -> usize {
     pos
 }
 
+/// Why `tail`, the bytes after the log's last valid record, cannot be the
+/// torn tail of an interrupted write; `None` if it can.
+///
+/// The log only grows by [`CommitLog::write_pending`]: one write at its
+/// end of whole records, in order (a failed write is cut back off). It is
+/// replaced whole only by a synced file renamed over it (compaction). A
+/// write cut short (`kill -9`, a crash before the page cache reached a
+/// file system that keeps appends in order) leaves a prefix of its bytes:
+/// whole records, which replay reads, then a proper prefix of one record.
+/// So the tail is torn only if it is shorter than a header, or its header
+/// names a length a record can have that reaches past the end of the file
+/// and that the record's fields, as far as they are there, agree with.
+/// Anything else (a whole record failing its CRC or not parsing, a length
+/// the fields contradict) is damage, and the records behind it may be
+/// acknowledged commits: cutting them off would lose them silently.
+///
+/// The tail is not searched for records further on: a torn record may
+/// carry a client's bytes, which can hold well-formed records of their
+/// own. The checks above already catch every single damaged byte in front
+/// of valid records, since a changed length disagrees with the fields.
+pub fn torn_tail_error(tail: &[u8]) -> Option<String> {
+    if tail.len() < RECORD_HEADER_LEN {
+        return None;
+    }
+    let len = u32::from_le_bytes(tail[..4].try_into().expect("4 bytes")) as usize;
+    if len == 0 {
+        return Some("a record header with length 0".into());
+    }
+    if len > RECORD_PAYLOAD_LEN_MAX {
+        return Some(format!(
+            "a record header with length {len}, more than a record can hold ({RECORD_PAYLOAD_LEN_MAX})"
+        ));
+    }
+    let present = &tail[RECORD_HEADER_LEN..];
+    if present.len() >= len {
+        let payload = &present[..len];
+        let crc = u32::from_le_bytes(tail[4..8].try_into().expect("4 bytes"));
+        return Some(if crc32c::crc32c(payload) != crc {
+            format!("a whole record of {len} bytes fails its CRC")
+        } else {
+            format!("a whole record of {len} bytes with a valid CRC does not parse")
+        });
+    }
+    match implied_payload_len(present) {
+        Err(why) => Some(why),
+        Ok(Some(implied)) if implied != len as u64 => Some(format!(
+            "a record header with length {len}, whose fields make it {implied} bytes long"
+        )),
+        Ok(_) => None,
+    }
+}
+
+/// The payload length the fields at the start of `p` imply, if enough of
+/// them are there to tell.
+fn implied_payload_len(p: &[u8]) -> Result<Option<u64>, String> {
+    let u16_at = |at: u64| -> Option<u64> {
+        let at = usize::try_from(at).ok()?;
+        let b = p.get(at..at.checked_add(2)?)?;
+        Some(u64::from(u16::from_le_bytes([b[0], b[1]])))
+    };
+    let u64_at = |at: u64| -> Option<u64> {
+        let at = usize::try_from(at).ok()?;
+        let b = p.get(at..at.checked_add(8)?)?;
+        Some(u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    };
+    let Some(&kind) = p.first() else {
+        return Ok(None);
+    };
+    if !matches!(kind, KIND_COMMIT | KIND_DELETE | KIND_COMMIT_INLINE) {
+        return Err(format!("a record of unknown kind {kind}"));
+    }
+    // kind | str16 journal
+    let Some(name_len) = u16_at(1) else {
+        return Ok(None);
+    };
+    let mut at = 3 + name_len;
+    if kind == KIND_DELETE {
+        return Ok(Some(at));
+    }
+    // spool_begin | end | sha1 | u16 count | (str16 name | str16 value)*
+    let end_at = at + 8;
+    at += 8 + 8 + 20;
+    let Some(count) = u16_at(at) else {
+        return Ok(None);
+    };
+    at += 2;
+    for _ in 0..2 * count {
+        let Some(n) = u16_at(at) else {
+            return Ok(None);
+        };
+        at += 2 + n;
+    }
+    if kind == KIND_COMMIT {
+        return Ok(Some(at));
+    }
+    // at | bytes [at, end)
+    let (Some(end), Some(from)) = (u64_at(end_at), u64_at(at)) else {
+        return Ok(None);
+    };
+    match end.checked_sub(from) {
+        Some(carried) => Ok(Some((at + 8).saturating_add(carried))),
+        None => Err(format!(
+            "a record carrying bytes from {from} to {end}, which ends before it begins"
+        )),
+    }
+}
+
 fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
     let mut r = MetaReader::new(payload);
     let kind: u8 = r.fixed("kind").ok()?;
@@ -205,12 +327,20 @@ fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
 }
 
 impl CommitLog {
+    /// The log's file in `dir`. Every shard directory has one from its
+    /// first start on: [`CommitLog::settle`] writes it.
+    pub fn path_in(dir: &Path) -> PathBuf {
+        dir.join(FILE_NAME)
+    }
+
     /// Reads the log in `dir` (if any), cuts off a torn last record, and
     /// opens it for appending. Returns the log and what it holds for each
     /// journal. The caller decides which state stands for each journal
-    /// (see [`Replayed`]) and then calls [`CommitLog::settle`].
+    /// (see [`Replayed`]) and then calls [`CommitLog::settle`]. Fails
+    /// with [`StorageError::Corrupt`], changing nothing, if the bytes after
+    /// the last valid record are not a torn tail ([`torn_tail_error`]).
     pub async fn open(dir: &Path) -> Result<(CommitLog, HashMap<String, Replayed>), StorageError> {
-        let path = dir.join(FILE_NAME);
+        let path = Self::path_in(dir);
         let mut states = HashMap::new();
         let bytes = match std::fs::read(&path) {
             Ok(bytes) => bytes,
@@ -218,6 +348,15 @@ impl CommitLog {
             Err(e) => return Err(StorageError::io(&path, e)),
         };
         let valid = replay(&bytes, &mut states);
+        if let Some(why) = torn_tail_error(&bytes[valid..]) {
+            return Err(StorageError::Corrupt {
+                path,
+                why: format!(
+                    "the {} bytes after the valid records (offset {valid}) are no torn last write: {why}",
+                    bytes.len() - valid
+                ),
+            });
+        }
         if valid < bytes.len() {
             tracing::info!(
                 path = %path.display(),
@@ -345,9 +484,17 @@ impl CommitLog {
     pub fn write_pending(&mut self) -> Result<(), StorageError> {
         if !self.pending.is_empty() {
             use std::os::unix::fs::FileExt;
-            self.writer
-                .write_all_at(&self.pending, self.pos)
-                .map_err(|e| StorageError::io(&self.path, e))?;
+            if let Err(e) = self.writer.write_all_at(&self.pending, self.pos) {
+                // Part of it may be in the file. Cut back, so that the log
+                // never holds more than a torn last write behind its
+                // records (see `torn_tail_error`); the next write would
+                // otherwise overwrite its start and leave the rest behind.
+                // Shrinking needs no space, so this works on a full disk.
+                if let Err(cut) = self.writer.set_len(self.pos) {
+                    tracing::error!(path = %self.path.display(), error = %cut, "cutting back a failed commit log write");
+                }
+                return Err(StorageError::io(&self.path, e));
+            }
             self.pos += self.pending.len() as u64;
             self.pending.clear();
         }
@@ -486,6 +633,73 @@ mod tests {
         frame(&mut bad, &w.into_payload());
         let mut states = HashMap::new();
         assert_eq!(replay(&bad, &mut states), good);
+    }
+
+    /// A log of three writes, the last holding two records, one carrying
+    /// bytes. Returns the file's bytes and where the last write begins.
+    fn three_writes(dir: &Path) -> (Vec<u8>, usize) {
+        let last = compio::runtime::Runtime::new().unwrap().block_on(async {
+            let (mut log, _) = CommitLog::open(dir).await.unwrap();
+            log.record_commit("a/b/c", &st(10, "1"));
+            log.flush(false).await.unwrap();
+            log.record_delete("d/e/f");
+            log.record_commit("d/e/f", &st(11, "2"));
+            log.flush(false).await.unwrap();
+            let last = log.pos as usize;
+            log.record_commit_inline("a/b/c", &st(13, "3"), 10, b"xyz");
+            log.record_commit("g/h/i", &st(12, "4"));
+            log.flush(false).await.unwrap();
+            last
+        });
+        (std::fs::read(dir.join(FILE_NAME)).unwrap(), last)
+    }
+
+    #[test]
+    fn open_refuses_a_damaged_log_and_leaves_it_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bytes, last) = three_writes(dir.path());
+        let path = dir.path().join(FILE_NAME);
+        let rt = compio::runtime::Runtime::new().unwrap();
+        // Any one byte changed, anywhere: a whole record fails its CRC, or
+        // its length disagrees with its fields. The file stays as it was.
+        for at in 0..bytes.len() {
+            for flip in [0x01, 0x80, 0xff] {
+                let mut bad = bytes.clone();
+                bad[at] ^= flip;
+                std::fs::write(&path, &bad).unwrap();
+                let res = rt.block_on(CommitLog::open(dir.path()));
+                match res {
+                    Err(StorageError::Corrupt { why, .. }) => {
+                        assert!(why.contains("no torn last write"), "{why}")
+                    }
+                    Err(e) => panic!("byte {at} ^ {flip:#x}: {e}"),
+                    Ok(_) => panic!("byte {at} ^ {flip:#x}: opened a damaged log"),
+                }
+                assert_eq!(std::fs::read(&path).unwrap(), bad, "byte {at} changed");
+            }
+        }
+        // A record cut anywhere in the last write is its torn tail: the
+        // records before the cut stand, the rest is cut off.
+        for cut in last..bytes.len() {
+            std::fs::write(&path, &bytes[..cut]).unwrap();
+            let (log, states) = rt.block_on(CommitLog::open(dir.path())).unwrap();
+            let mut want = HashMap::new();
+            let valid = replay(&bytes[..cut], &mut want);
+            assert!(valid >= last);
+            assert_eq!((log.pos, states), (valid as u64, want));
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), valid as u64);
+        }
+        // A record cut short whose length was changed, so that it seems
+        // to reach past the end: its fields tell the length it had.
+        let len = u32::from_le_bytes(bytes[last..last + 4].try_into().unwrap()) as usize;
+        let mut bad = bytes[..last + 8 + len - 1].to_vec();
+        bad[last + 1] ^= 0x01;
+        std::fs::write(&path, &bad).unwrap();
+        let Err(StorageError::Corrupt { why, .. }) = rt.block_on(CommitLog::open(dir.path()))
+        else {
+            panic!("opened a log whose last record's length was changed");
+        };
+        assert!(why.contains("whose fields make it"), "{why}");
     }
 
     #[test]
