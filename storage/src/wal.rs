@@ -185,7 +185,9 @@ pub fn replay(bytes: &[u8], states: &mut HashMap<String, Replayed>) -> usize {
 /// write cut short (`kill -9`, a crash before the page cache reached a
 /// file system that keeps appends in order) leaves a prefix of its bytes:
 /// whole records, which replay reads, then a proper prefix of one record.
-/// So the tail is torn only if it is shorter than a header, or its header
+/// A file system that extends a file before its data reaches the disk
+/// leaves zeros instead (power loss). So the tail is torn only if it is
+/// shorter than a header, only zeros, or its header
 /// names a length a record can have that reaches past the end of the file
 /// and that the record's fields, as far as they are there, agree with.
 /// Anything else (a whole record failing its CRC or not parsing, a length
@@ -197,7 +199,7 @@ pub fn replay(bytes: &[u8], states: &mut HashMap<String, Replayed>) -> usize {
 /// own. The checks above already catch every single damaged byte in front
 /// of valid records, since a changed length disagrees with the fields.
 pub fn torn_tail_error(tail: &[u8]) -> Option<String> {
-    if tail.len() < RECORD_HEADER_LEN {
+    if tail.len() < RECORD_HEADER_LEN || tail.iter().all(|&b| b == 0) {
         return None;
     }
     let len = u32::from_le_bytes(tail[..4].try_into().expect("4 bytes")) as usize;
@@ -688,6 +690,18 @@ mod tests {
             assert!(valid >= last);
             assert_eq!((log.pos, states), (valid as u64, want));
             assert_eq!(std::fs::metadata(&path).unwrap().len(), valid as u64);
+        }
+        // The last write's bytes lost to zeros, the file's length kept:
+        // its records are cut off, the earlier ones stand.
+        for (len, zeros) in [(bytes.len(), bytes.len() - last), (last + 5, 5)] {
+            let mut torn = bytes[..len].to_vec();
+            torn[last..].fill(0);
+            assert_eq!(torn[last..].len(), zeros);
+            std::fs::write(&path, &torn).unwrap();
+            let (log, states) = rt.block_on(CommitLog::open(dir.path())).unwrap();
+            let mut want = HashMap::new();
+            assert_eq!(replay(&bytes[..last], &mut want), last);
+            assert_eq!((log.pos, states), (last as u64, want));
         }
         // A record cut short whose length was changed, so that it seems
         // to reach past the end: its fields tell the length it had.
