@@ -934,6 +934,82 @@ async fn file_store_a_corrupt_fragment_is_never_served() {
     }
 }
 
+/// A local fragment whose file was damaged before its upload: the upload
+/// finds that its bytes do not hash to its name and stops, and from then
+/// on no read is served from that file (before, it is: reads of local
+/// files are not checked). Its span answers IO_ERROR naming it; the rest
+/// of the journal reads as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_a_damaged_local_fragment_is_not_read_again() {
+    let store = TestStore::file();
+    let broker = broker_for(&store, &[]);
+    let client = broker.client().await;
+    let j = "hist/damaged-local";
+    apply(&client, &spec(j, &store, Codec::None, 1 << 30)).await;
+    // Larger than the in-memory tail, so that its start is read from disk.
+    let first = content(31, 10 << 20);
+    append(&client, j, &first).await;
+    let spool = broker
+        .data
+        .join(format!(
+            "shard-{}",
+            rotary_net::shard_of(j, broker.cores as u32)
+        ))
+        .join(format!("journals/{j}/@/0000000000000000.spool"));
+    // One byte of the committed bytes changed on disk, behind the broker.
+    let at = 4096 + 100;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&spool)
+            .unwrap();
+        f.write_all_at(&[first[at] ^ 0xff], at as u64).unwrap();
+        f.sync_all().unwrap();
+    }
+    client.seal(j).await.unwrap();
+    let second = content(32, 5000);
+    let r = append(&client, j, &second).await;
+    assert_eq!(r.begin, first.len() as u64);
+    // Until the upload ran, the file is read (its damage unknown); once it
+    // ran, the span is refused.
+    let deadline = Instant::now() + WAIT;
+    let done = loop {
+        let (bytes, done) = read_range(&client, j, 0, Some(8192)).await.unwrap();
+        if done.status != Status::OK {
+            assert!(bytes.is_empty(), "{} bytes before the refusal", bytes.len());
+            break done;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "reads of the damaged span never refused; damaged bytes served: {}",
+            bytes != first[..bytes.len()]
+        );
+        tokio::time::sleep(POLL).await;
+    };
+    assert_eq!(done.status, Status::IO_ERROR, "{done:?}");
+    assert_eq!(done.offset, 0, "{done:?}");
+    assert!(
+        done.message.contains(".raw") && done.message.contains("hash to"),
+        "the message names the file and the damage: {}",
+        done.message
+    );
+    // Reading into the span from within it is refused the same way.
+    let (bytes, done) = read_range(&client, j, 5 << 20, Some(6 << 20))
+        .await
+        .unwrap();
+    assert!(bytes.is_empty());
+    assert_eq!((done.status, done.offset), (Status::IO_ERROR, 5 << 20));
+    // The rest of the journal reads, and nothing of the span was stored.
+    let (bytes, done) = read_range(&client, j, r.begin, Some(r.end)).await.unwrap();
+    assert_eq!((bytes, done.status), (second.clone(), Status::OK));
+    assert!(
+        store.fragments(j).iter().all(|f| f.begin >= r.begin),
+        "the damaged span reached the store: {:?}",
+        store.fragments(j)
+    );
+}
+
 /// Pruning lists every store first: one that cannot be listed fails the
 /// prune before anything is deleted, so no deletion goes unreported. A
 /// pruned span then reads as a gap at once, not as a failing store.

@@ -301,6 +301,7 @@ impl Piece {
             file: None,
             uploaded: false,
             uploading: false,
+            corrupt: None,
             sealed_at: std::time::SystemTime::now(),
         })
     }
@@ -319,6 +320,7 @@ mod tests {
             file: None,
             uploaded: false,
             uploading: false,
+            corrupt: None,
             sealed_at: std::time::SystemTime::UNIX_EPOCH,
         }
     }

@@ -597,9 +597,34 @@ impl Journal {
     /// then the spool), then the stores, preferring the larger fragment.
     /// An offset in a gap of history resolves to the next span's start.
     pub fn locate(&self, offset: u64) -> Option<Located> {
+        let remote = |at: u64| -> Option<Located> {
+            let f = self
+                .remote
+                .iter()
+                .filter(|f| f.begin <= at && at < f.end)
+                .max_by_key(|f| f.end)?;
+            Some(Located {
+                file: FileRef::Remote(f.clone()),
+                offset: at,
+                file_pos: at - f.begin,
+                end: f.end,
+            })
+        };
         let local = |at: u64| -> Option<Located> {
             for f in &self.fragments {
                 if f.begin <= at && at < f.end {
+                    if let Some(why) = &f.corrupt {
+                        // A store's copy, if there is one; else the read
+                        // fails here rather than serve wrong bytes.
+                        return remote(at).or_else(|| {
+                            Some(Located {
+                                file: FileRef::Corrupt(format!("{}: {why}", f.path.display())),
+                                offset: at,
+                                file_pos: at - f.begin,
+                                end: f.end,
+                            })
+                        });
+                    }
                     return Some(Located {
                         file: FileRef::Fragment(f.path.clone(), f.file.clone()),
                         offset: at,
@@ -617,19 +642,6 @@ impl Journal {
                 offset: at,
                 file_pos: at - spool.begin(),
                 end,
-            })
-        };
-        let remote = |at: u64| -> Option<Located> {
-            let f = self
-                .remote
-                .iter()
-                .filter(|f| f.begin <= at && at < f.end)
-                .max_by_key(|f| f.end)?;
-            Some(Located {
-                file: FileRef::Remote(f.clone()),
-                offset: at,
-                file_pos: at - f.begin,
-                end: f.end,
             })
         };
         if let Some(l) = local(offset).or_else(|| remote(offset)) {
@@ -657,6 +669,8 @@ pub enum FileRef {
     Open(Rc<compio::fs::File>),
     Fragment(PathBuf, Option<Rc<compio::fs::File>>),
     Remote(StoredFragment),
+    /// A local fragment known not to hold its bytes, and why.
+    Corrupt(String),
 }
 
 pub struct Located {
@@ -779,6 +793,7 @@ mod tests {
             file: None,
             uploaded: false,
             uploading: false,
+            corrupt: None,
             sealed_at: SystemTime::UNIX_EPOCH,
         });
         for listed in [
@@ -807,6 +822,44 @@ mod tests {
         assert_eq!(j.remote_end(), 0);
         j.set_listing(vec![bad, gone], j.listing_mark());
         assert_eq!(shas(&j), [(16, 24, 4)]);
+    }
+
+    /// A local fragment found damaged is read from a store's copy of its
+    /// span, or not at all; the fragments around it read as before.
+    #[test]
+    fn a_damaged_local_fragment_is_read_from_the_store_or_refused() {
+        let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
+        for (begin, end) in [(0, 8), (8, 16)] {
+            j.fragments.push(LocalFragment {
+                begin,
+                end,
+                sha1: [2; 20],
+                path: PathBuf::from(format!("/nonexistent/{begin}")),
+                file: None,
+                uploaded: false,
+                uploading: false,
+                corrupt: None,
+                sealed_at: SystemTime::UNIX_EPOCH,
+            });
+        }
+        j.fragments[0].corrupt = Some("bytes hash to 00".into());
+        let located = |j: &Journal, at: u64| {
+            let l = j.locate(at).expect("located");
+            let file = match l.file {
+                FileRef::Corrupt(why) => format!("corrupt {why}"),
+                FileRef::Fragment(path, _) => format!("local {}", path.display()),
+                FileRef::Remote(f) => format!("store {}-{}", f.begin, f.end),
+                FileRef::Open(_) => "spool".into(),
+            };
+            (file, l.offset, l.file_pos, l.end)
+        };
+        assert_eq!(
+            located(&j, 3),
+            ("corrupt /nonexistent/0: bytes hash to 00".into(), 3, 3, 8)
+        );
+        assert_eq!(located(&j, 8), ("local /nonexistent/8".into(), 8, 0, 16));
+        j.set_listing(vec![object(0, 8, 2)], j.listing_mark());
+        assert_eq!(located(&j, 3), ("store 0-8".into(), 3, 3, 8));
     }
 
     #[test]

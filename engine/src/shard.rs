@@ -1006,7 +1006,10 @@ impl Shard {
                         // the spool budget, so appends are eventually
                         // refused naming this error.
                         f.uploading = true;
-                        tracing::error!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed permanently; not retrying");
+                        if let rotary_uploader::StoreError::LocalCorrupt { why, .. } = &e {
+                            f.corrupt = Some(why.clone());
+                        }
+                        tracing::error!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed permanently; not retrying, and its span is no longer read from this file");
                     }
                     *self.store_error.borrow_mut() = Some(e.to_string());
                 }
@@ -3260,6 +3263,10 @@ impl Shard {
                             return done(Status::FRAGMENT_STORE_UNHEALTHY, offset, head, &msg);
                         }
                     }
+                }
+                FileRef::Corrupt(why) => {
+                    let head = j.borrow().head;
+                    return done(Status::IO_ERROR, offset, head, &why);
                 }
                 FileRef::Open(f) => f,
                 FileRef::Fragment(_, Some(f)) => f,

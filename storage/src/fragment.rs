@@ -17,6 +17,10 @@ pub struct LocalFragment {
     pub uploaded: bool,
     /// An upload of it is queued or running.
     pub uploading: bool,
+    /// Why the file is known not to hold the fragment's bytes (its upload
+    /// read it back and found another SHA-1 or length). It is then never
+    /// read again: reads of its span go to a store copy or fail.
+    pub corrupt: Option<String>,
     /// When it was sealed (for a fragment found on disk at start, its
     /// file's modification time). Held here so that cache eviction and
     /// listings need no system call per fragment.
@@ -96,6 +100,7 @@ pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
                 file: None,
                 uploaded: false,
                 uploading: false,
+                corrupt: None,
                 sealed_at: entry
                     .metadata()
                     .and_then(|m| m.modified())

@@ -612,6 +612,7 @@ impl Spool {
             file: Some(self.file.clone()),
             uploaded: false,
             uploading: false,
+            corrupt: None,
             sealed_at: std::time::SystemTime::now(),
         }))
     }
