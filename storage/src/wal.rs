@@ -31,7 +31,7 @@
 
 use crate::StorageError;
 use compio::fs::{File, OpenOptions};
-use compio::io::AsyncWriteAt;
+use compio::io::AsyncWriteAtExt;
 use rotary_net::spec::LabelSet;
 use rotary_net::wire::{MetaReader, MetaWriter, META_LEN_MAX};
 use std::collections::HashMap;
@@ -426,30 +426,37 @@ impl CommitLog {
         for (journal, st) in states {
             encode_record(&mut bytes, journal, Some(st), None);
         }
+        let written = Self::write_synced(&tmp, bytes).await;
+        if written.is_err() {
+            // A full disk, say: the log stays as it was, and no partial
+            // snapshot is left taking space beside it.
+            let _ = std::fs::remove_file(&tmp);
+        }
+        let file = written?;
+        compio::fs::rename(&tmp, path)
+            .await
+            .map_err(|e| StorageError::io(path, e))?;
+        crate::sync_dir(path.parent().expect("log has a directory")).await?;
+        Ok(file)
+    }
+
+    /// Writes `bytes` to a new file at `tmp` and syncs its data.
+    async fn write_synced(tmp: &Path, bytes: Vec<u8>) -> Result<File, StorageError> {
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
-            .open(&tmp)
+            .open(tmp)
             .await
-            .map_err(|e| StorageError::io(&tmp, e))?;
-        if !bytes.is_empty() {
-            let len = bytes.len();
-            let (res, _) = file.write_at(bytes, 0).await.into();
-            match res {
-                Ok(n) if n == len => {}
-                Ok(_) => return Err(StorageError::io(&tmp, std::io::Error::other("short write"))),
-                Err(e) => return Err(StorageError::io(&tmp, e)),
-            }
-        }
+            .map_err(|e| StorageError::io(tmp, e))?;
+        // A write cut short (the disk filling up) goes on with the rest,
+        // which then fails with the cause (ENOSPC: a full disk).
+        let (res, _) = file.write_all_at(bytes, 0).await.into();
+        res.map_err(|e| StorageError::io(tmp, e))?;
         file.sync_data()
             .await
-            .map_err(|e| StorageError::io(&tmp, e))?;
-        compio::fs::rename(&tmp, path)
-            .await
-            .map_err(|e| StorageError::io(path, e))?;
-        crate::sync_dir(path.parent().expect("log has a directory")).await?;
+            .map_err(|e| StorageError::io(tmp, e))?;
         Ok(file)
     }
 
@@ -714,6 +721,51 @@ mod tests {
             panic!("opened a log whose last record's length was changed");
         };
         assert!(why.contains("whose fields make it"), "{why}");
+    }
+
+    /// A compaction that finds the disk full leaves the log as it was and
+    /// no partial snapshot beside it. Runs on a small tmpfs of its own,
+    /// which needs root (as in CI); elsewhere it says so and checks nothing.
+    #[test]
+    fn a_compaction_on_a_full_disk_leaves_nothing_behind() {
+        use std::process::Command;
+        let dir = tempfile::tempdir().unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("SKIPPED: mounting a tmpfs needs root");
+            return;
+        }
+        struct Mount<'a>(&'a Path);
+        impl Drop for Mount<'_> {
+            fn drop(&mut self) {
+                let _ = Command::new("umount").arg("-l").arg(self.0).status();
+            }
+        }
+        let _mount = Mount(dir.path());
+        let names: Vec<String> = (0..4000).map(|i| format!("full/journal-{i:05}")).collect();
+        let state = st(10, "1");
+        compio::runtime::Runtime::new().unwrap().block_on(async {
+            let (mut log, _) = CommitLog::open(dir.path()).await.unwrap();
+            log.record_commit(&names[0], &state);
+            log.flush(true).await.unwrap();
+            let before = std::fs::read(dir.path().join(FILE_NAME)).unwrap();
+            // Fill the file system to its last few pages.
+            let filler = vec![1u8; 4096];
+            let mut f = std::fs::File::create(dir.path().join("filler")).unwrap();
+            while std::io::Write::write_all(&mut f, &filler).is_ok() {}
+            let _ = f.set_len(f.metadata().unwrap().len().saturating_sub(8192));
+            let err = log
+                .compact(names.iter().map(|n| (n.as_str(), &state)))
+                .await
+                .expect_err("a snapshot of 4000 journals fits in 8 KiB");
+            assert!(err.is_full(), "{err}");
+            assert!(!dir.path().join("commit.log.next").exists());
+            assert_eq!(std::fs::read(dir.path().join(FILE_NAME)).unwrap(), before);
+        });
     }
 
     #[test]
