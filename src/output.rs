@@ -81,6 +81,8 @@ fn route_text(members: &[String]) -> String {
 fn fragment_state(f: &FragmentInfo) -> &'static str {
     if f.open {
         "open"
+    } else if f.damaged.is_some() {
+        "damaged"
     } else if f.store != "local" && !f.store.is_empty() {
         "stored"
     } else {
@@ -186,6 +188,7 @@ mod tests {
             open: false,
             key: None,
             uploaded: Some(true),
+            damaged: None,
         };
         let stored = FragmentInfo {
             store: "s3://b/p/".into(),
@@ -207,7 +210,15 @@ mod tests {
             uploaded: None,
             ..local.clone()
         };
-        let t = fragments_table(&[local, stored, waiting, no_stores, open], 1000 + 3 * 3600);
+        let damaged = FragmentInfo {
+            uploaded: Some(false),
+            damaged: Some("bytes hash to …".into()),
+            ..local.clone()
+        };
+        let t = fragments_table(
+            &[local, stored, waiting, no_stores, open, damaged],
+            1000 + 3 * 3600,
+        );
         let rows: Vec<Vec<&str>> = t.lines().map(|l| l.split_whitespace().collect()).collect();
         assert_eq!(
             rows[0],
@@ -233,7 +244,7 @@ mod tests {
             ]
         );
         let states: Vec<&str> = rows[3..].iter().map(|r| r[6]).collect();
-        assert_eq!(states, ["uploading", "local", "open"]);
+        assert_eq!(states, ["uploading", "local", "open", "damaged"]);
         assert_eq!(age_text(59), "59s");
         assert_eq!(age_text(3600), "60m");
         assert_eq!(age_text(90_000), "25h");

@@ -994,6 +994,12 @@ async fn file_store_a_damaged_local_fragment_is_not_read_again() {
         "the message names the file and the damage: {}",
         done.message
     );
+    // FRAGMENTS says so.
+    let frags = client.fragments(j).await.unwrap();
+    let damaged: Vec<_> = frags.iter().filter(|f| f.damaged.is_some()).collect();
+    assert_eq!(damaged.len(), 1, "{frags:#?}");
+    assert_eq!((damaged[0].begin, damaged[0].end), (0, first.len() as u64));
+    assert!(damaged[0].damaged.as_ref().unwrap().contains("hash to"));
     // Reading into the span from within it is refused the same way.
     let (bytes, done) = read_range(&client, j, 5 << 20, Some(6 << 20))
         .await

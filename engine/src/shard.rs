@@ -3585,7 +3585,8 @@ fn unix_secs(t: SystemTime) -> u64 {
 
 /// A sealed local fragment as FRAGMENTS and SEAL answer it. `uploaded` is
 /// there only for a journal with stores: a fragment of one without stays
-/// local, and `false` would read as an upload still to come.
+/// local, and `false` would read as an upload still to come. `damaged`
+/// says why a file is no longer read (see [`LocalFragment::corrupt`]).
 fn fragment_json(f: &LocalFragment, has_stores: bool) -> serde_json::Value {
     let mod_time = unix_secs(f.sealed_at);
     let mut json = serde_json::json!({
@@ -3601,6 +3602,9 @@ fn fragment_json(f: &LocalFragment, has_stores: bool) -> serde_json::Value {
     });
     if has_stores {
         json["uploaded"] = f.uploaded.into();
+    }
+    if let Some(why) = &f.corrupt {
+        json["damaged"] = why.as_str().into();
     }
     json
 }

@@ -257,6 +257,11 @@ pub struct FragmentInfo {
     /// without stores, whose fragments stay local.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uploaded: Option<bool>,
+    /// For a local sealed fragment whose file was found not to hold its
+    /// bytes (by its upload): what was found. Its span is no longer read
+    /// from that file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub damaged: Option<String>,
 }
 
 /// A journal's write head after RESET_HEAD.
