@@ -483,21 +483,34 @@ async fn a_lost_commit_log_stops_the_start() {
     let j = "e2e/damage/no-commit-log";
     let all = three_appends_then_kill9(&mut broker, j).await;
     let log = broker.data.join("shard-0/commit.log");
-    let kept = std::fs::read(&log).unwrap();
-    std::fs::remove_file(&log).unwrap();
+    refused_until_restored(&mut broker, &log, None, "commit.log is missing", j, &all).await;
+}
+
+/// Damages `file` (removes it, or writes `damaged` over it), checks that
+/// the broker refuses to start saying `why` and changes no file, then
+/// puts the file back and checks that every byte of `all` reads back.
+async fn refused_until_restored(
+    broker: &mut Broker,
+    file: &std::path::Path,
+    damaged: Option<Vec<u8>>,
+    why: &str,
+    j: &str,
+    all: &[u8],
+) {
+    let kept = std::fs::read(file).unwrap();
+    match damaged {
+        Some(bytes) => std::fs::write(file, bytes).unwrap(),
+        None => std::fs::remove_file(file).unwrap(),
+    }
     let before = files_of(&broker.data);
-    let out = start_refused(&broker);
-    assert!(
-        out.contains("corrupt data") && out.contains("commit.log is missing"),
-        "{out}"
-    );
+    let out = start_refused(broker);
+    assert!(out.contains("corrupt data") && out.contains(why), "{out}");
     assert!(
         files_of(&broker.data) == before,
         "the refused start changed files"
     );
-
-    // Nothing was lost: with the log back, every append is there.
-    std::fs::write(&log, kept).unwrap();
+    // Nothing was lost: with the file back, every append is there.
+    std::fs::write(file, kept).unwrap();
     broker.start_again();
     let client = broker.client().await;
     assert!(read_all(&client, j).await == all);
@@ -512,25 +525,9 @@ async fn a_damaged_commit_log_stops_the_start_and_is_kept_whole() {
     let j = "e2e/damage/flipped-byte";
     let all = three_appends_then_kill9(&mut broker, j).await;
     let log = broker.data.join("shard-0/commit.log");
-    let kept = std::fs::read(&log).unwrap();
-    let mut bad = kept.clone();
+    let mut bad = std::fs::read(&log).unwrap();
     bad[20] ^= 0xff;
-    std::fs::write(&log, &bad).unwrap();
-    let before = files_of(&broker.data);
-    let out = start_refused(&broker);
-    assert!(
-        out.contains("corrupt data") && out.contains("no torn last write"),
-        "{out}"
-    );
-    assert!(
-        files_of(&broker.data) == before,
-        "the refused start changed files"
-    );
-
-    std::fs::write(&log, kept).unwrap();
-    broker.start_again();
-    let client = broker.client().await;
-    assert!(read_all(&client, j).await == all);
+    refused_until_restored(&mut broker, &log, Some(bad), "no torn last write", j, &all).await;
 }
 
 /// A spool file that the commit log does not name is no reason to drop the
@@ -564,23 +561,7 @@ async fn lost_specs_stop_the_start() {
     let j = "e2e/damage/no-specs";
     let all = three_appends_then_kill9(&mut broker, j).await;
     let specs = broker.data.join("specs.json");
-    let kept = std::fs::read(&specs).unwrap();
-    std::fs::remove_file(&specs).unwrap();
-    let before = files_of(&broker.data);
-    let out = start_refused(&broker);
-    assert!(
-        out.contains("corrupt data") && out.contains("specs.json is missing"),
-        "{out}"
-    );
-    assert!(
-        files_of(&broker.data) == before,
-        "the refused start changed files"
-    );
-
-    std::fs::write(&specs, kept).unwrap();
-    broker.start_again();
-    let client = broker.client().await;
-    assert!(read_all(&client, j).await == all);
+    refused_until_restored(&mut broker, &specs, None, "specs.json is missing", j, &all).await;
 }
 
 /// A journal created over a directory that already holds its fragments
