@@ -147,6 +147,13 @@ struct ServeArgs {
     /// equal share, for its own journals. K, M, G, T suffixes.
     #[arg(long = "spool-budget", value_name = "BYTES", value_parser = parse_bytes, default_value = "8G")]
     spool_budget: u64,
+    /// Append content the broker holds in memory, read from clients and
+    /// queued behind busy journals; beyond it, a connection holding more
+    /// than 1 MiB of it is not read until the queue drains (each client
+    /// connection holds at most 64 MiB either way). Each shard has an
+    /// equal share. K, M, G, T suffixes.
+    #[arg(long = "append-queue-budget", value_name = "BYTES", value_parser = parse_bytes, default_value = "1G")]
+    append_queue_budget: u64,
     /// Bytes of uploaded fragments kept on local disk to serve reads; the
     /// oldest go first. 0 = drop each fragment once uploaded (history is
     /// then read from the stores). Each shard has an equal share. K, M, G,
@@ -617,6 +624,7 @@ fn serve(args: ServeArgs) -> CmdResult {
         config.disk_reserve_bytes = reserve;
     }
     config.spool_budget_bytes = args.spool_budget;
+    config.append_queue_bytes = args.append_queue_budget;
     config.upload_threads = args.upload_threads;
     config.local_cache_bytes = args.local_cache;
     config.cluster = args.cluster.zip(args.id);
@@ -1134,6 +1142,7 @@ mod tests {
             panic!("serve");
         };
         assert_eq!((args.spool_budget, args.upload_threads), (8 << 30, 2));
+        assert_eq!(args.append_queue_budget, 1 << 30);
         assert!(Cli::try_parse_from(["rotary", "serve", "--upload-threads", "0"]).is_err());
         assert!(Cli::try_parse_from(["rotary", "serve", "--spool-budget", "lots"]).is_err());
     }

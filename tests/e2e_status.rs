@@ -938,3 +938,102 @@ async fn a_clean_stop_answers_what_it_ends() {
     let r = client.append(&req(j), b"next".to_vec()).await.unwrap();
     assert_eq!(r.begin, 4);
 }
+
+/// Many clients appending behind a journal held by a stalled append: the
+/// shard stops reading those that hold 1 MiB or more of queued content
+/// once its `--append-queue-budget` share is spent, so the content in
+/// memory stays near the budget rather than every connection's 64 MiB.
+/// When the stalled append ends, every queued append commits, whole and
+/// in one piece.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_queued_appends_hold_the_shards_budget() {
+    const CLIENTS: usize = 8;
+    const EACH: usize = 4 << 20;
+    const BUDGET: u64 = 4 << 20;
+    let broker = Broker::start_with(
+        1,
+        BrokerOpts {
+            args: vec!["--append-queue-budget".into(), "4M".into()],
+            env: Vec::new(),
+        },
+    );
+    let client = broker.client().await;
+    let j = "e2e/status/queue-budget";
+    create_journal(&client, j, |_| {}).await;
+    let endpoint = broker.endpoint();
+    // The journal's append slot, held by an append that streams no more.
+    let mut holder = tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        let meta = req(j).encode();
+        s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, b"first"))
+            .unwrap();
+        s.write_all(&frame(Op::PING, 0, 2, &[], b"")).unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("PONG");
+        assert_eq!((f.op, f.request_id), (Op::PONG, 2), "{f:?}");
+        s
+    });
+    let mut tasks = Vec::new();
+    for i in 0..CLIENTS {
+        let c = broker.client().await;
+        let content = vec![b'a' + i as u8; EACH];
+        tasks.push(tokio::spawn(async move {
+            let r = c.append(&req(j), content).await;
+            (i, r)
+        }));
+    }
+    // Wait until the queue stops growing.
+    let stat = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}: {s}"));
+    let mut last = u64::MAX;
+    let mut queued = 0;
+    for _ in 0..100 {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        queued = stat(&client.stats().await.unwrap(), "append_queued_bytes");
+        if queued == last && queued > BUDGET {
+            break;
+        }
+        last = queued;
+    }
+    let stats = client.stats().await.unwrap();
+    let bound = BUDGET + CLIENTS as u64 * ((1 << 20) + (256 << 10));
+    assert!(
+        queued > BUDGET && queued <= bound,
+        "{queued} bytes queued; {} were sent, the bound is {bound}",
+        CLIENTS * EACH
+    );
+    assert!(stat(&stats, "append_queue_waits") >= 1, "{stats}");
+    // The held append ends; everything queued commits after it.
+    tokio::task::block_in_place(|| {
+        holder
+            .write_all(&frame(Op::APPEND_CHUNK, 0, 1, &[], b"-done"))
+            .unwrap();
+        let f = read_raw_frame(&mut holder).unwrap().expect("reply");
+        assert_eq!(
+            (f.op, f.request_id, f.status),
+            (Op::APPEND_REPLY, 1, 0),
+            "{f:?}"
+        );
+    });
+    let mut spans = Vec::new();
+    for t in tasks {
+        let (i, r) = t.await.unwrap();
+        let r = r.unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(r.end - r.begin, EACH as u64);
+        spans.push((r.begin, i));
+    }
+    spans.sort();
+    let all = read_all(&client, j).await;
+    assert_eq!(all.len(), 10 + CLIENTS * EACH);
+    assert_eq!(&all[..10], b"first-done");
+    for (n, (begin, i)) in spans.into_iter().enumerate() {
+        assert_eq!(begin as usize, 10 + n * EACH);
+        let span = &all[begin as usize..begin as usize + EACH];
+        assert!(
+            span.iter().all(|&b| b == b'a' + i as u8),
+            "client {i}'s bytes interleaved"
+        );
+    }
+    assert_eq!(
+        stat(&client.stats().await.unwrap(), "append_queued_bytes"),
+        0
+    );
+}

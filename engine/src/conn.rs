@@ -22,6 +22,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Append bytes a connection may have queued before the broker stops
@@ -32,30 +33,107 @@ pub const CONN_APPEND_QUEUE_BYTES_MAX: usize = 64 << 20;
 const LARGE_FRAME_BYTES: usize = 128 << 10;
 const READ_BUFFER_BYTES: usize = 256 << 10;
 
+/// A connection holding at least this much queued append content stops
+/// reading while its shard's [`QueueBudget`] is spent. Below it, it reads
+/// on: it may be streaming the append its journal waits for.
+pub const CONN_APPEND_QUEUE_BYTES_FREE: usize = 1 << 20;
+
+/// Append bytes queued by all connections of one shard and not yet staged,
+/// against the shard's share of `--append-queue-budget`.
+pub struct QueueBudget {
+    used: Cell<usize>,
+    limit: usize,
+    event: Event,
+    /// Broker-wide gauges and counters (`append_queued_bytes`,
+    /// `append_queue_waits`), if this budget reports to them.
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
+impl QueueBudget {
+    pub fn new(limit: usize, metrics: Option<Arc<crate::metrics::Metrics>>) -> Self {
+        QueueBudget {
+            used: Cell::new(0),
+            limit,
+            event: Event::new(),
+            metrics,
+        }
+    }
+
+    fn spent(&self) -> bool {
+        self.used.get() >= self.limit
+    }
+}
+
 /// Append bytes queued by a connection and not yet staged.
-#[derive(Default)]
 pub struct Budget {
     used: Cell<usize>,
     event: Event,
+    shard: Rc<QueueBudget>,
+}
+
+impl Default for Budget {
+    /// A budget of its own, bound by no shard's.
+    fn default() -> Self {
+        Budget::new(Rc::new(QueueBudget::new(usize::MAX, None)))
+    }
 }
 
 impl Budget {
+    pub fn new(shard: Rc<QueueBudget>) -> Self {
+        Budget {
+            used: Cell::new(0),
+            event: Event::new(),
+            shard,
+        }
+    }
+
     pub fn charge(&self, n: usize) {
         self.used.set(self.used.get() + n);
+        self.shard.used.set(self.shard.used.get() + n);
+        if let Some(m) = &self.shard.metrics {
+            metrics::add(&m.append_queued_bytes, n as u64);
+        }
     }
 
     pub fn release(&self, n: usize) {
-        self.used.set(self.used.get().saturating_sub(n));
+        let n = n.min(self.used.get());
+        self.used.set(self.used.get() - n);
+        self.shard.used.set(self.shard.used.get().saturating_sub(n));
+        if let Some(m) = &self.shard.metrics {
+            metrics::sub(&m.append_queued_bytes, n as u64);
+        }
         self.event.notify(usize::MAX);
+        self.shard.event.notify(usize::MAX);
     }
 
-    async fn below(&self, limit: usize) {
-        while self.used.get() >= limit {
-            let l = self.event.listen();
-            if self.used.get() < limit {
+    /// Waits until this connection may read more: it holds less than
+    /// `limit` queued, and, if `shared`, less than
+    /// [`CONN_APPEND_QUEUE_BYTES_FREE`] or the shard's budget is not spent.
+    async fn below(&self, limit: usize, shared: bool) {
+        let mut counted = false;
+        loop {
+            if self.used.get() >= limit {
+                let l = self.event.listen();
+                if self.used.get() >= limit {
+                    l.await;
+                }
+                continue;
+            }
+            let gated =
+                || shared && self.used.get() >= CONN_APPEND_QUEUE_BYTES_FREE && self.shard.spent();
+            if !gated() {
                 return;
             }
-            l.await;
+            if !counted {
+                counted = true;
+                if let Some(m) = &self.shard.metrics {
+                    metrics::add(&m.append_queue_waits, 1);
+                }
+            }
+            let l = self.shard.event.listen();
+            if gated() {
+                l.await;
+            }
         }
     }
 }
@@ -105,10 +183,11 @@ pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
     let outbox = Rc::new(Outbox::new());
     shard.add_outbox(&outbox);
     compio::runtime::spawn(outbox::writer(wr, outbox.clone())).detach();
+    let budget = Rc::new(Budget::new(shard.append_queue.clone()));
     let mut conn = Conn {
         shard,
         outbox,
-        budget: Rc::new(Budget::default()),
+        budget,
         appends: HashMap::new(),
         discard: HashSet::new(),
         reads: Rc::new(RefCell::new(HashMap::new())),
@@ -231,7 +310,12 @@ impl Conn {
             if buf.capacity() - buf.len() < READ_BUFFER_BYTES / 4 {
                 buf.reserve(READ_BUFFER_BYTES);
             }
-            self.budget.below(CONN_APPEND_QUEUE_BYTES_MAX).await;
+            // A primary's replication stream is not held back by the
+            // shard's budget: that would hold back every journal it
+            // carries, and the primary bounds what it sends.
+            self.budget
+                .below(CONN_APPEND_QUEUE_BYTES_MAX, self.sink.is_none())
+                .await;
             let BufResult(res, b) = rd.read(buf.uninit()).await;
             buf = b.into_inner();
             match res {
@@ -1347,4 +1431,38 @@ fn parse_revision(payload: &[u8], local: bool) -> Result<Option<u64>, String> {
     serde_json::from_slice::<Revision>(payload)
         .map(|r| Some(r.revision))
         .map_err(|e| format!("delete: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Connections charge their shard's budget with what they queue; one
+    /// holding 1 MiB or more waits while the shard's budget is spent, one
+    /// holding less reads on, and releases count only what was charged.
+    #[test]
+    fn a_spent_shard_budget_holds_back_connections_with_much_queued() {
+        let shard = Rc::new(QueueBudget::new(3 << 20, None));
+        let (a, b) = (Budget::new(shard.clone()), Budget::new(shard.clone()));
+        let ready = |budget: &Budget, shared: bool| {
+            let fut = std::pin::pin!(budget.below(CONN_APPEND_QUEUE_BYTES_MAX, shared));
+            let waker = std::task::Waker::noop();
+            std::future::Future::poll(fut, &mut std::task::Context::from_waker(waker)).is_ready()
+        };
+        a.charge(2 << 20);
+        b.charge(512 << 10);
+        assert_eq!(shard.used.get(), (2 << 20) + (512 << 10));
+        assert!(ready(&a, true) && ready(&b, true));
+        b.charge(512 << 10);
+        assert!(shard.spent());
+        assert!(!ready(&a, true) && !ready(&b, true));
+        // Not held back by the shard: a replication stream.
+        assert!(ready(&a, false));
+        // Releasing more than was charged releases what was.
+        b.release(4 << 20);
+        assert_eq!((b.used.get(), shard.used.get()), (0, 2 << 20));
+        assert!(ready(&a, true) && ready(&b, true));
+        a.charge(CONN_APPEND_QUEUE_BYTES_MAX);
+        assert!(!ready(&a, false));
+    }
 }

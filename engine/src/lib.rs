@@ -41,6 +41,11 @@ pub struct ServeConfig {
     /// before appends to such journals are refused, for the whole broker
     /// (each shard holds an equal share).
     pub spool_budget_bytes: u64,
+    /// Append content read from clients and queued behind busy journals,
+    /// for the whole broker (each shard holds an equal share): beyond it,
+    /// a connection holding more than 1 MiB of it is not read until its
+    /// shard's queue drains.
+    pub append_queue_bytes: u64,
     /// Local copies of uploaded fragments kept as a read cache.
     pub local_cache_bytes: u64,
     /// Threads of the uploader pool.
@@ -81,6 +86,7 @@ impl ServeConfig {
             cores: 0,
             disk_reserve_bytes: 256 << 20,
             spool_budget_bytes: 8 << 30,
+            append_queue_bytes: 1 << 30,
             local_cache_bytes: 4 << 30,
             upload_threads: 2,
             shutdown_upload_timeout: Duration::from_secs(30),
@@ -364,6 +370,7 @@ impl Broker {
                     // The budget and the cache are the broker's; each shard
                     // holds an equal share.
                     spool_budget_bytes: config.spool_budget_bytes / shards as u64,
+                    append_queue_bytes: config.append_queue_bytes / shards as u64,
                     local_cache_bytes: config.local_cache_bytes / shards as u64,
                     sizing: config.spool_sizing,
                     topology: topology.clone(),

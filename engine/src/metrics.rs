@@ -40,8 +40,18 @@ counters!(
     proxied_requests,
     repl_ack_frames,
     repl_acks,
+    // A gauge: append content read from clients and queued, not yet staged.
+    append_queued_bytes,
+    // Times a connection stopped reading because its shard's append queue
+    // budget was spent.
+    append_queue_waits,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Lowers a gauge.
+pub fn sub(c: &AtomicU64, n: u64) {
+    c.fetch_sub(n, Ordering::Relaxed);
 }

@@ -86,6 +86,8 @@ pub struct Shard {
     unuploaded_bytes: Cell<u64>,
     spool_budget_bytes: u64,
     local_cache_bytes: u64,
+    /// Append content its connections hold queued, against its share.
+    pub append_queue: Rc<crate::conn::QueueBudget>,
     /// The last upload error, named in refusals while the budget is spent.
     store_error: RefCell<Option<String>>,
     me: RefCell<std::rc::Weak<Shard>>,
@@ -173,6 +175,7 @@ pub struct ShardConfig {
     pub disk_reserve_bytes: u64,
     pub uploader: Uploader,
     pub spool_budget_bytes: u64,
+    pub append_queue_bytes: u64,
     pub local_cache_bytes: u64,
     pub sizing: SpoolSizing,
     pub topology: Arc<Topology>,
@@ -259,6 +262,7 @@ impl Shard {
             disk_reserve_bytes,
             uploader,
             spool_budget_bytes,
+            append_queue_bytes,
             local_cache_bytes,
             sizing,
             topology,
@@ -330,6 +334,10 @@ impl Shard {
             .map(|(name, r)| (name.clone(), r.last.clone()))
             .collect();
         let (done_tx, done_rx) = async_channel::unbounded();
+        let append_queue = Rc::new(crate::conn::QueueBudget::new(
+            usize::try_from(append_queue_bytes).unwrap_or(usize::MAX),
+            Some(metrics.clone()),
+        ));
         let shard = Rc::new(Shard {
             index,
             shards,
@@ -358,6 +366,7 @@ impl Shard {
             unuploaded_bytes: Cell::new(0),
             spool_budget_bytes,
             local_cache_bytes,
+            append_queue,
             store_error: RefCell::new(None),
             me: RefCell::new(std::rc::Weak::new()),
             sizing,
