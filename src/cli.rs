@@ -149,9 +149,10 @@ struct ServeArgs {
     spool_budget: u64,
     /// Append content the broker holds in memory, read from clients and
     /// queued behind busy journals; beyond it, a connection holding more
-    /// than 1 MiB of it is not read until the queue drains (each client
-    /// connection holds at most 64 MiB either way). Each shard has an
-    /// equal share. K, M, G, T suffixes.
+    /// than 1 MiB of it is not read until the queue drains, unless an
+    /// append of it holds its journal (each client connection holds at
+    /// most 64 MiB either way). Each shard has an equal share. K, M, G, T
+    /// suffixes.
     #[arg(long = "append-queue-budget", value_name = "BYTES", value_parser = parse_bytes, default_value = "1G")]
     append_queue_budget: u64,
     /// Bytes of uploaded fragments kept on local disk to serve reads; the

@@ -1037,3 +1037,108 @@ async fn many_queued_appends_hold_the_shards_budget() {
         0
     );
 }
+
+/// A connection held back by a spent append queue budget is still read
+/// for an append of it that holds its journal: that append's content
+/// arrives only by reading it. Here the connection has content queued
+/// behind a stalled append on another journal, which alone would keep it
+/// held back, and its append on the first journal commits all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_holding_its_journal_is_read_past_a_spent_budget() {
+    const MIB: usize = 1 << 20;
+    let broker = Broker::start_with(
+        1,
+        BrokerOpts {
+            args: vec!["--append-queue-budget".into(), "4M".into()],
+            env: Vec::new(),
+        },
+    );
+    let client = broker.client().await;
+    let (j, k) = ("e2e/status/held-j", "e2e/status/held-k");
+    create_journal(&client, j, |_| {}).await;
+    create_journal(&client, k, |_| {}).await;
+    let endpoint = broker.endpoint();
+    let ping = |s: &mut std::net::TcpStream, id: u64| {
+        s.write_all(&frame(Op::PING, 0, id, &[], b"")).unwrap();
+        let f = read_raw_frame(s).unwrap().expect("PONG");
+        assert_eq!((f.op, f.request_id), (Op::PONG, id), "{f:?}");
+    };
+    let reply = |s: &mut std::net::TcpStream, id: u64| {
+        let f = read_raw_frame(s).unwrap().expect("reply");
+        assert_eq!(
+            (f.op, f.request_id, f.status),
+            (Op::APPEND_REPLY, id, 0),
+            "{f:?}"
+        );
+    };
+    let (mut hold_j, mut hold_k, mut c) = tokio::task::block_in_place(|| {
+        let hold = |journal: &str| {
+            let mut s = raw_connect(&endpoint);
+            let meta = req(journal).encode();
+            s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, b"h0"))
+                .unwrap();
+            ping(&mut s, 9);
+            s
+        };
+        let (hold_j, hold_k) = (hold(j), hold(k));
+        // C: the first MiB of an append to j, and 2 MiB to k, both queued.
+        let mut c = raw_connect(&endpoint);
+        let (meta_j, meta_k) = (req(j).encode(), req(k).encode());
+        c.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta_j, &vec![b'c'; MIB]))
+            .unwrap();
+        c.write_all(&frame(Op::APPEND, flag::MORE, 2, &meta_k, &vec![b'C'; MIB]))
+            .unwrap();
+        c.write_all(&frame(Op::APPEND_CHUNK, 0, 2, &[], &vec![b'C'; MIB]))
+            .unwrap();
+        ping(&mut c, 3);
+        (hold_j, hold_k, c)
+    });
+    // Others queue on k until the shard's budget is spent.
+    let mut others = Vec::new();
+    for i in 0..3u8 {
+        let c = broker.client().await;
+        others.push(tokio::spawn(async move {
+            c.append(&req(k), vec![b'd' + i; 2 * MIB]).await
+        }));
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while client.stats().await.unwrap()["append_queue_waits"].as_u64() < Some(1) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the budget was never spent"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // The rest of C's append to j, sent while C is held back.
+    let mut sender = c.try_clone().unwrap();
+    let rest = std::thread::spawn(move || {
+        for n in 0..4 {
+            let flags = if n < 3 { flag::MORE } else { 0 };
+            sender
+                .write_all(&frame(Op::APPEND_CHUNK, flags, 1, &[], &vec![b'c'; MIB]))
+                .unwrap();
+        }
+    });
+    tokio::task::block_in_place(|| {
+        // j is free: C's append holds it now, and is read to its end.
+        hold_j
+            .write_all(&frame(Op::APPEND_CHUNK, 0, 1, &[], b"h1"))
+            .unwrap();
+        reply(&mut hold_j, 1);
+        reply(&mut c, 1);
+        rest.join().unwrap();
+        hold_k
+            .write_all(&frame(Op::APPEND_CHUNK, 0, 1, &[], b"h1"))
+            .unwrap();
+        reply(&mut hold_k, 1);
+        reply(&mut c, 2);
+    });
+    for t in others {
+        let r = t.await.unwrap().unwrap();
+        assert_eq!(r.end - r.begin, 2 * MIB as u64);
+    }
+    let all_j = read_all(&client, j).await;
+    assert_eq!(all_j.len(), 4 + 5 * MIB);
+    assert!(all_j.starts_with(b"h0h1") && all_j[4..].iter().all(|&b| b == b'c'));
+    assert_eq!(read_all(&client, k).await.len(), 4 + 2 * MIB + 3 * 2 * MIB);
+}

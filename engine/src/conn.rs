@@ -69,6 +69,29 @@ pub struct Budget {
     used: Cell<usize>,
     event: Event,
     shard: Rc<QueueBudget>,
+    /// Appends of this connection that hold their journal (see
+    /// [`Streaming`]): the connection is read on for them.
+    streaming: Cell<usize>,
+}
+
+/// Held by an append while it holds its journal: its connection is not
+/// held back by the shard's budget, since the rest of its content, which
+/// the journal waits for, arrives only by reading it.
+pub struct Streaming(Rc<Budget>);
+
+impl Streaming {
+    pub fn new(budget: Rc<Budget>) -> Self {
+        budget.streaming.set(budget.streaming.get() + 1);
+        budget.shard.event.notify(usize::MAX);
+        Streaming(budget)
+    }
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        let b = &self.0;
+        b.streaming.set(b.streaming.get().saturating_sub(1));
+    }
 }
 
 impl Default for Budget {
@@ -84,6 +107,7 @@ impl Budget {
             used: Cell::new(0),
             event: Event::new(),
             shard,
+            streaming: Cell::new(0),
         }
     }
 
@@ -108,7 +132,8 @@ impl Budget {
 
     /// Waits until this connection may read more: it holds less than
     /// `limit` queued, and, if `shared`, less than
-    /// [`CONN_APPEND_QUEUE_BYTES_FREE`] or the shard's budget is not spent.
+    /// [`CONN_APPEND_QUEUE_BYTES_FREE`], or an append of it holds its
+    /// journal, or the shard's budget is not spent.
     async fn below(&self, limit: usize, shared: bool) {
         let mut counted = false;
         loop {
@@ -119,8 +144,12 @@ impl Budget {
                 }
                 continue;
             }
-            let gated =
-                || shared && self.used.get() >= CONN_APPEND_QUEUE_BYTES_FREE && self.shard.spent();
+            let gated = || {
+                shared
+                    && self.used.get() >= CONN_APPEND_QUEUE_BYTES_FREE
+                    && self.streaming.get() == 0
+                    && self.shard.spent()
+            };
             if !gated() {
                 return;
             }

@@ -231,6 +231,8 @@ pub struct Active {
     pub seq: u64,
     /// When it began to be staged.
     pub started: Instant,
+    /// Keeps its connection read while it holds the journal.
+    pub _streaming: crate::conn::Streaming,
 }
 
 impl Active {

@@ -44,7 +44,7 @@ pub struct ServeConfig {
     /// Append content read from clients and queued behind busy journals,
     /// for the whole broker (each shard holds an equal share): beyond it,
     /// a connection holding more than 1 MiB of it is not read until its
-    /// shard's queue drains.
+    /// shard's queue drains, unless an append of it holds its journal.
     pub append_queue_bytes: u64,
     /// Local copies of uploaded fragments kept as a read cache.
     pub local_cache_bytes: u64,

@@ -2693,6 +2693,7 @@ impl Shard {
                     self.seq()
                 };
                 jm.active = Some(Active {
+                    _streaming: crate::conn::Streaming::new(op.budget.clone()),
                     op,
                     start,
                     sha: Sha1::new(),
