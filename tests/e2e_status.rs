@@ -1142,3 +1142,58 @@ async fn an_append_holding_its_journal_is_read_past_a_spent_budget() {
     assert!(all_j.starts_with(b"h0h1") && all_j[4..].iter().all(|&b| b == b'c'));
     assert_eq!(read_all(&client, k).await.len(), 4 + 2 * MIB + 3 * 2 * MIB);
 }
+
+/// Append content queued behind a journal that is then deleted leaves the
+/// shard's queue: the budget is not spent by appends that are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_appends_of_a_deleted_journal_leave_the_queue() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let j = "e2e/status/queue-deleted";
+    create_journal(&client, j, |_| {}).await;
+    let endpoint = broker.endpoint();
+    let _holder = tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        let meta = req(j).encode();
+        s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, b"h0"))
+            .unwrap();
+        s.write_all(&frame(Op::PING, 0, 2, &[], b"")).unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("PONG");
+        assert_eq!((f.op, f.request_id), (Op::PONG, 2), "{f:?}");
+        s
+    });
+    let queued = || async {
+        let stats = client.stats().await.unwrap();
+        stats["append_queued_bytes"]
+            .as_u64()
+            .expect("append_queued_bytes")
+    };
+    let c = broker.client().await;
+    let appending = tokio::spawn(async move { c.append(&req(j), vec![7u8; 3 << 20]).await });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while queued().await < 3 << 20 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the append never queued"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    client.delete(j).await.unwrap();
+    let err = appending
+        .await
+        .unwrap()
+        .expect_err("its journal was deleted");
+    assert_eq!(err.status(), Some(Status::JOURNAL_NOT_FOUND), "{err}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let left = queued().await;
+        if left == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{left} bytes stay queued for a deleted journal"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}

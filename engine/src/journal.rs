@@ -122,6 +122,18 @@ pub struct AppendOp {
     pub replica: Option<ReplicaOp>,
 }
 
+impl Drop for AppendOp {
+    /// Whatever path let it go (a reply, a deleted journal, a closed
+    /// connection), the bytes still queued on it leave its connection's
+    /// and its shard's budgets.
+    fn drop(&mut self) {
+        let queued: usize = self.chunks.get_mut().drain(..).map(|c| c.range.len()).sum();
+        if queued > 0 {
+            self.budget.release(queued);
+        }
+    }
+}
+
 /// The replica side of a replicated append: where its ack goes and the
 /// primary's proposal, once it arrives.
 pub struct ReplicaOp {
