@@ -880,18 +880,13 @@ async fn a_clean_stop_answers_what_it_ends() {
         client.append(&req(j), b"kept".to_vec()).await.unwrap();
     }
     let endpoint = broker.endpoint();
-    let ping = |s: &mut std::net::TcpStream, id: u64| {
-        s.write_all(&frame(Op::PING, 0, id, &[], b"")).unwrap();
-        let f = read_raw_frame(s).unwrap().expect("PONG");
-        assert_eq!((f.op, f.request_id), (Op::PONG, id), "{f:?}");
-    };
     let (mut appender, mut reader) = tokio::task::block_in_place(|| {
         let mut appender = raw_connect(&endpoint);
         let meta = req(j).encode();
         appender
             .write_all(&frame(Op::APPEND, flag::MORE, 9, &meta, b"lost"))
             .unwrap();
-        ping(&mut appender, 10);
+        ping_on(&mut appender, 10);
         let mut reader = raw_connect(&endpoint);
         let read = ReadRequest {
             journal: j.into(),
@@ -902,7 +897,7 @@ async fn a_clean_stop_answers_what_it_ends() {
         reader
             .write_all(&frame(Op::READ, flag::BLOCK, 5, &read, &[]))
             .unwrap();
-        ping(&mut reader, 6);
+        ping_on(&mut reader, 6);
         (appender, reader)
     });
     tokio::task::block_in_place(|| broker.stop_graceful());
@@ -939,6 +934,38 @@ async fn a_clean_stop_answers_what_it_ends() {
     assert_eq!(r.begin, 4);
 }
 
+/// A one-shard broker whose append queue budget is `budget` (e.g. `4M`).
+fn broker_with_queue_budget(budget: &str) -> Broker {
+    Broker::start_with(
+        1,
+        BrokerOpts {
+            args: vec!["--append-queue-budget".into(), budget.into()],
+            env: Vec::new(),
+        },
+    )
+}
+
+/// PINGs on a raw connection and checks the PONG: every frame sent before
+/// it was read.
+fn ping_on(s: &mut std::net::TcpStream, id: u64) {
+    s.write_all(&frame(Op::PING, 0, id, &[], b"")).unwrap();
+    let f = read_raw_frame(s).unwrap().expect("PONG");
+    assert_eq!((f.op, f.request_id), (Op::PONG, id), "{f:?}");
+}
+
+/// A raw connection whose append (request id 1, content `first`) holds
+/// `journal` and streams no more until the test sends its last chunk.
+fn hold_journal(endpoint: &str, journal: &str, first: &[u8]) -> std::net::TcpStream {
+    tokio::task::block_in_place(|| {
+        let mut s = raw_connect(endpoint);
+        let meta = req(journal).encode();
+        s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, first))
+            .unwrap();
+        ping_on(&mut s, 2);
+        s
+    })
+}
+
 /// Many clients appending behind a journal held by a stalled append: the
 /// shard stops reading those that hold 1 MiB or more of queued content
 /// once its `--append-queue-budget` share is spent, so the content in
@@ -950,28 +977,13 @@ async fn many_queued_appends_hold_the_shards_budget() {
     const CLIENTS: usize = 8;
     const EACH: usize = 4 << 20;
     const BUDGET: u64 = 4 << 20;
-    let broker = Broker::start_with(
-        1,
-        BrokerOpts {
-            args: vec!["--append-queue-budget".into(), "4M".into()],
-            env: Vec::new(),
-        },
-    );
+    let broker = broker_with_queue_budget("4M");
     let client = broker.client().await;
     let j = "e2e/status/queue-budget";
     create_journal(&client, j, |_| {}).await;
     let endpoint = broker.endpoint();
     // The journal's append slot, held by an append that streams no more.
-    let mut holder = tokio::task::block_in_place(|| {
-        let mut s = raw_connect(&endpoint);
-        let meta = req(j).encode();
-        s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, b"first"))
-            .unwrap();
-        s.write_all(&frame(Op::PING, 0, 2, &[], b"")).unwrap();
-        let f = read_raw_frame(&mut s).unwrap().expect("PONG");
-        assert_eq!((f.op, f.request_id), (Op::PONG, 2), "{f:?}");
-        s
-    });
+    let mut holder = hold_journal(&endpoint, j, b"first");
     let mut tasks = Vec::new();
     for i in 0..CLIENTS {
         let c = broker.client().await;
@@ -1046,23 +1058,12 @@ async fn many_queued_appends_hold_the_shards_budget() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_append_holding_its_journal_is_read_past_a_spent_budget() {
     const MIB: usize = 1 << 20;
-    let broker = Broker::start_with(
-        1,
-        BrokerOpts {
-            args: vec!["--append-queue-budget".into(), "4M".into()],
-            env: Vec::new(),
-        },
-    );
+    let broker = broker_with_queue_budget("4M");
     let client = broker.client().await;
     let (j, k) = ("e2e/status/held-j", "e2e/status/held-k");
     create_journal(&client, j, |_| {}).await;
     create_journal(&client, k, |_| {}).await;
     let endpoint = broker.endpoint();
-    let ping = |s: &mut std::net::TcpStream, id: u64| {
-        s.write_all(&frame(Op::PING, 0, id, &[], b"")).unwrap();
-        let f = read_raw_frame(s).unwrap().expect("PONG");
-        assert_eq!((f.op, f.request_id), (Op::PONG, id), "{f:?}");
-    };
     let reply = |s: &mut std::net::TcpStream, id: u64| {
         let f = read_raw_frame(s).unwrap().expect("reply");
         assert_eq!(
@@ -1071,16 +1072,11 @@ async fn an_append_holding_its_journal_is_read_past_a_spent_budget() {
             "{f:?}"
         );
     };
-    let (mut hold_j, mut hold_k, mut c) = tokio::task::block_in_place(|| {
-        let hold = |journal: &str| {
-            let mut s = raw_connect(&endpoint);
-            let meta = req(journal).encode();
-            s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, b"h0"))
-                .unwrap();
-            ping(&mut s, 9);
-            s
-        };
-        let (hold_j, hold_k) = (hold(j), hold(k));
+    let (mut hold_j, mut hold_k) = (
+        hold_journal(&endpoint, j, b"h0"),
+        hold_journal(&endpoint, k, b"h0"),
+    );
+    let mut c = tokio::task::block_in_place(|| {
         // C: the first MiB of an append to j, and 2 MiB to k, both queued.
         let mut c = raw_connect(&endpoint);
         let (meta_j, meta_k) = (req(j).encode(), req(k).encode());
@@ -1090,8 +1086,8 @@ async fn an_append_holding_its_journal_is_read_past_a_spent_budget() {
             .unwrap();
         c.write_all(&frame(Op::APPEND_CHUNK, 0, 2, &[], &vec![b'C'; MIB]))
             .unwrap();
-        ping(&mut c, 3);
-        (hold_j, hold_k, c)
+        ping_on(&mut c, 3);
+        c
     });
     // Others queue on k until the shard's budget is spent.
     let mut others = Vec::new();
@@ -1152,16 +1148,7 @@ async fn queued_appends_of_a_deleted_journal_leave_the_queue() {
     let j = "e2e/status/queue-deleted";
     create_journal(&client, j, |_| {}).await;
     let endpoint = broker.endpoint();
-    let _holder = tokio::task::block_in_place(|| {
-        let mut s = raw_connect(&endpoint);
-        let meta = req(j).encode();
-        s.write_all(&frame(Op::APPEND, flag::MORE, 1, &meta, b"h0"))
-            .unwrap();
-        s.write_all(&frame(Op::PING, 0, 2, &[], b"")).unwrap();
-        let f = read_raw_frame(&mut s).unwrap().expect("PONG");
-        assert_eq!((f.op, f.request_id), (Op::PONG, 2), "{f:?}");
-        s
-    });
+    let _holder = hold_journal(&endpoint, j, b"h0");
     let queued = || async {
         let stats = client.stats().await.unwrap();
         stats["append_queued_bytes"]
