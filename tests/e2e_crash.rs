@@ -599,3 +599,71 @@ async fn a_journal_created_over_old_files_goes_on_after_them() {
     let client = b.client().await;
     assert!(read_all(&client, j).await == want);
 }
+
+/// Bytes the broker hashed at its last start to check its spools.
+async fn recovery_hashed(client: &Client) -> u64 {
+    let stats = client.stats().await.unwrap();
+    stats["recovery_hashed_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no recovery_hashed_bytes in {stats}"))
+}
+
+/// After a crash of the broker alone, a start hashes only each spool's last
+/// batch; after a reboot (here: the shard's `recovered-in` stamp gone) it
+/// hashes every spool whole, and finds a byte changed anywhere in one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_reads_whole_spools_only_after_a_reboot() {
+    const MIB: usize = 1 << 20;
+    let mut broker = Broker::start_with_cores(1);
+    let j = "e2e/recovery/hashed";
+    let client = broker.client().await;
+    create_journal(&client, j, |s| s.fragment.length = 1 << 30).await;
+    let mut all = Vec::new();
+    for i in 0..12u8 {
+        let bytes = vec![i; MIB];
+        let r = client.append(&req(j), bytes.clone()).await.unwrap();
+        assert_eq!(r.begin, all.len() as u64);
+        all.extend_from_slice(&bytes);
+    }
+    drop(client);
+    broker.kill9();
+
+    // The same boot: at most the last append's batch, not 12 MiB.
+    broker.start_again();
+    let client = broker.client().await;
+    let hashed = recovery_hashed(&client).await;
+    assert!(hashed <= (MIB + 64) as u64, "hashed {hashed} bytes");
+    assert!(read_all(&client, j).await == all);
+    let r = client.append(&req(j), b"tail".to_vec()).await.unwrap();
+    assert_eq!(r.begin, all.len() as u64);
+    all.extend_from_slice(b"tail");
+    drop(client);
+    broker.kill9();
+
+    // As after a reboot: the spool is hashed whole.
+    let shard = broker.data.join("shard-0");
+    let stamp = shard.join("recovered-in");
+    assert!(
+        stamp.exists(),
+        "no recovered-in stamp in {}",
+        shard.display()
+    );
+    std::fs::remove_file(&stamp).unwrap();
+    broker.start_again();
+    let client = broker.client().await;
+    assert_eq!(recovery_hashed(&client).await, all.len() as u64);
+    assert!(read_all(&client, j).await == all);
+    drop(client);
+    broker.kill9();
+
+    // A byte changed in the middle of the spool, then a reboot: the start
+    // is refused, and with the byte back every append reads back.
+    std::fs::remove_file(&stamp).unwrap();
+    let spool = shard
+        .join("journals")
+        .join(j)
+        .join("@/0000000000000000.spool");
+    let mut bad = std::fs::read(&spool).unwrap();
+    bad[5 * MIB + 7] ^= 0x40;
+    refused_until_restored(&mut broker, &spool, Some(bad), "matches neither", j, &all).await;
+}

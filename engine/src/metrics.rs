@@ -45,6 +45,8 @@ counters!(
     // Times a connection stopped reading because its shard's append queue
     // budget was spent.
     append_queue_waits,
+    // Spool bytes hashed at start to check them against the commit log.
+    recovery_hashed_bytes,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

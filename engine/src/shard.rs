@@ -29,8 +29,8 @@ use rotary_net::status::Status;
 use rotary_net::wire::{AppendReply, Op};
 use rotary_storage::fragment::{list_dir, LocalFragment};
 use rotary_storage::sha::Sha1;
-use rotary_storage::spool::{read_range, CommitPoint, Spool, SpoolSizing};
-use rotary_storage::wal::{CommitLog, JournalState, Replayed};
+use rotary_storage::spool::{read_range, Check, CommitPoint, Spool, SpoolSizing};
+use rotary_storage::wal::{CommitLog, JournalState, Midstate, Replayed};
 use rotary_storage::StorageError;
 use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
 use std::cell::{Cell, RefCell};
@@ -240,6 +240,19 @@ fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, cr
     Ok(None)
 }
 
+/// What a start's recovery of the shard's spools did.
+#[derive(Default)]
+struct Recovery {
+    /// The shard directory was last recovered in this boot (see
+    /// `rotary_storage::boot`): spools are hashed from their records'
+    /// midstates, not whole.
+    same_boot: bool,
+    /// Spools checked against the commit log.
+    spools: u64,
+    /// Bytes hashed to check them.
+    hashed: u64,
+}
+
 fn storage_status(e: &StorageError) -> Status {
     if e.is_full() {
         Status::STORAGE_FULL
@@ -382,10 +395,15 @@ impl Shard {
         shard.specs_seen.set(shard.specs.version());
         // Journals whose last record did not stand, with what stands instead.
         let mut restated: Vec<(String, Option<JournalState>)> = Vec::new();
+        let started = Instant::now();
+        let mut recovery = Recovery {
+            same_boot: rotary_storage::boot::recovered_in_this_boot(&shard.dir),
+            ..Recovery::default()
+        };
         for spec in shard.specs.all() {
             if rotary_net::shard_of(&spec.name, shards) == index {
                 let (j, chosen) = shard
-                    .recover(spec.clone(), replayed.get(&spec.name))
+                    .recover(spec.clone(), replayed.get(&spec.name), &mut recovery)
                     .await?;
                 let last = replayed.get(&j.name).map(|r| &r.last);
                 if chosen.as_ref() != last {
@@ -414,6 +432,19 @@ impl Shard {
             *shard.log.borrow_mut() = Some(log);
             res?;
         }
+        // Only now: a start that dies before here checks everything again.
+        if let Err(e) = rotary_storage::boot::record_recovery(&shard.dir) {
+            tracing::warn!(dir = %shard.dir.display(), error = %e, "recording this boot's recovery; the next start reads every spool whole");
+        }
+        metrics::add(&shard.metrics.recovery_hashed_bytes, recovery.hashed);
+        tracing::info!(
+            shard = index,
+            spools = recovery.spools,
+            hashed_bytes = recovery.hashed,
+            spools_read_whole = !recovery.same_boot,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "recovered"
+        );
         Ok(shard)
     }
 
@@ -425,6 +456,7 @@ impl Shard {
         &self,
         spec: rotary_net::JournalSpec,
         replayed: Option<&Replayed>,
+        recovery: &mut Recovery,
     ) -> Result<(Journal, Option<JournalState>), crate::EngineError> {
         let dir = journal_dir(&self.dir, &spec.name);
         let mut j = Journal::new(spec, dir.clone());
@@ -494,15 +526,28 @@ impl Shard {
                     Spool::repair(path, *begin, inline.at, &inline.bytes).await?;
                 }
             }
-            let checks: Vec<(u64, [u8; 20])> = candidates
+            // In the boot of the last recovery, a candidate's bytes before
+            // its midstate are on disk: only its own batch is hashed.
+            let checks: Vec<Check> = candidates
                 .iter()
                 .filter(|st| in_spool(st))
-                .map(|st| (st.end, st.sha1))
+                .map(|st| Check {
+                    end: st.end,
+                    sha1: st.sha1,
+                    from: st
+                        .mid
+                        .filter(|_| recovery.same_boot)
+                        .and_then(|m| Some((m.at, m.resume(st.spool_begin, st.end)?))),
+                })
                 .collect();
             let found = if checks.is_empty() {
                 None
             } else {
-                Spool::recover_checked(path.clone(), *begin, &checks, self.sizing).await?
+                recovery.spools += 1;
+                let (found, hashed) =
+                    Spool::recover_checked(path.clone(), *begin, &checks, self.sizing).await?;
+                recovery.hashed += hashed;
+                found
             };
             // The first candidate that either is on disk or needs nothing
             // from the spool stands. Candidates before it all commit into
@@ -1822,6 +1867,7 @@ impl Shard {
                 end: last.end,
                 sha1: last.point.sha.clone().finalize(),
                 registers: last.registers.clone(),
+                mid: Some(spool.committed_midstate()),
             };
             let from = spool.written();
             let carried = (jm.spec.durability == Durability::Replicated)
@@ -1886,6 +1932,7 @@ impl Shard {
             end: spool.committed(),
             sha1: spool.committed_sha1(),
             registers: jm.local_registers.clone(),
+            mid: Some(spool.committed_midstate()),
         };
         if let Some(log) = self.log.borrow_mut().as_mut() {
             log.record_commit(&jm.name, &st);
@@ -2083,6 +2130,7 @@ impl Shard {
                 end: head,
                 sha1: Sha1::new().finalize(),
                 registers: jm.local_registers.clone(),
+                mid: Some(Midstate::of(head, &Sha1::new())),
             };
             if let Some(log) = self.log.borrow_mut().as_mut() {
                 log.record_commit(&jm.name, &st);

@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 pub mod aligned;
+pub mod boot;
 pub mod fragment;
 pub mod pool;
 pub mod sha;

@@ -52,6 +52,24 @@ impl Sha1 {
         self.len == 0
     }
 
+    /// The state at the last whole block: the number of bytes it has
+    /// hashed (a multiple of 64) and its words. [`Sha1::resume`] goes on
+    /// from there, given the bytes after it.
+    pub fn block_state(&self) -> (u64, [u32; 5]) {
+        (self.len - self.buf_len as u64, self.h)
+    }
+
+    /// The state [`Sha1::block_state`] returned, to go on hashing from.
+    /// `None` unless `hashed` is a multiple of 64.
+    pub fn resume(hashed: u64, h: [u32; 5]) -> Option<Sha1> {
+        hashed.is_multiple_of(64).then_some(Sha1 {
+            h,
+            buf: [0; 64],
+            buf_len: 0,
+            len: hashed,
+        })
+    }
+
     pub fn update(&mut self, data: &[u8]) {
         let rest = self.fill(data);
         let (blocks, tail) = rest.as_chunks::<64>();
@@ -340,6 +358,26 @@ mod tests {
             assert_eq!(a.clone().finalize(), reference(&data[..end]));
             assert_eq!(b.finalize(), reference(&data[pre..end]));
         }
+    }
+
+    #[test]
+    fn a_block_state_resumes_where_it_stood() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let data: Vec<u8> = (0..1000).map(|_| rng.r#gen()).collect();
+        for len in 0..400 {
+            let mut h = Sha1::new();
+            h.update(&data[..len]);
+            let (hashed, words) = h.block_state();
+            assert_eq!(hashed, (len / 64 * 64) as u64);
+            let mut resumed = Sha1::resume(hashed, words).unwrap();
+            resumed.update(&data[hashed as usize..len + 300]);
+            assert_eq!(
+                resumed.finalize(),
+                reference(&data[..len + 300]),
+                "len {len}"
+            );
+        }
+        assert!(Sha1::resume(63, H0).is_none());
     }
 }
 

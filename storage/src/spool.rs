@@ -191,7 +191,7 @@ impl Spool {
                 why: format!("spool holds {len} bytes but the commit log says {want}"),
             });
         }
-        let mut shas = hash_prefixes(&file, &path, &[want]).await?;
+        let mut shas = hash_prefixes(&file, &path, 0, Sha1::new(), &[want]).await?;
         let sha = shas.pop().flatten().expect("the file holds `want` bytes");
         let digest = sha.clone().finalize();
         let spool =
@@ -199,36 +199,61 @@ impl Spool {
         Ok((spool, digest))
     }
 
-    /// Reopens a spool after a restart at the first of `candidates` (commit
-    /// ends with the SHA-1 the commit log recorded for them, most preferred
-    /// first) whose bytes are on disk and hash to that SHA-1. Returns the
-    /// spool and the index of the candidate, or `None` if none matches.
+    /// Reopens a spool after a restart at the first of `candidates` (most
+    /// preferred first) whose bytes are on disk and hash to its SHA-1.
+    /// Returns the spool, the index of the candidate, and how many bytes
+    /// were hashed to find it; the spool is `None` if no candidate matches.
     pub async fn recover_checked(
         path: PathBuf,
         begin: u64,
-        candidates: &[(u64, [u8; 20])],
+        candidates: &[Check],
         sizing: SpoolSizing,
-    ) -> Result<Option<(Spool, usize)>, StorageError> {
+    ) -> Result<(Option<(Spool, usize)>, u64), StorageError> {
         let (file, direct) = open_direct(&path, false).await?;
         let len = file_len(&file, &path).await?;
-        let ends: Vec<u64> = candidates
-            .iter()
-            .map(|(end, _)| end.saturating_sub(begin))
+        let pos = |at: u64| at.saturating_sub(begin);
+        let mut hashed = 0u64;
+        // Those checked from the spool's start share one pass.
+        let whole: Vec<usize> = (0..candidates.len())
+            .filter(|&i| candidates[i].from.is_none())
             .collect();
-        let shas = hash_prefixes(&file, &path, &ends).await?;
-        let found = candidates
-            .iter()
-            .zip(shas)
-            .enumerate()
-            .find_map(|(i, ((end, want), sha))| {
-                sha.filter(|sha| *end >= begin && sha.clone().finalize() == *want)
-                    .map(|sha| (i, *end, sha))
-            });
+        let mut shas: Vec<Option<Sha1>> = vec![None; candidates.len()];
+        if !whole.is_empty() {
+            let ends: Vec<u64> = whole.iter().map(|&i| pos(candidates[i].end)).collect();
+            let found = hash_prefixes(&file, &path, 0, Sha1::new(), &ends).await?;
+            hashed += ends
+                .iter()
+                .filter(|&&e| e <= len)
+                .max()
+                .copied()
+                .unwrap_or(0);
+            for (i, sha) in whole.into_iter().zip(found) {
+                shas[i] = sha;
+            }
+        }
+        // The others one by one, until one matches.
+        let mut found = None;
+        for (i, c) in candidates.iter().enumerate() {
+            let sha = match &c.from {
+                None => shas[i].take(),
+                Some((at, sha)) => {
+                    let (start, end) = (pos(*at), pos(c.end));
+                    let mut sha = hash_prefixes(&file, &path, start, sha.clone(), &[end]).await?;
+                    hashed += end.min(len).saturating_sub(start);
+                    sha.pop().flatten()
+                }
+            };
+            if let Some(sha) = sha.filter(|sha| c.end >= begin && sha.clone().finalize() == c.sha1)
+            {
+                found = Some((i, c.end, sha));
+                break;
+            }
+        }
         let Some((i, end, sha)) = found else {
-            return Ok(None);
+            return Ok((None, hashed));
         };
         let spool = Spool::reopened(file, path, begin, direct, sha, end, len, sizing).await?;
-        Ok(Some((spool, i)))
+        Ok((Some((spool, i)), hashed))
     }
 
     /// A spool whose bytes `[begin, committed_end)` are on disk with the
@@ -293,6 +318,12 @@ impl Spool {
     /// SHA-1 of the committed bytes.
     pub fn committed_sha1(&self) -> [u8; 20] {
         self.committed_sha.clone().finalize()
+    }
+
+    /// The SHA-1 state of the committed bytes at their last block
+    /// boundary, for a commit record of bytes staged after them.
+    pub fn committed_midstate(&self) -> crate::wal::Midstate {
+        crate::wal::Midstate::of(self.begin, &self.committed_sha)
     }
 
     /// Whether a write owns the buffer.
@@ -627,6 +658,18 @@ impl Drop for Spool {
 }
 
 /// A write of staged bytes, owning the spool's buffer until it completes.
+/// A commit recovery checks a spool against: its end and the SHA-1 the
+/// commit log recorded for the spool's bytes up to there.
+#[derive(Clone, Debug)]
+pub struct Check {
+    pub end: u64,
+    pub sha1: [u8; 20],
+    /// The SHA-1 state at a journal offset whose bytes before it are known
+    /// to be on disk: hashing goes on from there. `None` hashes the spool
+    /// from its start.
+    pub from: Option<(u64, Sha1)>,
+}
+
 pub struct PendingWrite {
     buf: AlignedBuf,
     file_pos: u64,
@@ -666,36 +709,47 @@ async fn file_len(file: &File, path: &Path) -> Result<u64, StorageError> {
 /// The SHA-1 state after the first `end` bytes of `file`, for each of
 /// `ends` (in any order), in one pass over the file. `None` for an end
 /// beyond the bytes the file holds.
+/// The SHA-1 states after hashing the file's bytes from `start` (where
+/// the state is `sha`) up to each of `ends`; `None` for an end before
+/// `start` or past the end of the file.
 async fn hash_prefixes(
     file: &File,
     path: &Path,
+    start: u64,
+    mut sha: Sha1,
     ends: &[u64],
 ) -> Result<Vec<Option<Sha1>>, StorageError> {
     let len = file_len(file, path).await?;
     let mut out: Vec<Option<Sha1>> = vec![None; ends.len()];
-    let mut order: Vec<usize> = (0..ends.len()).filter(|&i| ends[i] <= len).collect();
+    let mut order: Vec<usize> = (0..ends.len())
+        .filter(|&i| (start..=len).contains(&ends[i]))
+        .collect();
     order.sort_by_key(|&i| ends[i]);
     let mut order = order.into_iter().peekable();
-    let mut sha = Sha1::new();
-    // Reads stay aligned (O_DIRECT): each begins at `hashed`, where the
-    // SHA-1 state stands, a multiple of the buffer's size.
-    let mut hashed = 0u64;
+    // Where the SHA-1 state stands.
+    let mut at = start;
+    // Reads stay aligned (O_DIRECT): the first begins at the block of
+    // `start`, each later one where the one before ended.
+    let mut read_pos = align_down(start);
     let mut buf = AlignedBuf::new(1 << 20);
     while let Some(&i) = order.peek() {
-        if ends[i] == hashed {
+        if ends[i] == at {
             out[i] = Some(sha.clone());
             order.next();
             continue;
         }
-        let (res, b) = file.read_at(buf, hashed).await.into();
+        let (res, b) = file.read_at(buf, read_pos).await.into();
         buf = b;
         let n = res.map_err(|e| StorageError::io(path, e))? as u64;
-        let read_end = hashed + n;
-        let mut at = hashed;
+        let read_end = read_pos + n;
+        if read_end <= at {
+            // Nothing past the state in this read (the file ends short).
+            break;
+        }
         // Hash up to each end that falls inside this read.
         while let Some(&i) = order.peek() {
             let stop = ends[i].min(read_end);
-            sha.update(&buf.as_slice()[(at - hashed) as usize..(stop - hashed) as usize]);
+            sha.update(&buf.as_slice()[(at - read_pos) as usize..(stop - read_pos) as usize]);
             at = stop;
             if ends[i] > read_end {
                 break;
@@ -707,7 +761,7 @@ async fn hash_prefixes(
             // End of file, or every end is behind us.
             break;
         }
-        hashed = read_end;
+        read_pos = read_end;
     }
     Ok(out)
 }

@@ -20,11 +20,20 @@
 //! bytes missing from its spool; if that record carries them, recovery
 //! writes them into the spool ([`Replayed::inline`]).
 //!
+//! Checking a spool's bytes against its record means hashing them. After
+//! a restart in the same boot only the last batch can be missing (every
+//! write that completed is there to read), so a record also carries the
+//! fragment SHA-1's state where its batch began ([`Midstate`]), and
+//! recovery hashes from there. After a reboot the disk may have lost
+//! writes the kernel had completed, so recovery hashes each spool whole.
+//!
 //! Record: `u32 payload_len | u32 crc32c(payload) | payload`, little-endian.
-//! Payload: `u8 kind | str16 journal | (kind 1 and 3) u64 spool_begin | u64
-//! end | [u8; 20] sha1 | label set registers | (kind 3) u64 at | bytes`,
-//! where `bytes` runs to the end of the payload and are the journal's bytes
-//! `[at, end)`. Kind 2 deletes the journal.
+//! Payload: `u8 kind | str16 journal | (kinds 1, 3, 4, 5) u64 spool_begin |
+//! u64 end | [u8; 20] sha1 | (kinds 4, 5) u64 mid_at | [u8; 20] mid_state |
+//! label set registers | (kinds 3, 5) u64 at | bytes`, where `bytes` runs to
+//! the end of the payload and are the journal's bytes `[at, end)`. Kind 2
+//! deletes the journal. Kinds 1 and 3 are records of earlier versions,
+//! without a midstate; kinds 4 and 5 are written now.
 //! Reading stops at the first record that is truncated or fails its CRC.
 //! That may be the torn tail of a write that never completed, which is cut
 //! off, or damage, which stops the start (see [`torn_tail_error`]).
@@ -40,6 +49,8 @@ use std::path::{Path, PathBuf};
 const KIND_COMMIT: u8 = 1;
 const KIND_DELETE: u8 = 2;
 const KIND_COMMIT_INLINE: u8 = 3;
+const KIND_COMMIT_MID: u8 = 4;
+const KIND_COMMIT_INLINE_MID: u8 = 5;
 /// The log is rewritten from a snapshot once it grows past this size.
 pub const COMMIT_LOG_COMPACT_BYTES: u64 = 64 << 20;
 const FILE_NAME: &str = "commit.log";
@@ -52,7 +63,9 @@ pub const RECORD_INLINE_BYTES_MAX: usize = 64 << 10;
 /// end, SHA-1, registers (which travel in a request's metadata, so fit
 /// [`META_LEN_MAX`]), `at` and the carried bytes.
 pub const RECORD_PAYLOAD_LEN_MAX: usize =
-    1 + 2 + u16::MAX as usize + 8 + 8 + 20 + META_LEN_MAX + 8 + RECORD_INLINE_BYTES_MAX;
+    1 + 2 + u16::MAX as usize + 8 + 8 + 20 + MID_LEN + META_LEN_MAX + 8 + RECORD_INLINE_BYTES_MAX;
+/// `u64 mid_at | [u8; 20] mid_state`.
+const MID_LEN: usize = 8 + 20;
 const _: () = assert!(RECORD_PAYLOAD_LEN_MAX <= u32::MAX as usize);
 
 /// A journal's last committed state.
@@ -63,6 +76,57 @@ pub struct JournalState {
     /// SHA-1 of the spool's bytes `[spool_begin, end)`.
     pub sha1: [u8; 20],
     pub registers: LabelSet,
+    /// Where the bytes this state commits began to be written; `None` in
+    /// records of earlier versions.
+    pub mid: Option<Midstate>,
+}
+
+/// The fragment SHA-1's state after the spool's bytes `[spool_begin, at)`,
+/// all of which had been written when the record was: those of earlier
+/// commits, up to the last 64-byte block boundary before the bytes the
+/// record commits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Midstate {
+    /// A journal offset, `spool_begin` plus a multiple of 64.
+    pub at: u64,
+    pub h: [u32; 5],
+}
+
+impl Midstate {
+    /// The block state of `sha`, a spool's SHA-1 from `spool_begin` on.
+    pub fn of(spool_begin: u64, sha: &crate::sha::Sha1) -> Midstate {
+        let (hashed, h) = sha.block_state();
+        Midstate {
+            at: spool_begin + hashed,
+            h,
+        }
+    }
+
+    /// The SHA-1 state to go on from, if the midstate fits the spool
+    /// beginning at `spool_begin` and a commit ending at `end`.
+    pub fn resume(&self, spool_begin: u64, end: u64) -> Option<crate::sha::Sha1> {
+        if self.at < spool_begin || self.at > end {
+            return None;
+        }
+        crate::sha::Sha1::resume(self.at - spool_begin, self.h)
+    }
+
+    fn encode(&self) -> [u8; MID_LEN] {
+        let mut out = [0u8; MID_LEN];
+        out[..8].copy_from_slice(&self.at.to_le_bytes());
+        for (i, w) in self.h.iter().enumerate() {
+            out[8 + 4 * i..12 + 4 * i].copy_from_slice(&w.to_le_bytes());
+        }
+        out
+    }
+
+    fn decode(b: [u8; MID_LEN]) -> Midstate {
+        let word = |i: usize| u32::from_le_bytes(b[8 + 4 * i..12 + 4 * i].try_into().expect("4"));
+        Midstate {
+            at: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            h: [word(0), word(1), word(2), word(3), word(4)],
+        }
+    }
 }
 
 pub struct CommitLog {
@@ -95,16 +159,20 @@ fn encode_record(
     let mut w = MetaWriter::new();
     match state {
         Some(st) => {
-            let kind = if inline.is_some() {
-                KIND_COMMIT_INLINE
-            } else {
-                KIND_COMMIT
+            let kind = match (inline.is_some(), st.mid.is_some()) {
+                (false, false) => KIND_COMMIT,
+                (true, false) => KIND_COMMIT_INLINE,
+                (false, true) => KIND_COMMIT_MID,
+                (true, true) => KIND_COMMIT_INLINE_MID,
             };
             w.fixed(&kind).str16(journal);
             w.fixed(&st.spool_begin.to_le_bytes())
                 .fixed(&st.end.to_le_bytes())
-                .fixed(&st.sha1)
-                .labels(&st.registers);
+                .fixed(&st.sha1);
+            if let Some(mid) = &st.mid {
+                w.fixed(&mid.encode());
+            }
+            w.labels(&st.registers);
             if let Some((at, bytes)) = inline {
                 assert!(bytes.len() <= RECORD_INLINE_BYTES_MAX);
                 debug_assert_eq!(at + bytes.len() as u64, st.end);
@@ -246,7 +314,10 @@ fn implied_payload_len(p: &[u8]) -> Result<Option<u64>, String> {
     let Some(&kind) = p.first() else {
         return Ok(None);
     };
-    if !matches!(kind, KIND_COMMIT | KIND_DELETE | KIND_COMMIT_INLINE) {
+    if !matches!(
+        kind,
+        KIND_COMMIT | KIND_DELETE | KIND_COMMIT_INLINE | KIND_COMMIT_MID | KIND_COMMIT_INLINE_MID
+    ) {
         return Err(format!("a record of unknown kind {kind}"));
     }
     // kind | str16 journal
@@ -257,9 +328,12 @@ fn implied_payload_len(p: &[u8]) -> Result<Option<u64>, String> {
     if kind == KIND_DELETE {
         return Ok(Some(at));
     }
-    // spool_begin | end | sha1 | u16 count | (str16 name | str16 value)*
+    // spool_begin | end | sha1 | (mid) | u16 count | (str16 name | str16 value)*
     let end_at = at + 8;
     at += 8 + 8 + 20;
+    if matches!(kind, KIND_COMMIT_MID | KIND_COMMIT_INLINE_MID) {
+        at += MID_LEN as u64;
+    }
     let Some(count) = u16_at(at) else {
         return Ok(None);
     };
@@ -270,7 +344,7 @@ fn implied_payload_len(p: &[u8]) -> Result<Option<u64>, String> {
         };
         at += 2 + n;
     }
-    if kind == KIND_COMMIT {
+    if matches!(kind, KIND_COMMIT | KIND_COMMIT_MID) {
         return Ok(Some(at));
     }
     // at | bytes [at, end)
@@ -290,12 +364,17 @@ fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
     let kind: u8 = r.fixed("kind").ok()?;
     let journal = r.str16("journal").ok()?.to_string();
     match kind {
-        KIND_COMMIT | KIND_COMMIT_INLINE => {
+        KIND_COMMIT | KIND_COMMIT_INLINE | KIND_COMMIT_MID | KIND_COMMIT_INLINE_MID => {
             let spool_begin = u64::from_le_bytes(r.fixed("spool_begin").ok()?);
             let end = u64::from_le_bytes(r.fixed("end").ok()?);
             let sha1: [u8; 20] = r.fixed("sha1").ok()?;
+            let mid = if matches!(kind, KIND_COMMIT_MID | KIND_COMMIT_INLINE_MID) {
+                Some(Midstate::decode(r.fixed("mid").ok()?))
+            } else {
+                None
+            };
             let registers = r.labels("registers").ok()?;
-            let inline = if kind == KIND_COMMIT_INLINE {
+            let inline = if matches!(kind, KIND_COMMIT_INLINE | KIND_COMMIT_INLINE_MID) {
                 let at = u64::from_le_bytes(r.fixed("at").ok()?);
                 let len = end.checked_sub(at)?;
                 if at < spool_begin || len > payload.len() as u64 {
@@ -315,6 +394,7 @@ fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
                 end,
                 sha1,
                 registers,
+                mid,
             };
             let prev = states.remove(&journal).map(|r| r.last);
             states.insert(journal, Replayed { last, prev, inline });
@@ -567,6 +647,61 @@ mod tests {
             end,
             sha1: [end as u8; 20],
             registers: LabelSet::from_pairs([("r", reg)]).unwrap(),
+            mid: None,
+        }
+    }
+
+    /// A state as this version records it, with a midstate.
+    fn st_mid(end: u64, reg: &str) -> JournalState {
+        JournalState {
+            mid: Some(Midstate {
+                at: 7 + 64,
+                h: [1, 2, 0x0300_0000, u32::MAX, end as u32],
+            }),
+            ..st(end, reg)
+        }
+    }
+
+    #[test]
+    fn records_with_and_without_a_midstate_read_back() {
+        let mut bytes = Vec::new();
+        encode_record(&mut bytes, "a/b/c", Some(&st(100, "1")), None);
+        encode_record(&mut bytes, "a/b/c", Some(&st_mid(110, "2")), None);
+        encode_record(
+            &mut bytes,
+            "d/e/f",
+            Some(&st(120, "3")),
+            Some((117, b"abc")),
+        );
+        encode_record(
+            &mut bytes,
+            "d/e/f",
+            Some(&st_mid(124, "4")),
+            Some((120, b"defg")),
+        );
+        let mut states = HashMap::new();
+        assert_eq!(replay(&bytes, &mut states), bytes.len());
+        let got: Vec<_> = states["a/b/c"].candidates().cloned().collect();
+        assert_eq!(got, vec![st_mid(110, "2"), st(100, "1")]);
+        let got: Vec<_> = states["d/e/f"].candidates().cloned().collect();
+        assert_eq!(got, vec![st_mid(124, "4"), st(120, "3")]);
+        assert_eq!(
+            states["d/e/f"].inline,
+            Some(Inline {
+                at: 120,
+                bytes: b"defg".to_vec()
+            })
+        );
+        // Every cut of a record is a torn tail whose fields agree.
+        let mut one = Vec::new();
+        encode_record(
+            &mut one,
+            "d/e/f",
+            Some(&st_mid(124, "4")),
+            Some((120, b"defg")),
+        );
+        for cut in 0..one.len() {
+            assert_eq!(torn_tail_error(&one[..cut]), None, "cut at {cut}");
         }
     }
 
@@ -655,8 +790,8 @@ mod tests {
             log.record_commit("d/e/f", &st(11, "2"));
             log.flush(false).await.unwrap();
             let last = log.pos as usize;
-            log.record_commit_inline("a/b/c", &st(13, "3"), 10, b"xyz");
-            log.record_commit("g/h/i", &st(12, "4"));
+            log.record_commit_inline("a/b/c", &st_mid(13, "3"), 10, b"xyz");
+            log.record_commit("g/h/i", &st_mid(12, "4"));
             log.flush(false).await.unwrap();
             last
         });

@@ -5,7 +5,8 @@
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_storage::fragment::parse_fragment_name;
-use rotary_storage::spool::{read_range, CommitPoint, Spool};
+use rotary_storage::spool::{read_range, Check, CommitPoint, Spool};
+use rotary_storage::wal::Midstate;
 use sha1::{Digest, Sha1};
 
 struct Model {
@@ -30,6 +31,29 @@ async fn write(spool: &mut Spool) {
     spool.write_staged().await.unwrap();
 }
 
+/// A check of the commit ending at `end`, hashed from the spool's start or,
+/// with `mid`, from that midstate on.
+fn check(end: u64, sha1: [u8; 20], begin: u64, mid: Option<Midstate>) -> Check {
+    Check {
+        end,
+        sha1,
+        from: mid.map(|m| {
+            (
+                m.at,
+                m.resume(begin, end).expect("a midstate of this spool"),
+            )
+        }),
+    }
+}
+
+/// Checks hashed from the spool's start only.
+fn whole(candidates: &[(u64, [u8; 20])], begin: u64) -> Vec<Check> {
+    candidates
+        .iter()
+        .map(|&(end, sha1)| check(end, sha1, begin, None))
+        .collect()
+}
+
 async fn run(seed: u64, dir: &std::path::Path) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut spool = Spool::create(dir, 0).await.unwrap();
@@ -39,6 +63,9 @@ async fn run(seed: u64, dir: &std::path::Path) {
         pending: Vec::new(),
     };
     let mut last_commit: CommitPoint = spool.commit_point();
+    // The midstate the commit log's record of the last commit carries:
+    // where the bytes it committed began.
+    let mut last_mid = spool.committed_midstate();
     // Staged points above the last commit, with the model's pending length
     // there (a replica drops appends staged after one it keeps).
     let mut marks: Vec<(CommitPoint, usize)> = Vec::new();
@@ -69,6 +96,7 @@ async fn run(seed: u64, dir: &std::path::Path) {
             45..=69 => {
                 // Write and commit everything staged.
                 write(&mut spool).await;
+                last_mid = spool.committed_midstate();
                 last_commit = spool.commit_point();
                 spool.commit(last_commit.clone());
                 m.committed.append(&mut m.pending);
@@ -88,6 +116,7 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 // What stays staged commits exactly.
                 if rng.gen_bool(0.5) {
                     write(&mut spool).await;
+                    last_mid = spool.committed_midstate();
                     last_commit = spool.commit_point();
                     spool.commit(last_commit.clone());
                     m.committed.append(&mut m.pending);
@@ -108,7 +137,9 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 // Crash. The commit log's last record may name the staged
                 // bytes (its write completed, the spool's maybe not):
                 // recovery takes it only if the bytes on disk hash to it,
-                // and otherwise falls back to the record before it.
+                // and otherwise falls back to the record before it. After
+                // a reboot it hashes the spool from its start; after a
+                // crash of the process, only each record's last batch.
                 if rng.gen_bool(0.5) {
                     write(&mut spool).await;
                 }
@@ -120,18 +151,36 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 let staged_sum: [u8; 20] = Sha1::digest(&both).into();
                 let end = spool.committed();
                 let want = spool.committed_sha1();
+                let staged_mid = spool.committed_midstate();
                 drop(spool);
-                let candidates = [(staged_end, staged_sum), (end, want)];
-                let (s, i) = Spool::recover_checked(path, m.begin, &candidates, Default::default())
-                    .await
-                    .unwrap()
-                    .expect("the committed state always matches");
+                let same_boot = rng.gen_bool(0.5);
+                let candidates = [
+                    check(
+                        staged_end,
+                        staged_sum,
+                        m.begin,
+                        same_boot.then_some(staged_mid),
+                    ),
+                    check(end, want, m.begin, same_boot.then_some(last_mid)),
+                ];
+                let (found, hashed) =
+                    Spool::recover_checked(path, m.begin, &candidates, Default::default())
+                        .await
+                        .unwrap();
+                let (s, i) = found.expect("the committed state always matches");
                 assert_eq!(i, usize::from(!all_on_disk), "chosen candidate");
+                let most = if same_boot {
+                    (staged_end - staged_mid.at) + (end - last_mid.at)
+                } else {
+                    staged_end - m.begin
+                };
+                assert!(hashed <= most, "hashed {hashed} bytes, at most {most}");
                 if i == 0 {
                     m.committed = both;
                 }
                 spool = s;
                 last_commit = spool.commit_point();
+                last_mid = spool.committed_midstate();
                 m.pending.clear();
                 marks.clear();
             }
@@ -159,6 +208,7 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 marks.clear();
                 spool = Spool::create(dir, end).await.unwrap();
                 last_commit = spool.commit_point();
+                last_mid = spool.committed_midstate();
             }
         }
         check_file(&spool, &m).await;
@@ -185,17 +235,75 @@ async fn run(seed: u64, dir: &std::path::Path) {
         // Candidates that do not match, or lie past the file, are skipped.
         let mut wrong = want;
         wrong[0] ^= 1;
-        let candidates = [(end + (1 << 30), want), (end, wrong), (end - 1, want)];
-        let none = Spool::recover_checked(path.clone(), m.begin, &candidates, Default::default())
-            .await
-            .unwrap();
+        let candidates = whole(
+            &[(end + (1 << 30), want), (end, wrong), (end - 1, want)],
+            m.begin,
+        );
+        let (none, _) =
+            Spool::recover_checked(path.clone(), m.begin, &candidates, Default::default())
+                .await
+                .unwrap();
         assert!(none.is_none(), "no candidate matches");
-        let candidates = [(end + (1 << 30), want), (end, wrong), (end, want)];
-        let (s, i) = Spool::recover_checked(path, m.begin, &candidates, Default::default())
+        let candidates = whole(
+            &[(end + (1 << 30), want), (end, wrong), (end, want)],
+            m.begin,
+        );
+        let (s, i) = Spool::recover_checked(path.clone(), m.begin, &candidates, Default::default())
             .await
             .unwrap()
+            .0
             .expect("the last candidate matches");
         assert_eq!((i, s.committed(), s.committed_sha1()), (2, end, want));
+        drop(s);
+        // From a midstate, only the bytes after it are hashed; a byte
+        // changed after it is found, one before it is not looked at.
+        let mut sha = rotary_storage::sha::Sha1::new();
+        sha.update(&m.committed[..(m.committed.len() - 1) / 64 * 64]);
+        let mid = Midstate::of(m.begin, &sha);
+        let candidates = [check(end, want, m.begin, Some(mid))];
+        let (found, hashed) =
+            Spool::recover_checked(path.clone(), m.begin, &candidates, Default::default())
+                .await
+                .unwrap();
+        assert_eq!(found.map(|(s, i)| (i, s.committed())), Some((0, end)));
+        assert_eq!(hashed, end - mid.at);
+        let (_, sum) = Spool::recover(path.clone(), m.begin, end).await.unwrap();
+        assert_eq!(sum, want);
+        let flip = |at: u64| {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            let mut b = [0u8];
+            f.read_exact_at(&mut b, at - m.begin).unwrap();
+            f.write_all_at(&[b[0] ^ 1], at - m.begin).unwrap();
+        };
+        flip(end - 1);
+        let (found, _) =
+            Spool::recover_checked(path.clone(), m.begin, &candidates, Default::default())
+                .await
+                .unwrap();
+        assert!(found.is_none(), "a changed byte after the midstate");
+        flip(end - 1);
+        if mid.at > m.begin {
+            flip(mid.at - 1);
+            let (found, _) =
+                Spool::recover_checked(path.clone(), m.begin, &candidates, Default::default())
+                    .await
+                    .unwrap();
+            assert!(found.is_some(), "bytes before the midstate are not read");
+            let (found, _) = Spool::recover_checked(
+                path,
+                m.begin,
+                &whole(&[(end, want)], m.begin),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+            assert!(found.is_none(), "hashed whole, the changed byte is found");
+        }
     }
 }
 
