@@ -712,9 +712,6 @@ async fn file_len(file: &File, path: &Path) -> Result<u64, StorageError> {
         .len())
 }
 
-/// The SHA-1 state after the first `end` bytes of `file`, for each of
-/// `ends` (in any order), in one pass over the file. `None` for an end
-/// beyond the bytes the file holds.
 /// The SHA-1 states after hashing the file's bytes from `start` (where
 /// the state is `sha`) up to each of `ends`; `None` for an end before
 /// `start` or past the end of the file.
@@ -849,6 +846,45 @@ mod sys {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefixes_hash_from_any_start_to_any_end() {
+        use rand::{Rng, SeedableRng};
+        use sha1::Digest;
+        const MIB: usize = 1 << 20;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let bytes: Vec<u8> = (0..9 * MIB + 123).map(|_| rng.r#gen()).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spool");
+        std::fs::write(&path, &bytes).unwrap();
+        let len = bytes.len() as u64;
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (file, _) = open_direct(&path, false).await.unwrap();
+            for start in [0, 64, 4096 * 3 + 640, 5 * MIB as u64 + 64] {
+                let mut sha = Sha1::new();
+                sha.update(&bytes[..start as usize]);
+                // Past the file, before the start, at it, short and long.
+                let ends = [
+                    len + 1,
+                    start.saturating_sub(1),
+                    start,
+                    start + 100,
+                    start + 4 * MIB as u64 + 1,
+                    len,
+                    len - 1,
+                ];
+                let got = hash_prefixes(&file, &path, start, sha, &ends)
+                    .await
+                    .unwrap();
+                for (end, got) in ends.iter().zip(got) {
+                    let want: Option<[u8; 20]> = (*end <= len && *end >= start)
+                        .then(|| sha1::Sha1::digest(&bytes[..*end as usize]).into());
+                    assert_eq!(got.map(|s| s.finalize()), want, "start {start} end {end}");
+                }
+            }
+        });
+    }
 
     #[test]
     fn repair_puts_back_missing_bytes_and_leaves_present_ones_alone() {
