@@ -457,9 +457,8 @@ impl Spool {
         let n = res.map_err(|e| StorageError::io(path, e))?;
         let from = (pos - start) as usize;
         if n >= from + bytes.len() && buf.full()[from..from + bytes.len()] == *bytes {
-            // The spool write completed: nothing to put back. (A write
-            // and fdatasync here cost a journal of a busy shard about a
-            // quarter of a second at start.)
+            // The spool write completed: nothing to put back, and no
+            // fdatasync to wait for at start.
             return Ok(());
         }
         buf.full_mut()[from..from + bytes.len()].copy_from_slice(bytes);
