@@ -667,3 +667,80 @@ async fn a_restart_reads_whole_spools_only_after_a_reboot() {
     bad[5 * MIB + 7] ^= 0x40;
     refused_until_restored(&mut broker, &spool, Some(bad), "matches neither", j, &all).await;
 }
+
+/// A broker that stops answering (here: stopped with SIGSTOP, as a hung
+/// process or a machine gone from the network would look) fails the
+/// client's waiting requests with a timeout, while a live broker keeps
+/// an idle tail open for as long as it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gives_up_on_a_broker_that_stopped_answering() {
+    use rotary_net::client::{ClientError, ClientOptions, ReadEvent};
+    use rotary_net::wire::ReadRequest;
+    let broker = Broker::start();
+    let silence = Duration::from_millis(300);
+    let options = ClientOptions {
+        silence,
+        ..ClientOptions::default()
+    };
+    let client = Client::connect_with(&broker.endpoint(), options)
+        .await
+        .unwrap();
+    let j = "e2e/silence/tail";
+    create_journal(&client, j, |_| {}).await;
+    let first = client.append(&req(j), b"first".to_vec()).await.unwrap();
+
+    // A tail at the head waits five times the silence without an error:
+    // the broker answers the client's PINGs.
+    let at_head = ReadRequest {
+        journal: j.into(),
+        offset: Some(first.end),
+        end_offset: None,
+    };
+    let mut tail = client.read(&at_head, true, false).await.unwrap();
+    let quiet = tokio::time::timeout(silence * 5, tail.next()).await;
+    assert!(quiet.is_err(), "the tail waits quietly: {quiet:?}");
+    client.append(&req(j), b"second".to_vec()).await.unwrap();
+    match tail.next().await.unwrap().unwrap() {
+        ReadEvent::Data { offset, content } => {
+            assert_eq!((offset, &content[..]), (first.end, &b"second"[..]))
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Stopped, the broker answers nothing: the tail and an append sent
+    // after the stop both fail with a timeout within about twice the
+    // silence.
+    let pid = broker.pid().unwrap() as libc::pid_t;
+    // SAFETY: signals a child process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let started = std::time::Instant::now();
+    let never = req(j);
+    let append = client.append(&never, b"never".to_vec());
+    let (ev, appended) = tokio::time::timeout(Duration::from_secs(20), async {
+        tokio::join!(tail.next(), append)
+    })
+    .await
+    .expect("the client gives up on a stopped broker within 20 s");
+    let waited = started.elapsed();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let timed_out = |e: &ClientError| matches!(e, ClientError::Io { source, .. } if source.kind() == std::io::ErrorKind::TimedOut);
+    match ev {
+        Some(Err(e)) => assert!(timed_out(&e), "tail: {e}"),
+        other => panic!("tail: {other:?}"),
+    }
+    let e = appended.unwrap_err();
+    assert!(timed_out(&e) && e.is_retryable(), "append: {e}");
+    assert!(waited >= silence * 2, "gave up after {waited:?}");
+
+    // Running again, the broker has what was acknowledged. The append the
+    // client gave up on was sent to a stopped broker; whether it committed
+    // is unknown to the client (the error says retryable, outcome
+    // unknown), so the read takes either.
+    let got = read_all(&client, j).await;
+    assert!(
+        got == b"firstsecond" || got == b"firstsecondnever",
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+}

@@ -641,6 +641,45 @@ mod sys {
         }
     }
 
+    /// Turns on TCP keepalive for a client's connection, probing after
+    /// `idle` without traffic, every `interval`, `count` times: a client
+    /// whose machine died or left the network without a reset is then
+    /// found, and its connection (a blocking read waiting at the write
+    /// head, say) closed, instead of being kept for ever.
+    pub fn keep_alive(
+        fd: std::os::fd::RawFd,
+        idle: std::time::Duration,
+        interval: std::time::Duration,
+        count: u32,
+    ) -> std::io::Result<()> {
+        let set = |level, name, value: libc::c_int| {
+            // SAFETY: value is a valid c_int for the length given.
+            let rc = unsafe {
+                libc::setsockopt(
+                    fd,
+                    level,
+                    name,
+                    (&value as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        };
+        let secs = |d: std::time::Duration| d.as_secs().clamp(1, i32::MAX as u64) as libc::c_int;
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, secs(idle))?;
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, secs(interval))?;
+        set(
+            libc::IPPROTO_TCP,
+            libc::TCP_KEEPCNT,
+            count.max(1) as libc::c_int,
+        )?;
+        set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)
+    }
+
     /// Raises this process's soft RLIMIT_NOFILE to its hard limit.
     pub fn raise_open_files_limit() {
         let mut lim = std::mem::MaybeUninit::<libc::rlimit>::uninit();
@@ -721,6 +760,40 @@ mod sys {
 
 #[cfg(test)]
 mod tests {
+    /// The keepalive settings land on the socket.
+    #[test]
+    #[allow(unsafe_code)]
+    fn client_connections_get_keepalive() {
+        use std::os::fd::AsRawFd;
+        use std::time::Duration;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let fd = s.as_raw_fd();
+        let get = |level, name| {
+            let mut v: libc::c_int = -1;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: v and len are valid out-pointers of the right size.
+            let rc = unsafe {
+                libc::getsockopt(
+                    fd,
+                    level,
+                    name,
+                    (&mut v as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            assert_eq!(rc, 0);
+            v
+        };
+        assert_eq!(get(libc::SOL_SOCKET, libc::SO_KEEPALIVE), 0);
+        super::sys::keep_alive(fd, Duration::from_secs(61), Duration::from_secs(7), 4).unwrap();
+        assert_eq!(get(libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 61);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 7);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 4);
+    }
+
     /// A port held a moment longer (by a broker still exiting) is waited
     /// for; one held for good fails the start once the wait is over.
     #[test]

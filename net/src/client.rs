@@ -28,7 +28,8 @@ mod direct;
 mod fetch;
 
 pub use conn::{
-    CONNECT_TIMEOUT, READ_FRAMES_BUFFERED_MAX, REPLY_BODY_LEN_MAX, WRITE_QUEUE_BYTES_MAX,
+    CONNECT_TIMEOUT, READ_FRAMES_BUFFERED_MAX, REPLY_BODY_LEN_MAX, SILENCE_DEFAULT,
+    WRITE_QUEUE_BYTES_MAX,
 };
 pub use direct::{
     DirectRead, DirectReadStats, DIRECT_AHEAD_BYTES_MAX, DIRECT_DATA_LEN_MAX,
@@ -353,6 +354,29 @@ impl ReadDone {
     }
 }
 
+/// How a [`Client`] connects.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Send every journal request to the bootstrap broker (its shard for
+    /// the journal), never to another broker of the route: see
+    /// [`Client::connect_pinned`].
+    pub pinned: bool,
+    /// How long a connection with requests waiting may hear nothing from
+    /// its broker before it is probed with a PING; requests fail with a
+    /// `TimedOut` I/O error once it has heard nothing for twice this long.
+    /// Default [`SILENCE_DEFAULT`].
+    pub silence: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            pinned: false,
+            silence: SILENCE_DEFAULT,
+        }
+    }
+}
+
 /// A client of one broker. Clones share connections and the route cache.
 #[derive(Clone)]
 pub struct Client {
@@ -369,9 +393,7 @@ struct Inner {
     conns: Mutex<HashMap<String, Slot>>,
     /// Journal name → endpoint of its shard.
     routes: Mutex<HashMap<String, String>>,
-    /// Send every journal request to the bootstrap broker (its shard for
-    /// the journal), never to another broker of the route.
-    pinned: bool,
+    options: ClientOptions,
     /// HTTP agent of direct reads, made on first use.
     http: OnceLock<ureq::Agent>,
 }
@@ -392,23 +414,31 @@ impl Client {
     /// Connects to a broker through any of its shard endpoints (`host:port`).
     /// Appends go to each journal's primary, wherever the route puts it.
     pub async fn connect(endpoint: &str) -> Result<Client, ClientError> {
-        Client::open(endpoint, false).await
+        Client::connect_with(endpoint, ClientOptions::default()).await
     }
 
     /// Connects to one broker and keeps every journal request on it (on
     /// its shard for the journal): requests for journals it does not hold
     /// are proxied by it, or refused when the request says not to proxy.
     pub async fn connect_pinned(endpoint: &str) -> Result<Client, ClientError> {
-        Client::open(endpoint, true).await
+        let options = ClientOptions {
+            pinned: true,
+            ..ClientOptions::default()
+        };
+        Client::connect_with(endpoint, options).await
     }
 
-    async fn open(endpoint: &str, pinned: bool) -> Result<Client, ClientError> {
+    /// Connects to a broker, as `options` say.
+    pub async fn connect_with(
+        endpoint: &str,
+        options: ClientOptions,
+    ) -> Result<Client, ClientError> {
         let client = Client {
             inner: Arc::new(Inner {
                 bootstrap: endpoint.to_string(),
                 conns: Mutex::new(HashMap::new()),
                 routes: Mutex::new(HashMap::new()),
-                pinned,
+                options,
                 http: OnceLock::new(),
             }),
         };
@@ -433,7 +463,7 @@ impl Client {
                 return Ok(c.clone());
             }
         }
-        let c = Conn::open(endpoint).await?;
+        let c = Conn::open(endpoint, self.inner.options.silence).await?;
         *guard = Some(c.clone());
         Ok(c)
     }
@@ -464,7 +494,7 @@ impl Client {
             Some(e) => e,
             None => {
                 let route = self.route(journal).await?;
-                let target = if self.inner.pinned && !route.local_endpoint.is_empty() {
+                let target = if self.inner.options.pinned && !route.local_endpoint.is_empty() {
                     &route.local_endpoint
                 } else {
                     &route.endpoint
@@ -1452,6 +1482,107 @@ mod tests {
         assert!(err.to_string().contains("no stats today"), "{err}");
         client.ping().await.unwrap();
         server.await.unwrap();
+    }
+
+    /// A fake broker that reads requests and answers none of them, nor
+    /// PINGs unless `pongs`. Returns its address and the request ids of the
+    /// PINGs it got so far.
+    async fn silent_broker(pongs: bool) -> (String, Arc<Mutex<Vec<u64>>>) {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let pings = Arc::new(Mutex::new(Vec::new()));
+        let seen = pings.clone();
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            let mut tmp = vec![0u8; 1 << 16];
+            loop {
+                let n = sock.read(&mut tmp).await.unwrap();
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&tmp[..n]);
+                while let Some((f, used)) = wire::decode_frame(&buf, wire::BODY_LEN_MAX).unwrap() {
+                    if f.op == Op::PING {
+                        lock(&seen).push(f.request_id);
+                        if pongs {
+                            let mut out = Vec::new();
+                            let id = f.request_id;
+                            wire::encode_frame(&mut out, Op::PONG, 0, Status::OK, id, &[], &[]);
+                            sock.write_all(&out).await.unwrap();
+                        }
+                    }
+                    buf.drain(..used);
+                }
+            }
+        });
+        (addr, pings)
+    }
+
+    fn quick(silence: Duration) -> ClientOptions {
+        ClientOptions {
+            silence,
+            ..ClientOptions::default()
+        }
+    }
+
+    /// A broker that stops answering fails the requests waiting on it
+    /// after twice the silence, having been sent one PING.
+    #[tokio::test]
+    async fn a_broker_that_answers_nothing_fails_waiting_requests_in_time() {
+        let (addr, pings) = silent_broker(false).await;
+        let silence = Duration::from_millis(150);
+        let client = Client::connect_with(&addr, quick(silence)).await.unwrap();
+        let started = std::time::Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(10), client.stats())
+            .await
+            .expect("the silent broker is given up on well before 10 s")
+            .unwrap_err();
+        let waited = started.elapsed();
+        let ClientError::Io { source, .. } = &err else {
+            panic!("want an I/O error, got {err:?}");
+        };
+        assert_eq!(source.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(
+            err.to_string().contains("not even an answer to a PING"),
+            "{err}"
+        );
+        assert!(err.is_retryable());
+        assert!(waited >= silence * 2, "given up after {waited:?}");
+        assert_eq!(*lock(&pings), vec![u64::MAX]);
+        // The connection is gone; the next request opens another, which
+        // the fake broker never serves: it is given up on the same way.
+        assert!(client.stats().await.is_err());
+    }
+
+    /// A broker that answers PINGs is alive however long a request waits
+    /// (a blocking read at the write head waits for as long as it takes).
+    #[tokio::test]
+    async fn a_broker_that_answers_pings_keeps_requests_waiting() {
+        let (addr, pings) = silent_broker(true).await;
+        let silence = Duration::from_millis(100);
+        let client = Client::connect_with(&addr, quick(silence)).await.unwrap();
+        let waited = tokio::time::timeout(Duration::from_millis(1500), client.stats()).await;
+        assert!(waited.is_err(), "the request still waits: {waited:?}");
+        let pings = lock(&pings).clone();
+        assert!(
+            pings.len() >= 3,
+            "probed again after each answer: {pings:?}"
+        );
+        assert!(pings.iter().all(|&id| id == u64::MAX));
+    }
+
+    /// An idle connection (nothing waiting) is not probed.
+    #[tokio::test]
+    async fn an_idle_connection_is_not_probed() {
+        let (addr, pings) = silent_broker(false).await;
+        let client = Client::connect_with(&addr, quick(Duration::from_millis(50)))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(lock(&pings).is_empty());
+        drop(client);
     }
 
     async fn futures_join_all<F: std::future::Future + Send + 'static>(

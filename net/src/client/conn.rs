@@ -45,6 +45,13 @@ const PAYLOAD_COPY_LEN_MAX: usize = 16 << 10;
 const WRITE_SLICES_MAX: usize = 64;
 /// Free space the reader keeps in its buffer before each read.
 const READ_BUFFER_SPARE_MIN: usize = 64 << 10;
+/// How long a connection with requests waiting may hear nothing from its
+/// broker before the client sends it a PING; after as long again with
+/// still nothing, the connection is given up (see [`Conn::open`]).
+pub const SILENCE_DEFAULT: Duration = Duration::from_secs(15);
+/// Request id of the reader's PINGs. Requests count up from 1 and never
+/// reach it, so its PONG finds no waiter and is dropped.
+const PROBE_ID: u64 = u64::MAX;
 
 const _: () = assert!(WRITE_QUEUE_BYTES_MAX <= Semaphore::MAX_PERMITS);
 const _: () = assert!(WRITE_QUEUE_BYTES_MAX <= u32::MAX as usize);
@@ -168,7 +175,17 @@ impl Drop for Conn {
 
 impl Conn {
     /// Connects to `endpoint` and starts the reader and writer tasks.
-    pub async fn open(endpoint: &str) -> Result<Arc<Conn>, ClientError> {
+    ///
+    /// While requests wait on the connection, its reader expects to hear
+    /// from the broker: after `silence` without a byte it sends a PING
+    /// (a live broker answers it even while every request waits, e.g. a
+    /// blocking read at the write head), and after `silence` more without
+    /// a byte it closes the connection, failing every waiting request with
+    /// a `TimedOut` I/O error. So a broker that stopped, hung or vanished
+    /// from the network without a reset fails them within `2 × silence`.
+    /// A reader held back by a slow consumer of a read stream is not
+    /// reading the socket and is not counted as silence.
+    pub async fn open(endpoint: &str, silence: Duration) -> Result<Arc<Conn>, ClientError> {
         let io_err = |e: io::Error| ClientError::Io {
             endpoint: endpoint.to_string(),
             source: Arc::new(e),
@@ -190,8 +207,9 @@ impl Conn {
             state: Mutex::new(State::default()),
         });
         let (tx, rx) = mpsc::unbounded_channel();
+        let probe = tx.clone();
         tokio::spawn(write_loop(wr, rx, shared.clone()));
-        let reader = tokio::spawn(read_loop(rd, shared.clone()));
+        let reader = tokio::spawn(read_loop(rd, shared.clone(), probe, silence));
         Ok(Arc::new(Conn {
             endpoint: endpoint.to_string(),
             shared,
@@ -363,8 +381,15 @@ async fn write_segments(wr: &mut OwnedWriteHalf, segments: &mut VecDeque<Bytes>)
     Ok(())
 }
 
-async fn read_loop(mut rd: OwnedReadHalf, shared: Arc<Shared>) {
+async fn read_loop(
+    mut rd: OwnedReadHalf,
+    shared: Arc<Shared>,
+    probe: mpsc::UnboundedSender<Outgoing>,
+    silence: Duration,
+) {
     let mut buf = BytesMut::with_capacity(READ_BUFFER_SPARE_MIN);
+    // Whether a PING went out since the last byte came in.
+    let mut probed = false;
     let why = loop {
         match wire::decode_header(&buf, REPLY_BODY_LEN_MAX) {
             Err(e) => break Closed::Protocol(ProtocolError::Wire(e)),
@@ -379,7 +404,34 @@ async fn read_loop(mut rd: OwnedReadHalf, shared: Arc<Shared>) {
             }
             Ok(None) => buf.reserve(READ_BUFFER_SPARE_MIN),
         }
-        match rd.read_buf(&mut buf).await {
+        // `read_buf` is cancel-safe: a read that times out took no bytes.
+        let read = match tokio::time::timeout(silence, rd.read_buf(&mut buf)).await {
+            Ok(read) => read,
+            Err(_) if shared.lock().pending.is_empty() => continue,
+            Err(_) if probed => {
+                break Closed::Io(Arc::new(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the broker sent nothing for {:?} while requests waited, \
+                         not even an answer to a PING",
+                        silence * 2
+                    ),
+                )))
+            }
+            Err(_) => {
+                probed = true;
+                let header = wire::frame_header(Op::PING, 0, Status::OK, PROBE_ID, 0, 0);
+                let _ = probe.send(Outgoing {
+                    header,
+                    meta: Bytes::new(),
+                    payload: Bytes::new(),
+                    _permit: None,
+                });
+                continue;
+            }
+        };
+        probed = false;
+        match read {
             Ok(0) => {
                 break Closed::Io(Arc::new(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
