@@ -37,7 +37,11 @@ const READ_BUFFER_BYTES: usize = 256 << 10;
 /// reading while its shard's [`QueueBudget`] is spent. Below it, it reads
 /// on: it may be streaming the append its journal waits for.
 pub const CONN_APPEND_QUEUE_BYTES_FREE: usize = 1 << 20;
-/// TCP keepalive of client connections: first probe after this long
+/// How long connecting to another shard or broker, to forward or proxy a
+/// request, may take before the request is answered `IO_ERROR`.
+pub const RELAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP keepalive of client connections (and of the relays a broker opens
+/// to forward or proxy their requests): first probe after this long
 /// without traffic, then probes this far apart, this many unanswered
 /// before the kernel resets the connection: a client gone without a
 /// reset is found within about 90 s.
@@ -1244,7 +1248,16 @@ impl Conn {
     /// connection's relay to it; replies flow back to the client as they are.
     async fn forward_to(&mut self, addr: SocketAddr, raw: &[u8]) {
         if self.relays.get(&addr).is_none_or(|r| r.is_closed()) {
-            let stream = match TcpStream::connect(addr).await {
+            // A peer that does not answer the SYN would hold this
+            // connection's requests for the kernel's minutes.
+            let connect = compio::time::timeout(RELAY_CONNECT_TIMEOUT, TcpStream::connect(addr));
+            let connected = connect.await.unwrap_or_else(|_| {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no connection within {RELAY_CONNECT_TIMEOUT:?}"),
+                ))
+            });
+            let stream = match connected {
                 Ok(s) => s,
                 Err(e) => {
                     let id = header_request_id(raw);
@@ -1259,6 +1272,11 @@ impl Conn {
                 }
             };
             let _ = stream.set_nodelay(true);
+            {
+                use std::os::fd::AsRawFd;
+                let (idle, interval, count) = CLIENT_KEEPALIVE;
+                let _ = crate::sys::keep_alive(stream.as_raw_fd(), idle, interval, count);
+            }
             let (rd, wr) = stream.into_split();
             let relay = Rc::new(Outbox::new());
             compio::runtime::spawn(outbox::writer(wr, relay.clone())).detach();

@@ -723,6 +723,7 @@ async fn list_journal(
         .map_err(|e| store.err(journal, e))?;
     let mut fragments = Vec::new();
     collect(&store, journal, top.objects, &mut fragments);
+    let mut dirs = vec![base.clone()];
     for dir in top.common_prefixes {
         // Postfix directories only (see `name`): other directories hold
         // child journals.
@@ -734,9 +735,65 @@ async fn list_journal(
             .await
             .map_err(|e| store.err(dir.as_ref(), e))?;
         collect(&store, journal, postfixed.objects, &mut fragments);
+        dirs.push(dir);
+    }
+    if let Some(root) = store.url.file_dir() {
+        let dirs: Vec<_> = dirs.iter().map(|d| root.join(d.as_ref())).collect();
+        blocking(move || {
+            for dir in dirs {
+                remove_stale_staging(&dir, STAGING_STALE_AFTER);
+            }
+        })
+        .await;
     }
     fragments.sort_by(|a, b| (a.begin, a.end, &a.key).cmp(&(b.begin, b.end, &b.key)));
     Ok(fragments)
+}
+
+/// A `file://` store writes each object into `<name>#<n>` and renames it
+/// into place; a broker killed in between leaves that file behind, which
+/// listings skip. Those of a journal's directories untouched this long are
+/// removed when the journal is listed. A writer still at work on one gets
+/// an error at its rename and uploads again.
+pub const STAGING_STALE_AFTER: Duration = Duration::from_secs(3600);
+
+/// Removes the staging files in `dir` (not below it) last modified more
+/// than `age` ago; returns how many.
+pub fn remove_stale_staging(dir: &std::path::Path, age: Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some((_, suffix)) = name.to_str().and_then(|n| n.rsplit_once('#')) else {
+            continue;
+        };
+        if suffix.is_empty() || !suffix.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(meta) = entry.metadata() else {
+            continue;
+        };
+        let stale = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|e| e >= age);
+        if meta.is_file() && stale {
+            let path = entry.path();
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    removed += 1;
+                    tracing::info!(path = %path.display(), "removed an upload's stale staging file");
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove a stale staging file")
+                }
+            }
+        }
+    }
+    removed
 }
 
 fn collect(

@@ -152,6 +152,47 @@ fn listing_is_exactly_the_journals_fragments() {
     assert!(matches!(e, StoreError::BadJournal { .. }), "{e}");
 }
 
+/// What a broker killed mid-upload leaves in a file store (`<name>#<n>`)
+/// is removed by a later listing once it is an hour old; other files, and
+/// staging files that may still be written, stay.
+#[test]
+fn listing_removes_stale_staging_files() {
+    let s = setup();
+    let f = Fragment::write(s.local.path(), "st/a", 0, data(4000, 1));
+    let stored = upload_ok(&s.up, &f, Codec::None, &s.store);
+    std::fs::create_dir_all(s.object("st/a/pivot=1")).unwrap();
+    let aged = |rel: &str, hours: u64| {
+        let path = s.object(rel);
+        std::fs::write(&path, b"half an upload").unwrap();
+        let when = std::time::SystemTime::now() - Duration::from_secs(hours * 3600);
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(when)
+            .unwrap();
+        path
+    };
+    let stale = aged(&format!("{}#1", stored.key), 2);
+    let stale_postfixed = aged("st/a/pivot=1/0000000000000000-0000000000000010-x.raw#12", 2);
+    let fresh = aged(&format!("{}#2", stored.key), 0);
+    let not_staging = aged("st/a/notes#v1", 2);
+    let not_staging_empty = aged("st/a/notes#", 2);
+
+    let listed = block_on(s.up.list(&s.store, "st/a")).unwrap();
+    let keys: Vec<&str> = listed.iter().map(|f| f.key.as_str()).collect();
+    assert_eq!(keys, vec![stored.key.as_str()]);
+    assert!(!stale.exists() && !stale_postfixed.exists());
+    assert!(fresh.exists() && not_staging.exists() && not_staging_empty.exists());
+    assert!(s.object(&stored.key).exists());
+    assert_eq!(
+        rotary_uploader::remove_stale_staging(&s.object("st/a"), Duration::ZERO),
+        1,
+        "only the fresh staging file is left to remove"
+    );
+    assert!(!fresh.exists());
+}
+
 #[test]
 fn read_streams_exact_bytes_from_the_middle() {
     let s = setup();
