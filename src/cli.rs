@@ -193,6 +193,19 @@ struct ServeArgs {
     /// besides once at start. A duration such as 30s or 5m; 0 = only at start.
     #[arg(long = "spec-sync-interval", value_name = "DURATION", value_parser = parse_spec_sync, default_value = "1m")]
     spec_sync_interval: std::time::Duration,
+    /// How long a broker or shard that a request was forwarded or proxied
+    /// to may send nothing while the request waits, before it is PINGed;
+    /// after as long again with nothing, the request is answered IO_ERROR.
+    /// A duration such as 15s.
+    #[arg(long = "peer-silence", value_name = "DURATION", value_parser = parse_peer_silence, default_value = "15s")]
+    peer_silence: std::time::Duration,
+}
+
+fn parse_peer_silence(s: &str) -> Result<std::time::Duration, String> {
+    match rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())? {
+        d if d < std::time::Duration::from_millis(100) => Err("must be at least 100ms".to_string()),
+        d => Ok(d),
+    }
 }
 
 fn parse_spec_sync(s: &str) -> Result<std::time::Duration, String> {
@@ -632,6 +645,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.cpus = args.cpus.map(|c| c.0).unwrap_or_default();
     config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
     config.spec_sync_interval = args.spec_sync_interval;
+    config.peer_silence = args.peer_silence;
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 
@@ -1146,6 +1160,15 @@ mod tests {
         assert_eq!(args.append_queue_budget, 1 << 30);
         assert!(Cli::try_parse_from(["rotary", "serve", "--upload-threads", "0"]).is_err());
         assert!(Cli::try_parse_from(["rotary", "serve", "--spool-budget", "lots"]).is_err());
+        assert_eq!(args.peer_silence, std::time::Duration::from_secs(15));
+        assert!(Cli::try_parse_from(["rotary", "serve", "--peer-silence", "50ms"]).is_err());
+        let Cmd::Serve(args) = Cli::try_parse_from(["rotary", "serve", "--peer-silence", "2s"])
+            .unwrap()
+            .cmd
+        else {
+            panic!("serve");
+        };
+        assert_eq!(args.peer_silence, std::time::Duration::from_secs(2));
     }
 
     #[test]

@@ -37,6 +37,8 @@ const READ_BUFFER_BYTES: usize = 256 << 10;
 /// reading while its shard's [`QueueBudget`] is spent. Below it, it reads
 /// on: it may be streaming the append its journal waits for.
 pub const CONN_APPEND_QUEUE_BYTES_FREE: usize = 1 << 20;
+/// Default of `rotary serve --peer-silence` (`ServeConfig::peer_silence`).
+pub const PEER_SILENCE_DEFAULT: Duration = Duration::from_secs(15);
 /// How long connecting to another shard or broker, to forward or proxy a
 /// request, may take before the request is answered `IO_ERROR`.
 pub const RELAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -207,7 +209,7 @@ struct Conn {
     /// Requests forwarded to another shard or broker, by request id.
     forwarded: HashMap<u64, SocketAddr>,
     /// Connections to other shards and brokers, by endpoint.
-    relays: HashMap<SocketAddr, Rc<Outbox>>,
+    relays: HashMap<SocketAddr, Relay>,
     /// Replicated appends open on this connection (it comes from a
     /// primary), by the primary's sequence number.
     repl_ops: HashMap<u64, (Rc<AppendOp>, JournalRef)>,
@@ -607,7 +609,7 @@ impl Conn {
             // Forwarding is async only while connecting; chunks follow an
             // APPEND that already connected the relay.
             if let Some(relay) = self.relays.get(&addr) {
-                relay.raw(body.raw());
+                relay.out.raw(body.raw());
             }
             return;
         }
@@ -1247,7 +1249,7 @@ impl Conn {
     /// Sends a raw request frame to another shard or broker over this
     /// connection's relay to it; replies flow back to the client as they are.
     async fn forward_to(&mut self, addr: SocketAddr, raw: &[u8]) {
-        if self.relays.get(&addr).is_none_or(|r| r.is_closed()) {
+        if self.relays.get(&addr).is_none_or(|r| r.out.is_closed()) {
             // A peer that does not answer the SYN would hold this
             // connection's requests for the kernel's minutes.
             let connect = compio::time::timeout(RELAY_CONNECT_TIMEOUT, TcpStream::connect(addr));
@@ -1278,13 +1280,24 @@ impl Conn {
                 let _ = crate::sys::keep_alive(stream.as_raw_fd(), idle, interval, count);
             }
             let (rd, wr) = stream.into_split();
-            let relay = Rc::new(Outbox::new());
-            compio::runtime::spawn(outbox::writer(wr, relay.clone())).detach();
+            let relay = Relay {
+                out: Rc::new(Outbox::new()),
+                watch: Rc::new(RelayWatch::new()),
+            };
+            compio::runtime::spawn(outbox::writer(wr, relay.out.clone())).detach();
             compio::runtime::spawn(pump(rd, self.outbox.clone(), relay.clone())).detach();
+            let silence = self.shard.peer_silence;
+            compio::runtime::spawn(watch(addr, self.outbox.clone(), relay.clone(), silence))
+                .detach();
             self.relays.insert(addr, relay);
         }
         if let Some(relay) = self.relays.get(&addr) {
-            relay.raw(raw);
+            if let Ok(Some((h, _))) = wire::decode_header(raw, u32::MAX) {
+                if Op::from_code(h.op) != Some(Op::CANCEL) {
+                    relay.watch.pending.borrow_mut().insert(h.request_id.get());
+                }
+            }
+            relay.out.raw(raw);
         }
     }
 
@@ -1297,7 +1310,7 @@ impl Conn {
             c.cancel();
         }
         for r in self.relays.values() {
-            r.close();
+            r.out.close();
         }
         self.outbox.close();
     }
@@ -1372,13 +1385,53 @@ fn with_flag(raw: &[u8], bits: u8) -> Vec<u8> {
 }
 
 /// Copies whole reply frames from a relay connection to the client.
-async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Rc<Outbox>) {
+/// A connection to another shard or broker that a client connection's
+/// requests are forwarded or proxied over.
+#[derive(Clone)]
+struct Relay {
+    out: Rc<Outbox>,
+    watch: Rc<RelayWatch>,
+}
+
+/// What a relay has in flight, and when it last heard from its peer.
+struct RelayWatch {
+    /// Requests forwarded and not yet given their final reply.
+    pending: RefCell<HashSet<u64>>,
+    heard: Cell<Instant>,
+    /// Given up on: what arrives from the peer later is dropped.
+    abandoned: Cell<bool>,
+}
+
+impl RelayWatch {
+    fn new() -> Self {
+        RelayWatch {
+            pending: RefCell::new(HashSet::new()),
+            heard: Cell::new(Instant::now()),
+            abandoned: Cell::new(false),
+        }
+    }
+}
+
+/// Request id of a relay's own PINGs: its PONG is not the client's.
+const RELAY_PROBE_ID: u64 = u64::MAX;
+
+/// Copies reply frames from a relay back to the client connection.
+async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Relay) {
     let mut buf: Vec<u8> = Vec::with_capacity(READ_BUFFER_BYTES);
     loop {
         let mut start = 0;
-        while let Ok(Some((_, total))) = wire::decode_header(&buf[start..], u32::MAX) {
+        while let Ok(Some((h, total))) = wire::decode_header(&buf[start..], u32::MAX) {
             if buf.len() - start < total {
                 break;
+            }
+            let id = h.request_id.get();
+            let op = Op::from_code(h.op);
+            if op == Some(Op::PONG) && id == RELAY_PROBE_ID {
+                start += total;
+                continue;
+            }
+            if !matches!(op, Some(Op::READ_DATA | Op::READ_FRAGMENT)) {
+                relay.watch.pending.borrow_mut().remove(&id);
             }
             client.raw(&buf[start..start + total]);
             start += total;
@@ -1387,11 +1440,16 @@ async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Rc<Outbox>) {
         if buf.capacity() - buf.len() < READ_BUFFER_BYTES / 4 {
             buf.reserve(READ_BUFFER_BYTES);
         }
-        if client.is_closed() {
+        if client.is_closed() || relay.watch.abandoned.get() {
             break;
         }
         let BufResult(res, b) = rd.read(buf.uninit()).await;
         buf = b.into_inner();
+        if relay.watch.abandoned.get() {
+            // Its requests were answered already.
+            return;
+        }
+        relay.watch.heard.set(Instant::now());
         match res {
             Ok(0) | Err(_) => break,
             Ok(_) => {}
@@ -1400,10 +1458,59 @@ async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Rc<Outbox>) {
     }
     // Requests in flight over the relay will get no answer: closing the
     // client's connection tells it so (it retries elsewhere).
-    if !relay.is_closed() {
+    if !relay.out.is_closed() {
         client.close();
     }
-    relay.close();
+    relay.out.close();
+}
+
+/// Watches a relay whose requests wait: after `silence` without a byte
+/// from its peer it sends a PING, and after `silence` more with still
+/// nothing it answers each of them `IO_ERROR` and closes the relay. The
+/// client's connection stays: its other requests are not the peer's.
+async fn watch(peer: SocketAddr, client: Rc<Outbox>, relay: Relay, silence: Duration) {
+    // When the PING went out, if one is unanswered.
+    let mut probe: Option<Instant> = None;
+    loop {
+        compio::time::sleep(silence / 4).await;
+        if relay.out.is_closed() || client.is_closed() {
+            return;
+        }
+        if relay.watch.pending.borrow().is_empty() {
+            probe = None;
+            continue;
+        }
+        let heard = relay.watch.heard.get();
+        if probe.is_some_and(|p| heard >= p) {
+            probe = None;
+        }
+        let quiet = heard.elapsed();
+        if quiet < silence {
+            continue;
+        }
+        match probe {
+            None => {
+                probe = Some(Instant::now());
+                let mut ping = Vec::new();
+                wire::encode_frame(&mut ping, Op::PING, 0, Status::OK, RELAY_PROBE_ID, &[], &[]);
+                relay.out.raw(&ping);
+                continue;
+            }
+            Some(p) if p.elapsed() < silence => continue,
+            Some(_) => {}
+        }
+        relay.watch.abandoned.set(true);
+        let pending: Vec<u64> = relay.watch.pending.borrow_mut().drain().collect();
+        tracing::warn!(%peer, requests = pending.len(), ?quiet, "a peer answered nothing, not even a PING: its requests are answered IO_ERROR");
+        let msg = format!(
+            "{peer}, which the request was forwarded to, sent nothing for {quiet:.1?}, not even an answer to a PING"
+        );
+        for id in pending {
+            client.error(Op::ERROR, Status::IO_ERROR, id, &[], &msg);
+        }
+        relay.out.close();
+        return;
+    }
 }
 
 /// APPLY's payload: a JSON array of specs from a client, or, from a peer

@@ -73,6 +73,11 @@ pub struct ServeConfig {
     /// each peer's and takes newer ones, besides once at start; zero = only
     /// at start.
     pub spec_sync_interval: Duration,
+    /// How long a peer (another broker, or another shard of this one) that
+    /// a request was forwarded or proxied to may send nothing while the
+    /// request waits, before it is sent a PING; after as long again with
+    /// still nothing, its requests are answered `IO_ERROR`.
+    pub peer_silence: Duration,
     /// A static cluster file and this broker's id in it. The broker then
     /// listens on its endpoint from the file (`listen` is ignored).
     pub cluster: Option<(PathBuf, String)>,
@@ -96,6 +101,7 @@ impl ServeConfig {
             cpus: Vec::new(),
             iowq_cpus: Vec::new(),
             spec_sync_interval: Duration::from_secs(60),
+            peer_silence: crate::conn::PEER_SILENCE_DEFAULT,
             cluster: None,
         }
     }
@@ -376,6 +382,7 @@ impl Broker {
                     topology: topology.clone(),
                     commit_log_compact_bytes: config.commit_log_compact_bytes,
                     spec_sync_interval: config.spec_sync_interval,
+                    peer_silence: config.peer_silence,
                 },
                 ring_entries: config.ring_entries,
                 shutdown_upload_timeout: config.shutdown_upload_timeout,

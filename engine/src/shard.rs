@@ -94,6 +94,8 @@ pub struct Shard {
     sizing: SpoolSizing,
     topology: Arc<Topology>,
     spec_sync_interval: std::time::Duration,
+    /// See `ServeConfig::peer_silence`.
+    pub peer_silence: std::time::Duration,
     /// The last snapshot taken, and the topology version it came from.
     view: RefCell<(u64, Arc<ClusterView>)>,
     /// Pipelines to peer shards, by (peer id, endpoint).
@@ -181,6 +183,7 @@ pub struct ShardConfig {
     pub topology: Arc<Topology>,
     pub commit_log_compact_bytes: u64,
     pub spec_sync_interval: std::time::Duration,
+    pub peer_silence: std::time::Duration,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -281,6 +284,7 @@ impl Shard {
             topology,
             commit_log_compact_bytes,
             spec_sync_interval,
+            peer_silence,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
@@ -386,6 +390,7 @@ impl Shard {
             view: RefCell::new((topology.version(), topology.snapshot())),
             topology,
             spec_sync_interval,
+            peer_silence,
             pipelines: RefCell::new(HashMap::new()),
             next_seq: Cell::new(1),
             inflight: RefCell::new(Default::default()),

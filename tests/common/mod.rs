@@ -605,3 +605,44 @@ pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     std::fs::write(&p, bytes).unwrap();
     p
 }
+
+/// Stops process `pid` with SIGSTOP and waits until it is stopped (the
+/// signal takes effect a moment after `kill` returns), so that nothing it
+/// does afterwards races with the caller.
+pub fn stop_process(pid: u32) {
+    // SAFETY: signals a child process the test started.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Every thread of it: each stops when it next takes the signal.
+    let states = || -> Vec<Option<char>> {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return vec![None];
+        };
+        tasks
+            .flatten()
+            .map(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the command name, in parentheses.
+                stat.rsplit_once(')')
+                    .and_then(|(_, r)| r.trim_start().chars().next())
+            })
+            .collect()
+    };
+    loop {
+        let now = states();
+        if now.iter().all(|s| *s == Some('T')) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} not stopped: {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Lets a process stopped by [`stop_process`] run again.
+pub fn continue_process(pid: u32) {
+    // SAFETY: signals a child process the test started.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
+}
