@@ -2191,7 +2191,9 @@ async fn requests_proxied_to_a_peer_that_stopped_answering_body(cluster: &mut Cl
         Some(Err(e)) => assert_eq!(e.status(), Some(Status::IO_ERROR), "tail: {e}"),
         other => panic!("tail: {other:?}"),
     }
-    assert!(waited >= silence, "gave up after {waited:?}");
+    // A PING went out at most a tick (a quarter of the silence) after the
+    // stop, and was left unanswered for the silence.
+    assert!(waited >= silence * 3 / 4, "gave up after {waited:?}");
     // The client's connection to the proxy was kept, and serves.
     via_outside.ping().await.unwrap();
 
