@@ -219,11 +219,7 @@ struct Conn {
 
 pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
     let _ = stream.set_nodelay(true);
-    {
-        use std::os::fd::AsRawFd;
-        let (idle, interval, count) = CLIENT_KEEPALIVE;
-        let _ = crate::sys::keep_alive(stream.as_raw_fd(), idle, interval, count);
-    }
+    keep_alive(&stream);
     metrics::add(&shard.metrics.connections, 1);
     let (rd, wr) = stream.into_split();
     let outbox = Rc::new(Outbox::new());
@@ -1274,11 +1270,7 @@ impl Conn {
                 }
             };
             let _ = stream.set_nodelay(true);
-            {
-                use std::os::fd::AsRawFd;
-                let (idle, interval, count) = CLIENT_KEEPALIVE;
-                let _ = crate::sys::keep_alive(stream.as_raw_fd(), idle, interval, count);
-            }
+            keep_alive(&stream);
             let (rd, wr) = stream.into_split();
             let relay = Relay {
                 out: Rc::new(Outbox::new()),
@@ -1384,7 +1376,14 @@ fn with_flag(raw: &[u8], bits: u8) -> Vec<u8> {
     v
 }
 
-/// Copies whole reply frames from a relay connection to the client.
+/// Turns on [`CLIENT_KEEPALIVE`] for a connection; a socket that refuses
+/// it is served without.
+fn keep_alive(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let (idle, interval, count) = CLIENT_KEEPALIVE;
+    let _ = crate::sys::keep_alive(stream.as_raw_fd(), idle, interval, count);
+}
+
 /// A connection to another shard or broker that a client connection's
 /// requests are forwarded or proxied over.
 #[derive(Clone)]
@@ -1415,7 +1414,8 @@ impl RelayWatch {
 /// Request id of a relay's own PINGs: its PONG is not the client's.
 const RELAY_PROBE_ID: u64 = u64::MAX;
 
-/// Copies reply frames from a relay back to the client connection.
+/// Copies whole reply frames from a relay connection to the client, all
+/// but the answers to the relay's own PINGs.
 async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Relay) {
     let mut buf: Vec<u8> = Vec::with_capacity(READ_BUFFER_BYTES);
     loop {
