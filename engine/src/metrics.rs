@@ -27,6 +27,8 @@ counters!(
     append_failures,
     batches,
     batch_write_bytes,
+    // Append bytes staged while the journal's previous batch was written.
+    prestaged_bytes,
     fsyncs,
     reads,
     read_bytes,

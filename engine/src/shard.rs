@@ -10,7 +10,10 @@
 //! after their writes, and (5) acknowledges, in order, every other append
 //! that committed, and makes every committed byte readable. Appends that
 //! arrive meanwhile wait for the next turn: that is the group commit which
-//! batches ring submissions.
+//! batches ring submissions. While (4) is in flight, bytes arriving for the
+//! journals being written are staged into their spools' second buffers, so
+//! that hashing the next batch overlaps writing this one; they commit in
+//! the next turn.
 
 use crate::journal::{
     AbortReason, Active, FileRef, Journal, PrimaryRepl, Staged, APPEND_IDLE_TIMEOUT,
@@ -1626,6 +1629,11 @@ impl Shard {
         }
         let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
         let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
+        let in_flight: Vec<JournalRef> = writing
+            .iter()
+            .filter(|(_, w, _, _)| w.is_some())
+            .map(|(j, _, _, _)| j.clone())
+            .collect();
         // The log's records go first, into the page cache. Batches whose
         // records carry their bytes (or whose bytes are already on disk)
         // are answered now; their replies and proposals are sent before
@@ -1677,8 +1685,26 @@ impl Shard {
             *self.log.borrow_mut() = Some(log);
             res
         };
-        let (results, log_result) = futures_util::join!(spool_writes, log_sync);
+        // The next batch of the journals being written is staged while
+        // they are: hashing it and waiting on the disk overlap.
+        let mut held = Vec::new();
+        let (results, log_result) = self
+            .stage_while(&in_flight, &mut held, async {
+                futures_util::join!(spool_writes, log_sync)
+            })
+            .await;
+        for h in &mut held {
+            h.swap_back();
+        }
         let written = Instant::now();
+        // A failed batch fails the one staged after it too.
+        let fail_batch = |j: &JournalRef, status: Status, msg: &str, held: &mut Vec<Held>| {
+            if let Some(i) = held.iter().position(|h| Rc::ptr_eq(&h.j, j)) {
+                let h = held.swap_remove(i);
+                j.borrow_mut().staged.extend(h.next);
+            }
+            self.fail_batch(j, status, msg);
+        };
         let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
         for (j, res, w, synced) in results {
             let path = j
@@ -1714,7 +1740,7 @@ impl Shard {
             metrics::add(&self.metrics.batches, 1);
         }
         for (j, status, msg) in &failed {
-            self.fail_batch(j, *status, msg);
+            fail_batch(j, *status, msg, &mut held);
         }
         if let Err(e) = &log_result {
             if let Some(held) = self.log_write_failed.due() {
@@ -1725,7 +1751,7 @@ impl Shard {
                 // Batches answered early had their records written; only
                 // the fdatasync for `fsync` journals failed.
                 if !j.borrow().staged.is_empty() && !is_early(j) {
-                    self.fail_batch(j, status, &e.to_string());
+                    fail_batch(j, status, &e.to_string(), &mut held);
                 }
             }
         }
@@ -1783,6 +1809,12 @@ impl Shard {
             self.inflight_event.notify(usize::MAX);
         }
         self.flush_pipelines();
+        // What was staged during the writes is the next turn's batch.
+        for h in held {
+            h.j.borrow_mut().staged.extend(h.next);
+            h.j.borrow_mut().staged_with_replicas = h.next_with_replicas;
+            again.push(h.j);
+        }
         let acked = Instant::now();
         // Compaction between turns keeps the log short.
         let compact = self
@@ -1834,6 +1866,68 @@ impl Shard {
         }
         for j in again {
             self.ready.borrow_mut().push(j);
+        }
+    }
+
+    /// Runs `work` (a turn's writes), staging meanwhile what arrives for
+    /// `journals` (those being written) into their spools' second buffers.
+    /// A journal's batch being written is set aside in `held` the first
+    /// time, so that `staged` collects the next batch.
+    async fn stage_while<T>(
+        &self,
+        journals: &[JournalRef],
+        held: &mut Vec<Held>,
+        work: impl std::future::Future<Output = T>,
+    ) -> T {
+        if journals.is_empty() {
+            return work.await;
+        }
+        let mut work = std::pin::pin!(work);
+        // Submit the writes first: poll them once and let the runtime hand
+        // them to the kernel.
+        if let std::task::Poll::Ready(out) = futures_util::poll!(work.as_mut()) {
+            return out;
+        }
+        yield_now().await;
+        loop {
+            let wake = self.wake.listen();
+            let mut staged = false;
+            for j in journals {
+                let has_bytes = {
+                    let jm = j.borrow();
+                    !jm.deleted
+                        && jm.spool.as_ref().is_some_and(|s| s.room() > 0)
+                        && jm
+                            .active
+                            .as_ref()
+                            .map(|a| &a.op)
+                            .or(jm.queue.front())
+                            .is_some_and(|op| !op.chunks.borrow().is_empty())
+                };
+                if !has_bytes {
+                    continue;
+                }
+                if !held.iter().any(|h| Rc::ptr_eq(&h.j, j)) {
+                    let mut jm = j.borrow_mut();
+                    held.push(Held {
+                        j: j.clone(),
+                        next: std::mem::take(&mut jm.staged),
+                        next_with_replicas: jm.staged_with_replicas,
+                    });
+                }
+                let before = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                self.stage_queue(j);
+                let after = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                metrics::add(&self.metrics.prestaged_bytes, after.saturating_sub(before));
+                staged = true;
+            }
+            if staged {
+                self.flush_pipelines();
+            }
+            match futures_util::future::select(work.as_mut(), wake).await {
+                futures_util::future::Either::Left((out, _)) => return out,
+                futures_util::future::Either::Right(_) => {}
+            }
         }
     }
 
@@ -3520,6 +3614,24 @@ impl Shard {
     /// Reserves append bandwidth; returns how long to wait.
     pub fn throttle(&self, j: &JournalRef, bytes: u64) -> std::time::Duration {
         j.borrow_mut().rate.reserve(bytes, Instant::now())
+    }
+}
+
+/// A journal whose batch is being written while the next one is staged.
+/// While the write is in flight, `next` holds the batch being written and
+/// the journal's `staged` the next one; [`Held::swap_back`] trades them
+/// once the write is done.
+struct Held {
+    j: JournalRef,
+    next: Vec<Staged>,
+    next_with_replicas: bool,
+}
+
+impl Held {
+    fn swap_back(&mut self) {
+        let mut jm = self.j.borrow_mut();
+        std::mem::swap(&mut jm.staged, &mut self.next);
+        std::mem::swap(&mut jm.staged_with_replicas, &mut self.next_with_replicas);
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! This is one of the two modules where `unsafe` is allowed: it owns a raw
 //! allocation so that its address and length meet O_DIRECT's alignment.
-//! Invariants: `ptr` is a live allocation of `cap` bytes aligned to
-//! [`BLOCK`]; `len <= cap`; bytes `0..len` are initialized.
+//! Invariants: `ptr` is aligned to [`BLOCK`] and, unless `cap` is zero, a
+//! live allocation of `cap` bytes; `len <= cap`; bytes `0..len` are
+//! initialized.
 #![allow(unsafe_code)]
 
 use compio::buf::{IoBuf, IoBufMut, SetLen};
@@ -39,6 +40,18 @@ impl AlignedBuf {
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, cap, len: 0 }
+    }
+
+    /// A buffer of no capacity, which allocates nothing: a placeholder for
+    /// one given away.
+    pub fn empty() -> Self {
+        // An aligned address that is never dereferenced: no byte is in range.
+        let ptr = NonNull::new(std::ptr::without_provenance_mut(BLOCK)).expect("non-null");
+        AlignedBuf {
+            ptr,
+            cap: 0,
+            len: 0,
+        }
     }
 
     pub fn capacity(&self) -> usize {
@@ -81,6 +94,9 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if self.cap == 0 {
+            return;
+        }
         let layout = Layout::from_size_align(self.cap, BLOCK).expect("valid layout");
         // SAFETY: allocated in `new` with this same layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) }
@@ -118,5 +134,8 @@ mod tests {
         assert_eq!(align_down(4097), 4096);
         assert_eq!(align_up(4097), 8192);
         assert_eq!(align_up(0), 0);
+        let e = AlignedBuf::empty();
+        assert_eq!((e.capacity(), e.full().len()), (0, 0));
+        assert_eq!(e.as_slice().as_ptr() as usize % BLOCK, 0);
     }
 }

@@ -13,6 +13,11 @@
 //! * `committed`: bytes that belong to committed appends. Everything beyond
 //!   is invisible and is discarded by [`Spool::rollback`].
 //!
+//! Staging goes on while a write is in flight: [`Spool::take_write`] hands
+//! the buffer to the write and stages on into a second one, which starts
+//! with a copy of the tail block. One write is in flight at a time, since
+//! the next rewrites that tail block.
+//!
 //! The spool runs on its shard's thread only. Its logic (offsets, SHA-1,
 //! buffer management) is plain code; the I/O methods are thin.
 
@@ -67,9 +72,12 @@ pub struct Spool {
     written: u64,
     staged: u64,
     sha: Sha1,
-    /// `None` while a write owns it. Grows up to `max_buf` bytes.
-    buf: Option<AlignedBuf>,
+    /// The staging buffer. Grows up to `max_buf` bytes.
+    buf: AlignedBuf,
     max_buf: usize,
+    /// While a write is in flight: the end of its bytes that are still
+    /// wanted once it completes (a rewind below its end lowers it).
+    writing: Option<u64>,
     /// Journal offset of `buf[0]`; always `begin` plus a block multiple.
     buf_start: u64,
     /// False after a rollback until the tail block is read back.
@@ -152,8 +160,9 @@ impl Spool {
             written: begin,
             staged: begin,
             sha,
-            buf: Some(crate::pool::take(FIRST_BUFFER_BYTES.min(max_buf), max_buf)),
+            buf: crate::pool::take(FIRST_BUFFER_BYTES.min(max_buf), max_buf),
             max_buf,
+            writing: None,
             buf_start: begin,
             tail_loaded: true,
             allocated: 0,
@@ -326,21 +335,23 @@ impl Spool {
         crate::wal::Midstate::of(self.begin, &self.committed_sha)
     }
 
-    /// Whether a write owns the buffer.
+    /// Whether a write is in flight.
     pub fn write_in_flight(&self) -> bool {
-        self.buf.is_none()
+        self.writing.is_some()
     }
 
-    /// Whether the spool can take bytes now (no write in flight, tail loaded).
+    /// Whether the spool can take bytes now: its tail block is loaded (a
+    /// write may be in flight).
     pub fn can_stage(&self) -> bool {
-        self.buf.is_some() && self.tail_loaded
+        self.tail_loaded
     }
 
     /// Bytes that can be staged before the buffer must be written.
     pub fn room(&self) -> usize {
-        match &self.buf {
-            Some(_) if self.tail_loaded => self.max_buf - (self.staged - self.buf_start) as usize,
-            _ => 0,
+        if self.tail_loaded {
+            self.max_buf - (self.staged - self.buf_start) as usize
+        } else {
+            0
         }
     }
 
@@ -393,7 +404,7 @@ impl Spool {
         assert!(self.tail_loaded, "stage before the tail block was reloaded");
         let at = (self.staged - self.buf_start) as usize;
         self.grow_buffer(at + bytes.len());
-        let buf = self.buf.as_mut().expect("stage while a write is in flight");
+        let buf = &mut self.buf;
         let n = bytes.len().min(buf.capacity() - at);
         buf.full_mut()[at..at + n].copy_from_slice(&bytes[..n]);
         match also {
@@ -408,7 +419,7 @@ impl Spool {
     /// staged bytes into a larger buffer (an idle one from the pool if it
     /// has one) when it is too small.
     fn grow_buffer(&mut self, need: usize) {
-        let buf = self.buf.as_mut().expect("grow while a write is in flight");
+        let buf = &mut self.buf;
         if need <= buf.capacity() || buf.capacity() >= self.max_buf {
             return;
         }
@@ -420,15 +431,14 @@ impl Spool {
     }
 
     /// The staged bytes from journal offset `from` on, while they are in
-    /// the buffer: `None` if a write owns it or `from` is before its start.
+    /// the staging buffer: `None` if `from` is before its start.
     pub fn staged_since(&self, from: u64) -> Option<&[u8]> {
-        let buf = self.buf.as_ref()?;
-        if from < self.buf_start || from > self.staged {
+        if !self.tail_loaded || from < self.buf_start || from > self.staged {
             return None;
         }
         let start = (from - self.buf_start) as usize;
         let end = (self.staged - self.buf_start) as usize;
-        Some(&buf.full()[start..end])
+        Some(&self.buf.full()[start..end])
     }
 
     /// Writes `bytes` at journal offset `at` into the spool file at `path`
@@ -483,14 +493,20 @@ impl Spool {
         }
     }
 
-    /// Takes the buffer for writing the staged bytes. `None` if nothing is
-    /// staged beyond what is written.
+    /// Takes the staging buffer for writing the staged bytes, and goes on
+    /// staging into another that starts with a copy of the partial tail
+    /// block. `None` if nothing is staged beyond what is written, if a
+    /// write is in flight already, or if the tail block awaits a reload.
     pub fn take_write(&mut self) -> Option<PendingWrite> {
-        if self.staged == self.written || self.buf.is_none() {
+        if self.staged == self.written || self.writing.is_some() || !self.tail_loaded {
             return None;
         }
-        let mut buf = self.buf.take().expect("checked");
         let used = (self.staged - self.buf_start) as usize;
+        let tail_start = self.begin + align_down(self.staged - self.begin);
+        let tail = (tail_start - self.buf_start) as usize;
+        let mut next = crate::pool::take(FIRST_BUFFER_BYTES.min(self.max_buf), self.max_buf);
+        next.full_mut()[..used - tail].copy_from_slice(&self.buf.full()[tail..used]);
+        let mut buf = std::mem::replace(&mut self.buf, next);
         let len = if self.direct {
             align_up(used as u64) as usize
         } else {
@@ -500,28 +516,29 @@ impl Spool {
         // file never holds leftovers of another offset.
         buf.full_mut()[used..len].fill(0);
         buf.set_len_checked(len);
-        Some(PendingWrite {
+        let w = PendingWrite {
             buf,
             file_pos: self.buf_start - self.begin,
             staged_to: self.staged,
-        })
+        };
+        self.buf_start = tail_start;
+        self.writing = Some(self.staged);
+        Some(w)
     }
 
-    /// Returns the buffer after its write completed. On success the staged
-    /// bytes are on disk; the partial tail block moves to the buffer front.
-    pub fn write_done(&mut self, mut w: PendingWrite, ok: bool) {
-        assert!(self.buf.is_none());
-        assert_eq!(w.staged_to, self.staged, "staged moved during a write");
+    /// Takes back the write's buffer once it completed. On success its
+    /// bytes are on disk (up to the lowest rewind made meanwhile); on
+    /// failure everything beyond the committed point is discarded, as by
+    /// [`Spool::rollback`].
+    pub fn write_done(&mut self, w: PendingWrite, ok: bool) {
+        let keep = self.writing.take().expect("a write in flight");
+        assert!(keep <= w.staged_to && keep <= self.staged);
+        crate::pool::give(w.buf);
         if ok {
-            self.written = w.staged_to;
-            let tail_start = self.begin + align_down(self.written - self.begin);
-            let from = (tail_start - self.buf_start) as usize;
-            let to = (self.written - self.buf_start) as usize;
-            w.buf.full_mut().copy_within(from..to, 0);
-            self.buf_start = tail_start;
+            self.written = keep;
+        } else {
+            self.rollback();
         }
-        w.buf.set_len_checked(0);
-        self.buf = Some(w.buf);
     }
 
     /// Writes the staged bytes and waits for the write: [`Spool::take_write`],
@@ -545,37 +562,39 @@ impl Spool {
     }
 
     /// Discards staged bytes beyond `point`, which must not be below the
-    /// committed point. A point at or after the written offset is still in
-    /// the buffer; an earlier one was written, and the tail block must be
-    /// read back ([`Spool::load_tail`]) before staging again.
+    /// committed point. A point in the staging buffer, at or after the
+    /// written offset, stays there. An earlier one was written, or is in
+    /// the buffer of the write in flight: the tail block must then be read
+    /// back ([`Spool::load_tail`], once no write is in flight) before
+    /// staging again, unless the point is at a block boundary.
     pub fn rewind(&mut self, point: CommitPoint) {
-        assert!(self.buf.is_some(), "rewind while a write is in flight");
         assert!(point.offset <= self.staged);
-        if point.offset >= self.written {
-            self.staged = point.offset;
-            self.sha = point.sha;
-        } else {
-            assert!(
-                point.offset >= self.committed,
-                "rewind below the committed point"
-            );
-            self.staged = point.offset;
-            self.written = point.offset;
-            self.sha = point.sha;
+        assert!(
+            point.offset >= self.committed,
+            "rewind below the committed point"
+        );
+        if let Some(keep) = self.writing.as_mut() {
+            *keep = (*keep).min(point.offset);
+        }
+        let in_buffer =
+            self.tail_loaded && point.offset >= self.buf_start && point.offset >= self.written;
+        self.staged = point.offset;
+        self.sha = point.sha;
+        if !in_buffer {
+            self.written = self.written.min(point.offset);
             self.buf_start = self.begin + align_down(point.offset - self.begin);
             self.tail_loaded = self.buf_start == point.offset;
         }
     }
 
-    /// Discards everything beyond the committed point. The tail block must
-    /// be read back ([`Spool::load_tail`]) before staging again.
+    /// Discards everything beyond the committed point. The tail block may
+    /// have to be read back ([`Spool::load_tail`]) before staging again.
     pub fn rollback(&mut self) {
-        assert!(self.buf.is_some(), "rollback while a write is in flight");
-        self.staged = self.committed;
-        self.written = self.committed;
-        self.sha = self.committed_sha.clone();
-        self.buf_start = self.begin + align_down(self.committed - self.begin);
-        self.tail_loaded = self.buf_start == self.committed;
+        let point = CommitPoint {
+            offset: self.committed,
+            sha: self.committed_sha.clone(),
+        };
+        self.rewind(point);
     }
 
     /// Reads the committed part of the tail block back into the buffer.
@@ -583,7 +602,10 @@ impl Spool {
         if self.tail_loaded {
             return Ok(());
         }
-        assert!(self.buf.is_some(), "load_tail while a write is in flight");
+        assert!(
+            self.writing.is_none(),
+            "load_tail while a write is in flight"
+        );
         let want = (self.written - self.buf_start) as usize;
         let (block, range) = read_range(&self.file, self.buf_start - self.begin, want)
             .await
@@ -594,8 +616,7 @@ impl Spool {
                 why: format!("tail block read {} of {want} bytes", range.len()),
             });
         }
-        let buf = self.buf.as_mut().expect("checked");
-        buf.full_mut()[..want].copy_from_slice(&block.as_slice()[range]);
+        self.buf.full_mut()[..want].copy_from_slice(&block.as_slice()[range]);
         self.tail_loaded = true;
         Ok(())
     }
@@ -616,7 +637,7 @@ impl Spool {
         durable: bool,
     ) -> Result<Option<crate::fragment::LocalFragment>, StorageError> {
         assert_eq!(self.staged, self.committed, "seal with uncommitted bytes");
-        assert!(self.buf.is_some(), "seal while a write is in flight");
+        assert!(self.writing.is_none(), "seal while a write is in flight");
         if self.is_empty() {
             compio::fs::remove_file(&self.path)
                 .await
@@ -656,9 +677,7 @@ impl Spool {
 
 impl Drop for Spool {
     fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            crate::pool::give(buf);
-        }
+        crate::pool::give(std::mem::replace(&mut self.buf, AlignedBuf::empty()));
     }
 }
 
@@ -962,7 +981,7 @@ mod tests {
             // spool; bytes past a partial block are zeros on disk, not the
             // previous fragment's.
             let mut next = Spool::create(dir.path(), big.len() as u64).await.unwrap();
-            assert!(next.buf.as_ref().unwrap().capacity() > FIRST_BUFFER_BYTES);
+            assert!(next.buf.capacity() > FIRST_BUFFER_BYTES);
             next.ensure_allocated(100, 0).unwrap();
             assert_eq!(next.stage(&[7u8; 100]), 100);
             next.write_staged().await.unwrap();

@@ -72,10 +72,15 @@ async fn run(seed: u64, dir: &std::path::Path) {
     let mut fragments = Vec::new();
     for _ in 0..60 {
         match rng.gen_range(0..100) {
-            0..=44 => {
+            0..=39 => {
                 // Stage bytes, writing whenever the buffer fills.
                 let n = if rng.gen_bool(0.1) {
                     rng.gen_range(1..6_000_000)
+                } else if rng.gen_bool(0.2) {
+                    // Up to a block boundary: a rewind there needs no
+                    // tail block read back.
+                    let past = (spool.staged() - m.begin) as usize % 4096;
+                    (4096 - past) % 4096 + 4096 * rng.gen_range(0..3)
                 } else {
                     rng.gen_range(0..9000)
                 };
@@ -91,6 +96,61 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 m.pending.extend_from_slice(&bytes);
                 if rng.gen_bool(0.5) {
                     marks.push((spool.commit_point(), m.pending.len()));
+                }
+            }
+            40..=44 => {
+                // A write in flight while more is staged, and maybe
+                // rewound below the write's end, as a shard stages its next
+                // batch while the last one is written. The write may fail.
+                let Some(w) = spool.take_write() else {
+                    check_file(&spool, &m).await;
+                    continue;
+                };
+                assert!(spool.write_in_flight());
+                let file = spool.file().clone();
+                let n = rng.gen_range(0..9000);
+                let bytes: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+                spool.ensure_allocated(n as u64, 0).unwrap();
+                let took = spool.stage(&bytes);
+                m.pending.extend_from_slice(&bytes[..took]);
+                if rng.gen_bool(0.5) {
+                    marks.push((spool.commit_point(), m.pending.len()));
+                }
+                if !marks.is_empty() && rng.gen_bool(0.4) {
+                    let i = rng.gen_range(0..marks.len());
+                    let (point, len) = marks[i].clone();
+                    marks.truncate(i + 1);
+                    spool.rewind(point);
+                    m.pending.truncate(len);
+                    if spool.can_stage() && rng.gen_bool(0.5) {
+                        // Staging goes on from a rewind that kept the
+                        // tail block (or landed on a block boundary).
+                        let more: Vec<u8> =
+                            (0..rng.gen_range(0..5000)).map(|_| rng.gen()).collect();
+                        spool.ensure_allocated(more.len() as u64, 0).unwrap();
+                        let took = spool.stage(&more);
+                        m.pending.extend_from_slice(&more[..took]);
+                    }
+                }
+                let (res, w) = w.run(&file).await;
+                res.unwrap();
+                let ok = rng.gen_bool(0.85);
+                spool.write_done(w, ok);
+                assert!(!spool.write_in_flight());
+                if !ok {
+                    // A failed write discards everything uncommitted.
+                    assert_eq!(spool.staged(), spool.committed());
+                    m.pending.clear();
+                    marks.clear();
+                }
+                spool.load_tail().await.unwrap();
+                if rng.gen_bool(0.5) {
+                    write(&mut spool).await;
+                    last_mid = spool.committed_midstate();
+                    last_commit = spool.commit_point();
+                    spool.commit(last_commit.clone());
+                    m.committed.append(&mut m.pending);
+                    marks.clear();
                 }
             }
             45..=69 => {
