@@ -87,6 +87,10 @@ pub enum FioMode {
     /// A fresh file with nothing allocated; every write allocates blocks
     /// (what a file grown by its writes costs).
     Extend,
+    /// A fresh file allocated whole by `fallocate` and written once: each
+    /// write turns unwritten blocks into written ones (what a new spool,
+    /// grown by `fallocate` ahead of its writes, does).
+    Fresh,
 }
 
 impl FioMode {
@@ -94,6 +98,7 @@ impl FioMode {
         match self {
             FioMode::Overwrite => "overwrite",
             FioMode::Extend => "extend",
+            FioMode::Fresh => "fresh preallocated",
         }
     }
 }
@@ -196,6 +201,9 @@ pub fn fio(
         // job already wrote: it ends at the run time or at the file's end.
         FioMode::Extend => {
             cmd.arg("--overwrite=0").arg("--fallocate=none");
+        }
+        FioMode::Fresh => {
+            cmd.arg("--overwrite=0").arg("--fallocate=native");
         }
     }
     if job.fdatasync {

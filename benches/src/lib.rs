@@ -400,6 +400,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             fdatasync: false,
         };
         figures.fio = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
+        eprintln!("baseline: fio, 1 MiB blocks into fresh preallocated space");
+        let job = baseline::FioJob {
+            key: "fio-fresh",
+            mode: baseline::FioMode::Fresh,
+            ..job
+        };
+        figures.fio_fresh = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
         eprintln!("baseline: fio, 4 KiB blocks one at a time");
         let job = baseline::FioJob {
             key: "fio-4k",

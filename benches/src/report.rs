@@ -209,6 +209,9 @@ pub struct Figures {
     /// Both ends pinned: on one core, and on two.
     pub pingpong_pinned: Vec<PingpongFigures>,
     pub fio: Option<FioFigures>,
+    /// `fio`'s job into a fresh file preallocated by fallocate: the writes
+    /// a new spool makes, where `fio` overwrites written blocks.
+    pub fio_fresh: Option<FioFigures>,
     /// 4 KiB writes one at a time: the device's latency floor.
     pub fio_4k: Option<FioFigures>,
     /// `--baseline`: fio's block size × queue depth × overwrite/extend.
@@ -378,6 +381,17 @@ impl Figures {
                 ));
             }
         }
+        if let (Some(a), Some(f)) = (&self.append_1m, &self.fio_fresh) {
+            if f.mb_per_s > 0.0 {
+                // Spools are preallocated, not recycled: each append-1m
+                // byte lands on a block written for the first time, which
+                // costs more than the overwrite the target is set against.
+                out.push((
+                    format!("append-1m MB/s ÷ {}", f.describe()),
+                    a.mb_per_s / f.mb_per_s,
+                ));
+            }
+        }
         if let (Some(l), Some(f)) = (&self.latency_1k, &self.fio_4k) {
             if let Some(p99) = f.clat_p99_us.filter(|v| *v > 0.0) {
                 // A replicated append waits for at least one device write.
@@ -437,6 +451,7 @@ impl Figures {
             "pingpong": self.pingpong,
             "pingpong_pinned": self.pingpong_pinned,
             "fio": self.fio,
+            "fio_fresh": self.fio_fresh,
             "fio_4k": self.fio_4k,
             "fio_matrix": self.fio_matrix,
             "fdatasync": self.fdatasync,
@@ -465,7 +480,7 @@ impl Figures {
                 format!("{} ({} round trips)", p.rtt.line(), p.round_trips),
             );
         }
-        if let Some(f) = &self.fio {
+        for f in self.fio.iter().chain(&self.fio_fresh) {
             row(
                 "baseline",
                 &f.describe(),
