@@ -31,6 +31,22 @@ async fn write(spool: &mut Spool) {
     spool.write_staged().await.unwrap();
 }
 
+/// Writes and commits everything staged. Returns the commit point and the
+/// midstate its commit record would carry (where its bytes began).
+async fn commit_all(
+    spool: &mut Spool,
+    m: &mut Model,
+    marks: &mut Vec<(CommitPoint, usize)>,
+) -> (CommitPoint, Midstate) {
+    write(spool).await;
+    let mid = spool.committed_midstate();
+    let point = spool.commit_point();
+    spool.commit(point.clone());
+    m.committed.append(&mut m.pending);
+    marks.clear();
+    (point, mid)
+}
+
 /// A check of the commit ending at `end`, hashed from the spool's start or,
 /// with `mid`, from that midstate on.
 fn check(end: u64, sha1: [u8; 20], begin: u64, mid: Option<Midstate>) -> Check {
@@ -145,22 +161,12 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 }
                 spool.load_tail().await.unwrap();
                 if rng.gen_bool(0.5) {
-                    write(&mut spool).await;
-                    last_mid = spool.committed_midstate();
-                    last_commit = spool.commit_point();
-                    spool.commit(last_commit.clone());
-                    m.committed.append(&mut m.pending);
-                    marks.clear();
+                    (last_commit, last_mid) = commit_all(&mut spool, &mut m, &mut marks).await;
                 }
             }
             45..=69 => {
                 // Write and commit everything staged.
-                write(&mut spool).await;
-                last_mid = spool.committed_midstate();
-                last_commit = spool.commit_point();
-                spool.commit(last_commit.clone());
-                m.committed.append(&mut m.pending);
-                marks.clear();
+                (last_commit, last_mid) = commit_all(&mut spool, &mut m, &mut marks).await;
             }
             75..=79 if !marks.is_empty() => {
                 // Rewind to a staged point above the commit, written or not.
@@ -175,12 +181,7 @@ async fn run(seed: u64, dir: &std::path::Path) {
                 m.pending.truncate(len);
                 // What stays staged commits exactly.
                 if rng.gen_bool(0.5) {
-                    write(&mut spool).await;
-                    last_mid = spool.committed_midstate();
-                    last_commit = spool.commit_point();
-                    spool.commit(last_commit.clone());
-                    m.committed.append(&mut m.pending);
-                    marks.clear();
+                    (last_commit, last_mid) = commit_all(&mut spool, &mut m, &mut marks).await;
                 }
             }
             70..=79 => {
