@@ -504,7 +504,10 @@ impl Spool {
         let used = (self.staged - self.buf_start) as usize;
         let tail_start = self.begin + align_down(self.staged - self.begin);
         let tail = (tail_start - self.buf_start) as usize;
-        let mut next = crate::pool::take(FIRST_BUFFER_BYTES.min(self.max_buf), self.max_buf);
+        // No larger than the buffer being written: a journal of small
+        // batches does not take a large idle buffer from the pool.
+        let cap = self.buf.capacity();
+        let mut next = crate::pool::take(FIRST_BUFFER_BYTES.min(cap), cap);
         next.full_mut()[..used - tail].copy_from_slice(&self.buf.full()[tail..used]);
         let mut buf = std::mem::replace(&mut self.buf, next);
         let len = if self.direct {
@@ -958,6 +961,35 @@ mod tests {
             e.to_string(),
             "/d/spool: disk full: needs 409600 bytes, 16764928 bytes free, 16777216 reserved"
         );
+    }
+
+    #[test]
+    fn a_write_leaves_staging_to_a_buffer_no_larger_than_its_own() {
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let mut spool = Spool::create(dir.path(), 0).await.unwrap();
+            let own = spool.buf.capacity();
+            assert_eq!(own, FIRST_BUFFER_BYTES);
+            // A large idle buffer in the pool stays there.
+            crate::pool::give(AlignedBuf::new(1 << 20));
+            spool.ensure_allocated(5000, 0).unwrap();
+            assert_eq!(spool.stage(&[3u8; 5000]), 5000);
+            let w = spool.take_write().expect("bytes staged");
+            assert!(spool.buf.capacity() <= own);
+            assert!(crate::pool::idle_bytes() >= 1 << 20);
+            // Staging goes on behind the write, from the tail block.
+            assert_eq!(spool.stage(&[4u8; 100]), 100);
+            let file = spool.file().clone();
+            let (res, w) = w.run(&file).await;
+            res.unwrap();
+            spool.write_done(w, true);
+            spool.write_staged().await.unwrap();
+            spool.commit(spool.commit_point());
+            let (block, range) = read_range(spool.file(), 0, 5100).await.unwrap();
+            let got = &block.as_slice()[range];
+            assert!(got[..5000].iter().all(|&b| b == 3) && got[5000..].iter().all(|&b| b == 4));
+        });
     }
 
     #[test]
