@@ -1701,7 +1701,7 @@ impl Shard {
         let fail_batch = |j: &JournalRef, status: Status, msg: &str, held: &mut Vec<Held>| {
             if let Some(i) = held.iter().position(|h| Rc::ptr_eq(&h.j, j)) {
                 let h = held.swap_remove(i);
-                j.borrow_mut().staged.extend(h.next);
+                j.borrow_mut().staged.extend(h.other);
             }
             self.fail_batch(j, status, msg);
         };
@@ -1811,8 +1811,8 @@ impl Shard {
         self.flush_pipelines();
         // What was staged during the writes is the next turn's batch.
         for h in held {
-            h.j.borrow_mut().staged.extend(h.next);
-            h.j.borrow_mut().staged_with_replicas = h.next_with_replicas;
+            h.j.borrow_mut().staged.extend(h.other);
+            h.j.borrow_mut().staged_with_replicas = h.other_with_replicas;
             again.push(h.j);
         }
         let acked = Instant::now();
@@ -1911,8 +1911,8 @@ impl Shard {
                     let mut jm = j.borrow_mut();
                     held.push(Held {
                         j: j.clone(),
-                        next: std::mem::take(&mut jm.staged),
-                        next_with_replicas: jm.staged_with_replicas,
+                        other: std::mem::take(&mut jm.staged),
+                        other_with_replicas: jm.staged_with_replicas,
                     });
                 }
                 let before = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
@@ -3618,20 +3618,20 @@ impl Shard {
 }
 
 /// A journal whose batch is being written while the next one is staged.
-/// While the write is in flight, `next` holds the batch being written and
+/// While the write is in flight, `other` holds the batch being written and
 /// the journal's `staged` the next one; [`Held::swap_back`] trades them
-/// once the write is done.
+/// once the write is done, leaving the next batch in `other`.
 struct Held {
     j: JournalRef,
-    next: Vec<Staged>,
-    next_with_replicas: bool,
+    other: Vec<Staged>,
+    other_with_replicas: bool,
 }
 
 impl Held {
     fn swap_back(&mut self) {
         let mut jm = self.j.borrow_mut();
-        std::mem::swap(&mut jm.staged, &mut self.next);
-        std::mem::swap(&mut jm.staged_with_replicas, &mut self.next_with_replicas);
+        std::mem::swap(&mut jm.staged, &mut self.other);
+        std::mem::swap(&mut jm.staged_with_replicas, &mut self.other_with_replicas);
     }
 }
 
