@@ -137,6 +137,24 @@ async fn append_retrying(client: &Client, journal: &str, bytes: &[u8]) -> Append
     }
 }
 
+/// Appends to a journal that does not exist until the broker says so with
+/// JOURNAL_NOT_FOUND; until [`WAIT`] runs out it may answer the retryable
+/// NO_JOURNAL_PRIMARY_BROKER (it just started and has not heard every
+/// peer's specs), nothing else.
+async fn append_until_not_found(client: &Client, journal: &str) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let res = client.append(&req(journal), &b"late"[..]).await;
+        match res.as_ref().err().and_then(|e| e.status()) {
+            Some(Status::JOURNAL_NOT_FOUND) => return,
+            Some(Status::NO_JOURNAL_PRIMARY_BROKER) if Instant::now() < deadline => {
+                tokio::time::sleep(POLL).await
+            }
+            _ => panic!("append to {journal} through {}: {res:?}", client.endpoint()),
+        }
+    }
+}
+
 /// A non-blocking DO_NOT_PROXY read of `[from, to)` (to the head if `to` is
 /// None): what this broker holds itself. Offsets must be contiguous; a
 /// fragment location (history only in a store) fails the test.
@@ -1729,6 +1747,83 @@ async fn a_broker_down_during_an_apply_learns_the_journals_when_it_starts_body(
     assert!(outside > 0, "every route included {}", b.id);
 }
 
+/// A broker that starts while no peer answers cannot know which journals
+/// were created without it: it refuses requests for a journal it does not
+/// know with the retryable NO_JOURNAL_PRIMARY_BROKER, never with
+/// JOURNAL_NOT_FOUND. Once a peer has listed its specs it serves the journal
+/// it missed, and a name nobody created is JOURNAL_NOT_FOUND.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_has_not_heard_its_peers_does_not_call_a_journal_absent() {
+    let mut cluster = Cluster::start(2, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_broker_that_has_not_heard_its_peers_does_not_call_a_journal_absent_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_broker_that_has_not_heard_its_peers_does_not_call_a_journal_absent_body(
+    cluster: &mut Cluster,
+) {
+    const MISSED: &str = "repl/created-while-away";
+    const NEVER: &str = "repl/never-created";
+    // `Cluster::apply` goes through the first broker.
+    let (back, other) = (1, 0);
+    tokio::task::block_in_place(|| cluster.brokers[back].kill9());
+    cluster.apply(&[spec(MISSED, 1)]).await;
+    tokio::task::block_in_place(|| {
+        cluster.brokers[other].kill9();
+        cluster.brokers[back].start();
+    });
+
+    let client = cluster.brokers[back].pinned().await;
+    for name in [MISSED, NEVER] {
+        let appended = client.append(&req(name), &b"early"[..]).await;
+        let err = appended.expect_err("a journal not known yet takes no append");
+        assert_eq!(
+            err.status(),
+            Some(Status::NO_JOURNAL_PRIMARY_BROKER),
+            "{name}: {err}"
+        );
+        assert!(err.is_retryable(), "{err}");
+        let read = read_range(&client, name, 0, None).await;
+        let status = match &read {
+            Ok((_, done)) => Some(done.status),
+            Err(e) => e.status(),
+        };
+        assert_eq!(
+            status,
+            Some(Status::NO_JOURNAL_PRIMARY_BROKER),
+            "{name}: {read:?}"
+        );
+    }
+
+    tokio::task::block_in_place(|| cluster.brokers[other].start());
+    let deadline = Instant::now() + WAIT;
+    while !client
+        .list("")
+        .await
+        .unwrap()
+        .iter()
+        .any(|l| l.spec.name == MISSED)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{MISSED} never reached the restarted broker"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    // A peer has listed its specs now: an unknown name is absent.
+    append_until_not_found(&client, NEVER).await;
+    let bytes = b"appended once the specs were learned";
+    let a = append_retrying(&client, MISSED, bytes).await;
+    assert_eq!(a.begin, 0, "{a:?}");
+    let (got, done) = read_range(&client, MISSED, 0, None).await.unwrap();
+    assert_eq!(done.status, Status::OK, "{done:?}");
+    assert_eq!(got, bytes);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn changes_and_deletes_made_while_a_broker_was_down_reach_it_and_stay() {
     let mut cluster = Cluster::start(3, CORES);
@@ -1817,13 +1912,7 @@ async fn changes_and_deletes_made_while_a_broker_was_down_reach_it_and_stay_body
         tokio::time::sleep(POLL).await;
     }
     for b in &cluster.brokers {
-        let res = b.pinned().await.append(&req(&gone[0]), &b"late"[..]).await;
-        assert_eq!(
-            res.as_ref().err().and_then(|e| e.status()),
-            Some(Status::JOURNAL_NOT_FOUND),
-            "append to a deleted journal through {}: {res:?}",
-            b.id
-        );
+        append_until_not_found(&b.pinned().await, &gone[0]).await;
     }
     // A journal of a deleted name can be created again.
     cluster.apply(&[spec(&gone[0], 3)]).await;

@@ -499,11 +499,8 @@ impl Conn {
             return self.refuse_append(&frame, Status::SHUTTING_DOWN, "broker is shutting down");
         }
         let Some(j) = self.shard.journal(&req.journal) else {
-            return self.refuse_append(
-                &frame,
-                Status::JOURNAL_NOT_FOUND,
-                &format!("journal {:?} does not exist", req.journal),
-            );
+            let (status, msg) = self.shard.unknown_journal(&req.journal);
+            return self.refuse_append(&frame, status, &msg);
         };
         let role = self.shard.role(&j.borrow().spec);
         match role {
@@ -667,10 +664,8 @@ impl Conn {
             return self.forward_to(addr, raw).await;
         }
         let Some(j) = self.shard.journal(&req.journal) else {
-            let msg = format!("journal {:?} does not exist", req.journal);
-            return self
-                .outbox
-                .error(Op::READ_DONE, Status::JOURNAL_NOT_FOUND, id, &[0; 16], &msg);
+            let (status, msg) = self.shard.unknown_journal(&req.journal);
+            return self.outbox.error(Op::READ_DONE, status, id, &[0; 16], &msg);
         };
         let role = self.shard.role(&j.borrow().spec);
         if let Role::Outside(route) = role {
@@ -1174,7 +1169,8 @@ impl Conn {
             }
             op => {
                 let Some(j) = self.shard.journal(&name) else {
-                    return self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found);
+                    let (status, msg) = self.shard.unknown_journal(&name);
+                    return self.admin_err(id, status, &msg);
                 };
                 if matches!(op, Op::SEAL | Op::RESET_HEAD) {
                     // Only the primary decides where fragments end.

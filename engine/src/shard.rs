@@ -626,6 +626,24 @@ impl Shard {
         Ok((j, chosen))
     }
 
+    /// What a client asking for a journal this broker does not know is
+    /// told: JOURNAL_NOT_FOUND, or while the broker is still learning the
+    /// specs its peers hold (it just started, perhaps on an empty data
+    /// directory), the retryable NO_JOURNAL_PRIMARY_BROKER.
+    pub fn unknown_journal(&self, name: &str) -> (Status, String) {
+        if self.specs.is_caught_up() {
+            (
+                Status::JOURNAL_NOT_FOUND,
+                format!("journal {name:?} does not exist"),
+            )
+        } else {
+            (
+                Status::NO_JOURNAL_PRIMARY_BROKER,
+                format!("journal {name:?} is not known here yet: this broker is still learning journal specs from its peers"),
+            )
+        }
+    }
+
     /// Refreshes specs if the store changed; returns the journal if it exists.
     pub fn journal(&self, name: &str) -> Option<JournalRef> {
         let v = self.specs.version();
@@ -831,29 +849,38 @@ impl Shard {
     /// peer for its specs and tombstones and takes whatever has a later
     /// revision than its own: journals created or changed meanwhile, and
     /// journals deleted meanwhile (deleted here through their shard, files
-    /// and all). A peer that does not answer is asked again, for a minute
-    /// at most. After that it asks every peer again each
+    /// and all). A peer that does not answer is asked again, soon at first
+    /// (brokers of a cluster often start together), then every 5 s, for a
+    /// minute at most. After that it asks every peer again each
     /// `spec_sync_interval`.
     async fn catch_up_specs(self: Rc<Self>) {
-        const ROUNDS: usize = 12;
-        const PAUSE: std::time::Duration = std::time::Duration::from_secs(5);
+        const GIVE_UP: std::time::Duration = std::time::Duration::from_secs(60);
+        const PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+        let started = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_millis(100);
         let view = self.view();
         let mut waiting: Vec<_> = view.brokers.iter().filter(|m| m.id != view.me).collect();
-        for round in 0..ROUNDS {
-            if round > 0 {
-                compio::time::sleep(PAUSE).await;
-            }
+        loop {
             let mut still = Vec::new();
             for m in waiting {
                 if !self.sync_specs_with(m).await {
                     still.push(m);
                 }
             }
-            if still.is_empty() {
+            waiting = still;
+            if waiting.is_empty() || started.elapsed() >= GIVE_UP {
                 break;
             }
-            waiting = still;
+            compio::time::sleep(pause).await;
+            pause = (pause * 2).min(PAUSE_MAX);
         }
+        if waiting.is_empty() {
+            tracing::info!("learned the journal specs of every peer");
+        } else {
+            let silent: Vec<&str> = waiting.iter().map(|m| m.id.as_str()).collect();
+            tracing::warn!(peers = ?silent, "some peers never listed their journal specs; journals unknown here now answer JOURNAL_NOT_FOUND");
+        }
+        self.specs.mark_caught_up();
         // Then now and again, for changes a peer's fan-out did not deliver
         // while this broker was up (a timeout, a stalled process).
         if self.spec_sync_interval.is_zero() {

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Tombstones are dropped once their revision is this old (by the wall
@@ -81,6 +81,10 @@ pub struct SpecStore {
     clock: AtomicU64,
     /// The file did not exist when the store was opened.
     file_was_missing: bool,
+    /// Every peer was asked for the changes made while this broker was
+    /// down (or the asking gave up): until then a journal this store lacks
+    /// may exist all the same.
+    caught_up: AtomicBool,
 }
 
 impl SpecStore {
@@ -142,6 +146,7 @@ impl SpecStore {
             version: AtomicU64::new(1),
             clock: AtomicU64::new(newest),
             file_was_missing,
+            caught_up: AtomicBool::new(false),
         })
     }
 
@@ -149,6 +154,17 @@ impl SpecStore {
     /// data directory, unless shards hold journal data (they check).
     pub fn file_was_missing(&self) -> bool {
         self.file_was_missing
+    }
+
+    /// Whether a journal missing here can be taken not to exist: the store
+    /// has heard from every peer since the broker started (at once for a
+    /// broker without peers).
+    pub fn is_caught_up(&self) -> bool {
+        self.caught_up.load(Ordering::Acquire)
+    }
+
+    pub fn mark_caught_up(&self) {
+        self.caught_up.store(true, Ordering::Release);
     }
 
     /// The file the specs are stored in.
