@@ -384,6 +384,9 @@ pub struct Journal {
     pub tail: TailCache,
     /// Blocking readers waiting for the next commit.
     pub waiting_readers: usize,
+    /// Reads of a local file (fragment or spool) in flight: while any is,
+    /// no fragment file of the journal is reused as a spare spool.
+    pub reads_in_flight: usize,
 }
 
 /// Bytes kept by a [`TailCache`] (it holds up to twice this between trims).
@@ -485,6 +488,7 @@ impl Journal {
             reset_waiters: Vec::new(),
             tail: TailCache::default(),
             waiting_readers: 0,
+            reads_in_flight: 0,
         }
     }
 

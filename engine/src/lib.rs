@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod reaper;
 pub mod replica;
 pub mod shard;
+pub mod spares;
 pub mod specs;
 pub mod topology;
 

@@ -36,6 +36,11 @@ counters!(
     cross_core_forwards,
     connections,
     fragments_sealed,
+    // Spools begun in a spare file (an uploaded fragment's), overwriting
+    // written blocks instead of writing fallocated ones.
+    spools_recycled,
+    // Files of uploaded fragments (or empty spools) kept as spares.
+    spares_kept,
     storage_full,
     syncs,
     replicated_batches,

@@ -89,6 +89,8 @@ pub struct Shard {
     unuploaded_bytes: Cell<u64>,
     spool_budget_bytes: u64,
     local_cache_bytes: u64,
+    /// Files of uploaded fragments kept for new spools.
+    spares: RefCell<crate::spares::Spares>,
     /// Append content its connections hold queued, against its share.
     pub append_queue: Rc<crate::conn::QueueBudget>,
     /// The last upload error, named in refusals while the budget is spent.
@@ -108,6 +110,27 @@ pub struct Shard {
     /// Committed batches awaiting replica acks, oldest first.
     inflight: RefCell<std::collections::VecDeque<InFlight>>,
     inflight_event: Event,
+}
+
+/// A read of a journal's local file in flight (counted in
+/// `Journal::reads_in_flight` while it lives).
+struct ReadPin(JournalRef);
+
+impl ReadPin {
+    fn new(j: &JournalRef) -> ReadPin {
+        j.borrow_mut().reads_in_flight += 1;
+        ReadPin(j.clone())
+    }
+}
+
+impl Drop for ReadPin {
+    fn drop(&mut self) {
+        // Should the journal be borrowed here, the count stays up: that
+        // only stops its files from being reused, never the other way.
+        if let Ok(mut jm) = self.0.try_borrow_mut() {
+            jm.reads_in_flight -= 1;
+        }
+    }
 }
 
 /// A journal's batch committed locally and proposed to its replicas.
@@ -354,6 +377,8 @@ impl Shard {
             .map(|(name, r)| (name.clone(), r.last.clone()))
             .collect();
         let (done_tx, done_rx) = async_channel::unbounded();
+        let spares = crate::spares::Spares::open(&dir)
+            .map_err(|e| crate::EngineError::Io(dir.join("spares"), e))?;
         let append_queue = Rc::new(crate::conn::QueueBudget::new(
             usize::try_from(append_queue_bytes).unwrap_or(usize::MAX),
             Some(metrics.clone()),
@@ -386,6 +411,7 @@ impl Shard {
             unuploaded_bytes: Cell::new(0),
             spool_budget_bytes,
             local_cache_bytes,
+            spares: RefCell::new(spares),
             append_queue,
             store_error: RefCell::new(None),
             me: RefCell::new(std::rc::Weak::new()),
@@ -1152,8 +1178,7 @@ impl Shard {
                 .position(|f| f.begin == begin && f.uploaded)
             {
                 let f = jm.fragments.remove(at);
-                crate::reaper::remove_file(f.path.clone());
-                drop(f);
+                self.retire_fragment(&jm, f);
                 total -= len;
             }
         }
@@ -1235,12 +1260,13 @@ impl Shard {
                 let mut jm = j.borrow_mut();
                 if !shard.is_primary(&jm.spec) {
                     // A replica's copies are dropped once the store holds them.
-                    jm.fragments.retain(|f| {
-                        if f.uploaded {
-                            crate::reaper::remove_file(f.path.clone());
-                        }
-                        !f.uploaded
-                    });
+                    let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.fragments)
+                        .into_iter()
+                        .partition(|f| f.uploaded);
+                    jm.fragments = kept;
+                    for f in gone {
+                        shard.retire_fragment(&jm, f);
+                    }
                 }
                 drop(jm);
                 shard.recount_unuploaded();
@@ -1423,6 +1449,7 @@ impl Shard {
     /// Seals due spools and times out idle streamed appends. Runs every second.
     pub async fn tick(self: &Rc<Self>) {
         let now = SystemTime::now();
+        self.check_spares();
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         for j in journals {
             let mut due = false;
@@ -2198,12 +2225,12 @@ impl Shard {
             jm.spool.is_none() && !jm.queue.is_empty()
         };
         if needs_spool {
-            let (dir, head) = {
+            let (dir, head, length) = {
                 let jm = j.borrow();
-                (jm.dir.clone(), jm.local_head)
+                (jm.dir.clone(), jm.local_head, jm.spec.fragment.length)
             };
             let created = match std::fs::create_dir_all(&dir) {
-                Ok(()) => Spool::create_sized(&dir, head, self.sizing).await,
+                Ok(()) => self.create_spool(&dir, head, length).await,
                 Err(e) => Err(StorageError::io(&dir, e)),
             };
             match created {
@@ -2215,6 +2242,66 @@ impl Shard {
                     self.fail_queue(j, storage_status(&e), &e.to_string());
                 }
             }
+        }
+    }
+
+    /// A new spool at `head`: in a spare file if one fits the journal's
+    /// fragment length, else a new file.
+    async fn create_spool(
+        &self,
+        dir: &std::path::Path,
+        head: u64,
+        fragment_length: u64,
+    ) -> Result<Spool, StorageError> {
+        let max_len = fragment_length.saturating_add(self.sizing.grow_bytes);
+        let spare = self.spares.borrow_mut().take(max_len);
+        if let Some(spare) = spare {
+            match Spool::create_recycled(&spare, dir, head, self.sizing).await {
+                Ok(spool) => {
+                    metrics::add(&self.metrics.spools_recycled, 1);
+                    return Ok(spool);
+                }
+                Err(e) => {
+                    tracing::warn!(spare = %spare.display(), error = %e, "cannot begin a spool in a spare file; creating one");
+                }
+            }
+        }
+        Spool::create_sized(dir, head, self.sizing).await
+    }
+
+    /// Gives up the spare spools once the disk has less than
+    /// `SPARE_BYTES_MAX` free above the reserve: space for appends comes
+    /// first.
+    fn check_spares(&self) {
+        if self.spares.borrow().is_empty() {
+            return;
+        }
+        let low = rotary_storage::spool::free_bytes_at(&self.dir).is_ok_and(|free| {
+            free < self
+                .disk_reserve_bytes
+                .saturating_add(crate::spares::SPARE_BYTES_MAX)
+        });
+        if low {
+            tracing::info!(
+                bytes = self.spares.borrow().bytes(),
+                "the disk is short of space: deleting the spare spools"
+            );
+            self.spares.borrow_mut().release();
+        }
+    }
+
+    /// Lets go of a local fragment's file: kept as a spare when nothing
+    /// can read or write it any more (in the store, not being uploaded, no
+    /// read of its journal in flight, not known to be damaged), else
+    /// deleted by the reaper.
+    fn retire_fragment(&self, jm: &Journal, f: LocalFragment) {
+        let idle = f.uploaded && !f.uploading && f.corrupt.is_none() && jm.reads_in_flight == 0;
+        let len = f.end - f.begin;
+        drop(f.file);
+        if idle && self.spares.borrow_mut().give(&f.path, len) {
+            metrics::add(&self.metrics.spares_kept, 1);
+        } else {
+            crate::reaper::remove_file(f.path);
         }
     }
 
@@ -2566,6 +2653,20 @@ impl Shard {
             let durable = jm.spec.durability == Durability::Fsync;
             (jm.spool.take(), durable)
         };
+        let spool = match spool {
+            Some(s) if s.is_empty() => {
+                // Nothing to seal: its file is kept as a spare, or deleted
+                // here (not by the reaper: the next spool may take its name).
+                let (path, len) = s.into_empty_file();
+                if self.spares.borrow_mut().give(&path, len) {
+                    metrics::add(&self.metrics.spares_kept, 1);
+                } else if let Err(e) = std::fs::remove_file(&path) {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove an empty spool");
+                }
+                None
+            }
+            other => other,
+        };
         let mut sealed = None;
         if let Some(spool) = spool {
             let path = spool.path().to_path_buf();
@@ -2894,6 +2995,8 @@ impl Shard {
                     drop(chunks);
                     if e.is_full() {
                         metrics::add(&self.metrics.storage_full, 1);
+                        // Spare spools must never be why an append fails.
+                        self.spares.borrow_mut().release();
                     }
                     let a = jm.active.take().expect("active");
                     jm.tail.truncate(a.start.offset);
@@ -3383,6 +3486,7 @@ impl Shard {
             if let Some(end) = req.end_offset {
                 len = len.min(end - offset);
             }
+            let reading;
             let file = match loc.file {
                 FileRef::Remote(frag) => {
                     // Each chunk from the store takes its own turn.
@@ -3452,22 +3556,32 @@ impl Shard {
                     let head = j.borrow().head;
                     return done(Status::IO_ERROR, offset, head, &why);
                 }
-                FileRef::Open(f) => f,
-                FileRef::Fragment(_, Some(f)) => f,
-                FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
-                    Ok(f) => Rc::new(f),
-                    Err(e) => {
-                        let head = j.borrow().head;
-                        return done(
-                            Status::IO_ERROR,
-                            offset,
-                            head,
-                            &format!("{}: {e}", path.display()),
-                        );
+                FileRef::Open(_) | FileRef::Fragment(..) => {
+                    // Held until the read is done: see `retire_fragment`.
+                    reading = ReadPin::new(&j);
+                    match loc.file {
+                        FileRef::Open(f) | FileRef::Fragment(_, Some(f)) => f,
+                        FileRef::Fragment(path, None) => {
+                            match compio::fs::File::open(&path).await {
+                                Ok(f) => Rc::new(f),
+                                Err(e) => {
+                                    let head = j.borrow().head;
+                                    return done(
+                                        Status::IO_ERROR,
+                                        offset,
+                                        head,
+                                        &format!("{}: {e}", path.display()),
+                                    );
+                                }
+                            }
+                        }
+                        FileRef::Remote(_) | FileRef::Corrupt(_) => unreachable!("matched above"),
                     }
-                },
+                }
             };
-            match read_range(&file, loc.file_pos, len as usize).await {
+            let read = read_range(&file, loc.file_pos, len as usize).await;
+            drop(reading);
+            match read {
                 Ok((buf, range)) if !range.is_empty() => {
                     let meta = ReadData {
                         offset: U64::new(offset),

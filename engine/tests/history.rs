@@ -273,3 +273,97 @@ fn the_local_cache_drops_the_oldest_uploaded_fragments_first() {
     assert!(got[..1000].iter().all(|b| *b == b'a'));
     broker.shutdown();
 }
+
+/// Fragments that are in the store and leave the local cache give their
+/// files to the next spools, which overwrite them in place. Nothing of a
+/// file's old bytes surfaces: every byte reads back, each local fragment
+/// file holds exactly its own bytes, and so it stays after a restart.
+#[test]
+fn evicted_fragments_files_become_new_spools_without_their_old_bytes() {
+    use rand::{Rng, SeedableRng};
+    use sha1::Digest;
+    let root = tempfile::tempdir().unwrap();
+    let store_dir = root.path().join("store");
+    // Room for about two fragments.
+    let broker = start_with_cache(root.path(), 3 << 20);
+    let name = "hist/recycled";
+    let mut spec = JournalSpec::new(name);
+    spec.fragment.length = 1 << 20;
+    spec.fragment.compression_codec = Codec::None;
+    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[spec]);
+
+    let stat = |c: &mut Conn, key: &str| -> u64 {
+        c.send(Op::STATS, 0, 5, &[], &[]);
+        let stats: serde_json::Value = serde_json::from_slice(&c.recv().payload).unwrap();
+        stats[key].as_u64().unwrap()
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let mut expected = Vec::new();
+    // Appends go on until three spools were begun in spare files (each
+    // append of a third of a fragment; uploads and evictions run behind).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stat(&mut c, "spools_recycled") < 3 {
+        assert!(Instant::now() < deadline, "no spool was recycled");
+        let len = rng.gen_range(300_000..400_000);
+        let bytes: Vec<u8> = (0..len).map(|_| rng.r#gen()).collect();
+        let r = append(&mut c, name, &bytes);
+        assert_eq!(r.begin, expected.len() as u64);
+        expected.extend_from_slice(&bytes);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(stat(&mut c, "spares_kept") >= 3);
+    // One more fragment's worth, sealed: its file was a spare too.
+    let tail: Vec<u8> = (0..1_200_000).map(|_| rng.r#gen()).collect();
+    append(&mut c, name, &tail);
+    expected.extend_from_slice(&tail);
+    let _: serde_json::Value = admin(&mut c, Op::SEAL, name);
+
+    let check_files = |expected: &[u8]| {
+        let dir = root
+            .path()
+            .join("data/shard-0/journals")
+            .join(name)
+            .join("@");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let file = path.file_name().unwrap().to_str().unwrap().to_string();
+            let Some(stem) = file.strip_suffix(".raw") else {
+                continue;
+            };
+            let parts: Vec<&str> = stem.split('-').collect();
+            let begin = u64::from_str_radix(parts[0], 16).unwrap() as usize;
+            let end = u64::from_str_radix(parts[1], 16).unwrap() as usize;
+            let on_disk = std::fs::read(&path).unwrap();
+            assert!(on_disk == expected[begin..end], "{file} holds other bytes");
+            assert_eq!(
+                hex::encode(sha1::Sha1::digest(&on_disk)),
+                parts[2],
+                "{file}"
+            );
+            seen += 1;
+        }
+        assert!(seen > 0, "no local fragment in {}", dir.display());
+    };
+    check_files(&expected);
+    let (got, status) = c.read_all(name, 0);
+    assert_eq!(status, Status::OK);
+    assert!(got == expected, "read back differs");
+    broker.shutdown();
+
+    let spares = root.path().join("data/shard-0/spares");
+    assert!(std::fs::read_dir(&spares).unwrap().count() <= rotary_engine::spares::SPARES_MAX);
+    let broker = start_with_cache(root.path(), 3 << 20);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let more: Vec<u8> = (0..700_000).map(|_| rng.r#gen()).collect();
+    let r = append(&mut c, name, &more);
+    assert_eq!(r.begin, expected.len() as u64);
+    expected.extend_from_slice(&more);
+    let (got, status) = c.read_all(name, 0);
+    assert_eq!(status, Status::OK);
+    assert!(got == expected, "read back after a restart differs");
+    check_files(&expected);
+    broker.shutdown();
+}

@@ -142,6 +142,49 @@ impl Spool {
         ))
     }
 
+    /// [`Spool::create_sized`] into a recycled file: `spare`, whose blocks
+    /// are all written (an uploaded fragment's), is renamed to the spool's
+    /// name and overwritten in place. On ext4 that runs at the speed of
+    /// overwrites, not of first writes into fallocated blocks. Its old bytes
+    /// beyond the write head are never read: readers, seals and recovery
+    /// stop at the committed end, and a seal cuts the file there.
+    pub async fn create_recycled(
+        spare: &Path,
+        dir: &Path,
+        begin: u64,
+        sizing: SpoolSizing,
+    ) -> Result<Spool, StorageError> {
+        let path = dir.join(spool_file_name(begin));
+        std::fs::rename(spare, &path).map_err(|e| StorageError::io(spare, e))?;
+        let opened = async {
+            let (file, direct) = open_direct(&path, false).await?;
+            let len = file_len(&file, &path).await?;
+            Ok::<_, StorageError>((file, direct, len))
+        }
+        .await;
+        let (file, direct, len) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+        };
+        let mut spool = Spool::from_parts(file, path, begin, direct, Sha1::new(), sizing);
+        // The last, partial block is grown like a new one, so that no
+        // write reaches past the file's end.
+        spool.allocated = align_down(len);
+        Ok(spool)
+    }
+
+    /// The file of an empty spool, to be kept as a spare or deleted by the
+    /// caller (instead of [`Spool::seal`], which deletes it here).
+    pub fn into_empty_file(self) -> (PathBuf, u64) {
+        assert!(self.is_empty(), "only an empty spool gives up its file");
+        assert_eq!(self.staged, self.committed, "uncommitted bytes staged");
+        assert!(self.writing.is_none(), "a write is in flight");
+        (self.path.clone(), self.allocated)
+    }
+
     fn from_parts(
         file: File,
         path: PathBuf,
@@ -989,6 +1032,67 @@ mod tests {
             let (block, range) = read_range(spool.file(), 0, 5100).await.unwrap();
             let got = &block.as_slice()[range];
             assert!(got[..5000].iter().all(|&b| b == 3) && got[5000..].iter().all(|&b| b == 4));
+        });
+    }
+
+    #[test]
+    fn a_recycled_file_is_overwritten_in_place_and_its_old_bytes_never_surface() {
+        use rand::{Rng, SeedableRng};
+        use sha1::Digest;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let old: Vec<u8> = (0..(3 << 20) + 777).map(|_| rng.r#gen()).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let spare = dir.path().join("spare-0");
+        std::fs::write(&spare, &old).unwrap();
+        let begin = 5000;
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let mut spool =
+                Spool::create_recycled(&spare, dir.path(), begin, SpoolSizing::default())
+                    .await
+                    .unwrap();
+            assert!(!spare.exists());
+            assert_eq!(spool.path(), dir.path().join(spool_file_name(begin)));
+            // Within the old file no fallocate is needed and the file keeps
+            // its length: every write overwrites written blocks.
+            let new: Vec<u8> = (0..(2 << 20) + 12345).map(|_| rng.r#gen()).collect();
+            for piece in new.chunks(300_001) {
+                spool.ensure_allocated(piece.len() as u64, 0).unwrap();
+                assert_eq!(spool.stage(piece), piece.len());
+                spool.write_staged().await.unwrap();
+                spool.commit(spool.commit_point());
+            }
+            let path = spool.path().to_path_buf();
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), old.len() as u64);
+            let want: [u8; 20] = sha1::Sha1::digest(&new).into();
+            assert_eq!(spool.committed_sha1(), want);
+            // After a crash, recovery hashes the committed bytes only.
+            let end = spool.committed();
+            drop(spool);
+            let (mut spool, digest) = Spool::recover(path.clone(), begin, end).await.unwrap();
+            assert_eq!(digest, want);
+            // Growing past the old file works as for a new spool.
+            let more = vec![9u8; 2 << 20];
+            spool.ensure_allocated(more.len() as u64, 0).unwrap();
+            assert_eq!(spool.stage(&more), more.len());
+            spool.write_staged().await.unwrap();
+            spool.commit(spool.commit_point());
+            // The seal cuts the old bytes off.
+            let frag = spool.seal(false).await.unwrap().unwrap();
+            let mut all = new.clone();
+            all.extend_from_slice(&more);
+            assert_eq!(std::fs::read(&frag.path).unwrap(), all);
+            assert_eq!(frag.sha1, <[u8; 20]>::from(sha1::Sha1::digest(&all)));
+
+            // An empty spool gives its file back whole.
+            let spare = dir.path().join("spare-1");
+            std::fs::write(&spare, &old).unwrap();
+            let empty = Spool::create_recycled(&spare, dir.path(), 1 << 40, SpoolSizing::default())
+                .await
+                .unwrap();
+            let (path, len) = empty.into_empty_file();
+            assert_eq!(len, align_down(old.len() as u64));
+            assert_eq!(std::fs::read(&path).unwrap(), old);
         });
     }
 
