@@ -367,3 +367,83 @@ fn evicted_fragments_files_become_new_spools_without_their_old_bytes() {
     check_files(&expected);
     broker.shutdown();
 }
+
+/// Readers that read the whole journal again and again while appends roll
+/// fragments, uploads finish and evictions hand their files to new spools:
+/// every byte read is the byte appended at that offset.
+#[test]
+fn reads_racing_evictions_and_recycled_spools_get_only_their_own_bytes() {
+    use rand::{Rng, SeedableRng};
+    use std::sync::{Arc, Mutex};
+    let root = tempfile::tempdir().unwrap();
+    let store_dir = root.path().join("store");
+    let broker = start_with_cache(root.path(), 2 << 20);
+    let name = "hist/recycled-while-read";
+    let mut spec = JournalSpec::new(name);
+    spec.fragment.length = 1 << 20;
+    spec.fragment.compression_codec = Codec::None;
+    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
+    let endpoint = broker.endpoints[0];
+    let mut c = Conn::new(endpoint);
+    c.apply(&[spec]);
+
+    let expected = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let expected = expected.clone();
+            let done = done.clone();
+            std::thread::spawn(move || {
+                let mut c = Conn::new(endpoint);
+                let mut reads = 0;
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    let (got, status) = c.read_all(name, 0);
+                    if status != Status::OK {
+                        // The first listing may not have finished yet.
+                        assert!(status.is_retryable(), "read: {status}");
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                    let want = expected.lock().unwrap();
+                    assert!(got.len() <= want.len(), "read past what was appended");
+                    if let Some(at) = (0..got.len()).find(|&i| got[i] != want[i]) {
+                        panic!("byte {at} of {} read differs", got.len());
+                    }
+                    reads += 1;
+                }
+                reads
+            })
+        })
+        .collect();
+
+    let stat = |c: &mut Conn, key: &str| -> u64 {
+        c.send(Op::STATS, 0, 5, &[], &[]);
+        let stats: serde_json::Value = serde_json::from_slice(&c.recv().payload).unwrap();
+        stats[key].as_u64().unwrap()
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while stat(&mut c, "spools_recycled") < 6 {
+        assert!(Instant::now() < deadline, "too few spools were recycled");
+        let len = rng.gen_range(100_000..300_000);
+        let bytes: Vec<u8> = (0..len).map(|_| rng.r#gen()).collect();
+        // Recorded before it is appended: a reader may see it at once.
+        let at = {
+            let mut want = expected.lock().unwrap();
+            want.extend_from_slice(&bytes);
+            want.len() - bytes.len()
+        };
+        let r = append(&mut c, name, &bytes);
+        assert_eq!(r.begin, at as u64);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    done.store(true, std::sync::atomic::Ordering::Release);
+    for r in readers {
+        let reads = r.join().expect("a reader failed");
+        assert!(reads > 0, "a reader never read");
+    }
+    let (got, status) = c.read_all(name, 0);
+    assert_eq!(status, Status::OK);
+    assert!(got == *expected.lock().unwrap(), "read back differs");
+    broker.shutdown();
+}
