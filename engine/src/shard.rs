@@ -3564,6 +3564,14 @@ impl Shard {
                         FileRef::Fragment(path, None) => {
                             match compio::fs::File::open(&path).await {
                                 Ok(f) => Rc::new(f),
+                                // Evicted meanwhile: its span is read from
+                                // where it is now (the store).
+                                Err(e)
+                                    if e.kind() == std::io::ErrorKind::NotFound
+                                        && !j.borrow().fragments.iter().any(|f| f.path == path) =>
+                                {
+                                    continue
+                                }
                                 Err(e) => {
                                     let head = j.borrow().head;
                                     return done(
