@@ -383,9 +383,10 @@ impl Figures {
         }
         if let (Some(a), Some(f)) = (&self.append_1m, &self.fio_fresh) {
             if f.mb_per_s > 0.0 {
-                // Spools are preallocated, not recycled: each append-1m
-                // byte lands on a block written for the first time, which
-                // costs more than the overwrite the target is set against.
+                // The journal has no store, so its spools are never begun
+                // in recycled files: each append-1m byte lands on a block
+                // written for the first time, which costs more than the
+                // overwrite the target is set against.
                 out.push((
                     format!("append-1m MB/s ÷ {}", f.describe()),
                     a.mb_per_s / f.mb_per_s,
