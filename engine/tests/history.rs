@@ -274,6 +274,31 @@ fn the_local_cache_drops_the_oldest_uploaded_fragments_first() {
     broker.shutdown();
 }
 
+/// A broker keeping `local_cache_bytes` of uploaded fragments, and the
+/// journal `name` with 1 MiB uncompressed fragments in a `file://` store
+/// under `root`: its evicted fragments' files become spare spools.
+fn start_with_recycling(
+    root: &std::path::Path,
+    local_cache_bytes: u64,
+    name: &str,
+) -> (Broker, Conn) {
+    let broker = start_with_cache(root, local_cache_bytes);
+    let mut spec = JournalSpec::new(name);
+    spec.fragment.length = 1 << 20;
+    spec.fragment.compression_codec = Codec::None;
+    spec.fragment.stores = vec![format!("file://{}/", root.join("store").display())];
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[spec]);
+    (broker, c)
+}
+
+/// A broker-wide counter from STATS.
+fn stat(c: &mut Conn, key: &str) -> u64 {
+    c.send(Op::STATS, 0, 5, &[], &[]);
+    let stats: serde_json::Value = serde_json::from_slice(&c.recv().payload).unwrap();
+    stats[key].as_u64().unwrap()
+}
+
 /// Fragments that are in the store and leave the local cache give their
 /// files to the next spools, which overwrite them in place. Nothing of a
 /// file's old bytes surfaces: every byte reads back, each local fragment
@@ -283,22 +308,9 @@ fn evicted_fragments_files_become_new_spools_without_their_old_bytes() {
     use rand::{Rng, SeedableRng};
     use sha1::Digest;
     let root = tempfile::tempdir().unwrap();
-    let store_dir = root.path().join("store");
-    // Room for about two fragments.
-    let broker = start_with_cache(root.path(), 3 << 20);
     let name = "hist/recycled";
-    let mut spec = JournalSpec::new(name);
-    spec.fragment.length = 1 << 20;
-    spec.fragment.compression_codec = Codec::None;
-    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
-    let mut c = Conn::new(broker.endpoints[0]);
-    c.apply(&[spec]);
-
-    let stat = |c: &mut Conn, key: &str| -> u64 {
-        c.send(Op::STATS, 0, 5, &[], &[]);
-        let stats: serde_json::Value = serde_json::from_slice(&c.recv().payload).unwrap();
-        stats[key].as_u64().unwrap()
-    };
+    // Room for about two fragments.
+    let (broker, mut c) = start_with_recycling(root.path(), 3 << 20, name);
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     let mut expected = Vec::new();
     // Appends go on until three spools were begun in spare files (each
@@ -376,16 +388,9 @@ fn reads_racing_evictions_and_recycled_spools_get_only_their_own_bytes() {
     use rand::{Rng, SeedableRng};
     use std::sync::{Arc, Mutex};
     let root = tempfile::tempdir().unwrap();
-    let store_dir = root.path().join("store");
-    let broker = start_with_cache(root.path(), 2 << 20);
     let name = "hist/recycled-while-read";
-    let mut spec = JournalSpec::new(name);
-    spec.fragment.length = 1 << 20;
-    spec.fragment.compression_codec = Codec::None;
-    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
+    let (broker, mut c) = start_with_recycling(root.path(), 2 << 20, name);
     let endpoint = broker.endpoints[0];
-    let mut c = Conn::new(endpoint);
-    c.apply(&[spec]);
 
     let expected = Arc::new(Mutex::new(Vec::<u8>::new()));
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -416,11 +421,6 @@ fn reads_racing_evictions_and_recycled_spools_get_only_their_own_bytes() {
         })
         .collect();
 
-    let stat = |c: &mut Conn, key: &str| -> u64 {
-        c.send(Op::STATS, 0, 5, &[], &[]);
-        let stats: serde_json::Value = serde_json::from_slice(&c.recv().payload).unwrap();
-        stats[key].as_u64().unwrap()
-    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(8);
     let deadline = Instant::now() + Duration::from_secs(40);
     while stat(&mut c, "spools_recycled") < 6 {
