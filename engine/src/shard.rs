@@ -3486,7 +3486,10 @@ impl Shard {
             if let Some(end) = req.end_offset {
                 len = len.min(end - offset);
             }
-            let reading;
+            // A local file's read holds the journal's files from reuse
+            // until it is done: see `retire_fragment`.
+            let reading = matches!(loc.file, FileRef::Open(_) | FileRef::Fragment(..))
+                .then(|| ReadPin::new(&j));
             let file = match loc.file {
                 FileRef::Remote(frag) => {
                     // Each chunk from the store takes its own turn.
@@ -3556,36 +3559,27 @@ impl Shard {
                     let head = j.borrow().head;
                     return done(Status::IO_ERROR, offset, head, &why);
                 }
-                FileRef::Open(_) | FileRef::Fragment(..) => {
-                    // Held until the read is done: see `retire_fragment`.
-                    reading = ReadPin::new(&j);
-                    match loc.file {
-                        FileRef::Open(f) | FileRef::Fragment(_, Some(f)) => f,
-                        FileRef::Fragment(path, None) => {
-                            match compio::fs::File::open(&path).await {
-                                Ok(f) => Rc::new(f),
-                                // Evicted meanwhile: its span is read from
-                                // where it is now (the store).
-                                Err(e)
-                                    if e.kind() == std::io::ErrorKind::NotFound
-                                        && !j.borrow().fragments.iter().any(|f| f.path == path) =>
-                                {
-                                    continue
-                                }
-                                Err(e) => {
-                                    let head = j.borrow().head;
-                                    return done(
-                                        Status::IO_ERROR,
-                                        offset,
-                                        head,
-                                        &format!("{}: {e}", path.display()),
-                                    );
-                                }
-                            }
-                        }
-                        FileRef::Remote(_) | FileRef::Corrupt(_) => unreachable!("matched above"),
+                FileRef::Open(f) | FileRef::Fragment(_, Some(f)) => f,
+                FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
+                    Ok(f) => Rc::new(f),
+                    // Evicted meanwhile: its span is read from where it is
+                    // now (the store).
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::NotFound
+                            && !j.borrow().fragments.iter().any(|f| f.path == path) =>
+                    {
+                        continue
                     }
-                }
+                    Err(e) => {
+                        let head = j.borrow().head;
+                        return done(
+                            Status::IO_ERROR,
+                            offset,
+                            head,
+                            &format!("{}: {e}", path.display()),
+                        );
+                    }
+                },
             };
             let read = read_range(&file, loc.file_pos, len as usize).await;
             drop(reading);

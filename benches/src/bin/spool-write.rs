@@ -10,7 +10,7 @@
 
 use clap::Parser;
 use rotary_storage::spool::{Spool, SpoolSizing};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
@@ -64,12 +64,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let batch: Vec<u8> = (0..BATCH).map(|i| (i * 7 % 251) as u8).collect();
     let sizing = SpoolSizing::default();
     let spare = cli.dir.join("spare");
-    let new_file = |dir: &Path, at: u64| {
-        let dir = dir.to_path_buf();
-        async move { Spool::create_sized(&dir, at, sizing).await }
-    };
     // The first spare: a file written once.
-    let (_, path) = fill(new_file(&cli.dir, 0).await?, cli.mib, &batch).await?;
+    let first = Spool::create_sized(&cli.dir, 0, sizing).await?;
+    let (_, path) = fill(first, cli.mib, &batch).await?;
     std::fs::rename(path, &spare)?;
     let mut at = 1u64 << 40;
     let (mut new_total, mut recycled_total) = (Duration::ZERO, Duration::ZERO);
@@ -79,7 +76,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let spool = if recycled {
                 Spool::create_recycled(&spare, &cli.dir, at, sizing).await?
             } else {
-                new_file(&cli.dir, at).await?
+                Spool::create_sized(&cli.dir, at, sizing).await?
             };
             let (took, path) = fill(spool, cli.mib, &batch).await?;
             if recycled {
