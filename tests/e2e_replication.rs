@@ -1778,6 +1778,21 @@ async fn a_broker_that_has_not_heard_its_peers_does_not_call_a_journal_absent_bo
     });
 
     let client = cluster.brokers[back].pinned().await;
+    // LIST answers with what the broker knows, and says it may be partial.
+    let listing = client.listing("").await.unwrap();
+    assert!(listing.partial, "{listing:?}");
+    assert!(
+        listing.journals.iter().all(|j| j.spec.name != MISSED),
+        "{listing:?}"
+    );
+    let (code, out, err) = run_cli(
+        cluster.brokers[back].cli(&["journals", "list", "-o", "json"]),
+        b"",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("missing from this list"), "{err}");
+    let listed: Vec<serde_json::Value> = serde_json::from_slice(&out).unwrap();
+    assert!(listed.is_empty(), "{listed:?}");
     for name in [MISSED, NEVER] {
         let appended = client.append(&req(name), &b"early"[..]).await;
         let err = appended.expect_err("a journal not known yet takes no append");
@@ -1801,19 +1816,25 @@ async fn a_broker_that_has_not_heard_its_peers_does_not_call_a_journal_absent_bo
 
     tokio::task::block_in_place(|| cluster.brokers[other].start());
     let deadline = Instant::now() + WAIT;
-    while !client
-        .list("")
-        .await
-        .unwrap()
-        .iter()
-        .any(|l| l.spec.name == MISSED)
-    {
+    let listing = loop {
+        let listing = client.listing("").await.unwrap();
+        if !listing.partial {
+            break listing;
+        }
         assert!(
             Instant::now() < deadline,
-            "{MISSED} never reached the restarted broker"
+            "the restarted broker never heard its peer: {listing:?}"
         );
         tokio::time::sleep(POLL).await;
-    }
+    };
+    let names: Vec<&str> = listing
+        .journals
+        .iter()
+        .map(|j| j.spec.name.as_str())
+        .collect();
+    assert_eq!(names, [MISSED], "{listing:?}");
+    let (code, _, err) = run_cli(cluster.brokers[back].cli(&["journals", "list"]), b"");
+    assert_eq!((code, err.as_str()), (0, ""));
     // A peer has listed its specs now: an unknown name is absent.
     append_until_not_found(&client, NEVER).await;
     let bytes = b"appended once the specs were learned";

@@ -1107,7 +1107,16 @@ impl Conn {
                     .map(|t| serde_json::json!({ "deleted": t.name, "revision": t.revision })),
             );
         }
-        self.admin_ok(id, &serde_json::Value::Array(out));
+        // A broker still learning its peers' specs lists what it knows, and
+        // says that journals may be missing.
+        let flags = if self.shard.specs.is_caught_up() {
+            0
+        } else {
+            flag::PARTIAL
+        };
+        let bytes = serde_json::to_vec(&out).expect("json");
+        self.outbox
+            .flagged_frame(Op::ADMIN_REPLY, flags, Status::OK, id, &[], &bytes);
     }
 
     async fn prune(&self, id: u64, payload: &[u8]) {

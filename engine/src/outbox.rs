@@ -65,13 +65,26 @@ impl Outbox {
     }
 
     pub fn frame(&self, op: Op, status: Status, request_id: u64, meta: &[u8], payload: &[u8]) {
+        self.flagged_frame(op, 0, status, request_id, meta, payload);
+    }
+
+    /// As [`Outbox::frame`], with flag bits the op defines.
+    pub fn flagged_frame(
+        &self,
+        op: Op,
+        flags: u8,
+        status: Status,
+        request_id: u64,
+        meta: &[u8],
+        payload: &[u8],
+    ) {
         if self.closed.get() {
             return;
         }
         wire::encode_frame(
             &mut self.buf.borrow_mut(),
             op,
-            0,
+            flags,
             status,
             request_id,
             meta,

@@ -228,6 +228,15 @@ pub struct JournalInfo {
     pub route: JournalRoute,
 }
 
+/// A LIST answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listing {
+    pub journals: Vec<JournalInfo>,
+    /// The broker has not heard every peer of its cluster since it started
+    /// (PROTOCOL §9.2): journals it has not learned of yet are missing.
+    pub partial: bool,
+}
+
 /// One fragment of a journal, as FRAGMENTS and SEAL answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FragmentInfo {
@@ -563,14 +572,23 @@ impl Client {
     }
 
     /// Lists journals whose labels match `selector` (text form, e.g.
-    /// `app=orders,!retired`; empty lists all), sorted by name.
+    /// `app=orders,!retired`; empty lists all), sorted by name. A broker
+    /// that has only just started may not know every journal yet: see
+    /// [`Client::listing`], which says so.
     pub async fn list(&self, selector: &str) -> Result<Vec<JournalInfo>, ClientError> {
+        Ok(self.listing(selector).await?.journals)
+    }
+
+    /// As [`Client::list`], and whether the list may be partial.
+    pub async fn listing(&self, selector: &str) -> Result<Listing, ClientError> {
         // Check the text here so a typo is an error, not an empty list.
         let _ = crate::spec::LabelSelector::parse(selector)?;
         let body = serde_json::to_vec(&serde_json::json!({ "selector": selector })).expect("JSON");
         let conn = self.bootstrap_conn().await?;
         let reply = unary(&conn, Op::LIST, Bytes::new(), body.into()).await?;
-        admin_json(&conn, Op::LIST, reply)
+        let partial = reply.flags & flag::PARTIAL != 0;
+        let journals = admin_json(&conn, Op::LIST, reply)?;
+        Ok(Listing { journals, partial })
     }
 
     async fn named_admin<T: serde::de::DeserializeOwned>(

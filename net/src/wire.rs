@@ -128,7 +128,7 @@ ops! {
     /// the offset to resume at with the broker.
     READ_FRAGMENT = 0x85, flags = 0;
     /// Reply to ROUTE, APPLY, LIST, DELETE, FRAGMENTS, SEAL, STATS: JSON payload.
-    ADMIN_REPLY = 0x90, flags = 0;
+    ADMIN_REPLY = 0x90, flags = flag::PARTIAL;
     /// Reply to PING.
     PONG = 0x96, flags = 0;
     /// Broker to broker: outcomes of replicated appends and SYNCs, many per frame.
@@ -155,6 +155,9 @@ pub mod flag {
     pub const PROXIED: u8 = 1 << 3;
     /// APPLY, DELETE: on this broker only (do not forward to the cluster).
     pub const LOCAL: u8 = 1 << 0;
+    /// ADMIN_REPLY to LIST: the broker has not heard every peer since it
+    /// started, so journals it has not learned of yet are missing.
+    pub const PARTIAL: u8 = 1 << 0;
 }
 
 /// Why bytes are not a valid frame or message.
@@ -920,6 +923,34 @@ mod tests {
         let mut bad = buf.clone();
         bad[20] = 1;
         assert_eq!(decode_frame(&bad, BODY_LEN_MAX), Err(WireError::Reserved));
+    }
+
+    #[test]
+    fn a_list_reply_may_say_it_is_partial_and_nothing_else_may() {
+        let mut buf = Vec::new();
+        encode_frame(
+            &mut buf,
+            Op::ADMIN_REPLY,
+            flag::PARTIAL,
+            Status::OK,
+            7,
+            &[],
+            b"[]",
+        );
+        let (f, _) = decode_frame(&buf, BODY_LEN_MAX).unwrap().unwrap();
+        assert_eq!((f.op, f.flags), (Op::ADMIN_REPLY, flag::PARTIAL));
+        buf[7] = flag::PARTIAL << 1;
+        assert!(matches!(
+            decode_frame(&buf, BODY_LEN_MAX),
+            Err(WireError::UnknownFlags { .. })
+        ));
+        let mut pong = Vec::new();
+        encode_frame(&mut pong, Op::PONG, 0, Status::OK, 7, &[], &[]);
+        pong[7] = flag::PARTIAL;
+        assert!(matches!(
+            decode_frame(&pong, BODY_LEN_MAX),
+            Err(WireError::UnknownFlags { .. })
+        ));
     }
 
     #[test]

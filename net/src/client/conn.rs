@@ -61,6 +61,8 @@ const _: () = assert!(REPLY_BODY_LEN_MAX >= wire::BODY_LEN_MAX);
 #[derive(Debug)]
 pub(crate) struct Reply {
     pub op: Op,
+    /// The frame's flag bits (checked against the op's by decode_header).
+    pub flags: u8,
     pub status: Status,
     pub meta: Bytes,
     pub payload: Bytes,
@@ -455,6 +457,7 @@ async fn dispatch(shared: &Shared, header: wire::FrameHeader, frame: Bytes) {
     let reply = match Status::from_code(code) {
         Some(status) => Ok(Reply {
             op,
+            flags: header.flags,
             status,
             meta: frame.slice(wire::HEADER_LEN..meta_end),
             payload: frame.slice(meta_end..),
