@@ -834,7 +834,14 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             LabelSelector::parse(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
-            let list = client.list(&selector).await?;
+            let listing = client.listing(&selector).await?;
+            if listing.partial {
+                eprintln!(
+                    "warning: the broker has not heard from every peer since it started; \
+                     journals it has not learned of yet are missing from this list"
+                );
+            }
+            let list = listing.journals;
             match output {
                 ListFormat::Json => print_json(&list),
                 ListFormat::Yaml => {
@@ -992,6 +999,13 @@ async fn read(args: ReadArgs) -> CmdResult {
                     || (done.status == Status::OFFSET_NOT_YET_AVAILABLE && !args.block);
                 if !normal_end {
                     done.check()?;
+                }
+                if done.status == Status::OFFSET_NOT_YET_AVAILABLE && done.offset > done.write_head
+                {
+                    eprintln!(
+                        "warning: offset {} is beyond the write head {}: nothing to read yet (--block waits for it)",
+                        done.offset, done.write_head
+                    );
                 }
                 if let Some(expected) = next_offset.filter(|&e| e < done.offset) {
                     if done.status == Status::OK && !args.metadata {

@@ -218,7 +218,15 @@ async fn cli_append_read_round_trip() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, all[10..302_000]);
     let (code, out, err) = run_cli(broker.cli(&["read", j, "--offset", &head.to_string()]), b"");
+    assert_eq!((code, out.len(), err.as_str()), (0, 0, ""));
+    // Past the head there is nothing yet either, and the CLI says so.
+    let past = (head + 100).to_string();
+    let (code, out, err) = run_cli(broker.cli(&["read", j, "--offset", &past]), b"");
     assert_eq!((code, out.len()), (0, 0), "{err}");
+    assert!(
+        err.contains(&format!("offset {past} is beyond the write head {head}")),
+        "{err}"
+    );
     let (code, out, err) = run_cli(
         broker.cli(&["read", j, "--offset", "head", "--metadata"]),
         b"",
