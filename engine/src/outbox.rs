@@ -33,6 +33,9 @@ pub struct Outbox {
     pub(crate) drained: Event,
     /// Wakes reads waiting for a producing turn.
     turn: Event,
+    /// Notified once, on close: for tasks that wait for something else and
+    /// must also stop when the connection goes.
+    pub(crate) closing: Event,
     closed: Cell<bool>,
 }
 
@@ -62,6 +65,7 @@ impl Outbox {
         self.filled.notify(usize::MAX);
         self.drained.notify(usize::MAX);
         self.turn.notify(usize::MAX);
+        self.closing.notify(usize::MAX);
     }
 
     pub fn frame(&self, op: Op, status: Status, request_id: u64, meta: &[u8], payload: &[u8]) {

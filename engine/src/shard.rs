@@ -3847,7 +3847,9 @@ fn read_wakeup(
 ) -> impl std::future::Future<Output = ()> {
     let commit = j.borrow().committed.listen();
     let cancelled = cancel.event.listen();
-    let closed = outbox.drained.listen();
+    // Not `drained`, which fires after every write of the connection's
+    // outbox: a tailing reader would wake once more for each chunk it sent.
+    let closed = outbox.closing.listen();
     let stopped = stopping.listen();
     async move {
         let (a, b, c, d) = (
