@@ -53,6 +53,7 @@ mod pingpong;
 mod replication;
 mod report;
 mod sys;
+mod tail;
 
 use anyhow::Context as _;
 use std::path::PathBuf;
@@ -64,7 +65,7 @@ pub use report::Figures;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scenario {
     /// Every scenario below, in this order: pingpong, baseline, append-1m,
-    /// latency-1k, fanout-64x4k.
+    /// latency-1k, fanout-64x4k, tail-readers.
     All,
     /// 1 MiB appends to one journal, pipelined: MB/s and appends/s.
     #[value(name = "append-1m")]
@@ -80,6 +81,11 @@ pub enum Scenario {
     /// fio O_DIRECT 1 MiB sequential overwrite, fio 4 KiB write latency,
     /// iperf3 loopback throughput, SHA-1 rate of one core.
     Baseline,
+    /// 1 KiB appends at a fixed rate to a journal nobody reads, then to one
+    /// that `--tail-readers` blocking readers tail: latency of both, and
+    /// every reader checked byte for byte.
+    #[value(name = "tail-readers")]
+    TailReaders,
     /// History read from a `file://` store with `read_direct` vs. a raw
     /// store GET, and live append latency with and without that backfill.
     /// Not part of `all`: it writes `--backfill-gib` GiB twice over.
@@ -160,6 +166,9 @@ pub struct BenchArgs {
     /// Appends in flight per journal in fanout-64x4k.
     #[arg(long = "fanout-depth", default_value_t = 4)]
     pub fanout_depth: usize,
+    /// Blocking readers tailing the journal of tail-readers' second phase.
+    #[arg(long = "tail-readers", value_name = "N", default_value_t = 16)]
+    pub tail_readers: usize,
     /// Message bytes of each ping-pong round trip.
     #[arg(long = "pingpong-size", value_name = "BYTES", default_value_t = 1024)]
     pub pingpong_size: usize,
@@ -269,6 +278,11 @@ impl BenchArgs {
             (1..=load::DEPTH_MAX).contains(&self.fanout_depth),
             "--fanout-depth must be 1 to {}",
             load::DEPTH_MAX
+        );
+        anyhow::ensure!(
+            (1..=tail::READERS_MAX).contains(&self.tail_readers),
+            "--tail-readers must be 1 to {}",
+            tail::READERS_MAX
         );
         anyhow::ensure!(
             (1..=load::RATE_MAX).contains(&self.rate),
@@ -445,6 +459,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::Append1m,
         Scenario::Latency1k,
         Scenario::Fanout64x4k,
+        Scenario::TailReaders,
         Scenario::Backfill,
     ];
     if broker_scenarios.iter().any(|s| args.wants(*s)) {

@@ -27,7 +27,7 @@ pub const DEPTH_MAX: usize = 1024;
 pub const RATE_MAX: u64 = 1_000_000;
 
 const APPEND_1M_BYTES: usize = 1 << 20;
-const LATENCY_1K_BYTES: usize = 1 << 10;
+pub(crate) const LATENCY_1K_BYTES: usize = 1 << 10;
 const FANOUT_BYTES: usize = 4 << 10;
 const FANOUT_JOURNALS: usize = 64;
 
@@ -122,6 +122,22 @@ pub async fn run_all(
         figures.fanout_64x4k = Some(f);
         figures.note_foreign_cpu("fanout-64x4k", &cpu);
     }
+    if args.wants(Scenario::TailReaders) {
+        // Both phases on one shard: the shards' cores differ (one takes
+        // the disk's interrupts), and the comparison is of readers only.
+        let journals = same_shard_pair(&client, &format!("{prefix}/tail")).await?;
+        eprintln!(
+            "tail-readers: {} B appends at {}/s to {}, then to {} with {} readers tailing it",
+            LATENCY_1K_BYTES, args.rate, journals[0], journals[1], args.tail_readers
+        );
+        let cpu = crate::cpu::Sample::now();
+        let f = with_journals(&client, &journals, |client| {
+            crate::tail::run(client, args, &target.endpoint, &journals[0], &journals[1])
+        })
+        .await?;
+        figures.tail_readers = Some(f);
+        figures.note_foreign_cpu("tail-readers", &cpu);
+    }
     if args.wants(Scenario::Backfill) {
         let cpu = crate::cpu::Sample::now();
         let f = crate::backfill::run(&client, args, target, &prefix, store_dir).await?;
@@ -186,6 +202,23 @@ async fn balanced_names(
         "could not spread {count} journals over {shards} shards"
     );
     Ok(names)
+}
+
+/// Two journal names under `prefix` that live on the same shard.
+async fn same_shard_pair(client: &Client, prefix: &str) -> anyhow::Result<Vec<String>> {
+    let shards = client
+        .route(&format!("{prefix}/probe"))
+        .await
+        .context("ROUTE")?
+        .shards
+        .max(1);
+    let first = format!("{prefix}-alone");
+    let shard = rotary_net::shard_of(&first, shards);
+    let second = (0..1000)
+        .map(|i| format!("{prefix}-read-{i}"))
+        .find(|n| rotary_net::shard_of(n, shards) == shard)
+        .context("no name on the first journal's shard")?;
+    Ok(vec![first, second])
 }
 
 /// Deterministic, incompressible-looking content (xorshift).

@@ -223,6 +223,7 @@ pub struct Figures {
     pub append_1m: Option<ThroughputFigures>,
     pub latency_1k: Option<LatencyFigures>,
     pub fanout_64x4k: Option<ThroughputFigures>,
+    pub tail_readers: Option<crate::tail::TailFigures>,
     pub backfill: Option<crate::backfill::BackfillFigures>,
     pub replication: Option<crate::replication::ReplicationFigures>,
     /// Per scenario: percent of all CPUs busy outside this process (other
@@ -287,6 +288,7 @@ impl Figures {
                 "append_depth": args.append_depth,
                 "rate": args.rate,
                 "fanout_depth": args.fanout_depth,
+                "tail_readers": args.tail_readers,
                 "backfill_gib": args.backfill_gib,
                 "backfill_rate": args.backfill_rate,
                 "replication_rate": args.replication_rate,
@@ -426,6 +428,16 @@ impl Figures {
                 ));
             }
         }
+        if let Some(t) = &self.tail_readers {
+            if t.alone.latency.p99_us > 0.0 {
+                // "Many readers tailing one journal must not slow its
+                // appends noticeably": no number is set, so it explains.
+                out.push((
+                    format!("tail-readers append p99, {} readers ÷ none", t.readers),
+                    t.with_readers.latency.p99_us / t.alone.latency.p99_us,
+                ));
+            }
+        }
         if let Some(a) = self.replication.as_ref().and_then(|r| r.acks_per_ack_frame) {
             // Acks the primary's pipelines received per REPLICATE_ACK frame.
             out.push(("replication acks per ack frame (rep 3)".into(), a));
@@ -461,6 +473,7 @@ impl Figures {
             "append_1m": self.append_1m,
             "latency_1k": self.latency_1k,
             "fanout_64x4k": self.fanout_64x4k,
+            "tail_readers": self.tail_readers,
             "backfill": self.backfill,
             "replication": self.replication,
             "ratios": self.ratios(),
@@ -576,6 +589,38 @@ impl Figures {
         }
         if let Some(t) = &self.fanout_64x4k {
             throughput_rows(&mut rows, "fanout-64x4k", t);
+        }
+        if let Some(t) = &self.tail_readers {
+            let mut row = |f: String, v: String| rows.push(("tail-readers".into(), f, v));
+            let phase = |l: &LatencyFigures| {
+                format!(
+                    "{} ({:.0}/s, {} errors)",
+                    l.latency.line(),
+                    l.rate_achieved,
+                    l.errors
+                )
+            };
+            row(
+                format!(
+                    "{} B at {}/s, no readers",
+                    t.alone.append_bytes, t.alone.rate_target
+                ),
+                phase(&t.alone),
+            );
+            row(
+                format!("{} readers tailing", t.readers),
+                phase(&t.with_readers),
+            );
+            row(
+                "readers whole · bytes · slowest catch-up".into(),
+                format!(
+                    "{} of {} byte for byte to {} · {} · {:.1} ms",
+                    t.readers_whole, t.readers, t.head, t.reader_bytes, t.catch_up_max_ms
+                ),
+            );
+            if let Some(e) = &t.first_reader_error {
+                row("first reader error".into(), e.clone());
+            }
         }
         if let Some(b) = &self.backfill {
             let mut row = |f: String, v: String| rows.push(("backfill".into(), f, v));
