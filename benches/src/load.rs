@@ -169,6 +169,15 @@ where
     result
 }
 
+/// The broker's shard count, as ROUTE of a name under `prefix` tells it.
+async fn shard_count(client: &Client, prefix: &str) -> anyhow::Result<u32> {
+    let route = client
+        .route(&format!("{prefix}/probe"))
+        .await
+        .context("ROUTE")?;
+    Ok(route.shards.max(1))
+}
+
 /// `count` journal names under `prefix`, spread evenly over the shards
 /// (names are tried in order and kept while their shard has room).
 async fn balanced_names(
@@ -176,12 +185,7 @@ async fn balanced_names(
     prefix: &str,
     count: usize,
 ) -> anyhow::Result<Vec<String>> {
-    let shards = client
-        .route(&format!("{prefix}/probe"))
-        .await
-        .context("ROUTE")?
-        .shards
-        .max(1);
+    let shards = shard_count(client, prefix).await?;
     let per_shard = count.div_ceil(shards as usize);
     let mut taken = vec![0usize; shards as usize];
     let mut names = Vec::with_capacity(count);
@@ -206,12 +210,7 @@ async fn balanced_names(
 
 /// Two journal names under `prefix` that live on the same shard.
 async fn same_shard_pair(client: &Client, prefix: &str) -> anyhow::Result<Vec<String>> {
-    let shards = client
-        .route(&format!("{prefix}/probe"))
-        .await
-        .context("ROUTE")?
-        .shards
-        .max(1);
+    let shards = shard_count(client, prefix).await?;
     let first = format!("{prefix}-alone");
     let shard = rotary_net::shard_of(&first, shards);
     let second = (0..1000)

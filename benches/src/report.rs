@@ -130,6 +130,16 @@ pub struct LatencyFigures {
     pub cross_core_forwards: Option<u64>,
 }
 
+/// A fixed-rate phase's latency, rate and errors, on one line.
+fn fixed_rate_line(l: &LatencyFigures) -> String {
+    format!(
+        "{} ({:.0}/s, {} errors)",
+        l.latency.line(),
+        l.rate_achieved,
+        l.errors
+    )
+}
+
 /// TCP round trips with a child process (pingpong).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PingpongFigures {
@@ -592,24 +602,16 @@ impl Figures {
         }
         if let Some(t) = &self.tail_readers {
             let mut row = |f: String, v: String| rows.push(("tail-readers".into(), f, v));
-            let phase = |l: &LatencyFigures| {
-                format!(
-                    "{} ({:.0}/s, {} errors)",
-                    l.latency.line(),
-                    l.rate_achieved,
-                    l.errors
-                )
-            };
             row(
                 format!(
                     "{} B at {}/s, no readers",
                     t.alone.append_bytes, t.alone.rate_target
                 ),
-                phase(&t.alone),
+                fixed_rate_line(&t.alone),
             );
             row(
                 format!("{} readers tailing", t.readers),
-                phase(&t.with_readers),
+                fixed_rate_line(&t.with_readers),
             );
             row(
                 "readers whole · bytes · slowest catch-up".into(),
@@ -648,25 +650,17 @@ impl Figures {
                     if b.direct_sha1_matches { "ok" } else { "WRONG" }
                 ),
             );
-            let live = |l: &LatencyFigures| {
-                format!(
-                    "p50 {} · p99 {} · p99.9 {} · max {} ({:.0}/s, {} errors)",
-                    fmt_us(l.latency.p50_us),
-                    fmt_us(l.latency.p99_us),
-                    fmt_us(l.latency.p999_us),
-                    fmt_us(l.latency.max_us),
-                    l.rate_achieved,
-                    l.errors
-                )
-            };
             row(
                 format!(
                     "live {} B at {}/s, alone",
                     b.live_alone.append_bytes, b.live_alone.rate_target
                 ),
-                live(&b.live_alone),
+                fixed_rate_line(&b.live_alone),
             );
-            row("live, with backfill".into(), live(&b.live_with_backfill));
+            row(
+                "live, with backfill".into(),
+                fixed_rate_line(&b.live_with_backfill),
+            );
             row(
                 "concurrent backfill".into(),
                 format!(
