@@ -6,6 +6,7 @@
 //! What remains is other processes plus kernel threads (some of which, such
 //! as direct-I/O completion workers, serve this benchmark).
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// Clock ticks per second of `/proc` times (USER_HZ; 100 on Linux).
@@ -63,5 +64,71 @@ impl Sample {
         let own = end.own_ticks?.checked_sub(self.own_ticks?)?;
         let foreign = machine.saturating_sub(own) as f64 / TICKS_PER_SEC;
         Some((foreign / (secs * cpus) * 100.0).clamp(0.0, 100.0))
+    }
+}
+
+/// CPU time of this process's threads, summed by thread name (as the
+/// kernel keeps it: at most 15 bytes).
+pub struct Threads {
+    at: Instant,
+    ticks: BTreeMap<String, u64>,
+}
+
+impl Threads {
+    pub fn now() -> Threads {
+        let mut ticks = BTreeMap::new();
+        if let Ok(dir) = std::fs::read_dir("/proc/self/task") {
+            for task in dir.flatten() {
+                let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+                    continue;
+                };
+                if let Some((name, t)) = thread_ticks(&stat) {
+                    *ticks.entry(name).or_insert(0) += t;
+                }
+            }
+        }
+        Threads {
+            at: Instant::now(),
+            ticks,
+        }
+    }
+
+    /// Percent of one core each thread name used since `self` (threads
+    /// that ended meanwhile are not counted).
+    pub fn percent_since(&self) -> BTreeMap<String, f64> {
+        let end = Threads::now();
+        let secs = end.at.duration_since(self.at).as_secs_f64();
+        let mut out = BTreeMap::new();
+        if secs <= 0.0 {
+            return out;
+        }
+        for (name, t) in end.ticks {
+            let used = t.saturating_sub(self.ticks.get(&name).copied().unwrap_or(0));
+            out.insert(name, used as f64 / TICKS_PER_SEC / secs * 100.0);
+        }
+        out
+    }
+}
+
+/// A thread's name and its user + system ticks, from its `stat`.
+fn thread_ticks(stat: &str) -> Option<(String, u64)> {
+    let name = &stat[stat.find('(')? + 1..stat.rfind(')')?];
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15, i.e. 11 and 12 after ')'.
+    let utime: u64 = f.get(11)?.parse().ok()?;
+    let stime: u64 = f.get(12)?.parse().ok()?;
+    Some((name.to_string(), utime + stime))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_stat_line_gives_its_name_and_time() {
+        let stat = "123 (rotary shard) 0) S 1 2 3 4 5 6 7 8 9 10 250 31 0 0 20 0";
+        assert_eq!(thread_ticks(stat), Some(("rotary shard) 0".into(), 281)));
+        assert_eq!(thread_ticks("123 (x) S 1"), None);
     }
 }

@@ -623,6 +623,22 @@ impl Figures {
             if let Some(e) = &t.first_reader_error {
                 row("first reader error".into(), e.clone());
             }
+            // Busy threads only: a run has many idle ones.
+            let busy: Vec<String> = t
+                .cpu_with_readers
+                .iter()
+                .filter(|(_, p)| **p >= 1.0)
+                .map(|(name, p)| {
+                    let before = t.cpu_alone.get(name).copied().unwrap_or(0.0);
+                    format!("{name} {before:.0} → {p:.0}")
+                })
+                .collect();
+            if !busy.is_empty() {
+                row(
+                    "% of a core by thread, no readers → readers".into(),
+                    busy.join(" · "),
+                );
+            }
         }
         if let Some(b) = &self.backfill {
             let mut row = |f: String, v: String| rows.push(("backfill".into(), f, v));

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use rotary_net::client::{Client, ReadEvent, ReadOptions};
 use rotary_net::wire::ReadRequest;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
@@ -45,6 +46,11 @@ pub struct TailFigures {
     pub catch_up_max_ms: f64,
     /// The broker's READ_DATA bytes over the tailed phase.
     pub broker_read_bytes: Option<u64>,
+    /// Percent of a core each of this process's threads used (by name),
+    /// in each phase: the embedded broker's shards, the load generator,
+    /// and in the second phase the readers' thread.
+    pub cpu_alone: BTreeMap<String, f64>,
+    pub cpu_with_readers: BTreeMap<String, f64>,
 }
 
 /// What one reader saw.
@@ -64,7 +70,9 @@ pub async fn run(
     alone: &str,
     tailed: &str,
 ) -> anyhow::Result<TailFigures> {
+    let threads = crate::cpu::Threads::now();
     let alone_figures = load::latency(client, args, alone.to_string(), args.rate).await?;
+    let cpu_alone = threads.percent_since();
 
     let (content, _) = load::content(load::LATENCY_1K_BYTES);
     let (stop_tx, stop_rx) = watch::channel(None::<u64>);
@@ -119,7 +127,9 @@ pub async fn run(
     );
 
     let read_before = read_bytes(client).await;
+    let threads = crate::cpu::Threads::now();
     let with_readers = load::latency(client, args, tailed.to_string(), args.rate).await?;
+    let cpu_with_readers = threads.percent_since();
     let head = write_head(client, tailed).await?;
     let stopped_at = Instant::now();
     let _ = stop_tx.send(Some(head));
@@ -141,6 +151,8 @@ pub async fn run(
         broker_read_bytes: read_after
             .zip(read_before)
             .map(|(a, b)| a.saturating_sub(b)),
+        cpu_alone,
+        cpu_with_readers,
     };
     for t in tailed_out {
         figures.reader_bytes += t.bytes;
