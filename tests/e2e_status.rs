@@ -447,6 +447,16 @@ async fn spec_revisions_order_changes_and_deletions() {
         Status::BAD_REQUEST as u16,
         "a bare object is not a list: {body}"
     );
+    assert!(
+        body.contains("must be a JSON array of journal specs"),
+        "{body}"
+    );
+    let (status, body) = admin(&endpoint, Op::APPLY, 0, &[], b"{not json");
+    assert_eq!(status, Status::BAD_REQUEST as u16, "{body}");
+    assert!(
+        body.contains("must be a JSON array of journal specs"),
+        "{body}"
+    );
     let payload = serde_json::json!([spec("v1")]).to_string();
     let (status, body) = admin(&endpoint, Op::APPLY, 0, &[], payload.as_bytes());
     assert_eq!(status, ok, "{body}");

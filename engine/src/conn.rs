@@ -1528,12 +1528,16 @@ fn parse_apply(payload: &[u8], local: bool) -> Result<(Vec<JournalSpec>, Option<
         revision: u64,
         specs: Vec<JournalSpec>,
     }
+    // serde's own message for `{...}` is "invalid type: map", even when
+    // the text is not JSON at all: say what is expected first.
+    let refuse =
+        |e: serde_json::Error| Err(format!("specs must be a JSON array of journal specs: {e}"));
     match serde_json::from_slice::<Vec<JournalSpec>>(payload) {
         Ok(specs) => Ok((specs, None)),
-        Err(e) if !local => Err(format!("specs: {e}")),
+        Err(e) if !local => refuse(e),
         Err(e) => match serde_json::from_slice::<Revised>(payload) {
             Ok(r) => Ok((r.specs, Some(r.revision))),
-            Err(_) => Err(format!("specs: {e}")),
+            Err(_) => refuse(e),
         },
     }
 }
