@@ -197,11 +197,17 @@ struct ServeArgs {
     /// to may send nothing while the request waits, before it is PINGed;
     /// after as long again with nothing, the request is answered IO_ERROR.
     /// A duration such as 15s.
-    #[arg(long = "peer-silence", value_name = "DURATION", value_parser = parse_peer_silence, default_value = "15s")]
+    #[arg(long = "peer-silence", value_name = "DURATION", value_parser = parse_peer_wait, default_value = "15s")]
     peer_silence: std::time::Duration,
+    /// In a cluster: how long a primary waits for a replica to acknowledge
+    /// an append before it treats the replica as gone, answers the appends
+    /// waiting on it REPLICATION_FAILED and reconnects. A duration such as
+    /// 10s.
+    #[arg(long = "replica-ack-timeout", value_name = "DURATION", value_parser = parse_peer_wait, default_value = "10s")]
+    replica_ack_timeout: std::time::Duration,
 }
 
-fn parse_peer_silence(s: &str) -> Result<std::time::Duration, String> {
+fn parse_peer_wait(s: &str) -> Result<std::time::Duration, String> {
     match rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())? {
         d if d < std::time::Duration::from_millis(100) => Err("must be at least 100ms".to_string()),
         d => Ok(d),
@@ -646,6 +652,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
     config.spec_sync_interval = args.spec_sync_interval;
     config.peer_silence = args.peer_silence;
+    config.replica_ack_timeout = args.replica_ack_timeout;
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 
@@ -1183,6 +1190,16 @@ mod tests {
             panic!("serve");
         };
         assert_eq!(args.peer_silence, std::time::Duration::from_secs(2));
+        assert_eq!(args.replica_ack_timeout, std::time::Duration::from_secs(10));
+        assert!(Cli::try_parse_from(["rotary", "serve", "--replica-ack-timeout", "0"]).is_err());
+        let Cmd::Serve(args) =
+            Cli::try_parse_from(["rotary", "serve", "--replica-ack-timeout", "2s"])
+                .unwrap()
+                .cmd
+        else {
+            panic!("serve");
+        };
+        assert_eq!(args.replica_ack_timeout, std::time::Duration::from_secs(2));
     }
 
     #[test]

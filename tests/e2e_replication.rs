@@ -1010,26 +1010,67 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up() {
     let mut cluster = Cluster::start(3, CORES);
     let done = tokio::time::timeout(
         TEST_LIMIT,
-        replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(&mut cluster, &store),
+        replica_fault_under_load_body(&mut cluster, &store, ReplicaFault::Kill9),
     )
     .await;
     cluster.finished(done, TEST_LIMIT);
 }
 
-async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
+// ---------------------------------------------------------------------------
+// 3b. A replica that stops answering (a hung process: SIGSTOP) while
+// writers run. Unlike a killed one, its connections stay open and what was
+// sent to it waits in its sockets: it reads all of it once it runs again,
+// proposals of appends its primary has since failed included.
+
+/// The primary's `--replica-ack-timeout` in the stopped-replica test.
+const STOPPED_ACK_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_answering_fails_appends_cleanly_and_catches_up() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start_listed(3, CORES, &[]);
+    tokio::task::block_in_place(|| {
+        cluster.write_file(&[0, 1, 2]);
+        let timeout = format!("{}s", STOPPED_ACK_TIMEOUT.as_secs());
+        for b in &mut cluster.brokers {
+            b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
+            b.start();
+        }
+    });
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        replica_fault_under_load_body(&mut cluster, &store, ReplicaFault::Stop),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReplicaFault {
+    /// `kill -9`, then a restart on the same disk and ports.
+    Kill9,
+    /// SIGSTOP, then SIGCONT.
+    Stop,
+}
+
+async fn replica_fault_under_load_body(
     cluster: &mut Cluster,
     store: &TestStore,
+    fault: ReplicaFault,
 ) {
-    const J: &str = "repl/replica-kill";
-    cluster.apply(&[store_spec(J, 3, store)]).await;
-    let route = agreed_route(cluster, J).await;
+    let j: &'static str = match fault {
+        ReplicaFault::Kill9 => "repl/replica-kill",
+        ReplicaFault::Stop => "repl/replica-stop",
+    };
+    cluster.apply(&[store_spec(j, 3, store)]).await;
+    let route = agreed_route(cluster, j).await;
     let primary = cluster.index(&route.members[0].id);
     let victim = cluster.index(&route.members[1].id);
     let survivor = cluster.index(&route.members[2].id);
 
     // The journal takes appends once its store is listed.
     let warm = record(100, 0, 100);
-    let warm_reply = append_retrying(&cluster.brokers[primary].client().await, J, &warm).await;
+    let warm_reply = append_retrying(&cluster.brokers[primary].client().await, j, &warm).await;
     let mut acked_all = vec![acked(100, 0, &warm_reply)];
 
     // Three writers follow routes to the primary; one goes through the
@@ -1039,11 +1080,21 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
         clients.push(cluster.brokers[primary].client().await);
     }
     clients.push(cluster.brokers[survivor].pinned().await);
-    let writers = Writers::start(J, clients, false);
-    writers.wait_progress(cluster, survivor, J, 1 << 20).await;
+    let writers = Writers::start(j, clients, false);
+    writers.wait_progress(cluster, survivor, j, 1 << 20).await;
 
     writers.set_phase(PHASE_KILLING);
-    tokio::task::block_in_place(|| cluster.brokers[victim].kill9());
+    let stopped = match fault {
+        ReplicaFault::Kill9 => {
+            tokio::task::block_in_place(|| cluster.brokers[victim].kill9());
+            None
+        }
+        ReplicaFault::Stop => {
+            let pid = cluster.brokers[victim].pid().expect("replica running");
+            tokio::task::block_in_place(|| stop_process(pid));
+            Some(pid)
+        }
+    };
     writers.set_phase(PHASE_DOWN);
     writers
         .wait_each(
@@ -1056,8 +1107,10 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
         .await;
 
     // What the survivors hold meanwhile: whole records, one offset space.
-    let p_copy = local_copy(&cluster.brokers[primary], J).await;
-    let s_copy = local_copy(&cluster.brokers[survivor], J).await;
+    // (Direct reads: a replica drops its local fragments once the store
+    // lists them, which a long fault gives time for.)
+    let p_copy = direct_copy(&cluster.brokers[primary], j).await;
+    let s_copy = direct_copy(&cluster.brokers[survivor], j).await;
     let any: HashSet<(u32, u32)> = parse_records(&p_copy, 0)
         .unwrap_or_else(|e| panic!("primary while the replica is down: {e}"))
         .into_iter()
@@ -1070,9 +1123,24 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
     assert!(!any.is_empty());
     assert_prefix_consistent(("primary", &p_copy), ("surviving replica", &s_copy));
 
-    // The replica comes back on its own disk and ports; appends resume.
+    if fault == ReplicaFault::Stop {
+        // The primary gave up on the silent replica by its ack timeout (its
+        // connection never broke).
+        let log = cluster.brokers[primary].log();
+        let gave_up = format!("did not acknowledge within {STOPPED_ACK_TIMEOUT:?}");
+        assert!(
+            log.contains(&gave_up),
+            "no {gave_up:?} in the primary's log:\n{log}"
+        );
+    }
+
+    // The replica comes back (on its own disk and ports, or where it
+    // stopped); appends resume.
     writers.set_phase(PHASE_RESTARTED);
-    tokio::task::block_in_place(|| cluster.brokers[victim].start());
+    match stopped {
+        None => tokio::task::block_in_place(|| cluster.brokers[victim].start()),
+        Some(pid) => continue_process(pid),
+    }
     writers
         .wait_each(
             cluster,
@@ -1091,7 +1159,7 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
     );
 
     // Seal, let the primary upload, and let every member list the uploads.
-    let head = local_head(&cluster.brokers[primary], J).await;
+    let head = local_head(&cluster.brokers[primary], j).await;
     let max_acked = acked_all.iter().map(|a| a.found.end).max().unwrap();
     assert!(
         head >= max_acked,
@@ -1100,7 +1168,7 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
     cluster.brokers[primary]
         .pinned()
         .await
-        .seal(J)
+        .seal(j)
         .await
         .expect("seal on the primary");
     for b in &cluster.brokers {
@@ -1108,7 +1176,7 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
         let deadline = Instant::now() + WAIT;
         loop {
             let frags = client
-                .fragments(J)
+                .fragments(j)
                 .await
                 .unwrap_or_else(|e| panic!("{}: fragments: {e}", b.id));
             if store_covers(&frags, head) {
@@ -1127,8 +1195,8 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up_body(
     let mut digests = Vec::new();
     let mut first: Option<Vec<u8>> = None;
     for b in &cluster.brokers {
-        assert_eq!(local_head(b, J).await, head, "{}: write head", b.id);
-        let copy = direct_copy(b, J).await;
+        assert_eq!(local_head(b, j).await, head, "{}: write head", b.id);
+        let copy = direct_copy(b, j).await;
         assert_eq!(copy.len() as u64, head, "{}: readable length", b.id);
         check_copy(&b.id, &copy, &acked_all, &unknown);
         digests.push((b.id.clone(), hex_sha1(&copy)));

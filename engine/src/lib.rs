@@ -79,6 +79,11 @@ pub struct ServeConfig {
     /// request waits, before it is sent a PING; after as long again with
     /// still nothing, its requests are answered `IO_ERROR`.
     pub peer_silence: Duration,
+    /// How long a primary waits for a replica's acknowledgement before it
+    /// treats the replica as gone: the appends waiting on it are answered
+    /// `REPLICATION_FAILED` and the pipeline is closed (and reconnected,
+    /// with a SYNC, by the next append).
+    pub replica_ack_timeout: Duration,
     /// A static cluster file and this broker's id in it. The broker then
     /// listens on its endpoint from the file (`listen` is ignored).
     pub cluster: Option<(PathBuf, String)>,
@@ -103,6 +108,7 @@ impl ServeConfig {
             iowq_cpus: Vec::new(),
             spec_sync_interval: Duration::from_secs(60),
             peer_silence: crate::conn::PEER_SILENCE_DEFAULT,
+            replica_ack_timeout: crate::pipeline::ACK_TIMEOUT_DEFAULT,
             cluster: None,
         }
     }
@@ -388,6 +394,7 @@ impl Broker {
                     commit_log_compact_bytes: config.commit_log_compact_bytes,
                     spec_sync_interval: config.spec_sync_interval,
                     peer_silence: config.peer_silence,
+                    replica_ack_timeout: config.replica_ack_timeout,
                 },
                 ring_entries: config.ring_entries,
                 shutdown_upload_timeout: config.shutdown_upload_timeout,

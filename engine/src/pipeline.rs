@@ -24,8 +24,8 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 /// How long a primary waits for a replica's ack before it gives the
-/// pipeline up.
-pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+/// pipeline up, unless configured (`rotary serve --replica-ack-timeout`).
+pub const ACK_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 /// A REPLICATE frame is sent once its records reach this many bytes (one
 /// content record is at most a spool write buffer).
 pub const REPLICATE_FRAME_BYTES: usize = 4 << 20;
@@ -67,6 +67,8 @@ pub struct Pipeline {
     pending: RefCell<MetaWriter>,
     pending_records: Cell<usize>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// How long an ack may take before the replica is treated as gone.
+    ack_timeout: Duration,
 }
 
 impl Pipeline {
@@ -74,6 +76,7 @@ impl Pipeline {
         peer: String,
         addr: SocketAddr,
         metrics: std::sync::Arc<crate::metrics::Metrics>,
+        ack_timeout: Duration,
     ) -> Rc<Pipeline> {
         Rc::new(Pipeline {
             peer,
@@ -87,6 +90,7 @@ impl Pipeline {
             pending: RefCell::new(frame_buffer()),
             pending_records: Cell::new(0),
             metrics,
+            ack_timeout,
         })
     }
 
@@ -205,7 +209,7 @@ impl Pipeline {
 
     /// Waits for the ack of `seq` on the connection of `epoch`.
     pub async fn wait(&self, seq: u64, epoch: u64) -> Result<Ack, Failure> {
-        let deadline = Instant::now() + ACK_TIMEOUT;
+        let deadline = Instant::now() + self.ack_timeout;
         loop {
             let l = self.event.listen();
             if let Some(ack) = self.take(seq) {
@@ -222,8 +226,8 @@ impl Pipeline {
                 return Err(Failure::new(
                     Status::REPLICATION_FAILED,
                     format!(
-                        "replica {} did not acknowledge within {ACK_TIMEOUT:?}",
-                        self.peer
+                        "replica {} did not acknowledge within {:?}",
+                        self.peer, self.ack_timeout
                     ),
                 ));
             }

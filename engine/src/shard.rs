@@ -101,6 +101,8 @@ pub struct Shard {
     spec_sync_interval: std::time::Duration,
     /// See `ServeConfig::peer_silence`.
     pub peer_silence: std::time::Duration,
+    /// See `ServeConfig::replica_ack_timeout`.
+    replica_ack_timeout: std::time::Duration,
     /// The last snapshot taken, and the topology version it came from.
     view: RefCell<(u64, Arc<ClusterView>)>,
     /// Pipelines to peer shards, by (peer id, endpoint).
@@ -210,6 +212,8 @@ pub struct ShardConfig {
     pub commit_log_compact_bytes: u64,
     pub spec_sync_interval: std::time::Duration,
     pub peer_silence: std::time::Duration,
+    /// See `ServeConfig::replica_ack_timeout`.
+    pub replica_ack_timeout: std::time::Duration,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -311,6 +315,7 @@ impl Shard {
             commit_log_compact_bytes,
             spec_sync_interval,
             peer_silence,
+            replica_ack_timeout,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
@@ -420,6 +425,7 @@ impl Shard {
             topology,
             spec_sync_interval,
             peer_silence,
+            replica_ack_timeout,
             pipelines: RefCell::new(HashMap::new()),
             next_seq: Cell::new(1),
             inflight: RefCell::new(Default::default()),
@@ -803,7 +809,14 @@ impl Shard {
         self.pipelines
             .borrow_mut()
             .entry((peer.id.clone(), addr))
-            .or_insert_with(|| Pipeline::new(peer.id.clone(), addr, self.metrics.clone()))
+            .or_insert_with(|| {
+                Pipeline::new(
+                    peer.id.clone(),
+                    addr,
+                    self.metrics.clone(),
+                    self.replica_ack_timeout,
+                )
+            })
             .clone()
     }
 
