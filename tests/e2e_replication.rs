@@ -2391,3 +2391,185 @@ async fn requests_proxied_to_a_peer_that_stopped_answering_body(cluster: &mut Cl
         String::from_utf8_lossy(&got)
     );
 }
+
+// ---------------------------------------------------------------------------
+// A replica whose disk fills: appends are refused with a retryable status
+// that names the replica and the full disk, no member takes half of one,
+// and appends go on by themselves once the replica has space again.
+
+/// Unmounts (lazily) a file system the test mounted.
+struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Mounts a tmpfs of `size` (as `mount -o size=`) at `at`; `None` without
+/// the right to (not root).
+fn mount_tmpfs(at: &std::path::Path, size: &str) -> Option<Mounted> {
+    std::fs::create_dir_all(at).unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+        .arg(at)
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then(|| Mounted(at.to_path_buf()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_disk_fills_refuses_appends_until_it_has_space() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start_listed(3, CORES, &[]);
+    // The last broker's data directory is a small tmpfs of its own.
+    let full = 2;
+    let Some(mount) = mount_tmpfs(&cluster.brokers[full].data, "24m") else {
+        eprintln!("SKIPPED: mounting a tmpfs needs root");
+        return;
+    };
+    tokio::task::block_in_place(|| {
+        cluster.write_file(&[0, 1, 2]);
+        for b in &mut cluster.brokers {
+            b.start();
+        }
+    });
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_replica_whose_disk_fills_body(&mut cluster, &store, full, &mount),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_replica_whose_disk_fills_body(
+    cluster: &mut Cluster,
+    store: &TestStore,
+    full: usize,
+    mount: &Mounted,
+) {
+    // A journal whose primary is another broker: the full one is a replica.
+    let full_id = cluster.brokers[full].id.clone();
+    let mut chosen = None;
+    for i in 0..32 {
+        let name = format!("repl/replica-full-{i}");
+        cluster.apply(&[store_spec(&name, 3, store)]).await;
+        let route = agreed_route(cluster, &name).await;
+        if route.members[0].id != full_id {
+            chosen = Some((name, route));
+            break;
+        }
+    }
+    let (j, route) = chosen.expect("a journal whose primary is not the full broker");
+    let primary = cluster.index(&route.members[0].id);
+    let other = (0..3).find(|&i| i != primary && i != full).unwrap();
+    let client = cluster.brokers[primary].client().await;
+
+    // Appends of 256 KiB until the replica's disk refuses one.
+    let warm = record(0, 0, 100);
+    let mut acked_all = vec![acked(0, 0, &append_retrying(&client, &j, &warm).await)];
+    let mut unknown = HashSet::new();
+    let mut seq = 1;
+    let refusal = loop {
+        assert!(seq < 400, "24 MiB never filled");
+        let content = record(0, seq, 256 << 10);
+        match client.append(&req(&j), content).await {
+            Ok(r) => acked_all.push(acked(0, seq, &r)),
+            Err(e) => {
+                unknown.insert((0, seq));
+                break e;
+            }
+        }
+        seq += 1;
+    };
+    seq += 1;
+    assert_eq!(
+        refusal.status(),
+        Some(Status::REPLICATION_FAILED),
+        "{refusal}"
+    );
+    assert!(refusal.is_retryable(), "{refusal}");
+    let text = refusal.to_string();
+    assert!(
+        text.contains(&full_id) && text.contains("STORAGE_FULL"),
+        "the refusal names neither the replica nor its full disk: {text}"
+    );
+
+    // Still full: still refused the same way, and the primary and the
+    // other replica hold whole records in one offset space.
+    for _ in 0..3 {
+        let e = client
+            .append(&req(&j), record(0, seq, 4096))
+            .await
+            .expect_err("an append while the replica's disk is full");
+        assert_eq!(e.status(), Some(Status::REPLICATION_FAILED), "{e}");
+        unknown.insert((0, seq));
+        seq += 1;
+    }
+    let p_copy = direct_copy(&cluster.brokers[primary], &j).await;
+    let o_copy = direct_copy(&cluster.brokers[other], &j).await;
+    parse_records(&p_copy, 0).unwrap_or_else(|e| panic!("primary: {e}"));
+    parse_records(&o_copy, 0).unwrap_or_else(|e| panic!("other replica: {e}"));
+    assert_prefix_consistent(("primary", &p_copy), ("other replica", &o_copy));
+
+    // Space returns: appends go on without a restart.
+    let grown = std::process::Command::new("mount")
+        .args(["-o", "remount,size=256m"])
+        .arg(&mount.0)
+        .status()
+        .expect("remount");
+    assert!(grown.success());
+    let content = record(0, seq, 4096);
+    acked_all.push(acked(0, seq, &append_retrying(&client, &j, &content).await));
+    seq += 1;
+    for _ in 0..20 {
+        let content = record(0, seq, 64 << 10);
+        let r = client
+            .append(&req(&j), content)
+            .await
+            .expect("appends once the replica has space");
+        acked_all.push(acked(0, seq, &r));
+        seq += 1;
+    }
+
+    // Every member reads the same journal (the gap the full replica missed
+    // from the store), holding every acknowledged append.
+    let head = local_head(&cluster.brokers[primary], &j).await;
+    cluster.brokers[primary]
+        .pinned()
+        .await
+        .seal(&j)
+        .await
+        .expect("seal on the primary");
+    for b in &cluster.brokers {
+        let client = b.pinned().await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let frags = client.fragments(&j).await.unwrap();
+            if store_covers(&frags, head) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: store fragments do not cover [0, {head}): {frags:#?}",
+                b.id
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    let mut digests = Vec::new();
+    for b in &cluster.brokers {
+        assert_eq!(local_head(b, &j).await, head, "{}: write head", b.id);
+        let copy = direct_copy(b, &j).await;
+        assert_eq!(copy.len() as u64, head, "{}: readable length", b.id);
+        check_copy(&b.id, &copy, &acked_all, &unknown);
+        digests.push((b.id.clone(), hex_sha1(&copy)));
+    }
+    assert!(
+        digests.iter().all(|(_, d)| *d == digests[0].1),
+        "copies differ: {digests:?}"
+    );
+}
