@@ -5,6 +5,10 @@
 //! process's own time and that of its reaped children (`/proc/self/stat`).
 //! What remains is other processes plus kernel threads (some of which, such
 //! as direct-I/O completion workers, serve this benchmark).
+//!
+//! Also the *steal* time of `/proc/stat`: in a virtual machine, time in which
+//! a vCPU had work but the host ran something else. A thread woken on such a
+//! vCPU waits for the host, however idle the guest looks.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -17,17 +21,29 @@ pub struct Sample {
     at: Instant,
     machine_ticks: Option<u64>,
     own_ticks: Option<u64>,
+    steal_ticks: Option<u64>,
 }
 
-fn machine_ticks() -> Option<u64> {
+/// The summary `cpu` line of `/proc/stat`: user, nice, system, idle,
+/// iowait, irq, softirq, steal, … in ticks, summed over every CPU.
+fn cpu_line() -> Option<Vec<u64>> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().next()?;
     let mut f = line.split_whitespace();
     if f.next()? != "cpu" {
         return None;
     }
-    let v: Vec<u64> = f.take(3).map(|x| x.parse().ok()).collect::<Option<_>>()?;
-    Some(v.iter().sum())
+    f.map(|x| x.parse().ok()).collect()
+}
+
+/// User, nice and system ticks of every CPU.
+fn machine_ticks(line: Option<&[u64]>) -> Option<u64> {
+    Some(line?.get(..3)?.iter().sum())
+}
+
+/// Steal ticks of every CPU (the eighth field; absent on old kernels).
+fn steal_ticks(line: Option<&[u64]>) -> Option<u64> {
+    line?.get(7).copied()
 }
 
 fn own_ticks() -> Option<u64> {
@@ -45,11 +61,26 @@ fn own_ticks() -> Option<u64> {
 
 impl Sample {
     pub fn now() -> Sample {
+        let line = cpu_line();
         Sample {
             at: Instant::now(),
-            machine_ticks: machine_ticks(),
+            machine_ticks: machine_ticks(line.as_deref()),
             own_ticks: own_ticks(),
+            steal_ticks: steal_ticks(line.as_deref()),
         }
+    }
+
+    /// Percent of all CPUs' time since `self` that the host took from this
+    /// virtual machine (0 on bare metal).
+    pub fn steal_percent(&self) -> Option<f64> {
+        let end = Sample::now();
+        let cpus = std::thread::available_parallelism().ok()?.get() as f64;
+        let secs = end.at.duration_since(self.at).as_secs_f64();
+        if secs <= 0.0 {
+            return None;
+        }
+        let stolen = end.steal_ticks?.checked_sub(self.steal_ticks?)? as f64 / TICKS_PER_SEC;
+        Some((stolen / (secs * cpus) * 100.0).clamp(0.0, 100.0))
     }
 
     /// Percent of all CPUs spent outside this process since `self`.
@@ -130,5 +161,19 @@ mod tests {
         let stat = "123 (rotary shard) 0) S 1 2 3 4 5 6 7 8 9 10 250 31 0 0 20 0";
         assert_eq!(thread_ticks(stat), Some(("rotary shard) 0".into(), 281)));
         assert_eq!(thread_ticks("123 (x) S 1"), None);
+    }
+
+    #[test]
+    fn the_cpu_line_gives_busy_and_stolen_ticks() {
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        let line = [100, 2, 30, 900, 5, 0, 7, 40, 0, 0];
+        assert_eq!(machine_ticks(Some(&line)), Some(132));
+        assert_eq!(steal_ticks(Some(&line)), Some(40));
+        // A kernel too old to report steal.
+        assert_eq!(steal_ticks(Some(&line[..7])), None);
+        assert_eq!(machine_ticks(None), None);
+        // This machine's own line parses.
+        let here = cpu_line().expect("/proc/stat");
+        assert!(machine_ticks(Some(&here)).is_some());
     }
 }

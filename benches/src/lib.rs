@@ -478,6 +478,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         if let Some(p) = f.foreign_cpu_percent {
             figures.foreign_cpu_percent.push(("replication", p));
         }
+        if let Some(p) = f.steal_cpu_percent {
+            figures.steal_cpu_percent.push(("replication", p));
+        }
         figures.replication = Some(f);
     }
     drop(scratch);

@@ -127,6 +127,8 @@ pub struct ReplicationFigures {
     pub repl_ack_frames: Option<u64>,
     /// Percent of all CPUs busy outside this process and the brokers.
     pub foreign_cpu_percent: Option<f64>,
+    /// Percent of all CPUs' time the host took from this virtual machine.
+    pub steal_cpu_percent: Option<f64>,
 }
 
 impl ReplicationFigures {
@@ -682,6 +684,7 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
         phases.push(s);
     }
     let foreign_cpu_percent = foreign_percent(&cpu, &ticks_start, &cluster.ticks(), start);
+    let steal_cpu_percent = cpu.steal_percent();
 
     let sum = |get: fn(&CounterDeltas) -> Option<u64>| -> Option<u64> {
         phases
@@ -713,6 +716,7 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
         repl_acks,
         repl_ack_frames,
         foreign_cpu_percent,
+        steal_cpu_percent,
         ..ReplicationFigures::default()
     })
 }

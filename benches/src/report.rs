@@ -239,6 +239,9 @@ pub struct Figures {
     /// Per scenario: percent of all CPUs busy outside this process (other
     /// processes, kernel threads) while it ran.
     pub foreign_cpu_percent: Vec<(&'static str, f64)>,
+    /// Per scenario: percent of all CPUs' time the host took from this
+    /// virtual machine (steal) while it ran.
+    pub steal_cpu_percent: Vec<(&'static str, f64)>,
     /// Figures that were not measured, and why.
     pub skipped: BTreeMap<&'static str, String>,
 }
@@ -320,6 +323,9 @@ impl Figures {
     pub fn note_foreign_cpu(&mut self, scenario: &'static str, since: &crate::cpu::Sample) {
         if let Some(p) = since.foreign_percent() {
             self.foreign_cpu_percent.push((scenario, p));
+        }
+        if let Some(p) = since.steal_percent() {
+            self.steal_cpu_percent.push((scenario, p));
         }
     }
 
@@ -490,6 +496,7 @@ impl Figures {
             "bounds": self.bounds().into_iter().collect::<BTreeMap<_, _>>(),
             "skipped": self.skipped,
             "foreign_cpu_percent": self.foreign_cpu_percent.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
+            "steal_cpu_percent": self.steal_cpu_percent.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
         })
     }
 
@@ -740,6 +747,18 @@ impl Figures {
             let _ = writeln!(
                 out,
                 "CPU busy outside this process (other processes, kernel threads): {}",
+                list.join(" · ")
+            );
+        }
+        if !self.steal_cpu_percent.is_empty() {
+            let list: Vec<String> = self
+                .steal_cpu_percent
+                .iter()
+                .map(|(s, p)| format!("{s} {p:.1}%"))
+                .collect();
+            let _ = writeln!(
+                out,
+                "CPU time the host took from this VM (steal): {}",
                 list.join(" · ")
             );
         }
