@@ -1165,6 +1165,21 @@ async fn replica_fault_under_load_body(
         head >= max_acked,
         "head {head} < acknowledged end {max_acked}"
     );
+    converged_through_the_store(cluster, primary, j, head, &acked_all, &unknown).await;
+}
+
+/// Seals `j` on its primary, waits until every member lists store
+/// fragments covering `[0, head)`, and checks that every member reads the
+/// same `head` bytes (what it missed, from the store), holding every
+/// acknowledged append.
+async fn converged_through_the_store(
+    cluster: &Cluster,
+    primary: usize,
+    j: &str,
+    head: u64,
+    acked_all: &[Acked],
+    unknown: &HashSet<(u32, u32)>,
+) {
     cluster.brokers[primary]
         .pinned()
         .await
@@ -1198,7 +1213,7 @@ async fn replica_fault_under_load_body(
         assert_eq!(local_head(b, j).await, head, "{}: write head", b.id);
         let copy = direct_copy(b, j).await;
         assert_eq!(copy.len() as u64, head, "{}: readable length", b.id);
-        check_copy(&b.id, &copy, &acked_all, &unknown);
+        check_copy(&b.id, &copy, acked_all, unknown);
         digests.push((b.id.clone(), hex_sha1(&copy)));
         match &first {
             None => first = Some(copy),
@@ -2538,38 +2553,5 @@ async fn a_replica_whose_disk_fills_body(
     // Every member reads the same journal (the gap the full replica missed
     // from the store), holding every acknowledged append.
     let head = local_head(&cluster.brokers[primary], &j).await;
-    cluster.brokers[primary]
-        .pinned()
-        .await
-        .seal(&j)
-        .await
-        .expect("seal on the primary");
-    for b in &cluster.brokers {
-        let client = b.pinned().await;
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let frags = client.fragments(&j).await.unwrap();
-            if store_covers(&frags, head) {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{}: store fragments do not cover [0, {head}): {frags:#?}",
-                b.id
-            );
-            tokio::time::sleep(POLL).await;
-        }
-    }
-    let mut digests = Vec::new();
-    for b in &cluster.brokers {
-        assert_eq!(local_head(b, &j).await, head, "{}: write head", b.id);
-        let copy = direct_copy(b, &j).await;
-        assert_eq!(copy.len() as u64, head, "{}: readable length", b.id);
-        check_copy(&b.id, &copy, &acked_all, &unknown);
-        digests.push((b.id.clone(), hex_sha1(&copy)));
-    }
-    assert!(
-        digests.iter().all(|(_, d)| *d == digests[0].1),
-        "copies differ: {digests:?}"
-    );
+    converged_through_the_store(cluster, primary, &j, head, &acked_all, &unknown).await;
 }

@@ -73,28 +73,28 @@ impl Sample {
     /// Percent of all CPUs' time since `self` that the host took from this
     /// virtual machine (0 on bare metal).
     pub fn steal_percent(&self) -> Option<f64> {
-        let end = Sample::now();
-        let cpus = std::thread::available_parallelism().ok()?.get() as f64;
-        let secs = end.at.duration_since(self.at).as_secs_f64();
-        if secs <= 0.0 {
-            return None;
-        }
-        let stolen = end.steal_ticks?.checked_sub(self.steal_ticks?)? as f64 / TICKS_PER_SEC;
-        Some((stolen / (secs * cpus) * 100.0).clamp(0.0, 100.0))
+        self.percent_of_cpus(|start, end| end.steal_ticks?.checked_sub(start.steal_ticks?))
     }
 
     /// Percent of all CPUs spent outside this process since `self`.
     pub fn foreign_percent(&self) -> Option<f64> {
+        self.percent_of_cpus(|start, end| {
+            let machine = end.machine_ticks?.checked_sub(start.machine_ticks?)?;
+            let own = end.own_ticks?.checked_sub(start.own_ticks?)?;
+            Some(machine.saturating_sub(own))
+        })
+    }
+
+    /// `ticks(self, now)` as a percent of all CPUs' time since `self`.
+    fn percent_of_cpus(&self, ticks: impl Fn(&Sample, &Sample) -> Option<u64>) -> Option<f64> {
         let end = Sample::now();
         let cpus = std::thread::available_parallelism().ok()?.get() as f64;
         let secs = end.at.duration_since(self.at).as_secs_f64();
         if secs <= 0.0 {
             return None;
         }
-        let machine = end.machine_ticks?.checked_sub(self.machine_ticks?)?;
-        let own = end.own_ticks?.checked_sub(self.own_ticks?)?;
-        let foreign = machine.saturating_sub(own) as f64 / TICKS_PER_SEC;
-        Some((foreign / (secs * cpus) * 100.0).clamp(0.0, 100.0))
+        let spent = ticks(self, &end)? as f64 / TICKS_PER_SEC;
+        Some((spent / (secs * cpus) * 100.0).clamp(0.0, 100.0))
     }
 }
 

@@ -737,31 +737,21 @@ impl Figures {
                 let _ = writeln!(out, "  {name:44} {value:>6.2}");
             }
         }
-        if !self.foreign_cpu_percent.is_empty() {
+        if !self.foreign_cpu_percent.is_empty() || !self.steal_cpu_percent.is_empty() {
             let _ = writeln!(out);
-            let list: Vec<String> = self
-                .foreign_cpu_percent
-                .iter()
-                .map(|(s, p)| format!("{s} {p:.0}%"))
-                .collect();
-            let _ = writeln!(
-                out,
-                "CPU busy outside this process (other processes, kernel threads): {}",
-                list.join(" · ")
-            );
         }
-        if !self.steal_cpu_percent.is_empty() {
-            let list: Vec<String> = self
-                .steal_cpu_percent
-                .iter()
-                .map(|(s, p)| format!("{s} {p:.1}%"))
-                .collect();
-            let _ = writeln!(
-                out,
-                "CPU time the host took from this VM (steal): {}",
-                list.join(" · ")
-            );
-        }
+        percent_line(
+            &mut out,
+            "CPU busy outside this process (other processes, kernel threads)",
+            &self.foreign_cpu_percent,
+            0,
+        );
+        percent_line(
+            &mut out,
+            "CPU time the host took from this VM (steal)",
+            &self.steal_cpu_percent,
+            1,
+        );
         for (what, why) in &self.skipped {
             let _ = writeln!(out, "skipped {what}: {why}");
         }
@@ -935,4 +925,16 @@ mod tests {
         assert!(Ratio::at_least("a", 1.0, 0.0, 0.8).is_none());
         assert!(Ratio::at_most("b", 1.0, 0.0, 2.0).is_none());
     }
+}
+
+/// `label: scenario p% · scenario p% …`, unless `list` is empty.
+fn percent_line(out: &mut String, label: &str, list: &[(&'static str, f64)], decimals: usize) {
+    if list.is_empty() {
+        return;
+    }
+    let list: Vec<String> = list
+        .iter()
+        .map(|(s, p)| format!("{s} {p:.decimals$}%"))
+        .collect();
+    let _ = writeln!(out, "{label}: {}", list.join(" · "));
 }
