@@ -2438,6 +2438,22 @@ fn mount_tmpfs(at: &std::path::Path, size: &str) -> Option<Mounted> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_disk_fills_refuses_appends_until_it_has_space() {
+    disk_fills(FullMember::Replica).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_whose_disk_fills_refuses_appends_until_it_has_space() {
+    disk_fills(FullMember::Primary).await;
+}
+
+/// Which member of the journal's route runs out of disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FullMember {
+    Primary,
+    Replica,
+}
+
+async fn disk_fills(which: FullMember) {
     let store = TestStore::file();
     let mut cluster = Cluster::start_listed(3, CORES, &[]);
     // The last broker's data directory is a small tmpfs of its own.
@@ -2454,36 +2470,45 @@ async fn a_replica_whose_disk_fills_refuses_appends_until_it_has_space() {
     });
     let done = tokio::time::timeout(
         TEST_LIMIT,
-        a_replica_whose_disk_fills_body(&mut cluster, &store, full, &mount),
+        disk_fills_body(&mut cluster, &store, full, which, &mount),
     )
     .await;
     cluster.finished(done, TEST_LIMIT);
 }
 
-async fn a_replica_whose_disk_fills_body(
+async fn disk_fills_body(
     cluster: &mut Cluster,
     store: &TestStore,
     full: usize,
+    which: FullMember,
     mount: &Mounted,
 ) {
-    // A journal whose primary is another broker: the full one is a replica.
+    // A journal whose route has the full broker where `which` says.
     let full_id = cluster.brokers[full].id.clone();
     let mut chosen = None;
     for i in 0..32 {
-        let name = format!("repl/replica-full-{i}");
+        let name = format!("repl/{which:?}-full-{i}").to_lowercase();
         cluster.apply(&[store_spec(&name, 3, store)]).await;
         let route = agreed_route(cluster, &name).await;
-        if route.members[0].id != full_id {
+        if (route.members[0].id == full_id) == (which == FullMember::Primary) {
             chosen = Some((name, route));
             break;
         }
     }
-    let (j, route) = chosen.expect("a journal whose primary is not the full broker");
+    let (j, route) = chosen.expect("a journal with the full broker in the wanted place");
     let primary = cluster.index(&route.members[0].id);
-    let other = (0..3).find(|&i| i != primary && i != full).unwrap();
     let client = cluster.brokers[primary].client().await;
+    // A full replica fails the primary's replication; a full primary
+    // refuses the append itself.
+    let (status, names) = match which {
+        FullMember::Replica => (
+            Status::REPLICATION_FAILED,
+            vec![full_id.as_str(), "STORAGE_FULL"],
+        ),
+        FullMember::Primary => (Status::STORAGE_FULL, vec!["disk full"]),
+    };
 
-    // Appends of 256 KiB until the replica's disk refuses one.
+    // Appends of 256 KiB (several chunks each) until the disk refuses one.
     let warm = record(0, 0, 100);
     let mut acked_all = vec![acked(0, 0, &append_retrying(&client, &j, &warm).await)];
     let mut unknown = HashSet::new();
@@ -2501,34 +2526,33 @@ async fn a_replica_whose_disk_fills_body(
         seq += 1;
     };
     seq += 1;
-    assert_eq!(
-        refusal.status(),
-        Some(Status::REPLICATION_FAILED),
-        "{refusal}"
-    );
+    assert_eq!(refusal.status(), Some(status), "{refusal}");
     assert!(refusal.is_retryable(), "{refusal}");
     let text = refusal.to_string();
     assert!(
-        text.contains(&full_id) && text.contains("STORAGE_FULL"),
-        "the refusal names neither the replica nor its full disk: {text}"
+        names.iter().all(|n| text.contains(n)),
+        "the refusal does not name {names:?}: {text}"
     );
 
-    // Still full: still refused the same way, and the primary and the
-    // other replica hold whole records in one offset space.
+    // Still full: still refused the same way, and every member holds
+    // whole records in one offset space.
     for _ in 0..3 {
         let e = client
             .append(&req(&j), record(0, seq, 4096))
             .await
-            .expect_err("an append while the replica's disk is full");
-        assert_eq!(e.status(), Some(Status::REPLICATION_FAILED), "{e}");
+            .expect_err("an append while the disk is full");
+        assert_eq!(e.status(), Some(status), "{e}");
         unknown.insert((0, seq));
         seq += 1;
     }
     let p_copy = direct_copy(&cluster.brokers[primary], &j).await;
-    let o_copy = direct_copy(&cluster.brokers[other], &j).await;
     parse_records(&p_copy, 0).unwrap_or_else(|e| panic!("primary: {e}"));
-    parse_records(&o_copy, 0).unwrap_or_else(|e| panic!("other replica: {e}"));
-    assert_prefix_consistent(("primary", &p_copy), ("other replica", &o_copy));
+    for m in &route.members[1..] {
+        let b = &cluster.brokers[cluster.index(&m.id)];
+        let copy = direct_copy(b, &j).await;
+        parse_records(&copy, 0).unwrap_or_else(|e| panic!("{}: {e}", b.id));
+        assert_prefix_consistent(("primary", &p_copy), (&b.id, &copy));
+    }
 
     // Space returns: appends go on without a restart.
     let grown = std::process::Command::new("mount")
@@ -2550,7 +2574,7 @@ async fn a_replica_whose_disk_fills_body(
         seq += 1;
     }
 
-    // Every member reads the same journal (the gap the full replica missed
+    // Every member reads the same journal (a span a full replica missed,
     // from the store), holding every acknowledged append.
     let head = local_head(&cluster.brokers[primary], &j).await;
     converged_through_the_store(cluster, primary, &j, head, &acked_all, &unknown).await;
