@@ -761,6 +761,48 @@ async fn a_trickling_append_does_not_hold_a_journal_forever() {
 /// Sealed fragments are opened per read: a journal of thousands of small
 /// fragments does not hold a descriptor for each (which once exhausted the
 /// broker's, failing every request of every journal).
+/// Disk blocks (bytes) held by every spool file under `dir`.
+fn spool_blocks(dir: &std::path::Path) -> (usize, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let mut files = 0;
+    let mut bytes = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let path = e.path();
+            let meta = e.metadata().unwrap();
+            if meta.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|x| x == "spool") {
+                files += 1;
+                bytes += meta.blocks() * 512;
+            }
+        }
+    }
+    (files, bytes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_journals_hold_little_disk_each() {
+    const JOURNALS: usize = 64;
+    let broker = Broker::start_with_cores(2);
+    let client = broker.client().await;
+    for i in 0..JOURNALS {
+        let j = format!("e2e/status/quiet-{i:02}");
+        create_journal(&client, &j, |_| {}).await;
+        let r = client.append(&req(&j), &b"a few bytes"[..]).await.unwrap();
+        assert_eq!((r.begin, r.end), (0, 11));
+    }
+    // Each journal has an open spool; none holds a full fallocate step
+    // (16 MiB) for its eleven bytes.
+    let (files, bytes) = spool_blocks(&broker.data);
+    assert_eq!(files, JOURNALS, "one open spool per journal");
+    assert!(
+        bytes <= (JOURNALS as u64) * (256 << 10),
+        "{files} spools of 11 bytes hold {bytes} bytes of disk"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_fragments_do_not_each_hold_a_descriptor() {
     const FRAGMENTS: usize = 1500;

@@ -32,8 +32,14 @@ use std::rc::Rc;
 
 /// Largest batch of staged bytes written in one submission.
 pub const SPOOL_BUFFER_BYTES: usize = 4 << 20;
-/// Spools grow by at least this much per `fallocate`.
+/// Spools grow by at least this much per `fallocate`, once they hold as
+/// much (see [`FIRST_GROW_BYTES`]).
 pub const SPOOL_GROW_BYTES: u64 = 16 << 20;
+/// A new spool's first `fallocate`. Each later one doubles the file, up to
+/// the usual step: a busy journal reaches full steps within a few grows,
+/// while each of thousands of quiet journals holds a quarter of a MiB of
+/// disk, not a whole step.
+pub const FIRST_GROW_BYTES: u64 = 256 << 10;
 /// A spool's first buffer, when no idle one is in the pool: enough for
 /// small appends; larger batches grow it (see [`crate::pool`]).
 const FIRST_BUFFER_BYTES: usize = 64 << 10;
@@ -415,7 +421,10 @@ impl Spool {
             reserve,
         };
         let short = align_up(need) - self.allocated;
-        let Some(grow) = grow_by(short, free.saturating_sub(reserve), self.grow_bytes) else {
+        let step = self
+            .allocated
+            .clamp(FIRST_GROW_BYTES, self.grow_bytes.max(FIRST_GROW_BYTES));
+        let Some(grow) = grow_by(short, free.saturating_sub(reserve), step) else {
             return Err(full(free));
         };
         let target = align_up(self.allocated + grow);
@@ -990,6 +999,38 @@ mod tests {
         // Not even what the write needs.
         assert_eq!(grow_by(8192, 4096, 16 * MIB), None);
         assert_eq!(grow_by(4096, 0, 16 * MIB), None);
+    }
+
+    #[test]
+    fn a_new_spool_grows_from_a_quarter_mib_doubling_to_full_steps() {
+        const MIB: u64 = 1 << 20;
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let mut spool = Spool::create(dir.path(), 0).await.unwrap();
+            let file_len = |s: &Spool| std::fs::metadata(s.path()).unwrap().len();
+            // A few bytes take the first step only.
+            spool.ensure_allocated(10, 0).unwrap();
+            assert_eq!(file_len(&spool), FIRST_GROW_BYTES);
+            // Each grow doubles the file while it is below a full step,
+            // and never grows by less than what is short.
+            let mut sizes = Vec::new();
+            let mut need = FIRST_GROW_BYTES;
+            while file_len(&spool) < 64 * MIB {
+                spool.ensure_allocated(need + 1, 0).unwrap();
+                sizes.push(file_len(&spool) / 1024);
+                need = file_len(&spool);
+            }
+            assert_eq!(
+                sizes,
+                [512, 1024, 2048, 4096, 8192, 16384, 32768, 49152, 65536],
+                "KiB after each grow"
+            );
+            // A single large need is met at once.
+            let mut big = Spool::create(dir.path(), 1 << 40).await.unwrap();
+            big.ensure_allocated(40 * MIB, 0).unwrap();
+            assert_eq!(file_len(&big), 40 * MIB);
+        });
     }
 
     #[test]
