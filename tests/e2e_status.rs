@@ -761,6 +761,37 @@ async fn a_trickling_append_does_not_hold_a_journal_forever() {
 /// Sealed fragments are opened per read: a journal of thousands of small
 /// fragments does not hold a descriptor for each (which once exhausted the
 /// broker's, failing every request of every journal).
+/// Requests larger than the read buffer (128 KiB and up) are read into a
+/// buffer of their own; every op finds its payload there, not only appends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_admin_requests_keep_their_payload() {
+    const JOURNALS: usize = 1500;
+    let broker = Broker::start_with_cores(2);
+    let client = broker.client().await;
+    let specs: Vec<rotary_net::spec::JournalSpec> = (0..JOURNALS)
+        .map(|i| {
+            let mut s =
+                rotary_net::spec::JournalSpec::new(format!("e2e/status/large-apply/{i:04}"));
+            s.labels = labels("batch=large");
+            s
+        })
+        .collect();
+    let payload = serde_json::to_vec(&specs).unwrap();
+    assert!(payload.len() > 256 << 10, "{} bytes", payload.len());
+    assert_eq!(client.apply(&specs).await.unwrap(), JOURNALS as u64);
+    let listed = client.list("batch=large").await.unwrap();
+    assert_eq!(listed.len(), JOURNALS);
+
+    // A PING of 200 KiB comes back whole.
+    let endpoint = broker.endpoint();
+    let mut s = raw_connect(&endpoint);
+    let body: Vec<u8> = (0..200u32 << 10).map(|i| (i % 251) as u8).collect();
+    s.write_all(&frame(Op::PING, 0, 9, &[], &body)).unwrap();
+    let f = read_raw_frame(&mut s).unwrap().expect("a PONG");
+    assert_eq!((f.op, f.request_id), (Op::PONG, 9));
+    assert!(f.payload == body, "PONG of {} bytes", f.payload.len());
+}
+
 /// Disk blocks (bytes) held by every spool file under `dir`.
 fn spool_blocks(dir: &std::path::Path) -> (usize, u64) {
     use std::os::unix::fs::MetadataExt;

@@ -370,6 +370,9 @@ impl Conn {
     /// Handles one frame; false closes the connection.
     async fn handle(&mut self, frame: Frame<'_>, body: Body<'_>) -> bool {
         let id = frame.request_id;
+        // A large frame comes in a buffer of its own, and its payload with
+        // it, not in `frame` (see the read loop).
+        let payload = body.payload(&frame);
         match frame.op {
             Op::APPEND => self.append(frame, body).await,
             Op::APPEND_CHUNK => self.append_chunk(frame, body),
@@ -381,9 +384,7 @@ impl Conn {
                     c.cancel();
                 }
             }
-            Op::PING => self
-                .outbox
-                .frame(Op::PONG, Status::OK, id, &[], frame.payload),
+            Op::PING => self.outbox.frame(Op::PONG, Status::OK, id, &[], payload),
             Op::ROUTE => match wire::decode_name(frame.meta) {
                 Ok(name) => match rotary_net::spec::validate_journal_name(name) {
                     Ok(()) => {
@@ -401,9 +402,9 @@ impl Conn {
                 };
                 return self.replicate(body.payload(&frame), own.as_ref());
             }
-            Op::SYNC => self.sync(frame.request_id, body.payload(&frame)),
-            Op::APPLY => self.apply(id, frame.flags, frame.payload).await,
-            Op::LIST => self.list(id, frame.payload),
+            Op::SYNC => self.sync(frame.request_id, payload),
+            Op::APPLY => self.apply(id, frame.flags, payload).await,
+            Op::LIST => self.list(id, payload),
             Op::STATS => {
                 let mut body = self.shard.metrics.to_json(self.shard.shards as usize);
                 let m = self.shard.uploader.metrics();
@@ -417,9 +418,9 @@ impl Conn {
                 body["upload_micros_total"] = load(&m.upload_micros).into();
                 self.admin_ok(id, &body);
             }
-            Op::PRUNE => self.prune(id, frame.payload).await,
+            Op::PRUNE => self.prune(id, payload).await,
             Op::DELETE | Op::FRAGMENTS | Op::SEAL | Op::RESET_HEAD => {
-                self.by_name(frame, body.raw()).await
+                self.by_name(Frame { payload, ..frame }, body.raw()).await
             }
             _ => {
                 self.outbox.error(
