@@ -41,8 +41,9 @@ pub const SPOOL_GROW_BYTES: u64 = 16 << 20;
 /// disk, not a whole step.
 pub const FIRST_GROW_BYTES: u64 = 256 << 10;
 /// A spool's first buffer, when no idle one is in the pool: enough for
-/// small appends; larger batches grow it (see [`crate::pool`]).
-const FIRST_BUFFER_BYTES: usize = 64 << 10;
+/// small appends; larger batches grow it (see [`crate::pool`]). Every open
+/// spool holds one, so it is also what a quiet journal costs in memory.
+const FIRST_BUFFER_BYTES: usize = 16 << 10;
 
 /// How a spool sizes its I/O: the write buffer (the largest batch of
 /// staged bytes written in one submission) and the fallocate step.
