@@ -2408,9 +2408,10 @@ async fn requests_proxied_to_a_peer_that_stopped_answering_body(cluster: &mut Cl
 }
 
 // ---------------------------------------------------------------------------
-// A replica whose disk fills: appends are refused with a retryable status
-// that names the replica and the full disk, no member takes half of one,
-// and appends go on by themselves once the replica has space again.
+// A member whose disk fills (a replica, or the primary): appends are
+// refused with a retryable status that names the full disk (and the
+// replica), no member takes half of one, and appends go on by themselves
+// once the member has space again.
 
 /// Unmounts (lazily) a file system the test mounted.
 struct Mounted(std::path::PathBuf);

@@ -758,9 +758,6 @@ async fn a_trickling_append_does_not_hold_a_journal_forever() {
     assert_eq!(bytes, b"behind");
 }
 
-/// Sealed fragments are opened per read: a journal of thousands of small
-/// fragments does not hold a descriptor for each (which once exhausted the
-/// broker's, failing every request of every journal).
 /// Requests larger than the read buffer (128 KiB and up) are read into a
 /// buffer of their own; every op finds its payload there, not only appends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -813,6 +810,8 @@ fn spool_blocks(dir: &std::path::Path) -> (usize, u64) {
     (files, bytes)
 }
 
+/// A new spool takes a quarter of a MiB of disk, not a whole fallocate
+/// step: a broker of thousands of quiet journals keeps its disk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quiet_journals_hold_little_disk_each() {
     const JOURNALS: usize = 64;
@@ -834,6 +833,9 @@ async fn quiet_journals_hold_little_disk_each() {
     );
 }
 
+/// Sealed fragments are opened per read: a journal of thousands of small
+/// fragments does not hold a descriptor for each (which once exhausted the
+/// broker's, failing every request of every journal).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_fragments_do_not_each_hold_a_descriptor() {
     const FRAGMENTS: usize = 1500;

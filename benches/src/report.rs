@@ -910,6 +910,18 @@ fn machine() -> serde_json::Value {
     })
 }
 
+/// `label: scenario p% · scenario p% …`, unless `list` is empty.
+fn percent_line(out: &mut String, label: &str, list: &[(&'static str, f64)], decimals: usize) {
+    if list.is_empty() {
+        return;
+    }
+    let list: Vec<String> = list
+        .iter()
+        .map(|(s, p)| format!("{s} {p:.decimals$}%"))
+        .collect();
+    let _ = writeln!(out, "{label}: {}", list.join(" · "));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -925,16 +937,4 @@ mod tests {
         assert!(Ratio::at_least("a", 1.0, 0.0, 0.8).is_none());
         assert!(Ratio::at_most("b", 1.0, 0.0, 2.0).is_none());
     }
-}
-
-/// `label: scenario p% · scenario p% …`, unless `list` is empty.
-fn percent_line(out: &mut String, label: &str, list: &[(&'static str, f64)], decimals: usize) {
-    if list.is_empty() {
-        return;
-    }
-    let list: Vec<String> = list
-        .iter()
-        .map(|(s, p)| format!("{s} {p:.decimals$}%"))
-        .collect();
-    let _ = writeln!(out, "{label}: {}", list.join(" · "));
 }

@@ -400,7 +400,7 @@ impl Conn {
                     Body::Owned(c) => Some(c.data.clone()),
                     Body::Borrowed(_) => None,
                 };
-                return self.replicate(body.payload(&frame), own.as_ref());
+                return self.replicate(payload, own.as_ref());
             }
             Op::SYNC => self.sync(frame.request_id, payload),
             Op::APPLY => self.apply(id, frame.flags, payload).await,
