@@ -1883,28 +1883,31 @@ impl Shard {
             again.push(h.j);
         }
         let acked = Instant::now();
-        // Compaction between turns keeps the log short.
-        let compact = self
-            .log
-            .borrow()
-            .as_ref()
-            .is_some_and(|l| l.needs_compaction() && !l.has_pending());
-        if compact {
+        // Compaction between turns keeps the log short. Its snapshot is
+        // written and synced in the background while turns go on; only
+        // the switch to the new file happens here.
+        let (begin, finish) = self.log.borrow().as_ref().map_or((false, false), |l| {
+            let idle = !l.has_pending();
+            (idle && l.needs_compaction(), idle && l.compaction_ready())
+        });
+        if begin {
+            let states = self.states.borrow();
+            if let Some(log) = self.log.borrow_mut().as_mut() {
+                log.begin_compaction(states.iter().map(|(k, v)| (k.as_str(), v)));
+            }
+        } else if finish {
             let mut log = self.log.borrow_mut().take().expect("commit log present");
-            let states = self.states.borrow().clone();
-            // The snapshot replaces the old log, whose blocks are freed at
-            // its last close: the reaper's, not this thread's (with
-            // `discard`, 13-22 ms for 64 MiB on the test machine).
-            let old = std::fs::File::open(log.path()).ok();
-            if let Err(e) = log
-                .compact(states.iter().map(|(k, v)| (k.as_str(), v)))
-                .await
-            {
-                if let Some(held) = self.log_compaction_failed.due() {
-                    tracing::error!(error = %e, since_last_logged = held, "commit log compaction failed (logged once a minute while it lasts)");
+            match log.finish_compaction().await {
+                // The old log's blocks are freed at its last close: the
+                // reaper's, not this thread's (with `discard`, 13-22 ms for
+                // 64 MiB on the test machine).
+                Ok(old) => crate::reaper::close_later(old.into_iter().collect()),
+                Err(e) => {
+                    if let Some(held) = self.log_compaction_failed.due() {
+                        tracing::error!(error = %e, since_last_logged = held, "commit log compaction failed (logged once a minute while it lasts)");
+                    }
                 }
             }
-            crate::reaper::close_later(old.into_iter().collect());
             *self.log.borrow_mut() = Some(log);
         }
         if started.elapsed() >= SLOW_TURN {

@@ -541,10 +541,9 @@ fn the_commit_log_compacts_between_turns_and_recovers_after_a_crash() {
         }
         std::mem::forget(broker);
     }
-    // Over 600 records of ~70 bytes, yet the log never held much more than
-    // the threshold plus a batch: it was compacted again and again.
-    let largest = sizes.iter().copied().max().unwrap();
-    assert!(largest < 8 << 10, "the log grew to {largest} bytes");
+    // Over 600 records of ~70 bytes, and the log was compacted again and
+    // again (each time after a snapshot synced in the background, so how
+    // far past the threshold it grew meanwhile depends on the disk).
     assert!(
         sizes.windows(2).filter(|w| w[1] < w[0]).count() >= 5,
         "fewer than 5 compactions: {sizes:?}"

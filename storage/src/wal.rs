@@ -43,8 +43,10 @@ use compio::fs::{File, OpenOptions};
 use compio::io::AsyncWriteAtExt;
 use rotary_net::spec::LabelSet;
 use rotary_net::wire::{MetaReader, MetaWriter, META_LEN_MAX};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 const KIND_COMMIT: u8 = 1;
 const KIND_DELETE: u8 = 2;
@@ -141,7 +143,35 @@ pub struct CommitLog {
     pos: u64,
     pending: Vec<u8>,
     compact_bytes: u64,
+    /// A compaction under way in the background ([`CommitLog::begin_compaction`]).
+    next: Option<Next>,
+    /// Most bytes a compaction's tail may hold ([`COMPACTION_TAIL_BYTES_MAX`]).
+    tail_max: usize,
+    /// A compaction renamed a new file over the log and the directory has
+    /// not been synced since: the next synced flush syncs it, so that the
+    /// rename is as durable as the records it acknowledges.
+    dir_unsynced: bool,
 }
+
+/// A snapshot being written and synced beside the log, while records go
+/// on being written to the log itself.
+struct Next {
+    /// The synced snapshot file, once its task is done.
+    done: Rc<RefCell<Option<Result<File, StorageError>>>>,
+    /// Records written to the log since the snapshot's states were taken;
+    /// they follow the snapshot in the new file.
+    tail: Vec<u8>,
+    /// Some of `tail` was fdatasync'ed for an ack: the new file must hold
+    /// it synced before it replaces the log.
+    tail_synced: bool,
+    /// The tail outgrew [`CommitLog::tail_max`]: the snapshot is
+    /// dropped once its task is done.
+    abandoned: bool,
+}
+
+/// Most bytes of records a background compaction holds in memory for its
+/// new file while its snapshot syncs (a disk that stalls for seconds).
+const COMPACTION_TAIL_BYTES_MAX: usize = 64 << 20;
 
 /// The journal's bytes `[at, end)` of a commit, carried in its record.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -249,7 +279,8 @@ pub fn replay(bytes: &[u8], states: &mut HashMap<String, Replayed>) -> usize {
 ///
 /// The log only grows by [`CommitLog::write_pending`]: one write at its
 /// end of whole records, in order (a failed write is cut back off). It is
-/// replaced whole only by a synced file renamed over it (compaction). A
+/// replaced whole only by a file renamed over it (compaction): a synced
+/// snapshot, then records written as here (synced first if any was). A
 /// write cut short (`kill -9`, a crash before the page cache reached a
 /// file system that keeps appends in order) leaves a prefix of its bytes:
 /// whole records, which replay reads, then a proper prefix of one record.
@@ -467,6 +498,9 @@ impl CommitLog {
                 pos: valid as u64,
                 pending: Vec::with_capacity(64 << 10),
                 compact_bytes: COMMIT_LOG_COMPACT_BYTES,
+                next: None,
+                tail_max: COMPACTION_TAIL_BYTES_MAX,
+                dir_unsynced: false,
             },
             states,
         ))
@@ -585,6 +619,14 @@ impl CommitLog {
                 return Err(StorageError::io(&self.path, e));
             }
             self.pos += self.pending.len() as u64;
+            if let Some(next) = self.next.as_mut().filter(|n| !n.abandoned) {
+                if next.tail.len() + self.pending.len() > self.tail_max {
+                    next.abandoned = true;
+                    next.tail = Vec::new();
+                } else {
+                    next.tail.extend_from_slice(&self.pending);
+                }
+            }
             self.pending.clear();
         }
         Ok(())
@@ -599,18 +641,137 @@ impl CommitLog {
                 .sync_data()
                 .await
                 .map_err(|e| StorageError::io(&self.path, e))?;
+            if self.dir_unsynced {
+                crate::sync_dir(self.path.parent().expect("log has a directory")).await?;
+                self.dir_unsynced = false;
+            }
+            if let Some(next) = self.next.as_mut() {
+                next.tail_synced = true;
+            }
         }
         Ok(())
     }
 
+    /// The log has grown past its compaction size, and no compaction is
+    /// under way.
     pub fn needs_compaction(&self) -> bool {
-        self.pos > self.compact_bytes
+        self.pos > self.compact_bytes && self.next.is_none()
     }
 
     /// Sets the size past which [`CommitLog::needs_compaction`] says yes
     /// (default [`COMMIT_LOG_COMPACT_BYTES`]).
     pub fn set_compact_bytes(&mut self, bytes: u64) {
         self.compact_bytes = bytes;
+    }
+
+    /// Starts a compaction that does not hold up the log: a snapshot of
+    /// `states` (the journals' states after every record written so far)
+    /// is written and fdatasync'ed beside the log by a task of its own,
+    /// while records go on being written to the log, and copied. Once
+    /// [`CommitLog::compaction_ready`], [`CommitLog::finish_compaction`]
+    /// appends the copies to the snapshot and renames it over the log.
+    /// Pending records must have been written.
+    pub fn begin_compaction<'a>(
+        &mut self,
+        states: impl Iterator<Item = (&'a str, &'a JournalState)>,
+    ) {
+        assert!(self.pending.is_empty());
+        assert!(self.next.is_none(), "a compaction is under way");
+        let mut bytes = Vec::new();
+        for (journal, st) in states {
+            encode_record(&mut bytes, journal, Some(st), None);
+        }
+        let done = Rc::new(RefCell::new(None));
+        let tmp = self.next_path();
+        let set = done.clone();
+        compio::runtime::spawn(async move {
+            let written = Self::write_synced(&tmp, bytes).await;
+            *set.borrow_mut() = Some(written);
+        })
+        .detach();
+        self.next = Some(Next {
+            done,
+            tail: Vec::new(),
+            tail_synced: false,
+            abandoned: false,
+        });
+    }
+
+    /// A compaction's snapshot is written (or failed): time for
+    /// [`CommitLog::finish_compaction`].
+    pub fn compaction_ready(&self) -> bool {
+        self.next
+            .as_ref()
+            .is_some_and(|n| n.done.borrow().is_some())
+    }
+
+    /// Moves a ready compaction's file into place: the records copied
+    /// since its snapshot follow the snapshot (fdatasync'ed if any of
+    /// them were for an ack), then a rename replaces the log. Returns the
+    /// old log's last open descriptor, whose close frees its blocks (slow
+    /// with `discard`: a thread other than the shard's should close it);
+    /// `None` if the compaction was dropped (its records outgrew the
+    /// copy). On failure (a full disk) the log stays as it was and takes
+    /// records as before. Pending records must have been written.
+    pub async fn finish_compaction(&mut self) -> Result<Option<std::fs::File>, StorageError> {
+        assert!(self.pending.is_empty());
+        let next = self.next.take().expect("a compaction under way");
+        let written = next.done.borrow_mut().take().expect("compaction ready");
+        let tmp = self.next_path();
+        let switched = match written {
+            Ok(file) if !next.abandoned => self.switch_to(file, &tmp, next).await,
+            Ok(_) => Ok(None),
+            Err(e) => Err(e),
+        };
+        if !matches!(switched, Ok(Some(_))) {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        switched
+    }
+
+    async fn switch_to(
+        &mut self,
+        file: File,
+        tmp: &Path,
+        next: Next,
+    ) -> Result<Option<std::fs::File>, StorageError> {
+        let writer = writer_of(&file, tmp)?;
+        let len = file
+            .metadata()
+            .await
+            .map_err(|e| StorageError::io(tmp, e))?
+            .len();
+        {
+            use std::os::unix::fs::FileExt;
+            writer
+                .write_all_at(&next.tail, len)
+                .map_err(|e| StorageError::io(tmp, e))?;
+        }
+        if next.tail_synced {
+            file.sync_data()
+                .await
+                .map_err(|e| StorageError::io(tmp, e))?;
+        }
+        compio::fs::rename(tmp, &self.path)
+            .await
+            .map_err(|e| StorageError::io(&self.path, e))?;
+        // The old file's other descriptor closes here; the caller closes
+        // this one, the last.
+        self.file = file;
+        let old = std::mem::replace(&mut self.writer, writer);
+        self.pos = len + next.tail.len() as u64;
+        self.dir_unsynced = true;
+        Ok(Some(old))
+    }
+
+    fn next_path(&self) -> PathBuf {
+        self.path.with_extension("log.next")
+    }
+
+    /// Sets the most bytes of records a compaction copies for its new file
+    /// (default [`COMPACTION_TAIL_BYTES_MAX`]).
+    pub fn set_compaction_tail_max(&mut self, bytes: usize) {
+        self.tail_max = bytes;
     }
 
     /// The log's file.
@@ -625,6 +786,7 @@ impl CommitLog {
         states: impl Iterator<Item = (&'a str, &'a JournalState)>,
     ) -> Result<(), StorageError> {
         assert!(self.pending.is_empty());
+        assert!(self.next.is_none(), "a compaction is under way");
         self.file = Self::write_snapshot(&self.path, states).await?;
         self.writer = writer_of(&self.file, &self.path)?;
         self.pos = self
@@ -900,6 +1062,140 @@ mod tests {
             assert!(err.is_full(), "{err}");
             assert!(!dir.path().join("commit.log.next").exists());
             assert_eq!(std::fs::read(dir.path().join(FILE_NAME)).unwrap(), before);
+            // The same in the background.
+            log.begin_compaction(names.iter().map(|n| (n.as_str(), &state)));
+            ready(&log).await;
+            let err = log.finish_compaction().await.expect_err("no room");
+            assert!(err.is_full(), "{err}");
+            assert!(!dir.path().join("commit.log.next").exists());
+            assert_eq!(std::fs::read(dir.path().join(FILE_NAME)).unwrap(), before);
+        });
+    }
+
+    /// Waits (on the log's own runtime) until a background compaction's
+    /// snapshot is written.
+    async fn ready(log: &CommitLog) {
+        while !log.compaction_ready() {
+            compio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Records go on being written while a snapshot syncs in the
+    /// background; they follow it in the new log, which replays to the
+    /// same states as the old one did. A crash before the switch leaves
+    /// the old log whole, and the half-made file is overwritten later.
+    #[test]
+    fn records_written_during_a_background_compaction_follow_its_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        let next = dir.path().join("commit.log.next");
+        compio::runtime::Runtime::new().unwrap().block_on(async {
+            let (mut log, _) = CommitLog::open(dir.path()).await.unwrap();
+            log.set_compact_bytes(0);
+            for i in 0..50 {
+                log.record_commit("a/b/c", &st_mid(100 + i, "1"));
+                log.record_commit("d/e/f", &st(100 + i, "2"));
+                log.flush(false).await.unwrap();
+            }
+            assert!(log.needs_compaction());
+            let states: HashMap<String, JournalState> = [
+                ("a/b/c".to_string(), st_mid(149, "1")),
+                ("d/e/f".to_string(), st(149, "2")),
+            ]
+            .into();
+            log.begin_compaction(states.iter().map(|(k, v)| (k.as_str(), v)));
+            assert!(!log.needs_compaction(), "one compaction at a time");
+            // While the snapshot syncs: a synced commit, an inline one and
+            // a delete, all written to the old log and copied.
+            log.record_commit("a/b/c", &st_mid(160, "3"));
+            log.flush(true).await.unwrap();
+            log.record_commit_inline("g/h/i", &st(9, "4"), 7, b"hi");
+            log.record_delete("d/e/f");
+            log.flush(false).await.unwrap();
+            let before = std::fs::read(&path).unwrap();
+            let (_, expected) = CommitLog::open(dir.path()).await.unwrap();
+            ready(&log).await;
+            let old = log.finish_compaction().await.unwrap();
+            assert!(old.is_some());
+            assert!(!next.exists());
+            let after = std::fs::read(&path).unwrap();
+            assert!(
+                after.len() < before.len() / 10,
+                "{} of {}",
+                after.len(),
+                before.len()
+            );
+            // Replaying the new log gives each journal's last state (and
+            // the carried bytes) as the old one did.
+            let (_, got) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(got.len(), 2);
+            for j in ["a/b/c", "g/h/i"] {
+                assert_eq!(got[j].last, expected[j].last, "{j}");
+                assert_eq!(got[j].inline, expected[j].inline, "{j}");
+            }
+            assert_eq!(got["g/h/i"].inline.as_ref().unwrap().bytes, b"hi");
+            // The log goes on in the new file.
+            log.record_commit("a/b/c", &st_mid(161, "5"));
+            log.flush(true).await.unwrap();
+            let (_, got) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(got["a/b/c"].last, st_mid(161, "5"));
+
+            // A crash while the next snapshot is on its way: the log is
+            // whole without it, and the file it left is replaced.
+            log.begin_compaction(std::iter::empty());
+            log.record_commit("x/y/z", &st(105, "6"));
+            log.flush(false).await.unwrap();
+            ready(&log).await;
+            drop(log);
+            assert!(next.exists());
+            let (mut log, got) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(got["x/y/z"].last, st(105, "6"));
+            assert_eq!(got["a/b/c"].last, st_mid(161, "5"));
+            let only = [("x/y/z".to_string(), st(105, "6"))];
+            log.settle(
+                std::iter::empty(),
+                only.iter().map(|(k, v)| (k.as_str(), v)),
+            )
+            .await
+            .unwrap();
+            assert!(!next.exists());
+            let (_, got) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(got.len(), 1);
+        });
+    }
+
+    /// A compaction whose copied records outgrow their bound is dropped
+    /// (its file removed, the log left as it was), and the next one runs.
+    #[test]
+    fn a_compaction_that_falls_too_far_behind_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        compio::runtime::Runtime::new().unwrap().block_on(async {
+            let (mut log, _) = CommitLog::open(dir.path()).await.unwrap();
+            log.set_compact_bytes(0);
+            log.set_compaction_tail_max(1 << 10);
+            log.record_commit("a/b/c", &st(101, "1"));
+            log.flush(false).await.unwrap();
+            let snapshot = [("a/b/c".to_string(), st(101, "1"))];
+            log.begin_compaction(snapshot.iter().map(|(k, v)| (k.as_str(), v)));
+            for i in 2..100 {
+                log.record_commit("a/b/c", &st(100 + i, "1"));
+                log.flush(false).await.unwrap();
+            }
+            let before = std::fs::read(log.path()).unwrap();
+            ready(&log).await;
+            assert!(log.finish_compaction().await.unwrap().is_none());
+            assert!(!dir.path().join("commit.log.next").exists());
+            assert_eq!(std::fs::read(log.path()).unwrap(), before);
+            // Not under way any more: the next compaction starts and
+            // switches.
+            assert!(log.needs_compaction());
+            let snapshot = [("a/b/c".to_string(), st(199, "1"))];
+            log.begin_compaction(snapshot.iter().map(|(k, v)| (k.as_str(), v)));
+            ready(&log).await;
+            assert!(log.finish_compaction().await.unwrap().is_some());
+            let (_, got) = CommitLog::open(dir.path()).await.unwrap();
+            assert_eq!(got["a/b/c"].last, st(199, "1"));
+            assert_eq!(got["a/b/c"].prev, None);
         });
     }
 
