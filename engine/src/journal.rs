@@ -389,8 +389,22 @@ pub struct Journal {
     pub reads_in_flight: usize,
 }
 
-/// Bytes kept by a [`TailCache`] (it holds up to twice this between trims).
+/// Most bytes one journal's [`TailCache`] keeps (it holds up to twice its
+/// window between trims).
 pub const TAIL_CACHE_BYTES: usize = 4 << 20;
+/// Fewest: a shard of very many tailed journals still serves readers at
+/// the head from memory.
+pub const TAIL_CACHE_MIN_BYTES: usize = 64 << 10;
+/// What the tail caches of one shard's journals hold together, at most
+/// (unless so many are tailed that each is at its minimum): every tailed
+/// journal of a busy shard keeps a cache, and thousands of 4 MiB windows
+/// would not fit in memory.
+pub const TAIL_CACHE_SHARD_BYTES: usize = 64 << 20;
+
+/// The window of each tail cache on a shard of `journals` journals.
+pub fn tail_window(journals: usize) -> usize {
+    (TAIL_CACHE_SHARD_BYTES / 2 / journals.max(1)).clamp(TAIL_CACHE_MIN_BYTES, TAIL_CACHE_BYTES)
+}
 
 /// A contiguous window `[begin, begin + len)` of a journal's newest bytes.
 /// Bytes beyond the write head are staged, not committed: readers take
@@ -407,17 +421,44 @@ impl TailCache {
     }
 
     /// Adds bytes staged at `offset`; a gap restarts the window there.
-    pub fn push(&mut self, offset: u64, bytes: &[u8]) {
+    /// Once more than twice `window` bytes would be held, the oldest go,
+    /// down to `window`; the buffer never grows past twice `window`.
+    pub fn push(&mut self, offset: u64, bytes: &[u8], window: usize) {
         if offset != self.end() {
             self.buf.clear();
             self.begin = offset;
         }
-        self.buf.extend_from_slice(bytes);
-        if self.buf.len() > 2 * TAIL_CACHE_BYTES {
-            let drop = self.buf.len() - TAIL_CACHE_BYTES;
-            self.buf.drain(..drop);
-            self.begin += drop as u64;
+        let total = self.buf.len() + bytes.len();
+        let bytes = if total > 2 * window {
+            let drop = total - window;
+            if drop >= self.buf.len() {
+                let skip = drop - self.buf.len();
+                self.begin = offset + skip as u64;
+                self.buf.clear();
+                &bytes[skip..]
+            } else {
+                self.buf.drain(..drop);
+                self.begin += drop as u64;
+                bytes
+            }
+        } else {
+            bytes
+        };
+        let need = self.buf.len() + bytes.len();
+        if need > self.buf.capacity() {
+            let want = (2 * self.buf.capacity()).clamp(need, 2 * window.max(need / 2));
+            self.buf.reserve_exact(want - self.buf.len());
         }
+        self.buf.extend_from_slice(bytes);
+        if self.buf.capacity() > 2 * window {
+            // A window that shrank (more journals on the shard).
+            self.buf.shrink_to(2 * window);
+        }
+    }
+
+    /// Bytes the cache's buffer holds allocated.
+    pub fn capacity(&self) -> usize {
+        self.buf.capacity()
     }
 
     /// Forgets bytes at and beyond `to` (a rollback).
@@ -893,26 +934,72 @@ mod tests {
 
     #[test]
     fn tail_cache_window() {
+        let w = TAIL_CACHE_BYTES;
         let mut t = TailCache::default();
-        t.push(100, b"abcdef");
+        t.push(100, b"abcdef", w);
         assert_eq!(t.get(100, 103), Some(&b"abc"[..]));
         assert_eq!(t.get(102, 999), Some(&b"cdef"[..]));
         assert_eq!(t.get(99, 103), None, "before the window");
         assert_eq!(t.get(106, 999), None, "at its end");
         t.truncate(104);
         assert_eq!(t.get(100, 999), Some(&b"abcd"[..]));
-        t.push(104, b"XY");
+        t.push(104, b"XY", w);
         assert_eq!(t.get(103, 999), Some(&b"dXY"[..]));
-        t.push(200, b"gap");
+        t.push(200, b"gap", w);
         assert_eq!(t.get(104, 999), None);
         assert_eq!(t.get(200, 999), Some(&b"gap"[..]));
         let big = vec![7u8; TAIL_CACHE_BYTES + 10];
-        t.push(203, &big);
-        t.push(t.end(), &big);
+        t.push(203, &big, w);
+        t.push(t.end(), &big, w);
         assert!(t.get(200, 999).is_none(), "trimmed from the front");
         assert_eq!(t.get(t.end() - 1, u64::MAX), Some(&[7u8][..]));
+        assert!(t.capacity() <= 2 * w);
         t.truncate(0);
         assert_eq!(t.get(0, 10), None);
+    }
+
+    /// Byte for byte against a model, with windows that change: the cache
+    /// always holds the newest bytes of the run it was fed, at least the
+    /// window's worth (or all of them), and never more than twice the
+    /// window in its buffer.
+    #[test]
+    fn tail_cache_keeps_the_newest_bytes_within_its_window() {
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let mut t = TailCache::default();
+        let mut fed: Vec<u8> = Vec::new();
+        let base = 1000u64;
+        for step in 0..2000u64 {
+            let window = [1usize << 10, 4 << 10, 16 << 10][(step / 500 % 3) as usize];
+            let len = next(3 * window as u64) as usize + 1;
+            let bytes: Vec<u8> = (0..len).map(|_| next(256) as u8).collect();
+            t.push(base + fed.len() as u64, &bytes, window);
+            fed.extend_from_slice(&bytes);
+            let end = base + fed.len() as u64;
+            assert_eq!(t.end(), end);
+            let held = (t.end() - t.begin) as usize;
+            assert!(held >= window.min(fed.len()), "step {step}: {held} held");
+            assert!(
+                t.capacity() <= 2 * window,
+                "step {step}: capacity {}",
+                t.capacity()
+            );
+            let got = t.get(t.begin, end).expect("the window");
+            assert!(got == &fed[fed.len() - held..], "step {step}: bytes differ");
+        }
+    }
+
+    #[test]
+    fn tail_windows_share_the_shards_budget() {
+        assert_eq!(tail_window(0), TAIL_CACHE_BYTES);
+        assert_eq!(tail_window(8), TAIL_CACHE_BYTES);
+        assert_eq!(tail_window(100), TAIL_CACHE_SHARD_BYTES / 200);
+        assert_eq!(tail_window(100_000), TAIL_CACHE_MIN_BYTES);
     }
 
     fn stored(begin: u64, end: u64) -> StoredFragment {

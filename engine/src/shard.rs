@@ -3049,7 +3049,8 @@ impl Shard {
                     }
                 }
                 if jm.waiting_readers > 0 {
-                    jm.tail.push(at, &bytes[..n]);
+                    let window = crate::journal::tail_window(self.journals.borrow().len());
+                    jm.tail.push(at, &bytes[..n], window);
                 }
                 a.chunk_pos += n;
                 if n < bytes.len() {
