@@ -307,6 +307,75 @@ async fn cli_append_read_round_trip() {
     assert!(err.starts_with("error: UNAVAILABLE: "), "{err}");
 }
 
+/// Each journal that readers tail keeps its newest bytes in memory, and a
+/// shard's journals share a bounded amount of it: 120 journals, each with
+/// a reader waiting at its head, each take 2 MiB; every reader gets its
+/// journal's bytes, and the broker's tail caches hold no more than 64 MiB
+/// per shard (before the bound, each held all 2 MiB and more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tailed_journals_share_a_bounded_tail_cache() {
+    const JOURNALS: usize = 120;
+    const BYTES: usize = 2 << 20;
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let names: Vec<String> = (0..JOURNALS)
+        .map(|i| format!("e2e/tailed/j-{i:03}"))
+        .collect();
+    for n in &names {
+        create_journal(&client, n, |_| {}).await;
+    }
+    let readers = broker.client().await;
+    let mut streams = Vec::new();
+    for n in &names {
+        let req = ReadRequest {
+            journal: n.clone(),
+            offset: Some(0),
+            end_offset: Some(BYTES as u64),
+        };
+        streams.push(readers.read(&req, true, false).await.unwrap());
+    }
+    // Let the reads reach the broker and wait at the head.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let content = |i: usize| -> Vec<u8> {
+        (0..BYTES)
+            .map(|k| (k as u8).wrapping_mul(7) ^ (k >> 12) as u8 ^ i as u8)
+            .collect()
+    };
+    for (i, n) in names.iter().enumerate() {
+        let r = client.append(&append_req(n), content(i)).await.unwrap();
+        assert_eq!((r.begin, r.end), (0, BYTES as u64), "{n}");
+    }
+    for (i, stream) in streams.iter_mut().enumerate() {
+        let mut got = Vec::with_capacity(BYTES);
+        loop {
+            let ev = tokio::time::timeout(Duration::from_secs(30), stream.next())
+                .await
+                .expect("tail served within 30 s")
+                .expect("event")
+                .unwrap();
+            match ev {
+                ReadEvent::Data { offset, content } => {
+                    assert_eq!(offset, got.len() as u64);
+                    got.extend_from_slice(&content);
+                }
+                ReadEvent::Done(d) => {
+                    assert_eq!((d.status, d.offset), (Status::OK, BYTES as u64));
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(got == content(i), "{} read back different bytes", names[i]);
+    }
+    let stats = client.stats().await.unwrap();
+    let held = stats["tail_cache_bytes"]
+        .as_u64()
+        .expect("tail_cache_bytes");
+    let shards = stats["shards"].as_u64().unwrap();
+    assert!(held > 0, "{stats}");
+    assert!(held <= shards * (64 << 20), "{held} bytes held: {stats}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocking_tail_is_woken_by_a_later_append() {
     let broker = Broker::start();

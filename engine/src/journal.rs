@@ -1,6 +1,7 @@
 //! A journal's shard-local state: its spool, sealed local fragments, write
 //! head, registers and the queue of appends waiting their turn.
 
+use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
 use event_listener::Event;
 use rotary_net::spec::{JournalSpec, LabelSet};
@@ -15,6 +16,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 /// A failure that repeats (a replica down, a store unreachable) is logged
@@ -413,6 +415,17 @@ pub fn tail_window(journals: usize) -> usize {
 pub struct TailCache {
     begin: u64,
     buf: Vec<u8>,
+    /// Where the buffer's size is counted (`tail_cache_bytes`), from the
+    /// first push on.
+    counted: Option<Arc<Metrics>>,
+}
+
+impl Drop for TailCache {
+    fn drop(&mut self) {
+        if let Some(m) = &self.counted {
+            metrics::sub(&m.tail_cache_bytes, self.buf.capacity() as u64);
+        }
+    }
 }
 
 impl TailCache {
@@ -423,7 +436,19 @@ impl TailCache {
     /// Adds bytes staged at `offset`; a gap restarts the window there.
     /// Once more than twice `window` bytes would be held, the oldest go,
     /// down to `window`; the buffer never grows past twice `window`.
-    pub fn push(&mut self, offset: u64, bytes: &[u8], window: usize) {
+    pub fn push(&mut self, offset: u64, bytes: &[u8], window: usize, counted: &Arc<Metrics>) {
+        let before = self.buf.capacity();
+        self.stage(offset, bytes, window);
+        let m = self.counted.get_or_insert_with(|| counted.clone());
+        let after = self.buf.capacity();
+        if after > before {
+            metrics::add(&m.tail_cache_bytes, (after - before) as u64);
+        } else {
+            metrics::sub(&m.tail_cache_bytes, (before - after) as u64);
+        }
+    }
+
+    fn stage(&mut self, offset: u64, bytes: &[u8], window: usize) {
         if offset != self.end() {
             self.buf.clear();
             self.begin = offset;
@@ -935,27 +960,37 @@ mod tests {
     #[test]
     fn tail_cache_window() {
         let w = TAIL_CACHE_BYTES;
+        let m = Arc::new(Metrics::default());
         let mut t = TailCache::default();
-        t.push(100, b"abcdef", w);
+        t.push(100, b"abcdef", w, &m);
         assert_eq!(t.get(100, 103), Some(&b"abc"[..]));
         assert_eq!(t.get(102, 999), Some(&b"cdef"[..]));
         assert_eq!(t.get(99, 103), None, "before the window");
         assert_eq!(t.get(106, 999), None, "at its end");
         t.truncate(104);
         assert_eq!(t.get(100, 999), Some(&b"abcd"[..]));
-        t.push(104, b"XY", w);
+        t.push(104, b"XY", w, &m);
         assert_eq!(t.get(103, 999), Some(&b"dXY"[..]));
-        t.push(200, b"gap", w);
+        t.push(200, b"gap", w, &m);
         assert_eq!(t.get(104, 999), None);
         assert_eq!(t.get(200, 999), Some(&b"gap"[..]));
         let big = vec![7u8; TAIL_CACHE_BYTES + 10];
-        t.push(203, &big, w);
-        t.push(t.end(), &big, w);
+        t.push(203, &big, w, &m);
+        t.push(t.end(), &big, w, &m);
         assert!(t.get(200, 999).is_none(), "trimmed from the front");
         assert_eq!(t.get(t.end() - 1, u64::MAX), Some(&[7u8][..]));
         assert!(t.capacity() <= 2 * w);
         t.truncate(0);
         assert_eq!(t.get(0, 10), None);
+        // The gauge counts the buffer until the cache is dropped.
+        assert_eq!(gauge(&m), t.capacity() as u64);
+        drop(t);
+        assert_eq!(gauge(&m), 0);
+    }
+
+    fn gauge(m: &Metrics) -> u64 {
+        m.tail_cache_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Byte for byte against a model, with windows that change: the cache
@@ -971,6 +1006,7 @@ mod tests {
             rng ^= rng << 17;
             rng % n
         };
+        let m = Arc::new(Metrics::default());
         let mut t = TailCache::default();
         let mut fed: Vec<u8> = Vec::new();
         let base = 1000u64;
@@ -978,7 +1014,7 @@ mod tests {
             let window = [1usize << 10, 4 << 10, 16 << 10][(step / 500 % 3) as usize];
             let len = next(3 * window as u64) as usize + 1;
             let bytes: Vec<u8> = (0..len).map(|_| next(256) as u8).collect();
-            t.push(base + fed.len() as u64, &bytes, window);
+            t.push(base + fed.len() as u64, &bytes, window, &m);
             fed.extend_from_slice(&bytes);
             let end = base + fed.len() as u64;
             assert_eq!(t.end(), end);

@@ -54,6 +54,8 @@ counters!(
     append_queue_waits,
     // Spool bytes hashed at start to check them against the commit log.
     recovery_hashed_bytes,
+    // A gauge: memory held by the tail caches of tailed journals.
+    tail_cache_bytes,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

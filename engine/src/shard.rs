@@ -3050,7 +3050,7 @@ impl Shard {
                 }
                 if jm.waiting_readers > 0 {
                     let window = crate::journal::tail_window(self.journals.borrow().len());
-                    jm.tail.push(at, &bytes[..n], window);
+                    jm.tail.push(at, &bytes[..n], window, &self.metrics);
                 }
                 a.chunk_pos += n;
                 if n < bytes.len() {
