@@ -557,10 +557,13 @@ impl Spool {
         let used = (self.staged - self.buf_start) as usize;
         let tail_start = self.begin + align_down(self.staged - self.begin);
         let tail = (tail_start - self.buf_start) as usize;
-        // No larger than the buffer being written: a journal of small
-        // batches does not take a large idle buffer from the pool.
+        // Sized to this batch: twice it, no larger than the buffer being
+        // written and no smaller than a new spool's. A journal of small
+        // batches does not take a large idle buffer from the pool, and one
+        // whose batches shrank (a burst over) gives its large buffer back.
         let cap = self.buf.capacity();
-        let mut next = crate::pool::take(FIRST_BUFFER_BYTES.min(cap), cap);
+        let want = (2 * used).clamp(FIRST_BUFFER_BYTES.min(cap), cap);
+        let mut next = crate::pool::take(FIRST_BUFFER_BYTES.min(want), want);
         next.full_mut()[..used - tail].copy_from_slice(&self.buf.full()[tail..used]);
         let mut buf = std::mem::replace(&mut self.buf, next);
         let len = if self.direct {
@@ -1135,6 +1138,50 @@ mod tests {
             let (path, len) = empty.into_empty_file();
             assert_eq!(len, align_down(old.len() as u64));
             assert_eq!(std::fs::read(&path).unwrap(), old);
+        });
+    }
+
+    /// After a burst, a journal whose batches are small again stages into
+    /// a small buffer, even while the pool holds large idle ones, and its
+    /// large buffer goes back to the pool.
+    #[test]
+    fn a_spool_whose_batches_shrink_gives_its_large_buffer_back() {
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let mut spool = Spool::create(dir.path(), 0).await.unwrap();
+            let mut expected = Vec::new();
+            let mut batch = |spool: &mut Spool, len: usize, fill: u8| {
+                spool.ensure_allocated(len as u64, 0).unwrap();
+                assert_eq!(spool.stage(&vec![fill; len]), len);
+                expected.extend(std::iter::repeat_n(fill, len));
+            };
+            // A burst: a batch of 1 MiB, written while the pool holds
+            // another large buffer, which the next batch stages into.
+            batch(&mut spool, 1 << 20, 1);
+            crate::pool::give(AlignedBuf::new(1 << 20));
+            spool.write_staged().await.unwrap();
+            assert!(
+                spool.buf.capacity() >= 1 << 20,
+                "a burst keeps a large buffer"
+            );
+            spool.commit(spool.commit_point());
+            // Small again: the next buffer is a small one, though the
+            // pool holds the burst's first buffer idle.
+            batch(&mut spool, 1000, 2);
+            spool.write_staged().await.unwrap();
+            assert!(
+                spool.buf.capacity() <= FIRST_BUFFER_BYTES,
+                "{} bytes for a batch of 1000",
+                spool.buf.capacity()
+            );
+            assert!(
+                crate::pool::idle_bytes() >= 2 << 20,
+                "both large buffers idle"
+            );
+            spool.commit(spool.commit_point());
+            let (block, range) = read_range(spool.file(), 0, expected.len()).await.unwrap();
+            assert!(block.as_slice()[range] == expected[..], "bytes differ");
         });
     }
 
