@@ -398,7 +398,8 @@ pub const TAIL_CACHE_BYTES: usize = 4 << 20;
 /// the head from memory.
 pub const TAIL_CACHE_MIN_BYTES: usize = 64 << 10;
 /// What the tail caches of one shard's journals hold together, at most
-/// (unless so many are tailed that each is at its minimum): every tailed
+/// (unless the shard has so many journals that each window is at its
+/// minimum): every tailed
 /// journal of a busy shard keeps a cache, and thousands of 4 MiB windows
 /// would not fit in memory.
 pub const TAIL_CACHE_SHARD_BYTES: usize = 64 << 20;
@@ -438,7 +439,7 @@ impl TailCache {
     /// down to `window`; the buffer never grows past twice `window`.
     pub fn push(&mut self, offset: u64, bytes: &[u8], window: usize, counted: &Arc<Metrics>) {
         let before = self.buf.capacity();
-        self.stage(offset, bytes, window);
+        self.put(offset, bytes, window);
         let m = self.counted.get_or_insert_with(|| counted.clone());
         let after = self.buf.capacity();
         if after > before {
@@ -448,7 +449,7 @@ impl TailCache {
         }
     }
 
-    fn stage(&mut self, offset: u64, bytes: &[u8], window: usize) {
+    fn put(&mut self, offset: u64, bytes: &[u8], window: usize) {
         if offset != self.end() {
             self.buf.clear();
             self.begin = offset;
