@@ -345,26 +345,13 @@ async fn many_tailed_journals_share_a_bounded_tail_cache() {
         let r = client.append(&append_req(n), content(i)).await.unwrap();
         assert_eq!((r.begin, r.end), (0, BYTES as u64), "{n}");
     }
-    for (i, stream) in streams.iter_mut().enumerate() {
-        let mut got = Vec::with_capacity(BYTES);
-        loop {
-            let ev = tokio::time::timeout(Duration::from_secs(30), stream.next())
+    for (i, stream) in streams.into_iter().enumerate() {
+        let (got, done) =
+            tokio::time::timeout(Duration::from_secs(30), read_to_done(stream, &names[i], 0))
                 .await
                 .expect("tail served within 30 s")
-                .expect("event")
                 .unwrap();
-            match ev {
-                ReadEvent::Data { offset, content } => {
-                    assert_eq!(offset, got.len() as u64);
-                    got.extend_from_slice(&content);
-                }
-                ReadEvent::Done(d) => {
-                    assert_eq!((d.status, d.offset), (Status::OK, BYTES as u64));
-                    break;
-                }
-                other => panic!("{other:?}"),
-            }
-        }
+        assert_eq!((done.status, done.offset), (Status::OK, BYTES as u64));
         assert!(got == content(i), "{} read back different bytes", names[i]);
     }
     let stats = client.stats().await.unwrap();

@@ -399,9 +399,8 @@ pub const TAIL_CACHE_BYTES: usize = 4 << 20;
 pub const TAIL_CACHE_MIN_BYTES: usize = 64 << 10;
 /// What the tail caches of one shard's journals hold together, at most
 /// (unless the shard has so many journals that each window is at its
-/// minimum): every tailed
-/// journal of a busy shard keeps a cache, and thousands of 4 MiB windows
-/// would not fit in memory.
+/// minimum): every tailed journal of a busy shard keeps a cache, and
+/// thousands of 4 MiB windows would not fit in memory.
 pub const TAIL_CACHE_SHARD_BYTES: usize = 64 << 20;
 
 /// The window of each tail cache on a shard of `journals` journals.

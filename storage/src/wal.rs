@@ -158,6 +158,8 @@ pub struct CommitLog {
 struct Next {
     /// The synced snapshot file, once its task is done.
     done: Rc<RefCell<Option<Result<File, StorageError>>>>,
+    /// Bytes of the snapshot: where the copied records go.
+    snapshot_len: u64,
     /// Records written to the log since the snapshot's states were taken;
     /// they follow the snapshot in the new file.
     tail: Vec<u8>,
@@ -214,6 +216,15 @@ fn encode_record(
         }
     }
     frame(out, &w.into_payload());
+}
+
+/// A log holding exactly `states`: one commit record each.
+fn snapshot<'a>(states: impl Iterator<Item = (&'a str, &'a JournalState)>) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for (journal, st) in states {
+        encode_record(&mut bytes, journal, Some(st), None);
+    }
+    bytes
 }
 
 /// Appends one record: `u32 payload_len | u32 crc32c(payload) | payload`.
@@ -536,11 +547,7 @@ impl CommitLog {
         states: impl Iterator<Item = (&'a str, &'a JournalState)>,
     ) -> Result<File, StorageError> {
         let tmp = path.with_extension("log.next");
-        let mut bytes = Vec::new();
-        for (journal, st) in states {
-            encode_record(&mut bytes, journal, Some(st), None);
-        }
-        let written = Self::write_synced(&tmp, bytes).await;
+        let written = Self::write_synced(&tmp, snapshot(states)).await;
         if written.is_err() {
             // A full disk, say: the log stays as it was, and no partial
             // snapshot is left taking space beside it.
@@ -677,10 +684,8 @@ impl CommitLog {
     ) {
         assert!(self.pending.is_empty());
         assert!(self.next.is_none(), "a compaction is under way");
-        let mut bytes = Vec::new();
-        for (journal, st) in states {
-            encode_record(&mut bytes, journal, Some(st), None);
-        }
+        let bytes = snapshot(states);
+        let snapshot_len = bytes.len() as u64;
         let done = Rc::new(RefCell::new(None));
         let tmp = self.next_path();
         let set = done.clone();
@@ -691,6 +696,7 @@ impl CommitLog {
         .detach();
         self.next = Some(Next {
             done,
+            snapshot_len,
             tail: Vec::new(),
             tail_synced: false,
             abandoned: false,
@@ -736,11 +742,7 @@ impl CommitLog {
         next: Next,
     ) -> Result<Option<std::fs::File>, StorageError> {
         let writer = writer_of(&file, tmp)?;
-        let len = file
-            .metadata()
-            .await
-            .map_err(|e| StorageError::io(tmp, e))?
-            .len();
+        let len = next.snapshot_len;
         {
             use std::os::unix::fs::FileExt;
             writer

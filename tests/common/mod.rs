@@ -8,7 +8,7 @@ pub mod cluster;
 pub mod store;
 
 use rand::{Rng, RngCore, SeedableRng};
-use rotary_net::client::{Client, ClientError, ReadDone, ReadEvent, ReadOptions};
+use rotary_net::client::{Client, ClientError, ReadDone, ReadEvent, ReadOptions, ReadStream};
 use rotary_net::spec::JournalSpec;
 use rotary_net::wire::{self, Op, ReadRequest};
 use rotary_net::Status;
@@ -404,7 +404,18 @@ pub async fn read_range_with(
         offset: Some(from),
         end_offset: to,
     };
-    let mut stream = client.read_with(&req, options).await?;
+    let stream = client.read_with(&req, options).await?;
+    read_to_done(stream, &format!("{}: {journal}", client.endpoint()), from).await
+}
+
+/// Everything a read stream that began at `from` sends up to its
+/// READ_DONE, checking its offsets are contiguous. A fragment location
+/// fails the test; `what` names the read in failures.
+pub async fn read_to_done(
+    mut stream: ReadStream,
+    what: &str,
+    from: u64,
+) -> Result<(Vec<u8>, ReadDone), ClientError> {
     let mut out = Vec::new();
     while let Some(ev) = stream.next().await {
         match ev? {
@@ -412,19 +423,17 @@ pub async fn read_range_with(
                 assert_eq!(
                     offset,
                     from + out.len() as u64,
-                    "{}: {journal}: READ_DATA offsets must be contiguous",
-                    client.endpoint()
+                    "{what}: READ_DATA offsets must be contiguous"
                 );
                 out.extend_from_slice(&content);
             }
-            ev @ ReadEvent::Fragment { .. } => panic!(
-                "{}: {journal}: the broker sent a fragment location: {ev:?}",
-                client.endpoint()
-            ),
+            ev @ ReadEvent::Fragment { .. } => {
+                panic!("{what}: the broker sent a fragment location: {ev:?}")
+            }
             ReadEvent::Done(done) => return Ok((out, done)),
         }
     }
-    panic!("{journal}: read stream ended without READ_DONE");
+    panic!("{what}: read stream ended without READ_DONE");
 }
 
 /// The whole journal from offset 0, checking READ_DONE is OK at the head (or
