@@ -1298,3 +1298,139 @@ async fn s3_store_unlisted_journal_refuses_appends_until_listed() {
     check_against(&objects, b"listed");
     assert_eq!(objects.len(), 1);
 }
+
+// Long histories.
+
+/// A journal whose store holds more fragments than one FRAGMENTS reply
+/// lists is answered in pages: each at most the limit asked for (1000 by
+/// default), flagged while fragments remain, never splitting the copies of
+/// one span; the client and the CLI walk every page. Bad page requests
+/// are `BAD_REQUEST`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragments_of_a_long_history_come_in_pages() {
+    use rotary_net::wire::{self, flag, Op};
+    const STORED: u64 = 2345;
+    const SPAN: u64 = 100;
+    let store = TestStore::file();
+    let j = "hist/long";
+    // History written by an earlier broker: objects named as fragments
+    // (their bytes are not read here).
+    let TestStore::File { dir } = &store else {
+        unreachable!()
+    };
+    let objects = dir.path().join(j);
+    std::fs::create_dir_all(&objects).unwrap();
+    for i in 0..STORED {
+        let name = format!("{:016x}-{:016x}-{:040x}.zst", i * SPAN, (i + 1) * SPAN, i);
+        std::fs::write(objects.join(name), b"").unwrap();
+    }
+    let broker = broker_for(&store, &[]);
+    let client = broker.client().await;
+    apply(&client, &spec(j, &store, Codec::Zstd, 1 << 20)).await;
+
+    let all = wait_fragments(&client, j, "the store's listing", |f| !f.is_empty()).await;
+    let begins: Vec<u64> = all.iter().map(|f| f.begin).collect();
+    assert_eq!(begins, (0..STORED).map(|i| i * SPAN).collect::<Vec<_>>());
+    assert!(all
+        .iter()
+        .all(|f| f.store == store.url() && f.end == f.begin + SPAN));
+
+    // Pages of 1000, 1000 and 345, each following on from the last.
+    let mut from = 0;
+    let mut sizes = Vec::new();
+    let mut paged = Vec::new();
+    loop {
+        let page = client.fragments_page(j, from, 1000).await.unwrap();
+        sizes.push(page.fragments.len());
+        paged.extend(page.fragments);
+        match page.next {
+            Some(next) => from = next,
+            None => break,
+        }
+    }
+    assert_eq!(sizes, [1000, 1000, 345]);
+    assert_eq!(paged, all);
+    // From the middle of a span: fragments beginning at or after it.
+    let page = client.fragments_page(j, 5 * SPAN + 1, 3).await.unwrap();
+    let got: Vec<u64> = page.fragments.iter().map(|f| f.begin).collect();
+    assert_eq!(got, [6 * SPAN, 7 * SPAN, 8 * SPAN]);
+    assert_eq!(page.next, Some(8 * SPAN + 1));
+    let page = client.fragments_page(j, STORED * SPAN, 10).await.unwrap();
+    assert_eq!((page.fragments.len(), page.next), (0, None));
+
+    // On the wire: an empty payload is the default page, flagged.
+    let owner = rotary_net::shard_of(j, CORES_DEFAULT as u32);
+    let mut s = raw_connect(&broker.shard_endpoint(owner as usize));
+    let ask = |s: &mut std::net::TcpStream, id: u64, payload: &[u8]| {
+        use std::io::Write;
+        s.write_all(&frame(Op::FRAGMENTS, 0, id, &wire::encode_name(j), payload))
+            .unwrap();
+        let r = read_raw_frame(s).unwrap().expect("a reply");
+        assert_eq!((r.op, r.request_id), (Op::ADMIN_REPLY, id));
+        r
+    };
+    let r = ask(&mut s, 1, b"");
+    assert_eq!((r.status, r.flags), (Status::OK as u16, flag::NEXT_PAGE));
+    let listed: Vec<FragmentInfo> = serde_json::from_slice(&r.payload).unwrap();
+    assert_eq!(listed, all[..wire::FRAGMENTS_PAGE_MAX as usize]);
+    let r = ask(&mut s, 2, br#"{"from": 234000}"#);
+    assert_eq!((r.status, r.flags), (Status::OK as u16, 0));
+    let listed: Vec<FragmentInfo> = serde_json::from_slice(&r.payload).unwrap();
+    assert_eq!(listed, all[2340..]);
+    for (id, bad) in [
+        (3, &br#"{"limit": 0}"#[..]),
+        (4, br#"{"limit": 1001}"#),
+        (5, br#"{"from": 0, "page": 2}"#),
+        (6, b"not json"),
+        (7, br#"{"from": -1}"#),
+    ] {
+        let r = ask(&mut s, id, bad);
+        assert_eq!(
+            r.status,
+            Status::BAD_REQUEST as u16,
+            "{}: {}",
+            String::from_utf8_lossy(bad),
+            String::from_utf8_lossy(&r.payload)
+        );
+    }
+
+    // The CLI lists every page.
+    let (code, out, err) = run_cli(broker.cli(&["fragments", j, "-o", "json"]), b"");
+    assert_eq!(code, 0, "{err}");
+    let listed: Vec<FragmentInfo> = serde_json::from_slice(&out).unwrap();
+    assert_eq!(listed, all);
+
+    // A local fragment and its store copy begin at the same offset: a
+    // page of one holds both.
+    let k = "hist/copies";
+    apply(&client, &spec(k, &store, Codec::None, 1 << 20)).await;
+    for part in [&b"first"[..], b"second", b"third"] {
+        append(&client, k, part).await;
+        client.seal(k).await.unwrap();
+    }
+    let all = wait_fragments(&client, k, "every upload listed", |f| {
+        all_uploaded(f) && stored(f).len() == 3
+    })
+    .await;
+    assert_eq!(all.len(), 6);
+    let mut from = 0;
+    let mut paged = Vec::new();
+    loop {
+        let page = client.fragments_page(k, from, 1).await.unwrap();
+        assert_eq!(page.fragments.len(), 2, "{:#?}", page.fragments);
+        assert_eq!(page.fragments[0].begin, page.fragments[1].begin);
+        assert_eq!(
+            (
+                &*page.fragments[0].store,
+                page.fragments[1].store == store.url()
+            ),
+            ("local", true)
+        );
+        paged.extend(page.fragments);
+        match page.next {
+            Some(next) => from = next,
+            None => break,
+        }
+    }
+    assert_eq!(paged, all);
+}

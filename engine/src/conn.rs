@@ -1195,6 +1195,10 @@ impl Conn {
                 }
                 match op {
                     Op::FRAGMENTS => {
+                        let page = match PageRequest::parse(frame.payload) {
+                            Ok(p) => p,
+                            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
+                        };
                         // Before the first listing of its store a journal's
                         // fragments are not known: the answer waits for it
                         // (in its own task; the connection goes on), or is
@@ -1234,9 +1238,17 @@ impl Conn {
                                 }
                                 let _ = compio::time::timeout(left, listen).await;
                             }
-                            let body = shard.fragments_json(&j);
+                            let (body, more) = shard.fragments_page(&j, page.from, page.limit);
                             let bytes = serde_json::to_vec(&body).expect("json");
-                            outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &bytes);
+                            let flags = if more { flag::NEXT_PAGE } else { 0 };
+                            outbox.flagged_frame(
+                                Op::ADMIN_REPLY,
+                                flags,
+                                Status::OK,
+                                id,
+                                &[],
+                                &bytes,
+                            );
                         })
                         .detach();
                     }
@@ -1345,6 +1357,39 @@ impl SelectorRequest {
             selector,
             dry_run: raw.dry_run,
             deleted: raw.deleted,
+        })
+    }
+}
+
+/// The JSON payload of FRAGMENTS: `{"from": <offset>, "limit": <n>}`,
+/// both optional, an empty payload meaning `{}` (PROTOCOL §9.5).
+struct PageRequest {
+    from: u64,
+    limit: usize,
+}
+
+impl PageRequest {
+    fn parse(payload: &[u8]) -> Result<Self, String> {
+        #[derive(serde::Deserialize, Default)]
+        #[serde(deny_unknown_fields)]
+        struct Raw {
+            #[serde(default)]
+            from: u64,
+            limit: Option<u32>,
+        }
+        let raw: Raw = if payload.is_empty() {
+            Raw::default()
+        } else {
+            serde_json::from_slice(payload).map_err(|e| format!("fragments: {e}"))?
+        };
+        let max = wire::FRAGMENTS_PAGE_MAX;
+        let limit = raw.limit.unwrap_or(max);
+        if limit == 0 || limit > max {
+            return Err(format!("fragments: limit {limit} is outside 1..={max}"));
+        }
+        Ok(PageRequest {
+            from: raw.from,
+            limit: limit as usize,
         })
     }
 }

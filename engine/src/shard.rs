@@ -3728,43 +3728,87 @@ impl Shard {
     }
 
     /// Fragments of a journal as JSON (sealed local ones, then the open spool).
-    pub fn fragments_json(&self, j: &JournalRef) -> serde_json::Value {
+    /// A page of the journal's fragments (FRAGMENTS, PROTOCOL §9.5): those
+    /// beginning at or after `from`, sorted by begin, local copies first.
+    /// At most `limit` of them, except that fragments beginning where the
+    /// page's last one does are never split across pages. Returns the page
+    /// and whether fragments beginning after its last remain. The work is
+    /// bounded by the page, not by the index: a journal's store may hold
+    /// hundreds of thousands of fragments, and the shard serves appends
+    /// meanwhile.
+    pub fn fragments_page(
+        &self,
+        j: &JournalRef,
+        from: u64,
+        limit: usize,
+    ) -> (serde_json::Value, bool) {
         let jm = j.borrow();
-        let mut out: Vec<serde_json::Value> = jm
+        let limit = limit.max(1);
+        let mut out: Vec<(u64, bool, serde_json::Value)> = jm
             .fragments
             .iter()
-            .map(|f| fragment_json(f, jm.has_stores()))
+            .filter(|f| f.begin >= from)
+            .map(|f| (f.begin, false, fragment_json(f, jm.has_stores())))
             .collect();
-        for r in &jm.remote {
-            let mod_time = unix_secs(r.mod_time);
-            out.push(serde_json::json!({
-                "begin": r.begin,
-                "end": r.end,
-                "sha1": hex::encode(r.sha1),
-                "codec": r.codec,
-                "size": r.size,
-                "store": r.store,
-                "key": r.key,
-                "path": r.key,
-                "mod_time": mod_time,
-                "open": false,
-            }));
+        // The index is sorted by begin: take a page's worth from `from`,
+        // and the rest of the last begin's fragments.
+        let first = jm.remote.partition_point(|r| r.begin < from);
+        let mut last = (first + limit).min(jm.remote.len());
+        while last < jm.remote.len()
+            && last > first
+            && jm.remote[last].begin == jm.remote[last - 1].begin
+        {
+            last += 1;
         }
-        if let Some(spool) = jm.spool.as_ref().filter(|s| !s.is_empty()) {
-            out.push(serde_json::json!({
-                "begin": spool.begin(),
-                "end": spool.committed(),
-                "sha1": hex::encode(spool.committed_sha1()),
-                "codec": "none",
-                "size": spool.len(),
-                "store": "local",
-                "path": spool.path().display().to_string(),
-                "mod_time": unix_secs(SystemTime::now()),
-                "open": true,
-            }));
+        let remote_left = last < jm.remote.len();
+        for r in &jm.remote[first..last] {
+            out.push((
+                r.begin,
+                true,
+                serde_json::json!({
+                    "begin": r.begin,
+                    "end": r.end,
+                    "sha1": hex::encode(r.sha1),
+                    "codec": r.codec,
+                    "size": r.size,
+                    "store": r.store,
+                    "key": r.key,
+                    "path": r.key,
+                    "mod_time": unix_secs(r.mod_time),
+                    "open": false,
+                }),
+            ));
         }
-        out.sort_by_key(|v| (v["begin"].as_u64(), v["store"] != "local"));
-        serde_json::Value::Array(out)
+        if let Some(spool) = jm
+            .spool
+            .as_ref()
+            .filter(|s| !s.is_empty() && s.begin() >= from)
+        {
+            out.push((
+                spool.begin(),
+                false,
+                serde_json::json!({
+                    "begin": spool.begin(),
+                    "end": spool.committed(),
+                    "sha1": hex::encode(spool.committed_sha1()),
+                    "codec": "none",
+                    "size": spool.len(),
+                    "store": "local",
+                    "path": spool.path().display().to_string(),
+                    "mod_time": unix_secs(SystemTime::now()),
+                    "open": true,
+                }),
+            ));
+        }
+        out.sort_by_key(|(begin, remote, _)| (*begin, *remote));
+        let mut cut = out.len().min(limit);
+        while cut < out.len() && cut > 0 && out[cut].0 == out[cut - 1].0 {
+            cut += 1;
+        }
+        let more = cut < out.len() || remote_left;
+        out.truncate(cut);
+        let page = out.into_iter().map(|(_, _, v)| v).collect();
+        (serde_json::Value::Array(page), more)
     }
 
     pub fn registers_of(&self, j: &JournalRef) -> LabelSet {

@@ -237,6 +237,14 @@ pub struct Listing {
     pub partial: bool,
 }
 
+/// A page of a journal's fragments ([`Client::fragments_page`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FragmentPage {
+    pub fragments: Vec<FragmentInfo>,
+    /// Where the next page begins (its `from`), if fragments remain.
+    pub next: Option<u64>,
+}
+
 /// One fragment of a journal, as FRAGMENTS and SEAL answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FragmentInfo {
@@ -612,9 +620,55 @@ impl Client {
         Ok(())
     }
 
-    /// A journal's fragments, sorted by begin.
+    /// A journal's fragments, sorted by begin: every page of them
+    /// ([`Client::fragments_page`]) in turn.
     pub async fn fragments(&self, journal: &str) -> Result<Vec<FragmentInfo>, ClientError> {
-        self.named_admin(Op::FRAGMENTS, journal).await
+        let mut all = Vec::new();
+        let mut from = 0;
+        loop {
+            let page = self
+                .fragments_page(journal, from, wire::FRAGMENTS_PAGE_MAX)
+                .await?;
+            all.extend(page.fragments);
+            match page.next {
+                Some(next) => from = next,
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of a journal's fragments: at most `limit` (1 to
+    /// [`wire::FRAGMENTS_PAGE_MAX`]) of those beginning at or after
+    /// `from`, sorted by begin, plus any others beginning where the page's
+    /// last one does (PROTOCOL §9.5).
+    pub async fn fragments_page(
+        &self,
+        journal: &str,
+        from: u64,
+        limit: u32,
+    ) -> Result<FragmentPage, ClientError> {
+        check_name_len(journal)?;
+        let body =
+            serde_json::to_vec(&serde_json::json!({ "from": from, "limit": limit })).expect("JSON");
+        let r = async {
+            let conn = self.journal_conn(journal).await?;
+            let reply = unary(
+                &conn,
+                Op::FRAGMENTS,
+                wire::encode_name(journal).into(),
+                body.into(),
+            )
+            .await?;
+            let more = reply.flags & flag::NEXT_PAGE != 0;
+            let fragments: Vec<FragmentInfo> = admin_json(&conn, Op::FRAGMENTS, reply)?;
+            let next = match fragments.last() {
+                Some(last) if more => Some(last.begin + 1),
+                _ => None,
+            };
+            Ok(FragmentPage { fragments, next })
+        }
+        .await;
+        self.on_journal_error(journal, r)
     }
 
     /// Seals the journal's open spool now; returns the sealed fragment, or

@@ -128,7 +128,7 @@ ops! {
     /// the offset to resume at with the broker.
     READ_FRAGMENT = 0x85, flags = 0;
     /// Reply to ROUTE, APPLY, LIST, DELETE, FRAGMENTS, SEAL, STATS: JSON payload.
-    ADMIN_REPLY = 0x90, flags = flag::PARTIAL;
+    ADMIN_REPLY = 0x90, flags = flag::PARTIAL | flag::NEXT_PAGE;
     /// Reply to PING.
     PONG = 0x96, flags = 0;
     /// Broker to broker: outcomes of replicated appends and SYNCs, many per frame.
@@ -158,7 +158,14 @@ pub mod flag {
     /// ADMIN_REPLY to LIST: the broker has not heard every peer since it
     /// started, so journals it has not learned of yet are missing.
     pub const PARTIAL: u8 = 1 << 0;
+    /// ADMIN_REPLY to FRAGMENTS: fragments beginning after the page's last
+    /// one remain; ask again from its `begin` + 1.
+    pub const NEXT_PAGE: u8 = 1 << 1;
 }
+
+/// Most fragments one FRAGMENTS reply lists (its default page), beyond
+/// those that begin where the page's last one does.
+pub const FRAGMENTS_PAGE_MAX: u32 = 1000;
 
 /// Why bytes are not a valid frame or message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -926,7 +933,7 @@ mod tests {
     }
 
     #[test]
-    fn a_list_reply_may_say_it_is_partial_and_nothing_else_may() {
+    fn an_admin_reply_may_say_it_is_partial_or_paged_and_nothing_else_may() {
         let mut buf = Vec::new();
         encode_frame(
             &mut buf,
@@ -939,14 +946,17 @@ mod tests {
         );
         let (f, _) = decode_frame(&buf, BODY_LEN_MAX).unwrap().unwrap();
         assert_eq!((f.op, f.flags), (Op::ADMIN_REPLY, flag::PARTIAL));
-        buf[7] = flag::PARTIAL << 1;
+        buf[7] = flag::NEXT_PAGE;
+        let (f, _) = decode_frame(&buf, BODY_LEN_MAX).unwrap().unwrap();
+        assert_eq!(f.flags, flag::NEXT_PAGE);
+        buf[7] = 1 << 2;
         assert!(matches!(
             decode_frame(&buf, BODY_LEN_MAX),
             Err(WireError::UnknownFlags { .. })
         ));
         let mut pong = Vec::new();
         encode_frame(&mut pong, Op::PONG, 0, Status::OK, 7, &[], &[]);
-        pong[7] = flag::PARTIAL;
+        pong[7] = flag::NEXT_PAGE;
         assert!(matches!(
             decode_frame(&pong, BODY_LEN_MAX),
             Err(WireError::UnknownFlags { .. })

@@ -304,6 +304,7 @@ pub fn frame(op: Op, flags: u8, id: u64, meta: &[u8], payload: &[u8]) -> Vec<u8>
 #[derive(Debug, Clone)]
 pub struct RawFrame {
     pub op: Op,
+    pub flags: u8,
     pub status: u16,
     pub request_id: u64,
     pub meta: Vec<u8>,
@@ -332,6 +333,7 @@ pub fn read_raw_frame(s: &mut TcpStream) -> std::io::Result<Option<RawFrame>> {
     let meta_len = h.meta_len.get() as usize;
     Ok(Some(RawFrame {
         op: Op::from_code(h.op).expect("checked op"),
+        flags: h.flags,
         status: h.status.get(),
         request_id: h.request_id.get(),
         meta: body[..meta_len].to_vec(),
