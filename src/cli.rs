@@ -814,6 +814,24 @@ fn after_change(printed: CmdResult, what: impl FnOnce() -> String) -> CmdResult 
     }
 }
 
+/// The names of `specs`, the first [`NAMES_SHOWN_MAX`] of them and how
+/// many more: a file of thousands of journals makes one readable line.
+fn name_list(specs: &[rotary_net::spec::JournalSpec]) -> String {
+    let shown: Vec<&str> = specs
+        .iter()
+        .take(NAMES_SHOWN_MAX)
+        .map(|s| s.name.as_str())
+        .collect();
+    let mut text = shown.join(", ");
+    if specs.len() > shown.len() {
+        text += &format!(" and {} more", specs.len() - shown.len());
+    }
+    text
+}
+
+/// Names `journals apply` prints before it counts the rest.
+const NAMES_SHOWN_MAX: usize = 10;
+
 async fn journals(cmd: JournalsCmd) -> CmdResult {
     match cmd {
         JournalsCmd::Apply { file, broker } => {
@@ -829,8 +847,7 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
                 parse_specs(&text).map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             let applied = client.apply(&specs).await?;
-            let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-            let text = format!("applied {applied} journal(s): {}", names.join(", "));
+            let text = format!("applied {applied} journal(s): {}", name_list(&specs));
             after_change(print_text(&format!("{text}\n")), || text)
         }
         JournalsCmd::List {
@@ -1069,6 +1086,23 @@ impl Reader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn applied_names_are_counted_past_ten() {
+        let specs = |n: usize| -> Vec<rotary_net::spec::JournalSpec> {
+            (0..n)
+                .map(|i| rotary_net::spec::JournalSpec::new(format!("a/j-{i:02}")))
+                .collect()
+        };
+        assert_eq!(name_list(&specs(2)), "a/j-00, a/j-01");
+        let ten = name_list(&specs(10));
+        assert!(ten.ends_with("a/j-08, a/j-09"), "{ten}");
+        let many = name_list(&specs(3000));
+        assert!(
+            many.ends_with("a/j-08, a/j-09 and 2990 more") && !many.contains("a/j-10"),
+            "{many}"
+        );
+    }
 
     #[test]
     fn byte_counts() {
