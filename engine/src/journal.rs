@@ -380,6 +380,9 @@ pub struct Journal {
     pub index_error: Option<String>,
     pub last_listing: Option<Instant>,
     pub listing: bool,
+    /// Waiting in the shard's queue of listings (see
+    /// `Shard::refresh_listing`).
+    pub listing_queued: bool,
     pub reset_waiters: Vec<(Rc<Outbox>, u64)>,
     /// The newest staged bytes, kept while readers wait at the head so
     /// that tailing readers are served from memory, not the spool file.
@@ -548,6 +551,7 @@ impl Journal {
             index_loaded: false,
             index_error: None,
             last_listing: None,
+            listing_queued: false,
             listing: false,
             confirmed: Vec::new(),
             confirmations: 0,

@@ -37,7 +37,7 @@ use rotary_storage::wal::{CommitLog, JournalState, Midstate, Replayed};
 use rotary_storage::StorageError;
 use rotary_uploader::{StoredFragment, UploadDone, UploadJob, Uploader};
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -87,6 +87,10 @@ pub struct Shard {
     upload_done_rx: RefCell<Option<async_channel::Receiver<UploadDone>>>,
     /// Sealed bytes of journals with stores not yet in their store.
     unuploaded_bytes: Cell<u64>,
+    /// Store listings running ([`Shard::refresh_listing`]).
+    listings_in_flight: Cell<usize>,
+    /// Journals whose listing waits for one of those to end.
+    listings_waiting: RefCell<VecDeque<JournalRef>>,
     spool_budget_bytes: u64,
     local_cache_bytes: u64,
     /// Files of uploaded fragments kept for new spools.
@@ -169,6 +173,8 @@ fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
 /// New bytes of one journal's batch that its commit record may carry, so
 /// that the batch is answered without waiting for its spool write.
 const INLINE_BYTES_MAX: u64 = 32 << 10;
+/// Most store listings a shard runs at once ([`Shard::refresh_listing`]).
+const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 const _: () = assert!(INLINE_BYTES_MAX as usize <= rotary_storage::wal::RECORD_INLINE_BYTES_MAX);
 /// New bytes of a whole turn beyond which no record carries any: a turn
 /// that busy is bound by the CPU, which copying every byte into the log as
@@ -414,6 +420,8 @@ impl Shard {
             upload_done: done_tx,
             upload_done_rx: RefCell::new(Some(done_rx)),
             unuploaded_bytes: Cell::new(0),
+            listings_in_flight: Cell::new(0),
+            listings_waiting: RefCell::new(VecDeque::new()),
             spool_budget_bytes,
             local_cache_bytes,
             spares: RefCell::new(spares),
@@ -679,44 +687,63 @@ impl Shard {
     /// Refreshes specs if the store changed; returns the journal if it exists.
     pub fn journal(&self, name: &str) -> Option<JournalRef> {
         let v = self.specs.version();
-        if v != self.specs_seen.get() {
+        let seen = self.specs_seen.get();
+        if v != seen {
             self.specs_seen.set(v);
             let mut map = self.journals.borrow_mut();
-            for (name, j) in map.iter() {
-                if let Some(spec) = self.specs.get(name) {
-                    let mut j = j.borrow_mut();
-                    j.rate.set_rate(spec.max_append_rate);
-                    let gained_stores = !j.has_stores() && !spec.fragment.stores.is_empty();
-                    j.spec = spec;
-                    if gained_stores {
-                        j.init_index();
+            match self.specs.changes_since(seen) {
+                // Only the journals the changes name.
+                Some(names) => {
+                    for changed in names {
+                        if rotary_net::shard_of(&changed, self.shards) != self.index {
+                            continue;
+                        }
+                        if let Some(spec) = self.specs.get(&changed) {
+                            self.take_spec(&mut map, spec);
+                        }
                     }
                 }
-            }
-            for spec in self.specs.all() {
-                if rotary_net::shard_of(&spec.name, self.shards) == self.index
-                    && !map.contains_key(&spec.name)
-                {
-                    // A journal created since: fresh, with no local files
-                    // (deletion removes them), possibly with registers left
-                    // in the commit log by an earlier incarnation (deletion
-                    // logs their removal).
-                    let dir = journal_dir(&self.dir, &spec.name);
-                    let mut j = Journal::new(spec.clone(), dir);
-                    j.init_index();
-                    j.first_sync_pending = true;
-                    let state = self.states.borrow().get(&spec.name).cloned();
-                    if let Some(st) = &state {
-                        j.registers = st.registers.clone();
-                        j.staged_registers = st.registers.clone();
-                        j.local_registers = st.registers.clone();
+                None => {
+                    for spec in self.specs.all() {
+                        if rotary_net::shard_of(&spec.name, self.shards) == self.index {
+                            self.take_spec(&mut map, spec);
+                        }
                     }
-                    self.adopt_files(&mut j, state.as_ref());
-                    map.insert(spec.name.clone(), Rc::new(RefCell::new(j)));
                 }
             }
         }
         self.journals.borrow().get(name).cloned()
+    }
+
+    /// Gives this shard's journal its current spec, creating the journal
+    /// if the spec is new here.
+    fn take_spec(&self, map: &mut HashMap<String, JournalRef>, spec: rotary_net::JournalSpec) {
+        if let Some(j) = map.get(&spec.name) {
+            let mut j = j.borrow_mut();
+            j.rate.set_rate(spec.max_append_rate);
+            let gained_stores = !j.has_stores() && !spec.fragment.stores.is_empty();
+            j.spec = spec;
+            if gained_stores {
+                j.init_index();
+            }
+            return;
+        }
+        // A journal created since: fresh, with no local files (deletion
+        // removes them), possibly with registers left in the commit log by
+        // an earlier incarnation (deletion logs their removal).
+        let dir = journal_dir(&self.dir, &spec.name);
+        let name = spec.name.clone();
+        let mut j = Journal::new(spec, dir);
+        j.init_index();
+        j.first_sync_pending = true;
+        let state = self.states.borrow().get(&name).cloned();
+        if let Some(st) = &state {
+            j.registers = st.registers.clone();
+            j.staged_registers = st.registers.clone();
+            j.local_registers = st.registers.clone();
+        }
+        self.adopt_files(&mut j, state.as_ref());
+        map.insert(name, Rc::new(RefCell::new(j)));
     }
 
     /// Files in the directory of a journal created while the broker runs
@@ -1143,23 +1170,38 @@ impl Shard {
                 }
             }
             drop(jm);
-            self.recount_unuploaded();
-            self.evict_cache();
+            // Both walk every journal: once per burst of results.
+            if rx.is_empty() {
+                self.recount_unuploaded();
+                self.evict_cache();
+            }
         }
     }
 
     /// Recomputes the sealed bytes awaiting upload.
+    ///
+    /// Runs over every journal of the shard, so it runs once a tick and
+    /// once per burst of upload results, not per listing or per upload: a
+    /// shard may hold tens of thousands of journals. Between two counts the
+    /// figure only runs high (seals add to it at once), so the budget it
+    /// guards is never overrun.
     fn recount_unuploaded(&self) {
         let mut total = 0;
         for j in self.journals.borrow().values() {
             let jm = j.borrow();
-            if jm.has_stores() && self.is_primary(&jm.spec) {
-                total += jm
-                    .fragments
-                    .iter()
-                    .filter(|f| !f.uploaded)
-                    .map(|f| f.end - f.begin)
-                    .sum::<u64>();
+            if !jm.has_stores() {
+                continue;
+            }
+            let waiting: u64 = jm
+                .fragments
+                .iter()
+                .filter(|f| !f.uploaded)
+                .map(|f| f.end - f.begin)
+                .sum();
+            // The route is worked out only for the few journals with
+            // fragments awaiting upload.
+            if waiting > 0 && self.is_primary(&jm.spec) {
+                total += waiting;
             }
         }
         self.unuploaded_bytes.set(total);
@@ -1198,10 +1240,31 @@ impl Shard {
     }
 
     /// Lists the journal's stores in the background and merges the result.
+    ///
+    /// At most [`LISTINGS_IN_FLIGHT_MAX`] listings of a shard run at once;
+    /// the others wait in a queue, a journal not yet listed ahead of those
+    /// listed before. A shard of tens of thousands of journals would
+    /// otherwise start all their listings in the same tick (at start, and
+    /// again every `refresh_interval`), and their results would hold up
+    /// its appends for hundreds of milliseconds.
     fn refresh_listing(&self, j: &JournalRef) {
+        if self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
+            let mut jm = j.borrow_mut();
+            if !jm.listing && !jm.listing_queued && jm.has_stores() {
+                jm.listing_queued = true;
+                let mut waiting = self.listings_waiting.borrow_mut();
+                if jm.index_loaded {
+                    waiting.push_back(j.clone());
+                } else {
+                    waiting.push_front(j.clone());
+                }
+            }
+            return;
+        }
         let (stores, name) = {
             let mut jm = j.borrow_mut();
-            if jm.listing || !jm.has_stores() {
+            jm.listing_queued = false;
+            if jm.listing || !jm.has_stores() || jm.deleted {
                 return;
             }
             // A journal deleted and created again lists its stores only once
@@ -1227,6 +1290,8 @@ impl Shard {
             jm.listing = true;
             (jm.spec.fragment.stores.clone(), jm.name.clone())
         };
+        self.listings_in_flight
+            .set(self.listings_in_flight.get() + 1);
         let mark = j.borrow().listing_mark();
         let uploader = self.uploader.clone();
         let j = j.clone();
@@ -1282,9 +1347,20 @@ impl Shard {
                     }
                 }
                 drop(jm);
-                shard.recount_unuploaded();
+                // Fragments the listing found uploaded leave the spool
+                // budget's count at the next tick.
                 // Appends waiting for the index go ahead (or are refused).
                 shard.mark_ready(&j);
+                shard.listings_in_flight.set(shard.listings_in_flight.get() - 1);
+                loop {
+                    let next = shard.listings_waiting.borrow_mut().pop_front();
+                    let Some(next) = next else { break };
+                    next.borrow_mut().listing_queued = false;
+                    shard.refresh_listing(&next);
+                    if shard.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
+                        break;
+                    }
+                }
             }
         })
         .detach();
@@ -1466,15 +1542,22 @@ impl Shard {
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         for j in journals {
             let mut due = false;
-            let role = self.role(&j.borrow().spec);
+            // Working out a route costs more than the rest of a quiet
+            // journal's tick: it is needed only for a journal holding bytes
+            // or with replicas to pulse, of tens of thousands on a shard.
+            let role = {
+                let jm = j.borrow();
+                let holds_bytes = jm.spool.as_ref().is_some_and(|s| !s.is_empty());
+                (holds_bytes || jm.spec.replication > 1).then(|| self.role(&jm.spec))
+            };
             {
                 let jm = j.borrow();
                 let holds_bytes = jm.spool.as_ref().is_some_and(|s| !s.is_empty());
-                match role {
-                    Role::Primary(_) if jm.wants_seal(now) && holds_bytes => due = true,
+                match &role {
+                    Some(Role::Primary(_)) if jm.wants_seal(now) && holds_bytes => due = true,
                     // A journal routed away from this broker: its open spool
                     // is sealed and uploaded (see `prepare`).
-                    Role::Outside(_) if holds_bytes => due = true,
+                    Some(Role::Outside(_)) if holds_bytes => due = true,
                     _ => {}
                 }
                 if let Some(a) = &jm.active {
@@ -1497,7 +1580,7 @@ impl Shard {
             if due {
                 self.mark_ready(&j);
             }
-            if let Role::Primary(route) = &role {
+            if let Some(Role::Primary(route)) = &role {
                 self.pulse(&j, route, false);
             }
             let refresh = {

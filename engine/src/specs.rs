@@ -15,7 +15,7 @@
 use crate::EngineError;
 use rotary_net::spec::JournalSpec;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -62,7 +62,15 @@ pub enum Deleted {
 struct State {
     specs: BTreeMap<String, Revised>,
     tombstones: BTreeMap<String, u64>,
+    /// The names each recent change touched, by the version it made,
+    /// oldest first (see [`SpecStore::changes_since`]).
+    changes: VecDeque<(u64, Vec<String>)>,
 }
+
+/// Most names the change history keeps, over all its changes: beyond it
+/// the oldest changes are dropped, and a shard that has not caught up
+/// with them looks at every spec instead.
+const CHANGED_NAMES_KEPT: usize = 1 << 18;
 
 /// The file's shape. Before revisions it was a bare array of specs, which
 /// is still read (every spec at revision 0).
@@ -85,6 +93,8 @@ pub struct SpecStore {
     /// down (or the asking gave up): until then a journal this store lacks
     /// may exist all the same.
     caught_up: AtomicBool,
+    /// [`CHANGED_NAMES_KEPT`], smaller in tests.
+    changed_names_kept: usize,
 }
 
 impl SpecStore {
@@ -125,6 +135,7 @@ impl SpecStore {
                         .into_iter()
                         .map(|t| (t.name, t.revision))
                         .collect(),
+                    changes: VecDeque::new(),
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -147,6 +158,7 @@ impl SpecStore {
             clock: AtomicU64::new(newest),
             file_was_missing,
             caught_up: AtomicBool::new(false),
+            changed_names_kept: CHANGED_NAMES_KEPT,
         })
     }
 
@@ -231,8 +243,10 @@ impl SpecStore {
         let mut next = State {
             specs: state.specs.clone(),
             tombstones: state.tombstones.clone(),
+            changes: VecDeque::new(),
         };
         let mut n = 0;
+        let mut changed = Vec::new();
         for spec in specs {
             let known = next.specs.get(&spec.name).map(|r| r.revision);
             let gone = next.tombstones.get(&spec.name).copied();
@@ -242,12 +256,13 @@ impl SpecStore {
                 continue;
             }
             next.tombstones.remove(&spec.name);
+            changed.push(spec.name.clone());
             next.specs
                 .insert(spec.name.clone(), Revised { revision, spec });
             n += 1;
         }
         if n > 0 {
-            self.install(&mut state, next)?;
+            self.install(&mut state, next, changed)?;
         }
         Ok(n)
     }
@@ -267,10 +282,11 @@ impl SpecStore {
         let mut next = State {
             specs: state.specs.clone(),
             tombstones: state.tombstones.clone(),
+            changes: VecDeque::new(),
         };
         let removed = next.specs.remove(name).is_some();
         next.tombstones.insert(name.to_string(), revision);
-        self.install(&mut state, next)?;
+        self.install(&mut state, next, vec![name.to_string()])?;
         Ok(if removed {
             Deleted::Removed
         } else {
@@ -284,13 +300,52 @@ impl SpecStore {
 
     /// Drops expired tombstones from `next`, persists it and makes it the
     /// store's state; `state` stays as it was if persisting fails.
-    fn install(&self, state: &mut State, mut next: State) -> Result<(), EngineError> {
+    /// `changed` names the specs the change sets or deletes.
+    fn install(
+        &self,
+        state: &mut State,
+        mut next: State,
+        changed: Vec<String>,
+    ) -> Result<(), EngineError> {
         let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
         next.tombstones.retain(|_, revision| *revision >= expired);
         self.persist(&next)?;
+        next.changes = std::mem::take(&mut state.changes);
+        let version = self.version.fetch_add(1, Ordering::AcqRel) + 1;
+        next.changes.push_back((version, changed));
+        let mut kept: usize = next.changes.iter().map(|(_, n)| n.len()).sum();
+        while kept > self.changed_names_kept && next.changes.len() > 1 {
+            let (_, dropped) = next.changes.pop_front().expect("more than one change");
+            kept -= dropped.len();
+        }
         *state = next;
-        self.version.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// The names of the specs set or deleted since `version` (a value of
+    /// [`SpecStore::version`]), each once, or `None` when changes that old
+    /// are no longer kept: a shard then looks at every spec. A journal
+    /// store of tens of thousands of specs changes a few at a time, and
+    /// each shard would otherwise compare them all at every change.
+    pub fn changes_since(&self, version: u64) -> Option<Vec<String>> {
+        let state = self.lock();
+        let now = self.version();
+        if version >= now {
+            return Some(Vec::new());
+        }
+        let oldest = state.changes.front().map(|(v, _)| *v)?;
+        if oldest > version + 1 {
+            return None;
+        }
+        let mut names: Vec<String> = state
+            .changes
+            .iter()
+            .filter(|(v, _)| *v > version)
+            .flat_map(|(_, names)| names.iter().cloned())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        Some(names)
     }
 
     fn persist(&self, state: &State) -> Result<(), EngineError> {
@@ -325,6 +380,42 @@ fn tombstones_of(state: &State) -> Vec<Tombstone> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn changes_since_a_version_name_what_changed_until_they_are_dropped() {
+        let (_d, mut s) = store();
+        s.changed_names_kept = 4;
+        let v0 = s.version();
+        assert_eq!(s.changes_since(v0), Some(vec![]));
+        s.apply_at(vec![spec("c/b", "x"), spec("c/a", "x")], base() + 1)
+            .unwrap();
+        let v1 = s.version();
+        assert_eq!(v1, v0 + 1);
+        assert_eq!(
+            s.changes_since(v0),
+            Some(vec!["c/a".to_string(), "c/b".to_string()])
+        );
+        // A change that takes nothing is no change.
+        s.apply_at(vec![spec("c/a", "old")], base()).unwrap();
+        assert_eq!(s.version(), v1);
+        s.delete_at("c/b", base() + 2).unwrap();
+        s.apply_at(vec![spec("c/a", "y")], base() + 3).unwrap();
+        assert_eq!(
+            s.changes_since(v1),
+            Some(vec!["c/a".to_string(), "c/b".to_string()])
+        );
+        assert_eq!(s.changes_since(s.version()), Some(vec![]));
+        // Four names kept: the first change (two names) is dropped once
+        // a fifth name comes, and a shard that saw nothing since must look
+        // at every spec.
+        s.apply_at(vec![spec("c/d", "x"), spec("c/e", "x")], base() + 4)
+            .unwrap();
+        assert_eq!(s.changes_since(v0), None);
+        assert_eq!(
+            s.changes_since(v1),
+            Some(["c/a", "c/b", "c/d", "c/e"].map(String::from).to_vec())
+        );
+    }
 
     /// Revisions near now: older tombstones expire.
     static NOW: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
