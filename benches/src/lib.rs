@@ -185,6 +185,12 @@ pub struct BenchArgs {
     /// of its own, like another machine's) is pinned to.
     #[arg(long = "backfill-cpus", value_name = "LIST", value_parser = parse_cpus)]
     pub backfill_cpus: Option<Cpus>,
+    /// Journals the embedded broker holds before the broker scenarios run,
+    /// quiet, each with a `file://` store in the scratch directory (listed
+    /// every minute, as `refresh_interval` defaults): the scenarios then
+    /// measure a broker that carries many partitions.
+    #[arg(long = "idle-journals", value_name = "N", default_value_t = 0)]
+    pub idle_journals: usize,
     /// Size of fio's preallocated test file, in MiB.
     #[arg(long = "fio-size-mib", default_value_t = 2048)]
     pub fio_size_mib: u64,
@@ -283,6 +289,15 @@ impl BenchArgs {
             (1..=tail::READERS_MAX).contains(&self.tail_readers),
             "--tail-readers must be 1 to {}",
             tail::READERS_MAX
+        );
+        anyhow::ensure!(
+            self.idle_journals <= load::IDLE_JOURNALS_MAX,
+            "--idle-journals must be at most {}",
+            load::IDLE_JOURNALS_MAX
+        );
+        anyhow::ensure!(
+            self.idle_journals == 0 || self.broker.is_none(),
+            "--idle-journals needs the embedded broker (no --broker): it does not delete them"
         );
         anyhow::ensure!(
             (1..=load::RATE_MAX).contains(&self.rate),

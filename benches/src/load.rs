@@ -64,6 +64,9 @@ pub async fn run_all(
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let prefix = format!("bench/{}-{}", unix_secs, std::process::id());
+    if args.idle_journals > 0 {
+        create_idle_journals(&client, &prefix, args.idle_journals, store_dir).await?;
+    }
 
     if args.wants(Scenario::Append1m) {
         let journals = vec![format!("{prefix}/append-1m")];
@@ -167,6 +170,44 @@ where
         }
     }
     result
+}
+
+/// Most journals `--idle-journals` creates.
+pub const IDLE_JOURNALS_MAX: usize = 1_000_000;
+
+/// Creates `count` quiet journals under `prefix/idle/`, each with a
+/// `file://` store under `store_dir`, in applies of 10,000.
+async fn create_idle_journals(
+    client: &Client,
+    prefix: &str,
+    count: usize,
+    store_dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    let dir = store_dir.join("idle");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let store = format!("file://{}/", dir.display());
+    eprintln!("idle journals: creating {count} under {prefix}/idle/, stored in {store}");
+    let started = Instant::now();
+    let names: Vec<usize> = (0..count).collect();
+    for batch in names.chunks(10_000) {
+        let specs: Vec<JournalSpec> = batch
+            .iter()
+            .map(|i| {
+                let mut spec = JournalSpec::new(format!("{prefix}/idle/{i:07}"));
+                spec.fragment.stores = vec![store.clone()];
+                spec
+            })
+            .collect();
+        client
+            .apply(&specs)
+            .await
+            .context("creating idle journals")?;
+    }
+    eprintln!(
+        "idle journals: created in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// The broker's shard count, as ROUTE of a name under `prefix` tells it.

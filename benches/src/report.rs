@@ -301,6 +301,7 @@ impl Figures {
                 "append_depth": args.append_depth,
                 "rate": args.rate,
                 "fanout_depth": args.fanout_depth,
+                "idle_journals": args.idle_journals,
                 "tail_readers": args.tail_readers,
                 "backfill_gib": args.backfill_gib,
                 "backfill_rate": args.backfill_rate,
