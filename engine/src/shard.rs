@@ -173,13 +173,13 @@ fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
 /// New bytes of one journal's batch that its commit record may carry, so
 /// that the batch is answered without waiting for its spool write.
 const INLINE_BYTES_MAX: u64 = 32 << 10;
-/// Most store listings a shard runs at once ([`Shard::refresh_listing`]).
-const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 const _: () = assert!(INLINE_BYTES_MAX as usize <= rotary_storage::wal::RECORD_INLINE_BYTES_MAX);
 /// New bytes of a whole turn beyond which no record carries any: a turn
 /// that busy is bound by the CPU, which copying every byte into the log as
 /// well would only slow, and its write is shared by many appends.
 const INLINE_TURN_BYTES_MAX: u64 = 64 << 10;
+/// Most store listings a shard runs at once ([`Shard::refresh_listing`]).
+const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 
 /// Batches of one journal proposed to replicas and not yet acknowledged.
 const INFLIGHT_BATCHES_MAX: usize = 16;
@@ -1545,14 +1545,13 @@ impl Shard {
             // Working out a route costs more than the rest of a quiet
             // journal's tick: it is needed only for a journal holding bytes
             // or with replicas to pulse, of tens of thousands on a shard.
+            let holds_bytes = j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty());
             let role = {
                 let jm = j.borrow();
-                let holds_bytes = jm.spool.as_ref().is_some_and(|s| !s.is_empty());
                 (holds_bytes || jm.spec.replication > 1).then(|| self.role(&jm.spec))
             };
             {
                 let jm = j.borrow();
-                let holds_bytes = jm.spool.as_ref().is_some_and(|s| !s.is_empty());
                 match &role {
                     Some(Role::Primary(_)) if jm.wants_seal(now) && holds_bytes => due = true,
                     // A journal routed away from this broker: its open spool
@@ -3810,7 +3809,6 @@ impl Shard {
         Ok(offset)
     }
 
-    /// Fragments of a journal as JSON (sealed local ones, then the open spool).
     /// A page of the journal's fragments (FRAGMENTS, PROTOCOL §9.5): those
     /// beginning at or after `from`, sorted by begin, local copies first.
     /// At most `limit` of them, except that fragments beginning where the
