@@ -1928,6 +1928,77 @@ async fn a_broker_that_has_not_heard_its_peers_does_not_call_a_journal_absent_bo
     assert_eq!(got, bytes);
 }
 
+/// A broker that was down while its peer took more journals than one
+/// request frame can list (the LIST of them all is over 16 MiB) catches up
+/// with every one of them when it starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_catches_up_with_more_journals_than_a_request_frame_lists() {
+    let mut cluster = Cluster::start(2, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_broker_catches_up_with_more_journals_than_a_request_frame_lists_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_broker_catches_up_with_more_journals_than_a_request_frame_lists_body(
+    cluster: &mut Cluster,
+) {
+    const COUNT: usize = 48_000;
+    let (back, other) = (1, 0);
+    tokio::task::block_in_place(|| cluster.brokers[back].kill9());
+    let client = cluster.brokers[other].client().await;
+    let names: Vec<String> = (0..COUNT)
+        .map(|i| format!("many/topic-{:03}/part-{i:05}", i / 1000))
+        .collect();
+    for batch in names.chunks(8_000) {
+        let specs: Vec<JournalSpec> = batch
+            .iter()
+            .map(|name| {
+                let mut s = JournalSpec::new(name);
+                s.labels = LabelSet::from_pairs([("app", "many")]).unwrap();
+                s
+            })
+            .collect();
+        assert_eq!(client.apply(&specs).await.unwrap(), specs.len() as u64);
+    }
+    // What the returning broker will ask its peer for is more than a
+    // request frame may hold.
+    let mut s = raw_connect(&cluster.brokers[other].endpoint());
+    let ask = br#"{"selector": "", "deleted": true}"#;
+    s.write_all(&frame(Op::LIST, 0, 1, &[], ask)).unwrap();
+    let listed = read_raw_frame(&mut s).unwrap().expect("LIST reply");
+    assert_eq!(listed.status, Status::OK as u16);
+    assert!(
+        listed.payload.len() > rotary_net::wire::BODY_LEN_MAX as usize,
+        "{} bytes",
+        listed.payload.len()
+    );
+
+    tokio::task::block_in_place(|| cluster.brokers[back].start());
+    let returned = cluster.brokers[back].pinned().await;
+    let deadline = Instant::now() + Duration::from_secs(75);
+    let listing = loop {
+        let listing = returned.listing("").await.unwrap();
+        if !listing.partial {
+            break listing;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restarted broker never heard its peer"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let got: Vec<&str> = listing
+        .journals
+        .iter()
+        .map(|j| j.spec.name.as_str())
+        .collect();
+    assert_eq!(got.len(), COUNT, "journals known to the restarted broker");
+    assert!(got.iter().zip(&names).all(|(a, b)| a == b));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn changes_and_deletes_made_while_a_broker_was_down_reach_it_and_stay() {
     let mut cluster = Cluster::start(3, CORES);

@@ -322,6 +322,11 @@ fn frame_buffer() -> MetaWriter {
     w
 }
 
+/// Largest reply [`unary`] takes from a peer: a LIST of every spec and
+/// tombstone outgrows the limit on requests ([`wire::BODY_LEN_MAX`]) at
+/// about 40,000 journals. As the client's limit on replies.
+const PEER_REPLY_BODY_LEN_MAX: u32 = rotary_net::client::REPLY_BODY_LEN_MAX;
+
 /// One request and its one reply over a fresh connection (admin fan-out
 /// to peers). Returns the reply's status and payload.
 pub async fn unary(
@@ -344,7 +349,7 @@ pub async fn unary(
         let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
         loop {
             if let Some((f, _)) =
-                wire::decode_frame(&buf, wire::BODY_LEN_MAX).map_err(|e| e.to_string())?
+                wire::decode_frame(&buf, PEER_REPLY_BODY_LEN_MAX).map_err(|e| e.to_string())?
             {
                 let status = Status::from_code(f.status).unwrap_or(Status::IO_ERROR);
                 return Ok((status, f.payload.to_vec()));

@@ -178,6 +178,9 @@ const _: () = assert!(INLINE_BYTES_MAX as usize <= rotary_storage::wal::RECORD_I
 /// that busy is bound by the CPU, which copying every byte into the log as
 /// well would only slow, and its write is shared by many appends.
 const INLINE_TURN_BYTES_MAX: u64 = 64 << 10;
+/// How long a peer may take to answer the LIST of its specs: about 400
+/// bytes a journal, 24 MB for 60,000.
+const PEER_LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Most store listings a shard runs at once ([`Shard::refresh_listing`]).
 const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 
@@ -966,15 +969,8 @@ impl Shard {
     async fn sync_specs_with(&self, peer: &crate::topology::Member) -> bool {
         let body = serde_json::to_vec(&serde_json::json!({ "selector": "", "deleted": true }))
             .expect("JSON");
-        let listed = crate::pipeline::unary(
-            peer.endpoint,
-            Op::LIST,
-            0,
-            &[],
-            &body,
-            std::time::Duration::from_secs(5),
-        )
-        .await;
+        let listed =
+            crate::pipeline::unary(peer.endpoint, Op::LIST, 0, &[], &body, PEER_LIST_TIMEOUT).await;
         let Ok((Status::OK, payload)) = listed else {
             return false;
         };
@@ -990,24 +986,24 @@ impl Shard {
     /// Takes a peer's specs and deletions that are newer than this
     /// broker's.
     async fn adopt_newer(&self, peer: &str, entries: Vec<Listed>) {
-        let mut adopted = Vec::new();
+        // Specs and tombstones are each taken in one change of the spec
+        // store: one write of its file, however many a peer lists.
+        let mut specs = Vec::new();
+        let mut tombstones = Vec::new();
         for e in entries {
             match (e.spec, e.deleted) {
-                (Some(spec), None) => {
-                    let name = spec.name.clone();
-                    match self.specs.apply_at(vec![spec], e.revision) {
-                        Ok(1) => adopted.push(name),
-                        Ok(_) => {}
-                        Err(err) => {
-                            tracing::warn!(%peer, journal = %name, error = %err, "adopting a peer's journal spec failed")
-                        }
-                    }
-                }
+                (Some(spec), None) => specs.push(crate::specs::Revised {
+                    revision: e.revision,
+                    spec,
+                }),
                 (None, Some(name)) => {
                     let ours = self.specs.get_revised(&name).map(|r| r.revision);
                     if ours.is_none_or(|r| r >= e.revision) {
                         // Not here, or created again after that deletion.
-                        let _ = self.specs.delete_at(&name, e.revision);
+                        tombstones.push(crate::specs::Tombstone {
+                            name,
+                            revision: e.revision,
+                        });
                         continue;
                     }
                     // The journal's own shard deletes it, files and all.
@@ -1034,8 +1030,18 @@ impl Shard {
                 _ => {}
             }
         }
-        if !adopted.is_empty() {
-            tracing::info!(%peer, journals = ?adopted, "adopted {} journal specs created or changed without this broker", adopted.len());
+        if let Err(err) = self.specs.delete_each(tombstones) {
+            tracing::warn!(%peer, error = %err, "recording a peer's deletions failed");
+        }
+        match self.specs.apply_each(specs) {
+            Ok(adopted) if !adopted.is_empty() => {
+                let shown = &adopted[..adopted.len().min(10)];
+                tracing::info!(%peer, journals = ?shown, "adopted {} journal specs created or changed without this broker", adopted.len());
+            }
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(%peer, error = %err, "adopting a peer's journal specs failed")
+            }
         }
     }
 

@@ -238,16 +238,29 @@ impl SpecStore {
     /// except those this store knows a later (or the same) revision of, as a
     /// spec or as a deletion. Returns how many it took.
     pub fn apply_at(&self, specs: Vec<JournalSpec>, revision: u64) -> Result<usize, EngineError> {
-        self.observe(revision);
+        let specs = specs
+            .into_iter()
+            .map(|spec| Revised { revision, spec })
+            .collect();
+        Ok(self.apply_each(specs)?.len())
+    }
+
+    /// As [`SpecStore::apply_at`], each spec at its own revision, in one
+    /// change of the store (one write of its file: a broker catching up
+    /// with a peer may take tens of thousands at once). Returns the names
+    /// of those it took.
+    pub fn apply_each(&self, specs: Vec<Revised>) -> Result<Vec<String>, EngineError> {
+        if let Some(newest) = specs.iter().map(|r| r.revision).max() {
+            self.observe(newest);
+        }
         let mut state = self.lock();
         let mut next = State {
             specs: state.specs.clone(),
             tombstones: state.tombstones.clone(),
             changes: VecDeque::new(),
         };
-        let mut n = 0;
         let mut changed = Vec::new();
-        for spec in specs {
+        for Revised { revision, spec } in specs {
             let known = next.specs.get(&spec.name).map(|r| r.revision);
             let gone = next.tombstones.get(&spec.name).copied();
             let newer_known = known.is_some_and(|k| k > revision || (k == revision && k != 0))
@@ -259,12 +272,44 @@ impl SpecStore {
             changed.push(spec.name.clone());
             next.specs
                 .insert(spec.name.clone(), Revised { revision, spec });
-            n += 1;
         }
-        if n > 0 {
+        if !changed.is_empty() {
+            self.install(&mut state, next, changed.clone())?;
+        }
+        Ok(changed)
+    }
+
+    /// Records deletions a peer knows of, each as of its revision, in one
+    /// change of the store: a tombstone for a journal absent here, or the
+    /// removal of a spec no newer than the deletion (as
+    /// [`SpecStore::delete_at`] does one at a time).
+    pub fn delete_each(&self, deletions: Vec<Tombstone>) -> Result<(), EngineError> {
+        if let Some(newest) = deletions.iter().map(|t| t.revision).max() {
+            self.observe(newest);
+        }
+        let mut state = self.lock();
+        let mut next = State {
+            specs: state.specs.clone(),
+            tombstones: state.tombstones.clone(),
+            changes: VecDeque::new(),
+        };
+        let mut changed = Vec::new();
+        for Tombstone { name, revision } in deletions {
+            let known = next.specs.get(&name).map(|r| r.revision);
+            if known.is_some_and(|k| k > revision) {
+                continue;
+            }
+            if known.is_none() && next.tombstones.get(&name).is_some_and(|&t| t >= revision) {
+                continue;
+            }
+            next.specs.remove(&name);
+            next.tombstones.insert(name.clone(), revision);
+            changed.push(name);
+        }
+        if !changed.is_empty() {
             self.install(&mut state, next, changed)?;
         }
-        Ok(n)
+        Ok(())
     }
 
     /// Deletes a spec as of `revision`, leaving a tombstone, unless the
