@@ -250,15 +250,7 @@ impl SpecStore {
     /// with a peer may take tens of thousands at once). Returns the names
     /// of those it took.
     pub fn apply_each(&self, specs: Vec<Revised>) -> Result<Vec<String>, EngineError> {
-        if let Some(newest) = specs.iter().map(|r| r.revision).max() {
-            self.observe(newest);
-        }
-        let mut state = self.lock();
-        let mut next = State {
-            specs: state.specs.clone(),
-            tombstones: state.tombstones.clone(),
-            changes: VecDeque::new(),
-        };
+        let (mut state, mut next) = self.begin_change(specs.iter().map(|r| r.revision).max());
         let mut changed = Vec::new();
         for Revised { revision, spec } in specs {
             let known = next.specs.get(&spec.name).map(|r| r.revision);
@@ -284,15 +276,7 @@ impl SpecStore {
     /// removal of a spec no newer than the deletion (as
     /// [`SpecStore::delete_at`] does one at a time).
     pub fn delete_each(&self, deletions: Vec<Tombstone>) -> Result<(), EngineError> {
-        if let Some(newest) = deletions.iter().map(|t| t.revision).max() {
-            self.observe(newest);
-        }
-        let mut state = self.lock();
-        let mut next = State {
-            specs: state.specs.clone(),
-            tombstones: state.tombstones.clone(),
-            changes: VecDeque::new(),
-        };
+        let (mut state, mut next) = self.begin_change(deletions.iter().map(|t| t.revision).max());
         let mut changed = Vec::new();
         for Tombstone { name, revision } in deletions {
             let known = next.specs.get(&name).map(|r| r.revision);
@@ -337,6 +321,22 @@ impl SpecStore {
         } else {
             Deleted::Absent
         })
+    }
+
+    /// Notes the newest revision a change brings, and locks the store for
+    /// it: the state, and a copy of it to change (installed whole or not
+    /// at all).
+    fn begin_change(&self, newest: Option<u64>) -> (std::sync::MutexGuard<'_, State>, State) {
+        if let Some(newest) = newest {
+            self.observe(newest);
+        }
+        let state = self.lock();
+        let next = State {
+            specs: state.specs.clone(),
+            tombstones: state.tombstones.clone(),
+            changes: VecDeque::new(),
+        };
+        (state, next)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
