@@ -1,7 +1,17 @@
-//! The journal spec store of a broker: specs live in `<data>/specs.json`,
-//! shared by every shard behind a lock. Specs change rarely and never on
-//! the data path; shards notice changes through `version` and refresh
-//! their local copies.
+//! The journal spec store of a broker, shared by every shard behind a lock.
+//! Specs change rarely and never on the data path; shards notice changes
+//! through `version` and refresh their local copies.
+//!
+//! On disk the store is a snapshot, `<data>/specs.json`, and a change log
+//! beside it, `<data>/specs.<generation>.log`, which the snapshot names.
+//! Each change is one line of JSON appended to the log and fdatasynced
+//! before it takes effect, so a change costs its own bytes, not those of
+//! every spec (a broker of 60,000 journals has a snapshot of tens of
+//! megabytes). Once the log would outgrow the snapshot, the change is
+//! written as a new snapshot instead, naming a new, empty log, and the old
+//! log is removed. A start reads the snapshot and replays its log; a last
+//! line cut short by a crash is a change that was never acknowledged and
+//! is left out.
 //!
 //! Every change has a revision: a hybrid clock, the wall clock in
 //! nanoseconds unless the store has already seen a later revision, in
@@ -15,9 +25,11 @@
 use crate::EngineError;
 use rotary_net::spec::JournalSpec;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fs::File;
 use std::io::Write;
-use std::path::PathBuf;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -65,6 +77,15 @@ struct State {
     /// The names each recent change touched, by the version it made,
     /// oldest first (see [`SpecStore::changes_since`]).
     changes: VecDeque<(u64, Vec<String>)>,
+    /// The change log the snapshot names (none before the first snapshot
+    /// written with one).
+    log: Option<ChangeLog>,
+    /// Bytes of the snapshot last written or read.
+    snapshot_len: u64,
+    /// The highest log generation on disk or written.
+    generation: u64,
+    /// Logs of earlier snapshots, removed with the next snapshot.
+    stale_logs: Vec<PathBuf>,
 }
 
 /// Most names the change history keeps, over all its changes: beyond it
@@ -72,13 +93,103 @@ struct State {
 /// with them looks at every spec instead.
 const CHANGED_NAMES_KEPT: usize = 1 << 18;
 
-/// The file's shape. Before revisions it was a bare array of specs, which
-/// is still read (every spec at revision 0).
-#[derive(Serialize, Deserialize)]
+/// The change log may grow to the snapshot's size, and to this much
+/// however small the snapshot, before a change writes a new snapshot.
+const LOG_BYTES_MIN: u64 = 1 << 20;
+
+/// The snapshot's shape. Before revisions it was a bare array of specs,
+/// which is still read (every spec at revision 0), and before change logs
+/// it named none.
+#[derive(Default, Deserialize)]
 struct OnDisk {
     specs: Vec<Revised>,
     #[serde(default)]
     deleted: Vec<Tombstone>,
+    #[serde(default)]
+    log: Option<u64>,
+}
+
+/// The snapshot as written, borrowing the store's specs.
+#[derive(Serialize)]
+struct Snapshot<'a> {
+    specs: Vec<&'a Revised>,
+    deleted: Vec<Tombstone>,
+    log: u64,
+}
+
+/// One change: a line of the change log (see [`Change::record`]).
+#[derive(Default, Serialize, Deserialize)]
+struct Change {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    specs: Vec<Revised>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    deleted: Vec<Tombstone>,
+}
+
+impl Change {
+    /// The change as a line of the log: the CRC-32C of its JSON in eight
+    /// hex digits, a space, the JSON, a newline.
+    fn record(&self) -> Vec<u8> {
+        let json = serde_json::to_vec(self).expect("a change serializes");
+        let mut record = format!("{:08x} ", crc32c::crc32c(&json)).into_bytes();
+        record.extend_from_slice(&json);
+        record.push(b'\n');
+        record
+    }
+
+    /// A line of the log, without its newline; `None` if it is damaged.
+    fn from_record(line: &[u8]) -> Option<Change> {
+        let (crc, json) = (line.get(..8)?, line.get(9..)?);
+        let crc = u32::from_str_radix(std::str::from_utf8(crc).ok()?, 16).ok()?;
+        if line[8] != b' ' || crc32c::crc32c(json) != crc {
+            return None;
+        }
+        serde_json::from_slice(json).ok()
+    }
+
+    fn names(&self) -> Vec<String> {
+        let specs = self.specs.iter().map(|r| r.spec.name.clone());
+        specs
+            .chain(self.deleted.iter().map(|t| t.name.clone()))
+            .collect()
+    }
+}
+
+/// What a name was before a change, to put it back if the change cannot
+/// be written.
+type Undo = Vec<(String, Option<Revised>, Option<u64>)>;
+
+struct ChangeLog {
+    path: PathBuf,
+    file: File,
+    /// Bytes of whole records.
+    len: u64,
+    /// The file may hold bytes past `len` (a record cut short, or a write
+    /// that failed): cut off before the next record is written.
+    tail_dirty: bool,
+}
+
+impl ChangeLog {
+    fn append(&mut self, record: &[u8]) -> std::io::Result<()> {
+        if self.tail_dirty {
+            self.file.set_len(self.len)?;
+            self.tail_dirty = false;
+        }
+        let written = self
+            .file
+            .write_all_at(record, self.len)
+            .and_then(|()| self.file.sync_data());
+        match written {
+            Ok(()) => {
+                self.len += record.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                self.tail_dirty = true;
+                Err(e)
+            }
+        }
+    }
 }
 
 pub struct SpecStore {
@@ -87,7 +198,8 @@ pub struct SpecStore {
     version: AtomicU64,
     /// The highest revision seen or issued.
     clock: AtomicU64,
-    /// The file did not exist when the store was opened.
+    /// Neither the snapshot nor a change log existed when the store was
+    /// opened.
     file_was_missing: bool,
     /// Every peer was asked for the changes made while this broker was
     /// down (or the asking gave up): until then a journal this store lacks
@@ -95,55 +207,104 @@ pub struct SpecStore {
     caught_up: AtomicBool,
     /// [`CHANGED_NAMES_KEPT`], smaller in tests.
     changed_names_kept: usize,
+    /// [`LOG_BYTES_MIN`], smaller in tests.
+    log_bytes_min: u64,
 }
 
 impl SpecStore {
+    /// Reads the snapshot at `path` and replays the change log it names.
+    /// A data directory that contradicts itself (the named log missing, a
+    /// log without a snapshot, a damaged record before the last) is
+    /// [`EngineError::Corrupt`], and nothing is changed on disk.
     pub fn open(path: PathBuf) -> Result<SpecStore, EngineError> {
         let bad = |e: serde_json::Error| EngineError::Config(format!("{}: {e}", path.display()));
-        let mut file_was_missing = false;
-        let state = match std::fs::read(&path) {
+        let logs = logs_beside(&path)?;
+        let (disk, snapshot_len) = match std::fs::read(&path) {
             Ok(bytes) => {
-                let disk: OnDisk = match serde_json::from_slice::<Vec<JournalSpec>>(&bytes) {
+                let disk = match serde_json::from_slice::<Vec<JournalSpec>>(&bytes) {
                     Ok(list) => OnDisk {
                         specs: list
                             .into_iter()
                             .map(|spec| Revised { revision: 0, spec })
                             .collect(),
-                        deleted: Vec::new(),
+                        ..OnDisk::default()
                     },
                     Err(_) => serde_json::from_slice(&bytes).map_err(bad)?,
                 };
-                State {
-                    specs: disk
-                        .specs
-                        .into_iter()
-                        .filter(|r| match r.spec.validate() {
-                            Ok(()) => true,
-                            Err(e) => {
-                                // Stored before a rule tightened: serving it
-                                // could fail every journal's start, so it is
-                                // left out until applied again under a valid
-                                // name or with valid fields.
-                                tracing::error!(error = %e, "ignoring a stored spec that is no longer valid");
-                                false
-                            }
-                        })
-                        .map(|r| (r.spec.name.clone(), r))
-                        .collect(),
-                    tombstones: disk
-                        .deleted
-                        .into_iter()
-                        .map(|t| (t.name, t.revision))
-                        .collect(),
-                    changes: VecDeque::new(),
-                }
+                (Some(disk), bytes.len() as u64)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                file_was_missing = true;
-                State::default()
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, 0),
             Err(e) => return Err(EngineError::Io(path, e)),
         };
+        let file_was_missing = disk.is_none() && logs.is_empty();
+        if disk.is_none() {
+            if let Some((_, log)) = logs.first() {
+                return Err(EngineError::Corrupt(format!(
+                    "{} is missing, but its change log {} is there",
+                    path.display(),
+                    log.display()
+                )));
+            }
+        }
+        let disk = disk.unwrap_or_default();
+        let mut state = State {
+            specs: disk
+                .specs
+                .into_iter()
+                .map(|r| (r.spec.name.clone(), r))
+                .collect(),
+            tombstones: disk
+                .deleted
+                .into_iter()
+                .map(|t| (t.name, t.revision))
+                .collect(),
+            snapshot_len,
+            generation: logs.iter().map(|(g, _)| *g).max().unwrap_or(0),
+            ..State::default()
+        };
+        if let Some(generation) = disk.log {
+            let log_path = log_path(&path, generation);
+            let (changes, len, file_len) = read_log(&log_path).map_err(|e| match e {
+                LogError::Missing => EngineError::Corrupt(format!(
+                    "{} names the change log {}, which is missing",
+                    path.display(),
+                    log_path.display()
+                )),
+                LogError::Io(e) => EngineError::Io(log_path.clone(), e),
+                LogError::Damaged(at) => EngineError::Corrupt(format!(
+                    "{}: the record at byte {at} is damaged, and records follow it",
+                    log_path.display()
+                )),
+            })?;
+            for change in &changes {
+                apply(&mut state, change, None);
+            }
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&log_path)
+                .map_err(|e| EngineError::Io(log_path.clone(), e))?;
+            state.log = Some(ChangeLog {
+                path: log_path,
+                file,
+                len,
+                tail_dirty: file_len > len,
+            });
+        }
+        state.stale_logs = logs
+            .into_iter()
+            .filter(|(g, _)| Some(*g) != disk.log)
+            .map(|(_, p)| p)
+            .collect();
+        state.specs.retain(|_, r| match r.spec.validate() {
+            Ok(()) => true,
+            Err(e) => {
+                // Stored before a rule tightened: serving it could fail
+                // every journal's start, so it is left out until applied
+                // again under a valid name or with valid fields.
+                tracing::error!(error = %e, "ignoring a stored spec that is no longer valid");
+                false
+            }
+        });
         let newest = state
             .specs
             .values()
@@ -159,11 +320,12 @@ impl SpecStore {
             file_was_missing,
             caught_up: AtomicBool::new(false),
             changed_names_kept: CHANGED_NAMES_KEPT,
+            log_bytes_min: LOG_BYTES_MIN,
         })
     }
 
-    /// Whether the file did not exist when the store was opened: a new
-    /// data directory, unless shards hold journal data (they check).
+    /// Whether the store had no file when it was opened: a new data
+    /// directory, unless shards hold journal data (they check).
     pub fn file_was_missing(&self) -> bool {
         self.file_was_missing
     }
@@ -179,7 +341,7 @@ impl SpecStore {
         self.caught_up.store(true, Ordering::Release);
     }
 
-    /// The file the specs are stored in.
+    /// The snapshot's file.
     pub fn path(&self) -> &std::path::Path {
         &self.path
     }
@@ -246,29 +408,44 @@ impl SpecStore {
     }
 
     /// As [`SpecStore::apply_at`], each spec at its own revision, in one
-    /// change of the store (one write of its file: a broker catching up
-    /// with a peer may take tens of thousands at once). Returns the names
-    /// of those it took.
+    /// change of the store (a broker catching up with a peer may take tens
+    /// of thousands at once). Returns the names of those it took.
     pub fn apply_each(&self, specs: Vec<Revised>) -> Result<Vec<String>, EngineError> {
-        let (mut state, mut next) = self.begin_change(specs.iter().map(|r| r.revision).max());
-        let mut changed = Vec::new();
-        for Revised { revision, spec } in specs {
-            let known = next.specs.get(&spec.name).map(|r| r.revision);
-            let gone = next.tombstones.get(&spec.name).copied();
-            let newer_known = known.is_some_and(|k| k > revision || (k == revision && k != 0))
-                || gone.is_some_and(|g| g >= revision);
-            if newer_known {
-                continue;
-            }
-            next.tombstones.remove(&spec.name);
-            changed.push(spec.name.clone());
-            next.specs
-                .insert(spec.name.clone(), Revised { revision, spec });
+        if let Some(newest) = specs.iter().map(|r| r.revision).max() {
+            self.observe(newest);
         }
-        if !changed.is_empty() {
-            self.install(&mut state, next, changed.clone())?;
+        let mut state = self.lock();
+        // Decided against the store and the specs taken before in the same
+        // change (a name listed twice at one revision is taken once).
+        let mut taken: HashMap<String, u64> = HashMap::new();
+        let specs: Vec<Revised> = specs
+            .into_iter()
+            .filter(|Revised { revision, spec }| {
+                let (known, gone) = match taken.get(&spec.name) {
+                    Some(&t) => (Some(t), None),
+                    None => (
+                        state.specs.get(&spec.name).map(|r| r.revision),
+                        state.tombstones.get(&spec.name).copied(),
+                    ),
+                };
+                let newer_known = known
+                    .is_some_and(|k| k > *revision || (k == *revision && k != 0))
+                    || gone.is_some_and(|g| g >= *revision);
+                if !newer_known {
+                    taken.insert(spec.name.clone(), *revision);
+                }
+                !newer_known
+            })
+            .collect();
+        let change = Change {
+            specs,
+            ..Change::default()
+        };
+        let names = change.names();
+        if !names.is_empty() {
+            self.commit(&mut state, change)?;
         }
-        Ok(changed)
+        Ok(names)
     }
 
     /// Records deletions a peer knows of, each as of its revision, in one
@@ -276,22 +453,35 @@ impl SpecStore {
     /// removal of a spec no newer than the deletion (as
     /// [`SpecStore::delete_at`] does one at a time).
     pub fn delete_each(&self, deletions: Vec<Tombstone>) -> Result<(), EngineError> {
-        let (mut state, mut next) = self.begin_change(deletions.iter().map(|t| t.revision).max());
-        let mut changed = Vec::new();
-        for Tombstone { name, revision } in deletions {
-            let known = next.specs.get(&name).map(|r| r.revision);
-            if known.is_some_and(|k| k > revision) {
-                continue;
-            }
-            if known.is_none() && next.tombstones.get(&name).is_some_and(|&t| t >= revision) {
-                continue;
-            }
-            next.specs.remove(&name);
-            next.tombstones.insert(name.clone(), revision);
-            changed.push(name);
+        if let Some(newest) = deletions.iter().map(|t| t.revision).max() {
+            self.observe(newest);
         }
-        if !changed.is_empty() {
-            self.install(&mut state, next, changed)?;
+        let mut state = self.lock();
+        let mut taken: HashMap<String, u64> = HashMap::new();
+        let deleted: Vec<Tombstone> = deletions
+            .into_iter()
+            .filter(|Tombstone { name, revision }| {
+                let (known, gone) = match taken.get(name) {
+                    Some(&t) => (None, Some(t)),
+                    None => (
+                        state.specs.get(name).map(|r| r.revision),
+                        state.tombstones.get(name).copied(),
+                    ),
+                };
+                let newer_known = known.is_some_and(|k| k > *revision)
+                    || (known.is_none() && gone.is_some_and(|g| g >= *revision));
+                if !newer_known {
+                    taken.insert(name.clone(), *revision);
+                }
+                !newer_known
+            })
+            .collect();
+        if !deleted.is_empty() {
+            let change = Change {
+                deleted,
+                ..Change::default()
+            };
+            self.commit(&mut state, change)?;
         }
         Ok(())
     }
@@ -308,63 +498,131 @@ impl SpecStore {
         if known.is_none() && state.tombstones.get(name).is_some_and(|&t| t >= revision) {
             return Ok(Deleted::Absent);
         }
-        let mut next = State {
-            specs: state.specs.clone(),
-            tombstones: state.tombstones.clone(),
-            changes: VecDeque::new(),
+        let change = Change {
+            deleted: vec![Tombstone {
+                name: name.to_string(),
+                revision,
+            }],
+            ..Change::default()
         };
-        let removed = next.specs.remove(name).is_some();
-        next.tombstones.insert(name.to_string(), revision);
-        self.install(&mut state, next, vec![name.to_string()])?;
-        Ok(if removed {
+        self.commit(&mut state, change)?;
+        Ok(if known.is_some() {
             Deleted::Removed
         } else {
             Deleted::Absent
         })
     }
 
-    /// Notes the newest revision a change brings, and locks the store for
-    /// it: the state, and a copy of it to change (installed whole or not
-    /// at all).
-    fn begin_change(&self, newest: Option<u64>) -> (std::sync::MutexGuard<'_, State>, State) {
-        if let Some(newest) = newest {
-            self.observe(newest);
-        }
-        let state = self.lock();
-        let next = State {
-            specs: state.specs.clone(),
-            tombstones: state.tombstones.clone(),
-            changes: VecDeque::new(),
-        };
-        (state, next)
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("spec lock")
     }
 
-    /// Drops expired tombstones from `next`, persists it and makes it the
-    /// store's state; `state` stays as it was if persisting fails.
-    /// `changed` names the specs the change sets or deletes.
-    fn install(
-        &self,
-        state: &mut State,
-        mut next: State,
-        changed: Vec<String>,
-    ) -> Result<(), EngineError> {
+    /// Makes `change` the store's: applies it, drops expired tombstones,
+    /// and writes it, as a record of the change log or, once the log would
+    /// outgrow the snapshot, as a new snapshot. If the write fails the
+    /// change is undone and the store is as it was.
+    fn commit(&self, state: &mut State, change: Change) -> Result<(), EngineError> {
+        let record = change.record();
+        let mut undo = Undo::new();
+        apply(state, &change, Some(&mut undo));
         let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
-        next.tombstones.retain(|_, revision| *revision >= expired);
-        self.persist(&next)?;
-        next.changes = std::mem::take(&mut state.changes);
+        state.tombstones.retain(|_, revision| *revision >= expired);
+        let log_max = state.snapshot_len.max(self.log_bytes_min);
+        // A snapshot renamed into place whose directory could not be
+        // synced holds the change all the same: it stays, and the caller
+        // hears of the failure.
+        let mut unsynced = None;
+        let written = match &mut state.log {
+            Some(log) if log.len + record.len() as u64 <= log_max => log
+                .append(&record)
+                .map_err(|e| EngineError::Io(log.path.clone(), e)),
+            _ => self
+                .write_snapshot(state)
+                .map(|synced| unsynced = synced.err()),
+        };
+        if let Err(e) = written {
+            for (name, spec, tombstone) in undo.into_iter().rev() {
+                match spec {
+                    Some(spec) => state.specs.insert(name.clone(), spec),
+                    None => state.specs.remove(&name),
+                };
+                match tombstone {
+                    Some(revision) => state.tombstones.insert(name, revision),
+                    None => state.tombstones.remove(&name),
+                };
+            }
+            return Err(e);
+        }
         let version = self.version.fetch_add(1, Ordering::AcqRel) + 1;
-        next.changes.push_back((version, changed));
-        let mut kept: usize = next.changes.iter().map(|(_, n)| n.len()).sum();
-        while kept > self.changed_names_kept && next.changes.len() > 1 {
-            let (_, dropped) = next.changes.pop_front().expect("more than one change");
+        state.changes.push_back((version, change.names()));
+        let mut kept: usize = state.changes.iter().map(|(_, n)| n.len()).sum();
+        while kept > self.changed_names_kept && state.changes.len() > 1 {
+            let (_, dropped) = state.changes.pop_front().expect("more than one change");
             kept -= dropped.len();
         }
-        *state = next;
-        Ok(())
+        match unsynced {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes `state` as a new snapshot naming a new, empty change log,
+    /// then removes the logs before it. `Err`: the snapshot is not in
+    /// place, and the state keeps its old log. `Ok(Err)`: it is in place,
+    /// but its directory could not be synced.
+    fn write_snapshot(&self, state: &mut State) -> Result<Result<(), EngineError>, EngineError> {
+        let generation = state.generation + 1;
+        let log_path = log_path(&self.path, generation);
+        let snapshot = Snapshot {
+            specs: state.specs.values().collect(),
+            deleted: tombstones_of(state),
+            log: generation,
+        };
+        let bytes = serde_json::to_vec_pretty(&snapshot).expect("specs serialize");
+        let tmp = self.path.with_extension("json.next");
+        let write = || -> Result<File, (PathBuf, std::io::Error)> {
+            let at = |path: &Path| {
+                let path = path.to_path_buf();
+                move |e| (path, e)
+            };
+            let log = File::create(&log_path).map_err(at(&log_path))?;
+            let mut f = File::create(&tmp).map_err(at(&tmp))?;
+            f.write_all(&bytes).map_err(at(&tmp))?;
+            f.sync_data().map_err(at(&tmp))?;
+            std::fs::rename(&tmp, &self.path).map_err(at(&self.path))?;
+            Ok(log)
+        };
+        let file = match write() {
+            Ok(file) => file,
+            Err((path, e)) => {
+                let _ = std::fs::remove_file(&tmp);
+                let _ = std::fs::remove_file(&log_path);
+                return Err(EngineError::Io(path, e));
+            }
+        };
+        let dir = self.path.parent().expect("has parent");
+        let synced = File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| EngineError::Io(dir.to_path_buf(), e));
+        let old = state.log.take().map(|log| log.path);
+        state.stale_logs.extend(old);
+        state.stale_logs.retain(|stale| match std::fs::remove_file(stale) {
+            Ok(()) => false,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => {
+                tracing::warn!(log = %stale.display(), error = %e, "cannot remove an old spec change log");
+                true
+            }
+        });
+        state.generation = generation;
+        state.snapshot_len = bytes.len() as u64;
+        state.log = Some(ChangeLog {
+            path: log_path,
+            file,
+            len: 0,
+            tail_dirty: false,
+        });
+        Ok(synced)
     }
 
     /// The names of the specs set or deleted since `version` (a value of
@@ -393,22 +651,102 @@ impl SpecStore {
         Some(names)
     }
 
-    fn persist(&self, state: &State) -> Result<(), EngineError> {
-        let disk = OnDisk {
-            specs: state.specs.values().cloned().collect(),
-            deleted: tombstones_of(state),
-        };
-        let bytes = serde_json::to_vec_pretty(&disk).expect("specs serialize");
-        let tmp = self.path.with_extension("json.next");
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_data()?;
-            std::fs::rename(&tmp, &self.path)?;
-            std::fs::File::open(self.path.parent().expect("has parent"))?.sync_all()
-        };
-        write().map_err(|e| EngineError::Io(self.path.clone(), e))
+    /// The change log's generation, in tests.
+    #[cfg(test)]
+    fn log_generation(&self) -> Option<u64> {
+        let state = self.lock();
+        state.log.as_ref().map(|_| state.generation)
     }
+}
+
+/// Applies a change to `state`, noting in `undo` what each name was.
+fn apply(state: &mut State, change: &Change, mut undo: Option<&mut Undo>) {
+    let mut note = |state: &State, name: &str| {
+        if let Some(undo) = undo.as_deref_mut() {
+            let spec = state.specs.get(name).cloned();
+            undo.push((name.to_string(), spec, state.tombstones.get(name).copied()));
+        }
+    };
+    for r in &change.specs {
+        note(state, &r.spec.name);
+        state.tombstones.remove(&r.spec.name);
+        state.specs.insert(r.spec.name.clone(), r.clone());
+    }
+    for t in &change.deleted {
+        note(state, &t.name);
+        state.specs.remove(&t.name);
+        state.tombstones.insert(t.name.clone(), t.revision);
+    }
+}
+
+/// The change log of generation `generation` beside the snapshot at `path`.
+fn log_path(path: &Path, generation: u64) -> PathBuf {
+    path.with_extension(format!("{generation}.log"))
+}
+
+/// The change logs beside the snapshot at `path`, by generation.
+fn logs_beside(path: &Path) -> Result<Vec<(u64, PathBuf)>, EngineError> {
+    let dir = path.parent().expect("has parent");
+    let stem = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .expect("a snapshot name of UTF-8");
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(EngineError::Io(dir.to_path_buf(), e)),
+    };
+    let mut logs = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| EngineError::Io(dir.to_path_buf(), e))?;
+        let name = entry.file_name();
+        let generation = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(stem))
+            .and_then(|n| n.strip_prefix('.'))
+            .and_then(|n| n.strip_suffix(".log"))
+            .and_then(|g| g.parse::<u64>().ok());
+        if let Some(generation) = generation {
+            logs.push((generation, entry.path()));
+        }
+    }
+    logs.sort();
+    Ok(logs)
+}
+
+enum LogError {
+    Missing,
+    Io(std::io::Error),
+    /// Byte offset of a damaged record with whole records after it.
+    Damaged(u64),
+}
+
+/// The changes of a log, the bytes of its whole records, and the file's
+/// length. A last record cut short or damaged is a write that never
+/// completed, so never acknowledged: it is left out.
+fn read_log(path: &Path) -> Result<(Vec<Change>, u64, u64), LogError> {
+    let bytes = std::fs::read(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => LogError::Missing,
+        _ => LogError::Io(e),
+    })?;
+    let mut changes = Vec::new();
+    let mut at = 0;
+    while let Some(end) = bytes[at..].iter().position(|&b| b == b'\n') {
+        let line = &bytes[at..at + end];
+        let next = at + end + 1;
+        match Change::from_record(line) {
+            Some(change) => changes.push(change),
+            // A record cut short may have reached the disk with its
+            // newline but not all its bytes.
+            None if !bytes[next..].contains(&b'\n') => break,
+            None => return Err(LogError::Damaged(at as u64)),
+        }
+        at = next;
+    }
+    if at < bytes.len() {
+        tracing::warn!(log = %path.display(), dropped = bytes.len() - at, "leaving out a spec change cut short");
+    }
+    Ok((changes, at as u64, bytes.len() as u64))
 }
 
 fn tombstones_of(state: &State) -> Vec<Tombstone> {
@@ -582,5 +920,237 @@ mod tests {
         let s = SpecStore::open(path).unwrap();
         let names: Vec<String> = s.all().into_iter().map(|s| s.name).collect();
         assert_eq!(names, vec!["a/one".to_string()]);
+    }
+
+    /// The change logs in `dir`, by name.
+    fn logs_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".log"))
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn names(s: &SpecStore) -> Vec<String> {
+        s.all().into_iter().map(|s| s.name).collect()
+    }
+
+    #[test]
+    fn changes_are_appended_to_the_log_and_replayed_at_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let s = SpecStore::open(path.clone()).unwrap();
+        assert!(s.file_was_missing());
+        // The first change writes the snapshot, naming an empty log.
+        s.apply_at(vec![spec("lg/a", "v1")], base() + 1).unwrap();
+        let snapshot = std::fs::read(&path).unwrap();
+        assert_eq!(logs_in(dir.path()), vec!["specs.1.log".to_string()]);
+        assert_eq!(
+            std::fs::metadata(dir.path().join("specs.1.log"))
+                .unwrap()
+                .len(),
+            0
+        );
+        s.apply_at(vec![spec("lg/b", "v1"), spec("lg/c", "v1")], base() + 2)
+            .unwrap();
+        s.delete_at("lg/a", base() + 3).unwrap();
+        s.apply_at(vec![spec("lg/b", "v2")], base() + 4).unwrap();
+        // Later changes leave the snapshot as it was and go to the log,
+        // one line each.
+        assert_eq!(std::fs::read(&path).unwrap(), snapshot);
+        let log = std::fs::read(dir.path().join("specs.1.log")).unwrap();
+        assert_eq!(log.iter().filter(|&&b| b == b'\n').count(), 3);
+        let revised = s.all_revised();
+        let tombstones = s.tombstones();
+        drop(s);
+
+        let s = SpecStore::open(path).unwrap();
+        assert!(!s.file_was_missing());
+        assert_eq!(s.all_revised(), revised);
+        assert_eq!(s.tombstones(), tombstones);
+        assert_eq!(names(&s), vec!["lg/b".to_string(), "lg/c".to_string()]);
+        assert_eq!(s.get("lg/b").unwrap().labels, spec("lg/b", "v2").labels);
+        assert_eq!(s.tombstone("lg/a"), Some(base() + 3));
+        assert!(s.next_revision() > base() + 4);
+        // And the reopened store goes on appending to the same log.
+        s.apply_at(vec![spec("lg/d", "v1")], base() + 5).unwrap();
+        assert_eq!(logs_in(dir.path()), vec!["specs.1.log".to_string()]);
+        let longer = std::fs::read(dir.path().join("specs.1.log")).unwrap();
+        assert_eq!(&longer[..log.len()], &log[..]);
+        assert_eq!(longer.iter().filter(|&&b| b == b'\n').count(), 4);
+    }
+
+    #[test]
+    fn a_log_that_would_outgrow_the_snapshot_is_folded_into_a_new_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let mut s = SpecStore::open(path.clone()).unwrap();
+        s.log_bytes_min = 0;
+        let many: Vec<_> = (0..20).map(|i| spec(&format!("f/{i:03}"), "v1")).collect();
+        s.apply_at(many, base() + 1).unwrap();
+        assert_eq!(s.log_generation(), Some(1));
+        let snapshot_len = std::fs::metadata(&path).unwrap().len();
+        // Each change of one spec is a small record: the log takes about
+        // as many as the snapshot holds specs, then a change writes a
+        // snapshot and a new log, and the old log goes.
+        let mut revision = base() + 2;
+        let mut generations = vec![1];
+        for round in 0..3 {
+            while s.log_generation() == generations.last().copied() {
+                let name = format!("f/{:03}", revision % 20);
+                s.apply_at(vec![spec(&name, &format!("r{round}"))], revision)
+                    .unwrap();
+                revision += 1;
+                let log = dir
+                    .path()
+                    .join(format!("specs.{}.log", generations.last().unwrap()));
+                if let Ok(m) = std::fs::metadata(&log) {
+                    assert!(m.len() <= snapshot_len.max(std::fs::metadata(&path).unwrap().len()));
+                }
+            }
+            generations.push(s.log_generation().unwrap());
+            let newest = format!("specs.{}.log", generations.last().unwrap());
+            assert_eq!(logs_in(dir.path()), vec![newest]);
+        }
+        assert_eq!(generations, vec![1, 2, 3, 4]);
+        assert!(revision > base() + 30, "too few changes before a snapshot");
+        s.delete_at("f/007", revision).unwrap();
+        let revised = s.all_revised();
+        let tombstones = s.tombstones();
+        drop(s);
+        let s = SpecStore::open(path).unwrap();
+        assert_eq!(s.all_revised(), revised);
+        assert_eq!(s.tombstones(), tombstones);
+        assert_eq!(s.all().len(), 19);
+    }
+
+    #[test]
+    fn a_last_record_cut_short_is_left_out_and_cut_off() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let log = dir.path().join("specs.1.log");
+        {
+            let s = SpecStore::open(path.clone()).unwrap();
+            s.apply_at(vec![spec("tt/a", "v1")], base() + 1).unwrap();
+            s.apply_at(vec![spec("tt/b", "v1")], base() + 2).unwrap();
+        }
+        let whole = std::fs::read(&log).unwrap();
+        // Half of a record, as a crash in its write leaves it.
+        let mut cut = whole.clone();
+        cut.extend_from_slice(&whole[..whole.len() / 2]);
+        std::fs::write(&log, &cut).unwrap();
+        {
+            let s = SpecStore::open(path.clone()).unwrap();
+            assert_eq!(names(&s), vec!["tt/a".to_string(), "tt/b".to_string()]);
+            // Opening changed nothing on disk; the next change cuts the
+            // half record off before writing its own.
+            assert_eq!(std::fs::read(&log).unwrap(), cut);
+            s.apply_at(vec![spec("tt/c", "v1")], base() + 3).unwrap();
+        }
+        let s = SpecStore::open(path.clone()).unwrap();
+        assert_eq!(
+            names(&s),
+            ["tt/a", "tt/b", "tt/c"].map(String::from).to_vec()
+        );
+        drop(s);
+        // A whole line that is not a record, last in the log, was cut
+        // short too (its newline reached the disk before its bytes).
+        let mut damaged = std::fs::read(&log).unwrap();
+        damaged.extend_from_slice(b"{\"specs\":[{\"revis\0\0\0\n");
+        std::fs::write(&log, &damaged).unwrap();
+        let s = SpecStore::open(path).unwrap();
+        assert_eq!(
+            names(&s),
+            ["tt/a", "tt/b", "tt/c"].map(String::from).to_vec()
+        );
+    }
+
+    #[test]
+    fn a_store_that_contradicts_itself_stops_the_open_and_is_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let log = dir.path().join("specs.1.log");
+        {
+            let s = SpecStore::open(path.clone()).unwrap();
+            s.apply_at(vec![spec("xx/a", "v1")], base() + 1).unwrap();
+            s.apply_at(vec![spec("xx/b", "v1")], base() + 2).unwrap();
+            s.apply_at(vec![spec("xx/c", "v1")], base() + 3).unwrap();
+        }
+        let kept = std::fs::read(&log).unwrap();
+        let corrupt = |s: Result<SpecStore, EngineError>| match s {
+            Err(EngineError::Corrupt(why)) => why,
+            Err(e) => panic!("not corrupt: {e}"),
+            Ok(_) => panic!("opened"),
+        };
+        // A damaged record with another after it is no torn last write,
+        // even when the damage leaves it valid JSON: its CRC tells.
+        let mut damaged = kept.clone();
+        let label = kept.windows(4).position(|w| w == b"\"v1\"").unwrap();
+        assert!(label < kept.iter().position(|&b| b == b'\n').unwrap());
+        damaged[label + 1] = b'w';
+        std::fs::write(&log, &damaged).unwrap();
+        let why = corrupt(SpecStore::open(path.clone()));
+        assert!(why.contains("the record at byte 0 is damaged"), "{why}");
+        assert_eq!(std::fs::read(&log).unwrap(), damaged);
+        // The log the snapshot names is gone.
+        std::fs::remove_file(&log).unwrap();
+        let why = corrupt(SpecStore::open(path.clone()));
+        assert!(why.contains("which is missing"), "{why}");
+        // The snapshot is gone, its log is not.
+        std::fs::write(&log, &kept).unwrap();
+        let snapshot = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let why = corrupt(SpecStore::open(path.clone()));
+        assert!(why.contains("specs.json is missing"), "{why}");
+        std::fs::write(&path, snapshot).unwrap();
+        let s = SpecStore::open(path).unwrap();
+        assert_eq!(
+            names(&s),
+            ["xx/a", "xx/b", "xx/c"].map(String::from).to_vec()
+        );
+    }
+
+    #[test]
+    fn a_change_that_cannot_be_written_is_undone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let s = SpecStore::open(path.clone()).unwrap();
+        // The first snapshot cannot be written: nothing changes, and the
+        // log it would have named is not left behind.
+        std::fs::create_dir(dir.path().join("specs.json.next")).unwrap();
+        assert!(s.apply_at(vec![spec("uu/a", "v1")], base() + 1).is_err());
+        assert_eq!(s.get("uu/a"), None);
+        assert_eq!(logs_in(dir.path()), Vec::<String>::new());
+        assert!(!path.exists());
+        std::fs::remove_dir(dir.path().join("specs.json.next")).unwrap();
+        s.apply_at(vec![spec("uu/a", "v1")], base() + 1).unwrap();
+        let version = s.version();
+
+        // A log write that fails (a full disk) undoes the change: the
+        // spec replaced, the one deleted and the one created are as before.
+        let real = std::mem::replace(
+            &mut s.lock().log.as_mut().unwrap().file,
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap(),
+        );
+        let change = vec![spec("uu/a", "v2"), spec("uu/b", "v2")];
+        assert!(s.apply_at(change.clone(), base() + 2).is_err());
+        assert!(s.delete_at("uu/a", base() + 3).is_err());
+        assert_eq!(s.version(), version);
+        assert_eq!(s.get("uu/a").unwrap().labels, spec("uu/a", "v1").labels);
+        assert_eq!(s.get("uu/b"), None);
+        assert_eq!(s.tombstone("uu/a"), None);
+        assert_eq!(s.changes_since(version), Some(vec![]));
+        s.lock().log.as_mut().unwrap().file = real;
+        // Space again: the same change is taken.
+        assert_eq!(s.apply_at(change, base() + 2).unwrap(), 2);
+        drop(s);
+        let s = SpecStore::open(path).unwrap();
+        assert_eq!(s.get("uu/a").unwrap().labels, spec("uu/a", "v2").labels);
+        assert_eq!(names(&s), vec!["uu/a".to_string(), "uu/b".to_string()]);
     }
 }
