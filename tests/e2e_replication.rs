@@ -1928,53 +1928,62 @@ async fn a_broker_that_has_not_heard_its_peers_does_not_call_a_journal_absent_bo
     assert_eq!(got, bytes);
 }
 
-/// A broker that was down while its peer took more journals than one
-/// request frame can list (the LIST of them all is over 16 MiB) catches up
-/// with every one of them when it starts again.
+/// A broker that was down while its peer took more journals than one page
+/// of LIST holds, and deleted some of them, catches up with every one
+/// when it starts again: it reads the peer's list page by page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_catches_up_with_more_journals_than_a_request_frame_lists() {
+async fn a_broker_catches_up_with_more_journals_than_a_list_page_holds() {
     let mut cluster = Cluster::start(2, CORES);
     let done = tokio::time::timeout(
         TEST_LIMIT,
-        a_broker_catches_up_with_more_journals_than_a_request_frame_lists_body(&mut cluster),
+        a_broker_catches_up_with_more_journals_than_a_list_page_holds_body(&mut cluster),
     )
     .await;
     cluster.finished(done, TEST_LIMIT);
 }
 
-async fn a_broker_catches_up_with_more_journals_than_a_request_frame_lists_body(
-    cluster: &mut Cluster,
-) {
-    const COUNT: usize = 48_000;
+async fn a_broker_catches_up_with_more_journals_than_a_list_page_holds_body(cluster: &mut Cluster) {
+    const COUNT: usize = 2_600;
+    let page = rotary_net::wire::LIST_PAGE_MAX as usize;
     let (back, other) = (1, 0);
     tokio::task::block_in_place(|| cluster.brokers[back].kill9());
     let client = cluster.brokers[other].client().await;
     let names: Vec<String> = (0..COUNT)
         .map(|i| format!("many/topic-{:03}/part-{i:05}", i / 1000))
         .collect();
-    for batch in names.chunks(8_000) {
-        let specs: Vec<JournalSpec> = batch
-            .iter()
-            .map(|name| {
-                let mut s = JournalSpec::new(name);
-                s.labels = LabelSet::from_pairs([("app", "many")]).unwrap();
-                s
-            })
-            .collect();
-        assert_eq!(client.apply(&specs).await.unwrap(), specs.len() as u64);
+    let specs: Vec<JournalSpec> = names
+        .iter()
+        .map(|name| {
+            let mut s = JournalSpec::new(name);
+            s.labels = LabelSet::from_pairs([("app", "many")]).unwrap();
+            s
+        })
+        .collect();
+    assert_eq!(client.apply(&specs).await.unwrap(), COUNT as u64);
+    // Deletions on both sides of each page's end.
+    let deleted: Vec<&String> = names
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % page == page - 1 || i % page == 0 || i % 97 == 5)
+        .map(|(_, n)| n)
+        .collect();
+    // Through the broker that is up, whichever broker a journal's route
+    // names.
+    let pinned = cluster.brokers[other].pinned().await;
+    for name in &deleted {
+        pinned.delete(name).await.unwrap();
     }
-    // What the returning broker will ask its peer for is more than a
-    // request frame may hold.
+    let kept: Vec<&String> = names.iter().filter(|n| !deleted.contains(n)).collect();
+
+    // What the returning broker asks its peer for takes more than a page.
     let mut s = raw_connect(&cluster.brokers[other].endpoint());
     let ask = br#"{"selector": "", "deleted": true}"#;
     s.write_all(&frame(Op::LIST, 0, 1, &[], ask)).unwrap();
     let listed = read_raw_frame(&mut s).unwrap().expect("LIST reply");
     assert_eq!(listed.status, Status::OK as u16);
-    assert!(
-        listed.payload.len() > rotary_net::wire::BODY_LEN_MAX as usize,
-        "{} bytes",
-        listed.payload.len()
-    );
+    assert_ne!(listed.flags & flag::NEXT_PAGE, 0);
+    let first: Vec<serde_json::Value> = serde_json::from_slice(&listed.payload).unwrap();
+    assert_eq!(first.len(), page);
 
     tokio::task::block_in_place(|| cluster.brokers[back].start());
     let returned = cluster.brokers[back].pinned().await;
@@ -1990,13 +1999,21 @@ async fn a_broker_catches_up_with_more_journals_than_a_request_frame_lists_body(
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let got: Vec<&str> = listing
-        .journals
-        .iter()
-        .map(|j| j.spec.name.as_str())
-        .collect();
-    assert_eq!(got.len(), COUNT, "journals known to the restarted broker");
-    assert!(got.iter().zip(&names).all(|(a, b)| a == b));
+    let got: Vec<&String> = listing.journals.iter().map(|j| &j.spec.name).collect();
+    assert_eq!(
+        got.len(),
+        kept.len(),
+        "journals known to the restarted broker"
+    );
+    assert!(
+        got == kept,
+        "the restarted broker's journals differ from its peer's"
+    );
+    // And it knows of the deletions: a deleted journal is not found.
+    for name in deleted.iter().take(5) {
+        let appended = returned.append(&req(name), b"x".to_vec()).await;
+        assert_eq!(status_of(appended), Status::JOURNAL_NOT_FOUND, "{name}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -419,6 +419,90 @@ fn admin(endpoint: &str, op: Op, flags: u8, meta: &[u8], payload: &[u8]) -> (u16
     (f.status, String::from_utf8_lossy(&f.payload).into_owned())
 }
 
+/// LIST answers in pages, by name after a cursor, with tombstones among
+/// the journals when asked; a bad page request is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journal_lists_come_in_pages() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let endpoint = broker.endpoint();
+    for i in 0..7 {
+        let name = format!("e2e/pages/j-{i}");
+        create_journal(&client, &name, |s| s.labels = labels("app=pages")).await;
+    }
+    create_journal(&client, "e2e/pages/j-8", |s| s.labels = labels("app=other")).await;
+    client.delete("e2e/pages/j-3").await.unwrap();
+
+    // Names of a page, and its flags.
+    let page = |body: serde_json::Value| -> (Vec<String>, u8) {
+        let mut s = raw_connect(&endpoint);
+        s.write_all(&frame(Op::LIST, 0, 9, &[], body.to_string().as_bytes()))
+            .unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+        let text = String::from_utf8_lossy(&f.payload).into_owned();
+        assert_eq!(f.status, Status::OK as u16, "{body}: {text}");
+        let entries: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+        let names = entries
+            .iter()
+            .map(|e| match e["deleted"].as_str() {
+                Some(gone) => format!("deleted {gone}"),
+                None => e["spec"]["name"].as_str().unwrap().to_string(),
+            })
+            .collect();
+        (names, f.flags)
+    };
+    let names = |ns: &[&str]| ns.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    let sel = "app=pages";
+    assert_eq!(
+        page(serde_json::json!({"selector": sel, "limit": 3})),
+        (
+            names(&["e2e/pages/j-0", "e2e/pages/j-1", "e2e/pages/j-2"]),
+            flag::NEXT_PAGE
+        )
+    );
+    // The last page is full, and says nothing follows.
+    assert_eq!(
+        page(serde_json::json!({"selector": sel, "limit": 3, "after": "e2e/pages/j-2"})),
+        (
+            names(&["e2e/pages/j-4", "e2e/pages/j-5", "e2e/pages/j-6"]),
+            0
+        )
+    );
+    assert_eq!(
+        page(
+            serde_json::json!({"selector": sel, "limit": 3, "after": "e2e/pages/j-2", "deleted": true})
+        ),
+        (
+            names(&["deleted e2e/pages/j-3", "e2e/pages/j-4", "e2e/pages/j-5"]),
+            flag::NEXT_PAGE
+        )
+    );
+    // The cursor need not be a journal's name.
+    assert_eq!(
+        page(serde_json::json!({"after": "e2e/pages/j-55"})),
+        (names(&["e2e/pages/j-6", "e2e/pages/j-8"]), 0)
+    );
+    assert_eq!(page(serde_json::json!({"after": "zzzz"})), (vec![], 0));
+    // Without a limit, a page holds up to LIST_PAGE_MAX.
+    assert_eq!(page(serde_json::json!({})).0.len(), 7);
+    assert_eq!(client.list(sel).await.unwrap().len(), 6);
+
+    let max = wire::LIST_PAGE_MAX;
+    for (op, body) in [
+        (Op::LIST, serde_json::json!({"limit": 0})),
+        (Op::LIST, serde_json::json!({"limit": max + 1})),
+        (Op::LIST, serde_json::json!({"limit": "ten"})),
+        (Op::LIST, serde_json::json!({"after": 7})),
+        (Op::PRUNE, serde_json::json!({"after": "e2e/pages/j-2"})),
+        (Op::PRUNE, serde_json::json!({"limit": 3})),
+    ] {
+        let (status, text) = admin(&endpoint, op, 0, &[], body.to_string().as_bytes());
+        assert_eq!(status, Status::BAD_REQUEST as u16, "{op:?} {body}: {text}");
+    }
+    // The broker goes on serving.
+    assert_eq!(page(serde_json::json!({"limit": max})).0.len(), 7);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spec_revisions_order_changes_and_deletions() {
     let mut broker = Broker::start();

@@ -791,8 +791,13 @@ impl Conn {
 
     /// ROUTE's answer: this broker's shard for the journal, and its route.
     fn route_json(&self, name: &str) -> serde_json::Value {
-        let shard = rotary_net::shard_of(name, self.shard.shards);
         let replication = self.shard.specs.get(name).map_or(1, |s| s.replication);
+        self.route_json_of(name, replication)
+    }
+
+    /// [`Conn::route_json`] of a journal of `replication` replicas.
+    fn route_json_of(&self, name: &str, replication: u32) -> serde_json::Value {
+        let shard = rotary_net::shard_of(name, self.shard.shards);
         let view = self.shard.view();
         let route = view.route(name, replication);
         let local = self.shard.endpoints[shard as usize].to_string();
@@ -1072,49 +1077,47 @@ impl Conn {
             Ok(r) => r,
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
-        let sel = req.selector;
-        let mut out: Vec<serde_json::Value> = self
-            .shard
-            .specs
-            .all_revised()
+        let sel = &req.selector;
+        let (page, more) = self.shard.specs.page(
+            &req.after,
+            req.limit,
+            |s| sel.matches(&s.labels),
+            req.deleted,
+        );
+        let out: Vec<serde_json::Value> = page
             .into_iter()
-            .filter(|r| sel.matches(&r.spec.labels))
-            .map(|r| {
-                let revision = r.revision;
-                let s = r.spec;
-                let r = self.route_json(&s.name);
-                let ids: Vec<serde_json::Value> = r["members"]
-                    .as_array()
-                    .map(|m| m.iter().map(|m| m["id"].clone()).collect())
-                    .unwrap_or_default();
-                serde_json::json!({
-                    "spec": s,
-                    "revision": revision,
-                    "route": {
-                        "shard": r["shard"],
-                        "endpoint": r["endpoint"],
-                        "primary": ids.first().cloned().unwrap_or_default(),
-                        "members": ids,
-                    },
-                })
+            .map(|entry| match entry {
+                crate::specs::Entry::Spec(r) => {
+                    let route = self.route_json_of(&r.spec.name, r.spec.replication);
+                    let ids: Vec<serde_json::Value> = route["members"]
+                        .as_array()
+                        .map(|m| m.iter().map(|m| m["id"].clone()).collect())
+                        .unwrap_or_default();
+                    serde_json::json!({
+                        "spec": r.spec,
+                        "revision": r.revision,
+                        "route": {
+                            "shard": route["shard"],
+                            "endpoint": route["endpoint"],
+                            "primary": ids.first().cloned().unwrap_or_default(),
+                            "members": ids,
+                        },
+                    })
+                }
+                crate::specs::Entry::Deleted(t) => {
+                    serde_json::json!({ "deleted": t.name, "revision": t.revision })
+                }
             })
             .collect();
-        if req.deleted {
-            out.extend(
-                self.shard
-                    .specs
-                    .tombstones()
-                    .into_iter()
-                    .map(|t| serde_json::json!({ "deleted": t.name, "revision": t.revision })),
-            );
-        }
         // A broker still learning its peers' specs lists what it knows, and
         // says that journals may be missing.
-        let flags = if self.shard.specs.is_caught_up() {
-            0
-        } else {
-            flag::PARTIAL
-        };
+        let mut flags = 0;
+        if !self.shard.specs.is_caught_up() {
+            flags |= flag::PARTIAL;
+        }
+        if more {
+            flags |= flag::NEXT_PAGE;
+        }
         let bytes = serde_json::to_vec(&out).expect("json");
         self.outbox
             .flagged_frame(Op::ADMIN_REPLY, flags, Status::OK, id, &[], &bytes);
@@ -1327,12 +1330,17 @@ impl Conn {
 }
 
 /// The JSON payload of LIST and PRUNE: `{"selector": "…", "dry_run": bool}`,
-/// every field optional, an empty payload meaning `{}`.
+/// and for LIST `"deleted"`, `"after"` and `"limit"`, every field optional,
+/// an empty payload meaning `{}`.
 struct SelectorRequest {
     selector: LabelSelector,
     dry_run: bool,
     /// LIST: also the tombstones of deleted journals.
     deleted: bool,
+    /// LIST: the page begins after this name.
+    after: String,
+    /// LIST: the most entries of the page.
+    limit: usize,
 }
 
 impl SelectorRequest {
@@ -1346,6 +1354,9 @@ impl SelectorRequest {
             dry_run: bool,
             #[serde(default)]
             deleted: bool,
+            #[serde(default)]
+            after: String,
+            limit: Option<u32>,
         }
         let raw: Raw = if payload.is_empty() {
             Raw::default()
@@ -1353,10 +1364,22 @@ impl SelectorRequest {
             serde_json::from_slice(payload).map_err(|e| format!("{what}: {e}"))?
         };
         let selector = LabelSelector::parse(&raw.selector).map_err(|e| e.to_string())?;
+        let max = wire::LIST_PAGE_MAX;
+        let limit = raw.limit.unwrap_or(max);
+        if limit == 0 || limit > max {
+            return Err(format!("{what}: limit {limit} is outside 1..={max}"));
+        }
+        if what != "list" && (raw.limit.is_some() || !raw.after.is_empty() || raw.deleted) {
+            return Err(format!(
+                "{what}: after, limit and deleted are fields of list"
+            ));
+        }
         Ok(SelectorRequest {
             selector,
             dry_run: raw.dry_run,
             deleted: raw.deleted,
+            after: raw.after,
+            limit: limit as usize,
         })
     }
 }

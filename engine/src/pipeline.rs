@@ -322,9 +322,11 @@ fn frame_buffer() -> MetaWriter {
     w
 }
 
-/// Largest reply [`unary`] takes from a peer: a LIST of every spec and
-/// tombstone outgrows the limit on requests ([`wire::BODY_LEN_MAX`]) at
-/// about 40,000 journals. As the client's limit on replies.
+/// Largest reply [`unary`] takes from a peer: a page of LIST is far
+/// smaller, but a broker of an earlier version answers every spec and
+/// tombstone at once, which outgrows the limit on requests
+/// ([`wire::BODY_LEN_MAX`]) at about 40,000 journals. As the client's
+/// limit on replies.
 const PEER_REPLY_BODY_LEN_MAX: u32 = rotary_net::client::REPLY_BODY_LEN_MAX;
 
 /// One request and its one reply over a fresh connection (admin fan-out
@@ -337,6 +339,19 @@ pub async fn unary(
     payload: &[u8],
     timeout: Duration,
 ) -> Result<(Status, Vec<u8>), String> {
+    let (status, _, payload) = unary_flagged(addr, op, flags, meta, payload, timeout).await?;
+    Ok((status, payload))
+}
+
+/// As [`unary`], with the reply's flags.
+pub async fn unary_flagged(
+    addr: SocketAddr,
+    op: Op,
+    flags: u8,
+    meta: &[u8],
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<(Status, u8, Vec<u8>), String> {
     use compio::io::AsyncWriteExt;
     let work = async {
         let mut s = TcpStream::connect(addr)
@@ -352,7 +367,7 @@ pub async fn unary(
                 wire::decode_frame(&buf, PEER_REPLY_BODY_LEN_MAX).map_err(|e| e.to_string())?
             {
                 let status = Status::from_code(f.status).unwrap_or(Status::IO_ERROR);
-                return Ok((status, f.payload.to_vec()));
+                return Ok((status, f.flags, f.payload.to_vec()));
             }
             if buf.capacity() - buf.len() < 4096 {
                 buf.reserve(16 << 10);

@@ -178,8 +178,9 @@ const _: () = assert!(INLINE_BYTES_MAX as usize <= rotary_storage::wal::RECORD_I
 /// that busy is bound by the CPU, which copying every byte into the log as
 /// well would only slow, and its write is shared by many appends.
 const INLINE_TURN_BYTES_MAX: u64 = 64 << 10;
-/// How long a peer may take to answer the LIST of its specs: about 400
-/// bytes a journal, 24 MB for 60,000.
+/// How long a peer may take to answer a page of the LIST of its specs
+/// (a broker of an earlier version answers every spec at once: about 400
+/// bytes a journal, 24 MB for 60,000).
 const PEER_LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Most store listings a shard runs at once ([`Shard::refresh_listing`]).
 const LISTINGS_IN_FLIGHT_MAX: usize = 32;
@@ -967,19 +968,49 @@ impl Shard {
     /// Lists a peer's specs and tombstones and takes the newer ones; false
     /// if the peer did not answer.
     async fn sync_specs_with(&self, peer: &crate::topology::Member) -> bool {
-        let body = serde_json::to_vec(&serde_json::json!({ "selector": "", "deleted": true }))
-            .expect("JSON");
-        let listed =
-            crate::pipeline::unary(peer.endpoint, Op::LIST, 0, &[], &body, PEER_LIST_TIMEOUT).await;
-        let Ok((Status::OK, payload)) = listed else {
-            return false;
-        };
-        match serde_json::from_slice::<Vec<Listed>>(&payload) {
-            Ok(entries) => self.adopt_newer(&peer.id, entries).await,
-            Err(e) => {
-                tracing::warn!(peer = %peer.id, error = %e, "a peer's journal list did not parse")
+        // Every page first, then one change of the store for all of them.
+        let mut entries = Vec::new();
+        let mut after = String::new();
+        loop {
+            let body = match after.as_str() {
+                "" => serde_json::json!({ "selector": "", "deleted": true }),
+                after => serde_json::json!({ "selector": "", "deleted": true, "after": after }),
+            };
+            let body = serde_json::to_vec(&body).expect("JSON");
+            let listed = crate::pipeline::unary_flagged(
+                peer.endpoint,
+                Op::LIST,
+                0,
+                &[],
+                &body,
+                PEER_LIST_TIMEOUT,
+            )
+            .await;
+            let Ok((Status::OK, flags, payload)) = listed else {
+                return false;
+            };
+            let page = match serde_json::from_slice::<Vec<Listed>>(&payload) {
+                Ok(page) => page,
+                Err(e) => {
+                    tracing::warn!(peer = %peer.id, error = %e, "a peer's journal list did not parse");
+                    return true;
+                }
+            };
+            let next = match page.last() {
+                Some(last) if flags & rotary_net::wire::flag::NEXT_PAGE != 0 => last
+                    .spec
+                    .as_ref()
+                    .map(|s| s.name.clone())
+                    .or(last.deleted.clone()),
+                _ => None,
+            };
+            entries.extend(page);
+            match next {
+                Some(next) => after = next,
+                None => break,
             }
         }
+        self.adopt_newer(&peer.id, entries).await;
         true
     }
 

@@ -59,6 +59,13 @@ pub struct Tombstone {
     pub revision: u64,
 }
 
+/// One entry of [`SpecStore::page`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Entry {
+    Spec(Revised),
+    Deleted(Tombstone),
+}
+
 /// What [`SpecStore::delete_at`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Deleted {
@@ -393,6 +400,53 @@ impl SpecStore {
 
     pub fn tombstones(&self) -> Vec<Tombstone> {
         tombstones_of(&self.lock())
+    }
+
+    /// A page of the store in name order, after the name `after` (`""`:
+    /// from the first): at most `limit` entries, the specs `matches`
+    /// takes and, with `deleted`, every tombstone among them. True if more
+    /// follow.
+    pub fn page(
+        &self,
+        after: &str,
+        limit: usize,
+        matches: impl Fn(&JournalSpec) -> bool,
+        deleted: bool,
+    ) -> (Vec<Entry>, bool) {
+        use std::ops::Bound;
+        let state = self.lock();
+        let range = (Bound::Excluded(after), Bound::Unbounded);
+        let mut specs = state
+            .specs
+            .range::<str, _>(range)
+            .filter(|(_, r)| matches(&r.spec))
+            .peekable();
+        let mut gone = state
+            .tombstones
+            .range::<str, _>(range)
+            .filter(|_| deleted)
+            .peekable();
+        let mut page = Vec::new();
+        loop {
+            let spec_first = match (specs.peek(), gone.peek()) {
+                (None, None) => return (page, false),
+                (Some((a, _)), Some((b, _))) => a < b,
+                (first, _) => first.is_some(),
+            };
+            if page.len() == limit {
+                return (page, true);
+            }
+            page.push(if spec_first {
+                let (_, r) = specs.next().expect("peeked");
+                Entry::Spec(r.clone())
+            } else {
+                let (name, &revision) = gone.next().expect("peeked");
+                Entry::Deleted(Tombstone {
+                    name: name.clone(),
+                    revision,
+                })
+            });
+        }
     }
 
     /// Creates or replaces specs at `revision` (from
@@ -920,6 +974,65 @@ mod tests {
         let s = SpecStore::open(path).unwrap();
         let names: Vec<String> = s.all().into_iter().map(|s| s.name).collect();
         assert_eq!(names, vec!["a/one".to_string()]);
+    }
+
+    #[test]
+    fn pages_go_in_name_order_with_tombstones_among_the_specs() {
+        let (_d, s) = store();
+        let specs = ["pg/a", "pg/b", "pg/c", "pg/d", "pg/e"].map(|n| spec(n, "x"));
+        s.apply_at(specs.to_vec(), base() + 1).unwrap();
+        s.apply_at(vec![spec("pg/c", "other")], base() + 2).unwrap();
+        s.delete_at("pg/b", base() + 3).unwrap();
+        s.delete_at("pg/bb", base() + 4).unwrap();
+        let name = |e: &Entry| match e {
+            Entry::Spec(r) => format!("spec {}", r.spec.name),
+            Entry::Deleted(t) => format!("deleted {}", t.name),
+        };
+        let walk = |limit: usize, deleted: bool| {
+            let mut pages = Vec::new();
+            let mut after = String::new();
+            loop {
+                let (page, more) =
+                    s.page(&after, limit, |s| s.labels.to_text() == "app=x", deleted);
+                let names: Vec<String> = page.iter().map(name).collect();
+                if let Some(last) = page.last() {
+                    after = match last {
+                        Entry::Spec(r) => r.spec.name.clone(),
+                        Entry::Deleted(t) => t.name.clone(),
+                    };
+                }
+                pages.push(names);
+                if !more {
+                    return pages;
+                }
+            }
+        };
+        assert_eq!(
+            walk(2, true),
+            vec![
+                vec!["spec pg/a", "deleted pg/b"],
+                vec!["deleted pg/bb", "spec pg/d"],
+                vec!["spec pg/e"],
+            ]
+        );
+        assert_eq!(
+            walk(3, false),
+            vec![vec!["spec pg/a", "spec pg/d", "spec pg/e"]]
+        );
+        assert_eq!(walk(1, false).len(), 3);
+        // A page that ends with the last entry says no more follow.
+        assert_eq!(
+            walk(5, true),
+            vec![vec![
+                "spec pg/a",
+                "deleted pg/b",
+                "deleted pg/bb",
+                "spec pg/d",
+                "spec pg/e"
+            ]]
+        );
+        let (rest, more) = s.page("pg/e", 10, |_| true, true);
+        assert_eq!((rest.len(), more), (0, false));
     }
 
     /// The change logs in `dir`, by name.

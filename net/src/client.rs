@@ -587,16 +587,40 @@ impl Client {
         Ok(self.listing(selector).await?.journals)
     }
 
-    /// As [`Client::list`], and whether the list may be partial.
+    /// As [`Client::list`], and whether the list may be partial. The
+    /// broker answers in pages of at most [`wire::LIST_PAGE_MAX`]
+    /// journals, each asked for after the last name of the one before: a
+    /// journal created or deleted while the pages are read may be missing
+    /// or listed all the same, as with any listing that is not one answer.
     pub async fn listing(&self, selector: &str) -> Result<Listing, ClientError> {
         // Check the text here so a typo is an error, not an empty list.
         let _ = crate::spec::LabelSelector::parse(selector)?;
-        let body = serde_json::to_vec(&serde_json::json!({ "selector": selector })).expect("JSON");
         let conn = self.bootstrap_conn().await?;
-        let reply = unary(&conn, Op::LIST, Bytes::new(), body.into()).await?;
-        let partial = reply.flags & flag::PARTIAL != 0;
-        let journals = admin_json(&conn, Op::LIST, reply)?;
-        Ok(Listing { journals, partial })
+        let mut listing = Listing {
+            journals: Vec::new(),
+            partial: false,
+        };
+        let mut after = String::new();
+        loop {
+            let body = match after.as_str() {
+                "" => serde_json::json!({ "selector": selector }),
+                after => serde_json::json!({ "selector": selector, "after": after }),
+            };
+            let body = serde_json::to_vec(&body).expect("JSON");
+            let reply = unary(&conn, Op::LIST, Bytes::new(), body.into()).await?;
+            listing.partial |= reply.flags & flag::PARTIAL != 0;
+            let more = reply.flags & flag::NEXT_PAGE != 0;
+            let page: Vec<JournalInfo> = admin_json(&conn, Op::LIST, reply)?;
+            let next = match page.last() {
+                Some(last) if more => Some(last.spec.name.clone()),
+                _ => None,
+            };
+            listing.journals.extend(page);
+            match next {
+                Some(next) => after = next,
+                None => return Ok(listing),
+            }
+        }
     }
 
     async fn named_admin<T: serde::de::DeserializeOwned>(

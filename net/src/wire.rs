@@ -167,6 +167,9 @@ pub mod flag {
 /// those that begin where the page's last one does.
 pub const FRAGMENTS_PAGE_MAX: u32 = 1000;
 
+/// Most entries one LIST reply holds (its default page).
+pub const LIST_PAGE_MAX: u32 = 1000;
+
 /// Why bytes are not a valid frame or message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
