@@ -363,7 +363,10 @@ pub struct Journal {
     /// Fragments listed from the journal's stores, by begin. Changed only
     /// through `set_listing`, `insert_remote` and `drop_remote`.
     pub remote: Vec<StoredFragment>,
-    remote_end: u64,
+    /// For each fragment of `remote`, the furthest end of it and those
+    /// before it: [`Self::locate`] stops looking back where no earlier
+    /// fragment reaches the offset.
+    remote_reach: Vec<u64>,
     /// Objects found not to hold the bytes their names say (store, key):
     /// left out of every listing.
     corrupt: std::collections::HashSet<(String, String)>,
@@ -547,7 +550,7 @@ impl Journal {
             deleted: false,
             remote: Vec::new(),
             corrupt: std::collections::HashSet::new(),
-            remote_end: 0,
+            remote_reach: Vec::new(),
             index_loaded: false,
             index_error: None,
             last_listing: None,
@@ -580,7 +583,7 @@ impl Journal {
 
     /// End of the furthest fragment the stores hold.
     pub fn remote_end(&self) -> u64 {
-        self.remote_end
+        self.remote_reach.last().copied().unwrap_or(0)
     }
 
     /// Adds a fragment the store confirmed, unless the index has it.
@@ -599,17 +602,17 @@ impl Journal {
     /// span but other bytes (a deleted journal's of the same name) gives
     /// way to it: these are the bytes this broker committed.
     fn add_remote(&mut self, f: StoredFragment) {
-        if let Some(r) = self
-            .remote
+        let at = self.remote.partition_point(|r| r.begin < f.begin);
+        if let Some(r) = self.remote[at..]
             .iter_mut()
-            .find(|r| r.begin == f.begin && r.end == f.end)
+            .take_while(|r| r.begin == f.begin)
+            .find(|r| r.end == f.end)
         {
             if r.sha1 != f.sha1 {
                 *r = f;
             }
             return;
         }
-        let at = self.remote.partition_point(|r| r.begin < f.begin);
         self.remote.insert(at, f);
         self.remote_changed();
     }
@@ -630,7 +633,12 @@ impl Journal {
     /// The end offset every append checks is kept, not recomputed: the
     /// index may hold thousands of fragments.
     fn remote_changed(&mut self) {
-        self.remote_end = self.remote.iter().map(|f| f.end).max().unwrap_or(0);
+        let mut reach = 0;
+        self.remote_reach.clear();
+        self.remote_reach.extend(self.remote.iter().map(|f| {
+            reach = reach.max(f.end);
+            reach
+        }));
     }
 
     /// Merges a fresh listing into the index: the listing replaces what
@@ -685,12 +693,24 @@ impl Journal {
     /// then the spool), then the stores, preferring the larger fragment.
     /// An offset in a gap of history resolves to the next span's start.
     pub fn locate(&self, offset: u64) -> Option<Located> {
+        // Of the stores' fragments holding `at`, the one reaching furthest
+        // (the last in the index of those reaching equally far). The index
+        // is sorted by begin, and a journal's history may be hundreds of
+        // thousands of fragments long: a read looks back only as far as
+        // fragments reaching `at` can begin.
         let remote = |at: u64| -> Option<Located> {
-            let f = self
-                .remote
-                .iter()
-                .filter(|f| f.begin <= at && at < f.end)
-                .max_by_key(|f| f.end)?;
+            let mut found: Option<&StoredFragment> = None;
+            let upto = self.remote.partition_point(|f| f.begin <= at);
+            for i in (0..upto).rev() {
+                if self.remote_reach[i] <= at {
+                    break;
+                }
+                let f = &self.remote[i];
+                if f.end > at && found.is_none_or(|b| f.end > b.end) {
+                    found = Some(f);
+                }
+            }
+            let f = found?;
             Some(Located {
                 file: FileRef::Remote(f.clone()),
                 offset: at,
@@ -736,11 +756,14 @@ impl Journal {
             return Some(l);
         }
         // A gap: jump to the next span that exists.
+        let next_remote = self
+            .remote
+            .get(self.remote.partition_point(|f| f.begin <= offset));
         let next = self
             .fragments
             .iter()
             .map(|f| f.begin)
-            .chain(self.remote.iter().map(|f| f.begin))
+            .chain(next_remote.map(|f| f.begin))
             .chain(
                 self.spool
                     .as_ref()
@@ -910,6 +933,64 @@ mod tests {
         assert_eq!(j.remote_end(), 0);
         j.set_listing(vec![bad, gone], j.listing_mark());
         assert_eq!(shas(&j), [(16, 24, 4)]);
+    }
+
+    /// Reads find, of the stores' fragments holding an offset, the one
+    /// reaching furthest, and across a gap the next that begins, as a
+    /// look at every fragment would; seeded, with fragments overlapping.
+    #[test]
+    fn located_store_fragments_match_a_look_at_every_one() {
+        use rand::{Rng, SeedableRng};
+        for seed in 0..20u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
+            let mut random = |rng: &mut rand::rngs::StdRng| {
+                let begin = rng.gen_range(0..5_000u64);
+                object(begin, begin + rng.gen_range(1..400), rng.gen_range(0..4))
+            };
+            let listed: Vec<_> = (0..rng.gen_range(1..300))
+                .map(|_| random(&mut rng))
+                .collect();
+            j.set_listing(listed, j.listing_mark());
+            for _ in 0..20 {
+                j.insert_remote(random(&mut rng));
+            }
+            for _ in 0..10 {
+                let i = rng.gen_range(0..j.remote.len());
+                let f = j.remote[i].clone();
+                j.drop_remote(&f, false);
+            }
+            let want = |at: u64| -> Option<(String, u64)> {
+                let holding = |at: u64| {
+                    j.remote
+                        .iter()
+                        .filter(|f| f.begin <= at && at < f.end)
+                        .max_by_key(|f| f.end)
+                };
+                match holding(at) {
+                    Some(f) => Some((f.key.clone(), at)),
+                    None => {
+                        let next = j.remote.iter().map(|f| f.begin).filter(|&b| b > at).min()?;
+                        holding(next).map(|f| (f.key.clone(), next))
+                    }
+                }
+            };
+            assert_eq!(
+                j.remote_end(),
+                j.remote.iter().map(|f| f.end).max().unwrap_or(0)
+            );
+            for at in 0..j.remote_end() + 2 {
+                let got = j.locate(at).map(|l| match l.file {
+                    FileRef::Remote(f) => {
+                        assert_eq!(l.file_pos, l.offset - f.begin);
+                        assert_eq!(l.end, f.end);
+                        (f.key, l.offset)
+                    }
+                    _ => panic!("not a store's fragment"),
+                });
+                assert_eq!(got, want(at), "seed {seed}, offset {at}");
+            }
+        }
     }
 
     /// A local fragment found damaged is read from a store's copy of its
