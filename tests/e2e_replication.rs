@@ -2501,30 +2501,6 @@ async fn requests_proxied_to_a_peer_that_stopped_answering_body(cluster: &mut Cl
 // replica), no member takes half of one, and appends go on by themselves
 // once the member has space again.
 
-/// Unmounts (lazily) a file system the test mounted.
-struct Mounted(std::path::PathBuf);
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .status();
-    }
-}
-
-/// Mounts a tmpfs of `size` (as `mount -o size=`) at `at`; `None` without
-/// the right to (not root).
-fn mount_tmpfs(at: &std::path::Path, size: &str) -> Option<Mounted> {
-    std::fs::create_dir_all(at).unwrap();
-    let ok = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-        .arg(at)
-        .status()
-        .is_ok_and(|s| s.success());
-    ok.then(|| Mounted(at.to_path_buf()))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_disk_fills_refuses_appends_until_it_has_space() {
     disk_fills(FullMember::Replica).await;

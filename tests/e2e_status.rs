@@ -1353,3 +1353,75 @@ async fn queued_appends_of_a_deleted_journal_leave_the_queue() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+/// A full data disk refuses changes of specs with the retryable
+/// STORAGE_FULL and changes nothing; reads and lists go on, and the same
+/// changes are taken once space returns, and kept across a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_refuses_spec_changes_until_it_has_space() {
+    let mut broker = Broker::start_with_cores(1);
+    broker.kill9();
+    let Some(_mount) = mount_tmpfs(&broker.data, "8m") else {
+        eprintln!("SKIPPED: mounting a tmpfs needs root");
+        return;
+    };
+    broker.start_again();
+    let client = broker.client().await;
+    let kept = "e2e/full/kept";
+    create_journal(&client, kept, |_| {}).await;
+    client
+        .append(&req(kept), b"kept bytes".to_vec())
+        .await
+        .unwrap();
+
+    // Every page of the file system taken.
+    let filler = broker.data.join("filler");
+    {
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![7u8; 64 << 10];
+        loop {
+            match f.write_all(&chunk) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+                Err(e) => panic!("filling the disk: {e}"),
+            }
+        }
+        // Partial writes may leave a page or two: take them too.
+        while f.write_all(&[7u8; 512]).is_ok() {}
+    }
+    let mut new = rotary_net::spec::JournalSpec::new("e2e/full/new");
+    new.fragment.compression_codec = rotary_net::spec::Codec::None;
+    for _ in 0..2 {
+        let e = client.apply(std::slice::from_ref(&new)).await.unwrap_err();
+        assert_eq!(e.status(), Some(Status::STORAGE_FULL), "{e}");
+        assert!(e.is_retryable(), "{e}");
+        assert!(e.to_string().contains("No space left"), "{e}");
+        let e = client.delete(kept).await.unwrap_err();
+        assert_eq!(e.status(), Some(Status::STORAGE_FULL), "{e}");
+    }
+    // Nothing changed, and the broker serves what it has.
+    let names = |l: Vec<rotary_net::client::JournalInfo>| {
+        l.into_iter().map(|j| j.spec.name).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        names(client.list("").await.unwrap()),
+        vec![kept.to_string()]
+    );
+    assert_eq!(read_all(&client, kept).await, b"kept bytes".to_vec());
+
+    // Space returns: the same changes are taken.
+    std::fs::remove_file(&filler).unwrap();
+    assert_eq!(client.apply(std::slice::from_ref(&new)).await.unwrap(), 1);
+    client.delete(kept).await.unwrap();
+    drop(client);
+    broker.restart();
+    let client = broker.client().await;
+    assert_eq!(
+        names(client.list("").await.unwrap()),
+        vec!["e2e/full/new".to_string()]
+    );
+    assert_eq!(
+        status_of(client.append(&req(kept), b"x".to_vec()).await),
+        Status::JOURNAL_NOT_FOUND
+    );
+}

@@ -738,7 +738,7 @@ impl Conn {
         let revision = revision.unwrap_or_else(|| self.shard.specs.next_revision());
         let n = match self.shard.specs.apply_at(specs.clone(), revision) {
             Ok(n) => n,
-            Err(e) => return self.admin_err(id, Status::IO_ERROR, &e.to_string()),
+            Err(e) => return self.admin_err(id, spec_write_status(&e), &e.to_string()),
         };
         let mut body = serde_json::json!({ "applied": n, "revision": revision });
         if !local {
@@ -1177,7 +1177,7 @@ impl Conn {
                         self.admin_ok(id, &body)
                     }
                     Ok(_) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found),
-                    Err(e) => self.admin_err(id, Status::IO_ERROR, &e.to_string()),
+                    Err(e) => self.admin_err(id, spec_write_status(&e), &e.to_string()),
                 }
             }
             op => {
@@ -1326,6 +1326,19 @@ impl Conn {
             r.out.close();
         }
         self.outbox.close();
+    }
+}
+
+/// The status of a change of specs that could not be stored: a full disk
+/// (or quota) is the retryable `STORAGE_FULL`, anything else `IO_ERROR`.
+fn spec_write_status(e: &crate::EngineError) -> Status {
+    match e {
+        crate::EngineError::Io(_, io)
+            if matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
+        {
+            Status::STORAGE_FULL
+        }
+        _ => Status::IO_ERROR,
     }
 }
 

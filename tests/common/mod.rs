@@ -657,3 +657,27 @@ pub fn continue_process(pid: u32) {
     // SAFETY: signals a child process the test started.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
 }
+
+/// Unmounts (lazily) a file system the test mounted.
+pub struct Mounted(pub std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Mounts a tmpfs of `size` (as `mount -o size=`) at `at`; `None` without
+/// the right to (not root).
+pub fn mount_tmpfs(at: &std::path::Path, size: &str) -> Option<Mounted> {
+    std::fs::create_dir_all(at).unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+        .arg(at)
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then(|| Mounted(at.to_path_buf()))
+}
