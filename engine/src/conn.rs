@@ -773,8 +773,8 @@ impl Conn {
             )
             .await;
             let outcome = match res {
-                Ok((Status::OK, _)) => "ok".to_string(),
-                Ok((status, body)) => format!("{status}: {}", String::from_utf8_lossy(&body)),
+                Ok((Status::OK, _, _)) => "ok".to_string(),
+                Ok((status, _, body)) => format!("{status}: {}", String::from_utf8_lossy(&body)),
                 Err(e) => e,
             };
             if outcome != "ok" {

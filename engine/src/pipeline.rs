@@ -330,21 +330,8 @@ fn frame_buffer() -> MetaWriter {
 const PEER_REPLY_BODY_LEN_MAX: u32 = rotary_net::client::REPLY_BODY_LEN_MAX;
 
 /// One request and its one reply over a fresh connection (admin fan-out
-/// to peers). Returns the reply's status and payload.
+/// to peers). Returns the reply's status, flags and payload.
 pub async fn unary(
-    addr: SocketAddr,
-    op: Op,
-    flags: u8,
-    meta: &[u8],
-    payload: &[u8],
-    timeout: Duration,
-) -> Result<(Status, Vec<u8>), String> {
-    let (status, _, payload) = unary_flagged(addr, op, flags, meta, payload, timeout).await?;
-    Ok((status, payload))
-}
-
-/// As [`unary`], with the reply's flags.
-pub async fn unary_flagged(
     addr: SocketAddr,
     op: Op,
     flags: u8,

@@ -977,15 +977,9 @@ impl Shard {
                 after => serde_json::json!({ "selector": "", "deleted": true, "after": after }),
             };
             let body = serde_json::to_vec(&body).expect("JSON");
-            let listed = crate::pipeline::unary_flagged(
-                peer.endpoint,
-                Op::LIST,
-                0,
-                &[],
-                &body,
-                PEER_LIST_TIMEOUT,
-            )
-            .await;
+            let listed =
+                crate::pipeline::unary(peer.endpoint, Op::LIST, 0, &[], &body, PEER_LIST_TIMEOUT)
+                    .await;
             let Ok((Status::OK, flags, payload)) = listed else {
                 return false;
             };
@@ -1050,11 +1044,11 @@ impl Shard {
                     )
                     .await;
                     match res {
-                        Ok((Status::OK, _)) => {
+                        Ok((Status::OK, _, _)) => {
                             tracing::info!(%peer, journal = %name, "deleted a journal whose deletion this broker had missed")
                         }
                         other => {
-                            tracing::warn!(%peer, journal = %name, outcome = ?other.map(|(s, _)| s), "deleting a journal whose deletion this broker had missed failed")
+                            tracing::warn!(%peer, journal = %name, outcome = ?other.map(|(s, _, _)| s), "deleting a journal whose deletion this broker had missed failed")
                         }
                     }
                 }
