@@ -791,13 +791,8 @@ impl Conn {
 
     /// ROUTE's answer: this broker's shard for the journal, and its route.
     fn route_json(&self, name: &str) -> serde_json::Value {
-        let replication = self.shard.specs.get(name).map_or(1, |s| s.replication);
-        self.route_json_of(name, replication)
-    }
-
-    /// [`Conn::route_json`] of a journal of `replication` replicas.
-    fn route_json_of(&self, name: &str, replication: u32) -> serde_json::Value {
         let shard = rotary_net::shard_of(name, self.shard.shards);
+        let replication = self.shard.specs.get(name).map_or(1, |s| s.replication);
         let view = self.shard.view();
         let route = view.route(name, replication);
         let local = self.shard.endpoints[shard as usize].to_string();
@@ -1084,29 +1079,34 @@ impl Conn {
             |s| sel.matches(&s.labels),
             req.deleted,
         );
-        let out: Vec<serde_json::Value> = page
+        let view = self.shard.view();
+        let out: Vec<ListedOut> = page
             .into_iter()
             .map(|entry| match entry {
                 crate::specs::Entry::Spec(r) => {
-                    let route = self.route_json_of(&r.spec.name, r.spec.replication);
-                    let ids: Vec<serde_json::Value> = route["members"]
-                        .as_array()
-                        .map(|m| m.iter().map(|m| m["id"].clone()).collect())
-                        .unwrap_or_default();
-                    serde_json::json!({
-                        "spec": r.spec,
-                        "revision": r.revision,
-                        "route": {
-                            "shard": route["shard"],
-                            "endpoint": route["endpoint"],
-                            "primary": ids.first().cloned().unwrap_or_default(),
-                            "members": ids,
+                    let name = &r.spec.name;
+                    let shard = rotary_net::shard_of(name, self.shard.shards);
+                    let route = view.route(name, r.spec.replication);
+                    let endpoint = match route.primary() {
+                        Some(p) => self.shard.member_endpoint(p, name),
+                        None => self.shard.endpoints[shard as usize],
+                    };
+                    let members: Vec<String> = route.members.into_iter().map(|m| m.id).collect();
+                    ListedOut::Spec {
+                        route: ListedRoute {
+                            shard,
+                            endpoint: endpoint.to_string(),
+                            primary: members.first().cloned().unwrap_or_default(),
+                            members,
                         },
-                    })
+                        spec: Box::new(r.spec),
+                        revision: r.revision,
+                    }
                 }
-                crate::specs::Entry::Deleted(t) => {
-                    serde_json::json!({ "deleted": t.name, "revision": t.revision })
-                }
+                crate::specs::Entry::Deleted(t) => ListedOut::Deleted {
+                    deleted: t.name,
+                    revision: t.revision,
+                },
             })
             .collect();
         // A broker still learning its peers' specs lists what it knows, and
@@ -1327,6 +1327,31 @@ impl Conn {
         }
         self.outbox.close();
     }
+}
+
+/// One entry of LIST's answer (PROTOCOL §9.3).
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum ListedOut {
+    Spec {
+        spec: Box<JournalSpec>,
+        revision: u64,
+        route: ListedRoute,
+    },
+    Deleted {
+        deleted: String,
+        revision: u64,
+    },
+}
+
+/// ROUTE's answer in short, for LIST.
+#[derive(serde::Serialize)]
+struct ListedRoute {
+    shard: u32,
+    endpoint: String,
+    /// The primary's id; empty if the route has no members.
+    primary: String,
+    members: Vec<String>,
 }
 
 /// The status of a change of specs that could not be stored: a full disk
