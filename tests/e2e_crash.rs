@@ -356,6 +356,87 @@ async fn abandoned_client_appends_roll_back_at_once() {
     assert_eq!(read_all(&client, j).await, all);
 }
 
+/// Spec changes survive `kill -9` whole or not at all, whether they went to
+/// the change log or into a new specs.json: changes of 400 specs each fold
+/// the log into a new snapshot every few rounds, and the broker is killed
+/// with one in flight. After each restart every journal carries the last
+/// acknowledged round, or the one in flight, the same for all 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spec_changes_survive_kill9_whole_across_snapshots() {
+    const JOURNALS: usize = 400;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut broker = Broker::start_with_cores(1);
+    let names: Vec<String> = (0..JOURNALS)
+        .map(|i| format!("e2e/spec-kill/j-{i:03}"))
+        .collect();
+    let specs = |round: u32| -> Vec<rotary_net::spec::JournalSpec> {
+        let labels =
+            rotary_net::spec::LabelSet::from_pairs([("round", round.to_string().as_str())])
+                .unwrap();
+        names
+            .iter()
+            .map(|n| {
+                let mut s = rotary_net::spec::JournalSpec::new(n);
+                s.labels = labels.clone();
+                s
+            })
+            .collect()
+    };
+    let mut round = 0u32;
+    for kill in 0..3 {
+        let client = broker.client().await;
+        let mut acked = None;
+        for _ in 0..rng.gen_range(12..24) {
+            round += 1;
+            client.apply(&specs(round)).await.unwrap();
+            acked = Some(round);
+        }
+        // One more in flight, and the broker killed under it.
+        round += 1;
+        let in_flight = {
+            let client = client.clone();
+            let specs = specs(round);
+            tokio::spawn(async move { client.apply(&specs).await })
+        };
+        tokio::time::sleep(Duration::from_micros(rng.gen_range(0..3_000))).await;
+        broker.kill9();
+        let answered = in_flight.await.unwrap().is_ok();
+        drop(client);
+        broker.start_again();
+        let client = broker.client().await;
+        let listed = client.list("").await.unwrap();
+        assert_eq!(listed.len(), JOURNALS, "kill {kill}");
+        let rounds: std::collections::BTreeSet<String> =
+            listed.iter().map(|j| j.spec.labels.to_text()).collect();
+        assert_eq!(
+            rounds.len(),
+            1,
+            "kill {kill}: a change was taken in part: {rounds:?}"
+        );
+        let got = rounds.into_iter().next().unwrap();
+        let last = format!("round={}", acked.unwrap());
+        let next = format!("round={round}");
+        if answered {
+            assert_eq!(got, next, "kill {kill}: an acknowledged change was lost");
+        } else {
+            assert!(
+                got == last || got == next,
+                "kill {kill}: {got}, acknowledged {last}"
+            );
+        }
+    }
+    // The log was folded into new snapshots on the way.
+    let log = std::fs::read_dir(&broker.data)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .find(|n| n.starts_with("specs.") && n.ends_with(".log"))
+        .expect("a change log");
+    let generation: u64 = log["specs.".len()..log.len() - ".log".len()]
+        .parse()
+        .unwrap();
+    assert!(generation >= 3, "only {log} after {round} changes");
+}
+
 /// Specs, deletes and data survive `kill -9`; a journal re-created after a
 /// delete starts empty, before and after a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
