@@ -522,8 +522,7 @@ impl SpecStore {
                         state.tombstones.get(name).copied(),
                     ),
                 };
-                let newer_known = known.is_some_and(|k| k > *revision)
-                    || (known.is_none() && gone.is_some_and(|g| g >= *revision));
+                let newer_known = deletion_is_stale(known, gone, *revision);
                 if !newer_known {
                     taken.insert(name.clone(), *revision);
                 }
@@ -546,11 +545,12 @@ impl SpecStore {
         self.observe(revision);
         let mut state = self.lock();
         let known = state.specs.get(name).map(|r| r.revision);
-        if known.is_some_and(|k| k > revision) {
-            return Ok(Deleted::KeptNewer);
-        }
-        if known.is_none() && state.tombstones.get(name).is_some_and(|&t| t >= revision) {
-            return Ok(Deleted::Absent);
+        if deletion_is_stale(known, state.tombstones.get(name).copied(), revision) {
+            return Ok(if known.is_some() {
+                Deleted::KeptNewer
+            } else {
+                Deleted::Absent
+            });
         }
         let change = Change {
             deleted: vec![Tombstone {
@@ -711,6 +711,13 @@ impl SpecStore {
         let state = self.lock();
         state.log.as_ref().map(|_| state.generation)
     }
+}
+
+/// Whether a deletion at `revision` loses to what the store knows of the
+/// name (`known`: its spec's revision, `gone`: its tombstone's): a later
+/// spec, or, with no spec, a tombstone as late.
+fn deletion_is_stale(known: Option<u64>, gone: Option<u64>, revision: u64) -> bool {
+    known.is_some_and(|k| k > revision) || (known.is_none() && gone.is_some_and(|g| g >= revision))
 }
 
 /// Applies a change to `state`, noting in `undo` what each name was.
