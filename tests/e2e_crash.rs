@@ -426,15 +426,19 @@ async fn spec_changes_survive_kill9_whole_across_snapshots() {
         }
     }
     // The log was folded into new snapshots on the way.
-    let log = std::fs::read_dir(&broker.data)
+    let generation = std::fs::read_dir(&broker.data)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .find(|n| n.starts_with("specs.") && n.ends_with(".log"))
+        .filter_map(|n| {
+            let g = n.strip_prefix("specs.")?.strip_suffix(".log")?;
+            g.parse::<u64>().ok()
+        })
+        .max()
         .expect("a change log");
-    let generation: u64 = log["specs.".len()..log.len() - ".log".len()]
-        .parse()
-        .unwrap();
-    assert!(generation >= 3, "only {log} after {round} changes");
+    assert!(
+        generation >= 3,
+        "only specs.{generation}.log after {round} changes"
+    );
 }
 
 /// Specs, deletes and data survive `kill -9`; a journal re-created after a

@@ -68,7 +68,7 @@ pub fn start() {
 
 /// Puts the calling thread in `SCHED_IDLE`: it runs only when nothing else
 /// on its core wants to.
-fn yield_to_everything() {
+pub(crate) fn yield_to_everything() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: plain syscall on the calling thread with a valid parameter.
     let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };

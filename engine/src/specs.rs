@@ -7,11 +7,14 @@
 //! Each change is one line of JSON appended to the log and fdatasynced
 //! before it takes effect, so a change costs its own bytes, not those of
 //! every spec (a broker of 60,000 journals has a snapshot of tens of
-//! megabytes). Once the log would outgrow the snapshot, the change is
-//! written as a new snapshot instead, naming a new, empty log, and the old
-//! log is removed. A start reads the snapshot and replays its log; a last
-//! line cut short by a crash is a change that was never acknowledged and
-//! is left out.
+//! megabytes). Once the log outgrows the snapshot, later changes go to a
+//! new log while a thread of the store's own writes a new snapshot naming
+//! that log (from a copy of the specs, taken in a few milliseconds, so the
+//! shard that made the change does not wait for it); once the snapshot is
+//! in place, older logs are removed. A start reads the snapshot and
+//! replays the log it names and every later one, in order; a last line cut
+//! short by a crash is a change that was never acknowledged and is left
+//! out.
 //!
 //! Every change has a revision: a hybrid clock, the wall clock in
 //! nanoseconds unless the store has already seen a later revision, in
@@ -31,7 +34,7 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Tombstones are dropped once their revision is this old (by the wall
 /// clock the revisions mostly carry): a broker down for longer must not
@@ -79,20 +82,23 @@ pub enum Deleted {
 
 #[derive(Default)]
 struct State {
-    specs: BTreeMap<String, Revised>,
+    /// Shared with the snapshot being written, if any.
+    specs: BTreeMap<String, Arc<Revised>>,
     tombstones: BTreeMap<String, u64>,
     /// The names each recent change touched, by the version it made,
     /// oldest first (see [`SpecStore::changes_since`]).
     changes: VecDeque<(u64, Vec<String>)>,
-    /// The change log the snapshot names (none before the first snapshot
-    /// written with one).
+    /// The change log that changes go to: the one the snapshot names or
+    /// a later one (none before the first snapshot written with one).
     log: Option<ChangeLog>,
     /// Bytes of the snapshot last written or read.
     snapshot_len: u64,
     /// The highest log generation on disk or written.
     generation: u64,
-    /// Logs of earlier snapshots, removed with the next snapshot.
+    /// Logs of earlier snapshots, removed with the first snapshot.
     stale_logs: Vec<PathBuf>,
+    /// The snapshot thread is writing a snapshot.
+    snapshotting: bool,
 }
 
 /// Most names the change history keeps, over all its changes: beyond it
@@ -120,8 +126,28 @@ struct OnDisk {
 #[derive(Serialize)]
 struct Snapshot<'a> {
     specs: Vec<&'a Revised>,
-    deleted: Vec<Tombstone>,
+    deleted: &'a [Tombstone],
     log: u64,
+}
+
+impl Snapshot<'_> {
+    fn bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("specs serialize")
+    }
+}
+
+/// A snapshot for the snapshot thread to write: the store as of the end
+/// of the log before `generation`.
+struct Job {
+    generation: u64,
+    specs: Vec<Arc<Revised>>,
+    deleted: Vec<Tombstone>,
+}
+
+/// What became of a [`Job`]: the snapshot's length once it is in place.
+struct Done {
+    generation: u64,
+    written: Result<u64, EngineError>,
 }
 
 /// One change: a line of the change log (see [`Change::record`]).
@@ -164,7 +190,7 @@ impl Change {
 
 /// What a name was before a change, to put it back if the change cannot
 /// be written.
-type Undo = Vec<(String, Option<Revised>, Option<u64>)>;
+type Undo = Vec<(String, Option<Arc<Revised>>, Option<u64>)>;
 
 struct ChangeLog {
     path: PathBuf,
@@ -216,6 +242,21 @@ pub struct SpecStore {
     changed_names_kept: usize,
     /// [`LOG_BYTES_MIN`], smaller in tests.
     log_bytes_min: u64,
+    /// To the snapshot thread; taken when the store is dropped.
+    jobs: Option<crossbeam_channel::Sender<Job>>,
+    done: crossbeam_channel::Receiver<Done>,
+    snapshot_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for SpecStore {
+    /// Waits for a snapshot being written, so that a store opened next on
+    /// the same directory does not race it.
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(thread) = self.snapshot_thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl SpecStore {
@@ -258,7 +299,7 @@ impl SpecStore {
             specs: disk
                 .specs
                 .into_iter()
-                .map(|r| (r.spec.name.clone(), r))
+                .map(|r| (r.spec.name.clone(), Arc::new(r)))
                 .collect(),
             tombstones: disk
                 .deleted
@@ -269,37 +310,54 @@ impl SpecStore {
             generation: logs.iter().map(|(g, _)| *g).max().unwrap_or(0),
             ..State::default()
         };
-        if let Some(generation) = disk.log {
-            let log_path = log_path(&path, generation);
-            let (changes, len, file_len) = read_log(&log_path).map_err(|e| match e {
-                LogError::Missing => EngineError::Corrupt(format!(
+        if let Some(named) = disk.log {
+            let chain: Vec<&(u64, PathBuf)> = logs.iter().filter(|(g, _)| *g >= named).collect();
+            if chain.first().map(|(g, _)| *g) != Some(named) {
+                return Err(EngineError::Corrupt(format!(
                     "{} names the change log {}, which is missing",
                     path.display(),
-                    log_path.display()
-                )),
-                LogError::Io(e) => EngineError::Io(log_path.clone(), e),
-                LogError::Damaged(at) => EngineError::Corrupt(format!(
-                    "{}: the record at byte {at} is damaged, and records follow it",
-                    log_path.display()
-                )),
-            })?;
-            for change in &changes {
-                apply(&mut state, change, None);
+                    log_path(&path, named).display()
+                )));
             }
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .open(&log_path)
-                .map_err(|e| EngineError::Io(log_path.clone(), e))?;
-            state.log = Some(ChangeLog {
-                path: log_path,
-                file,
-                len,
-                tail_dirty: file_len > len,
-            });
+            if let Some(gap) = chain.windows(2).find(|w| w[1].0 != w[0].0 + 1) {
+                return Err(EngineError::Corrupt(format!(
+                    "the change log {} follows {}, but the one between them is missing",
+                    gap[1].1.display(),
+                    gap[0].1.display()
+                )));
+            }
+            for (i, (_, log_path)) in chain.iter().enumerate() {
+                let (changes, len, file_len) = read_log(log_path).map_err(|e| match e {
+                    LogError::Missing => EngineError::Corrupt(format!(
+                        "the change log {} went missing while it was read",
+                        log_path.display()
+                    )),
+                    LogError::Io(e) => EngineError::Io(log_path.clone(), e),
+                    LogError::Damaged(at) => EngineError::Corrupt(format!(
+                        "{}: the record at byte {at} is damaged, and records follow it",
+                        log_path.display()
+                    )),
+                })?;
+                for change in &changes {
+                    apply(&mut state, change, None);
+                }
+                if i + 1 == chain.len() {
+                    let file = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(log_path)
+                        .map_err(|e| EngineError::Io(log_path.clone(), e))?;
+                    state.log = Some(ChangeLog {
+                        path: log_path.clone(),
+                        file,
+                        len,
+                        tail_dirty: file_len > len,
+                    });
+                }
+            }
         }
         state.stale_logs = logs
             .into_iter()
-            .filter(|(g, _)| Some(*g) != disk.log)
+            .filter(|(g, _)| disk.log.is_none_or(|named| *g < named))
             .map(|(_, p)| p)
             .collect();
         state.specs.retain(|_, r| match r.spec.validate() {
@@ -319,6 +377,15 @@ impl SpecStore {
             .chain(state.tombstones.values().copied())
             .max()
             .unwrap_or(0);
+        // Started here, before any shard pins its thread, so that it runs
+        // on any of the broker's cores.
+        let (jobs, job) = crossbeam_channel::unbounded();
+        let (finished, done) = crossbeam_channel::unbounded();
+        let snapshot_path = path.clone();
+        let snapshot_thread = std::thread::Builder::new()
+            .name("rotary-specs".into())
+            .spawn(move || write_snapshots(&snapshot_path, job, finished))
+            .map_err(|e| EngineError::Io(path.clone(), e))?;
         Ok(SpecStore {
             path,
             state: Mutex::new(state),
@@ -328,6 +395,9 @@ impl SpecStore {
             caught_up: AtomicBool::new(false),
             changed_names_kept: CHANGED_NAMES_KEPT,
             log_bytes_min: LOG_BYTES_MIN,
+            jobs: Some(jobs),
+            done,
+            snapshot_thread: Some(snapshot_thread),
         })
     }
 
@@ -382,7 +452,7 @@ impl SpecStore {
     }
 
     pub fn get_revised(&self, name: &str) -> Option<Revised> {
-        self.lock().specs.get(name).cloned()
+        self.lock().specs.get(name).map(|r| Revised::clone(r))
     }
 
     /// The revision of the journal's deletion, if it was deleted.
@@ -395,7 +465,11 @@ impl SpecStore {
     }
 
     pub fn all_revised(&self) -> Vec<Revised> {
-        self.lock().specs.values().cloned().collect()
+        self.lock()
+            .specs
+            .values()
+            .map(|r| Revised::clone(r))
+            .collect()
     }
 
     pub fn tombstones(&self) -> Vec<Tombstone> {
@@ -438,7 +512,7 @@ impl SpecStore {
             }
             page.push(if spec_first {
                 let (_, r) = specs.next().expect("peeked");
-                Entry::Spec(r.clone())
+                Entry::Spec(Revised::clone(r))
             } else {
                 let (name, &revision) = gone.next().expect("peeked");
                 Entry::Deleted(Tombstone {
@@ -572,26 +646,27 @@ impl SpecStore {
     }
 
     /// Makes `change` the store's: applies it, drops expired tombstones,
-    /// and writes it, as a record of the change log or, once the log would
-    /// outgrow the snapshot, as a new snapshot. If the write fails the
-    /// change is undone and the store is as it was.
+    /// and writes it as a record of the change log (or, for the store's
+    /// first change, as its first snapshot). If the write fails the change
+    /// is undone and the store is as it was. A log that has outgrown the
+    /// snapshot then starts the writing of a new one.
     fn commit(&self, state: &mut State, change: Change) -> Result<(), EngineError> {
+        self.settle(state);
         let record = change.record();
         let mut undo = Undo::new();
         apply(state, &change, Some(&mut undo));
         let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
         state.tombstones.retain(|_, revision| *revision >= expired);
-        let log_max = state.snapshot_len.max(self.log_bytes_min);
         // A snapshot renamed into place whose directory could not be
         // synced holds the change all the same: it stays, and the caller
         // hears of the failure.
         let mut unsynced = None;
         let written = match &mut state.log {
-            Some(log) if log.len + record.len() as u64 <= log_max => log
+            Some(log) => log
                 .append(&record)
                 .map_err(|e| EngineError::Io(log.path.clone(), e)),
-            _ => self
-                .write_snapshot(state)
+            None => self
+                .write_first_snapshot(state)
                 .map(|synced| unsynced = synced.err()),
         };
         if let Err(e) = written {
@@ -614,52 +689,95 @@ impl SpecStore {
             let (_, dropped) = state.changes.pop_front().expect("more than one change");
             kept -= dropped.len();
         }
+        let log_max = state.snapshot_len.max(self.log_bytes_min);
+        if !state.snapshotting && state.log.as_ref().is_some_and(|log| log.len > log_max) {
+            self.start_snapshot(state);
+        }
         match unsynced {
             Some(e) => Err(e),
             None => Ok(()),
         }
     }
 
-    /// Writes `state` as a new snapshot naming a new, empty change log,
-    /// then removes the logs before it. `Err`: the snapshot is not in
-    /// place, and the state keeps its old log. `Ok(Err)`: it is in place,
-    /// but its directory could not be synced.
-    fn write_snapshot(&self, state: &mut State) -> Result<Result<(), EngineError>, EngineError> {
+    /// Takes note of the snapshots the snapshot thread has finished.
+    fn settle(&self, state: &mut State) {
+        while let Ok(done) = self.done.try_recv() {
+            state.snapshotting = false;
+            match done.written {
+                Ok(len) => state.snapshot_len = len,
+                // The logs since the snapshot in place are all kept, and
+                // the next one is tried once the current log outgrows it.
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    generation = done.generation,
+                    "cannot write a snapshot of the journal specs; their change logs are kept"
+                ),
+            }
+        }
+    }
+
+    /// Sends later changes to a new, empty log, and hands a copy of the
+    /// store as of the end of the current one to the snapshot thread. If
+    /// the new log cannot be made, changes stay on the current one.
+    fn start_snapshot(&self, state: &mut State) {
+        let Some(jobs) = &self.jobs else { return };
         let generation = state.generation + 1;
-        let log_path = log_path(&self.path, generation);
-        let snapshot = Snapshot {
-            specs: state.specs.values().collect(),
-            deleted: tombstones_of(state),
-            log: generation,
-        };
-        let bytes = serde_json::to_vec_pretty(&snapshot).expect("specs serialize");
-        let tmp = self.path.with_extension("json.next");
-        let write = || -> Result<File, (PathBuf, std::io::Error)> {
-            let at = |path: &Path| {
-                let path = path.to_path_buf();
-                move |e| (path, e)
-            };
-            let log = File::create(&log_path).map_err(at(&log_path))?;
-            let mut f = File::create(&tmp).map_err(at(&tmp))?;
-            f.write_all(&bytes).map_err(at(&tmp))?;
-            f.sync_data().map_err(at(&tmp))?;
-            std::fs::rename(&tmp, &self.path).map_err(at(&self.path))?;
-            Ok(log)
-        };
-        let file = match write() {
+        let path = log_path(&self.path, generation);
+        // The new log's name is synced before any change it holds is
+        // answered: a start that did not find it would lose them.
+        let dir = self.path.parent().expect("has parent");
+        let made = File::create(&path).and_then(|file| sync_dir(dir).map(|()| file));
+        let file = match made {
             Ok(file) => file,
-            Err((path, e)) => {
-                let _ = std::fs::remove_file(&tmp);
-                let _ = std::fs::remove_file(&log_path);
-                return Err(EngineError::Io(path, e));
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                tracing::warn!(log = %path.display(), error = %e, "cannot start a new spec change log; changes stay on the current one");
+                return;
             }
         };
-        let dir = self.path.parent().expect("has parent");
-        let synced = File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| EngineError::Io(dir.to_path_buf(), e));
-        let old = state.log.take().map(|log| log.path);
-        state.stale_logs.extend(old);
+        state.generation = generation;
+        state.log = Some(ChangeLog {
+            path,
+            file,
+            len: 0,
+            tail_dirty: false,
+        });
+        state.snapshotting = true;
+        let job = Job {
+            generation,
+            specs: state.specs.values().cloned().collect(),
+            deleted: tombstones_of(state),
+        };
+        if jobs.send(job).is_err() {
+            state.snapshotting = false;
+        }
+    }
+
+    /// Writes `state` as the store's first snapshot with a change log, a
+    /// new and empty one, then removes logs left from before. `Err`: the
+    /// snapshot is not in place, and nothing changed. `Ok(Err)`: it is in
+    /// place, but its directory could not be synced.
+    fn write_first_snapshot(
+        &self,
+        state: &mut State,
+    ) -> Result<Result<(), EngineError>, EngineError> {
+        let generation = state.generation + 1;
+        let log_path = log_path(&self.path, generation);
+        let deleted = tombstones_of(state);
+        let bytes = Snapshot {
+            specs: state.specs.values().map(|r| &**r).collect(),
+            deleted: &deleted,
+            log: generation,
+        }
+        .bytes();
+        let file = File::create(&log_path).map_err(|e| EngineError::Io(log_path.clone(), e))?;
+        let synced = match put_snapshot(&self.path, &bytes) {
+            Ok(synced) => synced,
+            Err(e) => {
+                let _ = std::fs::remove_file(&log_path);
+                return Err(e);
+            }
+        };
         state.stale_logs.retain(|stale| match std::fs::remove_file(stale) {
             Ok(()) => false,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
@@ -677,6 +795,19 @@ impl SpecStore {
             tail_dirty: false,
         });
         Ok(synced)
+    }
+
+    /// Waits for the snapshot being written, in tests.
+    #[cfg(test)]
+    fn wait_for_snapshot(&self) {
+        let mut state = self.lock();
+        if state.snapshotting {
+            let done = self.done.recv().expect("the snapshot thread answers");
+            state.snapshotting = false;
+            if let Ok(len) = done.written {
+                state.snapshot_len = len;
+            }
+        }
     }
 
     /// The names of the specs set or deleted since `version` (a value of
@@ -720,6 +851,88 @@ fn deletion_is_stale(known: Option<u64>, gone: Option<u64>, revision: u64) -> bo
     known.is_some_and(|k| k > revision) || (known.is_none() && gone.is_some_and(|g| g >= revision))
 }
 
+/// The snapshot thread: writes each snapshot it is handed, then removes
+/// the change logs before the one it names. It yields its core to every
+/// other thread (a snapshot of 60,000 specs is tens of megabytes); the
+/// logs grow meanwhile.
+fn write_snapshots(
+    path: &Path,
+    jobs: crossbeam_channel::Receiver<Job>,
+    done: crossbeam_channel::Sender<Done>,
+) {
+    crate::reaper::yield_to_everything();
+    for job in jobs {
+        let bytes = Snapshot {
+            specs: job.specs.iter().map(|r| &**r).collect(),
+            deleted: &job.deleted,
+            log: job.generation,
+        }
+        .bytes();
+        drop(job.specs);
+        let written = put_snapshot(path, &bytes).map(|synced| {
+            match synced {
+                Ok(()) => remove_logs_before(path, job.generation),
+                // Until the directory is synced, a crash can bring back
+                // the snapshot before, which needs the older logs.
+                Err(e) => tracing::warn!(error = %e, "a new spec snapshot is in place, but not yet synced; older change logs are kept"),
+            }
+            bytes.len() as u64
+        });
+        let finished = Done {
+            generation: job.generation,
+            written,
+        };
+        if done.send(finished).is_err() {
+            return;
+        }
+    }
+}
+
+/// Writes `bytes` to a file beside `path`, syncs it, and renames it over
+/// `path`. `Err`: `path` is as it was. `Ok(Err)`: the new file is in
+/// place, but the directory could not be synced.
+fn put_snapshot(path: &Path, bytes: &[u8]) -> Result<Result<(), EngineError>, EngineError> {
+    let tmp = path.with_extension("json.next");
+    let write = || -> Result<(), (PathBuf, std::io::Error)> {
+        let at = |p: &Path| {
+            let p = p.to_path_buf();
+            move |e| (p, e)
+        };
+        let mut f = File::create(&tmp).map_err(at(&tmp))?;
+        f.write_all(bytes).map_err(at(&tmp))?;
+        f.sync_data().map_err(at(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(at(path))
+    };
+    if let Err((at, e)) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(EngineError::Io(at, e));
+    }
+    let dir = path.parent().expect("has parent");
+    Ok(sync_dir(dir).map_err(|e| EngineError::Io(dir.to_path_buf(), e)))
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir).and_then(|d| d.sync_all())
+}
+
+/// Removes the change logs beside `path` older than `generation`.
+fn remove_logs_before(path: &Path, generation: u64) {
+    let logs = match logs_beside(path) {
+        Ok(logs) => logs,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list old spec change logs");
+            return;
+        }
+    };
+    for (_, stale) in logs.into_iter().filter(|(g, _)| *g < generation) {
+        if let Err(e) = std::fs::remove_file(&stale) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(log = %stale.display(), error = %e, "cannot remove an old spec change log");
+            }
+        }
+    }
+}
+
 /// Applies a change to `state`, noting in `undo` what each name was.
 fn apply(state: &mut State, change: &Change, mut undo: Option<&mut Undo>) {
     let mut note = |state: &State, name: &str| {
@@ -731,7 +944,7 @@ fn apply(state: &mut State, change: &Change, mut undo: Option<&mut Undo>) {
     for r in &change.specs {
         note(state, &r.spec.name);
         state.tombstones.remove(&r.spec.name);
-        state.specs.insert(r.spec.name.clone(), r.clone());
+        state.specs.insert(r.spec.name.clone(), Arc::new(r.clone()));
     }
     for t in &change.deleted {
         note(state, &t.name);
@@ -1102,8 +1315,30 @@ mod tests {
         assert_eq!(longer.iter().filter(|&&b| b == b'\n').count(), 4);
     }
 
+    /// The generation of the log that `path`'s snapshot names, and how
+    /// many specs it holds.
+    fn snapshot_at(path: &Path) -> (Option<u64>, usize) {
+        let disk: OnDisk = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        (disk.log, disk.specs.len())
+    }
+
+    /// Changes one of the 20 specs `f/000`..`f/019` at a time until the
+    /// store moves to a new log; returns how many changes that took.
+    fn change_until_a_new_log(s: &SpecStore, revision: &mut u64, round: usize) -> usize {
+        let current = s.log_generation();
+        let mut changes = 0;
+        while s.log_generation() == current {
+            let name = format!("f/{:03}", *revision % 20);
+            s.apply_at(vec![spec(&name, &format!("r{round}"))], *revision)
+                .unwrap();
+            *revision += 1;
+            changes += 1;
+        }
+        changes
+    }
+
     #[test]
-    fn a_log_that_would_outgrow_the_snapshot_is_folded_into_a_new_one() {
+    fn a_log_that_outgrows_the_snapshot_is_folded_into_a_new_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("specs.json");
         let mut s = SpecStore::open(path.clone()).unwrap();
@@ -1111,31 +1346,21 @@ mod tests {
         let many: Vec<_> = (0..20).map(|i| spec(&format!("f/{i:03}"), "v1")).collect();
         s.apply_at(many, base() + 1).unwrap();
         assert_eq!(s.log_generation(), Some(1));
-        let snapshot_len = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(snapshot_at(&path), (Some(1), 20));
         // Each change of one spec is a small record: the log takes about
-        // as many as the snapshot holds specs, then a change writes a
-        // snapshot and a new log, and the old log goes.
+        // as many as the snapshot holds specs; the change that takes it
+        // past the snapshot's size sends later changes to a new log, and
+        // a snapshot naming that log is written, then the old log goes.
         let mut revision = base() + 2;
-        let mut generations = vec![1];
         for round in 0..3 {
-            while s.log_generation() == generations.last().copied() {
-                let name = format!("f/{:03}", revision % 20);
-                s.apply_at(vec![spec(&name, &format!("r{round}"))], revision)
-                    .unwrap();
-                revision += 1;
-                let log = dir
-                    .path()
-                    .join(format!("specs.{}.log", generations.last().unwrap()));
-                if let Ok(m) = std::fs::metadata(&log) {
-                    assert!(m.len() <= snapshot_len.max(std::fs::metadata(&path).unwrap().len()));
-                }
-            }
-            generations.push(s.log_generation().unwrap());
-            let newest = format!("specs.{}.log", generations.last().unwrap());
-            assert_eq!(logs_in(dir.path()), vec![newest]);
+            let changes = change_until_a_new_log(&s, &mut revision, round);
+            assert!(changes > 10, "{changes} changes before a new log");
+            let generation = round as u64 + 2;
+            assert_eq!(s.log_generation(), Some(generation));
+            s.wait_for_snapshot();
+            assert_eq!(snapshot_at(&path), (Some(generation), 20));
+            assert_eq!(logs_in(dir.path()), vec![format!("specs.{generation}.log")]);
         }
-        assert_eq!(generations, vec![1, 2, 3, 4]);
-        assert!(revision > base() + 30, "too few changes before a snapshot");
         s.delete_at("f/007", revision).unwrap();
         let revised = s.all_revised();
         let tombstones = s.tombstones();
@@ -1144,6 +1369,67 @@ mod tests {
         assert_eq!(s.all_revised(), revised);
         assert_eq!(s.tombstones(), tombstones);
         assert_eq!(s.all().len(), 19);
+    }
+
+    #[test]
+    fn a_snapshot_that_cannot_be_written_keeps_every_log_and_loses_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let mut s = SpecStore::open(path.clone()).unwrap();
+        s.log_bytes_min = 0;
+        let many: Vec<_> = (0..20).map(|i| spec(&format!("f/{i:03}"), "v1")).collect();
+        s.apply_at(many, base() + 1).unwrap();
+        // Nothing can be written where the snapshot is staged.
+        let blocker = dir.path().join("specs.json.next");
+        std::fs::create_dir(&blocker).unwrap();
+        let mut revision = base() + 2;
+        for round in 0..2 {
+            change_until_a_new_log(&s, &mut revision, round);
+            s.wait_for_snapshot();
+        }
+        // The snapshot still names the first log, and the changes since
+        // are in it and in the two after it.
+        assert_eq!(snapshot_at(&path).0, Some(1));
+        let logs = ["specs.1.log", "specs.2.log", "specs.3.log"].map(String::from);
+        assert_eq!(logs_in(dir.path()), logs.to_vec());
+        s.delete_at("f/007", revision).unwrap();
+        let revised = s.all_revised();
+        let tombstones = s.tombstones();
+        drop(s);
+
+        // A start replays every log from the one the snapshot names.
+        let s = SpecStore::open(path.clone()).unwrap();
+        assert_eq!(s.all_revised(), revised);
+        assert_eq!(s.tombstones(), tombstones);
+        drop(s);
+
+        // A log missing from among them is no crash's doing.
+        let middle = dir.path().join("specs.2.log");
+        let kept = std::fs::read(&middle).unwrap();
+        std::fs::remove_file(&middle).unwrap();
+        match SpecStore::open(path.clone()) {
+            Err(EngineError::Corrupt(why)) => {
+                assert!(why.contains("the one between them is missing"), "{why}")
+            }
+            Err(e) => panic!("not corrupt: {e}"),
+            Ok(_) => panic!("opened without specs.2.log"),
+        }
+        std::fs::write(&middle, kept).unwrap();
+
+        // Once a snapshot can be written, the logs before it go.
+        std::fs::remove_dir(&blocker).unwrap();
+        let mut s = SpecStore::open(path.clone()).unwrap();
+        s.log_bytes_min = 0;
+        change_until_a_new_log(&s, &mut revision, 2);
+        s.wait_for_snapshot();
+        assert_eq!(snapshot_at(&path), (Some(4), s.all().len()));
+        assert_eq!(logs_in(dir.path()), vec!["specs.4.log".to_string()]);
+        let revised = s.all_revised();
+        let tombstones = s.tombstones();
+        drop(s);
+        let s = SpecStore::open(path).unwrap();
+        assert_eq!(s.all_revised(), revised);
+        assert_eq!(s.tombstones(), tombstones);
     }
 
     #[test]
