@@ -2168,6 +2168,56 @@ async fn a_broker_that_missed_a_change_while_up_catches_up_body(cluster: &mut Cl
             tokio::time::sleep(POLL).await;
         }
     }
+
+    // Now all three hold the same specs, and their STATS say so: later
+    // comparisons find the same digest and list nothing.
+    let specs_of = |stats: &serde_json::Value| {
+        (
+            stats["specs"].as_u64().expect("a spec count"),
+            stats["specs_digest"]
+                .as_str()
+                .expect("a spec digest")
+                .to_string(),
+        )
+    };
+    let counters = |stats: &serde_json::Value| {
+        let n = |k: &str| {
+            stats[k]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{k} in {stats}"))
+        };
+        (n("spec_syncs_full"), n("spec_syncs_unchanged"))
+    };
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut held = Vec::new();
+        for b in &cluster.brokers {
+            held.push(specs_of(&b.pinned().await.stats().await.unwrap()));
+        }
+        if held.iter().all(|h| *h == held[0]) {
+            assert_eq!(held[0].0, 1, "{held:?}");
+            assert_eq!(held[0].1.len(), 32, "{held:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "specs never agreed: {held:?}");
+        tokio::time::sleep(POLL).await;
+    }
+    // Comparisons begun before the last change settle first.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut before = Vec::new();
+    for b in &cluster.brokers {
+        before.push(counters(&b.pinned().await.stats().await.unwrap()));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for (b, (full, unchanged)) in cluster.brokers.iter().zip(before) {
+        let (full_now, unchanged_now) = counters(&b.pinned().await.stats().await.unwrap());
+        assert_eq!(full_now, full, "{} listed a peer's specs again", b.id);
+        assert!(
+            unchanged_now >= unchanged + 2,
+            "{}: {unchanged} then {unchanged_now} comparisons in 3 s",
+            b.id
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -416,6 +416,9 @@ impl Conn {
                 body["upload_bytes"] = load(&m.upload_bytes).into();
                 body["upload_stored_bytes"] = load(&m.upload_stored_bytes).into();
                 body["upload_micros_total"] = load(&m.upload_micros).into();
+                let (specs, digest) = self.shard.specs.digest();
+                body["specs"] = specs.into();
+                body["specs_digest"] = format!("{digest:032x}").into();
                 self.admin_ok(id, &body);
             }
             Op::PRUNE => self.prune(id, payload).await,

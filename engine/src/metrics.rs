@@ -56,6 +56,10 @@ counters!(
     recovery_hashed_bytes,
     // A gauge: memory held by the tail caches of tailed journals.
     tail_cache_bytes,
+    // Comparisons with a peer's specs that listed them all (the digests
+    // differed), and those that found the same digest and listed nothing.
+    spec_syncs_full,
+    spec_syncs_unchanged,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

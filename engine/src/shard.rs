@@ -965,9 +965,18 @@ impl Shard {
         }
     }
 
-    /// Lists a peer's specs and tombstones and takes the newer ones; false
-    /// if the peer did not answer.
+    /// Lists a peer's specs and tombstones and takes the newer ones, unless
+    /// its STATS show the same specs as this broker's; false if the peer
+    /// did not answer.
     async fn sync_specs_with(&self, peer: &crate::topology::Member) -> bool {
+        match self.same_specs_as(peer).await {
+            None => return false,
+            Some(true) => {
+                metrics::add(&self.metrics.spec_syncs_unchanged, 1);
+                return true;
+            }
+            Some(false) => metrics::add(&self.metrics.spec_syncs_full, 1),
+        }
         // Every page first, then one change of the store for all of them.
         let mut entries = Vec::new();
         let mut after = String::new();
@@ -1006,6 +1015,27 @@ impl Shard {
         }
         self.adopt_newer(&peer.id, entries).await;
         true
+    }
+
+    /// Whether a peer's STATS show the same count and digest of specs as
+    /// this broker's store (false if they show none); `None` if it did
+    /// not answer. A deletion shows too: the peer lacks the spec. Only
+    /// tombstones are not compared, and they matter only to a spec older
+    /// than the deletion, which one of the two would then hold.
+    async fn same_specs_as(&self, peer: &crate::topology::Member) -> Option<bool> {
+        let stats =
+            crate::pipeline::unary(peer.endpoint, Op::STATS, 0, &[], &[], PEER_LIST_TIMEOUT).await;
+        let Ok((Status::OK, _, payload)) = stats else {
+            return None;
+        };
+        let Ok(stats) = serde_json::from_slice::<serde_json::Value>(&payload) else {
+            return Some(false);
+        };
+        let (count, digest) = self.specs.digest();
+        Some(
+            stats["specs"].as_u64() == Some(count as u64)
+                && stats["specs_digest"].as_str() == Some(format!("{digest:032x}").as_str()),
+        )
     }
 
     /// Takes a peer's specs and deletions that are newer than this

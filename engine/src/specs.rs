@@ -99,6 +99,35 @@ struct State {
     stale_logs: Vec<PathBuf>,
     /// The snapshot thread is writing a snapshot.
     snapshotting: bool,
+    /// The XOR of [`entry_digest`] over `specs`: equal in two stores that
+    /// hold the same specs at the same revisions.
+    digest: u128,
+}
+
+impl State {
+    fn put_spec(&mut self, revised: Arc<Revised>) {
+        self.digest ^= entry_digest(&revised);
+        if let Some(old) = self.specs.insert(revised.spec.name.clone(), revised) {
+            self.digest ^= entry_digest(&old);
+        }
+    }
+
+    fn remove_spec(&mut self, name: &str) {
+        if let Some(old) = self.specs.remove(name) {
+            self.digest ^= entry_digest(&old);
+        }
+    }
+}
+
+/// 128 bits of the SHA-1 of a spec's name and revision.
+fn entry_digest(revised: &Revised) -> u128 {
+    use sha1::Digest;
+    let mut h = sha1::Sha1::new();
+    h.update(revised.spec.name.as_bytes());
+    h.update([0]);
+    h.update(revised.revision.to_le_bytes());
+    let sum = h.finalize();
+    u128::from_le_bytes(sum[..16].try_into().expect("20 bytes"))
 }
 
 /// Most names the change history keeps, over all its changes: beyond it
@@ -370,6 +399,7 @@ impl SpecStore {
                 false
             }
         });
+        state.digest = state.specs.values().fold(0, |d, r| d ^ entry_digest(r));
         let newest = state
             .specs
             .values()
@@ -474,6 +504,14 @@ impl SpecStore {
 
     pub fn tombstones(&self) -> Vec<Tombstone> {
         tombstones_of(&self.lock())
+    }
+
+    /// How many specs the store holds, and a digest of their names and
+    /// revisions: two stores with the same count and digest hold the same
+    /// specs (a peer compares them before it lists every spec).
+    pub fn digest(&self) -> (usize, u128) {
+        let state = self.lock();
+        (state.specs.len(), state.digest)
     }
 
     /// A page of the store in name order, after the name `after` (`""`:
@@ -672,8 +710,8 @@ impl SpecStore {
         if let Err(e) = written {
             for (name, spec, tombstone) in undo.into_iter().rev() {
                 match spec {
-                    Some(spec) => state.specs.insert(name.clone(), spec),
-                    None => state.specs.remove(&name),
+                    Some(spec) => state.put_spec(spec),
+                    None => state.remove_spec(&name),
                 };
                 match tombstone {
                     Some(revision) => state.tombstones.insert(name, revision),
@@ -944,11 +982,11 @@ fn apply(state: &mut State, change: &Change, mut undo: Option<&mut Undo>) {
     for r in &change.specs {
         note(state, &r.spec.name);
         state.tombstones.remove(&r.spec.name);
-        state.specs.insert(r.spec.name.clone(), Arc::new(r.clone()));
+        state.put_spec(Arc::new(r.clone()));
     }
     for t in &change.deleted {
         note(state, &t.name);
-        state.specs.remove(&t.name);
+        state.remove_spec(&t.name);
         state.tombstones.insert(t.name.clone(), t.revision);
     }
 }
@@ -1516,6 +1554,52 @@ mod tests {
             names(&s),
             ["xx/a", "xx/b", "xx/c"].map(String::from).to_vec()
         );
+    }
+
+    #[test]
+    fn stores_holding_the_same_specs_have_the_same_digest() {
+        let (_da, a) = store();
+        let (db, b) = store();
+        assert_eq!(a.digest(), b.digest());
+        a.apply_at(vec![spec("dg/x", "v1"), spec("dg/y", "v1")], base() + 1)
+            .unwrap();
+        a.apply_at(vec![spec("dg/x", "v2")], base() + 2).unwrap();
+        a.delete_at("dg/y", base() + 3).unwrap();
+        a.apply_at(vec![spec("dg/z", "v1")], base() + 4).unwrap();
+        // The same specs reached in another order, by other steps.
+        b.apply_at(vec![spec("dg/z", "v1")], base() + 4).unwrap();
+        b.delete_at("dg/y", base() + 3).unwrap();
+        b.apply_at(vec![spec("dg/x", "v2")], base() + 2).unwrap();
+        b.apply_at(vec![spec("dg/x", "v1")], base() + 1).unwrap();
+        assert_eq!(a.digest(), b.digest());
+        assert_eq!(a.digest().0, 2);
+        // A spec at another revision, or one more, makes them differ.
+        b.apply_at(vec![spec("dg/z", "v1")], base() + 5).unwrap();
+        assert_eq!(a.digest().0, b.digest().0);
+        assert_ne!(a.digest(), b.digest());
+        a.apply_at(vec![spec("dg/z", "v1")], base() + 5).unwrap();
+        assert_eq!(a.digest(), b.digest());
+        a.apply_at(vec![spec("dg/w", "v1")], base() + 6).unwrap();
+        assert_ne!(a.digest(), b.digest());
+        a.delete_at("dg/w", base() + 7).unwrap();
+        assert_eq!(a.digest(), b.digest());
+        // A change that cannot be written leaves the digest as it was.
+        let before = b.digest();
+        let real = std::mem::replace(
+            &mut b.lock().log.as_mut().unwrap().file,
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap(),
+        );
+        assert!(b.apply_at(vec![spec("dg/x", "v3")], base() + 8).is_err());
+        assert!(b.delete_at("dg/z", base() + 8).is_err());
+        assert_eq!(b.digest(), before);
+        b.lock().log.as_mut().unwrap().file = real;
+        // And a start computes the digest the changes kept.
+        drop(b);
+        let b = SpecStore::open(db.path().join("specs.json")).unwrap();
+        assert_eq!(b.digest(), before);
     }
 
     #[test]
