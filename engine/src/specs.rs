@@ -1375,14 +1375,33 @@ mod tests {
         changes
     }
 
-    #[test]
-    fn a_log_that_outgrows_the_snapshot_is_folded_into_a_new_one() {
+    /// Drops `s` and opens its directory again, which must hold the same
+    /// specs and tombstones.
+    fn reopened(s: SpecStore, path: &Path) -> SpecStore {
+        let revised = s.all_revised();
+        let tombstones = s.tombstones();
+        drop(s);
+        let s = SpecStore::open(path.to_path_buf()).unwrap();
+        assert_eq!(s.all_revised(), revised);
+        assert_eq!(s.tombstones(), tombstones);
+        s
+    }
+
+    /// A store in a new directory whose log may grow only to the
+    /// snapshot's size, holding `f/000`..`f/019`.
+    fn store_of_twenty() -> (tempfile::TempDir, PathBuf, SpecStore) {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("specs.json");
         let mut s = SpecStore::open(path.clone()).unwrap();
         s.log_bytes_min = 0;
         let many: Vec<_> = (0..20).map(|i| spec(&format!("f/{i:03}"), "v1")).collect();
         s.apply_at(many, base() + 1).unwrap();
+        (dir, path, s)
+    }
+
+    #[test]
+    fn a_log_that_outgrows_the_snapshot_is_folded_into_a_new_one() {
+        let (dir, path, s) = store_of_twenty();
         assert_eq!(s.log_generation(), Some(1));
         assert_eq!(snapshot_at(&path), (Some(1), 20));
         // Each change of one spec is a small record: the log takes about
@@ -1400,23 +1419,13 @@ mod tests {
             assert_eq!(logs_in(dir.path()), vec![format!("specs.{generation}.log")]);
         }
         s.delete_at("f/007", revision).unwrap();
-        let revised = s.all_revised();
-        let tombstones = s.tombstones();
-        drop(s);
-        let s = SpecStore::open(path).unwrap();
-        assert_eq!(s.all_revised(), revised);
-        assert_eq!(s.tombstones(), tombstones);
+        let s = reopened(s, &path);
         assert_eq!(s.all().len(), 19);
     }
 
     #[test]
     fn a_snapshot_that_cannot_be_written_keeps_every_log_and_loses_nothing() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("specs.json");
-        let mut s = SpecStore::open(path.clone()).unwrap();
-        s.log_bytes_min = 0;
-        let many: Vec<_> = (0..20).map(|i| spec(&format!("f/{i:03}"), "v1")).collect();
-        s.apply_at(many, base() + 1).unwrap();
+        let (dir, path, s) = store_of_twenty();
         // Nothing can be written where the snapshot is staged.
         let blocker = dir.path().join("specs.json.next");
         std::fs::create_dir(&blocker).unwrap();
@@ -1431,15 +1440,8 @@ mod tests {
         let logs = ["specs.1.log", "specs.2.log", "specs.3.log"].map(String::from);
         assert_eq!(logs_in(dir.path()), logs.to_vec());
         s.delete_at("f/007", revision).unwrap();
-        let revised = s.all_revised();
-        let tombstones = s.tombstones();
-        drop(s);
-
         // A start replays every log from the one the snapshot names.
-        let s = SpecStore::open(path.clone()).unwrap();
-        assert_eq!(s.all_revised(), revised);
-        assert_eq!(s.tombstones(), tombstones);
-        drop(s);
+        drop(reopened(s, &path));
 
         // A log missing from among them is no crash's doing.
         let middle = dir.path().join("specs.2.log");
@@ -1462,12 +1464,7 @@ mod tests {
         s.wait_for_snapshot();
         assert_eq!(snapshot_at(&path), (Some(4), s.all().len()));
         assert_eq!(logs_in(dir.path()), vec!["specs.4.log".to_string()]);
-        let revised = s.all_revised();
-        let tombstones = s.tombstones();
-        drop(s);
-        let s = SpecStore::open(path).unwrap();
-        assert_eq!(s.all_revised(), revised);
-        assert_eq!(s.tombstones(), tombstones);
+        reopened(s, &path);
     }
 
     #[test]
@@ -1556,6 +1553,16 @@ mod tests {
         );
     }
 
+    /// Points the store's change log at `/dev/full`, as a full disk;
+    /// returns the real file.
+    fn log_to_dev_full(s: &SpecStore) -> File {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        std::mem::replace(&mut s.lock().log.as_mut().unwrap().file, full)
+    }
+
     #[test]
     fn stores_holding_the_same_specs_have_the_same_digest() {
         let (_da, a) = store();
@@ -1585,13 +1592,7 @@ mod tests {
         assert_eq!(a.digest(), b.digest());
         // A change that cannot be written leaves the digest as it was.
         let before = b.digest();
-        let real = std::mem::replace(
-            &mut b.lock().log.as_mut().unwrap().file,
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open("/dev/full")
-                .unwrap(),
-        );
+        let real = log_to_dev_full(&b);
         assert!(b.apply_at(vec![spec("dg/x", "v3")], base() + 8).is_err());
         assert!(b.delete_at("dg/z", base() + 8).is_err());
         assert_eq!(b.digest(), before);
@@ -1620,13 +1621,7 @@ mod tests {
 
         // A log write that fails (a full disk) undoes the change: the
         // spec replaced, the one deleted and the one created are as before.
-        let real = std::mem::replace(
-            &mut s.lock().log.as_mut().unwrap().file,
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open("/dev/full")
-                .unwrap(),
-        );
+        let real = log_to_dev_full(&s);
         let change = vec![spec("uu/a", "v2"), spec("uu/b", "v2")];
         assert!(s.apply_at(change.clone(), base() + 2).is_err());
         assert!(s.delete_at("uu/a", base() + 3).is_err());
