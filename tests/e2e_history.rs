@@ -1299,6 +1299,72 @@ async fn s3_store_unlisted_journal_refuses_appends_until_listed() {
     assert_eq!(objects.len(), 1);
 }
 
+/// After a start, a shard lists every journal's stores, at most 32 at once
+/// and the rest in a queue. An append to a journal whose first listing is
+/// still queued starts that listing at once instead of waiting its turn:
+/// here every slot is taken by listings of a store that hangs, and appends
+/// to journals on a store that works are answered all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_starts_its_journals_first_listing_ahead_of_the_queue() {
+    const HANGING: usize = 400;
+    const WORKING: usize = 8;
+    let mut s3 = TestStore::s3("hurry/");
+    let file = TestStore::file();
+    let mut broker = Broker::start_with(
+        1,
+        BrokerOpts {
+            args: Vec::new(),
+            env: s3.broker_env(),
+        },
+    );
+    let client = broker.client().await;
+    let hanging: Vec<String> = (0..HANGING).map(|i| format!("hurry/s3-{i:03}")).collect();
+    let working: Vec<String> = (0..WORKING).map(|i| format!("hurry/file-{i}")).collect();
+    let mut specs: Vec<JournalSpec> = hanging
+        .iter()
+        .map(|n| spec(n, &s3, Codec::None, 1 << 20))
+        .collect();
+    specs.extend(working.iter().map(|n| spec(n, &file, Codec::None, 1 << 20)));
+    client.apply(&specs).await.unwrap();
+    // Each holds bytes on the local disk, so each is opened, and listed,
+    // when the broker starts.
+    let mut appends = tokio::task::JoinSet::new();
+    for n in hanging.iter().chain(&working) {
+        let (client, n) = (client.clone(), n.clone());
+        appends.spawn(async move { append(&client, &n, b"before").await });
+    }
+    while let Some(done) = appends.join_next().await {
+        assert_eq!(done.unwrap().begin, 0);
+    }
+    drop(client);
+    broker.kill9();
+    s3.moto().pause();
+    broker.start_again();
+    let client = broker.client().await;
+    let answered = tokio::time::timeout(WAIT, async {
+        for n in &working {
+            let r = append(&client, n, b"after").await;
+            assert_eq!((r.begin, r.end), (6, 11), "{n}");
+        }
+    })
+    .await;
+    let hurried = client.stats().await.unwrap()["listings_hurried"]
+        .as_u64()
+        .expect("listings_hurried in STATS");
+    s3.moto().resume();
+    assert!(
+        answered.is_ok(),
+        "appends to journals on a working store waited for {HANGING} listings of a hanging one"
+    );
+    // With 400 journals ahead of them, all eight cannot have been among
+    // the first 32 listings started.
+    assert!(hurried >= 1, "{hurried} listings hurried");
+    for n in &working {
+        let (bytes, _) = read_range(&client, n, 0, None).await.unwrap();
+        assert_eq!(bytes, b"beforeafter", "{n}");
+    }
+}
+
 // Long histories.
 
 /// A journal whose store holds more fragments than one FRAGMENTS reply

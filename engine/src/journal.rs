@@ -386,6 +386,9 @@ pub struct Journal {
     /// Waiting in the shard's queue of listings (see
     /// `Shard::refresh_listing`).
     pub listing_queued: bool,
+    /// A request waits for the first listing, which was started ahead of
+    /// the queue (see `Shard::hurry_first_listing`).
+    pub listing_hurried: bool,
     pub reset_waiters: Vec<(Rc<Outbox>, u64)>,
     /// The newest staged bytes, kept while readers wait at the head so
     /// that tailing readers are served from memory, not the spool file.
@@ -555,6 +558,7 @@ impl Journal {
             index_error: None,
             last_listing: None,
             listing_queued: false,
+            listing_hurried: false,
             listing: false,
             confirmed: Vec::new(),
             confirmations: 0,

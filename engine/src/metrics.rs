@@ -60,6 +60,9 @@ counters!(
     // differed), and those that found the same digest and listed nothing.
     spec_syncs_full,
     spec_syncs_unchanged,
+    // First listings of a journal's stores started ahead of the shard's
+    // queue of listings, because a request waited for one.
+    listings_hurried,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

@@ -1309,7 +1309,42 @@ impl Shard {
     /// again every `refresh_interval`), and their results would hold up
     /// its appends for hundreds of milliseconds.
     fn refresh_listing(&self, j: &JournalRef) {
-        if self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
+        self.start_listing(j, false);
+    }
+
+    /// Starts the first listing of a journal's stores at once, whatever
+    /// the queue, because a request waits for it: after a start, a shard
+    /// of tens of thousands of journals with stores lists them all, and an
+    /// append to a journal near the end of that queue would otherwise wait
+    /// for every listing ahead of it (tens of seconds on S3). Once per
+    /// journal; a listing under way is left to end.
+    fn hurry_first_listing(&self, j: &JournalRef) {
+        {
+            let mut jm = j.borrow_mut();
+            if jm.index_loaded || jm.listing || jm.listing_hurried || !jm.has_stores() {
+                return;
+            }
+            jm.listing_hurried = true;
+        }
+        metrics::add(&self.metrics.listings_hurried, 1);
+        self.start_listing(j, true);
+    }
+
+    /// [`Shard::hurry_first_listing`] from where the journal is borrowed:
+    /// on a task of its own, right after.
+    fn hurry_first_listing_soon(&self, j: &JournalRef) {
+        let me = self.me.borrow().clone();
+        let j = j.clone();
+        compio::runtime::spawn(async move {
+            if let Some(shard) = me.upgrade() {
+                shard.hurry_first_listing(&j);
+            }
+        })
+        .detach();
+    }
+
+    fn start_listing(&self, j: &JournalRef, hurried: bool) {
+        if !hurried && self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
             let mut jm = j.borrow_mut();
             if !jm.listing && !jm.listing_queued && jm.has_stores() {
                 jm.listing_queued = true;
@@ -1416,8 +1451,11 @@ impl Shard {
                 loop {
                     let next = shard.listings_waiting.borrow_mut().pop_front();
                     let Some(next) = next else { break };
-                    next.borrow_mut().listing_queued = false;
-                    shard.refresh_listing(&next);
+                    // Not queued any more: its listing was started
+                    // meanwhile (hurried, or by the tick).
+                    if std::mem::take(&mut next.borrow_mut().listing_queued) {
+                        shard.refresh_listing(&next);
+                    }
                     if shard.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
                         break;
                     }
@@ -3049,7 +3087,12 @@ impl Shard {
                         match &jm.index_error {
                             // Wait for the first listing: the store may
                             // hold offsets beyond the local head.
-                            None => return false,
+                            None => {
+                                if !jm.listing && !jm.listing_hurried {
+                                    self.hurry_first_listing_soon(j);
+                                }
+                                return false;
+                            }
                             Some(e) => {
                                 let msg = format!("fragment index not yet listed: {e}");
                                 reply(Status::FRAGMENT_STORE_UNHEALTHY, &msg, jm);
@@ -3482,6 +3525,7 @@ impl Shard {
                     continue;
                 }
             }
+            self.hurry_first_listing(&j);
             if ended(head) {
                 return;
             }

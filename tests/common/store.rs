@@ -136,6 +136,25 @@ impl Moto {
         }
     }
 
+    /// SIGSTOP: the server keeps its port and takes connections, but
+    /// answers nothing (a store that hangs) until [`Moto::resume`].
+    pub fn pause(&mut self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    pub fn resume(&mut self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&mut self, signal: libc::c_int) {
+        let child = self.child.as_ref().expect("moto running");
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) on the PID of a child this harness spawned and has
+        // not reaped, so the PID cannot have been reused.
+        let rc = unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "signal {signal} to moto_server");
+    }
+
     /// Starts it again on the same port, with an empty bucket.
     pub fn start_again(&mut self) {
         self.spawn();
