@@ -810,9 +810,7 @@ impl Conn {
                 })
             })
             .collect();
-        let endpoint = route.primary().map_or(local.clone(), |p| {
-            self.shard.member_endpoint(p, name).to_string()
-        });
+        let endpoint = self.shard.primary_endpoint(&route, name).to_string();
         serde_json::json!({
             "journal": name,
             "shard": shard,
@@ -1090,10 +1088,7 @@ impl Conn {
                     let name = &r.spec.name;
                     let shard = rotary_net::shard_of(name, self.shard.shards);
                     let route = view.route(name, r.spec.replication);
-                    let endpoint = match route.primary() {
-                        Some(p) => self.shard.member_endpoint(p, name),
-                        None => self.shard.endpoints[shard as usize],
-                    };
+                    let endpoint = self.shard.primary_endpoint(&route, name);
                     let members: Vec<String> = route.members.into_iter().map(|m| m.id).collect();
                     ListedOut::Spec {
                         route: ListedRoute {

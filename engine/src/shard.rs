@@ -834,6 +834,20 @@ impl Shard {
         m.shard_endpoint(journal, self.shards)
     }
 
+    /// Where a client appends to `journal` on `route`: its primary's shard
+    /// endpoint, or this broker's own shard for the journal when the route
+    /// has no members.
+    pub fn primary_endpoint(
+        &self,
+        route: &crate::topology::Route,
+        journal: &str,
+    ) -> std::net::SocketAddr {
+        match route.primary() {
+            Some(p) => self.member_endpoint(p, journal),
+            None => self.endpoints[rotary_net::shard_of(journal, self.shards) as usize],
+        }
+    }
+
     /// The pipeline to `peer`'s shard for `journal`.
     fn pipeline(&self, peer: &crate::topology::Member, journal: &str) -> Rc<Pipeline> {
         let addr = peer.shard_endpoint(journal, self.shards);
@@ -981,11 +995,7 @@ impl Shard {
         let mut entries = Vec::new();
         let mut after = String::new();
         loop {
-            let body = match after.as_str() {
-                "" => serde_json::json!({ "selector": "", "deleted": true }),
-                after => serde_json::json!({ "selector": "", "deleted": true, "after": after }),
-            };
-            let body = serde_json::to_vec(&body).expect("JSON");
+            let body = rotary_net::wire::list_payload("", true, &after);
             let listed =
                 crate::pipeline::unary(peer.endpoint, Op::LIST, 0, &[], &body, PEER_LIST_TIMEOUT)
                     .await;

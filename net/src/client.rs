@@ -602,11 +602,7 @@ impl Client {
         };
         let mut after = String::new();
         loop {
-            let body = match after.as_str() {
-                "" => serde_json::json!({ "selector": selector }),
-                after => serde_json::json!({ "selector": selector, "after": after }),
-            };
-            let body = serde_json::to_vec(&body).expect("JSON");
+            let body = crate::wire::list_payload(selector, false, &after);
             let reply = unary(&conn, Op::LIST, Bytes::new(), body.into()).await?;
             listing.partial |= reply.flags & flag::PARTIAL != 0;
             let more = reply.flags & flag::NEXT_PAGE != 0;

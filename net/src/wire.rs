@@ -170,6 +170,19 @@ pub const FRAGMENTS_PAGE_MAX: u32 = 1000;
 /// Most entries one LIST reply holds (its default page).
 pub const LIST_PAGE_MAX: u32 = 1000;
 
+/// The payload of a LIST for the page after the name `after` (`""`: the
+/// first page), with tombstones among the journals if `deleted`.
+pub fn list_payload(selector: &str, deleted: bool, after: &str) -> Vec<u8> {
+    let mut body = serde_json::json!({ "selector": selector });
+    if deleted {
+        body["deleted"] = true.into();
+    }
+    if !after.is_empty() {
+        body["after"] = after.into();
+    }
+    serde_json::to_vec(&body).expect("JSON")
+}
+
 /// Why bytes are not a valid frame or message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
