@@ -337,7 +337,7 @@ impl Conn {
                         .handle(
                             frame,
                             Body::Owned(Chunk {
-                                data: Rc::new(big),
+                                data: Arc::new(big),
                                 range: payload_at..total,
                             }),
                         )
@@ -579,7 +579,7 @@ impl Conn {
         let chunk = match body {
             Body::Owned(chunk) => chunk,
             Body::Borrowed(_) => Chunk {
-                data: Rc::new(frame.payload.to_vec()),
+                data: Arc::new(frame.payload.to_vec()),
                 range: 0..frame.payload.len(),
             },
         };
@@ -829,7 +829,7 @@ impl Conn {
     }
 
     /// REPLICATE: records of a primary's appends. False closes the connection.
-    fn replicate(&mut self, payload: &[u8], frame: Option<&Rc<Vec<u8>>>) -> bool {
+    fn replicate(&mut self, payload: &[u8], frame: Option<&Arc<Vec<u8>>>) -> bool {
         let records = match rotary_net::repl::decode_records(payload) {
             Ok(r) => r,
             Err(e) => {
@@ -965,7 +965,7 @@ impl Conn {
 
     /// Queues a record's bytes on a replicated append: a range of the
     /// received frame's own buffer when it has one (no copy), else a copy.
-    fn push_bytes(&self, op: &Rc<AppendOp>, bytes: &[u8], frame: Option<&Rc<Vec<u8>>>) {
+    fn push_bytes(&self, op: &Rc<AppendOp>, bytes: &[u8], frame: Option<&Arc<Vec<u8>>>) {
         if bytes.is_empty() {
             return;
         }
@@ -980,7 +980,7 @@ impl Conn {
         op.chunks
             .borrow_mut()
             .push_back(shared.unwrap_or_else(|| Chunk {
-                data: Rc::new(bytes.to_vec()),
+                data: Arc::new(bytes.to_vec()),
                 range: 0..bytes.len(),
             }));
     }

@@ -58,8 +58,9 @@ pub const APPEND_MIN_RATE: u64 = 1 << 20;
 
 /// Content of one frame: a buffer and the range of it that is payload.
 pub struct Chunk {
-    /// Shared: the records of one received frame may each be a chunk.
-    pub data: Rc<Vec<u8>>,
+    /// Shared: the records of one received frame may each be a chunk, and
+    /// the hasher may read it on its own thread.
+    pub data: Arc<Vec<u8>>,
     pub range: Range<usize>,
 }
 
@@ -67,6 +68,39 @@ impl Chunk {
     pub fn bytes(&self) -> &[u8] {
         &self.data[self.range.clone()]
     }
+}
+
+/// Where an append's own SHA-1 is being hashed.
+pub enum AppendSha {
+    /// On the shard, with the fragment's.
+    Inline(Sha1),
+    /// By the shard's hasher (large appends).
+    Offloaded(crate::hasher::Offloaded),
+}
+
+impl AppendSha {
+    /// Bytes of the append hashed so far (or sent to the hasher).
+    pub fn hashed(&self) -> u64 {
+        match self {
+            AppendSha::Inline(sha) => sha.len(),
+            AppendSha::Offloaded(o) => o.hashed(),
+        }
+    }
+
+    /// The append is whole: its digest, now or once the hasher has it.
+    pub fn finish(self) -> Digest {
+        match self {
+            AppendSha::Inline(sha) => Digest::Ready(sha.finalize()),
+            AppendSha::Offloaded(o) => Digest::Pending(o.finish()),
+        }
+    }
+}
+
+/// An append's SHA-1 as its reply needs it.
+pub enum Digest {
+    Ready([u8; 20]),
+    /// Still being hashed: it arrives on the channel.
+    Pending(async_channel::Receiver<[u8; 20]>),
 }
 
 /// Why an append ended without committing, as decided outside the flusher.
@@ -238,7 +272,8 @@ pub struct Active {
     pub op: Rc<AppendOp>,
     /// Spool point where the append begins (to rewind to on failure).
     pub start: CommitPoint,
-    pub sha: Sha1,
+    /// The append's own SHA-1, for its reply.
+    pub sha: AppendSha,
     /// Offset into the front chunk already staged.
     pub chunk_pos: usize,
     /// Sequence number on the journal's pipelines (primaries with replicas).
@@ -261,7 +296,7 @@ impl Active {
             && self.op.replica.is_none()
             && held > APPEND_BLOCKING_TIMEOUT
             && waiting.last_activity.get().elapsed() > APPEND_BLOCKING_TIMEOUT
-            && (self.sha.len() as f64) < APPEND_MIN_RATE as f64 * held.as_secs_f64()
+            && (self.sha.hashed() as f64) < APPEND_MIN_RATE as f64 * held.as_secs_f64()
     }
 }
 
@@ -270,7 +305,8 @@ pub struct Staged {
     pub op: Rc<AppendOp>,
     pub begin: u64,
     pub end: u64,
-    pub sha1: [u8; 20],
+    /// The append's own SHA-1 (unused on replicas).
+    pub sha1: Digest,
     pub point: CommitPoint,
     pub registers: LabelSet,
     pub seq: u64,

@@ -10,6 +10,7 @@
 
 pub mod conn;
 pub mod fetch;
+pub mod hasher;
 pub mod journal;
 pub mod metrics;
 pub mod outbox;
@@ -87,6 +88,9 @@ pub struct ServeConfig {
     /// A static cluster file and this broker's id in it. The broker then
     /// listens on its endpoint from the file (`listen` is ignored).
     pub cluster: Option<(PathBuf, String)>,
+    /// Bytes of large appends a shard's hasher may have yet to hash before
+    /// the shard holds such appends back (see `hasher`).
+    pub hash_backlog_bytes: usize,
 }
 
 impl ServeConfig {
@@ -110,6 +114,7 @@ impl ServeConfig {
             peer_silence: crate::conn::PEER_SILENCE_DEFAULT,
             replica_ack_timeout: crate::pipeline::ACK_TIMEOUT_DEFAULT,
             cluster: None,
+            hash_backlog_bytes: hasher::BACKLOG_BYTES,
         }
     }
 }
@@ -303,6 +308,12 @@ impl Broker {
         } else {
             config.cpus.clone()
         };
+        // Each shard's hasher runs on the broker's other cores.
+        let hash_cores = |n: usize| -> Vec<usize> {
+            let mine = core_of(n);
+            own.iter().copied().filter(|&c| c != mine).collect()
+        };
+        let hash_cores: Vec<Vec<usize>> = (0..shards).map(hash_cores).collect();
         let spare: Vec<usize> = if config.iowq_cpus.is_empty() {
             own.into_iter().filter(|c| !used.contains(c)).collect()
         } else {
@@ -395,6 +406,19 @@ impl Broker {
                     spec_sync_interval: config.spec_sync_interval,
                     peer_silence: config.peer_silence,
                     replica_ack_timeout: config.replica_ack_timeout,
+                    // With one core there is nowhere else to hash.
+                    hasher: if hash_cores[n].is_empty() {
+                        None
+                    } else {
+                        Some(
+                            hasher::Hasher::start(
+                                n as u32,
+                                hash_cores[n].clone(),
+                                config.hash_backlog_bytes,
+                            )
+                            .map_err(|e| EngineError::Io(dir.clone(), e))?,
+                        )
+                    },
                 },
                 ring_entries: config.ring_entries,
                 shutdown_upload_timeout: config.shutdown_upload_timeout,

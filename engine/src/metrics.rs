@@ -63,6 +63,10 @@ counters!(
     // First listings of a journal's stores started ahead of the shard's
     // queue of listings, because a request waited for one.
     listings_hurried,
+    // Append bytes whose own SHA-1 the shard's hasher thread computed.
+    hash_offloaded_bytes,
+    // Times an append waited for the hasher to catch up.
+    hash_waits,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

@@ -6,6 +6,7 @@ use event_listener::Event;
 use rotary_net::status::Status;
 use rotary_net::wire::{self, Op};
 use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 
 /// Producers wait once this many bytes are queued or being written: a
 /// client that stops reading holds at most about this much of the broker's
@@ -37,6 +38,18 @@ pub struct Outbox {
     /// must also stop when the connection goes.
     pub(crate) closing: Event,
     closed: Cell<bool>,
+    /// Replies owed and not queued yet ([`Outbox::promise`]).
+    promised: Cell<usize>,
+}
+
+/// A reply owed on an outbox; a clean stop waits for it. Queue the reply,
+/// then drop this.
+pub struct Promise(Rc<Outbox>);
+
+impl Drop for Promise {
+    fn drop(&mut self) {
+        self.0.promised.set(self.0.promised.get() - 1);
+    }
 }
 
 /// A read's turn to produce one chunk into the outbox; ends when dropped.
@@ -129,6 +142,18 @@ impl Outbox {
 
     pub fn queued(&self) -> usize {
         self.buf.borrow().len()
+    }
+
+    /// Marks a reply that will be queued later (its content is not ready),
+    /// until the returned promise is dropped.
+    pub fn promise(self: &Rc<Self>) -> Promise {
+        self.promised.set(self.promised.get() + 1);
+        Promise(self.clone())
+    }
+
+    /// Replies promised and not queued yet.
+    pub fn promised(&self) -> usize {
+        self.promised.get()
     }
 
     /// Bytes queued or being written.

@@ -16,8 +16,8 @@
 //! the next turn.
 
 use crate::journal::{
-    AbortReason, Active, FileRef, Journal, PrimaryRepl, Staged, APPEND_IDLE_TIMEOUT,
-    REPEAT_WARN_INTERVAL,
+    AbortReason, Active, AppendOp, AppendSha, Digest, FileRef, Journal, PrimaryRepl, Staged,
+    APPEND_IDLE_TIMEOUT, REPEAT_WARN_INTERVAL,
 };
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
@@ -116,6 +116,9 @@ pub struct Shard {
     /// Committed batches awaiting replica acks, oldest first.
     inflight: RefCell<std::collections::VecDeque<InFlight>>,
     inflight_event: Event,
+    hasher: Option<crate::hasher::Hasher>,
+    /// Journals holding an append back until the hasher catches up.
+    hash_parked: RefCell<Vec<JournalRef>>,
 }
 
 /// A read of a journal's local file in flight (counted in
@@ -224,6 +227,9 @@ pub struct ShardConfig {
     pub peer_silence: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
     pub replica_ack_timeout: std::time::Duration,
+    /// Hashes large appends' own SHA-1 off the shard's thread; `None` on a
+    /// broker with one core.
+    pub hasher: Option<crate::hasher::Hasher>,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -326,6 +332,7 @@ impl Shard {
             spec_sync_interval,
             peer_silence,
             replica_ack_timeout,
+            hasher,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         std::fs::create_dir_all(dir.join("journals"))
@@ -442,6 +449,8 @@ impl Shard {
             next_seq: Cell::new(1),
             inflight: RefCell::new(Default::default()),
             inflight_event: Event::new(),
+            hasher,
+            hash_parked: RefCell::new(Vec::new()),
         });
         *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
@@ -1126,6 +1135,19 @@ impl Shard {
         if let Some(rx) = self.upload_done_rx.borrow_mut().take() {
             compio::runtime::spawn(self.clone().upload_results(rx)).detach();
         }
+        if let Some(h) = &self.hasher {
+            let caught_up = h.caught_up();
+            let me = self.clone();
+            compio::runtime::spawn(async move {
+                while caught_up.recv().await.is_ok() {
+                    let parked = std::mem::take(&mut *me.hash_parked.borrow_mut());
+                    for j in &parked {
+                        me.mark_ready(j);
+                    }
+                }
+            })
+            .detach();
+        }
         if self.index == 0 && !self.view().is_single() {
             compio::runtime::spawn(self.clone().catch_up_specs()).detach();
         }
@@ -1803,7 +1825,7 @@ impl Shard {
                 .borrow()
                 .iter()
                 .filter_map(|o| o.upgrade())
-                .any(|o| !o.is_closed() && o.backlog() > 0);
+                .any(|o| !o.is_closed() && (o.backlog() > 0 || o.promised() > 0));
             if !pending {
                 return;
             }
@@ -2969,7 +2991,7 @@ impl Shard {
                 op: w.op,
                 begin: w.start.offset,
                 end: w.end.offset,
-                sha1: staged_sha,
+                sha1: crate::journal::Digest::Ready(staged_sha),
                 point: w.end,
                 registers: proposal.registers,
                 seq: w.seq,
@@ -3183,7 +3205,7 @@ impl Shard {
                     _streaming: crate::conn::Streaming::new(op.budget.clone()),
                     op,
                     start,
-                    sha: Sha1::new(),
+                    sha: crate::journal::AppendSha::Inline(Sha1::new()),
                     chunk_pos: 0,
                     seq,
                     started: Instant::now(),
@@ -3227,11 +3249,30 @@ impl Shard {
                     return !jm.queue.is_empty();
                 }
                 let at = spool.staged();
-                let n = if a.op.replica.is_none() {
-                    spool.stage_hashed(bytes, &mut a.sha)
-                } else {
+                if a.op.replica.is_none() {
+                    if let Some(h) = &self.hasher {
+                        let size = at - a.start.offset + bytes.len() as u64;
+                        if self.offload_hash(h, &mut a.sha, size) && h.behind() {
+                            // Its bytes wait in the chunk until the hasher
+                            // caught up and readies the journal again.
+                            drop(chunks);
+                            self.hash_parked.borrow_mut().push(j.clone());
+                            metrics::add(&self.metrics.hash_waits, 1);
+                            return false;
+                        }
+                    }
+                }
+                let n = match &mut a.sha {
                     // A replica's reply carries no SHA-1 of the append.
-                    spool.stage(bytes)
+                    _ if a.op.replica.is_some() => spool.stage(bytes),
+                    AppendSha::Inline(sha) => spool.stage_hashed(bytes, sha),
+                    AppendSha::Offloaded(o) => {
+                        let n = spool.stage(bytes);
+                        let from = chunk.range.start + a.chunk_pos;
+                        o.hash(&chunk.data, from..from + n);
+                        metrics::add(&self.metrics.hash_offloaded_bytes, n as u64);
+                        n
+                    }
                 };
                 if let Some(r) = &jm.repl {
                     let rec = Record::Content {
@@ -3321,11 +3362,33 @@ impl Shard {
                 op: a.op,
                 begin,
                 end,
-                sha1: a.sha.finalize(),
+                sha1: a.sha.finish(),
                 point,
                 registers,
                 seq: a.seq,
             });
+        }
+    }
+
+    /// Moves a client append's own SHA-1 to the hasher once it is large
+    /// enough (`size` bytes, with those about to be staged, against
+    /// [`crate::hasher::OFFLOAD_AFTER`]) and the hasher has room. Returns
+    /// whether the append's hashing is offloaded.
+    fn offload_hash(&self, h: &crate::hasher::Hasher, sha: &mut AppendSha, size: u64) -> bool {
+        match sha {
+            AppendSha::Offloaded(_) => true,
+            AppendSha::Inline(_) => {
+                if size < crate::hasher::OFFLOAD_AFTER || !h.has_room() {
+                    return false;
+                }
+                let AppendSha::Inline(inline) =
+                    std::mem::replace(sha, AppendSha::Inline(Sha1::new()))
+                else {
+                    unreachable!("matched above")
+                };
+                *sha = AppendSha::Offloaded(h.offload(inline));
+                true
+            }
         }
     }
 
@@ -4060,20 +4123,51 @@ fn answer_ok(s: &Staged) {
         r.sink.push(s.seq, Status::OK, Vec::new());
         return;
     }
-    let reply = AppendReply {
+    let mut reply = AppendReply {
         begin: s.begin,
         end: s.end,
         write_head: s.end,
-        sha1: s.sha1,
+        sha1: [0; 20],
         registers: s.registers.clone(),
     };
-    s.op.outbox.frame(
-        Op::APPEND_REPLY,
-        Status::OK,
-        s.op.request_id,
-        &reply.encode(),
-        &[],
-    );
+    let send = |op: &AppendOp, reply: &AppendReply| {
+        op.outbox.frame(
+            Op::APPEND_REPLY,
+            Status::OK,
+            op.request_id,
+            &reply.encode(),
+            &[],
+        )
+    };
+    let pending = match &s.sha1 {
+        Digest::Ready(sha1) => {
+            reply.sha1 = *sha1;
+            return send(&s.op, &reply);
+        }
+        Digest::Pending(rx) => match rx.try_recv() {
+            Ok(sha1) => {
+                reply.sha1 = sha1;
+                return send(&s.op, &reply);
+            }
+            Err(_) => rx.clone(),
+        },
+    };
+    // The hasher is still at it (the append committed before its last
+    // bytes were hashed): answer once it is done.
+    let op = s.op.clone();
+    let promise = op.outbox.promise();
+    compio::runtime::spawn(async move {
+        match pending.recv().await {
+            Ok(sha1) => {
+                reply.sha1 = sha1;
+                send(&op, &reply);
+                drop(promise);
+            }
+            // The hasher stops the process before it drops a digest.
+            Err(_) => unreachable!("the hasher dropped a committed append's digest"),
+        }
+    })
+    .detach();
 }
 
 /// Waits while appends answered to their appenders are still being
