@@ -2522,13 +2522,17 @@ impl Shard {
     /// Lets go of a local fragment's file: kept as a spare when nothing
     /// can read or write it any more (in the store, not being uploaded, no
     /// read of its journal in flight, not known to be damaged), else
-    /// deleted by the reaper.
+    /// deleted by the reaper: freed a step at a time unless something
+    /// may still read it.
     fn retire_fragment(&self, jm: &Journal, f: LocalFragment) {
-        let idle = f.uploaded && !f.uploading && f.corrupt.is_none() && jm.reads_in_flight == 0;
+        let unread = !f.uploading && jm.reads_in_flight == 0;
+        let idle = unread && f.uploaded && f.corrupt.is_none();
         let len = f.end - f.begin;
         drop(f.file);
         if idle && self.spares.borrow_mut().give(&f.path, len) {
             metrics::add(&self.metrics.spares_kept, 1);
+        } else if unread {
+            crate::reaper::free_file(f.path);
         } else {
             crate::reaper::remove_file(f.path);
         }

@@ -63,7 +63,7 @@ impl Spares {
                     spares.next = spares.next.max(n + 1);
                     spares.files.push((path, len));
                 }
-                _ => crate::reaper::remove_file(path),
+                _ => crate::reaper::free_file(path),
             }
         }
         Ok(spares)
@@ -121,7 +121,7 @@ impl Spares {
     /// Hands every spare to the reaper.
     pub fn release(&mut self) {
         for (path, _) in self.files.drain(..) {
-            crate::reaper::remove_file(path);
+            crate::reaper::free_file(path);
         }
     }
 }
