@@ -58,13 +58,7 @@ fn large_appends_hashed_off_the_shard_answer_their_own_sha1() {
     spec.fragment.length = 16 << 20;
     admin.apply(&[spec]);
 
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = common::xorshift(0x2545_f491_4f6c_dd1du64);
     const APPENDS: u64 = 12;
     let mut conns: Vec<Conn> = (0..3).map(|_| Conn::new(broker.endpoints[0])).collect();
     let mut sent = HashMap::new();

@@ -576,13 +576,7 @@ fn the_next_batch_is_staged_while_the_last_is_written() {
     // (and survive a crash) byte for byte.
     let dir = tempfile::tempdir().unwrap();
     let name = "smoke/overlap";
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = common::xorshift(0x9e37_79b9_7f4a_7c15u64);
     let broker = start(dir.path(), 1);
     let mut admin = Conn::new(broker.endpoints[0]);
     let mut spec = JournalSpec::new(name);

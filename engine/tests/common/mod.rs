@@ -111,6 +111,16 @@ pub fn start(dir: &std::path::Path, cores: usize) -> Broker {
     Broker::start(cfg).unwrap()
 }
 
+/// A seeded xorshift generator: the same numbers on every run.
+pub fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
+
 pub fn req(journal: &str) -> AppendRequest {
     AppendRequest {
         journal: journal.into(),
