@@ -8,10 +8,11 @@
 //! journal's rate is then bound by one pass over its bytes on the shard's
 //! core instead of two.
 //!
-//! An append is hashed on the shard until its staged bytes reach
-//! [`OFFLOAD_AFTER`]; then its state moves to the hasher, and every later
-//! piece of it is sent there as a shared range of the received frame (no
-//! copy). When the append is whole the shard asks for the digest and the
+//! An append is hashed on the shard until the next piece of it to stage
+//! would take it to [`OFFLOAD_AFTER`] bytes; then its state moves to the
+//! hasher, and that piece and every later one are sent there as shared
+//! ranges of the received frames (no copy). An append that arrives in one
+//! large frame is hashed there whole. When the append is whole the shard asks for the digest and the
 //! reply waits for it, usually not at all: the hasher finishes long before
 //! the spool write does.
 //!
@@ -27,8 +28,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// An append's bytes hashed on the shard before the rest go to the
-/// hasher. Below this, handing the work over costs more than it saves (a
+/// An append smaller than this is hashed on the shard. Below it, handing the work over costs more than it saves (a
 /// wake-up of another core is tens of microseconds here; hashing 256 KiB
 /// takes about 150).
 pub const OFFLOAD_AFTER: u64 = 256 << 10;
