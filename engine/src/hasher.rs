@@ -111,11 +111,11 @@ impl Hasher {
     pub fn offload(&self, sha: Sha1) -> Offloaded {
         let id = self.next_id.get();
         self.next_id.set(id + 1);
-        let len = sha.len();
+        let hashed = sha.len();
         let _ = self.jobs.send(Job::Start { id, sha });
         Offloaded {
             id,
-            len,
+            hashed,
             jobs: self.jobs.clone(),
             shared: self.shared.clone(),
             finished: false,
@@ -156,7 +156,7 @@ impl Hasher {
 pub struct Offloaded {
     id: u64,
     /// Bytes of the append hashed or sent to be.
-    len: u64,
+    hashed: u64,
     jobs: crossbeam_channel::Sender<Job>,
     shared: Arc<Shared>,
     finished: bool,
@@ -168,7 +168,7 @@ impl Offloaded {
         if range.is_empty() {
             return;
         }
-        self.len += range.len() as u64;
+        self.hashed += range.len() as u64;
         self.shared
             .outstanding
             .fetch_add(range.len(), Ordering::SeqCst);
@@ -181,7 +181,7 @@ impl Offloaded {
 
     /// Bytes of the append hashed or sent to be.
     pub fn hashed(&self) -> u64 {
-        self.len
+        self.hashed
     }
 
     /// The append is whole: its digest arrives on the channel returned.

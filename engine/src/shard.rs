@@ -3253,22 +3253,21 @@ impl Shard {
                     return !jm.queue.is_empty();
                 }
                 let at = spool.staged();
-                if a.op.replica.is_none() {
-                    if let Some(h) = &self.hasher {
-                        let size = at - a.start.offset + bytes.len() as u64;
-                        if self.offload_hash(h, &mut a.sha, size) && h.behind() {
-                            // Its bytes wait in the chunk until the hasher
-                            // caught up and readies the journal again.
-                            drop(chunks);
-                            self.hash_parked.borrow_mut().push(j.clone());
-                            metrics::add(&self.metrics.hash_waits, 1);
-                            return false;
-                        }
+                // A replica's reply carries no SHA-1 of the append.
+                let client = a.op.replica.is_none();
+                if let Some(h) = self.hasher.as_ref().filter(|_| client) {
+                    let size = at - a.start.offset + bytes.len() as u64;
+                    if self.offload_hash(h, &mut a.sha, size) && h.behind() {
+                        // Its bytes wait in the chunk until the hasher
+                        // caught up and readies the journal again.
+                        drop(chunks);
+                        self.hash_parked.borrow_mut().push(j.clone());
+                        metrics::add(&self.metrics.hash_waits, 1);
+                        return false;
                     }
                 }
                 let n = match &mut a.sha {
-                    // A replica's reply carries no SHA-1 of the append.
-                    _ if a.op.replica.is_some() => spool.stage(bytes),
+                    AppendSha::Inline(_) if !client => spool.stage(bytes),
                     AppendSha::Inline(sha) => spool.stage_hashed(bytes, sha),
                     AppendSha::Offloaded(o) => {
                         let n = spool.stage(bytes);
@@ -4144,17 +4143,15 @@ fn answer_ok(s: &Staged) {
         )
     };
     let pending = match &s.sha1 {
-        Digest::Ready(sha1) => {
-            reply.sha1 = *sha1;
+        Digest::Ready(sha1) => Ok(*sha1),
+        Digest::Pending(rx) => rx.try_recv().map_err(|_| rx.clone()),
+    };
+    let pending = match pending {
+        Ok(sha1) => {
+            reply.sha1 = sha1;
             return send(&s.op, &reply);
         }
-        Digest::Pending(rx) => match rx.try_recv() {
-            Ok(sha1) => {
-                reply.sha1 = sha1;
-                return send(&s.op, &reply);
-            }
-            Err(_) => rx.clone(),
-        },
+        Err(pending) => pending,
     };
     // The hasher is still at it (the append committed before its last
     // bytes were hashed): answer once it is done.
