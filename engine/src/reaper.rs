@@ -239,6 +239,20 @@ pub fn close_later(files: Vec<std::fs::File>) {
     let _ = jobs().send(Job::Hold(files));
 }
 
+/// Removes the name `path` at once, on the calling thread, and leaves the
+/// file's blocks to the reaper, freed a step at a time once the grace of
+/// [`close_later`] has passed. For a file that nothing reads any more
+/// whose name the next file may take right away, so that the reaper must
+/// not remove it by name later. Removing a name that an open descriptor
+/// still holds is quick: the blocks are freed by the last close, here the
+/// reaper's.
+pub fn unlink_now_free_later(path: &std::path::Path) -> std::io::Result<()> {
+    let keep = open_to_free(path);
+    std::fs::remove_file(path)?;
+    close_later(keep.into_iter().collect());
+    Ok(())
+}
+
 /// Waits until every removal asked for so far is done (tests, shutdown),
 /// freeing files at once rather than a step at a time meanwhile.
 /// Descriptors of deleted journals may still be held for their grace.

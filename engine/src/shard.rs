@@ -653,9 +653,9 @@ impl Shard {
                     );
                 }
                 _ => {
-                    // Nothing committed into this spool. Removed here, not
-                    // by the reaper: the next spool may take the same name.
-                    let _ = std::fs::remove_file(path);
+                    // Nothing committed into this spool. Its name goes
+                    // here, not on the reaper: the next spool may take it.
+                    let _ = crate::reaper::unlink_now_free_later(path);
                 }
             }
         } else {
@@ -2888,12 +2888,13 @@ impl Shard {
         };
         let spool = match spool {
             Some(s) if s.is_empty() => {
-                // Nothing to seal: its file is kept as a spare, or deleted
-                // here (not by the reaper: the next spool may take its name).
+                // Nothing to seal: its file is kept as a spare, or its name
+                // removed here (the next spool may take it) and its
+                // preallocated blocks freed by the reaper.
                 let (path, len) = s.into_empty_file();
                 if self.spares.borrow_mut().give(&path, len) {
                     metrics::add(&self.metrics.spares_kept, 1);
-                } else if let Err(e) = std::fs::remove_file(&path) {
+                } else if let Err(e) = crate::reaper::unlink_now_free_later(&path) {
                     tracing::warn!(path = %path.display(), error = %e, "cannot remove an empty spool");
                 }
                 None

@@ -52,13 +52,21 @@ fn files_nothing_reads_are_freed_from_their_end_and_read_ones_are_left_whole() {
     std::fs::write(journal.join("sub/spool"), &a).unwrap();
     std::fs::hard_link(journal.join("sub/spool"), links.join("spool")).unwrap();
 
+    // An empty spool: its name goes at once, and a new file may take it
+    // at once without the reaper removing that one later.
+    std::fs::write(files.join("spool"), &a).unwrap();
+    std::fs::hard_link(files.join("spool"), links.join("empty-spool")).unwrap();
+
     reaper::free_file(files.join("free"));
     reaper::remove_file(files.join("read"));
     reaper::remove_dir_all(journal.clone());
+    reaper::unlink_now_free_later(&files.join("spool")).unwrap();
+    assert!(!files.join("spool").exists());
+    std::fs::write(files.join("spool"), &b).unwrap();
 
     // Cut from the end down to the last step, the rest left to the close:
     // what remains is the file's first bytes, unchanged.
-    for name in ["free", "spool"] {
+    for name in ["free", "spool", "empty-spool"] {
         let left = shrunk_to(&links.join(name), FREE_STEP) as usize;
         assert!(left > 0, "{name}: the last step is the close's");
         assert!(
@@ -72,4 +80,5 @@ fn files_nothing_reads_are_freed_from_their_end_and_read_ones_are_left_whole() {
     reaper::flush();
     assert!(!files.join("read").exists());
     assert!(std::fs::read(links.join("read")).unwrap() == b);
+    assert!(std::fs::read(files.join("spool")).unwrap() == b);
 }
