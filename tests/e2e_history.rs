@@ -27,6 +27,7 @@ fn broker_for(store: &TestStore, args: &[&str]) -> Broker {
         BrokerOpts {
             args: args.iter().map(|s| s.to_string()).collect(),
             env: store.broker_env(),
+            ..Default::default()
         },
     )
 }
@@ -1299,6 +1300,65 @@ async fn s3_store_unlisted_journal_refuses_appends_until_listed() {
     assert_eq!(objects.len(), 1);
 }
 
+/// A broker with no S3 credentials in its environment, off a cloud
+/// instance, is told so: the refusal names the missing credentials rather
+/// than only the metadata service it asked for them (here a closed port).
+/// Given credentials, the same journal on the same store takes appends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_store_without_credentials_says_so() {
+    let store = TestStore::s3("nocreds/");
+    let metadata = format!("http://127.0.0.1:{}", free_port_range(1));
+    let bare = Broker::start_with(
+        CORES_DEFAULT,
+        BrokerOpts {
+            env: vec![
+                ("AWS_METADATA_ENDPOINT".into(), metadata.clone()),
+                ("AWS_REGION".into(), "us-east-1".into()),
+            ],
+            env_remove: std::env::vars()
+                .map(|(k, _)| k)
+                .filter(|k| k.starts_with("AWS_"))
+                .collect(),
+            ..Default::default()
+        },
+    );
+    let client = bare.client().await;
+    let name = "hist/nocreds";
+    let spec = spec(name, &store, Codec::None, 4096);
+    apply(&client, &spec).await;
+    // Until the first listing has failed, the refusal cannot say why yet.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let err = client
+            .append(&req(name), b"no credentials".to_vec())
+            .await
+            .expect_err("the store cannot be listed without credentials");
+        assert_eq!(
+            err.status(),
+            Some(Status::FRAGMENT_STORE_UNHEALTHY),
+            "{err}"
+        );
+        let said = err.to_string();
+        if said.contains("no credentials") {
+            assert!(
+                said.contains("AWS_ACCESS_KEY_ID") && said.contains(&metadata),
+                "{said}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "{said}");
+        tokio::time::sleep(POLL).await;
+    }
+    drop(client);
+    drop(bare);
+
+    let broker = broker_for(&store, &[]);
+    let client = broker.client().await;
+    apply(&client, &spec).await;
+    let r = append(&client, name, b"credentials").await;
+    assert_eq!((r.begin, r.end), (0, 11));
+}
+
 /// After a start, a shard lists every journal's stores, at most 32 at once
 /// and the rest in a queue. An append to a journal whose first listing is
 /// still queued starts that listing at once instead of waiting its turn:
@@ -1315,6 +1375,7 @@ async fn an_append_starts_its_journals_first_listing_ahead_of_the_queue() {
         BrokerOpts {
             args: Vec::new(),
             env: s3.broker_env(),
+            ..Default::default()
         },
     );
     let client = broker.client().await;

@@ -1110,6 +1110,7 @@ fn broker_with_queue_budget(budget: &str) -> Broker {
         BrokerOpts {
             args: vec!["--append-queue-budget".into(), budget.into()],
             env: Vec::new(),
+            ..Default::default()
         },
     )
 }

@@ -71,6 +71,8 @@ pub const GRACEFUL_EXIT_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct BrokerOpts {
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// Variables of the test's own environment the broker does not get.
+    pub env_remove: Vec<String>,
 }
 
 /// A `rotary serve` child process. Dropping it kills the process.
@@ -158,6 +160,9 @@ impl Broker {
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log file"))
             .stderr(log);
+        for k in &self.opts.env_remove {
+            cmd.env_remove(k);
+        }
         kill_with_parent(&mut cmd);
         let child = cmd.spawn().expect("spawn rotary serve");
         self.child = Some(child);

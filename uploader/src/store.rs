@@ -312,6 +312,8 @@ const REQUEST_RETRY_TIMEOUT: Duration = Duration::from_secs(20);
 const REQUEST_BACKOFF_INIT: Duration = Duration::from_millis(100);
 const REQUEST_BACKOFF_MAX: Duration = Duration::from_secs(1);
 const DEFAULT_REGION: &str = "us-east-1";
+/// `object_store`'s default address of the instance metadata service.
+const METADATA_ENDPOINT: &str = "http://169.254.169.254";
 
 pub(crate) enum Backend {
     File(Arc<LocalFileSystem>),
@@ -322,6 +324,9 @@ pub(crate) enum Backend {
 pub(crate) struct Store {
     pub(crate) url: StoreUrl,
     pub(crate) backend: Backend,
+    /// For S3 with no credentials configured: the metadata service's
+    /// address, to recognize its errors by.
+    metadata: Option<String>,
 }
 
 impl Store {
@@ -386,16 +391,22 @@ impl Store {
                         max_retries: REQUEST_RETRIES_MAX,
                         retry_timeout: REQUEST_RETRY_TIMEOUT,
                     });
+                let metadata = credentials_from_metadata(&b);
                 let s3 = b.build().map_err(|e| StoreError::BadUrl {
                     url: url.raw.clone(),
                     why: e.to_string(),
                 })?;
-                Backend::S3(Arc::new(s3))
+                return Ok(Store {
+                    url: url.clone(),
+                    backend: Backend::S3(Arc::new(s3)),
+                    metadata,
+                });
             }
         };
         Ok(Store {
             url: url.clone(),
             backend,
+            metadata: None,
         })
     }
 
@@ -421,8 +432,57 @@ impl Store {
     }
 
     pub(crate) fn err(&self, key: &str, e: object_store::Error) -> StoreError {
-        StoreError::from_object_store(&self.url.raw, key, e)
+        let e = StoreError::from_object_store(&self.url.raw, key, e);
+        // Off a cloud instance, a process with no credentials in its
+        // environment meets this as an error about the metadata service's
+        // address, which names neither the cause nor the fix.
+        let Some(at) = self.metadata.as_deref() else {
+            return e;
+        };
+        let hint = |message: String| {
+            format!(
+                "no credentials: the environment names none (such as AWS_ACCESS_KEY_ID \
+                 and AWS_SECRET_ACCESS_KEY), and the instance metadata service gave \
+                 none: {message}"
+            )
+        };
+        match e {
+            StoreError::Unavailable { store, message } if message.contains(at) => {
+                StoreError::Unavailable {
+                    store,
+                    message: hint(message),
+                }
+            }
+            StoreError::Denied { store, message } if message.contains(at) => StoreError::Denied {
+                store,
+                message: hint(message),
+            },
+            e => e,
+        }
     }
+}
+
+/// The address of the instance metadata service, if that is where an S3
+/// client built from `b` gets its credentials: when its configuration (the
+/// broker's `AWS_*` environment) names no other source and signs requests.
+fn credentials_from_metadata(b: &AmazonS3Builder) -> Option<String> {
+    use object_store::aws::AmazonS3ConfigKey as K;
+    let set = |k: K| b.get_config_value(&k).is_some();
+    let named = set(K::AccessKeyId)
+        || set(K::SecretAccessKey)
+        || (set(K::WebIdentityTokenFile) && set(K::RoleArn))
+        || set(K::ContainerCredentialsRelativeUri)
+        || (set(K::ContainerCredentialsFullUri) && set(K::ContainerAuthorizationTokenFile));
+    let unsigned = b
+        .get_config_value(&K::SkipSignature)
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    if named || unsigned {
+        return None;
+    }
+    let at = b
+        .get_config_value(&K::MetadataEndpoint)
+        .unwrap_or_else(|| METADATA_ENDPOINT.to_string());
+    Some(at.trim_end_matches('/').to_string())
 }
 
 /// `http://host:port` → `http://bucket.host:port`, for virtual-hosted
