@@ -1303,9 +1303,13 @@ async fn s3_store_unlisted_journal_refuses_appends_until_listed() {
 /// A broker with no S3 credentials in its environment, off a cloud
 /// instance, is told so: the refusal names the missing credentials rather
 /// than only the metadata service it asked for them (here a closed port).
-/// Given credentials, the same journal on the same store takes appends.
+/// Every journal's listing fails, and the log says so once per shard, not
+/// once per journal. Given credentials, the same journal on the same store
+/// takes appends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s3_store_without_credentials_says_so() {
+async fn s3_store_without_credentials_says_so_once() {
+    const JOURNALS: usize = 12;
+    const FAILED: &str = "listing the fragment store failed";
     let store = TestStore::s3("nocreds/");
     let metadata = format!("http://127.0.0.1:{}", free_port_range(1));
     let bare = Broker::start_with(
@@ -1323,39 +1327,51 @@ async fn s3_store_without_credentials_says_so() {
         },
     );
     let client = bare.client().await;
-    let name = "hist/nocreds";
-    let spec = spec(name, &store, Codec::None, 4096);
-    apply(&client, &spec).await;
-    // Until the first listing has failed, the refusal cannot say why yet.
+    let names: Vec<String> = (0..JOURNALS).map(|i| format!("hist/nocreds-{i}")).collect();
+    let specs: Vec<JournalSpec> = names
+        .iter()
+        .map(|n| spec(n, &store, Codec::None, 4096))
+        .collect();
+    assert_eq!(client.apply(&specs).await.unwrap(), JOURNALS as u64);
+    // Until a journal's first listing has failed, its refusal cannot say
+    // why yet.
     let deadline = Instant::now() + WAIT;
-    loop {
-        let err = client
-            .append(&req(name), b"no credentials".to_vec())
-            .await
-            .expect_err("the store cannot be listed without credentials");
-        assert_eq!(
-            err.status(),
-            Some(Status::FRAGMENT_STORE_UNHEALTHY),
-            "{err}"
-        );
-        let said = err.to_string();
-        if said.contains("no credentials") {
-            assert!(
-                said.contains("AWS_ACCESS_KEY_ID") && said.contains(&metadata),
-                "{said}"
+    for name in &names {
+        loop {
+            let err = client
+                .append(&req(name), b"no credentials".to_vec())
+                .await
+                .expect_err("the store cannot be listed without credentials");
+            assert_eq!(
+                err.status(),
+                Some(Status::FRAGMENT_STORE_UNHEALTHY),
+                "{err}"
             );
-            break;
+            let said = err.to_string();
+            if said.contains("no credentials") {
+                assert!(
+                    said.contains("AWS_ACCESS_KEY_ID") && said.contains(&metadata),
+                    "{said}"
+                );
+                break;
+            }
+            assert!(Instant::now() < deadline, "{said}");
+            tokio::time::sleep(POLL).await;
         }
-        assert!(Instant::now() < deadline, "{said}");
-        tokio::time::sleep(POLL).await;
     }
+    let log = bare.log();
+    let logged = log.lines().filter(|l| l.contains(FAILED)).count();
+    assert!(
+        (1..=CORES_DEFAULT).contains(&logged),
+        "{JOURNALS} journals on one store, {CORES_DEFAULT} shards: logged {logged} times:\n{log}"
+    );
     drop(client);
     drop(bare);
 
     let broker = broker_for(&store, &[]);
     let client = broker.client().await;
-    apply(&client, &spec).await;
-    let r = append(&client, name, b"credentials").await;
+    apply(&client, &specs[0]).await;
+    let r = append(&client, &names[0], b"credentials").await;
     assert_eq!((r.begin, r.end), (0, 11));
 }
 

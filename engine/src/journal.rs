@@ -12,7 +12,7 @@ use rotary_storage::sha::Sha1;
 use rotary_storage::spool::{CommitPoint, Spool};
 use rotary_uploader::StoredFragment;
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -45,6 +45,49 @@ impl Repeated {
         }
         self.last.set(Some(Instant::now()));
         Some(self.held.replace(0))
+    }
+}
+
+/// What a shard's journals do with their fragment stores.
+#[derive(Clone, Copy, Debug)]
+pub enum StoreWork {
+    Listing,
+    Upload,
+}
+
+/// Failed listings and uploads per store, over a shard's journals. A store
+/// that is down fails every journal's, and a line per journal would flood
+/// the log (tens of thousands a minute on a broker of that many journals,
+/// just when its disk is filling with unuploaded fragments). So a store's
+/// failures are logged at most once per [`REPEAT_WARN_INTERVAL`], with the
+/// count held back, and its recovery once after a failure was logged.
+#[derive(Default)]
+pub struct StoreFailures {
+    /// Per [`StoreWork`], by store URL: its throttle, and whether a failure
+    /// was logged since the last recovery was.
+    by_store: [RefCell<HashMap<String, (Repeated, bool)>>; 2],
+}
+
+impl StoreFailures {
+    /// A failure of `work` at `store`: Some(failures held back since the
+    /// last one logged) if this one is to be logged.
+    pub fn failed(&self, work: StoreWork, store: &str) -> Option<u64> {
+        let mut m = self.by_store[work as usize].borrow_mut();
+        if !m.contains_key(store) {
+            m.insert(store.to_string(), Default::default());
+        }
+        let (repeated, logged) = m.get_mut(store).expect("inserted");
+        let due = repeated.due();
+        *logged |= due.is_some();
+        due
+    }
+
+    /// A success of `work` at `store`: whether to log that it works again.
+    pub fn worked(&self, work: StoreWork, store: &str) -> bool {
+        self.by_store[work as usize]
+            .borrow_mut()
+            .get_mut(store)
+            .is_some_and(|(_, logged)| std::mem::take(logged))
     }
 }
 
@@ -365,10 +408,6 @@ pub struct Journal {
     /// When a failed SYNC was last logged: at most once a minute while
     /// replicas stay unreachable (retries run every 250 ms).
     pub sync_warned: Option<Instant>,
-    /// When a failed store listing was last logged, likewise.
-    pub listing_warned: Option<Instant>,
-    /// When a failed upload of this journal was last logged, likewise.
-    pub upload_warned: Option<Instant>,
     /// Primary: committed batches awaiting replica acks.
     pub inflight: usize,
     /// Primary: this turn's staged appends went to replicas.
@@ -568,9 +607,7 @@ impl Journal {
             syncing: false,
             sync_retry: None,
             sync_warned: None,
-            listing_warned: None,
             first_sync_pending: false,
-            upload_warned: None,
             inflight: 0,
             staged_with_replicas: false,
             replica: None,
@@ -1080,6 +1117,36 @@ mod tests {
         r.last.set(Instant::now().checked_sub(REPEAT_WARN_INTERVAL));
         assert_eq!(r.due(), Some(2));
         assert_eq!(r.due(), None);
+    }
+
+    #[test]
+    fn store_failures_are_logged_per_store_and_their_recovery_once() {
+        let f = StoreFailures::default();
+        let (a, b) = ("s3://a/", "s3://b/");
+        assert!(!f.worked(StoreWork::Listing, a), "never failed");
+        // The first failure of each store and kind is logged, the rest held.
+        assert_eq!(f.failed(StoreWork::Listing, a), Some(0));
+        assert_eq!(f.failed(StoreWork::Listing, a), None);
+        assert_eq!(f.failed(StoreWork::Listing, b), Some(0));
+        assert_eq!(f.failed(StoreWork::Upload, a), Some(0));
+        // Its recovery is logged once; a failure right after is held, and
+        // so is the recovery after that.
+        assert!(f.worked(StoreWork::Listing, a));
+        assert!(!f.worked(StoreWork::Listing, a));
+        assert_eq!(f.failed(StoreWork::Listing, a), None);
+        assert!(!f.worked(StoreWork::Listing, a));
+        // A minute on, the next failure is logged with the count held back.
+        f.by_store[StoreWork::Listing as usize]
+            .borrow()
+            .get(a)
+            .unwrap()
+            .0
+            .last
+            .set(Instant::now().checked_sub(REPEAT_WARN_INTERVAL));
+        assert_eq!(f.failed(StoreWork::Listing, a), Some(2));
+        assert!(f.worked(StoreWork::Listing, a));
+        assert!(f.worked(StoreWork::Upload, a));
+        assert!(f.worked(StoreWork::Listing, b));
     }
 
     #[test]

@@ -17,7 +17,7 @@
 
 use crate::journal::{
     AbortReason, Active, AppendOp, AppendSha, Digest, FileRef, Journal, PrimaryRepl, Staged,
-    APPEND_IDLE_TIMEOUT, REPEAT_WARN_INTERVAL,
+    StoreWork, APPEND_IDLE_TIMEOUT, REPEAT_WARN_INTERVAL,
 };
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
@@ -72,6 +72,8 @@ pub struct Shard {
     /// Commit-log write and compaction failures, logged once a minute.
     log_write_failed: crate::journal::Repeated,
     log_compaction_failed: crate::journal::Repeated,
+    /// Failed store listings and uploads, logged per store.
+    store_failures: crate::journal::StoreFailures,
     /// Upload jobs handed to the uploader and not yet answered.
     uploads_in_flight: RefCell<HashSet<UploadKey>>,
     /// Wakes waiting reads when a clean stop begins.
@@ -424,6 +426,7 @@ impl Shard {
             uploads_in_flight: RefCell::new(HashSet::new()),
             log_write_failed: Default::default(),
             log_compaction_failed: Default::default(),
+            store_failures: Default::default(),
             outboxes: RefCell::new(Vec::new()),
             busy: Cell::new(false),
             idle: Event::new(),
@@ -1231,8 +1234,10 @@ impl Shard {
                     f.uploaded = true;
                     jm.insert_remote(stored);
                     *self.store_error.borrow_mut() = None;
-                    if jm.upload_warned.take().is_some() {
-                        tracing::info!(journal = %done.journal, "uploads succeed again");
+                    if let Some(store) = jm.spec.fragment.stores.first() {
+                        if self.store_failures.worked(StoreWork::Upload, store) {
+                            tracing::info!(store = %store, journal = %done.journal, "uploads succeed again");
+                        }
                     }
                 }
                 Err(e) => {
@@ -1240,14 +1245,14 @@ impl Shard {
                     // beyond retrying: store-side refusals (a bucket being
                     // recreated, a credential being fixed) may pass.
                     if !matches!(e, rotary_uploader::StoreError::LocalCorrupt { .. }) {
-                        if jm
-                            .upload_warned
-                            .is_none_or(|t| t.elapsed() >= REPEAT_WARN_INTERVAL)
-                        {
-                            tracing::warn!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; retrying, logged once a minute while it lasts");
-                            jm.upload_warned = Some(Instant::now());
-                        } else {
-                            tracing::debug!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                        let store = jm.spec.fragment.stores.first().map_or("", |s| s.as_str());
+                        match self.store_failures.failed(StoreWork::Upload, store) {
+                            Some(held) => {
+                                tracing::warn!(store, journal = %done.journal, begin = done.begin, end = done.end, error = %e, since_last_logged = held, "upload failed; retrying, logged once a minute per store while it lasts");
+                            }
+                            None => {
+                                tracing::debug!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                            }
                         }
                     } else {
                         // Park it for an operator. It stays counted against
@@ -1431,8 +1436,30 @@ impl Shard {
                 match uploader.list(store, &name).await {
                     Ok(v) => all.extend(v),
                     Err(e) => {
-                        err = Some(e.to_string());
+                        err = Some((store, e.to_string()));
                         break;
+                    }
+                }
+            }
+            let shard = me.upgrade();
+            if let Some(shard) = &shard {
+                match &err {
+                    None => {
+                        for store in &stores {
+                            if shard.store_failures.worked(StoreWork::Listing, store) {
+                                tracing::info!(store = %store, journal = %name, "listing the fragment store works again");
+                            }
+                        }
+                    }
+                    Some((store, e)) => {
+                        match shard.store_failures.failed(StoreWork::Listing, store) {
+                            Some(held) => {
+                                tracing::warn!(store = %store, journal = %name, error = %e, since_last_logged = held, "listing the fragment store failed; retrying, logged once a minute per store while it lasts");
+                            }
+                            None => {
+                                tracing::debug!(journal = %name, error = %e, "listing the fragment store failed");
+                            }
+                        }
                     }
                 }
             }
@@ -1445,24 +1472,15 @@ impl Shard {
                         jm.set_listing(all, mark);
                         jm.index_loaded = true;
                         jm.index_error = None;
-                        if jm.listing_warned.take().is_some() {
-                            tracing::info!(journal = %name, "listing the fragment store works again");
-                        }
                     }
-                    Some(e) => {
-                        if jm.listing_warned.is_none_or(|t| t.elapsed() >= REPEAT_WARN_INTERVAL) {
-                            tracing::warn!(journal = %name, error = %e, "listing the fragment store failed; retrying, logged once a minute while it lasts");
-                            jm.listing_warned = Some(Instant::now());
-                        } else {
-                            tracing::debug!(journal = %name, error = %e, "listing the fragment store failed");
-                        }
+                    Some((_, e)) => {
                         jm.index_error = Some(e);
                         // Reads waiting for a first listing get its error.
                         jm.committed.notify(usize::MAX);
                     }
                 }
             }
-            if let Some(shard) = me.upgrade() {
+            if let Some(shard) = shard {
                 let mut jm = j.borrow_mut();
                 if !shard.is_primary(&jm.spec) {
                     // A replica's copies are dropped once the store holds them.
