@@ -1526,6 +1526,86 @@ async fn too_few_brokers_refuse_appends_body(cluster: &mut Cluster) {
     }
 }
 
+/// A broker that is down fails the SYNC of every journal it replicates,
+/// and each primary says so in its log once per replica set, not once per
+/// journal (a broker of tens of thousands of journals would write as many
+/// lines a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_down_is_logged_once_per_replica_set() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_replica_down_is_logged_once_per_replica_set_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_replica_down_is_logged_once_per_replica_set_body(cluster: &mut Cluster) {
+    const JOURNALS: usize = 18;
+    const LOGGED: &str = "replicas did not synchronize";
+    let names: Vec<String> = (0..JOURNALS)
+        .map(|i| format!("repl/quiet-{i:02}"))
+        .collect();
+    let specs: Vec<JournalSpec> = names.iter().map(|n| spec(n, 3)).collect();
+    cluster.apply(&specs).await;
+    let mut primaries = Vec::new();
+    for n in &names {
+        let route = agreed_route(cluster, n).await;
+        let primary = cluster.index(&route.members[0].id);
+        append_retrying(&cluster.brokers[primary].pinned().await, n, b"up").await;
+        primaries.push(primary);
+    }
+    let victim = 2;
+    let down = cluster.brokers[victim].id.clone();
+    tokio::task::block_in_place(|| cluster.brokers[victim].kill9());
+
+    // Each journal the survivors lead fails its SYNC with the victim: its
+    // appends are refused naming the refused connection.
+    let refused = format!("replica {down} at");
+    let mut led = [0usize; 3];
+    for (n, &primary) in names.iter().zip(&primaries) {
+        if primary == victim {
+            continue;
+        }
+        led[primary] += 1;
+        let client = cluster.brokers[primary].pinned().await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let err = client
+                .append(&req(n), b"down".to_vec())
+                .await
+                .expect_err("a replica is down");
+            if err.to_string().contains(&refused) {
+                assert_eq!(err.status(), Some(Status::REPLICATION_FAILED), "{err}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "{n}: {err}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert!(led[0] + led[1] >= 2, "the survivors lead {led:?} journals");
+    for (b, &led) in led.iter().enumerate().take(2) {
+        let log = cluster.brokers[b].log();
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains(LOGGED)).collect();
+        assert!(
+            lines.len() <= CORES,
+            "{}: {} journals failed their SYNC with {down}, logged {} times:\n{}",
+            cluster.brokers[b].id,
+            led,
+            lines.len(),
+            lines.join("\n")
+        );
+        if led > 0 {
+            assert!(
+                !lines.is_empty(),
+                "{}: nothing logged",
+                cluster.brokers[b].id
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 7. The cluster file changes while the brokers run.
 

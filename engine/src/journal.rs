@@ -48,45 +48,50 @@ impl Repeated {
     }
 }
 
-/// What a shard's journals do with their fragment stores.
+/// Work of a shard's journals that fails for many of them at once.
 #[derive(Clone, Copy, Debug)]
-pub enum StoreWork {
+pub enum SharedWork {
+    /// Listing a fragment store; failures are keyed by the store's URL.
     Listing,
+    /// Uploading to a fragment store; keyed likewise.
     Upload,
+    /// Synchronizing with replicas; keyed by the replicas' ids.
+    Sync,
 }
 
-/// Failed listings and uploads per store, over a shard's journals. A store
-/// that is down fails every journal's, and a line per journal would flood
-/// the log (tens of thousands a minute on a broker of that many journals,
-/// just when its disk is filling with unuploaded fragments). So a store's
-/// failures are logged at most once per [`REPEAT_WARN_INTERVAL`], with the
+/// Failures of work that journals share a cause of: a store that is down
+/// fails every journal's listings and uploads, a broker that is down every
+/// SYNC with it. A line per journal would flood the log (tens of thousands
+/// a minute on a broker of that many journals, just when its disk fills
+/// with what it cannot upload). So the failures of one cause are logged at
+/// most once per [`REPEAT_WARN_INTERVAL`] over a shard's journals, with the
 /// count held back, and its recovery once after a failure was logged.
 #[derive(Default)]
-pub struct StoreFailures {
-    /// Per [`StoreWork`], by store URL: its throttle, and whether a failure
+pub struct SharedFailures {
+    /// Per [`SharedWork`], by cause: its throttle, and whether a failure
     /// was logged since the last recovery was.
-    by_store: [RefCell<HashMap<String, (Repeated, bool)>>; 2],
+    by_cause: [RefCell<HashMap<String, (Repeated, bool)>>; 3],
 }
 
-impl StoreFailures {
-    /// A failure of `work` at `store`: Some(failures held back since the
+impl SharedFailures {
+    /// A failure of `work` from `cause`: Some(failures held back since the
     /// last one logged) if this one is to be logged.
-    pub fn failed(&self, work: StoreWork, store: &str) -> Option<u64> {
-        let mut m = self.by_store[work as usize].borrow_mut();
-        if !m.contains_key(store) {
-            m.insert(store.to_string(), Default::default());
+    pub fn failed(&self, work: SharedWork, cause: &str) -> Option<u64> {
+        let mut m = self.by_cause[work as usize].borrow_mut();
+        if !m.contains_key(cause) {
+            m.insert(cause.to_string(), Default::default());
         }
-        let (repeated, logged) = m.get_mut(store).expect("inserted");
+        let (repeated, logged) = m.get_mut(cause).expect("inserted");
         let due = repeated.due();
         *logged |= due.is_some();
         due
     }
 
-    /// A success of `work` at `store`: whether to log that it works again.
-    pub fn worked(&self, work: StoreWork, store: &str) -> bool {
-        self.by_store[work as usize]
+    /// A success of `work` at `cause`: whether to log that it works again.
+    pub fn worked(&self, work: SharedWork, cause: &str) -> bool {
+        self.by_cause[work as usize]
             .borrow_mut()
-            .get_mut(store)
+            .get_mut(cause)
             .is_some_and(|(_, logged)| std::mem::take(logged))
     }
 }
@@ -405,9 +410,6 @@ pub struct Journal {
     pub first_sync_pending: bool,
     /// Primary: after a failed SYNC, when to try again, and why it failed.
     pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
-    /// When a failed SYNC was last logged: at most once a minute while
-    /// replicas stay unreachable (retries run every 250 ms).
-    pub sync_warned: Option<Instant>,
     /// Primary: committed batches awaiting replica acks.
     pub inflight: usize,
     /// Primary: this turn's staged appends went to replicas.
@@ -606,7 +608,6 @@ impl Journal {
             repl: None,
             syncing: false,
             sync_retry: None,
-            sync_warned: None,
             first_sync_pending: false,
             inflight: 0,
             staged_with_replicas: false,
@@ -1120,33 +1121,33 @@ mod tests {
     }
 
     #[test]
-    fn store_failures_are_logged_per_store_and_their_recovery_once() {
-        let f = StoreFailures::default();
+    fn shared_failures_are_logged_per_cause_and_their_recovery_once() {
+        let f = SharedFailures::default();
         let (a, b) = ("s3://a/", "s3://b/");
-        assert!(!f.worked(StoreWork::Listing, a), "never failed");
+        assert!(!f.worked(SharedWork::Listing, a), "never failed");
         // The first failure of each store and kind is logged, the rest held.
-        assert_eq!(f.failed(StoreWork::Listing, a), Some(0));
-        assert_eq!(f.failed(StoreWork::Listing, a), None);
-        assert_eq!(f.failed(StoreWork::Listing, b), Some(0));
-        assert_eq!(f.failed(StoreWork::Upload, a), Some(0));
+        assert_eq!(f.failed(SharedWork::Listing, a), Some(0));
+        assert_eq!(f.failed(SharedWork::Listing, a), None);
+        assert_eq!(f.failed(SharedWork::Listing, b), Some(0));
+        assert_eq!(f.failed(SharedWork::Upload, a), Some(0));
         // Its recovery is logged once; a failure right after is held, and
         // so is the recovery after that.
-        assert!(f.worked(StoreWork::Listing, a));
-        assert!(!f.worked(StoreWork::Listing, a));
-        assert_eq!(f.failed(StoreWork::Listing, a), None);
-        assert!(!f.worked(StoreWork::Listing, a));
+        assert!(f.worked(SharedWork::Listing, a));
+        assert!(!f.worked(SharedWork::Listing, a));
+        assert_eq!(f.failed(SharedWork::Listing, a), None);
+        assert!(!f.worked(SharedWork::Listing, a));
         // A minute on, the next failure is logged with the count held back.
-        f.by_store[StoreWork::Listing as usize]
+        f.by_cause[SharedWork::Listing as usize]
             .borrow()
             .get(a)
             .unwrap()
             .0
             .last
             .set(Instant::now().checked_sub(REPEAT_WARN_INTERVAL));
-        assert_eq!(f.failed(StoreWork::Listing, a), Some(2));
-        assert!(f.worked(StoreWork::Listing, a));
-        assert!(f.worked(StoreWork::Upload, a));
-        assert!(f.worked(StoreWork::Listing, b));
+        assert_eq!(f.failed(SharedWork::Listing, a), Some(2));
+        assert!(f.worked(SharedWork::Listing, a));
+        assert!(f.worked(SharedWork::Upload, a));
+        assert!(f.worked(SharedWork::Listing, b));
     }
 
     #[test]

@@ -16,8 +16,8 @@
 //! the next turn.
 
 use crate::journal::{
-    AbortReason, Active, AppendOp, AppendSha, Digest, FileRef, Journal, PrimaryRepl, Staged,
-    StoreWork, APPEND_IDLE_TIMEOUT, REPEAT_WARN_INTERVAL,
+    AbortReason, Active, AppendOp, AppendSha, Digest, FileRef, Journal, PrimaryRepl, SharedWork,
+    Staged, APPEND_IDLE_TIMEOUT,
 };
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
@@ -72,8 +72,9 @@ pub struct Shard {
     /// Commit-log write and compaction failures, logged once a minute.
     log_write_failed: crate::journal::Repeated,
     log_compaction_failed: crate::journal::Repeated,
-    /// Failed store listings and uploads, logged per store.
-    store_failures: crate::journal::StoreFailures,
+    /// Failed store listings and uploads, logged per store, and failed
+    /// SYNCs, per replica set.
+    shared_failures: crate::journal::SharedFailures,
     /// Upload jobs handed to the uploader and not yet answered.
     uploads_in_flight: RefCell<HashSet<UploadKey>>,
     /// Wakes waiting reads when a clean stop begins.
@@ -426,7 +427,7 @@ impl Shard {
             uploads_in_flight: RefCell::new(HashSet::new()),
             log_write_failed: Default::default(),
             log_compaction_failed: Default::default(),
-            store_failures: Default::default(),
+            shared_failures: Default::default(),
             outboxes: RefCell::new(Vec::new()),
             busy: Cell::new(false),
             idle: Event::new(),
@@ -1235,7 +1236,7 @@ impl Shard {
                     jm.insert_remote(stored);
                     *self.store_error.borrow_mut() = None;
                     if let Some(store) = jm.spec.fragment.stores.first() {
-                        if self.store_failures.worked(StoreWork::Upload, store) {
+                        if self.shared_failures.worked(SharedWork::Upload, store) {
                             tracing::info!(store = %store, journal = %done.journal, "uploads succeed again");
                         }
                     }
@@ -1246,7 +1247,7 @@ impl Shard {
                     // recreated, a credential being fixed) may pass.
                     if !matches!(e, rotary_uploader::StoreError::LocalCorrupt { .. }) {
                         let store = jm.spec.fragment.stores.first().map_or("", |s| s.as_str());
-                        match self.store_failures.failed(StoreWork::Upload, store) {
+                        match self.shared_failures.failed(SharedWork::Upload, store) {
                             Some(held) => {
                                 tracing::warn!(store, journal = %done.journal, begin = done.begin, end = done.end, error = %e, since_last_logged = held, "upload failed; retrying, logged once a minute per store while it lasts");
                             }
@@ -1446,13 +1447,13 @@ impl Shard {
                 match &err {
                     None => {
                         for store in &stores {
-                            if shard.store_failures.worked(StoreWork::Listing, store) {
+                            if shard.shared_failures.worked(SharedWork::Listing, store) {
                                 tracing::info!(store = %store, journal = %name, "listing the fragment store works again");
                             }
                         }
                     }
                     Some((store, e)) => {
-                        match shard.store_failures.failed(StoreWork::Listing, store) {
+                        match shard.shared_failures.failed(SharedWork::Listing, store) {
                             Some(held) => {
                                 tracing::warn!(store = %store, journal = %name, error = %e, since_last_logged = held, "listing the fragment store failed; retrying, logged once a minute per store while it lasts");
                             }
@@ -2670,6 +2671,9 @@ impl Shard {
         let j = j.clone();
         compio::runtime::spawn(async move {
             let res = me.sync_replicas(&j, &route).await;
+            let mut replicas: Vec<&str> = route.members.iter().skip(1).map(|m| m.id.as_str()).collect();
+            replicas.sort_unstable();
+            let replicas = replicas.join(",");
             {
                 let mut jm = j.borrow_mut();
                 jm.syncing = false;
@@ -2679,14 +2683,13 @@ impl Shard {
                         jm.repl = Some(repl);
                         jm.sync_retry = None;
                         jm.first_sync_pending = false;
-                        if jm.sync_warned.take().is_some() {
-                            tracing::info!(journal = %jm.name, "replicas synchronized again");
+                        if me.shared_failures.worked(SharedWork::Sync, &replicas) {
+                            tracing::info!(replicas, journal = %jm.name, "replicas synchronized again");
                         }
                     }
                     Err(f) => {
-                        if jm.sync_warned.is_none_or(|t| t.elapsed() >= REPEAT_WARN_INTERVAL) {
-                            tracing::warn!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize; retrying every 250 ms, logged once a minute while it lasts");
-                            jm.sync_warned = Some(Instant::now());
+                        if let Some(held) = me.shared_failures.failed(SharedWork::Sync, &replicas) {
+                            tracing::warn!(replicas, journal = %jm.name, status = %f.status, error = %f.message, since_last_logged = held, "replicas did not synchronize; retrying every 250 ms, logged once a minute per replica set while it lasts");
                         } else {
                             tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
                         }
