@@ -1022,7 +1022,7 @@ mod tests {
         for seed in 0..20u64 {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
-            let mut random = |rng: &mut rand::rngs::StdRng| {
+            let random = |rng: &mut rand::rngs::StdRng| {
                 let begin = rng.gen_range(0..5_000u64);
                 object(begin, begin + rng.gen_range(1..400), rng.gen_range(0..4))
             };
