@@ -343,8 +343,9 @@ struct ReadArgs {
     /// the write head.
     #[arg(long = "offset", default_value = "0", value_parser = parse_offset, allow_hyphen_values = true)]
     offset: ReadOffset,
-    /// Stop before this offset, 1 to 9223372036854775807. Without it
-    /// the read ends at the write head (or, with --block, never).
+    /// Stop before this offset, 1 to 9223372036854775807, and greater than
+    /// --offset. Without it the read ends at the write head (or, with
+    /// --block, never).
     #[arg(long = "end-offset", value_name = "N", value_parser = parse_end_offset)]
     end_offset: Option<u64>,
     /// Wait at the write head for more content (until --end-offset, if given).
@@ -970,6 +971,14 @@ async fn append(args: AppendArgs) -> CmdResult {
 }
 
 async fn read(args: ReadArgs) -> CmdResult {
+    if let (ReadOffset::At(offset), Some(end)) = (&args.offset, args.end_offset) {
+        if end <= *offset {
+            return Err(CliError::Usage(
+                "BAD_USAGE",
+                format!("--end-offset {end} must be greater than --offset {offset}"),
+            ));
+        }
+    }
     let req = ReadRequest {
         journal: args.name.clone(),
         offset: match args.offset {

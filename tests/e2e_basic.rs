@@ -947,6 +947,27 @@ async fn cli_exit_codes_follow_the_readme() {
     }
     assert_eq!(read_all(&client, j).await, b"x");
 
+    // A read range that ends where it begins, or before.
+    for (offset, end) in [("1", "1"), ("5", "2")] {
+        let (code, out, err) = run_cli(
+            broker.cli(&["read", j, "--offset", offset, "--end-offset", end]),
+            b"",
+        );
+        assert_eq!(code, 2, "{err}");
+        assert!(out.is_empty());
+        assert_eq!(
+            err,
+            format!(
+                "error: BAD_USAGE: --end-offset {end} must be greater than --offset {offset}\n"
+            )
+        );
+    }
+    let (code, out, err) = run_cli(
+        broker.cli(&["read", j, "--offset", "0", "--end-offset", "1"]),
+        b"",
+    );
+    assert_eq!((code, out.as_slice()), (0, &b"x"[..]), "{err}");
+
     // A well-formed endpoint nobody listens on: retryable.
     let mut cmd = rotary();
     let dead = format!("127.0.0.1:{}", free_port_range(1));
