@@ -929,7 +929,18 @@ impl Conn {
                     message,
                     rewind_to,
                 } => {
-                    tracing::warn!(journal = %name, seq, %status, %message, "refused a replicated record; the primary must synchronize again");
+                    match self
+                        .shard
+                        .shared_failures
+                        .failed(crate::journal::SharedWork::Refusal, "")
+                    {
+                        Some(held) => {
+                            tracing::warn!(journal = %name, seq, %status, %message, since_last_logged = held, "refused a replicated record; the primary must synchronize again (logged once a minute)");
+                        }
+                        None => {
+                            tracing::debug!(journal = %name, seq, %status, %message, "refused a replicated record");
+                        }
+                    }
                     if rewind_to.is_some() {
                         self.abort_replica_ops(&j);
                     }

@@ -57,11 +57,16 @@ pub enum SharedWork {
     Upload,
     /// Synchronizing with replicas; keyed by the replicas' ids.
     Sync,
+    /// Replicating a batch; keyed by the id of the replica that failed it.
+    Replication,
+    /// Taking a primary's replicated records, as a replica; one key.
+    Refusal,
 }
 
 /// Failures of work that journals share a cause of: a store that is down
 /// fails every journal's listings and uploads, a broker that is down every
-/// SYNC with it. A line per journal would flood the log (tens of thousands
+/// SYNC and batch replicated to it, a replica that restarted every
+/// journal's next record. A line per journal would flood the log (tens of thousands
 /// a minute on a broker of that many journals, just when its disk fills
 /// with what it cannot upload). So the failures of one cause are logged at
 /// most once per [`REPEAT_WARN_INTERVAL`] over a shard's journals, with the
@@ -70,7 +75,7 @@ pub enum SharedWork {
 pub struct SharedFailures {
     /// Per [`SharedWork`], by cause: its throttle, and whether a failure
     /// was logged since the last recovery was.
-    by_cause: [RefCell<HashMap<String, (Repeated, bool)>>; 3],
+    by_cause: [RefCell<HashMap<String, (Repeated, bool)>>; 5],
 }
 
 impl SharedFailures {

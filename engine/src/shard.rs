@@ -72,9 +72,9 @@ pub struct Shard {
     /// Commit-log write and compaction failures, logged once a minute.
     log_write_failed: crate::journal::Repeated,
     log_compaction_failed: crate::journal::Repeated,
-    /// Failed store listings and uploads, logged per store, and failed
-    /// SYNCs, per replica set.
-    shared_failures: crate::journal::SharedFailures,
+    /// Failed store listings and uploads, logged per store; failed SYNCs
+    /// per replica set; failed batches per replica; refused records.
+    pub(crate) shared_failures: crate::journal::SharedFailures,
     /// Upload jobs handed to the uploader and not yet answered.
     uploads_in_flight: RefCell<HashSet<UploadKey>>,
     /// Wakes waiting reads when a clean stop begins.
@@ -902,7 +902,9 @@ impl Shard {
                 continue;
             };
             let mut failure = None;
+            let mut failed_at = "";
             'wait: for (p, epoch, seqs) in &f.waits {
+                failed_at = &p.peer;
                 for &seq in seqs {
                     match p.wait(seq, *epoch).await {
                         Ok(ack) if ack.status == Status::OK => {}
@@ -927,7 +929,18 @@ impl Shard {
             }
             metrics::add(&self.metrics.replicated_batches, 1);
             if let Some(e) = &failure {
-                tracing::warn!(journal = %f.j.borrow().name, error = %e.message, "replication failed; the journal will synchronize again");
+                let journal = f.j.borrow().name.clone();
+                match self
+                    .shared_failures
+                    .failed(SharedWork::Replication, failed_at)
+                {
+                    Some(held) => {
+                        tracing::warn!(replica = failed_at, %journal, error = %e.message, since_last_logged = held, "replication failed; the journal will synchronize again (logged once a minute per replica)");
+                    }
+                    None => {
+                        tracing::debug!(replica = failed_at, %journal, error = %e.message, "replication failed");
+                    }
+                }
             }
             self.publish(&f.j, f.staged, failure.as_ref());
             {
