@@ -205,6 +205,30 @@ struct ServeArgs {
     /// 10s.
     #[arg(long = "replica-ack-timeout", value_name = "DURATION", value_parser = parse_peer_wait, default_value = "10s")]
     replica_ack_timeout: std::time::Duration,
+    /// The time slice each shard's thread asks the kernel's scheduler for
+    /// (Linux 6.12 or later): a shard with a shorter slice than the thread
+    /// running on its core preempts that thread as soon as it wakes. From
+    /// 100us to 100ms; 0 keeps the kernel's default.
+    #[arg(long = "shard-slice", value_name = "DURATION", value_parser = parse_shard_slice, default_value = "100us")]
+    shard_slice: std::time::Duration,
+}
+
+fn parse_shard_slice(s: &str) -> Result<std::time::Duration, String> {
+    // Journal specs' durations are whole milliseconds; a slice is finer.
+    let micros = s.strip_suffix("us").or_else(|| s.strip_suffix("µs"));
+    let d = match micros {
+        Some(n) => n
+            .parse::<u64>()
+            .map(std::time::Duration::from_micros)
+            .map_err(|_| format!("{s:?} is not a duration such as 100us or 1ms"))?,
+        None => rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())?,
+    };
+    let range = std::time::Duration::from_micros(100)..=std::time::Duration::from_millis(100);
+    if d.is_zero() || range.contains(&d) {
+        Ok(d)
+    } else {
+        Err("must be 0, or from 100us to 100ms".to_string())
+    }
 }
 
 fn parse_peer_wait(s: &str) -> Result<std::time::Duration, String> {
@@ -653,6 +677,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
     config.spec_sync_interval = args.spec_sync_interval;
     config.peer_silence = args.peer_silence;
+    config.shard_slice = args.shard_slice;
     config.replica_ack_timeout = args.replica_ack_timeout;
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
@@ -1243,6 +1268,19 @@ mod tests {
             panic!("serve");
         };
         assert_eq!(args.replica_ack_timeout, std::time::Duration::from_secs(2));
+    }
+
+    #[test]
+    fn shard_slices() {
+        use std::time::Duration;
+        assert_eq!(parse_shard_slice("100us"), Ok(Duration::from_micros(100)));
+        assert_eq!(parse_shard_slice("250µs"), Ok(Duration::from_micros(250)));
+        assert_eq!(parse_shard_slice("2ms"), Ok(Duration::from_millis(2)));
+        assert_eq!(parse_shard_slice("100ms"), Ok(Duration::from_millis(100)));
+        assert_eq!(parse_shard_slice("0"), Ok(Duration::ZERO));
+        for bad in ["99us", "101ms", "1s", "us", "-5us", "fast"] {
+            assert!(parse_shard_slice(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -780,6 +780,84 @@ async fn serve_cpus_keeps_every_thread_of_the_broker_on_its_cores() {
     }
 }
 
+/// Each thread's `se.slice` (ns) from `/proc/<pid>/task/*/sched`, by name;
+/// threads of other policies than SCHED_OTHER and SCHED_BATCH (the
+/// reaper's SCHED_IDLE) have none.
+fn time_slices(pid: u32) -> Vec<(String, u64)> {
+    let mut threads = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let sched = std::fs::read_to_string(dir.join("sched")).unwrap_or_default();
+        let slice = sched
+            .lines()
+            .find_map(|l| l.strip_prefix("se.slice"))
+            .and_then(|v| v.trim().trim_start_matches(':').trim().parse().ok());
+        if let Some(slice) = slice {
+            threads.push((comm.trim().to_string(), slice));
+        }
+    }
+    threads
+}
+
+/// Shards ask the scheduler for 100 µs slices (so that a shard waking on a
+/// busy core preempts what runs there), and so do the io-wq workers their
+/// rings start, which run the writes the kernel cannot issue inline.
+/// `--shard-slice` changes that, and 0 leaves them the kernel's default,
+/// like the broker's other threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shard_threads_ask_for_short_time_slices() {
+    let with = |args: &[&str]| {
+        Broker::start_with(
+            2,
+            BrokerOpts {
+                args: args.iter().map(|a| a.to_string()).collect(),
+                ..Default::default()
+            },
+        )
+    };
+    for (args, want) in [
+        (&[][..], Some(100_000)),
+        (&["--shard-slice", "2ms"][..], Some(2_000_000)),
+        (&["--shard-slice", "0"][..], None),
+    ] {
+        let broker = with(args);
+        let threads = time_slices(broker.pid().expect("running"));
+        let (shards, others): (Vec<_>, Vec<_>) = threads
+            .iter()
+            .partition(|(comm, _)| comm.starts_with("rotary-shard") || comm.starts_with("iou-wrk"));
+        assert_eq!(
+            shards
+                .iter()
+                .filter(|(comm, _)| comm.starts_with("rotary-shard"))
+                .count(),
+            2,
+            "{args:?}: {threads:?}"
+        );
+        let default = others
+            .iter()
+            .find(|(comm, _)| comm == "rotary")
+            .map(|(_, s)| *s)
+            .unwrap_or_else(|| panic!("{args:?}: no main thread in {threads:?}"));
+        for (comm, slice) in &shards {
+            assert_eq!(
+                *slice,
+                want.unwrap_or(default),
+                "{args:?}: {comm}: {threads:?}"
+            );
+        }
+        assert!(
+            others.iter().all(|(_, s)| *s == default),
+            "{args:?}: only shards change their slice: {threads:?}"
+        );
+    }
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rotary"));
+    cmd.args(["serve", "--shard-slice", "50us"]);
+    let (code, _, err) = run_cli(cmd, b"");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("must be 0, or from 100us to 100ms"), "{err}");
+}
+
 /// Offsets travel as i64, -1 meaning "no expected offset" on APPEND and
 /// "the write head" on READ: an offset of 2^63 or more must be refused, by
 /// the CLI and by the client library, never wrapped to -1 and sent.
