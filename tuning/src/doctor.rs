@@ -127,6 +127,7 @@ pub fn check_all(data_dir: &Path) -> Vec<Finding> {
         check_cpu_governor(),
         check_thp(),
         check_clocksource(),
+        check_time_slices(),
         dir_finding,
         check_o_direct(&probe_dir),
         check_io_scheduler(&probe_dir),
@@ -654,6 +655,35 @@ fn check_clocksource() -> Finding {
     }
 }
 
+/// Judges a kernel for per-thread time slices: EEVDF takes a normal
+/// thread's `sched_runtime` as its slice from Linux 6.12; earlier kernels
+/// accept it and ignore it.
+pub fn judge_time_slices(release: &str) -> Level {
+    match parse_kernel_version(release) {
+        Some(v) if v >= (6, 12) => Level::Ok,
+        _ => Level::Warn,
+    }
+}
+
+fn check_time_slices() -> Finding {
+    const CHECK: &str = "time slices";
+    let release = kernel_release();
+    match judge_time_slices(&release) {
+        Level::Ok => Finding::ok(
+            CHECK,
+            format!("kernel {release}: shards' short slices (--shard-slice) let them preempt what runs on their cores when they wake"),
+        ),
+        _ => Finding::warn(
+            CHECK,
+            format!("kernel {release}: before Linux 6.12 --shard-slice has no effect; a shard that wakes on a busy core may wait out the running thread's slice"),
+            &[
+                "upgrade the kernel to Linux 6.12 or later",
+                "or keep other work off the shards' cores (serve --cpus)",
+            ],
+        ),
+    }
+}
+
 // ---------------------------------------------------------------- data dir
 
 /// Makes sure `data_dir` exists; returns the finding and the directory the
@@ -1113,6 +1143,16 @@ mod tests {
         assert_eq!(judge_clocksource("hpet"), Level::Warn);
         assert_eq!(judge_clocksource("acpi_pm"), Level::Warn);
         assert_eq!(judge_clocksource("xen"), Level::Warn);
+    }
+
+    #[test]
+    fn time_slice_kernels() {
+        assert_eq!(judge_time_slices("6.18.44"), Level::Ok);
+        assert_eq!(judge_time_slices("6.12.0-1-amd64"), Level::Ok);
+        assert_eq!(judge_time_slices("7.0.1"), Level::Ok);
+        assert_eq!(judge_time_slices("6.11.9"), Level::Warn);
+        assert_eq!(judge_time_slices("6.1.0-18-amd64"), Level::Warn);
+        assert_eq!(judge_time_slices("unknown"), Level::Warn);
     }
 
     #[test]
