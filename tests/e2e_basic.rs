@@ -759,18 +759,10 @@ async fn serve_cpus_keeps_every_thread_of_the_broker_on_its_cores() {
     };
     client.append(&req, vec![7u8; 1 << 20]).await.unwrap();
     let pid = broker.pid().expect("running");
-    let mut threads = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let dir = task.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
-        let allowed = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-            .map(|v| v.trim().to_string())
-            .unwrap_or_default();
-        threads.push((comm.trim().to_string(), allowed));
-    }
+    let threads: Vec<(String, String)> = per_thread(pid, "status", "Cpus_allowed_list")
+        .into_iter()
+        .map(|(comm, allowed)| (comm, allowed.unwrap_or_default()))
+        .collect();
     assert!(
         threads.iter().any(|(c, _)| c.starts_with("rotary-shard")),
         "{threads:?}"
@@ -780,24 +772,31 @@ async fn serve_cpus_keeps_every_thread_of_the_broker_on_its_cores() {
     }
 }
 
-/// Each thread's `se.slice` (ns) from `/proc/<pid>/task/*/sched`, by name;
-/// threads of other policies than SCHED_OTHER and SCHED_BATCH (the
-/// reaper's SCHED_IDLE) have none.
-fn time_slices(pid: u32) -> Vec<(String, u64)> {
+/// Each thread of `pid` by name, with the value of its `key` line in
+/// `/proc/<pid>/task/<tid>/<file>` (`key: value` or `key   : value`), if
+/// it has one.
+fn per_thread(pid: u32, file: &str, key: &str) -> Vec<(String, Option<String>)> {
     let mut threads = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let dir = task.unwrap().path();
         let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        let sched = std::fs::read_to_string(dir.join("sched")).unwrap_or_default();
-        let slice = sched
-            .lines()
-            .find_map(|l| l.strip_prefix("se.slice"))
-            .and_then(|v| v.trim().trim_start_matches(':').trim().parse().ok());
-        if let Some(slice) = slice {
-            threads.push((comm.trim().to_string(), slice));
-        }
+        let text = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+        let value = text.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == key).then(|| v.trim().to_string())
+        });
+        threads.push((comm.trim().to_string(), value));
     }
     threads
+}
+
+/// Each thread's `se.slice` (ns), by name; threads of other policies than
+/// SCHED_OTHER and SCHED_BATCH (the reaper's SCHED_IDLE) have none.
+fn time_slices(pid: u32) -> Vec<(String, u64)> {
+    per_thread(pid, "sched", "se.slice")
+        .into_iter()
+        .filter_map(|(comm, slice)| Some((comm, slice?.parse().ok()?)))
+        .collect()
 }
 
 /// Shards ask the scheduler for 100 µs slices (so that a shard waking on a
