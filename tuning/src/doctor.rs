@@ -666,7 +666,7 @@ pub fn judge_time_slices(release: &str) -> Level {
 }
 
 fn check_time_slices() -> Finding {
-    const CHECK: &str = "time slices";
+    const CHECK: &str = "time_slices";
     let release = kernel_release();
     match judge_time_slices(&release) {
         Level::Ok => Finding::ok(
@@ -1313,6 +1313,7 @@ mod tests {
                 "cpu_governor",
                 "thp",
                 "clocksource",
+                "time_slices",
                 "data_dir",
                 "o_direct",
                 "io_scheduler",
