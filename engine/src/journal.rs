@@ -66,11 +66,12 @@ pub enum SharedWork {
 /// Failures of work that journals share a cause of: a store that is down
 /// fails every journal's listings and uploads, a broker that is down every
 /// SYNC and batch replicated to it, a replica that restarted every
-/// journal's next record. A line per journal would flood the log (tens of thousands
-/// a minute on a broker of that many journals, just when its disk fills
-/// with what it cannot upload). So the failures of one cause are logged at
-/// most once per [`REPEAT_WARN_INTERVAL`] over a shard's journals, with the
-/// count held back, and its recovery once after a failure was logged.
+/// journal's next record. A line per journal would flood the log (tens of
+/// thousands a minute on a broker of that many journals, just when its
+/// disk fills with what it cannot upload). So the failures of one cause
+/// are logged at most once per [`REPEAT_WARN_INTERVAL`] over a shard's
+/// journals, with the count held back, and its recovery once after a
+/// failure was logged.
 #[derive(Default)]
 pub struct SharedFailures {
     /// Per [`SharedWork`], by cause: its throttle, and whether a failure
@@ -83,10 +84,7 @@ impl SharedFailures {
     /// last one logged) if this one is to be logged.
     pub fn failed(&self, work: SharedWork, cause: &str) -> Option<u64> {
         let mut m = self.by_cause[work as usize].borrow_mut();
-        if !m.contains_key(cause) {
-            m.insert(cause.to_string(), Default::default());
-        }
-        let (repeated, logged) = m.get_mut(cause).expect("inserted");
+        let (repeated, logged) = m.entry(cause.to_string()).or_default();
         let due = repeated.due();
         *logged |= due.is_some();
         due

@@ -337,7 +337,7 @@ impl Store {
             store: url.raw.clone(),
             message,
         };
-        let backend = match &url.kind {
+        let (backend, metadata) = match &url.kind {
             Kind::File { dir } => {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| unavailable(format!("cannot create {}: {e}", dir.display())))?;
@@ -346,7 +346,7 @@ impl Store {
                     // A store may hold the only copy of a fragment once the
                     // local one is gone: make writes durable.
                     .with_fsync(true);
-                Backend::File(Arc::new(fs))
+                (Backend::File(Arc::new(fs)), None)
             }
             Kind::S3 {
                 bucket,
@@ -396,17 +396,13 @@ impl Store {
                     url: url.raw.clone(),
                     why: e.to_string(),
                 })?;
-                return Ok(Store {
-                    url: url.clone(),
-                    backend: Backend::S3(Arc::new(s3)),
-                    metadata,
-                });
+                (Backend::S3(Arc::new(s3)), metadata)
             }
         };
         Ok(Store {
             url: url.clone(),
             backend,
-            metadata: None,
+            metadata,
         })
     }
 
