@@ -637,9 +637,12 @@ fn open_fds(pid: u32) -> u64 {
 fn out_of_file_descriptors_closes_unserved_connections() {
     let broker = Broker::start_with_cores(1);
     let pid = broker.pid().expect("running");
+    // One reading for both limits: the broker may open a descriptor
+    // between two, and a soft limit above the hard one is EINVAL.
+    let limit = open_fds(pid) + 16;
     let lim = libc::rlimit {
-        rlim_cur: open_fds(pid) + 16,
-        rlim_max: open_fds(pid) + 16,
+        rlim_cur: limit,
+        rlim_max: limit,
     };
     // SAFETY: prlimit on our own child with a valid rlimit and no old value.
     let rc = unsafe {
