@@ -1846,6 +1846,199 @@ async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_outside_a_route_do_not_list_its_stores() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        brokers_outside_a_route_do_not_list_its_stores_body(&mut cluster, &store),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Rep-1 journals with stores, all routed to b1. b2 and b3 restart, and so
+/// hold every journal of their spec stores; they only proxy these, so they
+/// let the stores' index go rather than list it every `refresh_interval`. They still answer FRAGMENTS as b1 does, listing
+/// once for it. When b1 leaves the cluster file, the broker that takes each
+/// journal lists its store before the first append, and so refuses to
+/// reuse the offsets b1 wrote.
+async fn brokers_outside_a_route_do_not_list_its_stores_body(
+    cluster: &mut Cluster,
+    store: &TestStore,
+) {
+    // Names tried without stores (no broker lists those) until three are
+    // routed to b1 alone; only those three get the store.
+    let mut names = Vec::new();
+    for i in 0..64 {
+        let j = format!("repl/listed-by-b1-{i}");
+        cluster.apply(&[spec(&j, 1)]).await;
+        if ids(&agreed_route(cluster, &j).await) == ["b1"] {
+            names.push(j);
+            if names.len() == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(names.len(), 3, "no three of 64 names routed to b1 alone");
+    let specs: Vec<JournalSpec> = names.iter().map(|j| store_spec(j, 1, store)).collect();
+    cluster.apply(&specs).await;
+    let client = cluster.brokers[0].client().await;
+    let mut written = Vec::new();
+    for (k, j) in names.iter().enumerate() {
+        let mut bytes = Vec::new();
+        for seq in 0..5 {
+            let c = record(k as u32, seq, 900 + 37 * seq as usize);
+            let r = append_retrying(&client, j, &c).await;
+            assert_eq!(r.begin, bytes.len() as u64, "{j}");
+            bytes.extend_from_slice(&c);
+        }
+        client.seal(j).await.unwrap();
+        written.push(bytes);
+    }
+    let deadline = Instant::now() + WAIT;
+    for (j, bytes) in names.iter().zip(&written) {
+        while !store_covers(&client.fragments(j).await.unwrap(), bytes.len() as u64) {
+            assert!(Instant::now() < deadline, "{j}: never uploaded");
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    // A rolling restart of the other brokers: each starts with every
+    // journal it knows.
+    tokio::task::block_in_place(|| {
+        for b in &mut cluster.brokers[1..] {
+            b.kill9();
+            b.start();
+        }
+    });
+
+    let counter = |stats: &serde_json::Value, k: &str| {
+        stats[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{k} in {stats}"))
+    };
+    let stats_of = |i: usize| {
+        let b = &cluster.brokers[i];
+        async move { b.pinned().await.stats().await.unwrap() }
+    };
+    // Each journal's refresh came due on b2 and b3 and was spared.
+    let deadline = Instant::now() + WAIT;
+    for i in [1, 2] {
+        loop {
+            let stats = stats_of(i).await;
+            if counter(&stats, "listings_spared") >= 3 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "b{}: not three refreshes spared: {stats}",
+                i + 1
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    let before: Vec<serde_json::Value> =
+        [stats_of(0).await, stats_of(1).await, stats_of(2).await].into();
+    // Three refresh intervals of the journals.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let after: Vec<serde_json::Value> =
+        [stats_of(0).await, stats_of(1).await, stats_of(2).await].into();
+    let listed = |i: usize| counter(&after[i], "listings") - counter(&before[i], "listings");
+    let spared =
+        |i: usize| counter(&after[i], "listings_spared") - counter(&before[i], "listings_spared");
+    assert!(
+        listed(0) >= 3,
+        "b1, the journals' broker, listed {} times",
+        listed(0)
+    );
+    assert_eq!(spared(0), 0, "b1 spared its own journals' listings");
+    for i in [1, 2] {
+        assert_eq!(
+            listed(i),
+            0,
+            "b{} listed the stores of journals it proxies",
+            i + 1
+        );
+        assert!(spared(i) >= 3, "b{} spared {} refreshes", i + 1, spared(i));
+    }
+
+    // FRAGMENTS of b2, outside the route, lists the store at once for it.
+    let stored = |frags: Vec<rotary_net::client::FragmentInfo>| {
+        let mut v: Vec<(u64, u64, String)> = frags
+            .into_iter()
+            .filter(|f| f.store != "local")
+            .map(|f| (f.begin, f.end, f.sha1))
+            .collect();
+        v.sort();
+        v
+    };
+    let b1 = cluster.brokers[0].pinned().await;
+    let b2 = cluster.brokers[1].pinned().await;
+    for (j, bytes) in names.iter().zip(&written) {
+        let of_b1 = stored(b1.fragments(j).await.unwrap());
+        assert_eq!(of_b1.last().map(|f| f.1), Some(bytes.len() as u64), "{j}");
+        assert_eq!(
+            stored(b2.fragments(j).await.unwrap()),
+            of_b1,
+            "{j}: b2's FRAGMENTS"
+        );
+    }
+    assert!(counter(&stats_of(1).await, "listings_hurried") >= 3);
+
+    // b1 leaves. Whoever takes a journal lists its store before appending:
+    // it finds b1's history beyond its own head and refuses the offsets.
+    cluster.write_file(&[1, 2]);
+    let deadline = Instant::now() + WAIT;
+    for j in &names {
+        for b in &cluster.brokers {
+            loop {
+                let now = ids(&route_at(b, j).await);
+                if !now.is_empty() && !now.iter().any(|id| id == "b1") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{} still routes {j} to {now:?} {WAIT:?} after b1 left",
+                    b.id
+                );
+                tokio::time::sleep(POLL).await;
+            }
+        }
+    }
+    let client = cluster.brokers[1].client().await;
+    for (j, bytes) in names.iter().zip(&written) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            match client.append(&req(j), b"too early".to_vec()).await {
+                Err(e) if e.status() == Some(Status::INDEX_HAS_GREATER_OFFSET) => break,
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    tokio::time::sleep(POLL).await;
+                }
+                other => panic!("{j}: append after b1 left: {other:?}"),
+            }
+        }
+        let head = client.reset_head(j).await.unwrap();
+        assert_eq!(head, bytes.len() as u64, "{j}: head after reset-head");
+        let tail = b"after b1 left";
+        let r = append_retrying(&client, j, tail).await;
+        assert_eq!(r.begin, bytes.len() as u64, "{j}: append after reset-head");
+        let primary = agreed_route(cluster, j).await.members[0].id.clone();
+        assert_ne!(primary, "b1");
+        let mut expect = bytes.clone();
+        expect.extend_from_slice(tail);
+        let copy = direct_copy(cluster.by_id(&primary), j).await;
+        assert!(
+            copy == expect,
+            "{j}: {} read back, SHA-1 {}, expected {}",
+            copy.len(),
+            hex_sha1(&copy),
+            hex_sha1(&expect)
+        );
+    }
+}
+
 /// A broker that was down while journals were created learns them from its
 /// peers when it starts again: it lists them, proxies or serves appends and
 /// reads, and does not answer JOURNAL_NOT_FOUND.

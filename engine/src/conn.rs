@@ -1248,6 +1248,8 @@ impl Conn {
                                 if outbox.is_closed() {
                                     return;
                                 }
+                                // Ahead of the shard's queue, as a read's.
+                                shard.hurry_first_listing(&j);
                                 let _ = compio::time::timeout(left, listen).await;
                             }
                             let (body, more) = shard.fragments_page(&j, page.from, page.limit);

@@ -462,6 +462,10 @@ pub struct Journal {
     /// The last listing error, for operators and refusals.
     pub index_error: Option<String>,
     pub last_listing: Option<Instant>,
+    /// The index was let go (see [`Self::forget_index`]): the tick lists
+    /// the journal again only once `refresh_interval` has passed, not
+    /// every second as for a first listing.
+    pub index_forgotten: bool,
     pub listing: bool,
     /// Waiting in the shard's queue of listings (see
     /// `Shard::refresh_listing`).
@@ -634,6 +638,7 @@ impl Journal {
             index_loaded: false,
             index_error: None,
             last_listing: None,
+            index_forgotten: false,
             listing_queued: false,
             listing_hurried: false,
             listing: false,
@@ -649,6 +654,32 @@ impl Journal {
     /// A journal without stores has its whole index locally.
     pub fn init_index(&mut self) {
         self.index_loaded = !self.has_stores();
+    }
+
+    /// Lets the stores' index go, as a broker outside the journal's route
+    /// may: it proxies the journal's reads and appends, so listing its
+    /// stores every `refresh_interval` would only multiply the store's
+    /// LISTs by the cluster's size. The journal returns to the state it
+    /// has at a start: a request that needs the index (an append once the
+    /// route holds this broker again, FRAGMENTS) waits for a fresh listing,
+    /// so nothing uploaded meanwhile by its members is missed. Refused
+    /// (false) while the broker holds any of the journal's bytes: those
+    /// are dropped or uploaded by the listings it still makes.
+    pub fn forget_index(&mut self) -> bool {
+        let holds_bytes =
+            !self.fragments.is_empty() || self.spool.as_ref().is_some_and(|s| !s.is_empty());
+        if holds_bytes || self.listing || !self.has_stores() {
+            return false;
+        }
+        self.index_loaded = false;
+        self.index_error = None;
+        self.index_forgotten = true;
+        self.listing_hurried = false;
+        self.last_listing = Some(Instant::now());
+        self.remote = Vec::new();
+        self.confirmed.clear();
+        self.remote_changed();
+        true
     }
 
     pub fn has_stores(&self) -> bool {
@@ -1014,6 +1045,49 @@ mod tests {
         assert_eq!(j.remote_end(), 0);
         j.set_listing(vec![bad, gone], j.listing_mark());
         assert_eq!(shas(&j), [(16, 24, 4)]);
+    }
+
+    /// A broker outside the route lets the index go only while it holds
+    /// none of the journal's bytes and no listing is under way; what it
+    /// forgets is gone, and the journal waits for a listing again.
+    #[test]
+    fn an_index_is_let_go_only_by_a_broker_holding_no_bytes() {
+        let mut spec = JournalSpec::new("a/b/c");
+        let mut j = Journal::new(spec.clone(), PathBuf::from("/nonexistent"));
+        j.init_index();
+        assert!(!j.forget_index(), "nothing to forget without stores");
+        spec.fragment.stores = vec!["file:///s/".into()];
+        j.spec = spec;
+        j.init_index();
+        j.set_listing(vec![object(0, 8, 1), object(8, 16, 2)], j.listing_mark());
+        j.index_loaded = true;
+        j.listing = true;
+        assert!(!j.forget_index(), "a listing is under way");
+        j.listing = false;
+        j.fragments.push(LocalFragment {
+            begin: 16,
+            end: 24,
+            sha1: [3; 20],
+            path: PathBuf::from("/nonexistent/f"),
+            file: None,
+            uploaded: false,
+            uploading: false,
+            corrupt: None,
+            sealed_at: SystemTime::UNIX_EPOCH,
+        });
+        assert!(!j.forget_index(), "a local fragment is still to upload");
+        assert!(j.index_loaded);
+        assert_eq!(j.remote_end(), 16);
+        j.fragments.clear();
+        assert!(j.forget_index());
+        assert!(!j.index_loaded && j.index_forgotten && j.last_listing.is_some());
+        assert!(j.remote.is_empty());
+        assert_eq!(j.remote_end(), 0);
+        assert_eq!(j.read_head(), 0);
+        // The next listing brings it back whole.
+        j.set_listing(vec![object(0, 8, 1), object(8, 16, 2)], j.listing_mark());
+        assert_eq!(shas(&j), [(0, 8, 1), (8, 16, 2)]);
+        assert_eq!(j.remote_end(), 16);
     }
 
     /// Reads find, of the stores' fragments holding an offset, the one

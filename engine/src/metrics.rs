@@ -60,9 +60,15 @@ counters!(
     // differed), and those that found the same digest and listed nothing.
     spec_syncs_full,
     spec_syncs_unchanged,
+    // Listings of a journal's stores started (one LIST, or a page of them,
+    // per store).
+    listings,
     // First listings of a journal's stores started ahead of the shard's
     // queue of listings, because a request waited for one.
     listings_hurried,
+    // Refreshes of a journal's index skipped because this broker is
+    // outside its route and holds none of its bytes (the index let go).
+    listings_spared,
     // Append bytes whose own SHA-1 the shard's hasher thread computed.
     hash_offloaded_bytes,
     // Times an append waited for the hasher to catch up.

@@ -1369,7 +1369,7 @@ impl Shard {
     /// append to a journal near the end of that queue would otherwise wait
     /// for every listing ahead of it (tens of seconds on S3). Once per
     /// journal; a listing under way is left to end.
-    fn hurry_first_listing(&self, j: &JournalRef) {
+    pub fn hurry_first_listing(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
             if jm.index_loaded || jm.listing || jm.listing_hurried || !jm.has_stores() {
@@ -1439,6 +1439,7 @@ impl Shard {
         };
         self.listings_in_flight
             .set(self.listings_in_flight.get() + 1);
+        metrics::add(&self.metrics.listings, 1);
         let mark = j.borrow().listing_mark();
         let uploader = self.uploader.clone();
         let j = j.clone();
@@ -1480,6 +1481,7 @@ impl Shard {
             {
                 let mut jm = j.borrow_mut();
                 jm.listing = false;
+                jm.index_forgotten = false;
                 jm.last_listing = Some(Instant::now());
                 match err {
                     None => {
@@ -1754,6 +1756,7 @@ impl Shard {
                         && jm.last_listing.is_none_or(|t| {
                             t.elapsed() >= every
                                 || (!jm.index_loaded
+                                    && !jm.index_forgotten
                                     && t.elapsed() >= std::time::Duration::from_secs(1))
                         })
                 } else {
@@ -1761,7 +1764,15 @@ impl Shard {
                 }
             };
             if refresh {
-                self.refresh_listing(&j);
+                let outside = match &role {
+                    Some(role) => matches!(role, Role::Outside(_)),
+                    None => matches!(self.role(&j.borrow().spec), Role::Outside(_)),
+                };
+                if outside && j.borrow_mut().forget_index() {
+                    metrics::add(&self.metrics.listings_spared, 1);
+                } else {
+                    self.refresh_listing(&j);
+                }
             }
         }
         self.recount_unuploaded();
