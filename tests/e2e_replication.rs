@@ -1860,10 +1860,11 @@ async fn brokers_outside_a_route_do_not_list_its_stores() {
 
 /// Rep-1 journals with stores, all routed to b1. b2 and b3 restart, and so
 /// hold every journal of their spec stores; they only proxy these, so they
-/// let the stores' index go rather than list it every `refresh_interval`. They still answer FRAGMENTS as b1 does, listing
-/// once for it. When b1 leaves the cluster file, the broker that takes each
-/// journal lists its store before the first append, and so refuses to
-/// reuse the offsets b1 wrote.
+/// let the stores' index go rather than list it every `refresh_interval`.
+/// They still answer FRAGMENTS as b1 does, listing once for it. When b1
+/// leaves the cluster file, the broker that takes each journal lists its
+/// store before the first append, and so refuses to reuse the offsets b1
+/// wrote.
 async fn brokers_outside_a_route_do_not_list_its_stores_body(
     cluster: &mut Cluster,
     store: &TestStore,

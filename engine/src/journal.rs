@@ -995,6 +995,21 @@ mod tests {
         }
     }
 
+    /// A sealed fragment not yet uploaded.
+    fn local(begin: u64, end: u64, sha: u8) -> LocalFragment {
+        LocalFragment {
+            begin,
+            end,
+            sha1: [sha; 20],
+            path: PathBuf::from("/nonexistent/f"),
+            file: None,
+            uploaded: false,
+            uploading: false,
+            corrupt: None,
+            sealed_at: SystemTime::UNIX_EPOCH,
+        }
+    }
+
     fn shas(j: &Journal) -> Vec<(u64, u64, u8)> {
         j.remote
             .iter()
@@ -1008,17 +1023,7 @@ mod tests {
     #[test]
     fn the_index_prefers_this_brokers_bytes_and_forgets_corrupt_objects() {
         let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
-        j.fragments.push(LocalFragment {
-            begin: 0,
-            end: 8,
-            sha1: [2; 20],
-            path: PathBuf::from("/nonexistent/f"),
-            file: None,
-            uploaded: false,
-            uploading: false,
-            corrupt: None,
-            sealed_at: SystemTime::UNIX_EPOCH,
-        });
+        j.fragments.push(local(0, 8, 2));
         for listed in [
             vec![object(0, 8, 1), object(0, 8, 2)],
             vec![object(0, 8, 2), object(0, 8, 1)],
@@ -1064,17 +1069,7 @@ mod tests {
         j.listing = true;
         assert!(!j.forget_index(), "a listing is under way");
         j.listing = false;
-        j.fragments.push(LocalFragment {
-            begin: 16,
-            end: 24,
-            sha1: [3; 20],
-            path: PathBuf::from("/nonexistent/f"),
-            file: None,
-            uploaded: false,
-            uploading: false,
-            corrupt: None,
-            sealed_at: SystemTime::UNIX_EPOCH,
-        });
+        j.fragments.push(local(16, 24, 3));
         assert!(!j.forget_index(), "a local fragment is still to upload");
         assert!(j.index_loaded);
         assert_eq!(j.remote_end(), 16);
