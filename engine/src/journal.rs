@@ -441,7 +441,8 @@ pub struct Journal {
     pub rate: TokenBucket,
     pub deleted: bool,
     /// Fragments listed from the journal's stores, by begin. Changed only
-    /// through `set_listing`, `insert_remote` and `drop_remote`.
+    /// through `set_listing`, `insert_remote`, `drop_remote` and
+    /// `forget_index`.
     pub remote: Vec<StoredFragment>,
     /// For each fragment of `remote`, the furthest end of it and those
     /// before it: [`Self::locate`] stops looking back where no earlier
