@@ -1822,13 +1822,24 @@ async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
             tokio::time::sleep(POLL).await;
         }
     }
-    // The broker that took each journal over finds the history in the
-    // store beyond its own head: it refuses appends rather than reuse those
-    // offsets, until the head is reset to the end of the history. (b3
-    // started after the specs were applied: apply them again.)
+    // b1 saw b2 leave: a journal it took over, it asked b2 for its head
+    // and goes on from there. b3 started after b2 left and cannot know it
+    // (it takes the brokers before it to be b1 alone): it finds the history
+    // in the store beyond its own head, and refuses appends rather than
+    // reuse those offsets, until the head is reset to the end of the
+    // history. (b3 started after the specs were applied: apply them again.)
     cluster.apply(&specs).await;
     let client = cluster.brokers[0].client().await;
     for (j, bytes) in names.iter().zip(&written) {
+        if ids(&agreed_route(cluster, j).await) == ["b1"] {
+            let r = append_retrying(&client, j, b"after the move").await;
+            assert_eq!(
+                r.begin,
+                bytes.len() as u64,
+                "{j}: append after the move to b1"
+            );
+            continue;
+        }
         let deadline = Instant::now() + WAIT;
         loop {
             match client.append(&req(j), b"too early".to_vec()).await {
@@ -1843,6 +1854,180 @@ async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
         assert_eq!(head, bytes.len() as u64, "{j}: head after reset-head");
         let r = append_retrying(&client, j, b"after the move").await;
         assert_eq!(r.begin, bytes.len() as u64, "{j}: append after reset-head");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left_body(&mut cluster, None),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// As above, with a store that the broker left uploads to while the new
+/// primary takes appends: these never reuse offsets of its uploads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left_while_it_uploads() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left_body(
+            &mut cluster,
+            Some(&store),
+        ),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals of one replica, written on b2 alone; then b2 leaves the
+/// cluster file and keeps running, outside every route. The brokers the
+/// journals move to saw b2 leave: before they give out an offset, they ask
+/// b2 for its head and copy what it holds. Each journal goes on from where
+/// it was, whole on its new primary, with its registers. Without that, the
+/// first append after the move would be given offset 0 again (b2's bytes
+/// out of every reader's reach, or, with a store, two histories in it
+/// from offset 0 if the new primary listed it before b2's upload).
+async fn a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left_body(
+    cluster: &mut Cluster,
+    store: Option<&TestStore>,
+) {
+    let client = cluster.brokers[0].client().await;
+    let mut names = Vec::new();
+    for i in 0..64 {
+        let j = format!("repl/handed-over-{i}");
+        let mut s = match store {
+            Some(store) => store_spec(&j, 1, store),
+            None => spec(&j, 1),
+        };
+        // Nothing seals the spool during the test: the bytes are open on b2.
+        s.fragment.length = 1 << 30;
+        cluster.apply(std::slice::from_ref(&s)).await;
+        if ids(&agreed_route(cluster, &j).await) == ["b2"] {
+            names.push(j);
+            if names.len() == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(names.len(), 3, "no three of 64 names routed to b2 alone");
+    let mut written = Vec::new();
+    for (k, j) in names.iter().enumerate() {
+        let mut bytes = Vec::new();
+        for seq in 0..20 {
+            let c = record(k as u32, seq, 900 + 71 * seq as usize);
+            let mut r = req(j);
+            if seq == 19 {
+                r.union_registers =
+                    LabelSet::from_pairs([("writer", k.to_string().as_str())]).unwrap();
+            }
+            let a = client.append(&r, c.clone()).await.unwrap();
+            assert_eq!(a.begin, bytes.len() as u64, "{j}");
+            bytes.extend_from_slice(&c);
+        }
+        written.push(bytes);
+    }
+
+    // b2 leaves. Until b1 and b3 both route each journal elsewhere, the
+    // appends below may be refused (retryably) or proxied to b2.
+    cluster.write_file(&[0, 2]);
+    let deadline = Instant::now() + WAIT;
+    for j in &names {
+        loop {
+            let at1 = ids(&route_at(&cluster.brokers[0], j).await);
+            let at3 = ids(&route_at(&cluster.brokers[2], j).await);
+            if at1 == at3 && at1.len() == 1 && at1[0] != "b2" {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{j}: b1 routes it to {at1:?}, b3 to {at3:?}"
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    let mut moved_to = HashSet::new();
+    for (k, (j, bytes)) in names.iter().zip(&written).enumerate() {
+        let primary = ids(&agreed_route(cluster, j).await).remove(0);
+        let r = append_retrying(&client, j, b"after the move").await;
+        assert_eq!(
+            r.begin,
+            bytes.len() as u64,
+            "{j}: the first append on {primary} after the move"
+        );
+        assert_eq!(
+            r.registers,
+            LabelSet::from_pairs([("writer", k.to_string().as_str())]).unwrap(),
+            "{j}: registers on {primary} after the move"
+        );
+        let mut want = bytes.clone();
+        want.extend_from_slice(b"after the move");
+        // The new primary holds it all itself (or, what it listed in the
+        // store already, reads it from there).
+        let at = cluster.brokers.iter().find(|b| b.id == primary).unwrap();
+        let (got, done) = read_range_with(
+            &at.client().await,
+            j,
+            0,
+            None,
+            ReadOptions {
+                do_not_proxy: store.is_none(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{j}: read on {primary}: {e}"));
+        assert_eq!(done.write_head, want.len() as u64, "{j}: {done:?}");
+        assert!(
+            got == want,
+            "{j}: {primary} reads {} bytes (SHA-1 {}), {} were appended (SHA-1 {})",
+            got.len(),
+            hex_sha1(&got),
+            want.len(),
+            hex_sha1(&want)
+        );
+        moved_to.insert(primary);
+    }
+    eprintln!("journals moved to {moved_to:?}");
+    let Some(store) = store else {
+        return;
+    };
+    // What b2 uploaded, and the new primaries their copies, is one history.
+    let deadline = Instant::now() + WAIT;
+    for (j, bytes) in names.iter().zip(&written) {
+        loop {
+            let frags = store.fragments(j);
+            for f in &frags {
+                let b = f.begin as usize;
+                assert!(
+                    f.end as usize <= bytes.len() && f.bytes[..] == bytes[b..f.end as usize],
+                    "{j}: the store's [{}, {}) differs from what was appended there",
+                    f.begin,
+                    f.end
+                );
+            }
+            let mut chained = 0;
+            for f in &frags {
+                if f.begin <= chained {
+                    chained = chained.max(f.end);
+                }
+            }
+            if chained == bytes.len() as u64 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{j}: the store chains {chained} of {} bytes: {:?}",
+                bytes.len(),
+                frags.iter().map(|f| &f.key).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(POLL).await;
+        }
     }
 }
 
@@ -1862,9 +2047,9 @@ async fn brokers_outside_a_route_do_not_list_its_stores() {
 /// hold every journal of their spec stores; they only proxy these, so they
 /// let the stores' index go rather than list it every `refresh_interval`.
 /// They still answer FRAGMENTS as b1 does, listing once for it. When b1
-/// leaves the cluster file, the broker that takes each journal lists its
-/// store before the first append, and so refuses to reuse the offsets b1
-/// wrote.
+/// stops and leaves the cluster file, the broker that takes each journal
+/// lists its store before the first append, and so refuses to reuse the
+/// offsets b1 wrote.
 async fn brokers_outside_a_route_do_not_list_its_stores_body(
     cluster: &mut Cluster,
     store: &TestStore,
@@ -1988,12 +2173,15 @@ async fn brokers_outside_a_route_do_not_list_its_stores_body(
     }
     assert!(counter(&stats_of(1).await, "listings_hurried") >= 3);
 
-    // b1 leaves. Whoever takes a journal lists its store before appending:
-    // it finds b1's history beyond its own head and refuses the offsets.
+    // b1 stops, its bytes all in the store, and leaves the cluster file.
+    // Whoever takes a journal cannot ask b1 for its head, and lists the
+    // store before appending: it finds b1's history beyond its own head
+    // and refuses the offsets.
+    cluster.brokers[0].kill9();
     cluster.write_file(&[1, 2]);
     let deadline = Instant::now() + WAIT;
     for j in &names {
-        for b in &cluster.brokers {
+        for b in &cluster.brokers[1..] {
             loop {
                 let now = ids(&route_at(b, j).await);
                 if !now.is_empty() && !now.iter().any(|id| id == "b1") {

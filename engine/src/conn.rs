@@ -672,7 +672,9 @@ impl Conn {
             return self.outbox.error(Op::READ_DONE, status, id, &[0; 16], &msg);
         };
         let role = self.shard.role(&j.borrow().spec);
-        if let Role::Outside(route) = role {
+        // A broker taking the journal over copies what this one holds.
+        let takeover = frame.flags & flag::TAKEOVER != 0;
+        if let (Role::Outside(route), false) = (role, takeover) {
             let Some(primary) = route.primary() else {
                 return self.outbox.error(
                     Op::READ_DONE,

@@ -1,10 +1,11 @@
 //! Copies a span of a journal from a peer broker into local fragments.
 //!
 //! A primary that restarted without its data (a replaced disk) can find a
-//! replica ahead of it. It moves its head forward to the replica's rather
-//! than give offsets out twice, and first copies the bytes in between from
-//! that replica, so that it serves them, uploads them, and holds the whole
-//! history like any other primary.
+//! replica ahead of it, and a broker that a journal was just routed to can
+//! find the broker it left ahead of it. It moves its head forward to the
+//! peer's rather than give offsets out twice, and first copies the bytes
+//! in between from that peer, so that it serves them, uploads them, and
+//! holds the whole history like any other primary.
 
 use compio::buf::{BufResult, IntoInner, IoBufMut};
 use compio::io::{AsyncRead, AsyncWriteAtExt, AsyncWriteExt};
@@ -131,7 +132,8 @@ fn uncovered(a: u64, b: u64, got: &[LocalFragment]) -> Vec<(u64, u64)> {
     out
 }
 
-/// One non-blocking READ of `[from, to)` with DO_NOT_PROXY, its data
+/// One non-blocking READ of `[from, to)` with DO_NOT_PROXY and TAKEOVER
+/// (a peer the journal left serves what it holds too), its data
 /// written into `piece` (a new piece at every discontinuity). Returns the
 /// offset the read ended at: `to`, or the end of a store-held fragment
 /// the peer pointed at, or `from` if the peer holds nothing there.
@@ -160,7 +162,7 @@ async fn read_once(
     wire::encode_frame(
         &mut out,
         Op::READ,
-        flag::DO_NOT_PROXY,
+        flag::DO_NOT_PROXY | flag::TAKEOVER,
         Status::OK,
         1,
         &req.encode(),

@@ -411,6 +411,11 @@ pub struct Journal {
     /// spool or commit record): as its primary it knows its head only
     /// after its first SYNC, so reads wait for that (see `Shard::read`).
     pub first_sync_pending: bool,
+    /// The topology version at which this broker, as the journal's
+    /// primary, last asked the brokers of its prior route for bytes beyond
+    /// its head (see `Shard::takeover_sources`); 0: not yet. Appends and
+    /// reads wait for that.
+    pub takeover_version: u64,
     /// Primary: after a failed SYNC, when to try again, and why it failed.
     pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
     /// Primary: committed batches awaiting replica acks.
@@ -617,6 +622,7 @@ impl Journal {
             syncing: false,
             sync_retry: None,
             first_sync_pending: false,
+            takeover_version: 0,
             inflight: 0,
             staged_with_replicas: false,
             replica: None,

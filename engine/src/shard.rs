@@ -23,7 +23,7 @@ use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
 use crate::pipeline::{Failure, Pipeline};
 use crate::specs::SpecStore;
-use crate::topology::{ClusterView, Route, Topology};
+use crate::topology::{ClusterView, Member, Route, Topology};
 use event_listener::Event;
 use futures_util::future::join_all;
 use rotary_net::repl::Record;
@@ -111,7 +111,7 @@ pub struct Shard {
     /// See `ServeConfig::replica_ack_timeout`.
     replica_ack_timeout: std::time::Duration,
     /// The last snapshot taken, and the topology version it came from.
-    view: RefCell<(u64, Arc<ClusterView>)>,
+    view: RefCell<(u64, crate::topology::Views)>,
     /// Pipelines to peer shards, by (peer id, endpoint).
     pipelines: RefCell<HashMap<(String, std::net::SocketAddr), Rc<Pipeline>>>,
     /// Sequence numbers of replicated appends (and SYNCs).
@@ -444,7 +444,7 @@ impl Shard {
             store_error: RefCell::new(None),
             me: RefCell::new(std::rc::Weak::new()),
             sizing,
-            view: RefCell::new((topology.version(), topology.snapshot())),
+            view: RefCell::new((topology.version(), topology.views())),
             topology,
             spec_sync_interval,
             peer_silence,
@@ -809,12 +809,48 @@ impl Shard {
 
     /// The current cluster view.
     pub fn view(&self) -> Arc<ClusterView> {
+        self.views().1.current
+    }
+
+    /// The topology version, with the current view and the one before it.
+    fn views(&self) -> (u64, crate::topology::Views) {
         let v = self.topology.version();
         let mut cur = self.view.borrow_mut();
         if cur.0 != v {
-            *cur = (v, self.topology.snapshot());
+            *cur = (v, self.topology.views());
         }
-        cur.1.clone()
+        cur.clone()
+    }
+
+    /// The brokers to ask for bytes of a journal beyond this primary's
+    /// head before it gives out offsets: those of the journal's route in
+    /// the prior view that are not in its route now. A route that gained
+    /// no broker leaves none; when every member of the old route stays in
+    /// the new one, the replicas' SYNC answers carry their heads anyway.
+    fn takeover_sources(&self, spec: &rotary_net::JournalSpec, route: &Route) -> Vec<Member> {
+        let (_, views) = self.views();
+        views
+            .prior
+            .route(&spec.name, spec.replication)
+            .members
+            .into_iter()
+            .filter(|m| m.id != views.current.me && !route.contains(&m.id))
+            .collect()
+    }
+
+    /// Whether this primary of `j` has yet to ask the brokers of the
+    /// journal's prior route for bytes beyond its head (see
+    /// [`Shard::takeover_sources`]). With none to ask, it is settled here.
+    fn takeover_due(&self, j: &JournalRef, route: &Route) -> bool {
+        let version = self.topology.version();
+        if j.borrow().takeover_version == version {
+            return false;
+        }
+        let none = self.takeover_sources(&j.borrow().spec, route).is_empty();
+        if none {
+            j.borrow_mut().takeover_version = version;
+        }
+        !none
     }
 
     /// The journal's place on this broker.
@@ -836,11 +872,7 @@ impl Shard {
     }
 
     /// The endpoint of `m`'s shard for `journal`.
-    pub fn member_endpoint(
-        &self,
-        m: &crate::topology::Member,
-        journal: &str,
-    ) -> std::net::SocketAddr {
+    pub fn member_endpoint(&self, m: &Member, journal: &str) -> std::net::SocketAddr {
         if m.id == self.view().me {
             return self.endpoints[rotary_net::shard_of(journal, self.shards) as usize];
         }
@@ -862,7 +894,7 @@ impl Shard {
     }
 
     /// The pipeline to `peer`'s shard for `journal`.
-    fn pipeline(&self, peer: &crate::topology::Member, journal: &str) -> Rc<Pipeline> {
+    fn pipeline(&self, peer: &Member, journal: &str) -> Rc<Pipeline> {
         let addr = peer.shard_endpoint(journal, self.shards);
         self.pipelines
             .borrow_mut()
@@ -1008,7 +1040,7 @@ impl Shard {
     /// Lists a peer's specs and tombstones and takes the newer ones, unless
     /// its STATS show the same specs as this broker's; false if the peer
     /// did not answer.
-    async fn sync_specs_with(&self, peer: &crate::topology::Member) -> bool {
+    async fn sync_specs_with(&self, peer: &Member) -> bool {
         match self.same_specs_as(peer).await {
             None => return false,
             Some(true) => {
@@ -1058,7 +1090,7 @@ impl Shard {
     /// not answer. A deletion shows too: the peer lacks the spec. Only
     /// tombstones are not compared, and they matter only to a spec older
     /// than the deletion, which one of the two would then hold.
-    async fn same_specs_as(&self, peer: &crate::topology::Member) -> Option<bool> {
+    async fn same_specs_as(&self, peer: &Member) -> Option<bool> {
         let stats =
             crate::pipeline::unary(peer.endpoint, Op::STATS, 0, &[], &[], PEER_LIST_TIMEOUT).await;
         let Ok((Status::OK, _, payload)) = stats else {
@@ -2429,6 +2461,10 @@ impl Shard {
             }
         }
         let role = self.role(&j.borrow().spec);
+        let takeover = match &role {
+            Role::Primary(route) => self.takeover_due(j, route),
+            _ => false,
+        };
         match &role {
             Role::Primary(route) if !route.is_complete() => {
                 let msg = format!(
@@ -2439,12 +2475,12 @@ impl Shard {
                 self.fail_queue(j, Status::INSUFFICIENT_JOURNAL_BROKERS, &msg);
                 return;
             }
-            Role::Primary(route) if route.members.len() > 1 => {
-                let ready = j
-                    .borrow()
-                    .repl
-                    .as_ref()
-                    .is_some_and(|r| r.members == route.ids() && r.is_live());
+            Role::Primary(route) if route.members.len() > 1 || takeover => {
+                let ready = !takeover
+                    && j.borrow()
+                        .repl
+                        .as_ref()
+                        .is_some_and(|r| r.members == route.ids() && r.is_live());
                 if !ready {
                     self.begin_sync(j, route.clone()).await;
                     return;
@@ -2684,8 +2720,10 @@ impl Shard {
                 return;
             }
         }
-        // A fresh spool at the head on every member.
-        if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+        // A fresh spool at the head on every member. (A primary without
+        // replicas, asking only its prior route's brokers, keeps its spool
+        // unless they are ahead of it.)
+        if route.members.len() > 1 && j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
             self.seal(j).await;
         }
         j.borrow_mut().syncing = true;
@@ -2728,11 +2766,15 @@ impl Shard {
         .detach();
     }
 
-    /// SYNC with every replica of `route`. A replica ahead of this primary
-    /// (possible only after a route change) moves the journal forward to
-    /// its head first, so offsets are never reused.
+    /// SYNC with every replica of `route`, and with the brokers of the
+    /// journal's prior route that left it (see [`Shard::takeover_sources`]).
+    /// A broker ahead of this primary (possible only after a route change)
+    /// moves the journal forward to its head first, so offsets are never
+    /// reused.
     async fn sync_replicas(&self, j: &JournalRef, route: &Route) -> Result<PrimaryRepl, Failure> {
         use rotary_net::repl::{SyncReply, SyncRequest};
+        let version = self.topology.version();
+        let sources = self.takeover_sources(&j.borrow().spec, route);
         for _ in 0..3 {
             let (spec, head, registers, name) = {
                 let jm = j.borrow();
@@ -2745,15 +2787,15 @@ impl Shard {
             };
             let mut pipelines = Vec::new();
             // Replicas ahead of this primary: head, registers, member.
-            let mut ahead: Vec<(u64, LabelSet, &crate::topology::Member)> = Vec::new();
+            let mut ahead: Vec<(u64, LabelSet, &Member)> = Vec::new();
+            let revision = self
+                .specs
+                .get_revised(&name)
+                .filter(|r| r.spec == spec)
+                .map_or(0, |r| r.revision);
             for m in &route.members[1..] {
                 let p = self.pipeline(m, &name);
                 let epoch = p.connect().await?;
-                let revision = self
-                    .specs
-                    .get_revised(&name)
-                    .filter(|r| r.spec == spec)
-                    .map_or(0, |r| r.revision);
                 let req = SyncRequest {
                     seq: self.seq(),
                     journal: name.clone(),
@@ -2782,7 +2824,53 @@ impl Shard {
                     }
                 }
             }
+            // Brokers the journal left: they answer WRONG_ROUTE with their
+            // head. Bytes only they hold are copied and the head moves past
+            // them, so that this primary's appends never reuse their
+            // offsets. One still routing the journal to itself has not seen
+            // the change, and may yet take appends: wait for it.
+            for m in &sources {
+                let p = self.pipeline(m, &name);
+                let ack = match p.connect().await {
+                    Ok(_) => {
+                        p.sync(&SyncRequest {
+                            seq: self.seq(),
+                            journal: name.clone(),
+                            spec: spec.clone(),
+                            revision,
+                            route: route.ids(),
+                            head,
+                            registers: registers.clone(),
+                        })
+                        .await
+                    }
+                    Err(f) => Err(f),
+                };
+                let ack = match ack {
+                    Ok(ack) => ack,
+                    Err(f) => {
+                        // Gone with its disk, or stopped: what only it held
+                        // cannot be had (a journal of one replica).
+                        tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of the journal's prior route does not answer; taking the journal over without its bytes");
+                        continue;
+                    }
+                };
+                let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
+                if reply.route.contains(&m.id) {
+                    return Err(Failure::new(
+                        Status::REPLICATION_FAILED,
+                        format!(
+                            "broker {} still routes the journal to {:?}: it has not seen the cluster change yet",
+                            m.id, reply.route
+                        ),
+                    ));
+                }
+                if ack.status == Status::WRONG_ROUTE && reply.head > head {
+                    ahead.push((reply.head, reply.registers, m));
+                }
+            }
             if ahead.is_empty() {
+                j.borrow_mut().takeover_version = version;
                 return Ok(PrimaryRepl {
                     members: route.ids(),
                     pipelines,
@@ -2792,10 +2880,22 @@ impl Shard {
             ahead.sort_by_key(|a| std::cmp::Reverse(a.0));
             let (to, their_registers) = (ahead[0].0, ahead[0].1.clone());
             // Only after a route change, or a restart without the data
-            // (a replaced disk): replicas hold bytes this primary does
-            // not. They are copied before the head moves past them, so the
-            // primary serves and uploads them like its own.
-            tracing::warn!(journal = %name, from = head, to, replica = %ahead[0].2.id, "a replica is ahead; copying the journal's bytes from the replicas and rolling forward");
+            // (a replaced disk): replicas, or brokers the journal left,
+            // hold bytes this primary does not. They are copied before the
+            // head moves past them, so the primary serves and uploads them
+            // like its own.
+            tracing::warn!(journal = %name, from = head, to, broker = %ahead[0].2.id, "a broker is ahead; copying the journal's bytes from it and rolling forward");
+            // Sealed first, if bytes are open in it (a primary without
+            // replicas keeps its spool through a SYNC).
+            if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+                self.seal(j).await;
+                if j.borrow().spool.is_some() {
+                    return Err(Failure::new(
+                        Status::IO_ERROR,
+                        "sealing the primary's spool before copying failed",
+                    ));
+                }
+            }
             let spool = j.borrow_mut().spool.take();
             if let Some(spool) = spool {
                 // Empty: the SYNC started by sealing.
@@ -3658,32 +3758,43 @@ impl Shard {
         // from its replicas' at the first SYNC, copying what they hold
         // beyond its own. Until then a read would see an empty journal, so
         // it waits for that SYNC, and a SYNC that failed is its answer.
+        // So does a primary the journal was just routed to, until it asked
+        // the brokers of the journal's prior route for their heads.
         loop {
-            let (route, failed) = {
-                let jm = j.borrow();
-                // (A route short of brokers cannot synchronize at all.)
-                let route = match self.role(&jm.spec) {
-                    Role::Primary(r)
-                        if jm.first_sync_pending && r.members.len() > 1 && r.is_complete() =>
-                    {
-                        r
+            let role = self.role(&j.borrow().spec);
+            // (A route short of brokers cannot synchronize at all.)
+            let (route, takeover) = match role {
+                Role::Primary(r) if r.is_complete() => {
+                    let takeover = self.takeover_due(&j, &r);
+                    let first = j.borrow().first_sync_pending && r.members.len() > 1;
+                    if !takeover && !first {
+                        break;
                     }
-                    _ => break,
-                };
+                    (r, takeover)
+                }
+                _ => break,
+            };
+            let failed = {
+                let jm = j.borrow();
                 // A failure stands until its retry is due.
-                let failed = jm
-                    .sync_retry
+                jm.sync_retry
                     .as_ref()
                     .filter(|(at, _)| Instant::now() < *at && !jm.syncing)
-                    .map(|(_, f)| f.clone());
-                (route, failed)
+                    .map(|(_, f)| f.clone())
             };
             let head = j.borrow().head;
             if let Some(f) = failed {
-                let msg = format!(
-                    "the primary started without the journal's data and has not synchronized with its replicas yet: {}",
-                    f.message
-                );
+                let msg = if takeover {
+                    format!(
+                        "the journal's route changed, and its new primary has not learned the head from the brokers it left yet: {}",
+                        f.message
+                    )
+                } else {
+                    format!(
+                        "the primary started without the journal's data and has not synchronized with its replicas yet: {}",
+                        f.message
+                    )
+                };
                 return done(
                     Status::REPLICATION_FAILED,
                     req.offset.unwrap_or(head),
@@ -3692,7 +3803,12 @@ impl Shard {
                 );
             }
             let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
-            self.pulse(&j, &route, true);
+            if takeover {
+                // `prepare` starts the SYNC.
+                self.mark_ready(&j);
+            } else {
+                self.pulse(&j, &route, true);
+            }
             if ended(head) {
                 return;
             }

@@ -137,6 +137,19 @@ impl ClusterView {
         self.member(&self.me)
     }
 
+    /// This view with this broker left out.
+    pub fn without_me(&self) -> ClusterView {
+        ClusterView {
+            me: self.me.clone(),
+            brokers: self
+                .brokers
+                .iter()
+                .filter(|m| m.id != self.me)
+                .cloned()
+                .collect(),
+        }
+    }
+
     /// The route of `journal` at `replication`: brokers ranked by a
     /// rendezvous hash of (journal, broker id), taking one broker per zone
     /// before a second from any zone. A single-node broker holds every
@@ -219,17 +232,35 @@ fn parse_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
     })
 }
 
+/// The current view and the one before it.
+#[derive(Clone, Debug)]
+pub struct Views {
+    pub current: Arc<ClusterView>,
+    /// The view the current one replaced. A primary asks the brokers a
+    /// journal was routed to in it, and is routed to no more, for bytes
+    /// beyond its own head before it gives out offsets (see
+    /// `Shard::takeover_sources`). At a start the view before is unknown:
+    /// it is taken to be the current one without this broker, as if the
+    /// broker had just joined the cluster (the usual reason a journal's
+    /// route gains a broker holding none of it).
+    pub prior: Arc<ClusterView>,
+}
+
 /// Where shards get the current view. Cheap to poll: readers compare
 /// [`Topology::version`] before taking a new snapshot.
 pub struct Topology {
-    view: RwLock<Arc<ClusterView>>,
+    views: RwLock<Views>,
     version: AtomicU64,
 }
 
 impl Topology {
     pub fn new(view: ClusterView) -> Arc<Topology> {
+        let prior = view.without_me();
         Arc::new(Topology {
-            view: RwLock::new(Arc::new(view)),
+            views: RwLock::new(Views {
+                current: Arc::new(view),
+                prior: Arc::new(prior),
+            }),
             version: AtomicU64::new(1),
         })
     }
@@ -239,16 +270,23 @@ impl Topology {
     }
 
     pub fn snapshot(&self) -> Arc<ClusterView> {
-        self.view.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.views().current
     }
 
-    /// Installs a new view if it differs; returns whether it did.
+    /// The current view and the one before it, taken together.
+    pub fn views(&self) -> Views {
+        self.views.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Installs a new view if it differs; returns whether it did. The
+    /// view it replaces becomes the prior one.
     pub fn set(&self, view: ClusterView) -> bool {
-        let mut cur = self.view.write().unwrap_or_else(|p| p.into_inner());
-        if **cur == view {
+        let mut cur = self.views.write().unwrap_or_else(|p| p.into_inner());
+        if *cur.current == view {
             return false;
         }
-        *cur = Arc::new(view);
+        let old = std::mem::replace(&mut cur.current, Arc::new(view));
+        cur.prior = old;
         self.version.fetch_add(1, Ordering::AcqRel);
         true
     }
@@ -309,6 +347,25 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+
+    #[test]
+    fn the_view_replaced_becomes_the_prior_one() {
+        let t = Topology::new(view(3, &["a"]));
+        // At a start: the current view without this broker.
+        let ids = |v: &ClusterView| v.brokers.iter().map(|m| m.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&t.views().prior), ["b2", "b3"]);
+        assert_eq!(t.version(), 1);
+        assert!(!t.set(view(3, &["a"])), "an equal view is no change");
+        assert_eq!(t.version(), 1);
+        assert!(t.set(view(4, &["a"])));
+        assert_eq!(t.version(), 2);
+        let v = t.views();
+        assert_eq!(ids(&v.prior), ["b1", "b2", "b3"]);
+        assert_eq!(ids(&v.current), ["b1", "b2", "b3", "b4"]);
+        // A single node has no one to take journals over from.
+        let single = ClusterView::single("127.0.0.1:1".parse().unwrap());
+        assert!(single.without_me().route("j", 1).members.is_empty());
     }
 
     #[test]

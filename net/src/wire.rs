@@ -88,7 +88,7 @@ ops! {
     /// Further content of the open append with the same request id.
     APPEND_CHUNK = 0x02, flags = flag::MORE | flag::ABORT;
     /// Reads a journal from an offset.
-    READ = 0x03, flags = flag::BLOCK | flag::METADATA_ONLY | flag::DO_NOT_PROXY | flag::PROXIED;
+    READ = 0x03, flags = flag::BLOCK | flag::METADATA_ONLY | flag::DO_NOT_PROXY | flag::PROXIED | flag::TAKEOVER;
     /// Cancels the request with the same request id (a blocking read).
     CANCEL = 0x04, flags = 0;
     /// Asks which shard owns a journal; meta is the name.
@@ -153,6 +153,10 @@ pub mod flag {
     /// READ: sent by a broker proxying a client's read; the receiver serves
     /// it from its own copy or refuses it, and never proxies it on.
     pub const PROXIED: u8 = 1 << 3;
+    /// READ: sent by a broker taking the journal over from this one. The
+    /// receiver serves the bytes it holds itself even when it is outside
+    /// the journal's route, and never proxies it.
+    pub const TAKEOVER: u8 = 1 << 4;
     /// APPLY, DELETE: on this broker only (do not forward to the cluster).
     pub const LOCAL: u8 = 1 << 0;
     /// ADMIN_REPLY to LIST: the broker has not heard every peer since it
