@@ -1735,6 +1735,60 @@ async fn routes_follow_the_cluster_file_body(cluster: &mut Cluster) {
     }
 }
 
+/// Three journals of one replica routed to b2 alone (names `prefix-N`
+/// tried until three are), whose spools neither length nor time seals
+/// during a test. Returns their names, and the specs of every name tried.
+async fn open_on_b2(
+    cluster: &Cluster,
+    prefix: &str,
+    store: Option<&TestStore>,
+) -> (Vec<String>, Vec<JournalSpec>) {
+    let mut names = Vec::new();
+    let mut specs = Vec::new();
+    for i in 0..64 {
+        let j = format!("{prefix}-{i}");
+        let mut s = match store {
+            Some(store) => store_spec(&j, 1, store),
+            None => spec(&j, 1),
+        };
+        s.fragment.length = 1 << 30;
+        cluster.apply(std::slice::from_ref(&s)).await;
+        specs.push(s);
+        if ids(&agreed_route(cluster, &j).await) == ["b2"] {
+            names.push(j);
+            if names.len() == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(names.len(), 3, "no three of 64 names routed to b2 alone");
+    (names, specs)
+}
+
+/// Twenty records of many lengths appended through b1 to each journal, the
+/// last setting the register `writer` to the journal's index. Returns the
+/// bytes of each.
+async fn write_open(cluster: &Cluster, names: &[String]) -> Vec<Vec<u8>> {
+    let client = cluster.brokers[0].client().await;
+    let mut written = Vec::new();
+    for (k, j) in names.iter().enumerate() {
+        let mut bytes = Vec::new();
+        for seq in 0..20 {
+            let c = record(k as u32, seq, 700 + 71 * seq as usize);
+            let mut r = req(j);
+            if seq == 19 {
+                r.union_registers =
+                    LabelSet::from_pairs([("writer", k.to_string().as_str())]).unwrap();
+            }
+            let a = client.append(&r, c.clone()).await.unwrap();
+            assert_eq!(a.begin, bytes.len() as u64, "{j}");
+            bytes.extend_from_slice(&c);
+        }
+        written.push(bytes);
+    }
+    written
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held() {
     let store = TestStore::file();
@@ -1754,40 +1808,14 @@ async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
     cluster: &mut Cluster,
     store: &TestStore,
 ) {
-    // Rep-1 journals routed to b2 (names tried until three are).
-    let client = cluster.brokers[0].client().await;
-    let mut names = Vec::new();
-    let mut specs = Vec::new();
-    for i in 0..64 {
-        let j = format!("repl/leaving-{i}");
-        let mut s = store_spec(&j, 1, store);
-        // Neither length nor time seals the spool during the test.
-        s.fragment.length = 1 << 30;
-        cluster.apply(std::slice::from_ref(&s)).await;
-        specs.push(s);
-        if ids(&agreed_route(cluster, &j).await) == ["b2"] {
-            names.push(j);
-            if names.len() == 3 {
-                break;
-            }
-        }
-    }
-    assert_eq!(names.len(), 3, "no three of 64 names routed to b2 alone");
-    let mut written = Vec::new();
-    for (k, j) in names.iter().enumerate() {
-        let mut bytes = Vec::new();
-        for seq in 0..20 {
-            let c = record(k as u32, seq, 700 + 53 * seq as usize);
-            let r = client.append(&req(j), c.clone()).await.unwrap();
-            assert_eq!(r.begin, bytes.len() as u64, "{j}");
-            bytes.extend_from_slice(&c);
-        }
+    let (names, specs) = open_on_b2(cluster, "repl/leaving", Some(store)).await;
+    let written = write_open(cluster, &names).await;
+    for j in &names {
         // Nothing in the store yet: the spool is open.
         assert!(
             store.fragments(j).is_empty(),
             "{j}: uploaded before the change"
         );
-        written.push(bytes);
     }
 
     // b2 leaves; b3 joins. b2 keeps running, outside every route.
@@ -1898,40 +1926,8 @@ async fn a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left_body(
     store: Option<&TestStore>,
 ) {
     let client = cluster.brokers[0].client().await;
-    let mut names = Vec::new();
-    for i in 0..64 {
-        let j = format!("repl/handed-over-{i}");
-        let mut s = match store {
-            Some(store) => store_spec(&j, 1, store),
-            None => spec(&j, 1),
-        };
-        // Nothing seals the spool during the test: the bytes are open on b2.
-        s.fragment.length = 1 << 30;
-        cluster.apply(std::slice::from_ref(&s)).await;
-        if ids(&agreed_route(cluster, &j).await) == ["b2"] {
-            names.push(j);
-            if names.len() == 3 {
-                break;
-            }
-        }
-    }
-    assert_eq!(names.len(), 3, "no three of 64 names routed to b2 alone");
-    let mut written = Vec::new();
-    for (k, j) in names.iter().enumerate() {
-        let mut bytes = Vec::new();
-        for seq in 0..20 {
-            let c = record(k as u32, seq, 900 + 71 * seq as usize);
-            let mut r = req(j);
-            if seq == 19 {
-                r.union_registers =
-                    LabelSet::from_pairs([("writer", k.to_string().as_str())]).unwrap();
-            }
-            let a = client.append(&r, c.clone()).await.unwrap();
-            assert_eq!(a.begin, bytes.len() as u64, "{j}");
-            bytes.extend_from_slice(&c);
-        }
-        written.push(bytes);
-    }
+    let (names, _) = open_on_b2(cluster, "repl/handed-over", store).await;
+    let written = write_open(cluster, &names).await;
 
     // b2 leaves. Until b1 and b3 both route each journal elsewhere, the
     // appends below may be refused (retryably) or proxied to b2.

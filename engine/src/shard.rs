@@ -2793,19 +2793,19 @@ impl Shard {
                 .get_revised(&name)
                 .filter(|r| r.spec == spec)
                 .map_or(0, |r| r.revision);
+            let request = || SyncRequest {
+                seq: self.seq(),
+                journal: name.clone(),
+                spec: spec.clone(),
+                revision,
+                route: route.ids(),
+                head,
+                registers: registers.clone(),
+            };
             for m in &route.members[1..] {
                 let p = self.pipeline(m, &name);
                 let epoch = p.connect().await?;
-                let req = SyncRequest {
-                    seq: self.seq(),
-                    journal: name.clone(),
-                    spec: spec.clone(),
-                    revision,
-                    route: route.ids(),
-                    head,
-                    registers: registers.clone(),
-                };
-                let ack = p.sync(&req).await?;
+                let ack = p.sync(&request()).await?;
                 let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
                 match ack.status {
                     Status::OK => pipelines.push((p, epoch)),
@@ -2832,18 +2832,7 @@ impl Shard {
             for m in &sources {
                 let p = self.pipeline(m, &name);
                 let ack = match p.connect().await {
-                    Ok(_) => {
-                        p.sync(&SyncRequest {
-                            seq: self.seq(),
-                            journal: name.clone(),
-                            spec: spec.clone(),
-                            revision,
-                            route: route.ids(),
-                            head,
-                            registers: registers.clone(),
-                        })
-                        .await
-                    }
+                    Ok(_) => p.sync(&request()).await,
                     Err(f) => Err(f),
                 };
                 let ack = match ack {
