@@ -827,30 +827,35 @@ impl Shard {
     /// the prior view that are not in its route now. A route that gained
     /// no broker leaves none; when every member of the old route stays in
     /// the new one, the replicas' SYNC answers carry their heads anyway.
-    fn takeover_sources(&self, spec: &rotary_net::JournalSpec, route: &Route) -> Vec<Member> {
-        let (_, views) = self.views();
-        views
+    /// With the topology version of the views they were found in.
+    fn takeover_sources(
+        &self,
+        spec: &rotary_net::JournalSpec,
+        route: &Route,
+    ) -> (u64, Vec<Member>) {
+        let (version, views) = self.views();
+        let sources = views
             .prior
             .route(&spec.name, spec.replication)
             .members
             .into_iter()
             .filter(|m| m.id != views.current.me && !route.contains(&m.id))
-            .collect()
+            .collect();
+        (version, sources)
     }
 
     /// Whether this primary of `j` has yet to ask the brokers of the
     /// journal's prior route for bytes beyond its head (see
     /// [`Shard::takeover_sources`]). With none to ask, it is settled here.
     fn takeover_due(&self, j: &JournalRef, route: &Route) -> bool {
-        let version = self.topology.version();
-        if j.borrow().takeover_version == version {
+        if j.borrow().takeover_version == self.topology.version() {
             return false;
         }
-        let none = self.takeover_sources(&j.borrow().spec, route).is_empty();
-        if none {
+        let (version, sources) = self.takeover_sources(&j.borrow().spec, route);
+        if sources.is_empty() {
             j.borrow_mut().takeover_version = version;
         }
-        !none
+        !sources.is_empty()
     }
 
     /// The journal's place on this broker.
@@ -2773,8 +2778,7 @@ impl Shard {
     /// reused.
     async fn sync_replicas(&self, j: &JournalRef, route: &Route) -> Result<PrimaryRepl, Failure> {
         use rotary_net::repl::{SyncReply, SyncRequest};
-        let version = self.topology.version();
-        let sources = self.takeover_sources(&j.borrow().spec, route);
+        let (version, sources) = self.takeover_sources(&j.borrow().spec, route);
         for _ in 0..3 {
             let (spec, head, registers, name) = {
                 let jm = j.borrow();
