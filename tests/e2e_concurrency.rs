@@ -170,3 +170,92 @@ async fn concurrent_writers_commit_whole_contiguous_appends() {
         appended_in
     );
 }
+
+/// Rounds of append-then-seal in `reads_during_seals_wait_for_them_and_go_on`.
+const SEAL_ROUNDS: usize = 60;
+/// Bound on one read there: a shard that stops answering fails the test.
+const READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Readers read the journal from offset 0, without blocking, over and over,
+/// while its spool is sealed again and again. A read that reaches the
+/// spool's bytes while they are being sealed finds them in no file for a
+/// moment: it waits for the seal and goes on from the fragment it made,
+/// and the shard keeps answering everyone (a read that spun on those bytes
+/// instead would hold the shard's thread, and its own seal, forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_during_seals_wait_for_them_and_go_on() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let j = "e2e/concurrency/read-while-sealing";
+    create_journal(&client, j, |_| {}).await;
+    let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut readers = Vec::new();
+    for r in 0..4 {
+        let (client, written, stop) = (client.clone(), written.clone(), stop.clone());
+        readers.push(tokio::spawn(async move {
+            let mut reads = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let want = written.lock().unwrap().clone();
+                if want.is_empty() {
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                let to = want.len() as u64;
+                let read = tokio::time::timeout(READ_LIMIT, read_range(&client, j, 0, Some(to)))
+                    .await
+                    .unwrap_or_else(|_| panic!("reader {r}: no answer to a read of [0, {to}) in {READ_LIMIT:?}"))
+                    .unwrap_or_else(|e| panic!("reader {r}: read of [0, {to}): {e}"));
+                let (got, done) = read;
+                assert_eq!(done.offset, to, "reader {r}: {done:?}");
+                assert!(
+                    got == want,
+                    "reader {r}: [0, {to}) read back {} bytes (SHA-1 {}), {} were written (SHA-1 {})",
+                    got.len(),
+                    hex_sha1(&got),
+                    want.len(),
+                    hex_sha1(&want)
+                );
+                reads += 1;
+            }
+            reads
+        }));
+    }
+    let mut sealed = 0;
+    for round in 0..SEAL_ROUNDS {
+        let content = record(0, round as u32, 96 << 10);
+        let reply =
+            tokio::time::timeout(READ_LIMIT, client.append(&append_req(j), content.clone()))
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: no answer to an append"))
+                .unwrap_or_else(|e| panic!("round {round}: append: {e}"));
+        written.lock().unwrap().extend_from_slice(&content);
+        assert_eq!(reply.end, written.lock().unwrap().len() as u64);
+        // Let the readers get going on the open spool, then seal it.
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        let frag = tokio::time::timeout(READ_LIMIT, client.seal(j))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: no answer to a seal"))
+            .unwrap_or_else(|e| panic!("round {round}: seal: {e}"));
+        if let Some(f) = frag {
+            assert_eq!(f.end, reply.end, "round {round}");
+            sealed += 1;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut reads = 0;
+    for r in readers {
+        reads += r.await.unwrap();
+    }
+    assert_eq!(sealed, SEAL_ROUNDS, "every round sealed a fragment");
+    let all = written.lock().unwrap().clone();
+    assert!(read_all(&client, j).await == all);
+    eprintln!("{reads} reads across {sealed} seals");
+}
+
+fn append_req(journal: &str) -> AppendRequest {
+    AppendRequest {
+        journal: journal.to_string(),
+        ..Default::default()
+    }
+}

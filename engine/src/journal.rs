@@ -393,6 +393,11 @@ pub struct Journal {
     /// Sealed local fragments, by begin.
     pub fragments: Vec<LocalFragment>,
     pub spool: Option<Spool>,
+    /// The spool is out of `spool` while an operation on it awaits (a seal,
+    /// or a reload of its tail): its bytes are in no file a read can
+    /// locate until it is back, or sealed into `fragments`. Reads of them
+    /// wait, and `committed` is notified when it ends.
+    pub spool_out: bool,
     /// Write head visible to readers: committed here and on every replica.
     pub head: u64,
     pub registers: LabelSet,
@@ -613,6 +618,7 @@ impl Journal {
             dir,
             fragments: Vec::new(),
             spool: None,
+            spool_out: false,
             head: 0,
             registers: LabelSet::new(),
             answered: 0,
@@ -661,6 +667,13 @@ impl Journal {
     /// A journal without stores has its whole index locally.
     pub fn init_index(&mut self) {
         self.index_loaded = !self.has_stores();
+    }
+
+    /// The spool is back (or sealed into `fragments`): reads that waited
+    /// for it go on.
+    pub fn spool_back(&mut self) {
+        self.spool_out = false;
+        self.committed.notify(usize::MAX);
     }
 
     /// Lets the stores' index go, as a broker outside the journal's route

@@ -2502,8 +2502,13 @@ impl Shard {
             .is_some_and(|s| !s.can_stage() && !s.write_in_flight());
         if needs_tail {
             let mut spool = j.borrow_mut().spool.take().expect("checked");
+            j.borrow_mut().spool_out = true;
             let res = spool.load_tail().await;
-            j.borrow_mut().spool = Some(spool);
+            {
+                let mut jm = j.borrow_mut();
+                jm.spool = Some(spool);
+                jm.spool_back();
+            }
             if let Err(e) = res {
                 tracing::error!(journal = %j.borrow().name, error = %e, "reloading spool tail failed");
                 self.fail_queue(j, storage_status(&e), &e.to_string());
@@ -3043,6 +3048,7 @@ impl Shard {
         if let Some(spool) = spool {
             let path = spool.path().to_path_buf();
             let begin = spool.begin();
+            j.borrow_mut().spool_out = true;
             match spool.seal(durable).await {
                 Ok(frag) => sealed = frag,
                 Err(e) => {
@@ -3053,6 +3059,7 @@ impl Shard {
                     if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
                         j.borrow_mut().spool = Some(s);
                     }
+                    j.borrow_mut().spool_back();
                     return;
                 }
             }
@@ -3085,6 +3092,9 @@ impl Shard {
         }
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
+        }
+        if jm.spool_out {
+            jm.spool_back();
         }
         let body = serde_json::to_vec(&serde_json::json!({ "sealed": json })).expect("json");
         for (outbox, id) in jm.seal_waiters.drain(..) {
@@ -3884,11 +3894,25 @@ impl Shard {
             }
             let Some(loc) = located else {
                 drop(turn);
-                if !block && offset < j.borrow().answered {
+                if j.borrow().spool_out {
+                    // Its spool is being sealed, or its tail reloaded: the
+                    // bytes are back in a file when that is done.
+                    let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
+                    if j.borrow().spool_out && stopped().is_none() && !outbox.is_closed() {
+                        wakeup.await;
+                    }
+                    continue;
+                }
+                let answered_ahead = {
+                    let jm = j.borrow();
+                    offset < jm.answered && jm.head < jm.answered
+                };
+                if !block && answered_ahead {
                     settle_answered(&j).await;
                     continue;
                 }
                 if !block {
+                    // Past the head, or in a gap of the history.
                     return done(Status::OK, offset, head, "");
                 }
                 // Wait for a commit (or cancel, or a closed connection).
