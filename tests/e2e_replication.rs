@@ -1925,71 +1925,14 @@ async fn a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left_body(
     cluster: &mut Cluster,
     store: Option<&TestStore>,
 ) {
-    let client = cluster.brokers[0].client().await;
     let (names, _) = open_on_b2(cluster, "repl/handed-over", store).await;
     let written = write_open(cluster, &names).await;
 
     // b2 leaves. Until b1 and b3 both route each journal elsewhere, the
     // appends below may be refused (retryably) or proxied to b2.
     cluster.write_file(&[0, 2]);
-    let deadline = Instant::now() + WAIT;
-    for j in &names {
-        loop {
-            let at1 = ids(&route_at(&cluster.brokers[0], j).await);
-            let at3 = ids(&route_at(&cluster.brokers[2], j).await);
-            if at1 == at3 && at1.len() == 1 && at1[0] != "b2" {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{j}: b1 routes it to {at1:?}, b3 to {at3:?}"
-            );
-            tokio::time::sleep(POLL).await;
-        }
-    }
-    let mut moved_to = HashSet::new();
-    for (k, (j, bytes)) in names.iter().zip(&written).enumerate() {
-        let primary = ids(&agreed_route(cluster, j).await).remove(0);
-        let r = append_retrying(&client, j, b"after the move").await;
-        assert_eq!(
-            r.begin,
-            bytes.len() as u64,
-            "{j}: the first append on {primary} after the move"
-        );
-        assert_eq!(
-            r.registers,
-            LabelSet::from_pairs([("writer", k.to_string().as_str())]).unwrap(),
-            "{j}: registers on {primary} after the move"
-        );
-        let mut want = bytes.clone();
-        want.extend_from_slice(b"after the move");
-        // The new primary holds it all itself (or, what it listed in the
-        // store already, reads it from there).
-        let at = cluster.brokers.iter().find(|b| b.id == primary).unwrap();
-        let (got, done) = read_range_with(
-            &at.client().await,
-            j,
-            0,
-            None,
-            ReadOptions {
-                do_not_proxy: store.is_none(),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{j}: read on {primary}: {e}"));
-        assert_eq!(done.write_head, want.len() as u64, "{j}: {done:?}");
-        assert!(
-            got == want,
-            "{j}: {primary} reads {} bytes (SHA-1 {}), {} were appended (SHA-1 {})",
-            got.len(),
-            hex_sha1(&got),
-            want.len(),
-            hex_sha1(&want)
-        );
-        moved_to.insert(primary);
-    }
-    eprintln!("journals moved to {moved_to:?}");
+    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
+    goes_on_where_it_was(cluster, &names, &written, store.is_none()).await;
     let Some(store) = store else {
         return;
     };
@@ -2025,6 +1968,154 @@ async fn a_journal_routed_away_goes_on_from_the_head_of_the_broker_it_left_body(
             tokio::time::sleep(POLL).await;
         }
     }
+}
+
+/// Appends to each journal through b1 after it moved, and checks that the
+/// append lands at the head the journal had (`written` is what it holds),
+/// with its registers, and that the new primary reads the whole journal
+/// (with DO_NOT_PROXY when `do_not_proxy`; else what it listed in the store
+/// may be read from there). Returns the brokers the journals moved to.
+async fn goes_on_where_it_was(
+    cluster: &Cluster,
+    names: &[String],
+    written: &[Vec<u8>],
+    do_not_proxy: bool,
+) -> HashSet<String> {
+    let client = cluster.brokers[0].client().await;
+    let mut moved_to = HashSet::new();
+    for (k, (j, bytes)) in names.iter().zip(written).enumerate() {
+        let primary = ids(&agreed_route(cluster, j).await).remove(0);
+        let r = append_retrying(&client, j, b"after the move").await;
+        assert_eq!(
+            r.begin,
+            bytes.len() as u64,
+            "{j}: the first append on {primary} after the move"
+        );
+        assert_eq!(
+            r.registers,
+            LabelSet::from_pairs([("writer", k.to_string().as_str())]).unwrap(),
+            "{j}: registers on {primary} after the move"
+        );
+        let mut want = bytes.clone();
+        want.extend_from_slice(b"after the move");
+        // The new primary holds it all itself (or, what it listed in the
+        // store already, reads it from there).
+        let at = cluster.brokers.iter().find(|b| b.id == primary).unwrap();
+        let (got, done) = read_range_with(
+            &at.client().await,
+            j,
+            0,
+            None,
+            ReadOptions {
+                do_not_proxy,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{j}: read on {primary}: {e}"));
+        assert_eq!(done.write_head, want.len() as u64, "{j}: {done:?}");
+        assert!(
+            got == want,
+            "{j}: {primary} reads {} bytes (SHA-1 {}), {} were appended (SHA-1 {})",
+            got.len(),
+            hex_sha1(&got),
+            want.len(),
+            hex_sha1(&want)
+        );
+        moved_to.insert(primary);
+    }
+    eprintln!("journals moved to {moved_to:?}");
+    moved_to
+}
+
+/// Until b1 (and `also`, when running) routes each of `names` to a
+/// broker in `to`.
+async fn wait_routed(cluster: &Cluster, names: &[String], also: Option<usize>, to: &[&str]) {
+    let deadline = Instant::now() + WAIT;
+    for j in names {
+        loop {
+            let at1 = ids(&route_at(&cluster.brokers[0], j).await);
+            let other = match also {
+                Some(i) => ids(&route_at(&cluster.brokers[i], j).await),
+                None => at1.clone(),
+            };
+            if at1 == other && at1.len() == 1 && to.contains(&at1[0].as_str()) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{j}: b1 routes it to {at1:?}, the other to {other:?}, not one of {to:?}"
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_moved_twice_before_a_request_goes_on_from_where_it_was() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_journal_moved_twice_before_a_request_goes_on_from_where_it_was_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals of one replica written on b2 alone. b2 leaves the cluster file,
+/// and then b3 does too, both still running, before any request reaches a
+/// journal: b1 is the primary of all of them. The view before b1's
+/// current one has no route through b2, yet b1 asks b2 (a broker of the
+/// view before that), since it has not asked about either change, and each
+/// journal goes on from b2's head.
+async fn a_journal_moved_twice_before_a_request_goes_on_from_where_it_was_body(
+    cluster: &mut Cluster,
+) {
+    let (names, _) = open_on_b2(cluster, "repl/moved-twice", None).await;
+    let written = write_open(cluster, &names).await;
+    cluster.write_file(&[0, 2]);
+    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
+    cluster.write_file(&[0]);
+    wait_routed(cluster, &names, None, &["b1"]).await;
+    let moved_to = goes_on_where_it_was(cluster, &names, &written, true).await;
+    assert_eq!(moved_to, HashSet::from(["b1".to_string()]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_down_during_a_change_asks_the_broker_a_journal_left() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_broker_down_during_a_change_asks_the_broker_a_journal_left_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals of one replica written on b2 alone. b1 is killed; b2 leaves the
+/// cluster file and keeps running; b1 starts again. b1 never saw a view
+/// without b2, but it kept the views it knew in its data directory: for
+/// the journals that moved to it, it asks b2 for its head, and each goes
+/// on from there. (Those that moved to b3 are b3's, which saw b2 leave.)
+async fn a_broker_down_during_a_change_asks_the_broker_a_journal_left_body(cluster: &mut Cluster) {
+    let (names, _) = open_on_b2(cluster, "repl/moved-while-down", None).await;
+    let written = write_open(cluster, &names).await;
+    tokio::task::block_in_place(|| cluster.brokers[0].kill9());
+    cluster.write_file(&[0, 2]);
+    let deadline = Instant::now() + WAIT;
+    for j in &names {
+        while ids(&route_at(&cluster.brokers[2], j).await) == ["b2"] {
+            assert!(Instant::now() < deadline, "{j}: b3 still routes it to b2");
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    tokio::task::block_in_place(|| cluster.brokers[0].start());
+    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
+    let moved_to = goes_on_where_it_was(cluster, &names, &written, true).await;
+    assert!(
+        moved_to.contains("b1"),
+        "the names tried move to {moved_to:?}: none to b1, which this test is about"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -417,7 +417,7 @@ pub struct Journal {
     /// after its first SYNC, so reads wait for that (see `Shard::read`).
     pub first_sync_pending: bool,
     /// The topology version at which this broker, as the journal's
-    /// primary, last asked the brokers of its prior route for bytes beyond
+    /// primary, last asked the brokers of its earlier routes for bytes beyond
     /// its head (see `Shard::takeover_sources`); 0: not yet. Appends and
     /// reads wait for that.
     pub takeover_version: u64,

@@ -152,6 +152,10 @@ const SHUTDOWN_ANSWERS_WAIT: Duration = Duration::from_secs(2);
 /// Sealed fragments queued for upload across the broker.
 const UPLOAD_QUEUE_MAX: usize = 1024;
 
+/// The file in the data directory where a broker of a cluster keeps the
+/// cluster views it has known (see `topology::Topology::remember_in`).
+pub const CLUSTER_VIEWS_FILE: &str = "cluster-views.json";
+
 /// Parses a core list, `1`, `0,2`, `2-5` or a mix, as `--cpus` takes it.
 pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
     let mut out = Vec::new();
@@ -381,7 +385,7 @@ impl Broker {
         }
         let topology = match cluster_view {
             Some(v) => {
-                let t = topology::Topology::new(v);
+                let t = topology::Topology::remember_in(v, dir.join(CLUSTER_VIEWS_FILE));
                 let (path, me) = config.cluster.clone().expect("cluster view from a file");
                 topology::watch_cluster_file(t.clone(), path, me);
                 t

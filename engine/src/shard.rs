@@ -110,8 +110,8 @@ pub struct Shard {
     pub peer_silence: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
     replica_ack_timeout: std::time::Duration,
-    /// The last snapshot taken, and the topology version it came from.
-    view: RefCell<(u64, crate::topology::Views)>,
+    /// The last snapshot taken.
+    view: RefCell<crate::topology::Views>,
     /// Pipelines to peer shards, by (peer id, endpoint).
     pipelines: RefCell<HashMap<(String, std::net::SocketAddr), Rc<Pipeline>>>,
     /// Sequence numbers of replicated appends (and SYNCs).
@@ -444,7 +444,7 @@ impl Shard {
             store_error: RefCell::new(None),
             me: RefCell::new(std::rc::Weak::new()),
             sizing,
-            view: RefCell::new((topology.version(), topology.views())),
+            view: RefCell::new(topology.views()),
             topology,
             spec_sync_interval,
             peer_silence,
@@ -809,49 +809,56 @@ impl Shard {
 
     /// The current cluster view.
     pub fn view(&self) -> Arc<ClusterView> {
-        self.views().1.current
+        self.views().current
     }
 
-    /// The topology version, with the current view and the one before it.
-    fn views(&self) -> (u64, crate::topology::Views) {
+    /// The current view and the ones before it.
+    fn views(&self) -> crate::topology::Views {
         let v = self.topology.version();
         let mut cur = self.view.borrow_mut();
-        if cur.0 != v {
-            *cur = (v, self.topology.views());
+        if cur.version != v {
+            *cur = self.topology.views();
         }
         cur.clone()
     }
 
     /// The brokers to ask for bytes of a journal beyond this primary's
-    /// head before it gives out offsets: those of the journal's route in
-    /// the prior view that are not in its route now. A route that gained
-    /// no broker leaves none; when every member of the old route stays in
-    /// the new one, the replicas' SYNC answers carry their heads anyway.
-    /// With the topology version of the views they were found in.
+    /// head before it gives out offsets: those of the journal's routes in
+    /// the views before the current one, since its takeover was last
+    /// settled (`since`), that are not in its route now. A route that
+    /// gained no broker leaves none; when every member of an old route
+    /// stays in the new one, the replicas' SYNC answers carry their heads
+    /// anyway. With the topology version of the views they were found in.
     fn takeover_sources(
         &self,
         spec: &rotary_net::JournalSpec,
         route: &Route,
+        since: u64,
     ) -> (u64, Vec<Member>) {
-        let (version, views) = self.views();
-        let sources = views
-            .prior
-            .route(&spec.name, spec.replication)
-            .members
-            .into_iter()
-            .filter(|m| m.id != views.current.me && !route.contains(&m.id))
-            .collect();
-        (version, sources)
+        let views = self.views();
+        let mut sources: Vec<Member> = Vec::new();
+        for view in views.since(since) {
+            for m in view.route(&spec.name, spec.replication).members {
+                if m.id != views.current.me
+                    && !route.contains(&m.id)
+                    && !sources.iter().any(|s| s.id == m.id)
+                {
+                    sources.push(m);
+                }
+            }
+        }
+        (views.version, sources)
     }
 
     /// Whether this primary of `j` has yet to ask the brokers of the
-    /// journal's prior route for bytes beyond its head (see
+    /// journal's earlier routes for bytes beyond its head (see
     /// [`Shard::takeover_sources`]). With none to ask, it is settled here.
     fn takeover_due(&self, j: &JournalRef, route: &Route) -> bool {
-        if j.borrow().takeover_version == self.topology.version() {
+        let since = j.borrow().takeover_version;
+        if since == self.topology.version() {
             return false;
         }
-        let (version, sources) = self.takeover_sources(&j.borrow().spec, route);
+        let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         if sources.is_empty() {
             j.borrow_mut().takeover_version = version;
         }
@@ -2731,7 +2738,7 @@ impl Shard {
             }
         }
         // A fresh spool at the head on every member. (A primary without
-        // replicas, asking only its prior route's brokers, keeps its spool
+        // replicas, asking only its earlier routes' brokers, keeps its spool
         // unless they are ahead of it.)
         if route.members.len() > 1 && j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
             self.seal(j).await;
@@ -2777,13 +2784,14 @@ impl Shard {
     }
 
     /// SYNC with every replica of `route`, and with the brokers of the
-    /// journal's prior route that left it (see [`Shard::takeover_sources`]).
+    /// journal's earlier routes that left it (see [`Shard::takeover_sources`]).
     /// A broker ahead of this primary (possible only after a route change)
     /// moves the journal forward to its head first, so offsets are never
     /// reused.
     async fn sync_replicas(&self, j: &JournalRef, route: &Route) -> Result<PrimaryRepl, Failure> {
         use rotary_net::repl::{SyncReply, SyncRequest};
-        let (version, sources) = self.takeover_sources(&j.borrow().spec, route);
+        let since = j.borrow().takeover_version;
+        let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         for _ in 0..3 {
             let (spec, head, registers, name) = {
                 let jm = j.borrow();
@@ -2849,7 +2857,7 @@ impl Shard {
                     Err(f) => {
                         // Gone with its disk, or stopped: what only it held
                         // cannot be had (a journal of one replica).
-                        tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of the journal's prior route does not answer; taking the journal over without its bytes");
+                        tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of one of the journal's earlier routes does not answer; taking the journal over without its bytes");
                         continue;
                     }
                 };
@@ -3762,7 +3770,7 @@ impl Shard {
         // beyond its own. Until then a read would see an empty journal, so
         // it waits for that SYNC, and a SYNC that failed is its answer.
         // So does a primary the journal was just routed to, until it asked
-        // the brokers of the journal's prior route for their heads.
+        // the brokers of the journal's earlier routes for their heads.
         loop {
             let role = self.role(&j.borrow().spec);
             // (A route short of brokers cannot synchronize at all.)

@@ -6,7 +6,7 @@
 //! stored: every broker with the same view computes the same route for a
 //! journal, so no coordination is needed to agree on them.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 pub const LOCAL_BROKER: &str = "local";
 
 /// One broker of the cluster.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Member {
     pub id: String,
@@ -232,18 +232,37 @@ fn parse_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
     })
 }
 
-/// The current view and the one before it.
+/// How many views before the current one a topology remembers.
+pub const HISTORY: usize = 8;
+
+/// The current view and the views before it.
 #[derive(Clone, Debug)]
 pub struct Views {
+    /// The topology version of `current`.
+    pub version: u64,
     pub current: Arc<ClusterView>,
-    /// The view the current one replaced. A primary asks the brokers a
-    /// journal was routed to in it, and is routed to no more, for bytes
-    /// beyond its own head before it gives out offsets (see
-    /// `Shard::takeover_sources`). At a start the view before is unknown:
-    /// it is taken to be the current one without this broker, as if the
-    /// broker had just joined the cluster (the usual reason a journal's
-    /// route gains a broker holding none of it).
-    pub prior: Arc<ClusterView>,
+    /// Views the current one follows, oldest first, each with the version
+    /// it was current at: at most [`HISTORY`]. A primary asks the brokers
+    /// a journal was routed to in them, and is routed to no more, for
+    /// bytes beyond its own head before it gives out offsets (see
+    /// `Shard::takeover_sources`). At a start, with version 0, they are the
+    /// views this broker remembers from before it stopped (see
+    /// [`Topology::remember_in`]) and the current one without this broker,
+    /// as if the broker had just joined the cluster (the usual reason a
+    /// journal's route gains a broker holding none of it).
+    pub earlier: Vec<(u64, Arc<ClusterView>)>,
+}
+
+impl Views {
+    /// The earlier views that a journal whose takeover was settled at
+    /// version `since` has not asked about: those current after it, or
+    /// every one when `since` is 0 (never).
+    pub fn since(&self, since: u64) -> impl Iterator<Item = &ClusterView> {
+        self.earlier
+            .iter()
+            .filter(move |(v, _)| since == 0 || *v > since)
+            .map(|(_, view)| &**view)
+    }
 }
 
 /// Where shards get the current view. Cheap to poll: readers compare
@@ -251,18 +270,63 @@ pub struct Views {
 pub struct Topology {
     views: RwLock<Views>,
     version: AtomicU64,
+    /// Where the views are written when they change.
+    memory: Option<PathBuf>,
 }
 
 impl Topology {
     pub fn new(view: ClusterView) -> Arc<Topology> {
-        let prior = view.without_me();
-        Arc::new(Topology {
+        Arc::new(Topology::starting(view, Vec::new(), None))
+    }
+
+    /// A topology that remembers its views in `path` (a file in the data
+    /// directory), and starts from what it remembered there. A file that
+    /// is missing or unreadable is no history: it is logged and replaced.
+    pub fn remember_in(view: ClusterView, path: PathBuf) -> Arc<Topology> {
+        let remembered = match std::fs::read(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            read => read.map_err(|e| e.to_string()).and_then(|bytes| {
+                serde_json::from_slice::<Vec<Vec<Member>>>(&bytes).map_err(|e| e.to_string())
+            }),
+        };
+        let remembered = remembered.unwrap_or_else(|e| {
+            tracing::warn!(file = %path.display(), error = %e, "the cluster views remembered are unreadable; starting without them");
+            Vec::new()
+        });
+        let remembered = remembered
+            .into_iter()
+            .map(|brokers| ClusterView {
+                me: view.me.clone(),
+                brokers,
+            })
+            .collect();
+        let t = Topology::starting(view, remembered, Some(path));
+        t.write_memory();
+        Arc::new(t)
+    }
+
+    fn starting(
+        view: ClusterView,
+        remembered: Vec<ClusterView>,
+        memory: Option<PathBuf>,
+    ) -> Topology {
+        let mut earlier: Vec<(u64, Arc<ClusterView>)> = Vec::new();
+        for v in remembered.into_iter().chain([view.without_me()]) {
+            if v != view && !earlier.iter().any(|(_, e)| **e == v) {
+                earlier.push((0, Arc::new(v)));
+            }
+        }
+        let keep_from = earlier.len().saturating_sub(HISTORY);
+        earlier.drain(..keep_from);
+        Topology {
             views: RwLock::new(Views {
+                version: 1,
                 current: Arc::new(view),
-                prior: Arc::new(prior),
+                earlier,
             }),
             version: AtomicU64::new(1),
-        })
+            memory,
+        }
     }
 
     pub fn version(&self) -> u64 {
@@ -273,22 +337,54 @@ impl Topology {
         self.views().current
     }
 
-    /// The current view and the one before it, taken together.
+    /// The current view and the ones before it, taken together.
     pub fn views(&self) -> Views {
         self.views.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Installs a new view if it differs; returns whether it did. The
-    /// view it replaces becomes the prior one.
+    /// view it replaces joins the earlier ones.
     pub fn set(&self, view: ClusterView) -> bool {
-        let mut cur = self.views.write().unwrap_or_else(|p| p.into_inner());
-        if *cur.current == view {
-            return false;
+        {
+            let mut cur = self.views.write().unwrap_or_else(|p| p.into_inner());
+            if *cur.current == view {
+                return false;
+            }
+            let old = std::mem::replace(&mut cur.current, Arc::new(view));
+            let old_version = cur.version;
+            cur.earlier.push((old_version, old));
+            if cur.earlier.len() > HISTORY {
+                cur.earlier.remove(0);
+            }
+            cur.version += 1;
+            self.version.store(cur.version, Ordering::Release);
         }
-        let old = std::mem::replace(&mut cur.current, Arc::new(view));
-        cur.prior = old;
-        self.version.fetch_add(1, Ordering::AcqRel);
+        self.write_memory();
         true
+    }
+
+    /// Writes the views this broker has known (with those it assumed at
+    /// its start), oldest first and the current one last, so that a
+    /// restart after a change made while it was down still asks the
+    /// brokers a journal left.
+    fn write_memory(&self) {
+        let Some(path) = &self.memory else {
+            return;
+        };
+        let views = self.views();
+        let mut known: Vec<&Vec<Member>> = views.earlier.iter().map(|(_, v)| &v.brokers).collect();
+        known.push(&views.current.brokers);
+        let result = serde_json::to_vec(&known)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| {
+                let tmp = path.with_extension("tmp");
+                std::fs::write(&tmp, bytes)?;
+                std::fs::File::open(&tmp)?.sync_all()?;
+                std::fs::rename(&tmp, path)
+            });
+        if let Err(e) = result {
+            tracing::warn!(file = %path.display(), error = %e, "could not write the cluster views down; a restart may not know brokers that journals left");
+        }
     }
 }
 
@@ -349,23 +445,86 @@ mod tests {
         }
     }
 
+    fn ids(v: &ClusterView) -> Vec<String> {
+        v.brokers.iter().map(|m| m.id.clone()).collect()
+    }
+
     #[test]
-    fn the_view_replaced_becomes_the_prior_one() {
+    fn views_replaced_are_kept_with_the_version_they_were_current_at() {
         let t = Topology::new(view(3, &["a"]));
-        // At a start: the current view without this broker.
-        let ids = |v: &ClusterView| v.brokers.iter().map(|m| m.id.clone()).collect::<Vec<_>>();
-        assert_eq!(ids(&t.views().prior), ["b2", "b3"]);
-        assert_eq!(t.version(), 1);
+        // At a start: the current view without this broker, at version 0.
+        let v = t.views();
+        assert_eq!((v.version, t.version()), (1, 1));
+        assert_eq!(v.earlier.len(), 1);
+        assert_eq!(
+            (v.earlier[0].0, ids(&v.earlier[0].1)),
+            (0, vec!["b2".into(), "b3".into()])
+        );
         assert!(!t.set(view(3, &["a"])), "an equal view is no change");
         assert_eq!(t.version(), 1);
         assert!(t.set(view(4, &["a"])));
-        assert_eq!(t.version(), 2);
+        assert!(t.set(view(2, &["a"])));
         let v = t.views();
-        assert_eq!(ids(&v.prior), ["b1", "b2", "b3"]);
-        assert_eq!(ids(&v.current), ["b1", "b2", "b3", "b4"]);
+        assert_eq!((v.version, t.version()), (3, 3));
+        assert_eq!(ids(&v.current), ["b1", "b2"]);
+        let at: Vec<(u64, usize)> = v
+            .earlier
+            .iter()
+            .map(|(n, e)| (*n, e.brokers.len()))
+            .collect();
+        assert_eq!(at, [(0, 2), (1, 3), (2, 4)]);
+        // A journal settled at version 1 has yet to ask about version 2's
+        // view; one never settled, about all of them.
+        assert_eq!(v.since(1).map(|e| e.brokers.len()).collect::<Vec<_>>(), [4]);
+        assert_eq!(v.since(0).count(), 3);
+        assert_eq!(v.since(3).count(), 0);
+        // At most HISTORY are kept, the oldest dropped first.
+        for n in 0..2 * HISTORY {
+            t.set(view(5 + n % 2, &["a"]));
+        }
+        let v = t.views();
+        assert_eq!(v.earlier.len(), HISTORY);
+        assert_eq!(v.earlier.last().unwrap().0, v.version - 1);
         // A single node has no one to take journals over from.
         let single = ClusterView::single("127.0.0.1:1".parse().unwrap());
         assert!(single.without_me().route("j", 1).members.is_empty());
+    }
+
+    #[test]
+    fn views_are_remembered_across_a_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("views.json");
+        let t = Topology::remember_in(view(3, &["a"]), path.clone());
+        t.set(view(4, &["a"]));
+        drop(t);
+        // Started again with b4 gone from the file: the views it knew come
+        // first, then the current one without it, all as before version 1.
+        let t = Topology::remember_in(view(3, &["a"]), path.clone());
+        let v = t.views();
+        assert_eq!(ids(&v.current), ["b1", "b2", "b3"]);
+        let earlier: Vec<(u64, Vec<String>)> =
+            v.earlier.iter().map(|(n, e)| (*n, ids(e))).collect();
+        assert_eq!(
+            earlier,
+            [
+                (0, vec!["b2".into(), "b3".into()]),
+                (0, vec!["b1".into(), "b2".into(), "b3".into(), "b4".into()]),
+            ],
+            "the view at the first start equals the current one: left out"
+        );
+        // Each view remembered keeps this broker's own id.
+        assert!(v.earlier.iter().all(|(_, e)| e.me == "b1"));
+        // An unreadable file is no history, and is written afresh.
+        std::fs::write(&path, b"{not json").unwrap();
+        let t = Topology::remember_in(view(2, &["a"]), path.clone());
+        assert_eq!(t.views().earlier.len(), 1);
+        let kept: Vec<Vec<Member>> =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(
+            kept.len(),
+            2,
+            "the assumed view before, and the current one"
+        );
     }
 
     #[test]
