@@ -2119,6 +2119,72 @@ async fn a_broker_down_during_a_change_asks_the_broker_a_journal_left_body(clust
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_broker_a_journal_left_is_waited_for_once() {
+    let mut cluster = Cluster::start_listed(3, CORES, &[]);
+    tokio::task::block_in_place(|| {
+        cluster.write_file(&[0, 1, 2]);
+        let timeout = format!("{}s", STOPPED_ACK_TIMEOUT.as_secs());
+        for b in &mut cluster.brokers {
+            b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
+            b.start();
+        }
+    });
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_stopped_broker_a_journal_left_is_waited_for_once_body(&mut cluster),
+    )
+    .await;
+    if let Some(pid) = cluster.brokers[1].pid() {
+        continue_process(pid);
+    }
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals of one replica written on b2 alone; b2 leaves the cluster file
+/// and then stops (SIGSTOP) without exiting, so connections to it open but
+/// nothing is answered. Each new primary waits one ack timeout for b2 at
+/// the first journal it takes over, then passes b2 over for the others
+/// rather than wait for it again at each. b2's bytes are out of reach: the
+/// journals begin again at 0 (what the warning in the log says).
+async fn a_stopped_broker_a_journal_left_is_waited_for_once_body(cluster: &mut Cluster) {
+    let (names, _) = open_on_b2(cluster, "repl/left-stopped", None).await;
+    write_open(cluster, &names).await;
+    cluster.write_file(&[0, 2]);
+    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
+    let deadline = Instant::now() + WAIT;
+    for j in &names {
+        while ids(&route_at(&cluster.brokers[1], j).await) == ["b2"] {
+            assert!(
+                Instant::now() < deadline,
+                "{j}: b2 still routes it to itself"
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    let b2 = cluster.brokers[1].pid().expect("b2 runs");
+    tokio::task::block_in_place(|| stop_process(b2));
+    let mut on: HashMap<String, u64> = HashMap::new();
+    for j in &names {
+        let primary = ids(&agreed_route(cluster, j).await).remove(0);
+        let client = cluster.by_id(&primary).client().await;
+        let r = append_retrying(&client, j, b"after the move").await;
+        assert_eq!(r.begin, 0, "{j}: b2 is stopped; its bytes are out of reach");
+        *on.entry(primary).or_default() += 1;
+    }
+    for (primary, n) in &on {
+        let stats = cluster.by_id(primary).client().await.stats().await.unwrap();
+        assert_eq!(
+            (
+                stats["takeover_sources_silent"].as_u64(),
+                stats["takeover_sources_passed_over"].as_u64()
+            ),
+            (Some(1), Some(n - 1)),
+            "{primary} took over {n} journal(s) from a stopped b2: {stats}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_outside_a_route_do_not_list_its_stores() {
     let store = TestStore::file();
     let mut cluster = Cluster::start(3, CORES);

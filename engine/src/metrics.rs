@@ -73,6 +73,11 @@ counters!(
     hash_offloaded_bytes,
     // Times an append waited for the hasher to catch up.
     hash_waits,
+    // Brokers of a journal's earlier routes that did not answer its new
+    // primary's SYNC in time, and SYNCs not sent to one because it had
+    // not answered another moments before.
+    takeover_sources_silent,
+    takeover_sources_passed_over,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

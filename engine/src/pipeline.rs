@@ -39,6 +39,8 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct Failure {
     pub status: Status,
     pub message: String,
+    /// The peer did not answer in time (rather than refuse, or close).
+    pub timed_out: bool,
 }
 
 impl Failure {
@@ -46,6 +48,15 @@ impl Failure {
         Failure {
             status,
             message: message.into(),
+            timed_out: false,
+        }
+    }
+
+    /// A peer that did not answer (connect, or ack) in time.
+    pub fn timed_out(message: impl Into<String>) -> Failure {
+        Failure {
+            timed_out: true,
+            ..Failure::new(Status::REPLICATION_FAILED, message)
         }
     }
 }
@@ -129,10 +140,10 @@ impl Pipeline {
                     ))
                 }
                 Err(_) => {
-                    return Err(Failure::new(
-                        Status::REPLICATION_FAILED,
-                        format!("replica {} at {}: connect timed out", self.peer, self.addr),
-                    ))
+                    return Err(Failure::timed_out(format!(
+                        "replica {} at {}: connect timed out",
+                        self.peer, self.addr
+                    )))
                 }
             };
             let _ = stream.set_nodelay(true);
@@ -223,13 +234,10 @@ impl Pipeline {
                 // A replica that stops answering is treated as gone.
                 tracing::warn!(peer = %self.peer, seq, "no ack from replica in time; closing the pipeline");
                 self.close();
-                return Err(Failure::new(
-                    Status::REPLICATION_FAILED,
-                    format!(
-                        "replica {} did not acknowledge within {:?}",
-                        self.peer, self.ack_timeout
-                    ),
-                ));
+                return Err(Failure::timed_out(format!(
+                    "replica {} did not acknowledge within {:?}",
+                    self.peer, self.ack_timeout
+                )));
             }
         }
     }

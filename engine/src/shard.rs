@@ -114,6 +114,11 @@ pub struct Shard {
     view: RefCell<crate::topology::Views>,
     /// Pipelines to peer shards, by (peer id, endpoint).
     pipelines: RefCell<HashMap<(String, std::net::SocketAddr), Rc<Pipeline>>>,
+    /// Brokers of journals' earlier routes that did not answer a takeover
+    /// SYNC in time, and when: the takeovers of other journals pass them
+    /// over for a while (see `SILENT_SOURCE_PASSED_OVER`) rather than each
+    /// wait for them in turn.
+    silent_sources: RefCell<HashMap<String, Instant>>,
     /// Sequence numbers of replicated appends (and SYNCs).
     next_seq: Cell<u64>,
     /// Committed batches awaiting replica acks, oldest first.
@@ -197,6 +202,11 @@ const INFLIGHT_BATCHES_MAX: usize = 16;
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 /// A turn that takes this long is logged with the time of each phase.
 const SLOW_TURN: std::time::Duration = std::time::Duration::from_millis(50);
+/// How long a broker of a journal's earlier route that did not answer a
+/// takeover SYNC in time is passed over by the takeovers of other journals,
+/// in replica ack timeouts.
+const SILENT_SOURCE_PASSED_OVER: u32 = 3;
+
 /// A primary pulses a replicated journal idle this long.
 const PULSE_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -450,6 +460,7 @@ impl Shard {
             peer_silence,
             replica_ack_timeout,
             pipelines: RefCell::new(HashMap::new()),
+            silent_sources: RefCell::new(HashMap::new()),
             next_seq: Cell::new(1),
             inflight: RefCell::new(Default::default()),
             inflight_event: Event::new(),
@@ -2847,16 +2858,35 @@ impl Shard {
             // offsets. One still routing the journal to itself has not seen
             // the change, and may yet take appends: wait for it.
             for m in &sources {
+                let silent_since = self.silent_sources.borrow().get(&m.id).copied();
+                if silent_since.is_some_and(|at| {
+                    at.elapsed() < self.replica_ack_timeout * SILENT_SOURCE_PASSED_OVER
+                }) {
+                    metrics::add(&self.metrics.takeover_sources_passed_over, 1);
+                    tracing::debug!(journal = %name, broker = %m.id, "a broker of one of the journal's earlier routes did not answer moments ago; taking the journal over without its bytes");
+                    continue;
+                }
                 let p = self.pipeline(m, &name);
                 let ack = match p.connect().await {
                     Ok(_) => p.sync(&request()).await,
                     Err(f) => Err(f),
                 };
                 let ack = match ack {
-                    Ok(ack) => ack,
+                    Ok(ack) => {
+                        self.silent_sources.borrow_mut().remove(&m.id);
+                        ack
+                    }
                     Err(f) => {
                         // Gone with its disk, or stopped: what only it held
-                        // cannot be had (a journal of one replica).
+                        // cannot be had (a journal of one replica). One that
+                        // is stopped, or cut off, is not waited for again by
+                        // every journal in turn.
+                        if f.timed_out {
+                            metrics::add(&self.metrics.takeover_sources_silent, 1);
+                            self.silent_sources
+                                .borrow_mut()
+                                .insert(m.id.clone(), Instant::now());
+                        }
                         tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of one of the journal's earlier routes does not answer; taking the journal over without its bytes");
                         continue;
                     }
