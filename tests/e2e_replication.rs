@@ -1025,18 +1025,23 @@ async fn replica_killed_under_load_fails_appends_cleanly_and_catches_up() {
 /// The primary's `--replica-ack-timeout` in the stopped-replica test.
 const STOPPED_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Three brokers, listed and started with `--replica-ack-timeout`
+/// [`STOPPED_ACK_TIMEOUT`].
+fn start_with_short_ack_timeout() -> Cluster {
+    let mut cluster = Cluster::start_listed(3, CORES, &[]);
+    cluster.write_file(&[0, 1, 2]);
+    let timeout = format!("{}s", STOPPED_ACK_TIMEOUT.as_secs());
+    for b in &mut cluster.brokers {
+        b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
+        b.start();
+    }
+    cluster
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_stops_answering_fails_appends_cleanly_and_catches_up() {
     let store = TestStore::file();
-    let mut cluster = Cluster::start_listed(3, CORES, &[]);
-    tokio::task::block_in_place(|| {
-        cluster.write_file(&[0, 1, 2]);
-        let timeout = format!("{}s", STOPPED_ACK_TIMEOUT.as_secs());
-        for b in &mut cluster.brokers {
-            b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
-            b.start();
-        }
-    });
+    let mut cluster = tokio::task::block_in_place(start_with_short_ack_timeout);
     let done = tokio::time::timeout(
         TEST_LIMIT,
         replica_fault_under_load_body(&mut cluster, &store, ReplicaFault::Stop),
@@ -2120,15 +2125,7 @@ async fn a_broker_down_during_a_change_asks_the_broker_a_journal_left_body(clust
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_broker_a_journal_left_is_waited_for_once() {
-    let mut cluster = Cluster::start_listed(3, CORES, &[]);
-    tokio::task::block_in_place(|| {
-        cluster.write_file(&[0, 1, 2]);
-        let timeout = format!("{}s", STOPPED_ACK_TIMEOUT.as_secs());
-        for b in &mut cluster.brokers {
-            b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
-            b.start();
-        }
-    });
+    let mut cluster = tokio::task::block_in_place(start_with_short_ack_timeout);
     let done = tokio::time::timeout(
         TEST_LIMIT,
         a_stopped_broker_a_journal_left_is_waited_for_once_body(&mut cluster),
