@@ -193,6 +193,8 @@ async fn local_copy(b: &ClusterBroker, journal: &str) -> Vec<u8> {
 }
 
 /// Broker `b`'s own write head of `journal` (metadata-only, DO_NOT_PROXY).
+/// A broker that just started may not know the journal yet: it answers a
+/// retryable status until it has learned its peers' specs.
 async fn local_head(b: &ClusterBroker, journal: &str) -> u64 {
     let client = b.pinned().await;
     let r = ReadRequest {
@@ -205,20 +207,30 @@ async fn local_head(b: &ClusterBroker, journal: &str) -> u64 {
         do_not_proxy: true,
         ..Default::default()
     };
-    let mut stream = client
-        .read_with(&r, options)
-        .await
-        .unwrap_or_else(|e| panic!("{}: metadata read of {journal}: {e}", b.id));
-    match stream.next().await.expect("READ_DONE") {
-        Ok(ReadEvent::Done(done)) => {
-            assert!(
-                matches!(done.status, Status::OK | Status::OFFSET_NOT_YET_AVAILABLE),
-                "{}: {done:?}",
-                b.id
-            );
-            done.write_head
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut stream = client
+            .read_with(&r, options)
+            .await
+            .unwrap_or_else(|e| panic!("{}: metadata read of {journal}: {e}", b.id));
+        match stream.next().await.expect("READ_DONE") {
+            Ok(ReadEvent::Done(done))
+                if done.status.is_retryable()
+                    && done.status != Status::OFFSET_NOT_YET_AVAILABLE
+                    && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(POLL).await;
+            }
+            Ok(ReadEvent::Done(done)) => {
+                assert!(
+                    matches!(done.status, Status::OK | Status::OFFSET_NOT_YET_AVAILABLE),
+                    "{}: {done:?}",
+                    b.id
+                );
+                return done.write_head;
+            }
+            other => panic!("{}: metadata read of {journal}: {other:?}", b.id),
         }
-        other => panic!("{}: metadata read of {journal}: {other:?}", b.id),
     }
 }
 
@@ -1813,7 +1825,7 @@ async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
     cluster: &mut Cluster,
     store: &TestStore,
 ) {
-    let (names, specs) = open_on_b2(cluster, "repl/leaving", Some(store)).await;
+    let (names, _) = open_on_b2(cluster, "repl/leaving", Some(store)).await;
     let written = write_open(cluster, &names).await;
     for j in &names {
         // Nothing in the store yet: the spool is open.
@@ -1855,38 +1867,18 @@ async fn a_broker_a_journal_moves_away_from_uploads_what_only_it_held_body(
             tokio::time::sleep(POLL).await;
         }
     }
-    // b1 saw b2 leave: a journal it took over, it asked b2 for its head
-    // and goes on from there. b3 started after b2 left and cannot know it
-    // (it takes the brokers before it to be b1 alone): it finds the history
-    // in the store beyond its own head, and refuses appends rather than
-    // reuse those offsets, until the head is reset to the end of the
-    // history. (b3 started after the specs were applied: apply them again.)
-    cluster.apply(&specs).await;
+    // b1 saw b2 leave; b3 started after b2 left, and learned of b2 from
+    // b1's views as it started. Either asks b2 for its head at a journal's
+    // first request and goes on from there.
     let client = cluster.brokers[0].client().await;
     for (j, bytes) in names.iter().zip(&written) {
-        if ids(&agreed_route(cluster, j).await) == ["b1"] {
-            let r = append_retrying(&client, j, b"after the move").await;
-            assert_eq!(
-                r.begin,
-                bytes.len() as u64,
-                "{j}: append after the move to b1"
-            );
-            continue;
-        }
-        let deadline = Instant::now() + WAIT;
-        loop {
-            match client.append(&req(j), b"too early".to_vec()).await {
-                Err(e) if e.status() == Some(Status::INDEX_HAS_GREATER_OFFSET) => break,
-                Err(e) if e.is_retryable() && Instant::now() < deadline => {
-                    tokio::time::sleep(POLL).await;
-                }
-                other => panic!("{j}: append after the move: {other:?}"),
-            }
-        }
-        let head = client.reset_head(j).await.unwrap();
-        assert_eq!(head, bytes.len() as u64, "{j}: head after reset-head");
+        let primary = ids(&agreed_route(cluster, j).await).remove(0);
         let r = append_retrying(&client, j, b"after the move").await;
-        assert_eq!(r.begin, bytes.len() as u64, "{j}: append after reset-head");
+        assert_eq!(
+            r.begin,
+            bytes.len() as u64,
+            "{j}: append after the move to {primary}"
+        );
     }
 }
 
@@ -2121,6 +2113,59 @@ async fn a_broker_down_during_a_change_asks_the_broker_a_journal_left_body(clust
         moved_to.contains("b1"),
         "the names tried move to {moved_to:?}: none to b1, which this test is about"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_new_to_the_cluster_learns_the_brokers_journals_left_from_its_peers() {
+    let mut cluster = Cluster::start_listed(3, CORES, &[0, 1]);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_broker_new_to_the_cluster_learns_the_brokers_journals_left_from_its_peers_body(
+            &mut cluster,
+        ),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals of one replica written on b2 alone, in a cluster of b1 and b2.
+/// One edit of the cluster file drops b2 (still running) and adds b3, which
+/// then starts for the first time: it never saw a view with b2. It learns
+/// b1's views as it starts, so for the journals that moved to it, it asks
+/// b2 for its head, and each goes on from there.
+async fn a_broker_new_to_the_cluster_learns_the_brokers_journals_left_from_its_peers_body(
+    cluster: &mut Cluster,
+) {
+    let (names, _) = open_on_b2(cluster, "repl/joined-late", None).await;
+    let written = write_open(cluster, &names).await;
+    cluster.write_file(&[0, 2]);
+    let deadline = Instant::now() + WAIT;
+    for j in &names {
+        while ids(&route_at(&cluster.brokers[0], j).await) == ["b2"]
+            || ids(&route_at(&cluster.brokers[1], j).await) == ["b2"]
+        {
+            assert!(Instant::now() < deadline, "{j}: still routed to b2");
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    tokio::task::block_in_place(|| cluster.brokers[2].start());
+    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
+    let moved_to = goes_on_where_it_was(cluster, &names, &written, true).await;
+    assert!(
+        moved_to.contains("b3"),
+        "the names tried move to {moved_to:?}: none to b3, which this test is about"
+    );
+    let stats = cluster.brokers[2].client().await.stats().await.unwrap();
+    assert!(
+        stats["cluster_views_learned"].as_u64() >= Some(1),
+        "b3 learned no views: {stats}"
+    );
+    let knows_b2 = stats["cluster_views"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|v| v.as_array().unwrap().iter().any(|m| m["id"] == "b2"));
+    assert!(knows_b2, "b3's views name no b2: {stats}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

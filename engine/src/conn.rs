@@ -419,6 +419,10 @@ impl Conn {
                 let (specs, digest) = self.shard.specs.digest();
                 body["specs"] = specs.into();
                 body["specs_digest"] = format!("{digest:032x}").into();
+                let views = self.shard.views();
+                if !views.current.is_single() {
+                    body["cluster_views"] = serde_json::json!(views.known());
+                }
                 self.admin_ok(id, &body);
             }
             Op::PRUNE => self.prune(id, payload).await,

@@ -78,6 +78,8 @@ counters!(
     // not answered another moments before.
     takeover_sources_silent,
     takeover_sources_passed_over,
+    // Cluster views learned from peers' STATS as the broker started.
+    cluster_views_learned,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

@@ -824,7 +824,7 @@ impl Shard {
     }
 
     /// The current view and the ones before it.
-    fn views(&self) -> crate::topology::Views {
+    pub fn views(&self) -> crate::topology::Views {
         let v = self.topology.version();
         let mut cur = self.view.borrow_mut();
         if cur.version != v {
@@ -1064,14 +1064,22 @@ impl Shard {
     /// its STATS show the same specs as this broker's; false if the peer
     /// did not answer.
     async fn sync_specs_with(&self, peer: &Member) -> bool {
-        match self.same_specs_as(peer).await {
-            None => return false,
-            Some(true) => {
-                metrics::add(&self.metrics.spec_syncs_unchanged, 1);
-                return true;
-            }
-            Some(false) => metrics::add(&self.metrics.spec_syncs_full, 1),
+        let stats =
+            crate::pipeline::unary(peer.endpoint, Op::STATS, 0, &[], &[], PEER_LIST_TIMEOUT).await;
+        let Ok((Status::OK, _, payload)) = stats else {
+            return false;
+        };
+        let stats = serde_json::from_slice::<serde_json::Value>(&payload).unwrap_or_default();
+        // The views first: a journal this broker learns of below may have
+        // left a broker in a change it never saw.
+        if !self.specs.is_caught_up() {
+            self.learn_views(peer, &stats);
         }
+        if self.same_specs(&stats) {
+            metrics::add(&self.metrics.spec_syncs_unchanged, 1);
+            return true;
+        }
+        metrics::add(&self.metrics.spec_syncs_full, 1);
         // Every page first, then one change of the store for all of them.
         let mut entries = Vec::new();
         let mut after = String::new();
@@ -1109,24 +1117,35 @@ impl Shard {
     }
 
     /// Whether a peer's STATS show the same count and digest of specs as
-    /// this broker's store (false if they show none); `None` if it did
-    /// not answer. A deletion shows too: the peer lacks the spec. Only
-    /// tombstones are not compared, and they matter only to a spec older
-    /// than the deletion, which one of the two would then hold.
-    async fn same_specs_as(&self, peer: &Member) -> Option<bool> {
-        let stats =
-            crate::pipeline::unary(peer.endpoint, Op::STATS, 0, &[], &[], PEER_LIST_TIMEOUT).await;
-        let Ok((Status::OK, _, payload)) = stats else {
-            return None;
-        };
-        let Ok(stats) = serde_json::from_slice::<serde_json::Value>(&payload) else {
-            return Some(false);
-        };
+    /// this broker's store (false if they show none). A deletion shows
+    /// too: the peer lacks the spec. Only tombstones are not compared, and
+    /// they matter only to a spec older than the deletion, which one of
+    /// the two would then hold.
+    fn same_specs(&self, stats: &serde_json::Value) -> bool {
         let (count, digest) = self.specs.digest();
-        Some(
-            stats["specs"].as_u64() == Some(count as u64)
-                && stats["specs_digest"].as_str() == Some(format!("{digest:032x}").as_str()),
-        )
+        stats["specs"].as_u64() == Some(count as u64)
+            && stats["specs_digest"].as_str() == Some(format!("{digest:032x}").as_str())
+    }
+
+    /// Takes the cluster views a peer's STATS list as earlier views of
+    /// this broker (see [`Topology::learn`]), while it starts: changes
+    /// made while it was down, or before it first started, name brokers
+    /// that journals left and that it never saw. Afterwards its own file
+    /// watch sees every change.
+    fn learn_views(&self, peer: &Member, stats: &serde_json::Value) {
+        let views = match serde_json::from_value::<Vec<Vec<Member>>>(stats["cluster_views"].clone())
+        {
+            Ok(views) => views,
+            Err(e) => {
+                tracing::warn!(peer = %peer.id, error = %e, "a peer's cluster views did not parse; it may know brokers that journals left that this broker does not");
+                return;
+            }
+        };
+        let learned = self.topology.learn(views);
+        if learned > 0 {
+            metrics::add(&self.metrics.cluster_views_learned, learned as u64);
+            tracing::info!(peer = %peer.id, learned, "learned cluster views from a peer");
+        }
     }
 
     /// Takes a peer's specs and deletions that are newer than this

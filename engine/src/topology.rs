@@ -249,7 +249,9 @@ pub struct Views {
     /// views this broker remembers from before it stopped (see
     /// [`Topology::remember_in`]) and the current one without this broker,
     /// as if the broker had just joined the cluster (the usual reason a
-    /// journal's route gains a broker holding none of it).
+    /// journal's route gains a broker holding none of it). Views learned
+    /// from peers as the broker starts ([`Topology::learn`]) come first,
+    /// with the version at which they were learned.
     pub earlier: Vec<(u64, Arc<ClusterView>)>,
 }
 
@@ -262,6 +264,14 @@ impl Views {
             .iter()
             .filter(move |(v, _)| since == 0 || *v > since)
             .map(|(_, view)| &**view)
+    }
+
+    /// Every view, oldest first and the current one last, as lists of
+    /// brokers: what `cluster-views.json` holds and STATS shows.
+    pub fn known(&self) -> Vec<&Vec<Member>> {
+        let mut known: Vec<&Vec<Member>> = self.earlier.iter().map(|(_, v)| &v.brokers).collect();
+        known.push(&self.current.brokers);
+        known
     }
 }
 
@@ -363,6 +373,47 @@ impl Topology {
         true
     }
 
+    /// Takes views a peer has known (its earlier ones and its current one,
+    /// as its STATS list them) as earlier views of this broker: a broker
+    /// that starts after a change, or for the first time, learns of the
+    /// brokers that journals left in it, which it never saw itself. Views
+    /// already known are skipped; the others go before this broker's own
+    /// (the first to be forgotten past [`HISTORY`]), at a new version, so
+    /// that journals taken over already ask about them too. Returns how
+    /// many were new.
+    pub fn learn(&self, views: Vec<Vec<Member>>) -> usize {
+        let learned = {
+            let mut cur = self.views.write().unwrap_or_else(|p| p.into_inner());
+            let mut new: Vec<(u64, Arc<ClusterView>)> = Vec::new();
+            for brokers in views {
+                let view = ClusterView {
+                    me: cur.current.me.clone(),
+                    brokers,
+                };
+                let known = view == *cur.current
+                    || cur.earlier.iter().any(|(_, e)| **e == view)
+                    || new.iter().any(|(_, e)| **e == view);
+                if !known {
+                    new.push((cur.version + 1, Arc::new(view)));
+                }
+            }
+            let learned = new.len();
+            if learned > 0 {
+                new.append(&mut cur.earlier);
+                let keep_from = new.len().saturating_sub(HISTORY);
+                new.drain(..keep_from);
+                cur.earlier = new;
+                cur.version += 1;
+                self.version.store(cur.version, Ordering::Release);
+            }
+            learned
+        };
+        if learned > 0 {
+            self.write_memory();
+        }
+        learned
+    }
+
     /// Writes the views this broker has known (with those it assumed at
     /// its start), oldest first and the current one last, so that a
     /// restart after a change made while it was down still asks the
@@ -371,10 +422,7 @@ impl Topology {
         let Some(path) = &self.memory else {
             return;
         };
-        let views = self.views();
-        let mut known: Vec<&Vec<Member>> = views.earlier.iter().map(|(_, v)| &v.brokers).collect();
-        known.push(&views.current.brokers);
-        let result = serde_json::to_vec(&known)
+        let result = serde_json::to_vec(&self.views().known())
             .map_err(std::io::Error::other)
             .and_then(|bytes| {
                 let tmp = path.with_extension("tmp");
@@ -524,6 +572,59 @@ mod tests {
             kept.len(),
             2,
             "the assumed view before, and the current one"
+        );
+    }
+
+    #[test]
+    fn views_learned_from_a_peer_are_asked_about_by_every_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("views.json");
+        // A first start: only the current view without this broker.
+        let t = Topology::remember_in(view(3, &["a"]), path.clone());
+        t.set(view(2, &["a"]));
+        let before = t.version();
+        // A peer knew b4 (and the views this broker knows already).
+        let peer = [view(4, &["a"]), view(3, &["a"]), view(2, &["a"])];
+        let peer = || peer.iter().map(|v| v.brokers.clone()).collect::<Vec<_>>();
+        assert_eq!(t.learn(peer()), 1, "only the view with b4 is new");
+        assert_eq!(t.learn(peer()), 0, "learned once");
+        let v = t.views();
+        assert_eq!(
+            v.version,
+            before + 1,
+            "a new version: settled journals ask again"
+        );
+        assert_eq!(ids(&v.current), ["b1", "b2"], "the current view stays");
+        assert_eq!(
+            ids(&v.earlier[0].1),
+            ["b1", "b2", "b3", "b4"],
+            "learned ones come first"
+        );
+        assert_eq!(v.earlier[0].0, v.version);
+        assert_eq!(v.earlier[0].1.me, "b1");
+        // A journal settled before the learning asks about it; one settled
+        // after, does not.
+        let asked: Vec<usize> = v.since(before).map(|e| e.brokers.len()).collect();
+        assert_eq!(asked, [4]);
+        assert_eq!(v.since(v.version).count(), 0);
+        // Remembered across a start.
+        drop(t);
+        let t = Topology::remember_in(view(2, &["a"]), path.clone());
+        assert!(t.views().earlier.iter().any(|(_, e)| e.brokers.len() == 4));
+        // Past HISTORY, the learned views are the first forgotten.
+        let many: Vec<Vec<Member>> = (5..5 + 2 * HISTORY)
+            .map(|n| view(n, &["a"]).brokers)
+            .collect();
+        t.learn(many);
+        let v = t.views();
+        assert_eq!(v.earlier.len(), HISTORY);
+        assert_eq!(
+            v.earlier
+                .iter()
+                .map(|(_, e)| e.brokers.len())
+                .collect::<Vec<_>>()[HISTORY - 4..],
+            [4, 2, 3, 1],
+            "this broker's own views are kept over the learned ones"
         );
     }
 
