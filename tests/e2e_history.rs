@@ -797,6 +797,28 @@ async fn file_store_gap_in_history_is_read_around() {
     }
 }
 
+/// A spec changed while its journal sees no requests still reaches the
+/// journal: here a shorter flush interval, which seals and uploads the
+/// open spool with nothing else asking for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_a_changed_spec_reaches_a_quiet_journal() {
+    let store = TestStore::file();
+    let broker = broker_for(&store, &[]);
+    let client = broker.client().await;
+    let j = "hist/quiet";
+    let mut s = spec(j, &store, Codec::None, 1 << 20);
+    apply(&client, &s).await;
+    let r = append(&client, j, b"quiet bytes").await;
+    // The default flush interval (6h) does not seal it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(store.fragments(j).is_empty(), "sealed before the change");
+    s.fragment.flush_interval = Duration::from_secs(1);
+    apply(&client, &s).await;
+    // Nothing but the broker's own clock from here on.
+    let frags = wait_store_covers(&store, j, r.end).await;
+    check_against(&frags, b"quiet bytes");
+}
+
 /// An object already bearing a fragment's name is read back before the
 /// local copy is let go: one that holds other bytes (here written by hand)
 /// is replaced, never trusted for its name.

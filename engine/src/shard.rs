@@ -714,6 +714,15 @@ impl Shard {
 
     /// Refreshes specs if the store changed; returns the journal if it exists.
     pub fn journal(&self, name: &str) -> Option<JournalRef> {
+        self.take_spec_changes();
+        self.journals.borrow().get(name).cloned()
+    }
+
+    /// Gives this shard's journals the specs changed in the store since it
+    /// last looked, creating the journals new to it. On every request, and
+    /// on every tick, so that a change reaches a journal that sees no
+    /// requests too (a shorter flush interval, a store added).
+    fn take_spec_changes(&self) {
         let v = self.specs.version();
         let seen = self.specs_seen.get();
         if v != seen {
@@ -740,7 +749,6 @@ impl Shard {
                 }
             }
         }
-        self.journals.borrow().get(name).cloned()
     }
 
     /// Gives this shard's journal its current spec, creating the journal
@@ -1778,6 +1786,7 @@ impl Shard {
     pub async fn tick(self: &Rc<Self>) {
         let now = SystemTime::now();
         self.check_spares();
+        self.take_spec_changes();
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         for j in journals {
             let mut due = false;
