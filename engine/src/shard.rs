@@ -1040,6 +1040,8 @@ impl Shard {
                     still.push(m);
                 }
             }
+            // Each peer that answered told its views; takeovers may go on.
+            self.topology.mark_peers_asked();
             waiting = still;
             if waiting.is_empty() || started.elapsed() >= GIVE_UP {
                 break;
@@ -2829,6 +2831,14 @@ impl Shard {
     /// reused.
     async fn sync_replicas(&self, j: &JournalRef, route: &Route) -> Result<PrimaryRepl, Failure> {
         use rotary_net::repl::{SyncReply, SyncRequest};
+        // A broker that just started learns from its peers the views it
+        // lacks (`learn_views`) before it looks for the brokers a journal
+        // left; a peer that does not answer holds that back one ack
+        // timeout at most.
+        let started = Instant::now();
+        while !self.topology.peers_asked() && started.elapsed() < self.replica_ack_timeout {
+            compio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         let since = j.borrow().takeover_version;
         let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         for _ in 0..3 {

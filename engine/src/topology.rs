@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
@@ -282,6 +282,9 @@ pub struct Topology {
     version: AtomicU64,
     /// Where the views are written when they change.
     memory: Option<PathBuf>,
+    /// Whether every peer has been asked once for the views it knows since
+    /// this broker started (see [`Topology::learn`]); takeovers wait for it.
+    peers_asked: AtomicBool,
 }
 
 impl Topology {
@@ -329,6 +332,7 @@ impl Topology {
         let keep_from = earlier.len().saturating_sub(HISTORY);
         earlier.drain(..keep_from);
         Topology {
+            peers_asked: AtomicBool::new(view.is_single()),
             views: RwLock::new(Views {
                 version: 1,
                 current: Arc::new(view),
@@ -412,6 +416,16 @@ impl Topology {
             self.write_memory();
         }
         learned
+    }
+
+    /// Records that every peer has been asked once for its views (whether
+    /// it answered or not).
+    pub fn mark_peers_asked(&self) {
+        self.peers_asked.store(true, Ordering::Release);
+    }
+
+    pub fn peers_asked(&self) -> bool {
+        self.peers_asked.load(Ordering::Acquire)
     }
 
     /// Writes the views this broker has known (with those it assumed at
