@@ -1033,6 +1033,22 @@ impl Shard {
         let mut pause = std::time::Duration::from_millis(100);
         let view = self.view();
         let mut waiting: Vec<_> = view.brokers.iter().filter(|m| m.id != view.me).collect();
+        // The views first, from every peer at once and for one ack timeout
+        // at most: takeovers wait for them (see `sync_replicas`), and a
+        // peer that hangs must not hold them up for longer. One that
+        // answers only later still tells its views below.
+        let me = &*self;
+        join_all(waiting.iter().map(|m| async move {
+            let stats =
+                crate::pipeline::unary(m.endpoint, Op::STATS, 0, &[], &[], me.replica_ack_timeout)
+                    .await;
+            if let Ok((Status::OK, _, payload)) = stats {
+                let stats = serde_json::from_slice(&payload).unwrap_or_default();
+                me.learn_views(m, &stats);
+            }
+        }))
+        .await;
+        self.topology.mark_peers_asked();
         loop {
             let mut still = Vec::new();
             for m in waiting {
@@ -1040,8 +1056,6 @@ impl Shard {
                     still.push(m);
                 }
             }
-            // Each peer that answered told its views; takeovers may go on.
-            self.topology.mark_peers_asked();
             waiting = still;
             if waiting.is_empty() || started.elapsed() >= GIVE_UP {
                 break;
@@ -2832,9 +2846,8 @@ impl Shard {
     async fn sync_replicas(&self, j: &JournalRef, route: &Route) -> Result<PrimaryRepl, Failure> {
         use rotary_net::repl::{SyncReply, SyncRequest};
         // A broker that just started learns from its peers the views it
-        // lacks (`learn_views`) before it looks for the brokers a journal
-        // left; a peer that does not answer holds that back one ack
-        // timeout at most.
+        // lacks (`catch_up_specs`) before it looks for the brokers a
+        // journal left; that takes one ack timeout at most.
         let started = Instant::now();
         while !self.topology.peers_asked() && started.elapsed() < self.replica_ack_timeout {
             compio::time::sleep(std::time::Duration::from_millis(10)).await;
