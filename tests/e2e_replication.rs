@@ -2169,6 +2169,53 @@ async fn a_broker_new_to_the_cluster_learns_the_brokers_journals_left_from_its_p
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_routed_away_is_taken_over_without_a_request() {
+    let mut cluster = Cluster::start(3, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_journal_routed_away_is_taken_over_without_a_request_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+/// Journals of one replica written on b2 alone; b2 leaves the cluster file
+/// and keeps running. No request reaches the journals, yet their new
+/// primaries take them over, copying b2's bytes. Once they hold them all,
+/// b2 is killed, and every journal still goes on from where it was, its
+/// bytes whole on its new primary.
+async fn a_journal_routed_away_is_taken_over_without_a_request_body(cluster: &mut Cluster) {
+    let (names, _) = open_on_b2(cluster, "repl/taken-over-unasked", None).await;
+    let written = write_open(cluster, &names).await;
+    let total: u64 = written.iter().map(|w| w.len() as u64).sum();
+    async fn copied(cluster: &Cluster) -> u64 {
+        let mut sum = 0;
+        for b in [&cluster.brokers[0], &cluster.brokers[2]] {
+            let stats = b.client().await.stats().await.unwrap();
+            sum += stats["copied_bytes"].as_u64().expect("copied_bytes");
+        }
+        sum
+    }
+    assert_eq!(copied(cluster).await, 0);
+    cluster.write_file(&[0, 2]);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let now = copied(cluster).await;
+        if now == total {
+            break;
+        }
+        assert!(
+            now < total && Instant::now() < deadline,
+            "b1 and b3 copied {now} bytes of the {total} b2 held"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    tokio::task::block_in_place(|| cluster.brokers[1].kill9());
+    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
+    goes_on_where_it_was(cluster, &names, &written, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_broker_a_journal_left_is_waited_for_once() {
     let mut cluster = tokio::task::block_in_place(start_with_short_ack_timeout);
     let done = tokio::time::timeout(
@@ -2182,29 +2229,24 @@ async fn a_stopped_broker_a_journal_left_is_waited_for_once() {
     cluster.finished(done, TEST_LIMIT);
 }
 
-/// Journals of one replica written on b2 alone; b2 leaves the cluster file
-/// and then stops (SIGSTOP) without exiting, so connections to it open but
-/// nothing is answered. Each new primary waits one ack timeout for b2 at
-/// the first journal it takes over, then passes b2 over for the others
-/// rather than wait for it again at each. b2's bytes are out of reach: the
-/// journals begin again at 0 (what the warning in the log says).
+/// Journals of one replica written on b2 alone. b1 is killed and b2 stopped
+/// (SIGSTOP) without exiting, so connections to it open but nothing is
+/// answered; then b2 leaves the cluster file and b1 starts again. b1 takes
+/// its journals over at their first requests, one after another: it waits
+/// one ack timeout for b2 at the first, then passes b2 over for the others
+/// rather than wait for it again at each. b3 saw the change and takes its
+/// journals over at once, all together, so they wait for b2 side by side.
+/// b2's bytes are out of reach: the journals begin again at 0 (what the
+/// warning in the log says).
 async fn a_stopped_broker_a_journal_left_is_waited_for_once_body(cluster: &mut Cluster) {
-    let (names, _) = open_on_b2(cluster, "repl/left-stopped", None).await;
+    let (names, _) = open_on_b2(cluster, "repl/stopped-left", None).await;
     write_open(cluster, &names).await;
-    cluster.write_file(&[0, 2]);
-    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
-    let deadline = Instant::now() + WAIT;
-    for j in &names {
-        while ids(&route_at(&cluster.brokers[1], j).await) == ["b2"] {
-            assert!(
-                Instant::now() < deadline,
-                "{j}: b2 still routes it to itself"
-            );
-            tokio::time::sleep(POLL).await;
-        }
-    }
+    tokio::task::block_in_place(|| cluster.brokers[0].kill9());
     let b2 = cluster.brokers[1].pid().expect("b2 runs");
     tokio::task::block_in_place(|| stop_process(b2));
+    cluster.write_file(&[0, 2]);
+    tokio::task::block_in_place(|| cluster.brokers[0].start());
+    wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
     let mut on: HashMap<String, u64> = HashMap::new();
     for j in &names {
         let primary = ids(&agreed_route(cluster, j).await).remove(0);
@@ -2213,16 +2255,29 @@ async fn a_stopped_broker_a_journal_left_is_waited_for_once_body(cluster: &mut C
         assert_eq!(r.begin, 0, "{j}: b2 is stopped; its bytes are out of reach");
         *on.entry(primary).or_default() += 1;
     }
-    for (primary, n) in &on {
+    assert!(
+        on.get("b1").is_some_and(|&n| n >= 2),
+        "the names tried move to {on:?}: fewer than two to b1, which this test is about"
+    );
+    for (primary, &n) in &on {
         let stats = cluster.by_id(primary).client().await.stats().await.unwrap();
-        assert_eq!(
-            (
-                stats["takeover_sources_silent"].as_u64(),
-                stats["takeover_sources_passed_over"].as_u64()
-            ),
-            (Some(1), Some(n - 1)),
-            "{primary} took over {n} journal(s) from a stopped b2: {stats}"
+        let counted = (
+            stats["takeover_sources_silent"].as_u64().unwrap(),
+            stats["takeover_sources_passed_over"].as_u64().unwrap(),
         );
+        if primary == "b1" {
+            assert_eq!(
+                counted,
+                (1, n - 1),
+                "b1 took over {n} journal(s) from a stopped b2: {stats}"
+            );
+        } else {
+            assert_eq!(
+                counted.0 + counted.1,
+                n,
+                "{primary} took over {n} journal(s) from a stopped b2: {stats}"
+            );
+        }
     }
 }
 

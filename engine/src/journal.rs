@@ -421,6 +421,10 @@ pub struct Journal {
     /// its head (see `Shard::takeover_sources`); 0: not yet. Appends and
     /// reads wait for that.
     pub takeover_version: u64,
+    /// The cluster view changed since the shard's tick last looked at the
+    /// journal's route: if this broker became its primary, the tick takes
+    /// it over then rather than at its first request (see `Shard::tick`).
+    pub route_check: bool,
     /// Primary: after a failed SYNC, when to try again, and why it failed.
     pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
     /// Primary: committed batches awaiting replica acks.
@@ -629,6 +633,7 @@ impl Journal {
             sync_retry: None,
             first_sync_pending: false,
             takeover_version: 0,
+            route_check: false,
             inflight: 0,
             staged_with_replicas: false,
             replica: None,

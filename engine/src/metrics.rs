@@ -80,6 +80,9 @@ counters!(
     takeover_sources_passed_over,
     // Cluster views learned from peers' STATS as the broker started.
     cluster_views_learned,
+    // Journal bytes a primary copied from replicas, or brokers a journal
+    // left, that were ahead of it.
+    copied_bytes,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

@@ -112,6 +112,8 @@ pub struct Shard {
     replica_ack_timeout: std::time::Duration,
     /// The last snapshot taken.
     view: RefCell<crate::topology::Views>,
+    /// The current view the tick last saw (see `Shard::tick`).
+    tick_view: RefCell<Arc<ClusterView>>,
     /// Pipelines to peer shards, by (peer id, endpoint).
     pipelines: RefCell<HashMap<(String, std::net::SocketAddr), Rc<Pipeline>>>,
     /// Brokers of journals' earlier routes that did not answer a takeover
@@ -206,6 +208,10 @@ const SLOW_TURN: std::time::Duration = std::time::Duration::from_millis(50);
 /// takeover SYNC in time is passed over by the takeovers of other journals,
 /// in replica ack timeouts.
 const SILENT_SOURCE_PASSED_OVER: u32 = 3;
+/// How many journals a shard's tick begins to take over, at most, after a
+/// change of the cluster file (see `Shard::tick`): a change that moves
+/// tens of thousands of journals does not send as many SYNCs at once.
+const TICK_TAKEOVERS_MAX: usize = 256;
 
 /// A primary pulses a replicated journal idle this long.
 const PULSE_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
@@ -455,6 +461,7 @@ impl Shard {
             me: RefCell::new(std::rc::Weak::new()),
             sizing,
             view: RefCell::new(topology.views()),
+            tick_view: RefCell::new(topology.snapshot()),
             topology,
             spec_sync_interval,
             peer_silence,
@@ -1803,17 +1810,46 @@ impl Shard {
         let now = SystemTime::now();
         self.check_spares();
         self.take_spec_changes();
+        // After a change of the cluster file every journal looks at its
+        // route again: one that this broker became the primary of is taken
+        // over now (its bytes copied from the brokers it left, while they
+        // still run) rather than at its first request, however long that
+        // is in coming. Not at a start: journals are taken over then at
+        // their first request, as before.
+        let current = self.view();
+        let changed = !Arc::ptr_eq(&self.tick_view.borrow(), &current);
+        *self.tick_view.borrow_mut() = current;
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
+        let mut takeovers = 0;
         for j in journals {
             let mut due = false;
+            if changed {
+                j.borrow_mut().route_check = true;
+            }
             // Working out a route costs more than the rest of a quiet
-            // journal's tick: it is needed only for a journal holding bytes
-            // or with replicas to pulse, of tens of thousands on a shard.
+            // journal's tick: it is needed only for a journal holding bytes,
+            // with replicas to pulse, or whose route may have changed, of
+            // tens of thousands on a shard.
             let holds_bytes = j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty());
+            // At most so many takeovers begin in a tick; the other
+            // journals keep their check for the next.
+            let check = j.borrow().route_check && takeovers < TICK_TAKEOVERS_MAX;
             let role = {
                 let jm = j.borrow();
-                (holds_bytes || jm.spec.replication > 1).then(|| self.role(&jm.spec))
+                (holds_bytes || jm.spec.replication > 1 || check).then(|| self.role(&jm.spec))
             };
+            if check {
+                match &role {
+                    // Checked again each tick until it is settled.
+                    Some(Role::Primary(route))
+                        if route.is_complete() && self.takeover_due(&j, route) =>
+                    {
+                        takeovers += 1;
+                        due = true
+                    }
+                    _ => j.borrow_mut().route_check = false,
+                }
+            }
             {
                 let jm = j.borrow();
                 match &role {
@@ -3006,6 +3042,7 @@ impl Shard {
                 .await
                 .map_err(|e| Failure::new(Status::REPLICATION_FAILED, e))?;
             let held: u64 = copied.iter().map(|f| f.end - f.begin).sum();
+            metrics::add(&self.metrics.copied_bytes, held);
             if held < to - from {
                 tracing::warn!(journal = %name, from, to, copied = held, "the replicas ahead hold only part of the span; the rest is read from the store, if one holds it");
             }
