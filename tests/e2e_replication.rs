@@ -2188,19 +2188,21 @@ async fn a_journal_routed_away_is_taken_over_without_a_request_body(cluster: &mu
     let (names, _) = open_on_b2(cluster, "repl/taken-over-unasked", None).await;
     let written = write_open(cluster, &names).await;
     let total: u64 = written.iter().map(|w| w.len() as u64).sum();
-    async fn copied(cluster: &Cluster) -> u64 {
+    // A counter of STATS summed over b1 and b3.
+    async fn counted(cluster: &Cluster, counter: &str) -> u64 {
         let mut sum = 0;
         for b in [&cluster.brokers[0], &cluster.brokers[2]] {
             let stats = b.client().await.stats().await.unwrap();
-            sum += stats["copied_bytes"].as_u64().expect("copied_bytes");
+            sum += stats[counter].as_u64().expect(counter);
         }
         sum
     }
-    assert_eq!(copied(cluster).await, 0);
+    assert_eq!(counted(cluster, "copied_bytes").await, 0);
+    let syncs = counted(cluster, "syncs").await;
     cluster.write_file(&[0, 2]);
     let deadline = Instant::now() + WAIT;
     loop {
-        let now = copied(cluster).await;
+        let now = counted(cluster, "copied_bytes").await;
         if now == total {
             break;
         }
@@ -2213,6 +2215,13 @@ async fn a_journal_routed_away_is_taken_over_without_a_request_body(cluster: &mu
     tokio::task::block_in_place(|| cluster.brokers[1].kill9());
     wait_routed(cluster, &names, Some(2), &["b1", "b3"]).await;
     goes_on_where_it_was(cluster, &names, &written, true).await;
+    // Only the journals that moved were taken over: the others open_on_b2
+    // made, which b1 or b3 was the primary of before, cost no SYNC.
+    assert_eq!(
+        counted(cluster, "syncs").await - syncs,
+        names.len() as u64,
+        "SYNCs of b1 and b3 after the change"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

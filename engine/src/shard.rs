@@ -1810,21 +1810,24 @@ impl Shard {
         let now = SystemTime::now();
         self.check_spares();
         self.take_spec_changes();
-        // After a change of the cluster file every journal looks at its
-        // route again: one that this broker became the primary of is taken
-        // over now (its bytes copied from the brokers it left, while they
-        // still run) rather than at its first request, however long that
-        // is in coming. Not at a start: journals are taken over then at
-        // their first request, as before.
+        // After a change of the cluster file, a journal that this broker
+        // became the primary of is taken over now (its bytes copied from
+        // the brokers it left, while they still run) rather than at its
+        // first request, however long that is in coming. Not at a start:
+        // journals are taken over then at their first request, as before.
         let current = self.view();
-        let changed = !Arc::ptr_eq(&self.tick_view.borrow(), &current);
-        *self.tick_view.borrow_mut() = current;
+        let before = std::mem::replace(&mut *self.tick_view.borrow_mut(), current.clone());
+        let changed = !Arc::ptr_eq(&before, &current);
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         let mut takeovers = 0;
         for j in journals {
             let mut due = false;
             if changed {
-                j.borrow_mut().route_check = true;
+                let mut jm = j.borrow_mut();
+                let was_primary = before
+                    .route(&jm.spec.name, jm.spec.replication)
+                    .is_primary(&current.me);
+                jm.route_check |= !was_primary;
             }
             // Working out a route costs more than the rest of a quiet
             // journal's tick: it is needed only for a journal holding bytes,
