@@ -1046,11 +1046,7 @@ impl Shard {
         // answers only later still tells its views below.
         let me = &*self;
         join_all(waiting.iter().map(|m| async move {
-            let stats =
-                crate::pipeline::unary(m.endpoint, Op::STATS, 0, &[], &[], me.replica_ack_timeout)
-                    .await;
-            if let Ok((Status::OK, _, payload)) = stats {
-                let stats = serde_json::from_slice(&payload).unwrap_or_default();
+            if let Some(stats) = me.peer_stats(m, me.replica_ack_timeout).await {
                 me.learn_views(m, &stats);
             }
         }))
@@ -1095,12 +1091,9 @@ impl Shard {
     /// its STATS show the same specs as this broker's; false if the peer
     /// did not answer.
     async fn sync_specs_with(&self, peer: &Member) -> bool {
-        let stats =
-            crate::pipeline::unary(peer.endpoint, Op::STATS, 0, &[], &[], PEER_LIST_TIMEOUT).await;
-        let Ok((Status::OK, _, payload)) = stats else {
+        let Some(stats) = self.peer_stats(peer, PEER_LIST_TIMEOUT).await else {
             return false;
         };
-        let stats = serde_json::from_slice::<serde_json::Value>(&payload).unwrap_or_default();
         // The views first: a journal this broker learns of below may have
         // left a broker in a change it never saw.
         if !self.specs.is_caught_up() {
@@ -1145,6 +1138,20 @@ impl Shard {
         }
         self.adopt_newer(&peer.id, entries).await;
         true
+    }
+
+    /// A peer's STATS, or `None` if it did not answer OK within `timeout`
+    /// (a body that does not parse is `null`).
+    async fn peer_stats(
+        &self,
+        peer: &Member,
+        timeout: std::time::Duration,
+    ) -> Option<serde_json::Value> {
+        let stats = crate::pipeline::unary(peer.endpoint, Op::STATS, 0, &[], &[], timeout).await;
+        let Ok((Status::OK, _, payload)) = stats else {
+            return None;
+        };
+        Some(serde_json::from_slice(&payload).unwrap_or_default())
     }
 
     /// Whether a peer's STATS show the same count and digest of specs as
