@@ -450,14 +450,21 @@ impl Topology {
     }
 }
 
-/// Re-reads the cluster file every second when its modification time
-/// changes, and at once on SIGHUP. A file that fails to parse keeps the
-/// previous view (and is logged).
+/// Re-reads the cluster file every second when it changed (its
+/// modification time, inode or size), and at once on SIGHUP. The first
+/// look, a second after the start, always reads it: the file may have
+/// changed between the start's own read and this watcher's. A file that
+/// fails to parse keeps the previous view (and is logged).
 pub fn watch_cluster_file(topology: Arc<Topology>, path: PathBuf, me: String) {
+    use std::os::unix::fs::MetadataExt;
     let hup = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let _ = signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone());
-    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen: Option<SystemTime> = mtime(&path);
+    let mtime = |p: &Path| {
+        std::fs::metadata(p)
+            .and_then(|m| Ok((m.modified()?, m.ino(), m.len())))
+            .ok()
+    };
+    let mut seen: Option<(SystemTime, u64, u64)> = None;
     std::thread::Builder::new()
         .name("rotary-cluster-watch".into())
         .spawn(move || loop {
@@ -640,6 +647,54 @@ mod tests {
             [4, 2, 3, 1],
             "this broker's own views are kept over the learned ones"
         );
+    }
+
+    /// A change made between the start's read of the file and the
+    /// watcher's start is still seen, and so is a replacement of the file
+    /// that keeps its modification time.
+    #[test]
+    fn the_watcher_sees_every_change_of_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("cluster.yaml");
+        let line = |i: usize| {
+            format!(
+                "  - {{id: b{i}, zone: z{i}, endpoint: 127.0.0.1:{}}}\n",
+                7000 + i
+            )
+        };
+        let write = |ids: &[usize]| {
+            let text: String = std::iter::once("brokers:\n".to_string())
+                .chain(ids.iter().map(|&i| line(i)))
+                .collect();
+            let tmp = dir.path().join("cluster.yaml.new");
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &p).unwrap();
+        };
+        let wait_for = |t: &Topology, n: usize| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while t.views().current.brokers.len() != n {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the watcher did not see a file of {n} brokers: {:?}",
+                    ids(&t.views().current)
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        write(&[1, 2]);
+        let t = Topology::new(load_cluster_file(&p, "b1").unwrap());
+        write(&[1, 2, 3]);
+        watch_cluster_file(t.clone(), p.clone(), "b1".into());
+        wait_for(&t, 3);
+        let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
+        write(&[1, 2, 3, 4]);
+        std::fs::File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        wait_for(&t, 4);
     }
 
     #[test]
