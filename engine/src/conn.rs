@@ -546,7 +546,7 @@ impl Conn {
                 // The primary must not proxy it on again (views may differ
                 // for a moment while a cluster file changes).
                 return self
-                    .forward_to(addr, &with_flag(raw, flag::DO_NOT_PROXY))
+                    .proxy_to(addr, &with_flag(raw, flag::DO_NOT_PROXY))
                     .await;
             }
         }
@@ -709,7 +709,7 @@ impl Conn {
             // Marked so that the primary, should its view of the cluster
             // differ from this broker's, refuses it instead of proxying it
             // on (or back).
-            return self.forward_to(addr, &with_flag(raw, flag::PROXIED)).await;
+            return self.proxy_to(addr, &with_flag(raw, flag::PROXIED)).await;
         }
         if self.reads.borrow().contains_key(&id) {
             // A second read under one id could not be told apart, nor
@@ -1282,6 +1282,22 @@ impl Conn {
 
     /// Sends a raw request frame to another shard or broker over this
     /// connection's relay to it; replies flow back to the client as they are.
+    /// Proxies a client's append or read to another broker, marked so that
+    /// the peer serves it itself or refuses it. A refusal (the two brokers'
+    /// views of the cluster differ while a cluster file changes) reaches
+    /// the client as the retryable `WRONG_ROUTE`: the client did not ask
+    /// the wrong broker, and the same request succeeds once the views agree.
+    async fn proxy_to(&mut self, addr: SocketAddr, raw: &[u8]) {
+        self.forward_to(addr, raw).await;
+        if let Some(relay) = self.relays.get(&addr) {
+            relay
+                .watch
+                .proxied
+                .borrow_mut()
+                .insert(header_request_id(raw));
+        }
+    }
+
     async fn forward_to(&mut self, addr: SocketAddr, raw: &[u8]) {
         if self.relays.get(&addr).is_none_or(|r| r.out.is_closed()) {
             // A peer that does not answer the SYN would hold this
@@ -1525,6 +1541,9 @@ struct Relay {
 struct RelayWatch {
     /// Requests forwarded and not yet given their final reply.
     pending: RefCell<HashSet<u64>>,
+    /// Of those, the ones proxied to another broker (see
+    /// [`Conn::proxy_to`]).
+    proxied: RefCell<HashSet<u64>>,
     heard: Cell<Instant>,
     /// Given up on: what arrives from the peer later is dropped.
     abandoned: Cell<bool>,
@@ -1534,10 +1553,32 @@ impl RelayWatch {
     fn new() -> Self {
         RelayWatch {
             pending: RefCell::new(HashSet::new()),
+            proxied: RefCell::new(HashSet::new()),
             heard: Cell::new(Instant::now()),
             abandoned: Cell::new(false),
         }
     }
+}
+
+/// A peer's refusal of a request this broker proxied to it, as the client
+/// gets it: status `WRONG_ROUTE`, the same meta, the peer's message with
+/// what it means for the client.
+fn refused_by_peer(frame: &[u8], meta_len: usize) -> Vec<u8> {
+    let body = &frame[HEADER_LEN..];
+    let (meta, message) = body.split_at(meta_len.min(body.len()));
+    let message = format!(
+        "{} (this broker proxied the request, and the two brokers' views of the cluster \
+         differ while a cluster file changes; retry)",
+        String::from_utf8_lossy(message)
+    );
+    let mut out = frame[..HEADER_LEN].to_vec();
+    let body_len = (meta.len() + message.len()) as u32;
+    out[..4].copy_from_slice(&body_len.to_le_bytes());
+    // Header: body_len u32, magic u16, op u8, flags u8, status u16, …
+    out[8..10].copy_from_slice(&(Status::WRONG_ROUTE as u16).to_le_bytes());
+    out.extend_from_slice(meta);
+    out.extend_from_slice(message.as_bytes());
+    out
 }
 
 /// Request id of a relay's own PINGs: its PONG is not the client's.
@@ -1559,10 +1600,23 @@ async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Relay) {
                 start += total;
                 continue;
             }
+            let frame = &buf[start..start + total];
             if !matches!(op, Some(Op::READ_DATA | Op::READ_FRAGMENT)) {
                 relay.watch.pending.borrow_mut().remove(&id);
+                let proxied = relay.watch.proxied.borrow_mut().remove(&id);
+                let status = Status::from_code(h.status.get());
+                if proxied
+                    && matches!(
+                        status,
+                        Some(Status::NOT_JOURNAL_PRIMARY_BROKER | Status::NOT_JOURNAL_BROKER)
+                    )
+                {
+                    client.raw(&refused_by_peer(frame, h.meta_len.get().into()));
+                    start += total;
+                    continue;
+                }
             }
-            client.raw(&buf[start..start + total]);
+            client.raw(frame);
             start += total;
         }
         buf.drain(..start);
@@ -1734,6 +1788,38 @@ fn parse_revision(payload: &[u8], local: bool) -> Result<Option<u64>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer's refusal of a proxied request keeps its op, id and meta, and
+    /// becomes the retryable WRONG_ROUTE with the peer's message kept.
+    #[test]
+    fn refusals_of_proxied_requests_become_wrong_route() {
+        let meta = [7u8; 16];
+        let mut frame = Vec::new();
+        wire::encode_frame(
+            &mut frame,
+            Op::READ_DONE,
+            0,
+            Status::NOT_JOURNAL_BROKER,
+            42,
+            &meta,
+            b"broker b2 is not in the journal's route",
+        );
+        let out = refused_by_peer(&frame, meta.len());
+        let (h, total) = wire::decode_header(&out, BODY_LEN_MAX).unwrap().unwrap();
+        assert_eq!(total, out.len());
+        assert_eq!(Op::from_code(h.op), Some(Op::READ_DONE));
+        assert_eq!(Status::from_code(h.status.get()), Some(Status::WRONG_ROUTE));
+        assert!(Status::WRONG_ROUTE.is_retryable());
+        assert_eq!(h.request_id.get(), 42);
+        assert_eq!(usize::from(h.meta_len.get()), meta.len());
+        let body = &out[HEADER_LEN..];
+        assert_eq!(&body[..16], &meta);
+        let message = std::str::from_utf8(&body[16..]).unwrap();
+        assert!(
+            message.starts_with("broker b2 is not in the journal's route (this broker proxied"),
+            "{message}"
+        );
+    }
 
     /// Connections charge their shard's budget with what they queue; one
     /// holding 1 MiB or more waits while the shard's budget is spent, one

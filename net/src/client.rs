@@ -150,11 +150,18 @@ impl ClientError {
     }
 
     /// Whether the same request may succeed if sent again later: the
-    /// status's own rule ([`Status::is_retryable`]); connection failures are
-    /// retryable (an append's outcome is then unknown: it may have
+    /// status's own rule ([`Status::is_retryable`]), except that a refusal
+    /// saying the journal's route moved (`NOT_JOURNAL_PRIMARY_BROKER`,
+    /// `NOT_JOURNAL_BROKER`) is retryable here, since this client asks ROUTE
+    /// again before it sends the journal's next request; connection failures
+    /// are retryable (an append's outcome is then unknown: it may have
     /// committed); protocol errors and invalid requests are not.
     pub fn is_retryable(&self) -> bool {
         match self {
+            ClientError::Status {
+                status: Status::NOT_JOURNAL_PRIMARY_BROKER | Status::NOT_JOURNAL_BROKER,
+                ..
+            } => true,
             ClientError::Status { status, .. } => status.is_retryable(),
             ClientError::Io { .. } => true,
             ClientError::Protocol { .. }
@@ -535,7 +542,8 @@ impl Client {
     }
 
     /// Drops a cached route after a connection failure (the broker may have
-    /// restarted with another shard count).
+    /// restarted with another shard count) or a refusal that says the route
+    /// moved.
     fn forget_route(&self, journal: &str) {
         lock(&self.inner.routes).remove(journal);
     }
@@ -545,8 +553,19 @@ impl Client {
         journal: &str,
         r: Result<T, ClientError>,
     ) -> Result<T, ClientError> {
-        if let Err(ClientError::Io { .. }) = &r {
-            self.forget_route(journal);
+        if let Err(e) = &r {
+            // The broker is gone, or the route moved: ask ROUTE again.
+            let moved = matches!(
+                e.status(),
+                Some(
+                    Status::NOT_JOURNAL_PRIMARY_BROKER
+                        | Status::NOT_JOURNAL_BROKER
+                        | Status::WRONG_ROUTE
+                )
+            );
+            if moved || matches!(e, ClientError::Io { .. }) {
+                self.forget_route(journal);
+            }
         }
         r
     }
@@ -1526,6 +1545,30 @@ mod tests {
     }
 
     /// A broken connection fails the requests in flight with a retryable
+    /// A refusal saying the route moved is retryable for this client (it
+    /// asks ROUTE again first); other statuses keep their own rule.
+    #[test]
+    fn moved_routes_are_retryable_for_the_client() {
+        let err = |status| ClientError::Status {
+            status,
+            message: String::new(),
+            append_reply: None,
+        };
+        for status in [
+            Status::NOT_JOURNAL_PRIMARY_BROKER,
+            Status::NOT_JOURNAL_BROKER,
+        ] {
+            assert!(!status.is_retryable());
+            assert!(err(status).is_retryable(), "{status:?}");
+        }
+        for status in [Status::WRONG_ROUTE, Status::REPLICATION_FAILED] {
+            assert!(err(status).is_retryable(), "{status:?}");
+        }
+        for status in [Status::JOURNAL_NOT_FOUND, Status::WRONG_APPEND_OFFSET] {
+            assert!(!err(status).is_retryable(), "{status:?}");
+        }
+    }
+
     /// I/O error; the next request opens a new connection. An ERROR frame
     /// is the final reply of the request it names.
     #[tokio::test]
