@@ -369,6 +369,8 @@ pub struct PrimaryRepl {
     pub members: Vec<String>,
     /// The pipeline to each replica and the connection epoch synced over.
     pub pipelines: Vec<(Rc<crate::pipeline::Pipeline>, u64)>,
+    /// The topology version (cluster views) the SYNC was made in.
+    pub version: u64,
 }
 
 impl PrimaryRepl {

@@ -2513,16 +2513,23 @@ impl Shard {
     /// Async preparation of a journal before staging: handle an aborted
     /// active append, reload a tail block, seal, open a spool.
     async fn prepare(&self, j: &JournalRef) {
-        // A SYNC from the primary ends any append it left open.
+        // A SYNC from the primary ends any append it left open. A broker
+        // no longer a replica of the journal (the route changed) drops all
+        // the appends of its old primary not yet committed here, whole or
+        // not: their bytes must not stay in a spool it is about to seal or
+        // append to as the primary.
         {
             let jm = j.borrow();
-            if !jm.sync_waiters.is_empty() {
+            let replica_ops = !jm.awaiting.is_empty()
+                || jm.active.as_ref().is_some_and(|a| a.op.replica.is_some());
+            let left = replica_ops && !matches!(self.role(&jm.spec), Role::Replica(_));
+            if !jm.sync_waiters.is_empty() || left {
                 let open = jm
                     .queue
                     .iter()
                     .chain(jm.active.as_ref().map(|a| &a.op))
                     .chain(jm.awaiting.iter().map(|w| &w.op))
-                    .filter(|op| op.replica.is_some() && !op.complete.get());
+                    .filter(|op| op.replica.is_some() && (left || !op.complete.get()));
                 for op in open {
                     op.aborted.set(Some(AbortReason::Closed));
                 }
@@ -2589,18 +2596,26 @@ impl Shard {
                 return;
             }
             Role::Primary(route) if route.members.len() > 1 || takeover => {
+                // Synchronized in this very view: after any change of the
+                // cluster file the journal may have had another primary
+                // meanwhile (a route that went away and came back is the
+                // same list of members), so the replicas are asked again.
+                let version = self.topology.version();
                 let ready = !takeover
-                    && j.borrow()
-                        .repl
-                        .as_ref()
-                        .is_some_and(|r| r.members == route.ids() && r.is_live());
+                    && j.borrow().repl.as_ref().is_some_and(|r| {
+                        r.members == route.ids() && r.version == version && r.is_live()
+                    });
                 if !ready {
                     self.begin_sync(j, route.clone()).await;
                     return;
                 }
             }
             Role::Primary(_) => j.borrow_mut().repl = None,
-            Role::Replica(_) | Role::Outside(_) => {}
+            Role::Replica(_) | Role::Outside(_) => {
+                // No longer the primary: what it synchronized as one is
+                // stale (its batches in flight keep their own pipelines).
+                j.borrow_mut().repl = None;
+            }
         }
         self.apply_syncs(j).await;
         let needs_tail = j
@@ -3007,6 +3022,7 @@ impl Shard {
                 return Ok(PrimaryRepl {
                     members: route.ids(),
                     pipelines,
+                    version,
                 });
             }
             // Furthest first; among equals, route order.
@@ -3362,7 +3378,16 @@ impl Shard {
                     continue;
                 }
                 let is_replica_op = op.replica.is_some();
-                if is_replica_op != matches!(role, Role::Replica(_)) {
+                // A client's append is staged only by the primary, a
+                // primary's only by a replica: the route may have changed
+                // while it waited (a broker no longer the primary must not
+                // add bytes the new primary never hears of).
+                let allowed = if is_replica_op {
+                    matches!(role, Role::Replica(_))
+                } else {
+                    matches!(role, Role::Primary(_))
+                };
+                if !allowed {
                     jm.queue.pop_front();
                     let r = AppendReply {
                         write_head: jm.staged_head,
