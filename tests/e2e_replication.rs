@@ -2,7 +2,10 @@
 //! acknowledged append is on every member of its route, byte for byte, at
 //! the same offsets; a client or broker dying mid-append leaves no partial
 //! append anywhere; a replica that was down catches up through the fragment
-//! store; brokers outside a route proxy to it (or refuse when asked not to);
+//! store; members killed and restarted in turn, and journals moved by
+//! cluster-file changes between kills, lose no acknowledged append and end
+//! with identical copies; brokers outside a route proxy to it (or refuse
+//! when asked not to);
 //! too few brokers refuse appends; routes follow the cluster file as it
 //! changes, a broker a journal leaves uploads what only it held, and a
 //! primary that lost its data copies what its replicas hold before it takes
@@ -83,6 +86,37 @@ async fn route_at(b: &ClusterBroker, journal: &str) -> RouteInfo {
         .unwrap_or_else(|e| panic!("ROUTE {journal} on {}: {e}", b.id));
     assert_eq!(r.broker, b.id, "ROUTE answered by {}: {r:?}", b.id);
     r
+}
+
+/// The route of `journal` once every listed, running broker has read the
+/// cluster file as it is now (each looks every second): [`agreed_route`],
+/// after waiting until they all answer one route of listed brokers.
+async fn settled_route(cluster: &Cluster, journal: &str) -> RouteInfo {
+    let listed: Vec<&str> = cluster
+        .listed()
+        .iter()
+        .map(|&i| cluster.brokers[i].id.as_str())
+        .collect();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut routes = Vec::new();
+        for &i in cluster.listed() {
+            let b = &cluster.brokers[i];
+            if b.is_running() {
+                routes.push((b.id.clone(), ids(&route_at(b, journal).await)));
+            }
+        }
+        let same = routes.iter().all(|(_, r)| *r == routes[0].1);
+        if same && routes[0].1.iter().all(|m| listed.contains(&m.as_str())) {
+            return agreed_route(cluster, journal).await;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the brokers listed ({listed:?}) still route {journal} differently after {WAIT:?}: \
+             {routes:?}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
 }
 
 /// The route every listed, running broker answers, checked to be the same
@@ -798,6 +832,17 @@ struct WriterLog {
     unknown: HashSet<(u32, u32)>,
 }
 
+/// Which failures of an append the writers take as clear.
+#[derive(Clone, Copy, PartialEq)]
+enum Failures {
+    /// A broken connection or `REPLICATION_FAILED`: one member of the route
+    /// goes down once, and the writers follow routes to the primary.
+    OfReplication,
+    /// Any retryable status: members go down and come back in turn, and
+    /// writers go through brokers that may be down or still starting.
+    AnyRetryable,
+}
+
 struct Writers {
     stop: Arc<AtomicBool>,
     phase: Arc<AtomicU8>,
@@ -808,6 +853,8 @@ struct Writers {
     /// What must not happen: failures before any kill, statuses other than
     /// REPLICATION_FAILED, hangs, commits while a member was down.
     wrong: Arc<std::sync::Mutex<Vec<String>>>,
+    /// How often each kind of failure was seen.
+    failures: Arc<std::sync::Mutex<HashMap<String, u32>>>,
     tasks: Vec<tokio::task::JoinHandle<WriterLog>>,
 }
 
@@ -816,6 +863,16 @@ impl Writers {
     /// until stopped. With `stop_on_error` a writer ends at its first
     /// failure.
     fn start(j: &'static str, clients: Vec<Client>, stop_on_error: bool) -> Writers {
+        Writers::start_taking(j, clients, stop_on_error, Failures::OfReplication)
+    }
+
+    /// As [`Writers::start`], taking `clear` failures as clear.
+    fn start_taking(
+        j: &'static str,
+        clients: Vec<Client>,
+        stop_on_error: bool,
+        clear: Failures,
+    ) -> Writers {
         let n = clients.len();
         let mut w = Writers {
             stop: Arc::new(AtomicBool::new(false)),
@@ -823,6 +880,7 @@ impl Writers {
             failed_down: Arc::new((0..n).map(|_| AtomicU32::new(0)).collect()),
             acked_restarted: Arc::new((0..n).map(|_| AtomicU32::new(0)).collect()),
             wrong: Arc::default(),
+            failures: Arc::default(),
             tasks: Vec::new(),
         };
         for (i, client) in clients.into_iter().enumerate() {
@@ -833,6 +891,7 @@ impl Writers {
             let acked_restarted = w.acked_restarted.clone();
             let wrong = w.wrong.clone();
             let wrong = move |what: String| wrong.lock().unwrap().push(what);
+            let failures = w.failures.clone();
             w.tasks.push(tokio::spawn(async move {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(0xdead ^ u64::from(writer));
                 let mut log = WriterLog::default();
@@ -869,8 +928,14 @@ impl Writers {
                             log.acked.push(acked(writer, seq, &r));
                         }
                         Ok(Err(e)) => {
+                            let kind = match e.status() {
+                                Some(status) => format!("{status:?}"),
+                                None => "broken connection".to_string(),
+                            };
+                            *failures.lock().unwrap().entry(kind).or_default() += 1;
                             let clear = matches!(e, ClientError::Io { .. })
-                                || e.status() == Some(Status::REPLICATION_FAILED);
+                                || e.status() == Some(Status::REPLICATION_FAILED)
+                                || clear == Failures::AnyRetryable;
                             if started == PHASE_BEFORE_KILL && ended == PHASE_BEFORE_KILL {
                                 wrong(format!(
                                     "writer {writer} append {seq} failed before any broker was \
@@ -936,6 +1001,37 @@ impl Writers {
             if Instant::now() > deadline {
                 panic!(
                     "not every writer saw {n} {what} within {limit:?}: {counts:?}\n{}",
+                    self.problems(cluster)
+                );
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Waits until `counter` of every writer has grown by `more`, for at
+    /// most `limit`.
+    async fn wait_each_more(
+        &self,
+        cluster: &Cluster,
+        what: &str,
+        counter: &[AtomicU32],
+        more: u32,
+        limit: Duration,
+    ) {
+        let from: Vec<u32> = counter.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+        let deadline = Instant::now() + limit;
+        loop {
+            let counts: Vec<u32> = counter.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+            if counts.iter().zip(&from).all(|(&c, &f)| c >= f + more) {
+                return;
+            }
+            if self.tasks.iter().any(|t| t.is_finished()) {
+                panic!("a writer ended early while waiting for {what}: {counts:?}");
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "not every writer saw {more} more {what} within {limit:?}: {from:?} -> \
+                     {counts:?}\n{}",
                     self.problems(cluster)
                 );
             }
@@ -1185,8 +1281,9 @@ async fn replica_fault_under_load_body(
     converged_through_the_store(cluster, primary, j, head, &acked_all, &unknown).await;
 }
 
-/// Seals `j` on its primary, waits until every member lists store
-/// fragments covering `[0, head)`, and checks that every member reads the
+/// Seals `j` on its primary, waits until every broker the cluster file
+/// lists (each a member of `j`'s route) lists store fragments covering
+/// `[0, head)`, and checks that every member reads the
 /// same `head` bytes (what it missed, from the store), holding every
 /// acknowledged append.
 async fn converged_through_the_store(
@@ -1203,7 +1300,7 @@ async fn converged_through_the_store(
         .seal(j)
         .await
         .expect("seal on the primary");
-    for b in &cluster.brokers {
+    for b in cluster.listed().iter().map(|&i| &cluster.brokers[i]) {
         let client = b.pinned().await;
         let deadline = Instant::now() + WAIT;
         loop {
@@ -1226,7 +1323,7 @@ async fn converged_through_the_store(
     // Every member reads the same journal, holding every acknowledged append.
     let mut digests = Vec::new();
     let mut first: Option<Vec<u8>> = None;
-    for b in &cluster.brokers {
+    for b in cluster.listed().iter().map(|&i| &cluster.brokers[i]) {
         assert_eq!(local_head(b, j).await, head, "{}: write head", b.id);
         let copy = direct_copy(b, j).await;
         assert_eq!(copy.len() as u64, head, "{}: readable length", b.id);
@@ -1302,6 +1399,251 @@ async fn primary_killed_under_load_loses_no_acknowledged_append_body(cluster: &m
         copies.push((b.id.clone(), copy));
     }
     assert_prefix_consistent((&copies[0].0, &copies[0].1), (&copies[1].0, &copies[1].1));
+}
+
+// ---------------------------------------------------------------------------
+// 4b. Members killed and restarted in turn while writers run: the primary
+// or a replica, chosen by a seeded draw, down for a drawn while, then back
+// on its own disk. No acknowledged append is ever lost or changed, none
+// commits while a member is down, appends resume after each restart, and
+// every member ends with the same journal.
+
+/// Kills (and restarts) in the test below.
+const CHAOS_ROUNDS: u32 = 12;
+/// Commits each writer makes after each restart before the next kill.
+const CHAOS_COMMITS: u32 = 3;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_killed_in_turn_lose_no_acknowledged_append() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start(3, CORES);
+    let limit = TEST_LIMIT * 2;
+    let done = tokio::time::timeout(
+        limit,
+        members_killed_in_turn_lose_no_acknowledged_append_body(&mut cluster, &store),
+    )
+    .await;
+    cluster.finished(done, limit);
+}
+
+async fn members_killed_in_turn_lose_no_acknowledged_append_body(
+    cluster: &mut Cluster,
+    store: &TestStore,
+) {
+    const J: &str = "repl/killed-in-turn";
+    cluster.apply(&[store_spec(J, 3, store)]).await;
+    let route = agreed_route(cluster, J).await;
+    let primary = cluster.index(&route.members[0].id);
+
+    let warm = record(100, 0, 100);
+    let warm_reply = append_retrying(&cluster.brokers[primary].client().await, J, &warm).await;
+    let mut acked_all = vec![acked(100, 0, &warm_reply)];
+
+    // Two writers follow routes (to the primary), one through each broker;
+    // two more go through one replica each, which proxies to the primary.
+    let mut clients = Vec::new();
+    for b in &cluster.brokers {
+        clients.push(b.client().await);
+    }
+    for m in &route.members[1..] {
+        clients.push(cluster.by_id(&m.id).pinned().await);
+    }
+    let writers = Writers::start_taking(J, clients, false, Failures::AnyRetryable);
+    writers.wait_progress(cluster, primary, J, 256 << 10).await;
+
+    // `ROTARY_TEST_SEED` draws other victims and downtimes.
+    let seed = std::env::var("ROTARY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x6b696c6c_u64);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut victims = Vec::new();
+    for round in 0..CHAOS_ROUNDS {
+        // One member, two, or all three at once, down for a drawn while; most rounds
+        // then wait for commits, the others kill again at once, while the
+        // restarted brokers are still starting.
+        let n = cluster.brokers.len();
+        let first = rng.gen_range(0..n);
+        let mut down_now = vec![first];
+        match rng.gen_range(0..10) {
+            0..=1 => down_now.push((first + rng.gen_range(1..n)) % n),
+            2 => down_now = (0..n).collect(),
+            _ => {}
+        }
+        // A single member is sometimes stopped (SIGSTOP) instead, then let
+        // go on where it stopped.
+        let hang = down_now.len() == 1 && rng.gen_bool(0.3);
+        let down = Duration::from_millis(rng.gen_range(0..1500));
+        let settle = round + 1 == CHAOS_ROUNDS || rng.gen_bool(0.7);
+        let ids: Vec<String> = down_now
+            .iter()
+            .map(|&i| cluster.brokers[i].id.clone())
+            .collect();
+        victims.push((
+            ids.clone(),
+            if hang { "stop" } else { "kill" },
+            down,
+            settle,
+        ));
+        writers.set_phase(PHASE_KILLING);
+        let mut stopped = Vec::new();
+        for &i in &down_now {
+            if hang {
+                let pid = cluster.brokers[i].pid().expect("broker running");
+                tokio::task::block_in_place(|| stop_process(pid));
+                stopped.push(pid);
+            } else {
+                tokio::task::block_in_place(|| cluster.brokers[i].kill9());
+            }
+        }
+        writers.set_phase(PHASE_DOWN);
+        tokio::time::sleep(down).await;
+        writers.set_phase(PHASE_RESTARTED);
+        if hang {
+            stopped.into_iter().for_each(continue_process);
+        } else {
+            for &i in &down_now {
+                tokio::task::block_in_place(|| cluster.brokers[i].start());
+            }
+        }
+        if settle {
+            writers
+                .wait_each_more(
+                    cluster,
+                    &format!("commits after restart {} ({ids:?})", round + 1),
+                    &writers.acked_restarted,
+                    CHAOS_COMMITS,
+                    WAIT,
+                )
+                .await;
+        }
+    }
+    let failures = writers.failures.lock().unwrap().clone();
+    let (acked, unknown) = writers.finish().await;
+    acked_all.extend(acked);
+    eprintln!(
+        "seed {seed}, primary {}, killed in turn: {victims:?}; {} appends acknowledged, {} with unknown outcome; \
+         failures: {failures:?}",
+        cluster.brokers[primary].id,
+        acked_all.len(),
+        unknown.len()
+    );
+
+    let head = local_head(&cluster.brokers[primary], J).await;
+    let max_acked = acked_all.iter().map(|a| a.found.end).max().unwrap();
+    assert!(
+        head >= max_acked,
+        "head {head} < acknowledged end {max_acked}"
+    );
+    converged_through_the_store(cluster, primary, J, head, &acked_all, &unknown).await;
+}
+
+// ---------------------------------------------------------------------------
+// 4c. The cluster file changes while writers run, and members are killed
+// between the changes: four brokers, three listed at a time, a journal of
+// replication 3, so each change moves the journal off one broker and onto
+// another. No acknowledged append is lost or changed, appends resume after
+// each step, and the members at the end hold the same journal.
+
+/// Steps (file changes and kills) in the test below.
+const MOVES: u32 = 8;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_moved_and_its_members_killed_loses_no_acknowledged_append() {
+    let store = TestStore::file();
+    let mut cluster = Cluster::start(4, CORES);
+    let limit = TEST_LIMIT * 2;
+    let done = tokio::time::timeout(
+        limit,
+        a_journal_moved_and_its_members_killed_loses_no_acknowledged_append_body(
+            &mut cluster,
+            &store,
+        ),
+    )
+    .await;
+    cluster.finished(done, limit);
+}
+
+async fn a_journal_moved_and_its_members_killed_loses_no_acknowledged_append_body(
+    cluster: &mut Cluster,
+    store: &TestStore,
+) {
+    const J: &str = "repl/moved-and-killed";
+    let n = cluster.brokers.len();
+    cluster.write_file(&[0, 1, 2]);
+    cluster.apply(&[store_spec(J, 3, store)]).await;
+    let route = agreed_route(cluster, J).await;
+    let primary = cluster.index(&route.members[0].id);
+    let warm = record(100, 0, 100);
+    let warm_reply = append_retrying(&cluster.brokers[primary].client().await, J, &warm).await;
+    let mut acked_all = vec![acked(100, 0, &warm_reply)];
+
+    // One writer through each broker, listed or not, which proxies to the
+    // primary of the moment; two more follow routes.
+    let mut clients = Vec::new();
+    for b in &cluster.brokers {
+        clients.push(b.pinned().await);
+    }
+    for b in &cluster.brokers[..2] {
+        clients.push(b.client().await);
+    }
+    let writers = Writers::start_taking(J, clients, false, Failures::AnyRetryable);
+    writers.wait_progress(cluster, primary, J, 256 << 10).await;
+
+    let seed = std::env::var("ROTARY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x6d6f7665_u64);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut steps = Vec::new();
+    for step in 0..MOVES {
+        writers.set_phase(PHASE_KILLING);
+        if step % 2 == 0 {
+            // The broker left out of the file changes.
+            let out = rng.gen_range(0..n);
+            let listed: Vec<usize> = (0..n).filter(|&i| i != out).collect();
+            steps.push(format!("without {}", cluster.brokers[out].id));
+            cluster.write_file(&listed);
+        } else {
+            // (A broker the file does not list does not start.)
+            let victim = cluster.listed()[rng.gen_range(0..n - 1)];
+            let down = Duration::from_millis(rng.gen_range(0..1000));
+            steps.push(format!("kill {} for {down:?}", cluster.brokers[victim].id));
+            tokio::task::block_in_place(|| cluster.brokers[victim].kill9());
+            tokio::time::sleep(down).await;
+            tokio::task::block_in_place(|| cluster.brokers[victim].start());
+        }
+        writers.set_phase(PHASE_RESTARTED);
+        writers
+            .wait_each_more(
+                cluster,
+                &format!("commits after step {} ({})", step + 1, steps[step as usize]),
+                &writers.acked_restarted,
+                CHAOS_COMMITS,
+                WAIT,
+            )
+            .await;
+    }
+    let failures = writers.failures.lock().unwrap().clone();
+    let (acked, unknown) = writers.finish().await;
+    acked_all.extend(acked);
+    let route = settled_route(cluster, J).await;
+    let primary = cluster.index(&route.members[0].id);
+    eprintln!(
+        "seed {seed}: {steps:?}; route at the end {:?}; {} appends acknowledged, {} with \
+         unknown outcome; failures: {failures:?}",
+        ids(&route),
+        acked_all.len(),
+        unknown.len()
+    );
+
+    let head = local_head(&cluster.brokers[primary], J).await;
+    let max_acked = acked_all.iter().map(|a| a.found.end).max().unwrap();
+    assert!(
+        head >= max_acked,
+        "head {head} < acknowledged end {max_acked}"
+    );
+    converged_through_the_store(cluster, primary, J, head, &acked_all, &unknown).await;
 }
 
 // ---------------------------------------------------------------------------
