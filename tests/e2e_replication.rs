@@ -1272,13 +1272,33 @@ async fn replica_fault_under_load_body(
     );
 
     // Seal, let the primary upload, and let every member list the uploads.
+    converged_at_the_head(cluster, primary, j, &acked_all, &unknown).await;
+}
+
+/// [`converged_through_the_store`] at the primary's head, which must be at
+/// or past every acknowledged append.
+async fn converged_at_the_head(
+    cluster: &Cluster,
+    primary: usize,
+    j: &str,
+    acked_all: &[Acked],
+    unknown: &HashSet<(u32, u32)>,
+) {
     let head = local_head(&cluster.brokers[primary], j).await;
     let max_acked = acked_all.iter().map(|a| a.found.end).max().unwrap();
     assert!(
         head >= max_acked,
         "head {head} < acknowledged end {max_acked}"
     );
-    converged_through_the_store(cluster, primary, j, head, &acked_all, &unknown).await;
+    converged_through_the_store(cluster, primary, j, head, acked_all, unknown).await;
+}
+
+/// The seed of a test's draws: `ROTARY_TEST_SEED` when set, else `default`.
+fn test_seed(default: u64) -> u64 {
+    std::env::var("ROTARY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Seals `j` on its primary, waits until every broker the cluster file
@@ -1452,10 +1472,7 @@ async fn members_killed_in_turn_lose_no_acknowledged_append_body(
     writers.wait_progress(cluster, primary, J, 256 << 10).await;
 
     // `ROTARY_TEST_SEED` draws other victims and downtimes.
-    let seed = std::env::var("ROTARY_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x6b696c6c_u64);
+    let seed = test_seed(0x6b696c6c);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut victims = Vec::new();
     for round in 0..CHAOS_ROUNDS {
@@ -1529,13 +1546,7 @@ async fn members_killed_in_turn_lose_no_acknowledged_append_body(
         unknown.len()
     );
 
-    let head = local_head(&cluster.brokers[primary], J).await;
-    let max_acked = acked_all.iter().map(|a| a.found.end).max().unwrap();
-    assert!(
-        head >= max_acked,
-        "head {head} < acknowledged end {max_acked}"
-    );
-    converged_through_the_store(cluster, primary, J, head, &acked_all, &unknown).await;
+    converged_at_the_head(cluster, primary, J, &acked_all, &unknown).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -1590,10 +1601,7 @@ async fn a_journal_moved_and_its_members_killed_loses_no_acknowledged_append_bod
     let writers = Writers::start_taking(J, clients, false, Failures::AnyRetryable);
     writers.wait_progress(cluster, primary, J, 256 << 10).await;
 
-    let seed = std::env::var("ROTARY_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x6d6f7665_u64);
+    let seed = test_seed(0x6d6f7665);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut steps = Vec::new();
     for step in 0..MOVES {
@@ -1637,13 +1645,7 @@ async fn a_journal_moved_and_its_members_killed_loses_no_acknowledged_append_bod
         unknown.len()
     );
 
-    let head = local_head(&cluster.brokers[primary], J).await;
-    let max_acked = acked_all.iter().map(|a| a.found.end).max().unwrap();
-    assert!(
-        head >= max_acked,
-        "head {head} < acknowledged end {max_acked}"
-    );
-    converged_through_the_store(cluster, primary, J, head, &acked_all, &unknown).await;
+    converged_at_the_head(cluster, primary, J, &acked_all, &unknown).await;
 }
 
 // ---------------------------------------------------------------------------
