@@ -1280,8 +1280,6 @@ impl Conn {
         }
     }
 
-    /// Sends a raw request frame to another shard or broker over this
-    /// connection's relay to it; replies flow back to the client as they are.
     /// Proxies a client's append or read to another broker, marked so that
     /// the peer serves it itself or refuses it. A refusal (the two brokers'
     /// views of the cluster differ while a cluster file changes) reaches
@@ -1298,6 +1296,9 @@ impl Conn {
         }
     }
 
+    /// Sends a raw request frame to another shard or broker over this
+    /// connection's relay to it; replies flow back to the client as they are
+    /// (but see [`Conn::proxy_to`]).
     async fn forward_to(&mut self, addr: SocketAddr, raw: &[u8]) {
         if self.relays.get(&addr).is_none_or(|r| r.out.is_closed()) {
             // A peer that does not answer the SYN would hold this
