@@ -1648,6 +1648,123 @@ async fn a_journal_moved_and_its_members_killed_loses_no_acknowledged_append_bod
     converged_at_the_head(cluster, primary, J, &acked_all, &unknown).await;
 }
 
+/// How long a primary waits for a replica's ack in
+/// [`a_replica_that_leaves_the_route_answers_its_primary_at_once`]: longer
+/// than the test may take, so that an append answered only at this
+/// timeout fails the test.
+const LEFT_ACK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A replica whose view drops it from a journal's route, while it holds
+/// part of an append its primary streamed to it, answers that append with
+/// WRONG_ROUTE: the primary, which still routes the journal through it,
+/// fails the append at once instead of at its ack timeout. Once the views
+/// agree again, appends go on and every member holds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_leaves_the_route_answers_its_primary_at_once() {
+    // Each broker reads a cluster file of its own.
+    let mut cluster = Cluster::start_listed(3, CORES, &[]);
+    cluster.write_file(&[0, 1, 2]);
+    let timeout = format!("{}s", LEFT_ACK_TIMEOUT.as_secs());
+    for i in 0..3 {
+        cluster.write_own_file(i, &[0, 1, 2]);
+        let b = &mut cluster.brokers[i];
+        b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
+        b.start();
+    }
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_replica_that_leaves_the_route_answers_its_primary_at_once_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_replica_that_leaves_the_route_answers_its_primary_at_once_body(cluster: &mut Cluster) {
+    const J: &str = "repl/replica-left";
+    cluster.apply(&[spec(J, 3)]).await;
+    let route = agreed_route(cluster, J).await;
+    let primary = cluster.index(&route.members[0].id);
+    let left = cluster.index(&route.members[1].id);
+    let left_id = cluster.brokers[left].id.clone();
+    // Brokers that started together learn each other's views while they
+    // catch up with their peers; a primary synchronizes again after that,
+    // which would end the streamed append below for a reason of its own.
+    for b in &cluster.brokers {
+        let c = b.client().await;
+        let deadline = Instant::now() + WAIT;
+        while c.listing("").await.expect("LIST").partial {
+            assert!(
+                Instant::now() < deadline,
+                "{} has not heard its peers",
+                b.id
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    let client = cluster.brokers[primary].client().await;
+    let before = append_retrying(&client, J, b"before;").await;
+
+    // Part of an append, streamed on to both replicas.
+    let mut s = raw_connect(&cluster.brokers[primary].endpoint());
+    s.write_all(&frame(
+        Op::APPEND,
+        flag::MORE,
+        1,
+        &req(J).encode(),
+        &[b'x'; 5_000],
+    ))
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Only the replica hears that it left the route.
+    let others: Vec<usize> = (0..3).filter(|&i| i != left).collect();
+    cluster.write_own_file(left, &others);
+    let deadline = Instant::now() + WAIT;
+    while ids(&route_at(&cluster.brokers[left], J).await).contains(&left_id) {
+        assert!(
+            Instant::now() < deadline,
+            "{left_id} still routes {J} through itself"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    assert_eq!(
+        ids(&route_at(&cluster.brokers[primary], J).await),
+        ids(&route),
+        "the primary's view changed too"
+    );
+
+    // The rest of the append: the primary commits it and waits for acks.
+    s.write_all(&frame(Op::APPEND_CHUNK, 0, 1, &[], &[b'y'; 5_000]))
+        .unwrap();
+    let f = tokio::task::block_in_place(|| read_raw_frame(&mut s))
+        .expect("the append's reply before the socket's read timeout")
+        .expect("a reply, not a closed connection");
+    let message = String::from_utf8_lossy(&f.payload);
+    assert_eq!(
+        (f.op, Status::from_code(f.status)),
+        (Op::APPEND_REPLY, Some(Status::REPLICATION_FAILED)),
+        "{f:?} ({message})"
+    );
+    assert!(
+        message.contains(&format!("replica {left_id} answered WRONG_ROUTE")),
+        "{message}"
+    );
+
+    // The views agree again: appends go on, and every member holds them.
+    cluster.write_own_file(left, &[0, 1, 2]);
+    let after = append_retrying(&client, J, b"after;").await;
+    assert!(after.begin >= before.end, "{before:?} {after:?}");
+    for b in &cluster.brokers {
+        let c = b.pinned().await;
+        for (r, bytes) in [(&before, &b"before;"[..]), (&after, &b"after;"[..])] {
+            let (got, _) = read_local(&c, J, r.begin, Some(r.end))
+                .await
+                .unwrap_or_else(|e| panic!("{}: read {J}: {e}", b.id));
+            assert_eq!(got, bytes, "{}: [{}, {})", b.id, r.begin, r.end);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 5. Brokers outside a route proxy to it, unless asked not to.
 

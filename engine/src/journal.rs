@@ -168,6 +168,10 @@ pub enum AbortReason {
     /// The broker is stopping and the append was still streaming: reply
     /// SHUTTING_DOWN.
     ShuttingDown,
+    /// A replica's append from a primary it no longer follows: the route
+    /// changed, or another SYNC came first. Reply WRONG_ROUTE, so that the
+    /// old primary fails its batch now instead of at its ack timeout.
+    Superseded,
 }
 
 impl AbortReason {
@@ -185,6 +189,10 @@ impl AbortReason {
             AbortReason::ShuttingDown => Some((
                 Status::SHUTTING_DOWN,
                 "the broker is shutting down; the append was rolled back",
+            )),
+            AbortReason::Superseded => Some((
+                Status::WRONG_ROUTE,
+                "this broker no longer takes the journal's appends from this primary; rolled back",
             )),
         }
     }

@@ -2517,12 +2517,21 @@ impl Shard {
         // no longer a replica of the journal (the route changed) drops all
         // the appends of its old primary not yet committed here, whole or
         // not: their bytes must not stay in a spool it is about to seal or
-        // append to as the primary.
+        // append to as the primary. Either way the primary that sent them
+        // hears so at once, unless it rolled them back itself (or gave
+        // them up by synchronizing again on their connection).
         {
-            let jm = j.borrow();
+            let mut jm = j.borrow_mut();
             let replica_ops = !jm.awaiting.is_empty()
                 || jm.active.as_ref().is_some_and(|a| a.op.replica.is_some());
             let left = replica_ops && !matches!(self.role(&jm.spec), Role::Replica(_));
+            if left {
+                // Whatever the old primary sends next is refused until a
+                // primary synchronizes the journal again.
+                if let Some(t) = jm.replica.as_mut() {
+                    t.diverged();
+                }
+            }
             if !jm.sync_waiters.is_empty() || left {
                 let open = jm
                     .queue
@@ -2531,7 +2540,9 @@ impl Shard {
                     .chain(jm.awaiting.iter().map(|w| &w.op))
                     .filter(|op| op.replica.is_some() && (left || !op.complete.get()));
                 for op in open {
-                    op.aborted.set(Some(AbortReason::Closed));
+                    if op.aborted.get().is_none() {
+                        op.aborted.set(Some(AbortReason::Superseded));
+                    }
                 }
             }
         }
@@ -2546,11 +2557,19 @@ impl Shard {
                 .position(|w| w.op.aborted.get().is_some())
             {
                 let start = jm.awaiting[i].start.clone();
+                let r = AppendReply {
+                    write_head: jm.head,
+                    ..Default::default()
+                };
+                let drop_op = |op: &AppendOp| match op.aborted.get().and_then(AbortReason::reply) {
+                    Some((status, why)) => op.reply_error(status, &r, why),
+                    None => op.finished.set(true),
+                };
                 for w in jm.awaiting.drain(i..) {
-                    w.op.finished.set(true);
+                    drop_op(&w.op);
                 }
                 if let Some(a) = jm.active.take() {
-                    a.op.finished.set(true);
+                    drop_op(&a.op);
                     drop_budget(&a.op);
                     jm.queue.pop_front();
                 }

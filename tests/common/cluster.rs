@@ -9,7 +9,8 @@
 //! tests kill processes at chosen moments, which starved CPUs blur.
 //!
 //! Every process is killed by PID when its handle drops (also on panic, when
-//! the logs of every run of every broker are printed first).
+//! the logs of every run of every broker are printed first; set
+//! `ROTARY_TEST_LOGS=1` to print them after a passing test as well).
 
 use super::{kill_with_parent, raw_ping, READY_TIMEOUT};
 use rotary_net::client::Client;
@@ -280,11 +281,21 @@ impl Cluster {
     /// order, atomically (write and rename, so a broker never reads half a
     /// file).
     pub fn write_file(&mut self, listed: &[usize]) {
-        let text = self.file_text(listed);
-        let tmp = self.dir.path().join("cluster.yaml.new");
-        std::fs::write(&tmp, &text).expect("write cluster file");
-        std::fs::rename(&tmp, &self.file).expect("rename cluster file");
+        replace_file(&self.file, &self.file_text(listed));
         self.listed = listed.to_vec();
+    }
+
+    /// Gives broker `i` a cluster file of its own, listing `listed`, which
+    /// it reads from its next start on: changes of the shared file no
+    /// longer reach it, so its view can differ from its peers'. Called
+    /// again, rewrites that file (atomically, as [`Cluster::write_file`]).
+    pub fn write_own_file(&mut self, i: usize, listed: &[usize]) {
+        let path = self
+            .dir
+            .path()
+            .join(format!("cluster-{}.yaml", self.brokers[i].id));
+        replace_file(&path, &self.file_text(listed));
+        self.brokers[i].cluster_file = path;
     }
 
     /// The YAML listing `listed`.
@@ -435,12 +446,20 @@ impl Cluster {
     }
 }
 
+/// Writes `text` beside `path`, then renames it over `path`.
+fn replace_file(path: &Path, text: &str) {
+    let tmp = path.with_extension("yaml.new");
+    std::fs::write(&tmp, text).expect("write cluster file");
+    std::fs::rename(&tmp, path).expect("rename cluster file");
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         for b in &mut self.brokers {
             b.kill9();
         }
-        if std::thread::panicking() {
+        // `ROTARY_TEST_LOGS=1` prints them after a passing test too.
+        if std::thread::panicking() || std::env::var_os("ROTARY_TEST_LOGS").is_some() {
             eprintln!(
                 "--- cluster file {} ---\n{}",
                 self.file.display(),
