@@ -1136,10 +1136,22 @@ const STOPPED_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 /// Three brokers, listed and started with `--replica-ack-timeout`
 /// [`STOPPED_ACK_TIMEOUT`].
 fn start_with_short_ack_timeout() -> Cluster {
-    let mut cluster = Cluster::start_listed(3, CORES, &[]);
-    cluster.write_file(&[0, 1, 2]);
-    let timeout = format!("{}s", STOPPED_ACK_TIMEOUT.as_secs());
-    for b in &mut cluster.brokers {
+    start_with_ack_timeout(3, STOPPED_ACK_TIMEOUT, false)
+}
+
+/// `n` brokers, listed and started with `--replica-ack-timeout timeout`;
+/// with `own_files`, each reads a cluster file of its own
+/// ([`Cluster::write_own_file`]).
+fn start_with_ack_timeout(n: usize, timeout: Duration, own_files: bool) -> Cluster {
+    let mut cluster = Cluster::start_listed(n, CORES, &[]);
+    let all: Vec<usize> = (0..n).collect();
+    cluster.write_file(&all);
+    let timeout = format!("{}s", timeout.as_secs());
+    for i in 0..n {
+        if own_files {
+            cluster.write_own_file(i, &all);
+        }
+        let b = &mut cluster.brokers[i];
         b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
         b.start();
     }
@@ -1648,11 +1660,9 @@ async fn a_journal_moved_and_its_members_killed_loses_no_acknowledged_append_bod
     converged_at_the_head(cluster, primary, J, &acked_all, &unknown).await;
 }
 
-/// How long a primary waits for a replica's ack in
-/// [`a_replica_that_leaves_the_route_answers_its_primary_at_once`]: longer
-/// than the test may take, so that an append answered only at this
-/// timeout fails the test.
-const LEFT_ACK_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a primary waits for a replica's ack in tests where an append
+/// answered only at that timeout is a fault: longer than they may take.
+const LONG_ACK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A replica whose view drops it from a journal's route, while it holds
 /// part of an append its primary streamed to it, answers that append with
@@ -1661,16 +1671,8 @@ const LEFT_ACK_TIMEOUT: Duration = Duration::from_secs(600);
 /// agree again, appends go on and every member holds them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_leaves_the_route_answers_its_primary_at_once() {
-    // Each broker reads a cluster file of its own.
-    let mut cluster = Cluster::start_listed(3, CORES, &[]);
-    cluster.write_file(&[0, 1, 2]);
-    let timeout = format!("{}s", LEFT_ACK_TIMEOUT.as_secs());
-    for i in 0..3 {
-        cluster.write_own_file(i, &[0, 1, 2]);
-        let b = &mut cluster.brokers[i];
-        b.serve_args = vec!["--replica-ack-timeout".into(), timeout.clone()];
-        b.start();
-    }
+    let mut cluster =
+        tokio::task::block_in_place(|| start_with_ack_timeout(3, LONG_ACK_TIMEOUT, true));
     let done = tokio::time::timeout(
         TEST_LIMIT,
         a_replica_that_leaves_the_route_answers_its_primary_at_once_body(&mut cluster),
@@ -1762,6 +1764,81 @@ async fn a_replica_that_leaves_the_route_answers_its_primary_at_once_body(cluste
                 .unwrap_or_else(|e| panic!("{}: read {J}: {e}", b.id));
             assert_eq!(got, bytes, "{}: [{}, {})", b.id, r.begin, r.end);
         }
+    }
+}
+
+/// A primary waits for each journal's acks on its own: while one replica
+/// is stopped (SIGSTOP), a journal of the same primary shard routed
+/// through another replica goes on appending, and the stopped replica's
+/// journal completes its append once the replica runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replica_holds_up_only_its_own_journals() {
+    let mut cluster =
+        tokio::task::block_in_place(|| start_with_ack_timeout(4, LONG_ACK_TIMEOUT, false));
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_stopped_replica_holds_up_only_its_own_journals_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_stopped_replica_holds_up_only_its_own_journals_body(cluster: &mut Cluster) {
+    // Two journals of one primary, each with a replica of its own.
+    let specs: Vec<JournalSpec> = (0..32)
+        .map(|i| spec(&format!("repl/own-acks-{i}"), 2))
+        .collect();
+    cluster.apply(&specs).await;
+    let mut routes = Vec::new();
+    for s in &specs {
+        routes.push((s.name.clone(), ids(&agreed_route(cluster, &s.name).await)));
+    }
+    let (slow, fast) = routes
+        .iter()
+        .flat_map(|a| routes.iter().map(move |b| (a, b)))
+        .find(|(a, b)| a.1[0] == b.1[0] && a.1[1] != b.1[1])
+        .expect("two of 32 journals with one primary and different replicas");
+    let primary = cluster.by_id(&slow.1[0]);
+    let client = primary.client().await;
+    for j in [&slow.0, &fast.0] {
+        append_retrying(&client, j, b"warm;").await;
+    }
+
+    let stopped = cluster.by_id(&slow.1[1]).pid().expect("running");
+    tokio::task::block_in_place(|| stop_process(stopped));
+    let held = {
+        let client = client.clone();
+        let j = slow.0.clone();
+        tokio::spawn(async move { client.append(&req(&j), &b"held;"[..]).await })
+    };
+    // Several appends to the other journal, while the first waits.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for k in 0..5 {
+        let bytes = format!("fast-{k};");
+        let fast_req = req(&fast.0);
+        let append = client.append(&fast_req, bytes.as_bytes().to_vec());
+        let r = tokio::time::timeout(WAIT, append)
+            .await
+            .unwrap_or_else(|_| panic!("the append to {} waits behind {}'s", fast.0, slow.0))
+            .unwrap_or_else(|e| panic!("append to {} while {} is stopped: {e}", fast.0, slow.1[1]));
+        assert_eq!(r.sha1, sha1(bytes.as_bytes()));
+    }
+    assert!(
+        !held.is_finished(),
+        "the append to {} did not wait for its replica",
+        slow.0
+    );
+
+    continue_process(stopped);
+    let r = held
+        .await
+        .unwrap()
+        .expect("the held append, once its replica runs");
+    assert_eq!(r.sha1, sha1(b"held;"));
+    for m in &slow.1 {
+        let c = cluster.by_id(m).pinned().await;
+        let (got, _) = read_local(&c, &slow.0, r.begin, Some(r.end)).await.unwrap();
+        assert_eq!(got, b"held;", "{m}");
     }
 }
 

@@ -371,6 +371,15 @@ pub struct Staged {
     pub seq: u64,
 }
 
+/// A journal's batch committed on its primary and proposed to its
+/// replicas, awaiting their acks.
+pub struct InFlight {
+    pub staged: Vec<Staged>,
+    /// For each replica's pipeline: the connection epoch the batch went
+    /// over, and the sequence numbers proposed on it.
+    pub waits: Vec<(Rc<crate::pipeline::Pipeline>, u64, Vec<u64>)>,
+}
+
 /// A primary's view of its journal's replicas, agreed by SYNC.
 pub struct PrimaryRepl {
     /// Route member ids at the SYNC, primary first.
@@ -437,8 +446,14 @@ pub struct Journal {
     pub route_check: bool,
     /// Primary: after a failed SYNC, when to try again, and why it failed.
     pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
-    /// Primary: committed batches awaiting replica acks.
+    /// Primary: committed batches awaiting replica acks (those in
+    /// `proposed`, and the one the journal's acker waits on).
     pub inflight: usize,
+    /// Primary: batches proposed and not yet taken by the journal's
+    /// acker, oldest first.
+    pub proposed: VecDeque<InFlight>,
+    /// Primary: the journal's acker task is running.
+    pub acking: bool,
     /// Primary: this turn's staged appends went to replicas.
     pub staged_with_replicas: bool,
     /// Replica: the position in the primary's stream.
@@ -645,6 +660,8 @@ impl Journal {
             takeover_version: 0,
             route_check: false,
             inflight: 0,
+            proposed: VecDeque::new(),
+            acking: false,
             staged_with_replicas: false,
             replica: None,
             awaiting: VecDeque::new(),

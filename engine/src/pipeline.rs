@@ -18,7 +18,7 @@ use rotary_net::repl::{self, Ack, Record};
 use rotary_net::status::Status;
 use rotary_net::wire::{self, MetaWriter, Op};
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -73,7 +73,10 @@ pub struct Pipeline {
     connected: Event,
     /// Acks received and not yet taken, by seq.
     acks: RefCell<BTreeMap<u64, Ack>>,
-    event: Event,
+    /// Waiters by the seq each waits for: an ack wakes only its own
+    /// waiter (every journal with batches in flight waits on the pipelines
+    /// of its replicas at once), a broken connection wakes them all.
+    waiters: RefCell<HashMap<u64, Rc<Event>>>,
     /// Records buffered for the next REPLICATE frame.
     pending: RefCell<MetaWriter>,
     pending_records: Cell<usize>,
@@ -97,7 +100,7 @@ impl Pipeline {
             connecting: Cell::new(false),
             connected: Event::new(),
             acks: RefCell::new(BTreeMap::new()),
-            event: Event::new(),
+            waiters: RefCell::new(HashMap::new()),
             pending: RefCell::new(frame_buffer()),
             pending_records: Cell::new(0),
             metrics,
@@ -220,9 +223,18 @@ impl Pipeline {
 
     /// Waits for the ack of `seq` on the connection of `epoch`.
     pub async fn wait(&self, seq: u64, epoch: u64) -> Result<Ack, Failure> {
+        if let Some(ack) = self.take(seq) {
+            return Ok(ack);
+        }
         let deadline = Instant::now() + self.ack_timeout;
+        let event = Rc::new(Event::new());
+        self.waiters.borrow_mut().insert(seq, event.clone());
+        let _waiting = Waiting {
+            pipeline: self,
+            seq,
+        };
         loop {
-            let l = self.event.listen();
+            let l = event.listen();
             if let Some(ack) = self.take(seq) {
                 return Ok(ack);
             }
@@ -260,7 +272,13 @@ impl Pipeline {
         if let Some(ob) = self.outbox.borrow_mut().take() {
             ob.close();
         }
-        self.event.notify(usize::MAX);
+        self.wake_all();
+    }
+
+    fn wake_all(&self) {
+        for e in self.waiters.borrow().values() {
+            e.notify(usize::MAX);
+        }
     }
 
     async fn read_acks(self: Rc<Self>, mut rd: TcpStream, ob: Rc<Outbox>, epoch: u64) {
@@ -276,7 +294,11 @@ impl Pipeline {
                                     crate::metrics::add(&self.metrics.repl_ack_frames, 1);
                                     crate::metrics::add(&self.metrics.repl_acks, acks.len() as u64);
                                     let mut map = self.acks.borrow_mut();
+                                    let waiters = self.waiters.borrow();
                                     for a in acks {
+                                        if let Some(e) = waiters.get(&a.seq) {
+                                            e.notify(1);
+                                        }
                                         // The first answer for a seq stands.
                                         map.entry(a.seq).or_insert(a);
                                     }
@@ -300,7 +322,6 @@ impl Pipeline {
                 }
             }
             buf.drain(..start);
-            self.event.notify(usize::MAX);
             if buf.capacity() - buf.len() < 16 << 10 {
                 buf.reserve(64 << 10);
             }
@@ -319,7 +340,19 @@ impl Pipeline {
             }
         }
         tracing::info!(peer = %self.peer, addr = %self.addr, "pipeline to replica closed");
-        self.event.notify(usize::MAX);
+        self.wake_all();
+    }
+}
+
+/// A waiter's entry in [`Pipeline::waiters`], removed when its wait ends.
+struct Waiting<'a> {
+    pipeline: &'a Pipeline,
+    seq: u64,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.pipeline.waiters.borrow_mut().remove(&self.seq);
     }
 }
 

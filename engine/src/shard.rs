@@ -16,8 +16,8 @@
 //! the next turn.
 
 use crate::journal::{
-    AbortReason, Active, AppendOp, AppendSha, Digest, FileRef, Journal, PrimaryRepl, SharedWork,
-    Staged, APPEND_IDLE_TIMEOUT,
+    AbortReason, Active, AppendOp, AppendSha, Digest, FileRef, InFlight, Journal, PrimaryRepl,
+    SharedWork, Staged, APPEND_IDLE_TIMEOUT,
 };
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
@@ -123,9 +123,6 @@ pub struct Shard {
     silent_sources: RefCell<HashMap<String, Instant>>,
     /// Sequence numbers of replicated appends (and SYNCs).
     next_seq: Cell<u64>,
-    /// Committed batches awaiting replica acks, oldest first.
-    inflight: RefCell<std::collections::VecDeque<InFlight>>,
-    inflight_event: Event,
     hasher: Option<crate::hasher::Hasher>,
     /// Journals holding an append back until the hasher catches up.
     hash_parked: RefCell<Vec<JournalRef>>,
@@ -150,13 +147,6 @@ impl Drop for ReadPin {
             jm.reads_in_flight -= 1;
         }
     }
-}
-
-/// A journal's batch committed locally and proposed to its replicas.
-struct InFlight {
-    j: JournalRef,
-    staged: Vec<Staged>,
-    waits: Vec<Wait>,
 }
 
 /// (pipeline, epoch, seqs proposed on it) of a proposed batch.
@@ -469,8 +459,6 @@ impl Shard {
             pipelines: RefCell::new(HashMap::new()),
             silent_sources: RefCell::new(HashMap::new()),
             next_seq: Cell::new(1),
-            inflight: RefCell::new(Default::default()),
-            inflight_event: Event::new(),
             hasher,
             hash_parked: RefCell::new(Vec::new()),
         });
@@ -960,16 +948,16 @@ impl Shard {
         s
     }
 
-    /// Answers replicated batches in commit order as replicas ack them.
-    async fn acker(self: Rc<Self>) {
+    /// Answers a journal's replicated batches in commit order as its
+    /// replicas ack them. One runs per journal while it has batches in
+    /// flight, so a replica slow to answer holds up only the journals
+    /// routed through it, not every journal of the shard.
+    async fn acker(self: Rc<Self>, j: JournalRef) {
         loop {
-            let next = self.inflight.borrow_mut().pop_front();
+            let next = j.borrow_mut().proposed.pop_front();
             let Some(f) = next else {
-                let l = self.inflight_event.listen();
-                if self.inflight.borrow().is_empty() {
-                    l.await;
-                }
-                continue;
+                j.borrow_mut().acking = false;
+                return;
             };
             let mut failure = None;
             let mut failed_at = "";
@@ -999,7 +987,7 @@ impl Shard {
             }
             metrics::add(&self.metrics.replicated_batches, 1);
             if let Some(e) = &failure {
-                let journal = f.j.borrow().name.clone();
+                let journal = j.borrow().name.clone();
                 match self
                     .shared_failures
                     .failed(SharedWork::Replication, failed_at)
@@ -1012,15 +1000,15 @@ impl Shard {
                     }
                 }
             }
-            self.publish(&f.j, f.staged, failure.as_ref());
+            self.publish(&j, f.staged, failure.as_ref());
             {
-                let mut jm = f.j.borrow_mut();
+                let mut jm = j.borrow_mut();
                 jm.inflight -= 1;
                 if failure.is_some() {
                     jm.repl = None;
                 }
             }
-            self.mark_ready(&f.j);
+            self.mark_ready(&j);
         }
     }
 
@@ -1252,7 +1240,6 @@ impl Shard {
     /// ticker, the upload-result consumer and the first store listings.
     pub fn start_background(self: &Rc<Self>) {
         compio::runtime::spawn(self.clone().flusher()).detach();
-        compio::runtime::spawn(self.clone().acker()).detach();
         let ticker = self.clone();
         compio::runtime::spawn(async move {
             loop {
@@ -2049,7 +2036,7 @@ impl Shard {
         }
     }
 
-    async fn turn(&self) {
+    async fn turn(self: &Rc<Self>) {
         let started = Instant::now();
         let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
         // Dedup by identity, keeping first-come order.
@@ -2268,13 +2255,12 @@ impl Shard {
             let mut jm = j.borrow_mut();
             let waits = early.unwrap_or_else(|| propose(&jm, &staged));
             jm.inflight += 1;
+            jm.proposed.push_back(InFlight { staged, waits });
+            let start_acker = !std::mem::replace(&mut jm.acking, true);
             drop(jm);
-            self.inflight.borrow_mut().push_back(InFlight {
-                j: j.clone(),
-                staged,
-                waits,
-            });
-            self.inflight_event.notify(usize::MAX);
+            if start_acker {
+                compio::runtime::spawn(self.clone().acker(j.clone())).detach();
+            }
         }
         self.flush_pipelines();
         // What was staged during the writes is the next turn's batch.
