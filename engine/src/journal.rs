@@ -301,6 +301,16 @@ impl AckSink {
 }
 
 impl AppendOp {
+    /// Ends an append rolled back for its [`AbortReason`]: answered with
+    /// the reason's status, or only marked finished when nobody is left to
+    /// answer.
+    pub fn end_aborted(&self, reply: &rotary_net::wire::AppendReply) {
+        match self.aborted.get().and_then(AbortReason::reply) {
+            Some((status, why)) => self.reply_error(status, reply, why),
+            None => self.finished.set(true),
+        }
+    }
+
     pub fn reply_error(
         &self,
         status: Status,
@@ -375,10 +385,12 @@ pub struct Staged {
 /// replicas, awaiting their acks.
 pub struct InFlight {
     pub staged: Vec<Staged>,
-    /// For each replica's pipeline: the connection epoch the batch went
-    /// over, and the sequence numbers proposed on it.
-    pub waits: Vec<(Rc<crate::pipeline::Pipeline>, u64, Vec<u64>)>,
+    /// For each replica's pipeline.
+    pub waits: Vec<Wait>,
 }
+
+/// (pipeline, epoch, seqs proposed on it) of a proposed batch.
+pub type Wait = (Rc<crate::pipeline::Pipeline>, u64, Vec<u64>);
 
 /// A primary's view of its journal's replicas, agreed by SYNC.
 pub struct PrimaryRepl {

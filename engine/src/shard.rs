@@ -17,7 +17,7 @@
 
 use crate::journal::{
     AbortReason, Active, AppendOp, AppendSha, Digest, FileRef, InFlight, Journal, PrimaryRepl,
-    SharedWork, Staged, APPEND_IDLE_TIMEOUT,
+    SharedWork, Staged, Wait, APPEND_IDLE_TIMEOUT,
 };
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
@@ -148,9 +148,6 @@ impl Drop for ReadPin {
         }
     }
 }
-
-/// (pipeline, epoch, seqs proposed on it) of a proposed batch.
-type Wait = (Rc<Pipeline>, u64, Vec<u64>);
 
 /// Proposes a journal's batch to each of its replicas: the commit record
 /// of every staged append. Returns what to wait for.
@@ -2547,15 +2544,11 @@ impl Shard {
                     write_head: jm.head,
                     ..Default::default()
                 };
-                let drop_op = |op: &AppendOp| match op.aborted.get().and_then(AbortReason::reply) {
-                    Some((status, why)) => op.reply_error(status, &r, why),
-                    None => op.finished.set(true),
-                };
                 for w in jm.awaiting.drain(i..) {
-                    drop_op(&w.op);
+                    w.op.end_aborted(&r);
                 }
                 if let Some(a) = jm.active.take() {
-                    drop_op(&a.op);
+                    a.op.end_aborted(&r);
                     drop_budget(&a.op);
                     jm.queue.pop_front();
                 }
@@ -2569,18 +2562,18 @@ impl Shard {
         // An aborted active append rewinds the spool to where it began.
         {
             let mut jm = j.borrow_mut();
-            let aborted = jm.active.as_ref().and_then(|a| a.op.aborted.get());
-            if let Some(reason) = aborted {
+            let aborted = jm
+                .active
+                .as_ref()
+                .is_some_and(|a| a.op.aborted.get().is_some());
+            if aborted {
                 let a = abandon_active(&mut jm).expect("checked");
                 let reply = AppendReply {
                     write_head: jm.head,
                     registers: jm.registers.clone(),
                     ..Default::default()
                 };
-                match reason.reply() {
-                    Some((status, why)) => a.op.reply_error(status, &reply, why),
-                    None => a.op.finished.set(true),
-                }
+                a.op.end_aborted(&reply);
                 drop_budget(&a.op);
                 metrics::add(&self.metrics.append_failures, 1);
             }
@@ -3372,13 +3365,11 @@ impl Shard {
                 };
                 if op.aborted.get().is_some() || op.finished.get() {
                     jm.queue.pop_front();
-                    if let Some((status, why)) = op.aborted.get().and_then(AbortReason::reply) {
-                        let reply = AppendReply {
-                            write_head: jm.staged_head,
-                            ..Default::default()
-                        };
-                        op.reply_error(status, &reply, why);
-                    }
+                    let reply = AppendReply {
+                        write_head: jm.staged_head,
+                        ..Default::default()
+                    };
+                    op.end_aborted(&reply);
                     drop_budget(&op);
                     continue;
                 }
