@@ -18,7 +18,7 @@ use rotary_net::repl::{self, Ack, Record};
 use rotary_net::status::Status;
 use rotary_net::wire::{self, MetaWriter, Op};
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -77,6 +77,9 @@ pub struct Pipeline {
     /// waiter (every journal with batches in flight waits on the pipelines
     /// of its replicas at once), a broken connection wakes them all.
     waiters: RefCell<HashMap<u64, Rc<Event>>>,
+    /// Seqs whose acks nobody will take (their batch failed on another
+    /// replica): dropped as they arrive. Cleared with each new connection.
+    forgotten: RefCell<HashSet<u64>>,
     /// Records buffered for the next REPLICATE frame.
     pending: RefCell<MetaWriter>,
     pending_records: Cell<usize>,
@@ -101,6 +104,7 @@ impl Pipeline {
             connected: Event::new(),
             acks: RefCell::new(BTreeMap::new()),
             waiters: RefCell::new(HashMap::new()),
+            forgotten: RefCell::new(HashSet::new()),
             pending: RefCell::new(frame_buffer()),
             pending_records: Cell::new(0),
             metrics,
@@ -154,6 +158,7 @@ impl Pipeline {
             let ob = Rc::new(Outbox::new());
             compio::runtime::spawn(outbox::writer(wr, ob.clone())).detach();
             self.epoch.set(self.epoch.get() + 1);
+            self.forgotten.borrow_mut().clear();
             // Records buffered for the old connection are meaningless now.
             *self.pending.borrow_mut() = frame_buffer();
             self.pending_records.set(0);
@@ -254,10 +259,36 @@ impl Pipeline {
         }
     }
 
-    /// Takes the ack of `seq`. Waiters are not in seq order (SYNCs of
-    /// several journals run at once), so acks are kept until taken; the
-    /// few nobody takes (a refusal of content whose commit was refused
-    /// too) are dropped once many have piled up.
+    /// Keeps acks until their waiters take them, and wakes those waiting.
+    fn receive(&self, acks: Vec<Ack>) {
+        let mut map = self.acks.borrow_mut();
+        let mut forgotten = self.forgotten.borrow_mut();
+        let waiters = self.waiters.borrow();
+        for a in acks {
+            if forgotten.remove(&a.seq) {
+                continue;
+            }
+            if let Some(e) = waiters.get(&a.seq) {
+                e.notify(1);
+            }
+            // The first answer for a seq stands.
+            map.entry(a.seq).or_insert(a);
+        }
+    }
+
+    /// Drops the ack of `seq`, sent on the connection of `epoch`, now or
+    /// when it comes: its batch failed on another replica, and nobody will
+    /// take it.
+    pub fn forget(&self, seq: u64, epoch: u64) {
+        if self.acks.borrow_mut().remove(&seq).is_none() && self.live_epoch() == Some(epoch) {
+            self.forgotten.borrow_mut().insert(seq);
+        }
+    }
+
+    /// Takes the ack of `seq`. Waiters are not in seq order (each journal
+    /// and each SYNC waits on its own), so acks are kept until taken or
+    /// forgotten; the few nobody takes or forgets (a refusal of content
+    /// whose commit was refused too) are dropped once many have piled up.
     fn take(&self, seq: u64) -> Option<Ack> {
         let mut acks = self.acks.borrow_mut();
         let ack = acks.remove(&seq)?;
@@ -293,15 +324,7 @@ impl Pipeline {
                                 Ok(acks) => {
                                     crate::metrics::add(&self.metrics.repl_ack_frames, 1);
                                     crate::metrics::add(&self.metrics.repl_acks, acks.len() as u64);
-                                    let mut map = self.acks.borrow_mut();
-                                    let waiters = self.waiters.borrow();
-                                    for a in acks {
-                                        if let Some(e) = waiters.get(&a.seq) {
-                                            e.notify(1);
-                                        }
-                                        // The first answer for a seq stands.
-                                        map.entry(a.seq).or_insert(a);
-                                    }
+                                    self.receive(acks);
                                 }
                                 Err(e) => {
                                     tracing::warn!(peer = %self.peer, error = %e, "bad ack frame");
@@ -412,4 +435,46 @@ pub async fn unary(
     compio::time::timeout(timeout, work)
         .await
         .map_err(|_| format!("{addr}: no reply within {timeout:?}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ack(seq: u64) -> Ack {
+        Ack {
+            seq,
+            status: Status::OK,
+            body: Vec::new(),
+        }
+    }
+
+    /// Acks of a failed batch's other seqs are dropped, whether they came
+    /// before it failed or come after; the others are kept.
+    #[test]
+    fn forgotten_acks_are_dropped_before_and_after_they_come() {
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::default());
+        let p = Pipeline::new(
+            "b2".into(),
+            "127.0.0.1:1".parse().unwrap(),
+            metrics,
+            ACK_TIMEOUT_DEFAULT,
+        );
+        *p.outbox.borrow_mut() = Some(Rc::new(Outbox::new()));
+        let epoch = p.live_epoch().expect("live");
+        p.receive(vec![ack(1), ack(2)]);
+        p.forget(1, epoch);
+        p.forget(3, epoch);
+        p.receive(vec![ack(3), ack(4)]);
+        assert!(p.take(1).is_none(), "forgotten after it came");
+        assert!(p.take(3).is_none(), "forgotten before it came");
+        assert_eq!(p.take(2).map(|a| a.seq), Some(2));
+        assert_eq!(p.take(4).map(|a| a.seq), Some(4));
+        assert!(p.acks.borrow().is_empty());
+        assert!(p.forgotten.borrow().is_empty());
+        // A seq forgotten on a connection that is gone leaves nothing behind.
+        p.close();
+        p.forget(5, epoch);
+        assert!(p.forgotten.borrow().is_empty());
+    }
 }

@@ -958,28 +958,33 @@ impl Shard {
             };
             let mut failure = None;
             let mut failed_at = "";
-            'wait: for (p, epoch, seqs) in &f.waits {
+            'wait: for (i, (p, epoch, seqs)) in f.waits.iter().enumerate() {
                 failed_at = &p.peer;
-                for &seq in seqs {
-                    match p.wait(seq, *epoch).await {
-                        Ok(ack) if ack.status == Status::OK => {}
-                        Ok(ack) => {
-                            failure = Some(Failure::new(
-                                Status::REPLICATION_FAILED,
-                                format!(
-                                    "replica {} answered {}: {}",
-                                    p.peer,
-                                    ack.status,
-                                    String::from_utf8_lossy(&ack.body)
-                                ),
-                            ));
-                            break 'wait;
-                        }
-                        Err(e) => {
-                            failure = Some(e);
-                            break 'wait;
+                for (k, &seq) in seqs.iter().enumerate() {
+                    let failed = match p.wait(seq, *epoch).await {
+                        Ok(ack) if ack.status == Status::OK => continue,
+                        Ok(ack) => Failure::new(
+                            Status::REPLICATION_FAILED,
+                            format!(
+                                "replica {} answered {}: {}",
+                                p.peer,
+                                ack.status,
+                                String::from_utf8_lossy(&ack.body)
+                            ),
+                        ),
+                        Err(e) => e,
+                    };
+                    failure = Some(failed);
+                    // Nobody waits for the rest of the batch's acks.
+                    for &rest in &seqs[k + 1..] {
+                        p.forget(rest, *epoch);
+                    }
+                    for (p, epoch, seqs) in &f.waits[i + 1..] {
+                        for &rest in seqs {
+                            p.forget(rest, *epoch);
                         }
                     }
+                    break 'wait;
                 }
             }
             metrics::add(&self.metrics.replicated_batches, 1);
