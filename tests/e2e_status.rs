@@ -622,6 +622,96 @@ async fn spec_revisions_order_changes_and_deletions() {
     assert!(l[0]["revision"].as_u64().unwrap() > gone_at);
 }
 
+/// A revision beyond any clock's (here u64::MAX) is refused wherever a
+/// peer may send one, LOCAL APPLY, LOCAL DELETE and SYNC, and changes
+/// nothing: later changes of specs still get revisions of their own, also
+/// after a restart. A SYNC to the journal's own primary, or for a journal
+/// a broker neither holds nor is routed, is refused and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revisions_no_clock_could_make_and_stray_syncs_are_refused() {
+    let mut broker = Broker::start();
+    let client = broker.client().await;
+    let endpoint = broker.endpoint();
+    let name = "e2e/status/clock";
+    create_journal(&client, name, |_| {}).await;
+    let listed = |endpoint: &str| -> serde_json::Value {
+        let (status, body) = admin(endpoint, Op::LIST, 0, &[], b"{}");
+        assert_eq!(status, Status::OK as u16, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+    let before = listed(&endpoint);
+    let huge = u64::MAX;
+    let spec = serde_json::json!({"name": name, "flags": "read-only"});
+
+    let apply = serde_json::json!({ "revision": huge, "specs": [spec] }).to_string();
+    let (status, body) = admin(&endpoint, Op::APPLY, flag::LOCAL, &[], apply.as_bytes());
+    assert_eq!(status, Status::BAD_REQUEST as u16, "{body}");
+    assert!(body.contains("beyond the largest"), "{body}");
+    let delete = serde_json::json!({ "revision": huge }).to_string();
+    let (status, body) = admin(
+        &endpoint,
+        Op::DELETE,
+        flag::LOCAL,
+        &wire::encode_name("e2e/status/never"),
+        delete.as_bytes(),
+    );
+    assert_eq!(status, Status::BAD_REQUEST as u16, "{body}");
+
+    // SYNC goes to the journal's shard; its answer is an ack in a
+    // REPLICATE_ACK frame.
+    let sync = |journal: &str, spec: serde_json::Value, revision: u64| {
+        let payload = serde_json::json!({
+            "seq": 7, "journal": journal, "spec": spec, "revision": revision,
+            "route": ["elsewhere", "local"], "head": 0, "registers": {},
+        })
+        .to_string();
+        let shard = rotary_net::shard_of(journal, broker.cores as u32) as usize;
+        let mut s = raw_connect(&broker.shard_endpoint(shard));
+        s.write_all(&frame(Op::SYNC, 0, 1, &[], payload.as_bytes()))
+            .unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("an answer");
+        let acks = rotary_net::repl::decode_acks(&f.payload).expect("acks");
+        assert_eq!(acks.len(), 1, "{f:?}");
+        assert_eq!(acks[0].seq, 7);
+        (
+            acks[0].status,
+            String::from_utf8_lossy(&acks[0].body).into_owned(),
+        )
+    };
+    let (status, body) = sync(name, spec.clone(), huge);
+    assert_eq!(status, Status::BAD_REQUEST, "{body}");
+    // This lone broker is every journal's primary.
+    let (status, body) = sync(name, spec.clone(), 5);
+    assert_eq!(status, Status::WRONG_ROUTE, "{body}");
+    let stray = "e2e/status/stray";
+    let (status, body) = sync(stray, serde_json::json!({ "name": stray }), 5);
+    assert_eq!(status, Status::WRONG_ROUTE, "{body}");
+    assert_eq!(
+        listed(&endpoint),
+        before,
+        "refused changes left the specs as they were"
+    );
+
+    // Changes go on, with revisions past the old ones.
+    let revision_of = |l: &serde_json::Value| l[0]["revision"].as_u64().unwrap();
+    let (status, body) = admin(
+        &endpoint,
+        Op::APPLY,
+        0,
+        &[],
+        serde_json::json!([{"name": name, "labels": {"app": "after"}}])
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(status, Status::OK as u16, "{body}");
+    let after = listed(&endpoint);
+    assert!(revision_of(&after) > revision_of(&before), "{after}");
+    broker.restart();
+    let client = broker.client().await;
+    client.delete(name).await.unwrap();
+    assert_eq!(listed(&broker.endpoint()), serde_json::json!([]));
+}
+
 /// Open descriptors of a process.
 fn open_fds(pid: u32) -> u64 {
     std::fs::read_dir(format!("/proc/{pid}/fd"))

@@ -1033,9 +1033,12 @@ impl Conn {
                 )
             }
         };
+        let view = self.shard.view();
+        let route = view.route(&req.journal, req.spec.replication);
         let refuse = |status: Status, message: String| {
             let body = rotary_net::repl::SyncReply {
                 message,
+                route: route.ids(),
                 ..Default::default()
             };
             sink.push(req.seq, status, serde_json::to_vec(&body).expect("json"));
@@ -1043,12 +1046,33 @@ impl Conn {
         if req.spec.name != req.journal || req.spec.validate().is_err() {
             return refuse(Status::BAD_REQUEST, "SYNC carries an invalid spec".into());
         }
+        if let Err(e) = crate::specs::check_revision(req.revision) {
+            return refuse(Status::BAD_REQUEST, format!("SYNC: {e}"));
+        }
         if rotary_net::shard_of(&req.journal, self.shard.shards) != self.shard.index {
             return refuse(
                 Status::WRONG_ROUTE,
                 format!(
                     "journal {:?} is not on shard {}",
                     req.journal, self.shard.index
+                ),
+            );
+        }
+        // A broker that is the journal's primary by its own view, or that
+        // neither holds the journal nor is in its route, has nothing to
+        // synchronize: it answers at once and changes nothing (a broker the
+        // journal left, which holds it, answers with its head once its
+        // appends are through, below).
+        let known = self.shard.journal(&req.journal).is_some();
+        if route.is_primary(&view.me) || (!known && !route.contains(&view.me)) {
+            return refuse(
+                Status::WRONG_ROUTE,
+                format!(
+                    "broker {} computes the route {:?} for {}, the primary sent {:?}",
+                    view.me,
+                    route.ids(),
+                    req.journal,
+                    req.route
                 ),
             );
         }
@@ -1715,7 +1739,7 @@ fn parse_apply(payload: &[u8], local: bool) -> Result<(Vec<JournalSpec>, Option<
         Ok(specs) => Ok((specs, None)),
         Err(e) if !local => refuse(e),
         Err(e) => match serde_json::from_slice::<Revised>(payload) {
-            Ok(r) => Ok((r.specs, Some(r.revision))),
+            Ok(r) => Ok((r.specs, Some(crate::specs::check_revision(r.revision)?))),
             Err(_) => refuse(e),
         },
     }
@@ -1781,8 +1805,9 @@ fn parse_revision(payload: &[u8], local: bool) -> Result<Option<u64>, String> {
     if !local {
         return Err("DELETE takes no payload".into());
     }
-    serde_json::from_slice::<Revision>(payload)
-        .map(|r| Some(r.revision))
+    let r = serde_json::from_slice::<Revision>(payload).map_err(|e| format!("delete: {e}"))?;
+    crate::specs::check_revision(r.revision)
+        .map(Some)
         .map_err(|e| format!("delete: {e}"))
 }
 

@@ -1184,6 +1184,10 @@ impl Shard {
         let mut specs = Vec::new();
         let mut tombstones = Vec::new();
         for e in entries {
+            if let Err(why) = crate::specs::check_revision(e.revision) {
+                tracing::warn!(%peer, error = %why, "a peer listed a change no clock could have made; it is ignored");
+                continue;
+            }
             match (e.spec, e.deleted) {
                 (Some(spec), None) => specs.push(crate::specs::Revised {
                     revision: e.revision,

@@ -42,6 +42,23 @@ use std::sync::{Arc, Mutex};
 /// come back from it.
 pub const TOMBSTONE_TTL: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
 
+/// The largest revision a change may carry. Revisions are nanoseconds of
+/// the wall clock (this one falls in 2262), and one past every revision a
+/// store has seen must still be a revision.
+pub const REVISION_MAX: u64 = i64::MAX as u64;
+
+/// Refuses a revision sent by a peer (or anyone speaking for one) that no
+/// clock could have issued.
+pub fn check_revision(revision: u64) -> Result<u64, String> {
+    if revision > REVISION_MAX {
+        Err(format!(
+            "revision {revision} is beyond the largest a change may carry, {REVISION_MAX}"
+        ))
+    } else {
+        Ok(revision)
+    }
+}
+
 fn now_nanos() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -462,7 +479,9 @@ impl SpecStore {
         let wall = now_nanos();
         let mut seen = self.clock.load(Ordering::Acquire);
         loop {
-            let next = wall.max(seen + 1);
+            // Saturating: a store written before revisions were bounded may
+            // hold a larger one.
+            let next = wall.max(seen.saturating_add(1));
             match self
                 .clock
                 .compare_exchange(seen, next, Ordering::AcqRel, Ordering::Acquire)
