@@ -1127,6 +1127,75 @@ async fn an_append_id_in_use_rolls_back_both() {
     assert_eq!(bytes, b"next");
 }
 
+/// `max_append_rate` holds a journal's appends back at the shard, not on
+/// the connection: a PING sent behind a throttled append is answered at
+/// once. The rate bounds an append streamed in chunks too, and a spec
+/// lifting it lets the held append through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_append_holds_back_neither_its_connection_nor_its_bytes_rate() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let endpoint = broker.endpoint();
+    let slow = "e2e/status/rate-slow";
+    let streamed = "e2e/status/rate-streamed";
+    create_journal(&client, slow, |s| s.max_append_rate = 100).await;
+    create_journal(&client, streamed, |s| s.max_append_rate = 4000).await;
+    let body: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+
+    // 5000 bytes at 100 B/s would take 49 s; the PING is answered first,
+    // with nothing committed yet.
+    let mut s = raw_connect(&endpoint);
+    let meta = req(slow).encode();
+    s.write_all(&frame(Op::APPEND, 0, 1, &meta, &body)).unwrap();
+    s.write_all(&frame(Op::PING, 0, 2, &[], b"here")).unwrap();
+    let f = tokio::task::block_in_place(|| read_raw_frame(&mut s))
+        .unwrap()
+        .expect("a reply");
+    assert_eq!((f.op, f.request_id), (Op::PONG, 2), "{f:?}");
+    assert_eq!(write_head(&client, slow).await, 0);
+    // Lifting the rate lets it through, whole.
+    create_journal(&client, slow, |s| s.max_append_rate = 0).await;
+    let f = tokio::task::block_in_place(|| read_raw_frame(&mut s))
+        .unwrap()
+        .expect("the append's reply");
+    assert_eq!(
+        (f.op, f.request_id, f.status),
+        (Op::APPEND_REPLY, 1, Status::OK as u16),
+        "{f:?}"
+    );
+    assert_eq!(read_all(&client, slow).await, body);
+
+    // 16,000 bytes streamed in four chunks at 4000 B/s (one second of
+    // burst): no sooner than 3 s.
+    let started = std::time::Instant::now();
+    let mut s = raw_connect(&endpoint);
+    let meta = req(streamed).encode();
+    let chunks: Vec<Vec<u8>> = (0..4u8).map(|k| vec![b'a' + k; 4000]).collect();
+    s.write_all(&frame(Op::APPEND, flag::MORE, 3, &meta, &chunks[0]))
+        .unwrap();
+    for (k, c) in chunks.iter().enumerate().skip(1) {
+        let flags = if k == 3 { 0 } else { flag::MORE };
+        s.write_all(&frame(Op::APPEND_CHUNK, flags, 3, &[], c))
+            .unwrap();
+    }
+    let f = tokio::task::block_in_place(|| read_raw_frame(&mut s))
+        .unwrap()
+        .expect("the append's reply");
+    assert_eq!(
+        (f.op, f.request_id, f.status),
+        (Op::APPEND_REPLY, 3, Status::OK as u16),
+        "{f:?}"
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= std::time::Duration::from_millis(2900),
+        "16,000 bytes at 4000 B/s went in {took:?}"
+    );
+    assert_eq!(read_all(&client, streamed).await, chunks.concat());
+    let stats = client.stats().await.unwrap();
+    assert!(stats["rate_waits"].as_u64().unwrap() > 0, "{stats}");
+}
+
 /// A clean stop (SIGTERM) answers what it ends: an append still streaming
 /// is rolled back and answered `SHUTTING_DOWN`, and so is a read waiting
 /// for data, at the offset it reached; an append whose content is whole

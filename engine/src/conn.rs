@@ -553,10 +553,6 @@ impl Conn {
         if j.borrow().spec.flags == JournalFlags::ReadOnly {
             return self.refuse_append(&frame, Status::NOT_ALLOWED, "journal is read-only");
         }
-        let wait = self.shard.throttle(&j, body.payload(&frame).len() as u64);
-        if !wait.is_zero() {
-            compio::time::sleep(wait).await;
-        }
         let more = frame.flags & flag::MORE != 0;
         let op = Rc::new(AppendOp {
             request_id: id,

@@ -356,16 +356,22 @@ pub struct Active {
 impl Active {
     /// Whether this append, still streaming, has held the journal from an
     /// append waiting behind it too long while sending too slowly.
-    pub fn holds_up(&self, waiting: Option<&AppendOp>) -> bool {
+    /// `max_rate` is the journal's `max_append_rate` (0: none): an append
+    /// is never too slow for sending at most half of it.
+    pub fn holds_up(&self, waiting: Option<&AppendOp>, max_rate: u64) -> bool {
         let Some(waiting) = waiting else {
             return false;
         };
         let held = self.started.elapsed();
+        let min_rate = match max_rate {
+            0 => APPEND_MIN_RATE,
+            r => APPEND_MIN_RATE.min(r / 2),
+        };
         !self.op.complete.get()
             && self.op.replica.is_none()
             && held > APPEND_BLOCKING_TIMEOUT
             && waiting.last_activity.get().elapsed() > APPEND_BLOCKING_TIMEOUT
-            && (self.sha.hashed() as f64) < APPEND_MIN_RATE as f64 * held.as_secs_f64()
+            && (self.sha.hashed() as f64) < min_rate as f64 * held.as_secs_f64()
     }
 }
 
@@ -490,6 +496,8 @@ pub struct Journal {
     /// When the open spool took its first commit.
     pub spool_since: Option<SystemTime>,
     pub rate: TokenBucket,
+    /// A timer will ready the journal when its rate admits more bytes.
+    pub rate_timer: bool,
     pub deleted: bool,
     /// Fragments listed from the journal's stores, by begin. Changed only
     /// through `set_listing`, `insert_remote`, `drop_remote` and
@@ -655,6 +663,7 @@ impl Journal {
         Journal {
             name: spec.name.clone(),
             rate: TokenBucket::new(spec.max_append_rate),
+            rate_timer: false,
             spec,
             dir,
             fragments: Vec::new(),
@@ -987,7 +996,7 @@ pub fn flush_boundary_crossed(
 }
 
 /// Admits bytes at `rate` per second with one second of burst; zero is
-/// unlimited. Reservations may run into debt: the caller waits it out.
+/// unlimited.
 pub struct TokenBucket {
     rate: u64,
     tokens: f64,
@@ -1009,20 +1018,36 @@ impl TokenBucket {
         }
     }
 
-    /// Takes `n` bytes; returns how long to wait before using them.
-    pub fn reserve(&mut self, n: u64, now: Instant) -> Duration {
+    /// Returns bytes admitted but not used.
+    pub fn give_back(&mut self, n: u64) {
+        if self.rate != 0 {
+            self.tokens = (self.tokens + n as f64).min(self.rate as f64);
+        }
+    }
+
+    /// Zero when unlimited.
+    pub fn rate(&self) -> u64 {
+        self.rate
+    }
+
+    /// Takes as many of `n` bytes as may go now (all of them when
+    /// unlimited), at least one; or, if none may, says how long until one
+    /// may.
+    pub fn admit(&mut self, n: u64, now: Instant) -> Result<u64, Duration> {
         if self.rate == 0 {
-            return Duration::ZERO;
+            return Ok(n);
         }
         let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
         self.last = now;
         self.tokens = (self.tokens + elapsed * self.rate as f64).min(self.rate as f64);
-        self.tokens -= n as f64;
-        if self.tokens >= 0.0 {
-            Duration::ZERO
-        } else {
-            Duration::from_secs_f64(-self.tokens / self.rate as f64)
+        if self.tokens < 1.0 {
+            return Err(Duration::from_secs_f64(
+                (1.0 - self.tokens) / self.rate as f64,
+            ));
         }
+        let take = n.min(self.tokens as u64);
+        self.tokens -= take as f64;
+        Ok(take)
     }
 }
 
@@ -1415,16 +1440,22 @@ mod tests {
     }
 
     #[test]
-    fn token_bucket_charges_debt() {
+    fn token_bucket_admits_its_rate() {
         let now = Instant::now();
         let mut b = TokenBucket::new(1000);
-        assert_eq!(b.reserve(1000, now), Duration::ZERO);
-        let wait = b.reserve(500, now);
+        // One second of burst, then nothing until the bucket refills.
+        assert_eq!(b.admit(600, now), Ok(600));
+        assert_eq!(b.admit(600, now), Ok(400));
+        let wait = b.admit(600, now).unwrap_err();
         assert!(
-            wait >= Duration::from_millis(499) && wait <= Duration::from_millis(501),
+            wait >= Duration::from_micros(999) && wait <= Duration::from_micros(1001),
             "{wait:?}"
         );
+        let later = now + Duration::from_millis(250);
+        assert_eq!(b.admit(600, later), Ok(250));
+        // Idle time refills no more than one second's worth.
+        assert_eq!(b.admit(5000, later + Duration::from_secs(60)), Ok(1000));
         let mut free = TokenBucket::new(0);
-        assert_eq!(free.reserve(u64::MAX / 2, now), Duration::ZERO);
+        assert_eq!(free.admit(u64::MAX / 2, now), Ok(u64::MAX / 2));
     }
 }

@@ -73,6 +73,8 @@ counters!(
     hash_offloaded_bytes,
     // Times an append waited for the hasher to catch up.
     hash_waits,
+    // Times a journal's appends waited for its `max_append_rate`.
+    rate_waits,
     // Brokers of a journal's earlier routes that did not answer its new
     // primary's SYNC in time, and SYNCs not sent to one because it had
     // not answered another moments before.

@@ -1488,6 +1488,22 @@ impl Shard {
 
     /// [`Shard::hurry_first_listing`] from where the journal is borrowed:
     /// on a task of its own, right after.
+    /// Readies a journal once `wait` has passed (its rate admits more
+    /// bytes then). The caller sets the journal's `rate_timer`, which keeps
+    /// it to one timer at a time.
+    fn ready_after(&self, j: &JournalRef, wait: std::time::Duration) {
+        let me = self.me.borrow().clone();
+        let j = j.clone();
+        compio::runtime::spawn(async move {
+            compio::time::sleep(wait).await;
+            j.borrow_mut().rate_timer = false;
+            if let Some(shard) = me.upgrade() {
+                shard.mark_ready(&j);
+            }
+        })
+        .detach();
+    }
+
     fn hurry_first_listing_soon(&self, j: &JournalRef) {
         let me = self.me.borrow().clone();
         let j = j.clone();
@@ -1863,8 +1879,11 @@ impl Shard {
                     _ => {}
                 }
                 if let Some(a) = &jm.active {
+                    // Bytes that arrived and wait (for the rate, or for
+                    // room) are no client's idleness.
                     if a.op.last_activity.get().elapsed() > APPEND_IDLE_TIMEOUT
                         && !a.op.complete.get()
+                        && a.op.chunks.borrow().is_empty()
                     {
                         a.op.aborted.set(Some(AbortReason::Timeout));
                         due = true;
@@ -1873,6 +1892,7 @@ impl Shard {
                             .iter()
                             .find(|w| !Rc::ptr_eq(w, &a.op))
                             .map(|w| &**w),
+                        jm.rate.rate(),
                     ) {
                         a.op.aborted.set(Some(AbortReason::TooSlow));
                         due = true;
@@ -3581,17 +3601,40 @@ impl Shard {
                         return false;
                     }
                 }
+                // A client's bytes go at the journal's `max_append_rate`;
+                // the rest wait in their chunk (and the connection's budget
+                // holds the client back) while its connection goes on
+                // serving. A replica's were admitted by its primary.
+                let admitted = if client {
+                    match jm.rate.admit(bytes.len() as u64, Instant::now()) {
+                        Ok(n) => &bytes[..n as usize],
+                        Err(wait) => {
+                            drop(chunks);
+                            metrics::add(&self.metrics.rate_waits, 1);
+                            if !jm.rate_timer {
+                                jm.rate_timer = true;
+                                self.ready_after(j, wait);
+                            }
+                            return false;
+                        }
+                    }
+                } else {
+                    bytes
+                };
                 let n = match &mut a.sha {
-                    AppendSha::Inline(_) if !client => spool.stage(bytes),
-                    AppendSha::Inline(sha) => spool.stage_hashed(bytes, sha),
+                    AppendSha::Inline(_) if !client => spool.stage(admitted),
+                    AppendSha::Inline(sha) => spool.stage_hashed(admitted, sha),
                     AppendSha::Offloaded(o) => {
-                        let n = spool.stage(bytes);
+                        let n = spool.stage(admitted);
                         let from = chunk.range.start + a.chunk_pos;
                         o.hash(&chunk.data, from..from + n);
                         metrics::add(&self.metrics.hash_offloaded_bytes, n as u64);
                         n
                     }
                 };
+                if client && n < admitted.len() {
+                    jm.rate.give_back((admitted.len() - n) as u64);
+                }
                 if let Some(r) = &jm.repl {
                     let rec = Record::Content {
                         seq: a.seq,
@@ -3608,7 +3651,7 @@ impl Shard {
                     jm.tail.push(at, &bytes[..n], window, &self.metrics);
                 }
                 a.chunk_pos += n;
-                if n < bytes.len() {
+                if n < admitted.len() {
                     // Buffer full: write it, then continue.
                     return true;
                 }
@@ -4420,11 +4463,6 @@ impl Shard {
 
     pub fn registers_of(&self, j: &JournalRef) -> LabelSet {
         j.borrow().registers.clone()
-    }
-
-    /// Reserves append bandwidth; returns how long to wait.
-    pub fn throttle(&self, j: &JournalRef, bytes: u64) -> std::time::Duration {
-        j.borrow_mut().rate.reserve(bytes, Instant::now())
     }
 }
 
