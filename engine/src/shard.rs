@@ -674,6 +674,15 @@ impl Shard {
                 // Its bytes are all in sealed fragments, which may since
                 // have left the local cache for the store: the head is at
                 // least where they end, so no offset is given out twice.
+                if st.end > head && !j.has_stores() {
+                    // A journal without stores keeps every fragment here.
+                    tracing::error!(
+                        journal = %j.name,
+                        local_end = head,
+                        committed_end = st.end,
+                        "the commit log commits bytes that no file of the data directory holds, and the journal has no store: those offsets are lost (were its files removed?)"
+                    );
+                }
                 head = head.max(st.end);
             }
         }

@@ -311,7 +311,9 @@ impl SpecStore {
     /// log without a snapshot, a damaged record before the last) is
     /// [`EngineError::Corrupt`], and nothing is changed on disk.
     pub fn open(path: PathBuf) -> Result<SpecStore, EngineError> {
-        let bad = |e: serde_json::Error| EngineError::Config(format!("{}: {e}", path.display()));
+        // The snapshot is replaced whole by a rename: one that does not
+        // parse was damaged.
+        let bad = |e: serde_json::Error| EngineError::Corrupt(format!("{}: {e}", path.display()));
         let logs = logs_beside(&path)?;
         let (disk, snapshot_len) = match std::fs::read(&path) {
             Ok(bytes) => {
@@ -1564,6 +1566,10 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         let why = corrupt(SpecStore::open(path.clone()));
         assert!(why.contains("specs.json is missing"), "{why}");
+        // The snapshot is cut short.
+        std::fs::write(&path, &snapshot[..snapshot.len() - 3]).unwrap();
+        let why = corrupt(SpecStore::open(path.clone()));
+        assert!(why.contains("specs.json: EOF while parsing"), "{why}");
         std::fs::write(&path, snapshot).unwrap();
         let s = SpecStore::open(path).unwrap();
         assert_eq!(

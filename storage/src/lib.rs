@@ -26,7 +26,7 @@ pub enum StorageError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: disk full: {}{free} bytes free, {reserve} reserved", needs(*.need))]
+    #[error("{path}: disk full: {}", figures(*.need, *.free, *.reserve))]
     Full {
         path: PathBuf,
         /// Bytes the write needed beyond what was allocated (0: unknown).
@@ -80,10 +80,43 @@ pub async fn sync_dir(dir: &Path) -> Result<(), StorageError> {
     f.sync_all().await.map_err(|e| StorageError::io(dir, e))
 }
 
-fn needs(need: u64) -> String {
-    if need == 0 {
-        String::new()
-    } else {
-        format!("needs {need} bytes, ")
+/// A full disk's figures, where they were measured; a write the device
+/// refused (all zero) says only that.
+fn figures(need: u64, free: u64, reserve: u64) -> String {
+    match (need, free, reserve) {
+        (0, 0, 0) => "the device has no space left for the write".into(),
+        (0, free, reserve) => format!("{free} bytes free, {reserve} reserved"),
+        (need, free, reserve) => {
+            format!("needs {need} bytes, {free} bytes free, {reserve} reserved")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write the device refused says so, without figures nobody measured.
+    #[test]
+    fn a_full_disk_names_only_the_figures_it_measured() {
+        let refused = StorageError::io(
+            Path::new("/d/commit.log"),
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        assert!(refused.is_full());
+        assert_eq!(
+            refused.to_string(),
+            "/d/commit.log: disk full: the device has no space left for the write"
+        );
+        let measured = StorageError::Full {
+            path: "/d/spool".into(),
+            need: 0,
+            free: 4096,
+            reserve: 16,
+        };
+        assert_eq!(
+            measured.to_string(),
+            "/d/spool: disk full: 4096 bytes free, 16 reserved"
+        );
     }
 }

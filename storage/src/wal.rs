@@ -482,7 +482,7 @@ impl CommitLog {
             });
         }
         if valid < bytes.len() {
-            tracing::info!(
+            tracing::warn!(
                 path = %path.display(),
                 torn_bytes = bytes.len() - valid,
                 "commit log ends in a torn record; ignoring it"
