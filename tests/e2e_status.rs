@@ -1093,14 +1093,23 @@ async fn a_read_id_in_use_is_refused() {
 
 /// An APPEND under the id of an open streamed append is refused, and the
 /// open one is rolled back: the chunks that follow could be either's, so
-/// neither commits with the other's bytes.
+/// neither commits with the other's bytes. So too when the shard the
+/// client reached forwards the journal's appends to another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_append_id_in_use_rolls_back_both() {
-    let broker = Broker::start_with_cores(1);
+    // On the journal's own shard, and on a shard that forwards it.
+    for cores in [1, 2] {
+        an_append_id_in_use_rolls_back_both_on(cores).await;
+    }
+}
+
+async fn an_append_id_in_use_rolls_back_both_on(cores: usize) {
+    let broker = Broker::start_with_cores(cores);
     let client = broker.client().await;
     let j = "e2e/status/append-ids";
     create_journal(&client, j, |_| {}).await;
-    let endpoint = broker.endpoint();
+    let owner = rotary_net::shard_of(j, cores as u32) as usize;
+    let endpoint = broker.shard_endpoint((owner + 1) % cores);
     tokio::task::block_in_place(|| {
         let mut s = raw_connect(&endpoint);
         let meta = req(j).encode();

@@ -206,8 +206,14 @@ struct Conn {
     /// Request ids whose remaining chunks are dropped (refused early).
     discard: HashSet<u64>,
     reads: Rc<RefCell<HashMap<u64, Rc<Cancel>>>>,
-    /// Requests forwarded to another shard or broker, by request id.
+    /// Streamed appends forwarded to another shard or broker, by request
+    /// id, until their last chunk.
     forwarded: HashMap<u64, SocketAddr>,
+    /// Reads forwarded to another shard or broker, by request id (for
+    /// CANCEL). Those answered whole are dropped now and then.
+    forwarded_reads: HashMap<u64, SocketAddr>,
+    /// `forwarded_reads` is pruned when it grows to this many.
+    forwarded_reads_prune_at: usize,
     /// Connections to other shards and brokers, by endpoint.
     relays: HashMap<SocketAddr, Relay>,
     /// Replicated appends open on this connection (it comes from a
@@ -234,6 +240,8 @@ pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
         discard: HashSet::new(),
         reads: Rc::new(RefCell::new(HashMap::new())),
         forwarded: HashMap::new(),
+        forwarded_reads: HashMap::new(),
+        forwarded_reads_prune_at: FORWARDED_READS_PRUNE_AT,
         relays: HashMap::new(),
         repl_ops: HashMap::new(),
         sink: None,
@@ -378,7 +386,7 @@ impl Conn {
             Op::APPEND_CHUNK => self.append_chunk(frame, body),
             Op::READ => self.read(frame, body.raw()).await,
             Op::CANCEL => {
-                if let Some(&addr) = self.forwarded.get(&id) {
+                if let Some(&addr) = self.forwarded_reads.get(&id) {
                     self.forward_to(addr, body.raw()).await;
                 } else if let Some(c) = self.reads.borrow().get(&id) {
                     c.cancel();
@@ -462,6 +470,23 @@ impl Conn {
         );
     }
 
+    /// Remembers where a read went, for its CANCEL. Reads whose relay has
+    /// passed on their last reply are forgotten once many have gathered.
+    fn forward_read(&mut self, id: u64, addr: SocketAddr) {
+        if self.forwarded_reads.len() >= self.forwarded_reads_prune_at {
+            let relays = &self.relays;
+            self.forwarded_reads.retain(|id, addr| {
+                relays
+                    .get(addr)
+                    .is_some_and(|r| r.watch.pending.borrow().contains(id))
+            });
+            // Many reads still open (tails) are not scanned again at once.
+            self.forwarded_reads_prune_at =
+                FORWARDED_READS_PRUNE_AT.max(2 * self.forwarded_reads.len());
+        }
+        self.forwarded_reads.insert(id, addr);
+    }
+
     /// Refuses an append at its first frame; its later chunks are dropped.
     fn refuse_append(&mut self, frame: &Frame<'_>, status: Status, msg: &str) {
         self.append_error(frame.request_id, status, msg);
@@ -487,6 +512,22 @@ impl Conn {
             if let Some((op, j)) = self.appends.remove(&id) {
                 op.aborted.set(Some(AbortReason::Client));
                 self.shard.mark_ready(&j);
+            }
+            // One forwarded is aborted where it went, which answers it.
+            if let Some(addr) = self.forwarded.remove(&id) {
+                if let Some(relay) = self.relays.get(&addr) {
+                    let mut abort = Vec::new();
+                    wire::encode_frame(
+                        &mut abort,
+                        Op::APPEND_CHUNK,
+                        flag::ABORT,
+                        Status::OK,
+                        id,
+                        &[],
+                        &[],
+                    );
+                    relay.out.raw(&abort);
+                }
             }
             return self.refuse_append(
                 &frame,
@@ -663,7 +704,7 @@ impl Conn {
         let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
         if owner != self.shard.index {
             let addr = self.shard.endpoints[owner as usize];
-            self.forwarded.insert(id, addr);
+            self.forward_read(id, addr);
             metrics::add(&self.shard.metrics.cross_core_forwards, 1);
             return self.forward_to(addr, raw).await;
         }
@@ -700,7 +741,7 @@ impl Conn {
                     &msg,
                 );
             }
-            self.forwarded.insert(id, addr);
+            self.forward_read(id, addr);
             metrics::add(&self.shard.metrics.proxied_requests, 1);
             // Marked so that the primary, should its view of the cluster
             // differ from this broker's, refuses it instead of proxying it
@@ -1549,6 +1590,9 @@ fn keep_alive(stream: &TcpStream) {
     let (idle, interval, count) = CLIENT_KEEPALIVE;
     let _ = crate::sys::keep_alive(stream.as_raw_fd(), idle, interval, count);
 }
+
+/// Forwarded reads a connection remembers before it forgets those answered.
+const FORWARDED_READS_PRUNE_AT: usize = 1024;
 
 /// A connection to another shard or broker that a client connection's
 /// requests are forwarded or proxied over.
