@@ -1102,16 +1102,8 @@ impl Conn {
         // appends are through, below).
         let known = self.shard.journal(&req.journal).is_some();
         if route.is_primary(&view.me) || (!known && !route.contains(&view.me)) {
-            return refuse(
-                Status::WRONG_ROUTE,
-                format!(
-                    "broker {} computes the route {:?} for {}, the primary sent {:?}",
-                    view.me,
-                    route.ids(),
-                    req.journal,
-                    req.route
-                ),
-            );
+            let msg = crate::shard::route_disagreement(&view.me, &route, &req);
+            return refuse(Status::WRONG_ROUTE, msg);
         }
         // A replica that missed an APPLY learns the spec from its primary;
         // one that saw the journal deleted after the primary's spec says so.

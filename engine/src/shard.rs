@@ -3165,13 +3165,7 @@ impl Shard {
             };
             if route.ids() != w.req.route || !route.contains(&view.me) || route.is_primary(&view.me)
             {
-                let msg = format!(
-                    "broker {} computes the route {:?} for {}, the primary sent {:?}",
-                    view.me,
-                    route.ids(),
-                    w.req.journal,
-                    w.req.route
-                );
+                let msg = route_disagreement(&view.me, &route, &w.req);
                 answer(Status::WRONG_ROUTE, msg, head);
                 continue;
             }
@@ -4491,6 +4485,20 @@ impl Held {
         std::mem::swap(&mut jm.staged, &mut self.other);
         std::mem::swap(&mut jm.staged_with_replicas, &mut self.other_with_replicas);
     }
+}
+
+/// Why a broker refuses a SYNC whose route is not its own.
+pub(crate) fn route_disagreement(
+    me: &str,
+    route: &crate::topology::Route,
+    req: &rotary_net::repl::SyncRequest,
+) -> String {
+    format!(
+        "broker {me} computes the route {:?} for {}, the primary sent {:?}",
+        route.ids(),
+        req.journal,
+        req.route
+    )
 }
 
 /// Lets every other ready task of the shard run once.
