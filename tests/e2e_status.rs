@@ -622,6 +622,63 @@ async fn spec_revisions_order_changes_and_deletions() {
     assert!(l[0]["revision"].as_u64().unwrap() > gone_at);
 }
 
+/// A LIST page ends before its reply outgrows a frame's payload, however
+/// many labels its specs carry, and the pages together list every journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_pages_fit_in_a_frame() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    // About 1 MiB of labels each: 20 journals list as some 20 MiB.
+    let value = "v".repeat(rotary_net::spec::LABEL_VALUE_LEN_MAX);
+    for i in 0..20 {
+        let pairs: Vec<(String, String)> = (0..1000)
+            .map(|k| (format!("label-{k:04}"), value.clone()))
+            .collect();
+        let labels =
+            LabelSet::from_pairs(pairs.iter().map(|(n, v)| (n.as_str(), v.as_str()))).unwrap();
+        create_journal(&client, &format!("e2e/status/labelled-{i:02}"), |s| {
+            s.labels = labels
+        })
+        .await;
+    }
+    let endpoint = broker.endpoint();
+    let mut after = String::new();
+    let mut listed = Vec::new();
+    let mut pages = 0;
+    loop {
+        let body = serde_json::json!({ "after": after }).to_string();
+        let mut s = raw_connect(&endpoint);
+        s.write_all(&frame(Op::LIST, 0, 9, &[], body.as_bytes()))
+            .unwrap();
+        let f = tokio::task::block_in_place(|| read_raw_frame(&mut s))
+            .unwrap()
+            .expect("a reply");
+        assert_eq!(f.status, Status::OK as u16);
+        assert!(
+            f.payload.len() <= wire::PAYLOAD_LEN_MAX,
+            "a page of {} bytes",
+            f.payload.len()
+        );
+        let entries: Vec<serde_json::Value> = serde_json::from_slice(&f.payload).unwrap();
+        assert!(!entries.is_empty());
+        for e in &entries {
+            assert_eq!(e["spec"]["labels"].as_object().map(|l| l.len()), Some(1000));
+            listed.push(e["spec"]["name"].as_str().unwrap().to_string());
+        }
+        pages += 1;
+        if f.flags & flag::NEXT_PAGE == 0 {
+            break;
+        }
+        after = listed.last().unwrap().clone();
+    }
+    let want: Vec<String> = (0..20)
+        .map(|i| format!("e2e/status/labelled-{i:02}"))
+        .collect();
+    assert_eq!(listed, want);
+    assert!(pages >= 2, "20 MiB of specs in {pages} page(s)");
+    assert_eq!(client.list("").await.unwrap().len(), 20);
+}
+
 /// A revision beyond any clock's (here u64::MAX) is refused wherever a
 /// peer may send one, LOCAL APPLY, LOCAL DELETE and SYNC, and changes
 /// nothing: later changes of specs still get revisions of their own, also

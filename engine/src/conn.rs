@@ -1144,14 +1144,14 @@ impl Conn {
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         let sel = &req.selector;
-        let (page, more) = self.shard.specs.page(
+        let (page, mut more) = self.shard.specs.page(
             &req.after,
             req.limit,
             |s| sel.matches(&s.labels),
             req.deleted,
         );
         let view = self.shard.view();
-        let out: Vec<ListedOut> = page
+        let mut out: Vec<ListedOut> = page
             .into_iter()
             .map(|entry| match entry {
                 crate::specs::Entry::Spec(r) => {
@@ -1182,6 +1182,13 @@ impl Conn {
         let mut flags = 0;
         if !self.shard.specs.is_caught_up() {
             flags |= flag::PARTIAL;
+        }
+        // A page also ends before its reply would outgrow a frame (specs
+        // may carry many labels); the next one starts after its last name.
+        let fits = fitting_prefix(&out, wire::PAYLOAD_LEN_MAX);
+        if fits < out.len() {
+            out.truncate(fits);
+            more = true;
         }
         if more {
             flags |= flag::NEXT_PAGE;
@@ -1843,8 +1850,40 @@ fn parse_revision(payload: &[u8], local: bool) -> Result<Option<u64>, String> {
         .map_err(|e| format!("delete: {e}"))
 }
 
+/// How many of `entries`, from the first, make a JSON array of at most
+/// `limit` bytes; at least one.
+fn fitting_prefix<T: serde::Serialize>(entries: &[T], limit: usize) -> usize {
+    // The brackets, and a comma before each entry but the first.
+    let mut len = 1;
+    for (i, e) in entries.iter().enumerate() {
+        len += serde_json::to_vec(e).expect("json").len() + 1;
+        if len > limit {
+            return i.max(1);
+        }
+    }
+    entries.len()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn fitting_prefix_keeps_a_json_array_within_its_limit() {
+        let entries: Vec<String> = (0..10).map(|i| format!("{i:08}")).collect();
+        for limit in 0..150 {
+            let k = super::fitting_prefix(&entries, limit);
+            let len = serde_json::to_vec(&entries[..k]).unwrap().len();
+            assert!(k >= 1);
+            assert!(
+                len <= limit || k == 1,
+                "limit {limit}: {k} entries, {len} bytes"
+            );
+            if k < entries.len() {
+                let more = serde_json::to_vec(&entries[..k + 1]).unwrap().len();
+                assert!(more > limit, "limit {limit}: {k} entries, one more fits");
+            }
+        }
+    }
+
     use super::*;
 
     /// A peer's refusal of a proxied request keeps its op, id and meta, and
