@@ -1193,6 +1193,18 @@ async fn an_append_id_in_use_rolls_back_both_on(cores: usize) {
     assert_eq!(bytes, b"next");
 }
 
+/// Reads the next frame on a raw connection: an OK APPEND_REPLY to `id`.
+fn expect_append_ok(s: &mut std::net::TcpStream, id: u64) {
+    let f = tokio::task::block_in_place(|| read_raw_frame(s))
+        .unwrap()
+        .expect("the append's reply");
+    assert_eq!(
+        (f.op, f.request_id, f.status),
+        (Op::APPEND_REPLY, id, Status::OK as u16),
+        "{f:?}"
+    );
+}
+
 /// `max_append_rate` holds a journal's appends back at the shard, not on
 /// the connection: a PING sent behind a throttled append is answered at
 /// once. The rate bounds an append streamed in chunks too, and a spec
@@ -1221,14 +1233,7 @@ async fn a_throttled_append_holds_back_neither_its_connection_nor_its_bytes_rate
     assert_eq!(write_head(&client, slow).await, 0);
     // Lifting the rate lets it through, whole.
     create_journal(&client, slow, |s| s.max_append_rate = 0).await;
-    let f = tokio::task::block_in_place(|| read_raw_frame(&mut s))
-        .unwrap()
-        .expect("the append's reply");
-    assert_eq!(
-        (f.op, f.request_id, f.status),
-        (Op::APPEND_REPLY, 1, Status::OK as u16),
-        "{f:?}"
-    );
+    expect_append_ok(&mut s, 1);
     assert_eq!(read_all(&client, slow).await, body);
 
     // 16,000 bytes streamed in four chunks at 4000 B/s (one second of
@@ -1244,14 +1249,7 @@ async fn a_throttled_append_holds_back_neither_its_connection_nor_its_bytes_rate
         s.write_all(&frame(Op::APPEND_CHUNK, flags, 3, &[], c))
             .unwrap();
     }
-    let f = tokio::task::block_in_place(|| read_raw_frame(&mut s))
-        .unwrap()
-        .expect("the append's reply");
-    assert_eq!(
-        (f.op, f.request_id, f.status),
-        (Op::APPEND_REPLY, 3, Status::OK as u16),
-        "{f:?}"
-    );
+    expect_append_ok(&mut s, 3);
     let took = started.elapsed();
     assert!(
         took >= std::time::Duration::from_millis(2900),

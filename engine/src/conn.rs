@@ -1866,11 +1866,13 @@ fn fitting_prefix<T: serde::Serialize>(entries: &[T], limit: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn fitting_prefix_keeps_a_json_array_within_its_limit() {
         let entries: Vec<String> = (0..10).map(|i| format!("{i:08}")).collect();
         for limit in 0..150 {
-            let k = super::fitting_prefix(&entries, limit);
+            let k = fitting_prefix(&entries, limit);
             let len = serde_json::to_vec(&entries[..k]).unwrap().len();
             assert!(k >= 1);
             assert!(
@@ -1883,8 +1885,6 @@ mod tests {
             }
         }
     }
-
-    use super::*;
 
     /// A peer's refusal of a proxied request keeps its op, id and meta, and
     /// becomes the retryable WRONG_ROUTE with the peer's message kept.

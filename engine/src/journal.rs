@@ -357,7 +357,7 @@ impl Active {
     /// Whether this append, still streaming, has held the journal from an
     /// append waiting behind it too long while sending too slowly.
     /// `max_rate` is the journal's `max_append_rate` (0: none): an append
-    /// is never too slow for sending at most half of it.
+    /// that sends at least half of it is never too slow.
     pub fn holds_up(&self, waiting: Option<&AppendOp>, max_rate: u64) -> bool {
         let Some(waiting) = waiting else {
             return false;
