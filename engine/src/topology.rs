@@ -226,10 +226,44 @@ fn parse_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
             ));
         }
     }
+    check_ports(&file.brokers).map_err(|e| format!("cluster file {}: {e}", path.display()))?;
     Ok(ClusterView {
         me: me.to_string(),
         brokers: file.brokers,
     })
+}
+
+/// Checks that each broker's shards have ports of their own: shard n of
+/// a broker listens on its endpoint's port + n. A broker that states no
+/// shard count has the reading broker's, at least one: taking it as one
+/// finds only overlaps that are real.
+fn check_ports(brokers: &[Member]) -> Result<(), String> {
+    let mut ranges: Vec<(&Member, u32, u32)> = Vec::with_capacity(brokers.len());
+    for b in brokers {
+        let shards = b.shards.unwrap_or(1);
+        if shards == 0 {
+            return Err(format!("broker {:?}: shards must be at least 1", b.id));
+        }
+        let first = u32::from(b.endpoint.port());
+        let last = first + shards - 1;
+        if last > u32::from(u16::MAX) {
+            return Err(format!(
+                "broker {:?}: {shards} shards from port {first} run past port 65535",
+                b.id
+            ));
+        }
+        if let Some((other, _, _)) = ranges
+            .iter()
+            .find(|(o, f, l)| o.endpoint.ip() == b.endpoint.ip() && first <= *l && *f <= last)
+        {
+            return Err(format!(
+                "brokers {:?} ({}) and {:?} ({}) would listen on the same ports",
+                other.id, other.endpoint, b.id, b.endpoint
+            ));
+        }
+        ranges.push((b, first, last));
+    }
+    Ok(())
 }
 
 /// How many views before the current one a topology remembers.
@@ -753,6 +787,34 @@ mod tests {
         )
         .unwrap();
         assert!(load_cluster_file(&p, "b1").unwrap_err().contains("twice"));
+        // Each broker's shards need ports of their own.
+        for (brokers, why) in [
+            (
+                "  - {id: b1, endpoint: 127.0.0.1:7401}\n  - {id: b2, endpoint: 127.0.0.1:7401}\n",
+                "same ports",
+            ),
+            (
+                "  - {id: b1, endpoint: 127.0.0.1:7401, shards: 4}\n  - {id: b2, endpoint: 127.0.0.1:7404}\n",
+                "same ports",
+            ),
+            (
+                "  - {id: b1, endpoint: 127.0.0.1:7401}\n  - {id: b2, endpoint: 127.0.0.1:7398, shards: 4}\n",
+                "same ports",
+            ),
+            ("  - {id: b1, endpoint: 127.0.0.1:7401, shards: 0}\n", "at least 1"),
+            ("  - {id: b1, endpoint: 127.0.0.1:65534, shards: 3}\n", "past port 65535"),
+        ] {
+            std::fs::write(&p, format!("brokers:\n{brokers}")).unwrap();
+            let e = load_cluster_file(&p, "b1").unwrap_err();
+            assert!(e.contains(why), "{brokers}: {e}");
+        }
+        // Next to each other, or on other addresses, they are fine.
+        std::fs::write(
+            &p,
+            "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, shards: 4}\n  - {id: b2, endpoint: 127.0.0.1:7405}\n  - {id: b3, endpoint: 127.0.0.2:7401}\n",
+        )
+        .unwrap();
+        assert_eq!(load_cluster_file(&p, "b1").unwrap().brokers.len(), 3);
         std::fs::write(
             &p,
             "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, port: 3}\n",
