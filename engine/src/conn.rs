@@ -1144,14 +1144,14 @@ impl Conn {
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         let sel = &req.selector;
-        let (page, mut more) = self.shard.specs.page(
+        let (page, more) = self.shard.specs.page(
             &req.after,
             req.limit,
             |s| sel.matches(&s.labels),
             req.deleted,
         );
         let view = self.shard.view();
-        let mut out: Vec<ListedOut> = page
+        let out: Vec<ListedOut> = page
             .into_iter()
             .map(|entry| match entry {
                 crate::specs::Entry::Spec(r) => {
@@ -1185,15 +1185,10 @@ impl Conn {
         }
         // A page also ends before its reply would outgrow a frame (specs
         // may carry many labels); the next one starts after its last name.
-        let fits = fitting_prefix(&out, wire::PAYLOAD_LEN_MAX);
-        if fits < out.len() {
-            out.truncate(fits);
-            more = true;
-        }
-        if more {
+        let (bytes, listed) = json_array_within(&out, wire::PAYLOAD_LEN_MAX);
+        if more || listed < out.len() {
             flags |= flag::NEXT_PAGE;
         }
-        let bytes = serde_json::to_vec(&out).expect("json");
         self.outbox
             .flagged_frame(Op::ADMIN_REPLY, flags, Status::OK, id, &[], &bytes);
     }
@@ -1850,18 +1845,26 @@ fn parse_revision(payload: &[u8], local: bool) -> Result<Option<u64>, String> {
         .map_err(|e| format!("delete: {e}"))
 }
 
-/// How many of `entries`, from the first, make a JSON array of at most
-/// `limit` bytes; at least one.
-fn fitting_prefix<T: serde::Serialize>(entries: &[T], limit: usize) -> usize {
-    // The brackets, and a comma before each entry but the first.
-    let mut len = 1;
-    for (i, e) in entries.iter().enumerate() {
-        len += serde_json::to_vec(e).expect("json").len() + 1;
-        if len > limit {
-            return i.max(1);
+/// The JSON array of as many of `entries`, from the first, as fit in
+/// `limit` bytes, at least one; and how many that is. Each entry is
+/// serialized once.
+fn json_array_within<T: serde::Serialize>(entries: &[T], limit: usize) -> (Vec<u8>, usize) {
+    let mut out = vec![b'['];
+    let mut n = 0;
+    for e in entries {
+        let json = serde_json::to_vec(e).expect("json");
+        // A comma before it, unless first, and the closing bracket.
+        if n > 0 && out.len() + 1 + json.len() + 1 > limit {
+            break;
         }
+        if n > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(&json);
+        n += 1;
     }
-    entries.len()
+    out.push(b']');
+    (out, n)
 }
 
 #[cfg(test)]
@@ -1869,15 +1872,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fitting_prefix_keeps_a_json_array_within_its_limit() {
+    fn json_array_within_keeps_to_its_limit() {
         let entries: Vec<String> = (0..10).map(|i| format!("{i:08}")).collect();
         for limit in 0..150 {
-            let k = fitting_prefix(&entries, limit);
-            let len = serde_json::to_vec(&entries[..k]).unwrap().len();
+            let (bytes, k) = json_array_within(&entries, limit);
+            assert_eq!(bytes, serde_json::to_vec(&entries[..k]).unwrap());
             assert!(k >= 1);
             assert!(
-                len <= limit || k == 1,
-                "limit {limit}: {k} entries, {len} bytes"
+                bytes.len() <= limit || k == 1,
+                "limit {limit}: {k} entries, {} bytes",
+                bytes.len()
             );
             if k < entries.len() {
                 let more = serde_json::to_vec(&entries[..k + 1]).unwrap().len();
