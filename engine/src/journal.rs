@@ -918,8 +918,13 @@ impl Journal {
                             })
                         });
                     }
+                    let file = if f.verified {
+                        FileRef::Fragment(f.path.clone(), f.file.clone())
+                    } else {
+                        FileRef::Unchecked(f.path.clone())
+                    };
                     return Some(Located {
-                        file: FileRef::Fragment(f.path.clone(), f.file.clone()),
+                        file,
                         offset: at,
                         file_pos: at - f.begin,
                         end: f.end,
@@ -964,6 +969,10 @@ impl Journal {
 pub enum FileRef {
     Open(Rc<compio::fs::File>),
     Fragment(PathBuf, Option<Rc<compio::fs::File>>),
+    /// A local fragment found on disk at start whose bytes have not been
+    /// checked against its name yet (see [`LocalFragment::verified`]): a
+    /// read checks it whole first.
+    Unchecked(PathBuf),
     Remote(StoredFragment),
     /// A local fragment known not to hold its bytes, and why.
     Corrupt(String),
@@ -1095,6 +1104,7 @@ mod tests {
             uploaded: false,
             uploading: false,
             corrupt: None,
+            verified: true,
             sealed_at: SystemTime::UNIX_EPOCH,
         }
     }
@@ -1247,6 +1257,7 @@ mod tests {
                 uploaded: false,
                 uploading: false,
                 corrupt: None,
+                verified: true,
                 sealed_at: SystemTime::UNIX_EPOCH,
             });
         }
@@ -1256,6 +1267,7 @@ mod tests {
             let file = match l.file {
                 FileRef::Corrupt(why) => format!("corrupt {why}"),
                 FileRef::Fragment(path, _) => format!("local {}", path.display()),
+                FileRef::Unchecked(path) => format!("unchecked {}", path.display()),
                 FileRef::Remote(f) => format!("store {}-{}", f.begin, f.end),
                 FileRef::Open(_) => "spool".into(),
             };
@@ -1266,6 +1278,13 @@ mod tests {
             ("corrupt /nonexistent/0: bytes hash to 00".into(), 3, 3, 8)
         );
         assert_eq!(located(&j, 8), ("local /nonexistent/8".into(), 8, 0, 16));
+        // Found on disk and not checked yet: the read checks it first.
+        j.fragments[1].verified = false;
+        assert_eq!(
+            located(&j, 9),
+            ("unchecked /nonexistent/8".into(), 9, 1, 16)
+        );
+        j.fragments[1].verified = true;
         j.set_listing(vec![object(0, 8, 2)], j.listing_mark());
         assert_eq!(located(&j, 3), ("store 0-8".into(), 3, 3, 8));
     }

@@ -8,6 +8,7 @@
 //! nothing on the data path takes a lock. Journal specs are shared behind a
 //! lock because they change rarely and never on the data path.
 
+pub mod check;
 pub mod conn;
 pub mod fetch;
 pub mod hasher;
@@ -368,6 +369,7 @@ impl Broker {
         // On the broker's cores, like the uploader, before a shard pins its
         // thread to one of them.
         reaper::start();
+        check::start();
         let metrics = Arc::new(metrics::Metrics::default());
         // Bind every listener first so that a busy port fails the start.
         let mut listeners = Vec::new();

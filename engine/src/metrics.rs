@@ -85,6 +85,10 @@ counters!(
     // Journal bytes a primary copied from replicas, or brokers a journal
     // left, that were ahead of it.
     copied_bytes,
+    // Local fragment files found on disk at start that a read checked
+    // whole against their names, and those that did not match.
+    fragments_checked,
+    fragments_check_failed,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

@@ -126,6 +126,10 @@ pub struct Shard {
     hasher: Option<crate::hasher::Hasher>,
     /// Journals holding an append back until the hasher catches up.
     hash_parked: RefCell<Vec<JournalRef>>,
+    /// Local fragment files being checked against their names (see
+    /// [`crate::check`]), and the event that ends each check: a second
+    /// reader of the same file waits for the first one's check.
+    checking: RefCell<HashMap<PathBuf, Rc<Event>>>,
 }
 
 /// A read of a journal's local file in flight (counted in
@@ -458,6 +462,7 @@ impl Shard {
             next_seq: Cell::new(1),
             hasher,
             hash_parked: RefCell::new(Vec::new()),
+            checking: RefCell::new(HashMap::new()),
         });
         *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
@@ -4159,8 +4164,11 @@ impl Shard {
             }
             // A local file's read holds the journal's files from reuse
             // until it is done: see `retire_fragment`.
-            let reading = matches!(loc.file, FileRef::Open(_) | FileRef::Fragment(..))
-                .then(|| ReadPin::new(&j));
+            let reading = matches!(
+                loc.file,
+                FileRef::Open(_) | FileRef::Fragment(..) | FileRef::Unchecked(_)
+            )
+            .then(|| ReadPin::new(&j));
             let file = match loc.file {
                 FileRef::Remote(frag) => {
                     // Each chunk from the store takes its own turn.
@@ -4230,6 +4238,18 @@ impl Shard {
                     let head = j.borrow().head;
                     return done(Status::IO_ERROR, offset, head, &why);
                 }
+                FileRef::Unchecked(path) => {
+                    drop(turn);
+                    let checked = self.check_fragment(&j, path).await;
+                    drop(reading);
+                    if let Err(msg) = checked {
+                        let head = j.borrow().head;
+                        return done(Status::IO_ERROR, offset, head, &msg);
+                    }
+                    // Checked (and now read from), or found corrupt (and
+                    // now read from a store's copy, or refused).
+                    continue;
+                }
                 FileRef::Open(f) | FileRef::Fragment(_, Some(f)) => f,
                 FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
                     Ok(f) => Rc::new(f),
@@ -4284,6 +4304,69 @@ impl Shard {
                     return done(Status::IO_ERROR, offset, head, &e.to_string());
                 }
             }
+        }
+    }
+
+    /// Checks the local fragment file at `path` of journal `j` against its
+    /// name, once: a second caller waits for the first one's check. The
+    /// fragment is then marked verified, or corrupt (never read again).
+    /// Err: the file could not be read this time; it stays unchecked.
+    async fn check_fragment(&self, j: &JournalRef, path: PathBuf) -> Result<(), String> {
+        let running = self.checking.borrow().get(&path).cloned();
+        if let Some(event) = running {
+            let l = event.listen();
+            if self.checking.borrow().contains_key(&path) {
+                l.await;
+            }
+            return Ok(());
+        }
+        let Some((begin, end, sha1)) = j
+            .borrow()
+            .fragments
+            .iter()
+            .find(|f| f.path == path && !f.verified)
+            .map(|f| (f.begin, f.end, f.sha1))
+        else {
+            // Checked, evicted or dropped meanwhile: locate again.
+            return Ok(());
+        };
+        let event = Rc::new(Event::new());
+        self.checking
+            .borrow_mut()
+            .insert(path.clone(), event.clone());
+        let res = crate::check::check(path.clone(), begin, end, sha1).await;
+        self.checking.borrow_mut().remove(&path);
+        event.notify(usize::MAX);
+        let mut jm = j.borrow_mut();
+        let name = jm.name.clone();
+        let Some(f) = jm.fragments.iter_mut().find(|f| f.path == path) else {
+            return Ok(());
+        };
+        match res {
+            Ok(()) => {
+                f.verified = true;
+                metrics::add(&self.metrics.fragments_checked, 1);
+                Ok(())
+            }
+            Err(crate::check::CheckFailed::Mismatch(why)) => {
+                tracing::error!(journal = %name, path = %path.display(), %why, "a local fragment does not hold the bytes its name says; it is never served");
+                metrics::add(&self.metrics.fragments_checked, 1);
+                metrics::add(&self.metrics.fragments_check_failed, 1);
+                f.corrupt = Some(why);
+                Ok(())
+            }
+            Err(crate::check::CheckFailed::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Still in the index, but its file is gone (removed by
+                // hand): nothing of it can be served.
+                tracing::error!(journal = %name, path = %path.display(), "a local fragment's file is gone; it is never served");
+                metrics::add(&self.metrics.fragments_check_failed, 1);
+                f.corrupt = Some("its file is gone".into());
+                Ok(())
+            }
+            Err(crate::check::CheckFailed::Io(e)) => Err(format!(
+                "{}: checking the fragment against its name: {e}",
+                path.display()
+            )),
         }
     }
 

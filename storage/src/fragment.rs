@@ -21,6 +21,12 @@ pub struct LocalFragment {
     /// read it back and found another SHA-1 or length). It is then never
     /// read again: reads of its span go to a store copy or fail.
     pub corrupt: Option<String>,
+    /// Its bytes are known to be the ones its name says: it was sealed or
+    /// copied by this process, which hashed every byte as it wrote it, or
+    /// [`check_file`] read it whole since. A file found on disk at start is
+    /// not, until it is checked: a flipped bit or a file edited by hand
+    /// would otherwise be served as the journal's bytes.
+    pub verified: bool,
     /// When it was sealed (for a fragment found on disk at start, its
     /// file's modification time). Held here so that cache eviction and
     /// listings need no system call per fragment.
@@ -101,6 +107,7 @@ pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
                 uploaded: false,
                 uploading: false,
                 corrupt: None,
+                verified: false,
                 sealed_at: entry
                     .metadata()
                     .and_then(|m| m.modified())
@@ -111,6 +118,60 @@ pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
     out.fragments.sort_by_key(|f| (f.begin, f.end));
     out.spools.sort_by_key(|s| s.0);
     Ok(out)
+}
+
+/// Why a fragment's file does not hold the bytes its name says.
+#[derive(Debug)]
+pub enum CheckFailed {
+    /// The file could not be read; reading it again may work.
+    Io(std::io::Error),
+    /// The file was read whole and holds other bytes (or another length).
+    Mismatch(String),
+}
+
+/// Bytes read at a time by [`check_file`].
+const CHECK_CHUNK_BYTES: usize = 1 << 20;
+
+/// Reads the fragment file at `path` whole, on the calling thread, and
+/// checks that it holds exactly `end - begin` bytes whose SHA-1 is `sha1`.
+/// Blocking: a shard hands this to a thread of its own.
+pub fn check_file(path: &Path, begin: u64, end: u64, sha1: &[u8; 20]) -> Result<(), CheckFailed> {
+    use std::io::Read;
+    assert!(begin <= end, "fragment [{begin}, {end}) runs backwards");
+    let want = end - begin;
+    let mut file = std::fs::File::open(path).map_err(CheckFailed::Io)?;
+    let mut sha = crate::sha::Sha1::new();
+    let mut buf = vec![0u8; CHECK_CHUNK_BYTES];
+    let mut len: u64 = 0;
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(CheckFailed::Io(e)),
+        };
+        len += n as u64;
+        if len > want {
+            return Err(CheckFailed::Mismatch(format!(
+                "holds more than the {want} bytes its name says"
+            )));
+        }
+        sha.update(&buf[..n]);
+    }
+    if len != want {
+        return Err(CheckFailed::Mismatch(format!(
+            "holds {len} bytes where its name says {want}"
+        )));
+    }
+    let got = sha.finalize();
+    if &got != sha1 {
+        return Err(CheckFailed::Mismatch(format!(
+            "its bytes have SHA-1 {} where its name says {}",
+            hex::encode(got),
+            hex::encode(sha1)
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -156,5 +217,49 @@ mod tests {
             vec![(100, dir.path().join("0000000000000064.spool"))]
         );
         assert_eq!(l.partial, vec![dir.path().join("0000000000000064.copying")]);
+    }
+
+    #[test]
+    fn check_file_finds_a_flipped_byte_and_a_wrong_length() {
+        use sha1::Digest;
+        let dir = tempfile::tempdir().unwrap();
+        // Longer than one read, so the hash spans chunks.
+        let bytes: Vec<u8> = (0..CHECK_CHUNK_BYTES + 4097)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let sha: [u8; 20] = sha1::Sha1::digest(&bytes).into();
+        let end = 1000 + bytes.len() as u64;
+        let path = dir.path().join(fragment_file_name(1000, end, &sha));
+        std::fs::write(&path, &bytes).unwrap();
+        check_file(&path, 1000, end, &sha).unwrap();
+
+        let mut flipped = bytes.clone();
+        flipped[CHECK_CHUNK_BYTES + 10] ^= 0x01;
+        std::fs::write(&path, &flipped).unwrap();
+        match check_file(&path, 1000, end, &sha) {
+            Err(CheckFailed::Mismatch(why)) => assert!(why.contains(&hex::encode(sha)), "{why}"),
+            other => panic!("flipped byte: {other:?}"),
+        }
+
+        std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+        match check_file(&path, 1000, end, &sha) {
+            Err(CheckFailed::Mismatch(why)) => {
+                assert!(why.contains(&format!("{} bytes", bytes.len() - 1)), "{why}")
+            }
+            other => panic!("short file: {other:?}"),
+        }
+        let mut long = bytes.clone();
+        long.push(0);
+        std::fs::write(&path, &long).unwrap();
+        assert!(matches!(
+            check_file(&path, 1000, end, &sha),
+            Err(CheckFailed::Mismatch(_))
+        ));
+
+        std::fs::remove_file(&path).unwrap();
+        match check_file(&path, 1000, end, &sha) {
+            Err(CheckFailed::Io(e)) => assert_eq!(e.kind(), std::io::ErrorKind::NotFound),
+            other => panic!("missing file: {other:?}"),
+        }
     }
 }
