@@ -1221,3 +1221,62 @@ async fn fragments_of_a_journal_without_stores_are_local() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A data directory takes its shard count from its first start that gets
+/// as far as listening: a first start that fails on a busy port fixes
+/// nothing, and a later start with another `--cores` is then free to.
+/// Once a start has succeeded, other counts are refused with the count to
+/// use.
+#[test]
+fn a_failed_first_start_does_not_fix_the_shard_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = held.local_addr().unwrap().to_string();
+    let serve = |cores: &str, listen: &str| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rotary"));
+        cmd.args(["serve", "--data"])
+            .arg(&data)
+            .args(["--cores", cores, "--listen", listen]);
+        cmd
+    };
+    let out = serve("2", &busy).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Address already in use"), "{err}");
+    assert!(!data.join("broker.json").exists());
+    drop(held);
+
+    // Another count on the same directory now starts.
+    let port = free_port_range(1);
+    let mut child = serve("1", &format!("127.0.0.1:{port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let endpoint = format!("127.0.0.1:{port}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !raw_ping(&endpoint) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no broker on {endpoint}"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "the broker exited");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.kill().unwrap();
+    let _ = child.wait();
+    let recorded: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data.join("broker.json")).unwrap()).unwrap();
+    assert_eq!(recorded["shards"], 1);
+
+    // And from now on that count is the directory's.
+    let port = free_port_range(2);
+    let out = serve("2", &format!("127.0.0.1:{port}")).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("was created with 1 shards; start with --cores 1"),
+        "{err}"
+    );
+}

@@ -239,8 +239,12 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, EngineError> {
 
 /// The shard count is part of the on-disk layout (journals live under the
 /// shard that owns them), so a data directory keeps the count it was made with.
-fn check_shard_count(dir: &std::path::Path, shards: usize) -> Result<(), EngineError> {
-    let path = dir.join("broker.json");
+/// Answers whether the directory has recorded a count yet; one that has not
+/// gets it from [`record_shard_count`] once the start can no longer fail for
+/// reasons outside the directory (a busy port, say), so that a failed first
+/// start does not fix `--cores` for good.
+fn check_shard_count(dir: &std::path::Path, shards: usize) -> Result<bool, EngineError> {
+    let path = dir.join(BROKER_FILE);
     match std::fs::read(&path) {
         Ok(bytes) => {
             let v: serde_json::Value = serde_json::from_slice(&bytes)
@@ -252,15 +256,20 @@ fn check_shard_count(dir: &std::path::Path, shards: usize) -> Result<(), EngineE
                     dir.display()
                 )));
             }
-            Ok(())
+            Ok(true)
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let body = serde_json::to_vec(&serde_json::json!({ "shards": shards })).expect("json");
-            std::fs::write(&path, body).map_err(|e| EngineError::Io(path.clone(), e))
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(EngineError::Io(path, e)),
     }
 }
+
+fn record_shard_count(dir: &std::path::Path, shards: usize) -> Result<(), EngineError> {
+    let path = dir.join(BROKER_FILE);
+    let body = serde_json::to_vec(&serde_json::json!({ "shards": shards })).expect("json");
+    std::fs::write(&path, body).map_err(|e| EngineError::Io(path.clone(), e))
+}
+
+const BROKER_FILE: &str = "broker.json";
 
 /// Keeps the C allocator from mapping and unmapping the data path's large
 /// buffers. glibc serves allocations above its mmap threshold (128 KiB at
@@ -340,7 +349,7 @@ impl Broker {
                 "--cores {shards}: at most 256 shards"
             )));
         }
-        check_shard_count(dir, shards)?;
+        let recorded = check_shard_count(dir, shards)?;
         match rotary_storage::spool::free_bytes_at(dir) {
             Ok(free) if free <= config.disk_reserve_bytes => tracing::warn!(
                 free,
@@ -384,6 +393,9 @@ impl Broker {
             let l = bind_listener(addr).map_err(|e| EngineError::Listen(addr, e))?;
             endpoints.push(l.local_addr().map_err(|e| EngineError::Listen(addr, e))?);
             listeners.push(l);
+        }
+        if !recorded {
+            record_shard_count(dir, shards)?;
         }
         let topology = match cluster_view {
             Some(v) => {
