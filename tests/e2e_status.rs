@@ -1193,6 +1193,147 @@ async fn an_append_id_in_use_rolls_back_both_on(cores: usize) {
     assert_eq!(bytes, b"next");
 }
 
+/// A request carries only the sections its op has (PROTOCOL.md §4): meta
+/// or payload where the op has none is BAD_REQUEST, a payload above 16 MiB
+/// is FRAME_TOO_LARGE, each in the request's own reply op, and the
+/// connection goes on. A bad chunk of an open append rolls it back, on the
+/// journal's shard and through one that forwards it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_carry_only_the_sections_their_op_has() {
+    for cores in [1, 2] {
+        requests_carry_only_the_sections_their_op_has_on(cores).await;
+    }
+}
+
+async fn requests_carry_only_the_sections_their_op_has_on(cores: usize) {
+    let broker = Broker::start_with_cores(cores);
+    let client = broker.client().await;
+    let j = "e2e/status/shapes";
+    create_journal(&client, j, |_| {}).await;
+    client.append(&req(j), b"before".to_vec()).await.unwrap();
+    let owner = rotary_net::shard_of(j, cores as u32) as usize;
+    let endpoint = broker.shard_endpoint((owner + 1) % cores);
+    let spec = r#"[{"name":"e2e/status/shapes-new"}]"#;
+    let read_meta = ReadRequest {
+        journal: j.into(),
+        offset: Some(0),
+        end_offset: None,
+    }
+    .encode();
+    tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        let cases: Vec<(Vec<u8>, Op, Status)> = vec![
+            (
+                frame(Op::STATS, 0, 1, b"m", &[]),
+                Op::ADMIN_REPLY,
+                Status::BAD_REQUEST,
+            ),
+            (
+                frame(Op::STATS, 0, 2, &[], b"p"),
+                Op::ADMIN_REPLY,
+                Status::BAD_REQUEST,
+            ),
+            (
+                frame(Op::PING, 0, 3, b"m", b"p"),
+                Op::ERROR,
+                Status::BAD_REQUEST,
+            ),
+            (
+                frame(Op::APPLY, 0, 4, b"m", spec.as_bytes()),
+                Op::ADMIN_REPLY,
+                Status::BAD_REQUEST,
+            ),
+            (
+                frame(Op::SEAL, 0, 5, j.as_bytes(), b"p"),
+                Op::ADMIN_REPLY,
+                Status::BAD_REQUEST,
+            ),
+            (
+                frame(Op::READ, 0, 6, &read_meta, b"p"),
+                Op::READ_DONE,
+                Status::BAD_REQUEST,
+            ),
+            (
+                frame(
+                    Op::APPEND,
+                    0,
+                    7,
+                    &req(j).encode(),
+                    &vec![b'x'; wire::PAYLOAD_LEN_MAX + 1],
+                ),
+                Op::APPEND_REPLY,
+                Status::FRAME_TOO_LARGE,
+            ),
+            (
+                frame(Op::PING, 0, 8, &[], &vec![0; wire::PAYLOAD_LEN_MAX + 1]),
+                Op::ERROR,
+                Status::FRAME_TOO_LARGE,
+            ),
+        ];
+        for (bytes, _, _) in &cases {
+            s.write_all(bytes).unwrap();
+        }
+        for (i, (_, op, status)) in cases.iter().enumerate() {
+            let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+            assert_eq!(
+                (f.op, f.request_id, f.status),
+                (*op, i as u64 + 1, *status as u16),
+                "{}",
+                String::from_utf8_lossy(&f.payload)
+            );
+            assert!(!f.payload.is_empty(), "a message comes with it");
+        }
+
+        // An open append whose second chunk carries meta: refused and
+        // rolled back; its last chunk is dropped without a reply.
+        let meta = req(j).encode();
+        s.write_all(&frame(Op::APPEND, flag::MORE, 20, &meta, b"A1"))
+            .unwrap();
+        s.write_all(&frame(Op::APPEND_CHUNK, flag::MORE, 20, b"m", b"A2"))
+            .unwrap();
+        s.write_all(&frame(Op::APPEND_CHUNK, 0, 20, &[], b"A3"))
+            .unwrap();
+        // And one whose chunk is too large.
+        s.write_all(&frame(Op::APPEND, flag::MORE, 21, &meta, b"B1"))
+            .unwrap();
+        s.write_all(&frame(
+            Op::APPEND_CHUNK,
+            0,
+            21,
+            &[],
+            &vec![b'y'; wire::PAYLOAD_LEN_MAX + 1],
+        ))
+        .unwrap();
+        s.write_all(&frame(Op::PING, 0, 22, &[], b"kept")).unwrap();
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+            got.push((f.op, f.request_id, f.status));
+        }
+        got.sort_by_key(|&(_, id, _)| id);
+        assert_eq!(
+            got,
+            vec![
+                (Op::APPEND_REPLY, 20, Status::BAD_REQUEST as u16),
+                (Op::APPEND_REPLY, 21, Status::FRAME_TOO_LARGE as u16),
+                (Op::PONG, 22, Status::OK as u16),
+            ]
+        );
+    });
+    // Nothing of any refused request took effect.
+    let r = client.append(&req(j), b"after".to_vec()).await.unwrap();
+    assert_eq!(r.begin, 6, "no refused append committed");
+    let (bytes, _) = read_range(&client, j, 0, None).await.unwrap();
+    assert_eq!(bytes, b"beforeafter");
+    let listed = client.list("").await.unwrap();
+    assert!(
+        listed
+            .iter()
+            .all(|i| i.spec.name != "e2e/status/shapes-new"),
+        "the refused APPLY created nothing"
+    );
+}
+
 /// Reads the next frame on a raw connection: an OK APPEND_REPLY to `id`.
 fn expect_append_ok(s: &mut std::net::TcpStream, id: u64) {
     let f = tokio::task::block_in_place(|| read_raw_frame(s))

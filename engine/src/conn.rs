@@ -381,6 +381,10 @@ impl Conn {
         // A large frame comes in a buffer of its own, and its payload with
         // it, not in `frame` (see the read loop).
         let payload = body.payload(&frame);
+        if let Some((status, msg)) = shape_error(frame.op, frame.meta.len(), payload.len()) {
+            self.refuse_shape(&frame, body.raw(), status, &msg);
+            return true;
+        }
         match frame.op {
             Op::APPEND => self.append(frame, body).await,
             Op::APPEND_CHUNK => self.append_chunk(frame, body),
@@ -448,6 +452,46 @@ impl Conn {
             }
         }
         true
+    }
+
+    /// Answers a request whose meta or payload §4 does not allow, in the
+    /// request's own reply op. A chunk of an open append rolls the append
+    /// back and is its answer.
+    fn refuse_shape(&mut self, frame: &Frame<'_>, raw: &[u8], status: Status, msg: &str) {
+        let id = frame.request_id;
+        match frame.op {
+            Op::APPEND => self.refuse_append(frame, status, msg),
+            Op::APPEND_CHUNK => {
+                let more = frame.flags & flag::MORE != 0;
+                if self.discard.contains(&id) {
+                    if !more {
+                        self.discard.remove(&id);
+                    }
+                    return;
+                }
+                if let Some(addr) = self.forwarded.remove(&id) {
+                    // Sent on as the append's last chunk: where it went, the
+                    // same check answers it and rolls it back. The rest of
+                    // it is dropped here.
+                    if let Some(relay) = self.relays.get(&addr) {
+                        relay.out.raw(&without_flag(raw, flag::MORE));
+                    }
+                } else if let Some((op, j)) = self.appends.remove(&id) {
+                    // Answered here; the rollback then has nothing to say.
+                    op.reply_error(status, &AppendReply::default(), msg);
+                    op.aborted.set(Some(AbortReason::Client));
+                    self.shard.mark_ready(&j);
+                } else {
+                    self.append_error(id, status, msg);
+                }
+                if more {
+                    self.discard.insert(id);
+                }
+            }
+            Op::READ => self.outbox.error(Op::READ_DONE, status, id, &[0; 16], msg),
+            Op::PING => self.outbox.error(Op::ERROR, status, id, &[], msg),
+            _ => self.admin_err(id, status, msg),
+        }
     }
 
     fn admin_err(&self, id: u64, status: Status, message: &str) {
@@ -1567,6 +1611,55 @@ impl Body<'_> {
             Body::Owned(c) => c.bytes(),
         }
     }
+}
+
+/// What is wrong with a request's meta or payload, by the shapes of
+/// PROTOCOL.md §4: payloads above [`wire::PAYLOAD_LEN_MAX`] are
+/// `FRAME_TOO_LARGE`, and meta or payload where the op has none is
+/// `BAD_REQUEST`. Frames between brokers (REPLICATE, SYNC) and CANCEL,
+/// which has no reply of its own, are not checked here; ops that are not
+/// requests are refused by the dispatch.
+fn shape_error(op: Op, meta_len: usize, payload_len: usize) -> Option<(Status, String)> {
+    if matches!(op, Op::REPLICATE | Op::SYNC | Op::CANCEL) {
+        return None;
+    }
+    if payload_len > wire::PAYLOAD_LEN_MAX {
+        return Some((
+            Status::FRAME_TOO_LARGE,
+            format!(
+                "{op:?} payload of {payload_len} bytes; at most {} (send content in several APPEND_CHUNK frames)",
+                wire::PAYLOAD_LEN_MAX
+            ),
+        ));
+    }
+    let no_meta = matches!(
+        op,
+        Op::APPEND_CHUNK | Op::APPLY | Op::LIST | Op::STATS | Op::PING | Op::PRUNE
+    );
+    if no_meta && meta_len != 0 {
+        return Some((
+            Status::BAD_REQUEST,
+            format!("{op:?} carries no meta; this one has {meta_len} bytes"),
+        ));
+    }
+    let no_payload = matches!(
+        op,
+        Op::READ | Op::ROUTE | Op::SEAL | Op::STATS | Op::RESET_HEAD
+    );
+    if no_payload && payload_len != 0 {
+        return Some((
+            Status::BAD_REQUEST,
+            format!("{op:?} carries no payload; this one has {payload_len} bytes"),
+        ));
+    }
+    None
+}
+
+/// A copy of a frame with `bits` cleared in its header's flags.
+fn without_flag(raw: &[u8], bits: u8) -> Vec<u8> {
+    let mut v = raw.to_vec();
+    v[7] &= !bits;
+    v
 }
 
 /// A copy of a frame with `bits` added to its header's flags.
