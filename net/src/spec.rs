@@ -22,6 +22,9 @@ pub enum SpecError {
     DurationPrecision { text: String },
     #[error("spec of {name:?}: {why}")]
     BadSpec { name: String, why: String },
+    /// The input as a whole: not YAML or JSON, or neither a spec nor a list.
+    #[error("specs: {why}")]
+    BadDocument { why: String },
 }
 
 /// Shortest and longest journal names, in bytes.
@@ -754,17 +757,15 @@ impl JournalSpec {
 /// Parses `journals apply` input: one spec or a list of specs, YAML or JSON.
 /// An error names the journal (or the list entry) and the field at fault.
 pub fn parse_specs(text: &str) -> Result<Vec<JournalSpec>, SpecError> {
-    let doc: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| SpecError::BadSpec {
-        name: String::new(),
-        why: e.to_string(),
-    })?;
+    let doc: serde_yaml::Value =
+        serde_yaml::from_str(text).map_err(|e| SpecError::BadDocument { why: e.to_string() })?;
     let parse_one = |v: serde_yaml::Value, entry: Option<usize>| {
         let name = v
             .get("name")
             .and_then(|n| n.as_str())
             .map(str::to_string)
             .or_else(|| entry.map(|i| format!("entry {i}")))
-            .unwrap_or_default();
+            .unwrap_or_else(|| "the spec".into());
         serde_yaml::from_value::<JournalSpec>(v).map_err(|e| SpecError::BadSpec {
             name,
             why: e.to_string(),
@@ -778,8 +779,7 @@ pub fn parse_specs(text: &str) -> Result<Vec<JournalSpec>, SpecError> {
             .collect::<Result<Vec<_>, _>>()?,
         v @ serde_yaml::Value::Mapping(_) => vec![parse_one(v, None)?],
         _ => {
-            return Err(SpecError::BadSpec {
-                name: String::new(),
+            return Err(SpecError::BadDocument {
                 why: "expected one spec (a mapping) or a list of specs".into(),
             })
         }
@@ -993,7 +993,14 @@ mod tests {
         assert!(e.contains("\"d/e/f\"") && e.contains("5x"), "{e}");
         let e = parse_specs("- {replication: 2}").unwrap_err().to_string();
         assert!(e.contains("entry 0") && e.contains("name"), "{e}");
-        assert!(parse_specs("just text").is_err());
+        // Input that is no spec at all is named as the input, not as a
+        // spec with an empty name.
+        let e = parse_specs("just text").unwrap_err().to_string();
+        assert_eq!(e, "specs: expected one spec (a mapping) or a list of specs");
+        let e = parse_specs("not yaml: [").unwrap_err().to_string();
+        assert!(e.starts_with("specs: ") && e.contains("line"), "{e}");
+        let e = parse_specs("replication: 2").unwrap_err().to_string();
+        assert!(e.starts_with("spec of \"the spec\": "), "{e}");
         assert!(parse_specs("name: ab").is_err());
     }
 }
