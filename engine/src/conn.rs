@@ -381,13 +381,17 @@ impl Conn {
         // A large frame comes in a buffer of its own, and its payload with
         // it, not in `frame` (see the read loop).
         let payload = body.payload(&frame);
-        if let Some((status, msg)) = shape_error(frame.op, frame.meta.len(), payload.len()) {
-            self.refuse_shape(&frame, body.raw(), status, &msg);
+        let misshapen = shape_error(frame.op, frame.meta.len(), payload.len());
+        if frame.op == Op::APPEND_CHUNK {
+            self.append_chunk(frame, body, misshapen);
+            return true;
+        }
+        if let Some((status, msg)) = misshapen {
+            self.refuse_shape(&frame, status, &msg);
             return true;
         }
         match frame.op {
             Op::APPEND => self.append(frame, body).await,
-            Op::APPEND_CHUNK => self.append_chunk(frame, body),
             Op::READ => self.read(frame, body.raw()).await,
             Op::CANCEL => {
                 if let Some(&addr) = self.forwarded_reads.get(&id) {
@@ -455,39 +459,11 @@ impl Conn {
     }
 
     /// Answers a request whose meta or payload §4 does not allow, in the
-    /// request's own reply op. A chunk of an open append rolls the append
-    /// back and is its answer.
-    fn refuse_shape(&mut self, frame: &Frame<'_>, raw: &[u8], status: Status, msg: &str) {
+    /// request's own reply op (chunks: see [`Conn::append_chunk`]).
+    fn refuse_shape(&mut self, frame: &Frame<'_>, status: Status, msg: &str) {
         let id = frame.request_id;
         match frame.op {
             Op::APPEND => self.refuse_append(frame, status, msg),
-            Op::APPEND_CHUNK => {
-                let more = frame.flags & flag::MORE != 0;
-                if self.discard.contains(&id) {
-                    if !more {
-                        self.discard.remove(&id);
-                    }
-                    return;
-                }
-                if let Some(addr) = self.forwarded.remove(&id) {
-                    // Sent on as the append's last chunk: where it went, the
-                    // same check answers it and rolls it back. The rest of
-                    // it is dropped here.
-                    if let Some(relay) = self.relays.get(&addr) {
-                        relay.out.raw(&without_flag(raw, flag::MORE));
-                    }
-                } else if let Some((op, j)) = self.appends.remove(&id) {
-                    // Answered here; the rollback then has nothing to say.
-                    op.reply_error(status, &AppendReply::default(), msg);
-                    op.aborted.set(Some(AbortReason::Client));
-                    self.shard.mark_ready(&j);
-                } else {
-                    self.append_error(id, status, msg);
-                }
-                if more {
-                    self.discard.insert(id);
-                }
-            }
             Op::READ => self.outbox.error(Op::READ_DONE, status, id, &[0; 16], msg),
             Op::PING => self.outbox.error(Op::ERROR, status, id, &[], msg),
             _ => self.admin_err(id, status, msg),
@@ -631,7 +607,7 @@ impl Conn {
                 // The primary must not proxy it on again (views may differ
                 // for a moment while a cluster file changes).
                 return self
-                    .proxy_to(addr, &with_flag(raw, flag::DO_NOT_PROXY))
+                    .proxy_to(addr, &with_flags(raw, flag::DO_NOT_PROXY, 0))
                     .await;
             }
         }
@@ -675,7 +651,15 @@ impl Conn {
         op.chunks.borrow_mut().push_back(chunk);
     }
 
-    fn append_chunk(&mut self, frame: Frame<'_>, body: Body<'_>) {
+    /// Takes a chunk of an open append. `misshapen` (from [`shape_error`])
+    /// refuses it: the append is rolled back and answered with it, and its
+    /// further chunks are dropped.
+    fn append_chunk(
+        &mut self,
+        frame: Frame<'_>,
+        body: Body<'_>,
+        misshapen: Option<(Status, String)>,
+    ) {
         let id = frame.request_id;
         let more = frame.flags & flag::MORE != 0;
         if self.discard.contains(&id) {
@@ -684,32 +668,51 @@ impl Conn {
             }
             return;
         }
+        // A refused chunk ends its append here; the rest of it is dropped.
+        let ends = !more || misshapen.is_some();
+        if more && misshapen.is_some() {
+            self.discard.insert(id);
+        }
         if let Some(&addr) = self.forwarded.get(&id) {
-            if !more {
+            if ends {
                 self.forwarded.remove(&id);
             }
             // Forwarding is async only while connecting; chunks follow an
-            // APPEND that already connected the relay.
+            // APPEND that already connected the relay. A refused chunk goes
+            // on as the append's last: where it went, the same check
+            // answers it and rolls the append back.
             if let Some(relay) = self.relays.get(&addr) {
-                relay.out.raw(body.raw());
+                match misshapen {
+                    Some(_) => relay.out.raw(&with_flags(body.raw(), 0, flag::MORE)),
+                    None => relay.out.raw(body.raw()),
+                }
             }
             return;
         }
         let Some((op, j)) = self.appends.get(&id).cloned() else {
-            self.append_error(
-                id,
-                Status::BAD_REQUEST,
-                "APPEND_CHUNK without an open append of this request id",
-            );
+            let (status, msg) = misshapen.unwrap_or_else(|| {
+                (
+                    Status::BAD_REQUEST,
+                    "APPEND_CHUNK without an open append of this request id".into(),
+                )
+            });
+            self.append_error(id, status, &msg);
             if more {
                 self.discard.insert(id);
             }
             return;
         };
-        if !more {
+        if ends {
             self.appends.remove(&id);
         }
         if op.finished.get() {
+            return;
+        }
+        if let Some((status, msg)) = misshapen {
+            // Answered here; the rollback then has nothing to say.
+            op.reply_error(status, &AppendReply::default(), &msg);
+            op.aborted.set(Some(AbortReason::Client));
+            self.shard.mark_ready(&j);
             return;
         }
         op.last_activity.set(Instant::now());
@@ -790,7 +793,9 @@ impl Conn {
             // Marked so that the primary, should its view of the cluster
             // differ from this broker's, refuses it instead of proxying it
             // on (or back).
-            return self.proxy_to(addr, &with_flag(raw, flag::PROXIED)).await;
+            return self
+                .proxy_to(addr, &with_flags(raw, flag::PROXIED, 0))
+                .await;
         }
         if self.reads.borrow().contains_key(&id) {
             // A second read under one id could not be told apart, nor
@@ -1655,18 +1660,12 @@ fn shape_error(op: Op, meta_len: usize, payload_len: usize) -> Option<(Status, S
     None
 }
 
-/// A copy of a frame with `bits` cleared in its header's flags.
-fn without_flag(raw: &[u8], bits: u8) -> Vec<u8> {
-    let mut v = raw.to_vec();
-    v[7] &= !bits;
-    v
-}
-
-/// A copy of a frame with `bits` added to its header's flags.
-fn with_flag(raw: &[u8], bits: u8) -> Vec<u8> {
+/// A copy of a frame with the bits `set` added to its header's flags and
+/// the bits `clear` taken out.
+fn with_flags(raw: &[u8], set: u8, clear: u8) -> Vec<u8> {
     let mut v = raw.to_vec();
     // Header: body_len u32, magic u16, op u8, flags u8, …
-    v[7] |= bits;
+    v[7] = (v[7] | set) & !clear;
     v
 }
 
