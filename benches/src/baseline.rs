@@ -324,7 +324,16 @@ pub fn iperf3(
             .context("iperf3: no end.sum_received.bits_per_second")?
             / 8.0
             / 1e6,
+        cores: cpu_cores(&doc["end"]["cpu_utilization_percent"]),
     }))
+}
+
+/// Cores an iperf3 run used, sender and receiver together, from its
+/// `cpu_utilization_percent` object.
+fn cpu_cores(cpu: &serde_json::Value) -> Option<f64> {
+    let host = cpu["host_total"].as_f64()?;
+    let remote = cpu["remote_total"].as_f64()?;
+    Some((host + remote) / 100.0)
 }
 
 /// Buffer hashed by the SHA-1 measurement: one `append-1m` append.
@@ -396,5 +405,18 @@ mod tests {
             assert!(j.key.contains(j.mode.name()), "{}", j.key);
             assert!(!j.fdatasync);
         }
+    }
+
+    #[test]
+    fn iperf3_cpu_is_read_as_cores_of_both_ends() {
+        // The shape of iperf3 3.12's `end.cpu_utilization_percent`.
+        let cpu = serde_json::json!({
+            "host_total": 99.1, "host_user": 1.1, "host_system": 98.0,
+            "remote_total": 39.0, "remote_user": 2.7, "remote_system": 36.3,
+        });
+        let cores = cpu_cores(&cpu).expect("both totals");
+        assert!((cores - 1.381).abs() < 1e-9, "{cores}");
+        assert_eq!(cpu_cores(&serde_json::json!({ "host_total": 50.0 })), None);
+        assert_eq!(cpu_cores(&serde_json::Value::Null), None);
     }
 }

@@ -178,6 +178,19 @@ pub struct Iperf3Figures {
     pub version: String,
     pub seconds: f64,
     pub mb_per_s: f64,
+    /// CPU iperf3 reported for its sender and its receiver together, in
+    /// cores (its `cpu_utilization_percent` totals ÷ 100): what moving
+    /// `mb_per_s` through loopback TCP took. Absent if it reported none.
+    pub cores: Option<f64>,
+}
+
+impl Iperf3Figures {
+    /// Cores one MB/s through loopback TCP took in this run.
+    pub fn cores_per_mb_per_s(&self) -> Option<f64> {
+        self.cores
+            .filter(|c| *c > 0.0 && self.mb_per_s > 0.0)
+            .map(|c| c / self.mb_per_s)
+    }
 }
 
 /// SHA-1 on one core.
@@ -394,10 +407,25 @@ impl Figures {
                 // append's SHA-1: above this machine's core count, no
                 // broker that hashes as the protocol requires reaches it.
                 let target = APPEND_THROUGHPUT_RATIO_MIN * fio.mb_per_s.min(net.mb_per_s);
+                let sha1 = target / h.both_mb_per_s;
                 out.push((
                     "cores the append-1m target's SHA-1 alone needs".into(),
-                    target / h.both_mb_per_s,
+                    sha1,
                 ));
+                // And the cores iperf3 spent per byte moved on loopback,
+                // which a client and a broker on this machine spend too
+                // (one copy into the socket, one out of it). Both are
+                // floors: a broker also receives into its spool, writes
+                // and answers, and the load generator runs beside it.
+                if let Some(tcp) = net.cores_per_mb_per_s() {
+                    out.push((
+                        format!(
+                            "cores the append-1m target's SHA-1 and loopback TCP need (this machine has {})",
+                            machine_cpus().map_or("?".into(), |n| n.to_string())
+                        ),
+                        sha1 + target * tcp,
+                    ));
+                }
             }
         }
         if let (Some(a), Some(f)) = (&self.append_1m, &self.fio_fresh) {
@@ -548,10 +576,14 @@ impl Figures {
             );
         }
         if let Some(n) = &self.iperf3 {
+            let cpu = n
+                .cores
+                .map(|c| format!(" · {:.0}% of a core, sender and receiver", c * 100.0))
+                .unwrap_or_default();
             row(
                 "baseline",
                 "iperf3 loopback, 1 stream",
-                format!("{:.0} MB/s", n.mb_per_s),
+                format!("{:.0} MB/s{cpu}", n.mb_per_s),
             );
         }
         if let Some(h) = &self.sha1 {
@@ -890,6 +922,11 @@ fn fmt_us(us: f64) -> String {
 }
 
 /// What the figures were measured on.
+/// The CPUs this process may run on.
+fn machine_cpus() -> Option<usize> {
+    std::thread::available_parallelism().map(|n| n.get()).ok()
+}
+
 fn machine() -> serde_json::Value {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let cpuinfo = read("/proc/cpuinfo");
@@ -903,7 +940,7 @@ fn machine() -> serde_json::Value {
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|l| l.split_whitespace().next()?.parse::<u64>().ok());
     serde_json::json!({
-        "cpus": std::thread::available_parallelism().map(|n| n.get()).ok(),
+        "cpus": machine_cpus(),
         "cpu_model": model,
         "memory_gib": mem_kib.map(|k| (k as f64 / (1u64 << 20) as f64 * 10.0).round() / 10.0),
         "kernel": read("/proc/sys/kernel/osrelease").trim(),
