@@ -276,7 +276,7 @@ enum JournalsCmd {
     /// Lists journals. `-o yaml` prints a list of specs that `apply` takes
     /// back; `-o json` prints the broker's entries (spec and route).
     List {
-        /// Label selector, e.g. `app=orders,region!=eu,!retired`.
+        /// Label selector, e.g. `app=orders,region notin (eu, us),!retired`.
         #[arg(short = 'l', long = "selector", default_value = "")]
         selector: String,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = ListFormat::Table)]

@@ -516,6 +516,12 @@ async fn journals_apply_list_delete_through_the_cli() {
     assert_eq!(list_yaml("app=orders,region!=eu"), vec![specs[1].clone()]);
     assert_eq!(list_yaml("!region"), vec![specs[2].clone()]);
     assert_eq!(list_yaml("app=nothing"), vec![]);
+    // Gazette's set forms.
+    assert_eq!(list_yaml("region in (us, asia)"), vec![specs[1].clone()]);
+    assert_eq!(
+        list_yaml("app in (orders,logs),region notin (us)"),
+        vec![specs[2].clone(), specs[0].clone()]
+    );
 
     // JSON has routes; the table shows every journal.
     let (code, out, err) = run_cli(broker.cli(&["journals", "list", "-o", "json"]), b"");

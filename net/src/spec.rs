@@ -365,8 +365,10 @@ impl<'de> serde::de::Visitor<'de> for LabelValuesVisitor {
 /// `exclude` requirement may. A requirement with an empty value matches any
 /// value of its name.
 ///
-/// Text form (CLI `-l`): comma-separated `name=value`, `name!=value`,
-/// `name` (has the name), `!name` (lacks the name).
+/// Text form (CLI `-l`): comma-separated `name=value` (or `name==value`),
+/// `name!=value`, `name in (v1, v2)` (one of the values), `name notin (v1,
+/// v2)` (or `not in`: none of them), `name` (has the name), `!name` (lacks
+/// the name); the forms Gazette's selectors take.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LabelSelector {
     pub include: LabelSet,
@@ -387,18 +389,28 @@ impl LabelSelector {
         if text.trim().is_empty() {
             return Ok(sel);
         }
-        for part in text.split(',').map(str::trim) {
+        for part in selector_terms(text).map_err(bad)? {
+            let part = part.trim();
             if part.is_empty() {
                 // `a=b,,c` or a trailing comma: likely a term left out.
                 return Err(bad("an empty term between commas"));
             }
-            if let Some((n, v)) = part.split_once("!=") {
-                if v.is_empty() {
+            if let Some(set) = set_term(part).map_err(bad)? {
+                let into = match set.negated {
+                    false => &mut sel.include,
+                    true => &mut sel.exclude,
+                };
+                for v in set.values {
+                    into.add(set.name.into(), v.into())?;
+                }
+            } else if let Some((n, v)) = part.split_once("!=") {
+                if v.trim().is_empty() {
                     return Err(bad("'name!=' needs a value; use '!name'"));
                 }
                 sel.exclude.add(n.trim().into(), v.trim().into())?;
             } else if let Some((n, v)) = part.split_once('=') {
-                if v.is_empty() {
+                let v = v.strip_prefix('=').unwrap_or(v);
+                if v.trim().is_empty() {
                     return Err(bad("'name=' needs a value; use 'name'"));
                 }
                 sel.include.add(n.trim().into(), v.trim().into())?;
@@ -459,6 +471,64 @@ impl LabelSelector {
         }
         parts.join(",")
     }
+}
+
+/// The terms of a selector's text: split at the commas outside a value
+/// list's parentheses.
+fn selector_terms(text: &str) -> Result<Vec<&str>, &'static str> {
+    let mut terms = Vec::new();
+    let (mut open, mut start) = (false, 0);
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' if open => return Err("a '(' inside a list of values"),
+            '(' => open = true,
+            ')' if !open => return Err("a ')' without its '('"),
+            ')' => open = false,
+            ',' if !open => {
+                terms.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if open {
+        return Err("a '(' without its ')'");
+    }
+    terms.push(&text[start..]);
+    Ok(terms)
+}
+
+/// A selector term over a list of values: `name in (…)`, or with
+/// `negated`, `name notin (…)` / `name not in (…)`.
+struct SetTerm<'a> {
+    name: &'a str,
+    negated: bool,
+    values: Vec<&'a str>,
+}
+
+/// Reads `part` as a [`SetTerm`]; `None` if it has no list of values.
+fn set_term(part: &str) -> Result<Option<SetTerm<'_>>, &'static str> {
+    let Some((head, rest)) = part.split_once('(') else {
+        return Ok(None);
+    };
+    let Some(list) = rest.trim_end().strip_suffix(')') else {
+        return Err("nothing may follow a list of values but a comma");
+    };
+    let words: Vec<&str> = head.split_whitespace().collect();
+    let (name, negated) = match words[..] {
+        [name, "in"] => (name, false),
+        [name, "notin"] | [name, "not", "in"] => (name, true),
+        _ => return Err("a list of values follows 'name in' or 'name notin'"),
+    };
+    let values: Vec<&str> = list.split(',').map(str::trim).collect();
+    if values.iter().any(|v| v.is_empty()) {
+        return Err("an empty value in a list of values");
+    }
+    Ok(Some(SetTerm {
+        name,
+        negated,
+        values,
+    }))
 }
 
 /// Parses Go-style durations: `90s`, `1m`, `6h`, `1h30m`, `250ms`, `720h`.
@@ -878,6 +948,32 @@ mod tests {
         assert!(m(" "));
         assert!(m(" app = orders , region "));
         assert!(LabelSelector::parse("a=").is_err());
+        // Lists of values, as Gazette writes them.
+        assert!(m("app in (other, orders)"));
+        assert!(m("app in(orders),region"));
+        assert!(!m("app in (other,x)"));
+        assert!(!m("region notin (eu, us)"));
+        assert!(!m("region not in (eu)"));
+        assert!(m("region notin (us,asia), app == orders"));
+        assert!(m("missing notin (a)"));
+        assert_eq!(
+            LabelSelector::parse("a in (x, y),b notin (z),c==d").unwrap(),
+            LabelSelector::parse("a=x,a=y,b!=z,c=d").unwrap()
+        );
+        for (bad, why) in [
+            ("a in ()", "an empty value"),
+            ("a in (x,,y)", "an empty value"),
+            ("a in (x", "without its ')'"),
+            ("a in x)", "without its '('"),
+            ("a in (x (y))", "inside a list"),
+            ("a in (x) b", "nothing may follow"),
+            ("a (x)", "follows 'name in'"),
+            ("a between (x)", "follows 'name in'"),
+            ("a==", "needs a value"),
+        ] {
+            let err = LabelSelector::parse(bad).unwrap_err().to_string();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
         for empty_term in ["a=b,,c", "a,", ",a", ",", "a, ,b"] {
             let err = LabelSelector::parse(empty_term).unwrap_err().to_string();
             assert!(err.contains("an empty term"), "{empty_term}: {err}");
