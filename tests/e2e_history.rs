@@ -1039,6 +1039,42 @@ async fn file_store_a_damaged_local_fragment_is_not_read_again() {
     );
 }
 
+/// A fragment file found on disk at start is checked against its name
+/// before a read uses it, unless its upload read it whole since: that
+/// upload hashed every byte of it, so the first read does not again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_a_fragment_its_upload_read_is_not_checked_again() {
+    let store = TestStore::file();
+    let mut broker = broker_for(&store, &[]);
+    let j = "hist/found-then-uploaded";
+    let mut without_store = spec(j, &store, Codec::Zstd, 1 << 30);
+    without_store.fragment.stores.clear();
+    let bytes = content(41, 300_000);
+    {
+        // No store yet: the sealed fragment stays on the broker's disk.
+        let client = broker.client().await;
+        apply(&client, &without_store).await;
+        append(&client, j, &bytes).await;
+        client
+            .seal(j)
+            .await
+            .unwrap()
+            .expect("a non-empty spool seals");
+    }
+    broker.kill9();
+    broker.start_again();
+    let client = broker.client().await;
+    // With a store, the fragment found at start is uploaded, read whole.
+    apply(&client, &spec(j, &store, Codec::Zstd, 1 << 30)).await;
+    wait_fragments(&client, j, "the upload", all_uploaded).await;
+    let (got, done) = read_range(&client, j, 0, None).await.unwrap();
+    assert_eq!(done.status, Status::OK, "{done:?}");
+    assert_eq!(sha1(&got), sha1(&bytes));
+    let stats = client.stats().await.unwrap();
+    assert_eq!(stats["fragments_checked"], 0, "{stats}");
+    assert!(stats["uploads"].as_u64().unwrap() >= 1, "{stats}");
+}
+
 /// Pruning lists every store first: one that cannot be listed fails the
 /// prune before anything is deleted, so no deletion goes unreported. A
 /// pruned span then reads as a gap at once, not as a failing store.

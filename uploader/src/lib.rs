@@ -98,6 +98,10 @@ pub struct UploadDone {
     /// same span).
     pub sha1: [u8; 20],
     pub result: Result<StoredFragment, StoreError>,
+    /// The upload read the local file whole and found the bytes the
+    /// fragment's name says (it wrote the object); false when the object
+    /// existed already (the local file was not read) or the upload failed.
+    pub local_checked: bool,
 }
 
 /// Operator-visible counters of the pool.
@@ -438,6 +442,7 @@ async fn run_job(shared: &Shared, job: UploadJob) {
     let (journal, begin, end, sha1) = (job.journal.clone(), job.begin, job.end, job.sha1);
     let result = upload(shared, job).await;
     let metrics = &shared.metrics;
+    let local_checked = matches!(result, Ok(Uploaded::Written(_)));
     let result = match result {
         Ok(Uploaded::Written(fragment)) => {
             metrics.uploads.fetch_add(1, Ordering::Relaxed);
@@ -468,6 +473,7 @@ async fn run_job(shared: &Shared, job: UploadJob) {
             end,
             sha1,
             result,
+            local_checked,
         })
         .await;
     metrics.in_flight.fetch_sub(1, Ordering::AcqRel);

@@ -76,8 +76,11 @@ fn every_codec_round_trips() {
 fn reupload_is_skipped() {
     let s = setup();
     let f = Fragment::write(s.local.path(), "a/journal", 0, data(10_000, 1));
-    let first = upload_ok(&s.up, &f, Codec::Zstd, &s.store);
-    let second = upload_ok(&s.up, &f, Codec::Zstd, &s.store);
+    let first = upload(&s.up, &f, Codec::Zstd, &s.store);
+    let second = upload(&s.up, &f, Codec::Zstd, &s.store);
+    // Only the upload that wrote the object read the local file.
+    assert!(first.local_checked && !second.local_checked);
+    let (first, second) = (first.result.unwrap(), second.result.unwrap());
     assert_eq!(first.size, second.size);
     let m = s.up.metrics();
     assert_eq!(m.uploads.load(Ordering::Relaxed), 1);
