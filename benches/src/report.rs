@@ -921,12 +921,12 @@ fn fmt_us(us: f64) -> String {
     }
 }
 
-/// What the figures were measured on.
 /// The CPUs this process may run on.
 fn machine_cpus() -> Option<usize> {
     std::thread::available_parallelism().map(|n| n.get()).ok()
 }
 
+/// What the figures were measured on.
 fn machine() -> serde_json::Value {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let cpuinfo = read("/proc/cpuinfo");

@@ -1367,9 +1367,7 @@ impl Shard {
                     f.uploaded = true;
                     // A file found at start is then known to hold its
                     // bytes: its first read need not hash it again.
-                    if done.local_checked && f.corrupt.is_none() {
-                        f.verified = true;
-                    }
+                    f.verified |= done.local_checked;
                     jm.insert_remote(stored);
                     *self.store_error.borrow_mut() = None;
                     if let Some(store) = jm.spec.fragment.stores.first() {

@@ -80,7 +80,8 @@ fn reupload_is_skipped() {
     let second = upload(&s.up, &f, Codec::Zstd, &s.store);
     // Only the upload that wrote the object read the local file.
     assert!(first.local_checked && !second.local_checked);
-    let (first, second) = (first.result.unwrap(), second.result.unwrap());
+    let first = stored_as_uploaded(first, &f, Codec::Zstd, &s.store);
+    let second = stored_as_uploaded(second, &f, Codec::Zstd, &s.store);
     assert_eq!(first.size, second.size);
     let m = s.up.metrics();
     assert_eq!(m.uploads.load(Ordering::Relaxed), 1);

@@ -133,7 +133,17 @@ pub fn upload(up: &Uploader, f: &Fragment, codec: Codec, store: &str) -> UploadD
 
 /// Uploads and unwraps, checking the reported fragment.
 pub fn upload_ok(up: &Uploader, f: &Fragment, codec: Codec, store: &str) -> StoredFragment {
-    let stored = upload(up, f, codec, store).result.expect("upload");
+    stored_as_uploaded(upload(up, f, codec, store), f, codec, store)
+}
+
+/// The fragment an upload reported, checked against what was uploaded.
+pub fn stored_as_uploaded(
+    done: UploadDone,
+    f: &Fragment,
+    codec: Codec,
+    store: &str,
+) -> StoredFragment {
+    let stored = done.result.expect("upload");
     assert_eq!(stored.key, f.key(codec));
     assert_eq!(
         (stored.begin, stored.end, stored.sha1, stored.codec),
