@@ -211,18 +211,38 @@ struct ServeArgs {
     /// 100us to 100ms; 0 keeps the kernel's default.
     #[arg(long = "shard-slice", value_name = "DURATION", value_parser = parse_shard_slice, default_value = "100us")]
     shard_slice: std::time::Duration,
+    /// In a cluster: how long a primary's shard keeps polling for work,
+    /// rather than sleeping, after it proposed appends to replicas and
+    /// while their acks are awaited. The acks come back sooner than a
+    /// sleeping thread (and a halted virtual CPU) wakes; the poll costs the
+    /// shard's core that time. Up to 10ms; 0 sleeps at once.
+    #[arg(long = "ack-poll", value_name = "DURATION", value_parser = parse_ack_poll, default_value = "1ms")]
+    ack_poll: std::time::Duration,
 }
 
-fn parse_shard_slice(s: &str) -> Result<std::time::Duration, String> {
-    // Journal specs' durations are whole milliseconds; a slice is finer.
-    let micros = s.strip_suffix("us").or_else(|| s.strip_suffix("µs"));
-    let d = match micros {
+/// A duration in whole microseconds (`250us`, `250µs`) or as in journal
+/// specs (`2ms`, `0`), whose durations are whole milliseconds.
+fn parse_fine_duration(s: &str) -> Result<std::time::Duration, String> {
+    match s.strip_suffix("us").or_else(|| s.strip_suffix("µs")) {
         Some(n) => n
             .parse::<u64>()
             .map(std::time::Duration::from_micros)
-            .map_err(|_| format!("{s:?} is not a duration such as 100us or 1ms"))?,
-        None => rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())?,
-    };
+            .map_err(|_| format!("{s:?} is not a duration such as 100us or 1ms")),
+        None => rotary_net::spec::parse_duration(s).map_err(|e| e.to_string()),
+    }
+}
+
+fn parse_ack_poll(s: &str) -> Result<std::time::Duration, String> {
+    let d = parse_fine_duration(s)?;
+    if d <= std::time::Duration::from_millis(10) {
+        Ok(d)
+    } else {
+        Err("must be from 0 to 10ms".to_string())
+    }
+}
+
+fn parse_shard_slice(s: &str) -> Result<std::time::Duration, String> {
+    let d = parse_fine_duration(s)?;
     let range = std::time::Duration::from_micros(100)..=std::time::Duration::from_millis(100);
     if d.is_zero() || range.contains(&d) {
         Ok(d)
@@ -678,6 +698,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.spec_sync_interval = args.spec_sync_interval;
     config.peer_silence = args.peer_silence;
     config.shard_slice = args.shard_slice;
+    config.ack_poll = args.ack_poll;
     config.replica_ack_timeout = args.replica_ack_timeout;
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
@@ -1281,6 +1302,22 @@ mod tests {
         for bad in ["99us", "101ms", "1s", "us", "-5us", "fast"] {
             assert!(parse_shard_slice(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn ack_polls() {
+        use std::time::Duration;
+        assert_eq!(parse_ack_poll("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_ack_poll("1ms"), Ok(Duration::from_millis(1)));
+        assert_eq!(parse_ack_poll("250us"), Ok(Duration::from_micros(250)));
+        assert_eq!(parse_ack_poll("10ms"), Ok(Duration::from_millis(10)));
+        for bad in ["11ms", "1s", "us", "-1us", "soon"] {
+            assert!(parse_ack_poll(bad).is_err(), "{bad}");
+        }
+        let Cmd::Serve(args) = Cli::try_parse_from(["rotary", "serve"]).unwrap().cmd else {
+            panic!("serve");
+        };
+        assert_eq!(args.ack_poll, rotary_engine::ACK_POLL_DEFAULT);
     }
 
     #[test]

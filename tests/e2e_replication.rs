@@ -3953,3 +3953,98 @@ async fn disk_fills_body(
     let head = local_head(&cluster.brokers[primary], &j).await;
     converged_through_the_store(cluster, primary, &j, head, &acked_all, &unknown).await;
 }
+
+// ---------------------------------------------------------------------------
+// Primaries poll for their replicas' acks (`--ack-poll`), unless told not to.
+
+/// Appends of 1 KiB to each journal in the ack-poll test.
+const POLL_APPENDS: u32 = 40;
+
+/// A name under `prefix` whose route (as `at` computes it) has `primary`
+/// first.
+async fn name_with_primary(at: &ClusterBroker, prefix: &str, primary: &str) -> String {
+    for i in 0..256 {
+        let name = format!("{prefix}-{i:03}");
+        if ids(&route_at(at, &name).await)[0] == primary {
+            return name;
+        }
+    }
+    panic!("no name {prefix}-NNN has {primary} as its primary");
+}
+
+async fn stat(b: &ClusterBroker, name: &str) -> u64 {
+    let stats = b.client().await.stats().await.expect("STATS");
+    stats[name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{}: STATS has no {name}: {stats}", b.id))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primaries_poll_for_acks_unless_told_not_to() {
+    // b1 keeps the default; b2 and b3 are started with `--ack-poll 0`.
+    let mut cluster = tokio::task::block_in_place(|| {
+        let mut cluster = Cluster::start_listed(3, CORES, &[]);
+        cluster.write_file(&[0, 1, 2]);
+        for (i, b) in cluster.brokers.iter_mut().enumerate() {
+            if i > 0 {
+                b.serve_args = vec!["--ack-poll".into(), "0".into()];
+            }
+            b.start();
+        }
+        cluster
+    });
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        primaries_poll_for_acks_unless_told_not_to_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn primaries_poll_for_acks_unless_told_not_to_body(cluster: &mut Cluster) {
+    let polling = name_with_primary(&cluster.brokers[0], "poll/yes", "b1").await;
+    let sleeping = name_with_primary(&cluster.brokers[0], "poll/no", "b2").await;
+    cluster
+        .apply(&[spec(&polling, 3), spec(&sleeping, 3)])
+        .await;
+    for j in [&polling, &sleeping] {
+        assert_eq!(agreed_route(cluster, j).await.members.len(), 3, "{j}");
+    }
+    let mut before = Vec::new();
+    for b in &cluster.brokers {
+        before.push(stat(b, "ack_polls").await);
+    }
+    let client = cluster.brokers[0].client().await;
+    for j in [&polling, &sleeping] {
+        let mut expected = Vec::new();
+        for seq in 0..POLL_APPENDS {
+            let content = record(0, seq, 1024);
+            let r = client
+                .append(&req(j), content.clone())
+                .await
+                .unwrap_or_else(|e| panic!("{j} append {seq}: {e}"));
+            assert_eq!(r.begin, expected.len() as u64, "{j}: {r:?}");
+            assert_eq!(r.sha1, sha1(&content), "{j}: {r:?}");
+            expected.extend_from_slice(&content);
+        }
+        // Every member holds what was acknowledged, polling or not.
+        for b in &cluster.brokers {
+            assert_eq!(local_copy(b, j).await, expected, "{}: copy of {j}", b.id);
+        }
+    }
+    let mut polls = Vec::new();
+    for (b, before) in cluster.brokers.iter().zip(&before) {
+        polls.push(stat(b, "ack_polls").await - before);
+    }
+    // b1 proposed each of its journal's appends and polled after it
+    // (appends one at a time: one poll each, at most).
+    assert!(
+        (1..=u64::from(POLL_APPENDS)).contains(&polls[0]),
+        "b1 polled {} times for {POLL_APPENDS} appends",
+        polls[0]
+    );
+    assert!(stat(&cluster.brokers[0], "ack_poll_micros").await > 0);
+    // b2, the other journal's primary, slept instead; b3 is a replica only.
+    assert_eq!(polls[1], 0, "b2 runs with --ack-poll 0");
+    assert_eq!(polls[2], 0, "b3 proposed nothing");
+}

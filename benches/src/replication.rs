@@ -93,6 +93,8 @@ pub struct CounterDeltas {
     pub syncs: Option<u64>,
     pub repl_ack_frames: Option<u64>,
     pub repl_acks: Option<u64>,
+    pub ack_polls: Option<u64>,
+    pub ack_poll_micros: Option<u64>,
 }
 
 /// What one phase cost the cluster.
@@ -459,6 +461,8 @@ struct Counters {
     syncs: Option<u64>,
     repl_ack_frames: Option<u64>,
     repl_acks: Option<u64>,
+    ack_polls: Option<u64>,
+    ack_poll_micros: Option<u64>,
 }
 
 async fn counters(client: &Client) -> Counters {
@@ -470,6 +474,8 @@ async fn counters(client: &Client) -> Counters {
             syncs: v["syncs"].as_u64(),
             repl_ack_frames: v["repl_ack_frames"].as_u64(),
             repl_acks: v["repl_acks"].as_u64(),
+            ack_polls: v["ack_polls"].as_u64(),
+            ack_poll_micros: v["ack_poll_micros"].as_u64(),
         },
         Ok(Err(e)) => {
             eprintln!("warning: STATS of {PRIMARY}: {e}");
@@ -527,6 +533,8 @@ async fn phase<T>(
             syncs: delta(before.syncs, after.syncs),
             repl_ack_frames: delta(before.repl_ack_frames, after.repl_ack_frames),
             repl_acks: delta(before.repl_acks, after.repl_acks),
+            ack_polls: delta(before.ack_polls, after.ack_polls),
+            ack_poll_micros: delta(before.ack_poll_micros, after.ack_poll_micros),
         },
         broker_cpu_percent,
     };

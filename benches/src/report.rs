@@ -872,12 +872,14 @@ fn replication_rows(
         row(
             format!("{}: primary counters · broker CPU", p.phase),
             format!(
-                "appends {} · replicated batches {} · syncs {} · ack frames {} · acks {} · {}",
+                "appends {} · replicated batches {} · syncs {} · ack frames {} · acks {} · ack polls {} ({} ms) · {}",
                 opt(p.primary.appends),
                 opt(p.primary.replicated_batches),
                 opt(p.primary.syncs),
                 opt(p.primary.repl_ack_frames),
                 opt(p.primary.repl_acks),
+                opt(p.primary.ack_polls),
+                opt(p.primary.ack_poll_micros.map(|us| us / 1000)),
                 cpu.join(" ")
             ),
         );

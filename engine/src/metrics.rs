@@ -89,6 +89,10 @@ counters!(
     // whole against their names, and those that did not match.
     fragments_checked,
     fragments_check_failed,
+    // Times a primary's shard polled its ring, rather than sleep, while
+    // replicas' acks were awaited, and the microseconds it spent so.
+    ack_polls,
+    ack_poll_micros,
 );
 
 pub fn add(c: &AtomicU64, n: u64) {

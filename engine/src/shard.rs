@@ -130,6 +130,13 @@ pub struct Shard {
     /// [`crate::check`]), and the event that ends each check: a second
     /// reader of the same file waits for the first one's check.
     checking: RefCell<HashMap<PathBuf, Rc<Event>>>,
+    /// Journals with replicated batches awaiting acks (running ackers).
+    awaiting_acks: Cell<usize>,
+    /// Batches proposed to replicas so far; the ack poller's clock.
+    proposals: Cell<u64>,
+    /// Notified when a batch is proposed.
+    proposed: Event,
+    ack_poll: std::time::Duration,
 }
 
 /// A read of a journal's local file in flight (counted in
@@ -237,6 +244,8 @@ pub struct ShardConfig {
     pub peer_silence: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
     pub replica_ack_timeout: std::time::Duration,
+    /// See `ServeConfig::ack_poll`.
+    pub ack_poll: std::time::Duration,
     /// Hashes large appends' own SHA-1 off the shard's thread; `None` on a
     /// broker with one core.
     pub hasher: Option<crate::hasher::Hasher>,
@@ -342,6 +351,7 @@ impl Shard {
             spec_sync_interval,
             peer_silence,
             replica_ack_timeout,
+            ack_poll,
             hasher,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
@@ -463,6 +473,10 @@ impl Shard {
             hasher,
             hash_parked: RefCell::new(Vec::new()),
             checking: RefCell::new(HashMap::new()),
+            awaiting_acks: Cell::new(0),
+            proposals: Cell::new(0),
+            proposed: Event::new(),
+            ack_poll,
         });
         *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
@@ -968,6 +982,7 @@ impl Shard {
             let next = j.borrow_mut().proposed.pop_front();
             let Some(f) = next else {
                 j.borrow_mut().acking = false;
+                self.awaiting_acks.set(self.awaiting_acks.get() - 1);
                 return;
             };
             let mut failure = None;
@@ -1025,6 +1040,37 @@ impl Shard {
                 }
             }
             self.mark_ready(&j);
+        }
+    }
+
+    /// Keeps the shard's runtime polling its ring, rather than sleeping,
+    /// for up to `ack_poll` after each proposal while replicas' acks are
+    /// awaited: they are a round trip away, and a thread that sleeps is
+    /// woken (on a virtual machine, its vCPU too) only after they arrive.
+    async fn poll_for_acks(self: Rc<Self>) {
+        let mut seen = self.proposals.get();
+        loop {
+            let l = self.proposed.listen();
+            if self.proposals.get() == seen {
+                l.await;
+                continue;
+            }
+            drop(l);
+            seen = self.proposals.get();
+            let began = Instant::now();
+            let mut until = began + self.ack_poll;
+            while self.awaiting_acks.get() > 0 && Instant::now() < until {
+                if self.proposals.get() != seen {
+                    seen = self.proposals.get();
+                    until = Instant::now() + self.ack_poll;
+                }
+                yield_now().await;
+            }
+            metrics::add(&self.metrics.ack_polls, 1);
+            metrics::add(
+                &self.metrics.ack_poll_micros,
+                began.elapsed().as_micros() as u64,
+            );
         }
     }
 
@@ -1260,6 +1306,9 @@ impl Shard {
     /// ticker, the upload-result consumer and the first store listings.
     pub fn start_background(self: &Rc<Self>) {
         compio::runtime::spawn(self.clone().flusher()).detach();
+        if !self.ack_poll.is_zero() {
+            compio::runtime::spawn(self.clone().poll_for_acks()).detach();
+        }
         let ticker = self.clone();
         compio::runtime::spawn(async move {
             loop {
@@ -2301,7 +2350,10 @@ impl Shard {
             jm.proposed.push_back(InFlight { staged, waits });
             let start_acker = !std::mem::replace(&mut jm.acking, true);
             drop(jm);
+            self.proposals.set(self.proposals.get() + 1);
+            self.proposed.notify(usize::MAX);
             if start_acker {
+                self.awaiting_acks.set(self.awaiting_acks.get() + 1);
                 compio::runtime::spawn(self.clone().acker(j.clone())).detach();
             }
         }
