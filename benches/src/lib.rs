@@ -28,7 +28,8 @@
 //!   --cluster` child processes; 1 MiB throughput and 1 KiB fixed-rate
 //!   latency to a journal with `replication: 1` and to one with
 //!   `replication: 3`, both with the same primary, and the primary's acks
-//!   per ack frame.
+//!   per ack frame; first, the hop floor: the same crossings between
+//!   processes through echo servers, with no broker work.
 //!
 //! `--workload FILE` runs an OpenMessaging Benchmark workload instead of the
 //! scenarios ([`omb`]): against rotary or, with `--driver`, a peer; it
@@ -92,7 +93,8 @@ pub enum Scenario {
     Backfill,
     /// Three `rotary serve --cluster` child processes: 1 MiB MB/s and 1 KiB
     /// latency with replication 1 and 3 on the same primary, and acks per
-    /// ack frame. Not part of `all`: it runs brokers of its own.
+    /// ack frame; and the same crossings through echo servers, with no
+    /// broker work. Not part of `all`: it runs brokers of its own.
     Replication,
 }
 
@@ -242,6 +244,14 @@ pub struct BenchArgs {
     /// Internal: the CPU the echo server pins itself to.
     #[arg(long = "echo-cpu", hide = true)]
     pub echo_cpu: Option<usize>,
+    /// Internal: echo servers on these ports of 127.0.0.1 that the echo
+    /// server relays each message to, answering once all of them have
+    /// (the replication scenario's hop floor).
+    #[arg(long = "echo-relay-to", hide = true, value_delimiter = ',')]
+    pub echo_relay_to: Vec<u16>,
+    /// Internal: the length of the messages the echo server relays.
+    #[arg(long = "echo-relay-bytes", hide = true, default_value_t = 1024)]
+    pub echo_relay_bytes: usize,
 }
 
 impl BenchArgs {

@@ -82,6 +82,9 @@ pub fn serve_echo(args: &BenchArgs) -> anyhow::Result<()> {
     stdout.flush()?;
     let (mut sock, _) = listener.accept().context("echo server: accept")?;
     sock.set_nodelay(true)?;
+    if !args.echo_relay_to.is_empty() {
+        return relay(args, sock);
+    }
     let mut buf = vec![0u8; 64 << 10];
     loop {
         let n = sock.read(&mut buf)?;
@@ -92,14 +95,50 @@ pub fn serve_echo(args: &BenchArgs) -> anyhow::Result<()> {
     }
 }
 
-/// Measures round trips of `--pingpong-size` bytes for `--duration`.
-pub fn run(args: &BenchArgs, placement: Placement) -> anyhow::Result<PingpongFigures> {
+/// The relaying echo server's loop: each message of `--echo-relay-bytes`
+/// from `up` goes to every peer, and back up once every peer echoed it, as
+/// a primary sends an append to its replicas and answers once all acked.
+fn relay(args: &BenchArgs, mut up: TcpStream) -> anyhow::Result<()> {
+    let mut peers = Vec::new();
+    for &port in &args.echo_relay_to {
+        let s = TcpStream::connect(("127.0.0.1", port))
+            .with_context(|| format!("relay: connecting to the echo server at port {port}"))?;
+        s.set_nodelay(true)?;
+        peers.push(s);
+    }
+    let mut msg = vec![0u8; args.echo_relay_bytes];
+    let mut back = vec![0u8; args.echo_relay_bytes];
+    loop {
+        match up.read_exact(&mut msg) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e).context("relay: reading a message"),
+        }
+        for p in &mut peers {
+            p.write_all(&msg).context("relay: sending to a peer")?;
+        }
+        for p in &mut peers {
+            p.read_exact(&mut back)
+                .context("relay: reading a peer's echo")?;
+            anyhow::ensure!(back == msg, "relay: a peer's echo differs from the message");
+        }
+        up.write_all(&msg).context("relay: answering")?;
+    }
+}
+
+/// An echo server child pinned to `cpu` (if any) with `extra` arguments,
+/// and the port it listens on.
+pub(crate) fn spawn_echo(
+    cpu: Option<usize>,
+    extra: &[String],
+) -> anyhow::Result<(ChildGuard, u16)> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut cmd = Command::new(&exe);
     cmd.args(std::env::args_os().skip(1)).arg("--echo-server");
-    if let Some((_, server_cpu)) = placement.cpus() {
-        cmd.arg(format!("--echo-cpu={server_cpu}"));
+    if let Some(cpu) = cpu {
+        cmd.arg(format!("--echo-cpu={cpu}"));
     }
+    cmd.args(extra);
     let child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -122,7 +161,12 @@ pub fn run(args: &BenchArgs, placement: Placement) -> anyhow::Result<PingpongFig
         .trim()
         .parse()
         .with_context(|| format!("echo server printed {line:?}, not a port"))?;
+    Ok((child, port))
+}
 
+/// Measures round trips of `--pingpong-size` bytes for `--duration`.
+pub fn run(args: &BenchArgs, placement: Placement) -> anyhow::Result<PingpongFigures> {
+    let (child, port) = spawn_echo(placement.cpus().map(|(_, server)| server), &[])?;
     let rtt = std::thread::scope(|scope| {
         scope
             .spawn(|| round_trips(args, port, placement))
@@ -178,4 +222,59 @@ fn round_trips(
         round_trip(now >= measure_from).context("ping-pong round trip")?;
     }
     Ok(rtt)
+}
+
+/// Round trips of `bytes` to the echo server at `port`, one at a time, sent
+/// at `rate` per second (or at once after a late answer) for the warm-up
+/// and then `--duration`, from a thread pinned to `cpus`: each timed from
+/// its actual send.
+pub(crate) fn paced_round_trips(
+    args: &BenchArgs,
+    port: u16,
+    rate: u64,
+    bytes: usize,
+    cpus: &[usize],
+) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                if !cpus.is_empty() {
+                    crate::sys::pin_current_thread_to(cpus)
+                        .with_context(|| format!("pinning to CPUs {cpus:?}"))?;
+                }
+                if let Err(e) = crate::sys::precise_sleeps() {
+                    eprintln!("warning: PR_SET_TIMERSLACK: {e}");
+                }
+                let mut sock =
+                    TcpStream::connect(("127.0.0.1", port)).context("connecting to echo server")?;
+                sock.set_nodelay(true)?;
+                sock.set_read_timeout(Some(ROUND_TRIP_TIMEOUT))?;
+                sock.set_write_timeout(Some(ROUND_TRIP_TIMEOUT))?;
+                let message: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+                let mut back = vec![0u8; bytes];
+                let mut rtt = report::histogram();
+                let gap = Duration::from_nanos(1_000_000_000 / rate.max(1));
+                let start = Instant::now();
+                let measure_from = start + args.warmup();
+                let end = measure_from + args.duration();
+                let mut next = start;
+                while next < end {
+                    let now = Instant::now();
+                    if next > now {
+                        std::thread::sleep(next - now);
+                    }
+                    let sent = Instant::now();
+                    sock.write_all(&message).context("round trip: send")?;
+                    sock.read_exact(&mut back).context("round trip: answer")?;
+                    if sent >= measure_from {
+                        report::record(&mut rtt, sent.elapsed());
+                    }
+                    anyhow::ensure!(back == message, "echo differs from the message sent");
+                    next += gap;
+                }
+                Ok(rtt)
+            })
+            .join()
+            .expect("round-trip thread panicked")
+    })
 }

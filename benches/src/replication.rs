@@ -1,6 +1,9 @@
 //! The replication scenario: what synchronous replication to three brokers
 //! costs an append, against no replication, on the same primary in one run.
 //!
+//! 0. Hop floor ([`HopFloor`]): before any broker starts, 1 KiB round
+//!    trips through echo servers placed as the brokers will be, one path
+//!    as a rep-1 append crosses processes and one as a rep-3 append does.
 //! 1. Cluster: three child processes of this executable (`rotary serve
 //!    --cluster FILE --id bN --cores 1 --cpus C --disk-reserve 0`: the
 //!    primary `b1` alone on core 0, the replicas on the other cores, shared
@@ -29,7 +32,7 @@
 
 use crate::child::ChildGuard;
 use crate::load;
-use crate::report::{LatencyFigures, ThroughputFigures};
+use crate::report::{LatencyFigures, Percentiles, ThroughputFigures};
 use crate::BenchArgs;
 use anyhow::Context as _;
 use rotary_net::client::Client;
@@ -107,6 +110,22 @@ pub struct PhaseStats {
     pub broker_cpu_percent: BTreeMap<String, f64>,
 }
 
+/// Round trips through echo servers placed as the brokers are: what the
+/// crossings of a 1 KiB append between processes and vCPUs cost alone,
+/// with no broker work. The rep-1 path is client → echo server on the
+/// primary's CPU → client; the rep-3 path is client → relay on the
+/// primary's CPU → an echo server on each replica's CPU → relay → client.
+/// One message in flight, at `--replication-rate`, from a client thread
+/// pinned to the CPUs other than the primary's.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HopFloor {
+    pub message_bytes: usize,
+    pub rate: u64,
+    pub client_cpus: Vec<usize>,
+    pub rep1: Percentiles,
+    pub rep3: Percentiles,
+}
+
 /// Everything the replication scenario measured.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct ReplicationFigures {
@@ -122,6 +141,8 @@ pub struct ReplicationFigures {
     pub append_1m_rep3: ThroughputFigures,
     pub latency_1k_rep1: LatencyFigures,
     pub latency_1k_rep3: LatencyFigures,
+    /// The same crossings between processes with no broker work.
+    pub hop_floor: Option<HopFloor>,
     pub phases: Vec<PhaseStats>,
     /// `repl_acks` ÷ `repl_ack_frames` of the primary over both rep-3 phases.
     pub acks_per_ack_frame: Option<f64>,
@@ -148,6 +169,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<ReplicationFigures> {
     let exe = broker_executable()?;
     std::fs::create_dir_all(dir).with_context(|| format!("making {}", dir.display()))?;
     let rt = crate::client_runtime(args)?;
+    // Before the brokers start, so that nothing else runs meanwhile.
+    let hop_floor = hop_floor(args).context("replication: the hop floor")?;
     let mut cluster = Cluster::spawn(&exe, dir)?;
     eprintln!(
         "replication: brokers {} (pids {}), logs in {}",
@@ -184,12 +207,50 @@ pub fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<ReplicationFigures> {
         anyhow::bail!("brokers exited on their own: {}", early_exits.join("; "));
     }
     f.executable = exe.display().to_string();
+    f.hop_floor = Some(hop_floor);
     f.brokers = cluster.describe();
     if f.errors() > 0 {
         eprintln!("replication: {} appends failed; broker logs:", f.errors());
         cluster.print_log_tails();
     }
     Ok(f)
+}
+
+/// The CPU of the `i`th broker: the primary gets a core of its own where
+/// there are two or more; the replicas share the others.
+fn broker_cpu(i: usize, ncpu: usize) -> usize {
+    if ncpu < 2 || i == 0 {
+        0
+    } else {
+        1 + (i - 1) % (ncpu - 1)
+    }
+}
+
+/// Measures [`HopFloor`]: the rep-1 path, then the rep-3 path.
+fn hop_floor(args: &BenchArgs) -> anyhow::Result<HopFloor> {
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let client_cpus: Vec<usize> = (1..ncpu).collect();
+    let bytes = load::LATENCY_1K_BYTES;
+    let rate = args.replication_rate;
+    let (_b2, p2) = crate::pingpong::spawn_echo(Some(broker_cpu(1, ncpu)), &[])?;
+    let (_b3, p3) = crate::pingpong::spawn_echo(Some(broker_cpu(2, ncpu)), &[])?;
+    let (_relay, relay) = crate::pingpong::spawn_echo(
+        Some(broker_cpu(0, ncpu)),
+        &[
+            format!("--echo-relay-to={p2},{p3}"),
+            format!("--echo-relay-bytes={bytes}"),
+        ],
+    )?;
+    let (_alone, alone) = crate::pingpong::spawn_echo(Some(broker_cpu(0, ncpu)), &[])?;
+    let rep1 = crate::pingpong::paced_round_trips(args, alone, rate, bytes, &client_cpus)?;
+    let rep3 = crate::pingpong::paced_round_trips(args, relay, rate, bytes, &client_cpus)?;
+    Ok(HopFloor {
+        message_bytes: bytes,
+        rate,
+        client_cpus,
+        rep1: Percentiles::of(&rep1),
+        rep3: Percentiles::of(&rep3),
+    })
 }
 
 /// `rotary`, which has `serve`: this executable, or when this is the
@@ -257,13 +318,7 @@ impl Cluster {
         };
         let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
         for (i, ((id, zone), endpoint)) in BROKERS.iter().zip(endpoints).enumerate() {
-            // The primary gets a core of its own where there are two or
-            // more; the replicas share the others.
-            let cpu = if ncpu < 2 || i == 0 {
-                0
-            } else {
-                1 + (i - 1) % (ncpu - 1)
-            };
+            let cpu = broker_cpu(i, ncpu);
             let data = dir.join(id).join("data");
             let log = dir.join(format!("{id}.log"));
             let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -761,4 +816,29 @@ fn iowq_args(cpu: usize, ncpu: usize) -> Vec<String> {
         return Vec::new();
     }
     vec!["--iowq-cpus".into(), others.join(",")]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_primary_has_a_core_of_its_own_where_there_are_two() {
+        assert_eq!(
+            (0..3).map(|i| broker_cpu(i, 1)).collect::<Vec<_>>(),
+            [0, 0, 0]
+        );
+        assert_eq!(
+            (0..3).map(|i| broker_cpu(i, 2)).collect::<Vec<_>>(),
+            [0, 1, 1]
+        );
+        assert_eq!(
+            (0..3).map(|i| broker_cpu(i, 3)).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        assert_eq!(
+            (0..3).map(|i| broker_cpu(i, 8)).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+    }
 }

@@ -487,6 +487,21 @@ impl Figures {
             // Acks the primary's pipelines received per REPLICATE_ACK frame.
             out.push(("replication acks per ack frame (rep 3)".into(), a));
         }
+        if let Some(h) = self.replication.as_ref().and_then(|r| r.hop_floor.as_ref()) {
+            // The crossings alone, with no broker work: the latency
+            // target's ratio as this machine's placement sets it.
+            for (what, a, b) in [
+                ("p50", h.rep3.p50_us, h.rep1.p50_us),
+                ("p99", h.rep3.p99_us, h.rep1.p99_us),
+            ] {
+                if b > 0.0 {
+                    out.push((
+                        format!("replication hop floor 1 KiB {what}, rep 3 ÷ rep 1"),
+                        a / b,
+                    ));
+                }
+            }
+        }
         out
     }
 
@@ -810,6 +825,20 @@ fn replication_rows(
         ),
         threads.join(" · "),
     );
+    if let Some(h) = &r.hop_floor {
+        let cpus: Vec<String> = h.client_cpus.iter().map(|c| c.to_string()).collect();
+        for (name, p) in [("rep 1", &h.rep1), ("rep 3", &h.rep3)] {
+            row(
+                format!(
+                    "hop floor, {name} path: {} B at {}/s (client CPUs {})",
+                    h.message_bytes,
+                    h.rate,
+                    cpus.join(",")
+                ),
+                p.line(),
+            );
+        }
+    }
     let phases = [
         ("rep 1", &r.append_1m_rep1, &r.latency_1k_rep1),
         ("rep 3", &r.append_1m_rep3, &r.latency_1k_rep3),
