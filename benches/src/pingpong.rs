@@ -194,40 +194,54 @@ fn round_trips(
         crate::sys::pin_current_thread(client_cpu)
             .with_context(|| format!("pinning to CPU {client_cpu}"))?;
     }
+    exchange(args, port, args.pingpong_size, None)
+}
+
+/// Round trips of `bytes` to the echo server at `port`, one at a time, for
+/// the warm-up and then `--duration`, each timed from its send and
+/// recorded once the warm-up is over: back to back, or with `gap` between
+/// intended sends (at once after a late answer).
+fn exchange(
+    args: &BenchArgs,
+    port: u16,
+    bytes: usize,
+    gap: Option<Duration>,
+) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
     let mut sock = TcpStream::connect(("127.0.0.1", port)).context("connecting to echo server")?;
     sock.set_nodelay(true)?;
     sock.set_read_timeout(Some(ROUND_TRIP_TIMEOUT))?;
     sock.set_write_timeout(Some(ROUND_TRIP_TIMEOUT))?;
-    let message: Vec<u8> = (0..args.pingpong_size).map(|i| i as u8).collect();
-    let mut back = vec![0u8; args.pingpong_size];
+    let message: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let mut back = vec![0u8; bytes];
     let mut rtt = report::histogram();
-    let mut round_trip = |record: bool| -> anyhow::Result<()> {
-        let sent = Instant::now();
-        sock.write_all(&message)?;
-        sock.read_exact(&mut back)?;
-        if record {
-            report::record(&mut rtt, sent.elapsed());
-        }
-        anyhow::ensure!(back == message, "echo differs from the message sent");
-        Ok(())
-    };
     let start = Instant::now();
     let measure_from = start + args.warmup();
     let end = measure_from + args.duration();
+    let mut intended = start;
     loop {
-        let now = Instant::now();
-        if now >= end {
+        if let Some(gap) = gap {
+            let now = Instant::now();
+            if intended > now {
+                std::thread::sleep(intended - now);
+            }
+            intended += gap;
+        }
+        let sent = Instant::now();
+        if sent >= end {
             break;
         }
-        round_trip(now >= measure_from).context("ping-pong round trip")?;
+        sock.write_all(&message).context("round trip: send")?;
+        sock.read_exact(&mut back).context("round trip: answer")?;
+        if sent >= measure_from {
+            report::record(&mut rtt, sent.elapsed());
+        }
+        anyhow::ensure!(back == message, "echo differs from the message sent");
     }
     Ok(rtt)
 }
 
-/// Round trips of `bytes` to the echo server at `port`, one at a time, sent
-/// at `rate` per second (or at once after a late answer) for the warm-up
-/// and then `--duration`, from a thread pinned to `cpus`: each timed from
-/// its actual send.
+/// [`exchange`] at `rate` round trips per second, from a thread pinned to
+/// `cpus` (none: unpinned) with precise sleeps.
 pub(crate) fn paced_round_trips(
     args: &BenchArgs,
     port: u16,
@@ -245,34 +259,8 @@ pub(crate) fn paced_round_trips(
                 if let Err(e) = crate::sys::precise_sleeps() {
                     eprintln!("warning: PR_SET_TIMERSLACK: {e}");
                 }
-                let mut sock =
-                    TcpStream::connect(("127.0.0.1", port)).context("connecting to echo server")?;
-                sock.set_nodelay(true)?;
-                sock.set_read_timeout(Some(ROUND_TRIP_TIMEOUT))?;
-                sock.set_write_timeout(Some(ROUND_TRIP_TIMEOUT))?;
-                let message: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
-                let mut back = vec![0u8; bytes];
-                let mut rtt = report::histogram();
                 let gap = Duration::from_nanos(1_000_000_000 / rate.max(1));
-                let start = Instant::now();
-                let measure_from = start + args.warmup();
-                let end = measure_from + args.duration();
-                let mut next = start;
-                while next < end {
-                    let now = Instant::now();
-                    if next > now {
-                        std::thread::sleep(next - now);
-                    }
-                    let sent = Instant::now();
-                    sock.write_all(&message).context("round trip: send")?;
-                    sock.read_exact(&mut back).context("round trip: answer")?;
-                    if sent >= measure_from {
-                        report::record(&mut rtt, sent.elapsed());
-                    }
-                    anyhow::ensure!(back == message, "echo differs from the message sent");
-                    next += gap;
-                }
-                Ok(rtt)
+                exchange(args, port, bytes, Some(gap))
             })
             .join()
             .expect("round-trip thread panicked")

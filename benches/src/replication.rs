@@ -824,21 +824,14 @@ mod tests {
 
     #[test]
     fn the_primary_has_a_core_of_its_own_where_there_are_two() {
-        assert_eq!(
-            (0..3).map(|i| broker_cpu(i, 1)).collect::<Vec<_>>(),
-            [0, 0, 0]
-        );
-        assert_eq!(
-            (0..3).map(|i| broker_cpu(i, 2)).collect::<Vec<_>>(),
-            [0, 1, 1]
-        );
-        assert_eq!(
-            (0..3).map(|i| broker_cpu(i, 3)).collect::<Vec<_>>(),
-            [0, 1, 2]
-        );
-        assert_eq!(
-            (0..3).map(|i| broker_cpu(i, 8)).collect::<Vec<_>>(),
-            [0, 1, 2]
-        );
+        for (ncpu, cpus) in [
+            (1, [0, 0, 0]),
+            (2, [0, 1, 1]),
+            (3, [0, 1, 2]),
+            (8, [0, 1, 2]),
+        ] {
+            let got: Vec<usize> = (0..3).map(|i| broker_cpu(i, ncpu)).collect();
+            assert_eq!(got, cpus, "{ncpu} CPUs");
+        }
     }
 }
