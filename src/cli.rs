@@ -223,13 +223,11 @@ struct ServeArgs {
 /// A duration in whole microseconds (`250us`, `250µs`) or as in journal
 /// specs (`2ms`, `0`), whose durations are whole milliseconds.
 fn parse_fine_duration(s: &str) -> Result<std::time::Duration, String> {
-    match s.strip_suffix("us").or_else(|| s.strip_suffix("µs")) {
-        Some(n) => n
-            .parse::<u64>()
-            .map(std::time::Duration::from_micros)
-            .map_err(|_| format!("{s:?} is not a duration such as 100us or 1ms")),
-        None => rotary_net::spec::parse_duration(s).map_err(|e| e.to_string()),
-    }
+    let parsed = match s.strip_suffix("us").or_else(|| s.strip_suffix("µs")) {
+        Some(n) => n.parse::<u64>().ok().map(std::time::Duration::from_micros),
+        None => rotary_net::spec::parse_duration(s).ok(),
+    };
+    parsed.ok_or_else(|| format!("{s:?} is not a duration such as 250us or 2ms"))
 }
 
 fn parse_ack_poll(s: &str) -> Result<std::time::Duration, String> {
@@ -1314,6 +1312,10 @@ mod tests {
         for bad in ["11ms", "1s", "us", "-1us", "soon"] {
             assert!(parse_ack_poll(bad).is_err(), "{bad}");
         }
+        assert_eq!(
+            parse_ack_poll("soon"),
+            Err("\"soon\" is not a duration such as 250us or 2ms".to_string())
+        );
         let Cmd::Serve(args) = Cli::try_parse_from(["rotary", "serve"]).unwrap().cmd else {
             panic!("serve");
         };
