@@ -60,6 +60,14 @@ pub struct Client {
     inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("endpoints", &self.endpoints().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
 struct Inner {
     endpoints: Vec<(String, Endpoint)>,
     options: ClientOptions,

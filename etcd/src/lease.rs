@@ -206,6 +206,15 @@ pub struct LeaseKeeper {
     task: tokio::task::JoinHandle<()>,
 }
 
+impl std::fmt::Debug for LeaseKeeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseKeeper")
+            .field("id", &self.id)
+            .field("state", &self.state())
+            .finish_non_exhaustive()
+    }
+}
+
 impl LeaseKeeper {
     /// The lease.
     pub fn id(&self) -> LeaseId {

@@ -29,6 +29,7 @@
 //! etcd on free loopback ports.
 
 #![deny(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod pb {
     //! The generated etcd v3 messages and gRPC clients.

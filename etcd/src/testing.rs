@@ -45,6 +45,7 @@ pub enum HarnessError {
 }
 
 /// A running (or stopped) etcd, owned by a test.
+#[derive(Debug)]
 pub struct Etcd {
     binary: PathBuf,
     dir: tempfile::TempDir,

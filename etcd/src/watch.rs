@@ -152,6 +152,16 @@ impl Client {
     }
 }
 
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher")
+            .field("key", &String::from_utf8_lossy(&self.key))
+            .field("next_revision", &self.next_revision)
+            .field("open", &self.stream.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Watcher {
     /// The first revision not yet delivered: where a resumed stream starts.
     pub fn next_revision(&self) -> i64 {
