@@ -39,6 +39,6 @@ pub use keys::{
 };
 pub use plan::plan;
 pub use state::{
-    apply, consistent, transactions, Assignment, Change, Guard, GuardKey, Item, Member, MemberSpec,
-    Op, Route, RouteError, Snapshot, TxnFailed, TXN_OPS_MAX,
+    apply, consistent, transactions, Assignment, Change, Guard, GuardKey, Item, KvError, Member,
+    MemberSpec, Op, Route, RouteError, Snapshot, TxnFailed, TXN_OPS_MAX,
 };

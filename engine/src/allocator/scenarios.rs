@@ -680,3 +680,51 @@ fn routes_round_trip_and_define_consistency() {
     assert!(consistent(&synced, &[k("j#a#1#0"), k("j#b#2#5")]));
     assert!(!consistent(&Assignment::default(), &cur));
 }
+
+#[test]
+fn a_snapshot_follows_etcds_key_values() {
+    let mut s = Snapshot::new("/rotary/", 10);
+    let spec = br#"{"endpoint":"10.0.0.1:7401","shards":4,"journal_limit":100}"#;
+    let m = s
+        .put_member("/rotary/members/zone-a#b1", spec, 5, 7, 42)
+        .unwrap();
+    assert_eq!(s.members[&m].spec.journal_limit, 100);
+    assert!(!s.members[&m].spec.exiting);
+    assert_eq!(s.members[&m].lease, 42);
+    assert_eq!(
+        s.leader_guard(),
+        Some(Guard {
+            key: GuardKey::Member(m.clone()),
+            mod_revision: 7
+        })
+    );
+    let route = Route {
+        primary: Some(m.clone()),
+        members: vec![m.clone()],
+    };
+    let a = s
+        .put_assignment("/rotary/assign/a/b#zone-a#b1#0", &route.encode(), 8, 9)
+        .unwrap();
+    assert_eq!(s.assignments[&a].route, Some(route));
+    // A value that does not decode: kept, never consistent, reported.
+    let e = s
+        .put_assignment("/rotary/assign/c/d#zone-a#b1#0", b"garbage", 8, 9)
+        .unwrap_err();
+    assert!(matches!(e, KvError::Route(_)), "{e}");
+    assert_eq!(s.assignments.len(), 2);
+    assert!(s
+        .put_member("/rotary/members/zone-a#b2", b"{}", 1, 1, 1)
+        .is_err());
+    assert!(matches!(
+        s.put_member("/rotary/items/x", spec, 1, 1, 1),
+        Err(KvError::WrongKind { .. })
+    ));
+    assert!(s
+        .put_assignment("/elsewhere/assign/a#b#c#0", b"", 1, 1)
+        .is_err());
+    s.delete("/rotary/assign/c/d#zone-a#b1#0").unwrap();
+    s.delete("/rotary/members/zone-a#b1").unwrap();
+    assert_eq!(s.assignments.len(), 1);
+    assert!(s.members.is_empty());
+    assert_eq!(s.leader_guard(), None);
+}

@@ -3,7 +3,7 @@
 //! make it an etcd transaction valid only against the state it was
 //! computed from).
 
-use super::keys::{self, AssignmentKey, MemberKey};
+use super::keys::{self, AssignmentKey, Key, KeyError, MemberKey};
 use std::collections::BTreeMap;
 
 /// A broker's own spec, the value of its member key.
@@ -197,6 +197,99 @@ impl Snapshot {
             .map(|(k, _)| k)
     }
 
+    /// The compare every transaction of the leader carries: its own member
+    /// key unchanged, so that a leader that lost its lease (or changed its
+    /// spec) writes nothing more.
+    pub fn leader_guard(&self) -> Option<Guard> {
+        let leader = self.leader()?;
+        Some(Guard {
+            key: GuardKey::Member(leader.clone()),
+            mod_revision: self.members[leader].mod_revision,
+        })
+    }
+
+    /// Records a member key read from etcd (a range read or a watch put).
+    pub fn put_member(
+        &mut self,
+        key: &str,
+        value: &[u8],
+        create_revision: i64,
+        mod_revision: i64,
+        lease: i64,
+    ) -> Result<MemberKey, KvError> {
+        let Key::Member(member) = keys::parse_key(&self.prefix, key)? else {
+            return Err(KvError::WrongKind {
+                key: key.to_string(),
+                want: "member",
+            });
+        };
+        let spec: MemberSpec =
+            serde_json::from_slice(value).map_err(|error| KvError::MemberSpec {
+                key: key.to_string(),
+                error,
+            })?;
+        self.members.insert(
+            member.clone(),
+            Member {
+                spec,
+                create_revision,
+                mod_revision,
+                lease,
+            },
+        );
+        Ok(member)
+    }
+
+    /// Records an assignment key read from etcd. A value that does not
+    /// decode is recorded as no route (never consistent: the assignment
+    /// still holds its member's place) and reported.
+    pub fn put_assignment(
+        &mut self,
+        key: &str,
+        value: &[u8],
+        create_revision: i64,
+        mod_revision: i64,
+    ) -> Result<AssignmentKey, KvError> {
+        let Key::Assignment(a) = keys::parse_key(&self.prefix, key)? else {
+            return Err(KvError::WrongKind {
+                key: key.to_string(),
+                want: "assignment",
+            });
+        };
+        let (route, bad) = match Route::decode(value) {
+            Ok(route) => (route, None),
+            Err(e) => (None, Some(e)),
+        };
+        self.assignments.insert(
+            a.clone(),
+            Assignment {
+                route,
+                create_revision,
+                mod_revision,
+            },
+        );
+        match bad {
+            None => Ok(a),
+            Some(e) => Err(KvError::Route(e)),
+        }
+    }
+
+    /// Forgets a key etcd deleted (a watch delete, a lease expiry).
+    pub fn delete(&mut self, key: &str) -> Result<(), KeyError> {
+        match keys::parse_key(&self.prefix, key)? {
+            Key::Item(j) => {
+                self.items.remove(&j);
+            }
+            Key::Member(m) => {
+                self.members.remove(&m);
+            }
+            Key::Assignment(a) => {
+                self.assignments.remove(&a);
+            }
+        }
+        Ok(())
+    }
+
     /// One journal's assignments, in key order.
     pub fn assignments_of<'a>(
         &'a self,
@@ -274,6 +367,22 @@ impl Snapshot {
     fn key_string(&self, key: &GuardKey) -> String {
         key.to_key(&self.prefix)
     }
+}
+
+/// A key-value from etcd that does not belong in a snapshot as given.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    #[error("{key} is not an {want} key")]
+    WrongKind { key: String, want: &'static str },
+    #[error("member {key}: the spec does not decode: {error}")]
+    MemberSpec {
+        key: String,
+        error: serde_json::Error,
+    },
+    #[error(transparent)]
+    Route(#[from] RouteError),
 }
 
 /// A transaction whose guard did not hold.
