@@ -34,6 +34,12 @@
 //! route, which holds every acknowledged byte); and, when nothing else
 //! changes, pack the replica slots one at a time.
 //!
+//! The fill is greedy, not a maximum flow as Gazette's: where member slots
+//! are short, it may leave a copy unplaced that moving another journal
+//! would make room for (Gazette's scale-up scenario: three members of
+//! limits 1, 2, 3 and journals of replication 1, 2, 3 end with 5 copies,
+//! not 6). With slots to spare it places every copy.
+//!
 //! Cost: O(A log A) to index the A assignments, then O(J · R · M) for J
 //! journals of replication R over M members.
 
