@@ -38,7 +38,10 @@
 //! are short, it may leave a copy unplaced that moving another journal
 //! would make room for (Gazette's scale-up scenario: three members of
 //! limits 1, 2, 3 and journals of replication 1, 2, 3 end with 5 copies,
-//! not 6). With slots to spare it places every copy.
+//! not 6). With slots to spare it places every copy. Likewise, rebalancing
+//! moves copies one hop (from a member above its share to one with room
+//! that lacks the journal): a member may stay one copy above its share
+//! rounded up where only a chain of two moves would relieve it.
 //!
 //! Cost: O(A log A) to index the A assignments, then O(J · R · M) for J
 //! journals of replication R over M members.
