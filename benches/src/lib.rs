@@ -43,6 +43,7 @@
 
 #![deny(unsafe_code)]
 
+mod allocator;
 mod backfill;
 mod baseline;
 mod broker;
@@ -96,6 +97,10 @@ pub enum Scenario {
     /// ack frame; and the same crossings through echo servers, with no
     /// broker work. Not part of `all`: it runs brokers of its own.
     Replication,
+    /// The allocator's CPU time to assign 100,000 journals of replication 3
+    /// over 4 brokers, and to react to a broker dying and one joining.
+    /// Not part of `all`: it is no broker scenario.
+    Allocator,
 }
 
 /// A core list given on the command line, e.g. `0,2-3`.
@@ -267,7 +272,8 @@ impl BenchArgs {
         (self.baseline && matches!(s, Scenario::Pingpong | Scenario::Baseline))
             || (self.scenarios.contains(&Scenario::All)
                 && s != Scenario::Backfill
-                && s != Scenario::Replication)
+                && s != Scenario::Replication
+                && s != Scenario::Allocator)
             || self.scenarios.contains(&s)
     }
 
@@ -497,6 +503,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         rt.shutdown_timeout(Duration::from_secs(5));
         target.close();
         result?;
+    }
+    if args.wants(Scenario::Allocator) {
+        allocator::run()?;
     }
     if args.wants(Scenario::Replication) {
         let f = replication::run(&args, &scratch.path().join("replication"))?;
