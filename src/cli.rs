@@ -38,7 +38,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Runs a broker until SIGINT or SIGTERM.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Creates, lists, deletes and seals journals.
     Journals {
         #[command(subcommand)]
@@ -85,12 +85,41 @@ enum Cmd {
 
 #[derive(Args, Debug)]
 struct BrokerArgs {
-    /// Broker endpoint, any shard's HOST:PORT [env: ROTARY_BROKER] [default: 127.0.0.1:7401]
-    #[arg(long = "broker", value_name = "HOST:PORT")]
+    /// How long an append keeps being tried while its journal's route moves
+    /// (a broker died or hands its journals off): a broken connection, or
+    /// NO_JOURNAL_PRIMARY_BROKER, INSUFFICIENT_JOURNAL_BROKERS,
+    /// REPLICATION_FAILED and the like. Each try asks the route again. A
+    /// retried append may have committed the first time; give --offset or
+    /// registers to keep it exactly once. Content longer than 16 MiB is
+    /// streamed and not retried. 0: no retries. [env: ROTARY_RETRY_FOR]
+    /// [default: 30s]
+    #[arg(long = "retry-for", value_name = "DURATION", value_parser = parse_retry_for)]
+    retry_for: Option<std::time::Duration>,
+    /// Broker endpoint, any shard's HOST:PORT, or several comma-separated
+    /// (the first that answers serves) [env: ROTARY_BROKER] [default: 127.0.0.1:7401]
+    #[arg(long = "broker", value_name = "HOST:PORT[,HOST:PORT…]")]
     broker: Option<String>,
 }
 
+/// The variable `--retry-for` falls back on.
+pub const RETRY_FOR_ENV: &str = "ROTARY_RETRY_FOR";
+/// `--retry-for` without the flag or the variable.
+const RETRY_FOR_DEFAULT: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl BrokerArgs {
+    /// `--retry-for`, else `ROTARY_RETRY_FOR`, else 30 s.
+    fn retry_for(&self) -> Result<std::time::Duration, CliError> {
+        if let Some(d) = self.retry_for {
+            return Ok(d);
+        }
+        match std::env::var(RETRY_FOR_ENV) {
+            Ok(v) if !v.is_empty() => parse_retry_for(&v).map_err(|why| {
+                CliError::Usage("BAD_USAGE", format!("{RETRY_FOR_ENV} {v:?}: {why}"))
+            }),
+            _ => Ok(RETRY_FOR_DEFAULT),
+        }
+    }
+
     /// The endpoint to connect to: `--broker`, else `ROTARY_BROKER`, else
     /// the default. One that is not `HOST:PORT` is bad usage, not an
     /// unreachable broker: trying again cannot help.
@@ -100,8 +129,12 @@ impl BrokerArgs {
             (None, Ok(e)) if !e.is_empty() => (e, BROKER_ENV),
             (None, _) => (BROKER_DEFAULT.to_string(), "the default broker"),
         };
-        check_endpoint(&endpoint)
-            .map_err(|why| CliError::Usage("BAD_USAGE", format!("{source} {endpoint:?}: {why}")))?;
+        // Several brokers, comma-separated: the first that answers serves.
+        for one in endpoint.split(',') {
+            check_endpoint(one.trim()).map_err(|why| {
+                CliError::Usage("BAD_USAGE", format!("{source} {endpoint:?}: {why}"))
+            })?;
+        }
         Ok(endpoint)
     }
 }
@@ -185,9 +218,44 @@ struct ServeArgs {
         conflicts_with = "listen"
     )]
     cluster: Option<PathBuf>,
-    /// This broker's id in the cluster file.
-    #[arg(long = "id", value_name = "ID", requires = "cluster")]
+    /// This broker's id: in the cluster file, or as a member in etcd.
+    #[arg(long = "id", value_name = "ID")]
     id: Option<String>,
+    /// etcd endpoints, comma-separated (`http://127.0.0.1:2379`): the
+    /// broker joins the cluster kept there under --etcd-prefix, as member
+    /// --id, and listens on --listen. Needs --id; excludes --cluster.
+    #[arg(long = "etcd", value_name = "URLS", conflicts_with = "cluster")]
+    etcd: Option<String>,
+    /// With --etcd: the broker's zone; replicas of a journal go to
+    /// distinct zones where there are enough.
+    #[arg(
+        long = "zone",
+        value_name = "ZONE",
+        default_value = "",
+        requires = "etcd"
+    )]
+    zone: String,
+    /// With --etcd: the address other brokers and clients reach shard 0
+    /// at (default: --listen).
+    #[arg(long = "advertise", value_name = "HOST:PORT", requires = "etcd")]
+    advertise: Option<String>,
+    /// With --etcd: the key prefix of the cluster in etcd.
+    #[arg(
+        long = "etcd-prefix",
+        value_name = "PREFIX",
+        default_value = "/rotary",
+        requires = "etcd"
+    )]
+    etcd_prefix: String,
+    /// With --etcd: the TTL of the broker's lease. A broker that dies is
+    /// noticed, and its journals move, once its lease expires. A duration
+    /// such as 10s; from 2s to 1h.
+    #[arg(long = "lease-ttl", value_name = "DURATION", value_parser = parse_lease_ttl, default_value = "10s", requires = "etcd")]
+    lease_ttl: std::time::Duration,
+    /// With --etcd: how many journals (as primary or replica) the broker
+    /// may hold.
+    #[arg(long = "journal-limit", value_name = "N", default_value_t = rotary_engine::cluster::JOURNAL_LIMIT_DEFAULT, requires = "etcd")]
+    journal_limit: u32,
     /// In a cluster: how often the broker compares its journal specs with
     /// each peer's and takes newer ones (changes and deletions it missed),
     /// besides once at start. A duration such as 30s or 5m; 0 = only at start.
@@ -218,6 +286,15 @@ struct ServeArgs {
     /// shard's core that time. Up to 10ms; 0 sleeps at once.
     #[arg(long = "ack-poll", value_name = "DURATION", value_parser = parse_ack_poll, default_value = "1ms")]
     ack_poll: std::time::Duration,
+}
+
+fn parse_lease_ttl(s: &str) -> Result<std::time::Duration, String> {
+    let d = rotary_net::spec::parse_duration(s)
+        .map_err(|_| format!("{s:?} is not a duration such as 10s or 1m"))?;
+    if d < std::time::Duration::from_secs(2) || d > std::time::Duration::from_secs(3600) {
+        return Err("must be from 2s to 1h".to_string());
+    }
+    Ok(d)
 }
 
 /// A duration in whole microseconds (`250us`, `250µs`) or as in journal
@@ -291,14 +368,29 @@ enum JournalsCmd {
         #[command(flatten)]
         broker: BrokerArgs,
     },
-    /// Lists journals. `-o yaml` prints a list of specs that `apply` takes
-    /// back; `-o json` prints the broker's entries (spec and route).
+    /// Lists journals. `-o yaml` prints a list of specs, each with the
+    /// revision it was read at, that `apply` takes back (refusing a spec
+    /// changed meanwhile); `-o json` prints the broker's entries (spec,
+    /// revision and route).
     List {
         /// Label selector, e.g. `app=orders,region notin (eu, us),!retired`.
         #[arg(short = 'l', long = "selector", default_value = "")]
         selector: String,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = ListFormat::Table)]
         output: ListFormat,
+        /// Keep listing: print a line for each journal whose spec or route
+        /// changes (and each that appears or goes), until interrupted.
+        #[arg(long = "watch", conflicts_with = "output")]
+        watch: bool,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Opens the specs of the selected journals in `$EDITOR` (as `list -o
+    /// yaml` prints them) and applies what is saved: a spec changed by
+    /// someone else meanwhile is refused with ETCD_TRANSACTION_FAILED.
+    Edit {
+        #[arg(short = 'l', long = "selector", default_value = "")]
+        selector: String,
         #[command(flatten)]
         broker: BrokerArgs,
     },
@@ -621,7 +713,7 @@ type CmdResult = Result<(), CliError>;
 /// Runs a parsed command line; returns the process exit code.
 pub fn run(cli: Cli) -> i32 {
     let result = match cli.cmd {
-        Cmd::Serve(args) => serve(args),
+        Cmd::Serve(args) => serve(*args),
         Cmd::Doctor { data } => return rotary_tuning::doctor::run(&data),
         Cmd::Tune { data, quick } => return tune(&data, quick),
         Cmd::Bench(args) => {
@@ -680,6 +772,7 @@ fn serve(args: ServeArgs) -> CmdResult {
             format!("--data {}: not a directory", args.data.display()),
         ));
     }
+    let etcd = etcd_config(&args, listen)?;
     let mut config = rotary_engine::ServeConfig::new(args.data, listen);
     apply_tune_profile(&mut config);
     config.cores = args.cores;
@@ -690,7 +783,18 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.append_queue_bytes = args.append_queue_budget;
     config.upload_threads = args.upload_threads;
     config.local_cache_bytes = args.local_cache;
-    config.cluster = args.cluster.zip(args.id);
+    config.etcd = etcd;
+    config.cluster = match (args.cluster, &args.id) {
+        (Some(file), Some(id)) => Some((file, id.clone())),
+        (Some(_), None) => return Err(CliError::Usage("BAD_USAGE", "--cluster needs --id".into())),
+        (None, Some(_)) if config.etcd.is_none() => {
+            return Err(CliError::Usage(
+                "BAD_USAGE",
+                "--id goes with --etcd or --cluster".into(),
+            ))
+        }
+        (None, _) => None,
+    };
     config.cpus = args.cpus.map(|c| c.0).unwrap_or_default();
     config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
     config.spec_sync_interval = args.spec_sync_interval;
@@ -699,6 +803,40 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.ack_poll = args.ack_poll;
     config.replica_ack_timeout = args.replica_ack_timeout;
     rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
+}
+
+/// The cluster on etcd that `serve` joins, if `--etcd` names one.
+fn etcd_config(
+    args: &ServeArgs,
+    listen: SocketAddr,
+) -> Result<Option<rotary_engine::cluster::EtcdConfig>, CliError> {
+    let Some(endpoints) = &args.etcd else {
+        return Ok(None);
+    };
+    let usage = |m: String| CliError::Usage("BAD_USAGE", m);
+    let id = args
+        .id
+        .clone()
+        .ok_or_else(|| usage("--etcd needs --id".into()))?;
+    let advertise = match &args.advertise {
+        None => listen,
+        Some(a) => a
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut it| it.next())
+            .ok_or_else(|| usage(format!("--advertise {a}: not a HOST:PORT")))?,
+    };
+    let config = rotary_engine::cluster::EtcdConfig {
+        endpoints: endpoints.split(',').map(|e| e.trim().to_string()).collect(),
+        prefix: args.etcd_prefix.clone(),
+        id,
+        zone: args.zone.clone(),
+        advertise,
+        lease_ttl: args.lease_ttl,
+        journal_limit: args.journal_limit,
+    };
+    config.check().map_err(usage)?;
+    Ok(Some(config))
 }
 
 fn tune(data: &std::path::Path, quick: bool) -> i32 {
@@ -761,7 +899,48 @@ fn apply_tune_profile(config: &mut rotary_engine::ServeConfig) {
 const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
-    answering(Client::connect(&broker.endpoint()?).await?).await
+    let options = rotary_net::client::ClientOptions {
+        retry_for: broker.retry_for()?,
+        ..Default::default()
+    };
+    answering(Client::connect_with(&broker.endpoint()?, options).await?).await
+}
+
+fn parse_retry_for(s: &str) -> Result<std::time::Duration, String> {
+    let d = rotary_net::spec::parse_duration(s)
+        .map_err(|_| format!("{s:?} is not a duration such as 30s or 2m"))?;
+    if d > std::time::Duration::from_secs(3600) {
+        return Err("must be at most 1h".to_string());
+    }
+    Ok(d)
+}
+
+/// Append content a CLI append reads into memory, so that it can be tried
+/// again; longer content is streamed as it is read, and not retried.
+const APPEND_RETRY_BUFFER_MAX: usize = 16 << 20;
+
+/// Appends what `input` yields: whole, with retries, if it ends within
+/// [`APPEND_RETRY_BUFFER_MAX`]; else streamed.
+async fn append_input<R>(
+    client: &Client,
+    req: &AppendRequest,
+    mut input: R,
+) -> Result<rotary_net::wire::AppendReply, CliError>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    (&mut input)
+        .take(APPEND_RETRY_BUFFER_MAX as u64 + 1)
+        .read_to_end(&mut head)
+        .await
+        .map_err(|e| CliError::Client(ClientError::Content(e)))?;
+    if head.len() <= APPEND_RETRY_BUFFER_MAX {
+        return Ok(client.append(req, head).await?);
+    }
+    let rest = std::io::Cursor::new(head).chain(input);
+    Ok(client.append_stream(req, rest).await?)
 }
 
 /// The client, once its broker answered a PING. A listener that accepts but
@@ -874,6 +1053,129 @@ fn name_list(specs: &[rotary_net::spec::JournalSpec]) -> String {
     text
 }
 
+/// Specs as YAML, each with the revision it was read at: `apply` of the
+/// edited list changes only what did not change meanwhile.
+fn revised_yaml(list: Vec<rotary_net::client::JournalInfo>) -> Result<String, CliError> {
+    let specs: Vec<serde_yaml::Value> = list
+        .into_iter()
+        .map(|j| {
+            let mut v = serde_yaml::to_value(&j.spec).unwrap_or_default();
+            if let Some(m) = v.as_mapping_mut() {
+                m.insert("revision".into(), j.revision.into());
+            }
+            v
+        })
+        .collect();
+    serde_yaml::to_string(&specs)
+        .context("encoding YAML")
+        .map_err(|e| CliError::Other("OUTPUT_ERROR", e))
+}
+
+/// How often `journals list --watch` lists again.
+const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// `journals list --watch`: a line per journal whose spec or route changed
+/// (all of them at first), as long as the command runs.
+async fn watch_journals(client: &Client, selector: &str) -> CmdResult {
+    let mut seen: std::collections::BTreeMap<String, String> = Default::default();
+    loop {
+        let list = client.list(selector).await?;
+        let mut now = std::collections::BTreeMap::new();
+        for j in &list {
+            let line = output::watch_line(j);
+            if seen.get(&j.spec.name) != Some(&line) {
+                print_text(&format!("{line}\n"))?;
+            }
+            now.insert(j.spec.name.clone(), line);
+        }
+        for gone in seen.keys().filter(|n| !now.contains_key(*n)) {
+            print_text(&format!("{gone}\tdeleted\n"))?;
+        }
+        seen = now;
+        tokio::time::sleep(WATCH_INTERVAL).await;
+    }
+}
+
+/// `journals edit`: the selected specs in `$EDITOR` (`vi` without one),
+/// applied when the editor exits 0 with the file changed.
+async fn edit_journals(client: &Client, selector: &str) -> CmdResult {
+    let list = client.list(selector).await?;
+    let before = revised_yaml(list)?;
+    let path = std::env::temp_dir().join(format!("rotary-edit-{}.yaml", std::process::id()));
+    let _remove = RemoveOnDrop(path.clone());
+    std::fs::write(&path, &before)
+        .map_err(|e| CliError::Other("EDIT_FAILED", anyhow::Error::new(e)))?;
+    let editor = std::env::var("EDITOR").unwrap_or_else(|_| "vi".into());
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{editor} \"$1\""))
+        .arg("sh")
+        .arg(&path)
+        .status()
+        .map_err(|e| CliError::Other("EDIT_FAILED", anyhow::anyhow!("running {editor}: {e}")))?;
+    if !status.success() {
+        return Err(CliError::Other(
+            "EDIT_FAILED",
+            anyhow::anyhow!("{editor} exited with {status}; nothing applied"),
+        ));
+    }
+    let after = std::fs::read_to_string(&path)
+        .map_err(|e| CliError::Other("EDIT_FAILED", anyhow::Error::new(e)))?;
+    if after == before {
+        return print_text("no change\n");
+    }
+    let (text, revisions) = take_revisions(&after)?;
+    let specs = parse_specs(&text).map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
+    let revised: Vec<_> = specs.iter().cloned().zip(revisions).collect();
+    let applied = client.apply_revised(&revised).await?;
+    let text = format!("applied {applied} journal(s): {}", name_list(&specs));
+    after_change(print_text(&format!("{text}\n")), || text)
+}
+
+/// Removes a file when dropped.
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Takes the `revision` of each spec out of a specs document (a list or
+/// one spec): the text without them, for [`parse_specs`], and each spec's
+/// revision in order.
+fn take_revisions(text: &str) -> Result<(String, Vec<Option<u64>>), CliError> {
+    let bad = |why: String| CliError::Usage("BAD_REQUEST", why);
+    let Ok(mut doc) = serde_yaml::from_str::<serde_yaml::Value>(text) else {
+        // parse_specs says what is wrong with it.
+        return Ok((text.to_string(), Vec::new()));
+    };
+    let mut take = |v: &mut serde_yaml::Value| -> Result<Option<u64>, CliError> {
+        let Some(m) = v.as_mapping_mut() else {
+            return Ok(None);
+        };
+        match m.remove("revision") {
+            None => Ok(None),
+            Some(r) => r
+                .as_u64()
+                .filter(|r| *r <= i64::MAX as u64)
+                .map(Some)
+                .ok_or_else(|| bad(format!("revision {r:?} is not a whole number of 0 or more"))),
+        }
+    };
+    let revisions = match &mut doc {
+        serde_yaml::Value::Sequence(items) => {
+            items.iter_mut().map(&mut take).collect::<Result<_, _>>()?
+        }
+        v => vec![take(v)?],
+    };
+    if revisions.iter().all(Option::is_none) {
+        return Ok((text.to_string(), revisions));
+    }
+    let text = serde_yaml::to_string(&doc).map_err(|e| bad(e.to_string()))?;
+    Ok((text, revisions))
+}
+
 /// Names `journals apply` prints before it counts the rest.
 const NAMES_SHOWN_MAX: usize = 10;
 
@@ -888,17 +1190,41 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
                 std::fs::read_to_string(&file)
                     .map_err(|e| CliError::Usage("BAD_USAGE", format!("reading {file}: {e}")))?
             };
+            let (text, revisions) = take_revisions(&text)?;
             let specs =
                 parse_specs(&text).map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
-            let applied = client.apply(&specs).await?;
+            let applied = if revisions.iter().all(Option::is_none) {
+                client.apply(&specs).await?
+            } else {
+                let revised: Vec<_> = specs.iter().cloned().zip(revisions).collect();
+                client.apply_revised(&revised).await?
+            };
             let text = format!("applied {applied} journal(s): {}", name_list(&specs));
             after_change(print_text(&format!("{text}\n")), || text)
         }
         JournalsCmd::List {
             selector,
+            watch,
+            broker,
+            ..
+        } if watch => {
+            LabelSelector::parse(&selector)
+                .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
+            let client = connect(&broker).await?;
+            watch_journals(&client, &selector).await
+        }
+        JournalsCmd::Edit { selector, broker } => {
+            LabelSelector::parse(&selector)
+                .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
+            let client = connect(&broker).await?;
+            edit_journals(&client, &selector).await
+        }
+        JournalsCmd::List {
+            selector,
             output,
             broker,
+            ..
         } => {
             LabelSelector::parse(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
@@ -913,13 +1239,7 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             let list = listing.journals;
             match output {
                 ListFormat::Json => print_json(&list),
-                ListFormat::Yaml => {
-                    let specs: Vec<_> = list.into_iter().map(|j| j.spec).collect();
-                    let text = serde_yaml::to_string(&specs)
-                        .context("encoding YAML")
-                        .map_err(|e| CliError::Other("OUTPUT_ERROR", e))?;
-                    print_text(&text)
-                }
+                ListFormat::Yaml => print_text(&revised_yaml(list)?),
                 ListFormat::Table => print_text(&output::journals_table(&list)),
             }
         }
@@ -999,8 +1319,8 @@ async fn append(args: AppendArgs) -> CmdResult {
     };
     let client = connect(&args.broker).await?;
     let reply = match input {
-        Some(file) => client.append_stream(&req, file).await?,
-        None => client.append_stream(&req, tokio::io::stdin()).await?,
+        Some(file) => append_input(&client, &req, file).await?,
+        None => append_input(&client, &req, tokio::io::stdin()).await?,
     };
     let line = serde_json::json!({
         "journal": args.name,

@@ -47,7 +47,11 @@ pub fn journals_table(list: &[JournalInfo]) -> String {
                 j.spec.labels.to_text(),
                 j.route.shard.to_string(),
                 j.route.endpoint.clone(),
-                route_text(&j.route.members),
+                match j.route.etcd_revision {
+                    // In a cluster on etcd: the revision the route was read at.
+                    Some(rev) => format!("{} @{rev}", route_text(&j.route.members)),
+                    None => route_text(&j.route.members),
+                },
             ]
         })
         .collect();
@@ -62,6 +66,21 @@ pub fn journals_table(list: &[JournalInfo]) -> String {
             "ROUTE",
         ],
         &rows,
+    )
+}
+
+/// One line of `journals list --watch`: name, spec revision, route (and
+/// the etcd revision it was read at), tab-separated.
+pub fn watch_line(j: &JournalInfo) -> String {
+    let at = j
+        .route
+        .etcd_revision
+        .map_or(String::new(), |r| format!(" @{r}"));
+    format!(
+        "{}\trevision {}\t{}{at}",
+        j.spec.name,
+        j.revision,
+        route_text(&j.route.members)
     )
 }
 

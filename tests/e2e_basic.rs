@@ -502,7 +502,14 @@ async fn journals_apply_list_delete_through_the_cli() {
         if text.trim() == "[]" {
             Vec::new()
         } else {
-            parse_specs(&text)
+            // Each spec comes with the revision it was read at (what
+            // `apply` checks when it is given back); the rest is a spec.
+            let mut doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+            for v in doc.as_sequence_mut().expect("a list") {
+                let r = v.as_mapping_mut().and_then(|m| m.remove("revision"));
+                assert!(r.and_then(|r| r.as_u64()).is_some_and(|r| r > 0), "{text}");
+            }
+            parse_specs(&serde_yaml::to_string(&doc).unwrap())
                 .unwrap_or_else(|e| panic!("list -o yaml is not apply input: {e}\n{text}"))
         }
     };

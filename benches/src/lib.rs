@@ -49,6 +49,7 @@ mod baseline;
 mod broker;
 mod child;
 mod cpu;
+mod failover;
 mod load;
 pub mod omb;
 mod pingpong;
@@ -101,6 +102,11 @@ pub enum Scenario {
     /// over 4 brokers, and to react to a broker dying and one joining.
     /// Not part of `all`: it is no broker scenario.
     Allocator,
+    /// A cluster on etcd (a real `etcd` and four `rotary serve --etcd`)
+    /// whose journal's primary is SIGKILLed ten times under load: time to
+    /// the first acknowledged append after each kill, appends lost, and
+    /// etcd writes of an idle cluster. Not part of `all`.
+    Failover,
 }
 
 /// A core list given on the command line, e.g. `0,2-3`.
@@ -116,6 +122,10 @@ fn parse_durability(s: &str) -> Result<rotary_net::spec::Durability, String> {
             "{other:?} is not a durability (replicated or fsync)"
         )),
     }
+}
+
+fn parse_ttl(s: &str) -> Result<Duration, String> {
+    rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())
 }
 
 fn parse_cpus(s: &str) -> Result<Cpus, String> {
@@ -162,6 +172,9 @@ pub struct BenchArgs {
     /// Appends per second of the live journal in the backfill scenario.
     #[arg(long = "backfill-rate", default_value_t = 2_000)]
     pub backfill_rate: u64,
+    /// The brokers' lease TTL in the failover scenario.
+    #[arg(long = "failover-ttl", value_name = "DURATION", value_parser = parse_ttl, default_value = "3s")]
+    pub failover_ttl: Duration,
     /// Appends per second of the 1 KiB phases of the replication scenario.
     #[arg(long = "replication-rate", default_value_t = 2_000)]
     pub replication_rate: u64,
@@ -273,7 +286,8 @@ impl BenchArgs {
             || (self.scenarios.contains(&Scenario::All)
                 && s != Scenario::Backfill
                 && s != Scenario::Replication
-                && s != Scenario::Allocator)
+                && s != Scenario::Allocator
+                && s != Scenario::Failover)
             || self.scenarios.contains(&s)
     }
 
@@ -516,6 +530,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             figures.steal_cpu_percent.push(("replication", p));
         }
         figures.replication = Some(f);
+    }
+    if args.wants(Scenario::Failover) {
+        let exe = replication::broker_executable()?;
+        let f = failover::run(&exe, &scratch.path().join("failover"), args.failover_ttl)?;
+        println!("{}", f.summary());
+        figures.failover = Some(f);
     }
     drop(scratch);
 

@@ -255,7 +255,7 @@ fn hop_floor(args: &BenchArgs) -> anyhow::Result<HopFloor> {
 
 /// `rotary`, which has `serve`: this executable, or when this is the
 /// stand-alone `rotary-bench`, the `rotary` next to it.
-fn broker_executable() -> anyhow::Result<PathBuf> {
+pub(crate) fn broker_executable() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let is_bench = exe
         .file_name()

@@ -249,6 +249,7 @@ pub struct Figures {
     pub tail_readers: Option<crate::tail::TailFigures>,
     pub backfill: Option<crate::backfill::BackfillFigures>,
     pub replication: Option<crate::replication::ReplicationFigures>,
+    pub failover: Option<crate::failover::Failover>,
     /// Per scenario: percent of all CPUs busy outside this process (other
     /// processes, kernel threads) while it ran.
     pub foreign_cpu_percent: Vec<(&'static str, f64)>,
@@ -536,6 +537,7 @@ impl Figures {
             "tail_readers": self.tail_readers,
             "backfill": self.backfill,
             "replication": self.replication,
+            "failover": self.failover,
             "ratios": self.ratios(),
             "bounds": self.bounds().into_iter().collect::<BTreeMap<_, _>>(),
             "skipped": self.skipped,

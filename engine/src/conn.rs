@@ -2,6 +2,7 @@
 //! to the shard, forwards requests for journals of other shards, and
 //! answers every malformed request with a status.
 
+use crate::cluster::control::{ControlError, ControlHandle};
 use crate::journal::{AbortReason, AckSink, AppendOp, Chunk, Proposal, ReplicaOp, SyncWaiter};
 use crate::metrics;
 use crate::outbox::{self, Outbox, OUTBOX_REQUESTS_PAUSE_BYTES};
@@ -822,6 +823,9 @@ impl Conn {
     }
 
     async fn apply(&self, id: u64, flags: u8, payload: &[u8]) {
+        if let Some(control) = self.shard.topology().control() {
+            return self.apply_in_etcd(control, id, payload).await;
+        }
         let local = flags & flag::LOCAL != 0;
         let (specs, revision) = match parse_apply(payload, local) {
             Ok(r) => r,
@@ -829,6 +833,9 @@ impl Conn {
         };
         if let Err(e) = check_specs(&specs) {
             return self.admin_err(id, Status::BAD_REQUEST, &e);
+        }
+        if let Err(e) = self.check_expected_revisions(payload, local) {
+            return self.admin_err(id, Status::ETCD_TRANSACTION_FAILED, &e);
         }
         let revision = revision.unwrap_or_else(|| self.shard.specs.next_revision());
         let n = match self.shard.specs.apply_at(specs.clone(), revision) {
@@ -848,6 +855,72 @@ impl Conn {
             }
         }
         self.admin_ok(id, &body);
+    }
+
+    /// APPLY in a cluster on etcd: one transaction of every spec, each
+    /// guarded by the revision the client gave with it (`"revision"`; 0:
+    /// the journal must not exist), answered once this broker's spec store
+    /// holds the change.
+    async fn apply_in_etcd(&self, control: &ControlHandle, id: u64, payload: &[u8]) {
+        let specs = match parse_apply_revised(payload) {
+            Ok(s) => s,
+            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
+        };
+        let plain: Vec<JournalSpec> = specs.iter().map(|(s, _)| s.clone()).collect();
+        if let Err(e) = check_specs(&plain) {
+            return self.admin_err(id, Status::BAD_REQUEST, &e);
+        }
+        let n = specs.len();
+        match control.apply(specs).await {
+            Ok(revision) => {
+                self.wait_for_revision(revision).await;
+                self.admin_ok(
+                    id,
+                    &serde_json::json!({ "applied": n, "revision": revision }),
+                )
+            }
+            Err(e) => self.admin_err(id, control_status(&e), &e.to_string()),
+        }
+    }
+
+    /// Outside etcd, the revisions a client's APPLY expects of its specs
+    /// (as `journals list -o yaml` prints them) are checked against the
+    /// store's, so that list, edit, apply is as safe a round trip as in a
+    /// cluster on etcd. (Two APPLYs racing on different shards may both
+    /// pass; etcd's transactions have no such gap.)
+    fn check_expected_revisions(&self, payload: &[u8], local: bool) -> Result<(), String> {
+        if local {
+            return Ok(());
+        }
+        let Ok(revised) = parse_apply_revised(payload) else {
+            return Ok(());
+        };
+        for (spec, expect) in revised {
+            let Some(expect) = expect else { continue };
+            let now = self
+                .shard
+                .specs
+                .get_revised(&spec.name)
+                .map_or(0, |r| r.revision);
+            if now != expect as u64 {
+                return Err(format!(
+                    "journal {:?} is at revision {now}, not {expect}: list it again",
+                    spec.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits (bounded) until the spec store took etcd's change at
+    /// `revision`, so that a LIST right after an APPLY shows it.
+    async fn wait_for_revision(&self, revision: i64) {
+        let give_up = std::time::Instant::now() + REVISION_WAIT_MAX;
+        while self.shard.specs.revision_seen() < revision as u64
+            && std::time::Instant::now() < give_up
+        {
+            compio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 
     /// Sends an admin request (with LOCAL) to every other broker of the
@@ -1215,6 +1288,7 @@ impl Conn {
                             endpoint: endpoint.to_string(),
                             primary: members.first().cloned().unwrap_or_default(),
                             members,
+                            etcd_revision: view.assigned.as_ref().map(|a| a.revision),
                         },
                         spec: Box::new(r.spec),
                         revision: r.revision,
@@ -1270,6 +1344,26 @@ impl Conn {
         }
         let not_found = format!("journal {name:?} does not exist");
         match frame.op {
+            Op::DELETE if self.shard.topology().control().is_some() => {
+                let control = self.shard.topology().control().expect("etcd").clone();
+                let expect = match parse_delete_expect(frame.payload) {
+                    Ok(r) => r,
+                    Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
+                };
+                match control.delete(name.clone(), expect).await {
+                    Ok(revision) => {
+                        self.wait_for_revision(revision).await;
+                        self.admin_ok(
+                            id,
+                            &serde_json::json!({ "deleted": name, "revision": revision }),
+                        )
+                    }
+                    Err(ControlError::TxnFailed(_)) if expect.is_none() => {
+                        self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found)
+                    }
+                    Err(e) => self.admin_err(id, control_status(&e), &e.to_string()),
+                }
+            }
             Op::DELETE => {
                 let is_local = frame.flags & flag::LOCAL != 0;
                 let revision = match parse_revision(frame.payload, is_local) {
@@ -1490,6 +1584,9 @@ struct ListedRoute {
     /// The primary's id; empty if the route has no members.
     primary: String,
     members: Vec<String>,
+    /// In a cluster on etcd, the etcd revision the route was read at.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    etcd_revision: Option<i64>,
 }
 
 /// The status of a change of specs that could not be stored: a full disk
@@ -1863,6 +1960,11 @@ fn parse_apply(payload: &[u8], local: bool) -> Result<(Vec<JournalSpec>, Option<
         |e: serde_json::Error| Err(format!("specs must be a JSON array of journal specs: {e}"));
     match serde_json::from_slice::<Vec<JournalSpec>>(payload) {
         Ok(specs) => Ok((specs, None)),
+        // Specs that carry the revision they expect (checked apart).
+        Err(_) if !local && parse_apply_revised(payload).is_ok() => {
+            let specs = parse_apply_revised(payload)?;
+            Ok((specs.into_iter().map(|(s, _)| s).collect(), None))
+        }
         Err(e) if !local => refuse(e),
         Err(e) => match serde_json::from_slice::<Revised>(payload) {
             Ok(r) => Ok((r.specs, Some(crate::specs::check_revision(r.revision)?))),
@@ -1910,6 +2012,55 @@ fn check_store_dir(dir: &std::path::Path) -> Result<(), String> {
 
 /// Longest a FRAGMENTS request waits for its journal's first store listing.
 const FRAGMENTS_LISTING_WAIT: Duration = Duration::from_secs(30);
+
+/// How long an APPLY or DELETE in a cluster on etcd waits for the watch
+/// to bring its change to this broker before it answers all the same.
+const REVISION_WAIT_MAX: Duration = Duration::from_secs(5);
+
+/// The status of a request the control thread could not carry out.
+fn control_status(e: &ControlError) -> Status {
+    match e {
+        ControlError::TxnFailed(_) => Status::ETCD_TRANSACTION_FAILED,
+        ControlError::Etcd(_) | ControlError::Gone => Status::IO_ERROR,
+    }
+}
+
+/// APPLY's payload in a cluster on etcd: a JSON array of journal specs,
+/// each of which may carry `"revision"`, the revision of the journal's
+/// spec the change was made from (0: the journal must not exist yet).
+fn parse_apply_revised(payload: &[u8]) -> Result<Vec<(JournalSpec, Option<i64>)>, String> {
+    let values: Vec<serde_json::Value> = serde_json::from_slice(payload)
+        .map_err(|e| format!("specs must be a JSON array of journal specs: {e}"))?;
+    values
+        .into_iter()
+        .map(|mut v| {
+            let revision =
+                match v.as_object_mut().and_then(|o| o.remove("revision")) {
+                    None => None,
+                    Some(r) => Some(r.as_i64().filter(|r| *r >= 0).ok_or_else(|| {
+                        format!("revision {r} is not a whole number of 0 or more")
+                    })?),
+                };
+            let spec: JournalSpec = serde_json::from_value(v).map_err(|e| e.to_string())?;
+            Ok((spec, revision))
+        })
+        .collect()
+}
+
+/// DELETE's payload in a cluster on etcd: empty, or `{"revision": N}`, the
+/// revision of the spec the deletion was decided on.
+fn parse_delete_expect(payload: &[u8]) -> Result<Option<i64>, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Revision {
+        revision: i64,
+    }
+    if payload.is_empty() {
+        return Ok(None);
+    }
+    let r = serde_json::from_slice::<Revision>(payload).map_err(|e| format!("delete: {e}"))?;
+    Ok(Some(r.revision))
+}
 
 /// DELETE's payload from a peer broker (flag LOCAL): the deletion's
 /// revision, `{"revision": N}`. Read back by [`parse_revision`].

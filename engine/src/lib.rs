@@ -10,6 +10,7 @@
 
 pub mod allocator;
 pub mod check;
+pub mod cluster;
 pub mod conn;
 pub mod fetch;
 pub mod hasher;
@@ -90,6 +91,8 @@ pub struct ServeConfig {
     /// A static cluster file and this broker's id in it. The broker then
     /// listens on its endpoint from the file (`listen` is ignored).
     pub cluster: Option<(PathBuf, String)>,
+    /// A cluster on etcd to join (excludes `cluster`).
+    pub etcd: Option<cluster::EtcdConfig>,
     /// Bytes of large appends a shard's hasher may have yet to hash before
     /// the shard holds such appends back (see `hasher`).
     pub hash_backlog_bytes: usize,
@@ -134,6 +137,7 @@ impl ServeConfig {
             peer_silence: crate::conn::PEER_SILENCE_DEFAULT,
             replica_ack_timeout: crate::pipeline::ACK_TIMEOUT_DEFAULT,
             cluster: None,
+            etcd: None,
             hash_backlog_bytes: hasher::BACKLOG_BYTES,
             shard_slice: SHARD_SLICE_DEFAULT,
             ack_poll: ACK_POLL_DEFAULT,
@@ -224,7 +228,16 @@ pub struct Broker {
     done: crossbeam_channel::Receiver<u32>,
     _lock: std::fs::File,
     pub endpoints: Vec<SocketAddr>,
+    /// The broker's session with the cluster on etcd, if it is in one.
+    etcd: Option<cluster::Cluster>,
 }
+
+/// How long a clean stop of a broker in a cluster on etcd waits for its
+/// journals to move to other brokers before it stops anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The spec store's file of a broker in a cluster on etcd.
+const ETCD_SPECS_FILE: &str = "etcd-specs.json";
 
 fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, EngineError> {
     use std::os::fd::AsRawFd;
@@ -368,7 +381,22 @@ impl Broker {
             ),
             _ => {}
         }
-        let specs = Arc::new(specs::SpecStore::open(dir.join("specs.json"))?);
+        // A broker of a cluster on etcd mirrors etcd's specs in a file of
+        // its own: revisions there are etcd's, not comparable with a single
+        // node's or a cluster file's.
+        let specs_file = if config.etcd.is_some() {
+            ETCD_SPECS_FILE
+        } else {
+            "specs.json"
+        };
+        let specs = Arc::new(specs::SpecStore::open(dir.join(specs_file))?);
+        let mut etcd = match config.etcd.clone() {
+            Some(c) => {
+                cluster::retire_local_journals(dir)?;
+                Some(cluster::Cluster::connect(c, shards as u32, specs.clone())?)
+            }
+            None => None,
+        };
         let cluster_view = match &config.cluster {
             Some((path, me)) => {
                 Some(topology::load_cluster_file(path, me).map_err(EngineError::Config)?)
@@ -408,6 +436,13 @@ impl Broker {
             record_shard_count(dir, shards)?;
         }
         let topology = match cluster_view {
+            _ if etcd.is_some() => {
+                let c = etcd.as_ref().expect("etcd");
+                let t = topology::Topology::new(c.view.clone());
+                t.mark_peers_asked();
+                t.set_control(c.handle.clone());
+                t
+            }
             Some(v) => {
                 let t = topology::Topology::remember_in(v, dir.join(CLUSTER_VIEWS_FILE));
                 let (path, me) = config.cluster.clone().expect("cluster view from a file");
@@ -478,17 +513,29 @@ impl Broker {
                 .recv()
                 .map_err(|_| EngineError::Config("a shard thread died while starting".into()))??;
         }
+        if let Some(c) = etcd.as_mut() {
+            c.announce(topology.clone())?;
+            tracing::info!(id = %config.etcd.as_ref().map_or("", |e| e.id.as_str()), "joined the cluster in etcd");
+        }
         tracing::info!(shards, endpoint = %endpoints[0], data = %dir.display(), "rotary is serving");
         Ok(Broker {
             stops,
             done: done_rx,
             _lock: lock,
             endpoints,
+            etcd,
         })
     }
 
     /// Stops accepting, lets in-flight appends commit, and returns.
-    pub fn shutdown(self) {
+    pub fn shutdown(mut self) {
+        if let Some(c) = &self.etcd {
+            tracing::info!("handing this broker's journals to other brokers");
+            match c.drain(DRAIN_TIMEOUT) {
+                0 => tracing::info!("every journal handed off"),
+                n => tracing::warn!(left = n, "not every journal was handed off in time"),
+            }
+        }
         for s in &self.stops {
             let _ = s.try_send(());
         }
@@ -502,6 +549,9 @@ impl Broker {
         }
         // Files the shards handed over for deletion are gone before exit.
         reaper::flush();
+        if let Some(c) = self.etcd.take() {
+            c.stop();
+        }
     }
 }
 

@@ -852,6 +852,11 @@ impl Shard {
     }
 
     /// The current view and the ones before it.
+    /// Where views come from (and, in a cluster on etcd, the control thread).
+    pub fn topology(&self) -> &Arc<Topology> {
+        &self.topology
+    }
+
     pub fn views(&self) -> crate::topology::Views {
         let v = self.topology.version();
         let mut cur = self.view.borrow_mut();
@@ -876,6 +881,12 @@ impl Shard {
     ) -> (u64, Vec<Member>) {
         let views = self.views();
         let mut sources: Vec<Member> = Vec::new();
+        // In a cluster on etcd a primary is only ever a member that was
+        // consistent with the route before it (it holds every acknowledged
+        // byte), and brokers that left hold nothing it lacks: nobody to ask.
+        if views.current.assigned.is_some() {
+            return (views.version, sources);
+        }
         for view in views.since(since) {
             for m in view.route(&spec.name, spec.replication).members {
                 if m.id != views.current.me
@@ -1333,7 +1344,7 @@ impl Shard {
             })
             .detach();
         }
-        if self.index == 0 && !self.view().is_single() {
+        if self.index == 0 && !self.view().is_single() && self.topology.control().is_none() {
             compio::runtime::spawn(self.clone().catch_up_specs()).detach();
         }
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
@@ -2971,6 +2982,11 @@ impl Shard {
                 match res {
                     Ok(repl) => {
                         metrics::add(&me.metrics.syncs, 1);
+                        // In a cluster on etcd the assignments record the
+                        // route: its members are consistent from now on.
+                        if let Some(control) = me.topology.control() {
+                            control.synced(&jm.name, route.ids());
+                        }
                         jm.repl = Some(repl);
                         jm.sync_retry = None;
                         jm.first_sync_pending = false;

@@ -463,6 +463,11 @@ impl SpecStore {
         self.caught_up.load(Ordering::Acquire)
     }
 
+    /// The highest revision this store has seen or issued.
+    pub fn revision_seen(&self) -> u64 {
+        self.clock.load(Ordering::Acquire)
+    }
+
     pub fn mark_caught_up(&self) {
         self.caught_up.store(true, Ordering::Release);
     }

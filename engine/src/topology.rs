@@ -56,6 +56,20 @@ pub struct ClusterView {
     /// This broker's id.
     pub me: String,
     pub brokers: Vec<Member>,
+    /// In a cluster on etcd, the assignments the routes are read from and
+    /// the etcd revision they were read at; `None` for a single node and a
+    /// cluster file, whose routes are computed from `brokers`.
+    pub assigned: Option<Arc<Assigned>>,
+}
+
+/// Journal routes as etcd's assignments give them, at one revision.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Assigned {
+    /// The etcd revision the assignments were read at.
+    pub revision: i64,
+    /// Per journal, the member id at each slot (slot 0 is the primary);
+    /// `None` where the slot is empty.
+    pub routes: std::collections::BTreeMap<String, Vec<Option<String>>>,
 }
 
 /// The brokers holding a journal: the primary first. Each member's shard
@@ -121,6 +135,7 @@ impl ClusterView {
                 endpoint,
                 shards: None,
             }],
+            assigned: None,
         }
     }
 
@@ -147,6 +162,7 @@ impl ClusterView {
                 .filter(|m| m.id != self.me)
                 .cloned()
                 .collect(),
+            assigned: self.assigned.clone(),
         }
     }
 
@@ -155,6 +171,9 @@ impl ClusterView {
     /// before a second from any zone. A single-node broker holds every
     /// journal alone whatever its replication.
     pub fn route(&self, journal: &str, replication: u32) -> Route {
+        if let Some(assigned) = &self.assigned {
+            return self.assigned_route(assigned, journal, replication);
+        }
         if self.is_single() {
             return Route {
                 members: self.brokers.clone(),
@@ -186,6 +205,27 @@ impl ClusterView {
         Route {
             members,
             replication: want,
+        }
+    }
+
+    /// The route etcd's assignments give: the members at slots 0, 1, …
+    /// in slot order. Without a live primary (slot 0 empty, or its member
+    /// gone) the route is empty until the allocator promotes a replica:
+    /// nobody takes appends, and no replica acts as a primary on its own.
+    fn assigned_route(&self, assigned: &Assigned, journal: &str, replication: u32) -> Route {
+        let slots = assigned.routes.get(journal).map(Vec::as_slice);
+        let members: Vec<Member> = match slots {
+            Some([Some(primary), ..]) if self.member(primary).is_some() => slots
+                .unwrap_or_default()
+                .iter()
+                .flatten()
+                .filter_map(|id| self.member(id).cloned())
+                .collect(),
+            _ => Vec::new(),
+        };
+        Route {
+            members,
+            replication: replication as usize,
         }
     }
 }
@@ -230,6 +270,7 @@ fn parse_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
     Ok(ClusterView {
         me: me.to_string(),
         brokers: file.brokers,
+        assigned: None,
     })
 }
 
@@ -319,6 +360,8 @@ pub struct Topology {
     /// Whether every peer has been asked once for the views it knows since
     /// this broker started (see [`Topology::learn`]); takeovers wait for it.
     peers_asked: AtomicBool,
+    /// In a cluster on etcd, the way to its control thread.
+    control: std::sync::OnceLock<crate::cluster::control::ControlHandle>,
 }
 
 impl Topology {
@@ -345,6 +388,7 @@ impl Topology {
             .map(|brokers| ClusterView {
                 me: view.me.clone(),
                 brokers,
+                assigned: None,
             })
             .collect();
         let t = Topology::starting(view, remembered, Some(path));
@@ -374,7 +418,21 @@ impl Topology {
             }),
             version: AtomicU64::new(1),
             memory,
+            control: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Hands the shards the way to the control thread of a cluster on etcd.
+    pub fn set_control(&self, control: crate::cluster::control::ControlHandle) {
+        assert!(
+            self.control.set(control).is_ok(),
+            "one control thread per broker"
+        );
+    }
+
+    /// The control thread, in a cluster on etcd.
+    pub fn control(&self) -> Option<&crate::cluster::control::ControlHandle> {
+        self.control.get()
     }
 
     pub fn version(&self) -> u64 {
@@ -427,6 +485,7 @@ impl Topology {
                 let view = ClusterView {
                     me: cur.current.me.clone(),
                     brokers,
+                    assigned: None,
                 };
                 let known = view == *cur.current
                     || cur.earlier.iter().any(|(_, e)| **e == view)
@@ -545,6 +604,7 @@ mod tests {
                     shards: None,
                 })
                 .collect(),
+            assigned: None,
         }
     }
 

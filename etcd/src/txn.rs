@@ -137,6 +137,18 @@ impl Op {
         }))
     }
 
+    /// Writes a key's value and keeps the lease it has (etcd's
+    /// `ignore_lease`): for a key that lives under another client's lease.
+    /// The key must exist, or etcd refuses the transaction.
+    pub fn put_keep_lease(key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) -> Op {
+        Op::request(rpc::request_op::Request::RequestPut(rpc::PutRequest {
+            key: key.into(),
+            value: value.into(),
+            ignore_lease: true,
+            ..Default::default()
+        }))
+    }
+
     /// Deletes one key.
     pub fn delete(key: impl Into<Vec<u8>>) -> Op {
         Op::request(rpc::request_op::Request::RequestDeleteRange(

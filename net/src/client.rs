@@ -214,6 +214,9 @@ pub struct JournalRoute {
     /// Ids of the brokers holding the journal, primary first.
     #[serde(default)]
     pub members: Vec<String>,
+    /// In a cluster on etcd, the etcd revision the route was read at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_revision: Option<i64>,
 }
 
 /// Options of [`Client::append_with`].
@@ -390,6 +393,14 @@ pub struct ClientOptions {
     /// `TimedOut` I/O error once it has heard nothing for twice this long.
     /// Default [`SILENCE_DEFAULT`].
     pub silence: Duration,
+    /// How long [`Client::append`] and [`Client::append_with`] keep trying
+    /// an append that failed because its journal's route is moving (a
+    /// broker died or is handing its journals off): a broken connection or
+    /// a status of [`is_failover`]. Each try looks the route up again.
+    /// Zero (the default): no second try. An append retried after a broken
+    /// connection may have committed the first time: with retries, appends
+    /// are at least once unless they carry an expected offset or registers.
+    pub retry_for: Duration,
 }
 
 impl Default for ClientOptions {
@@ -397,9 +408,37 @@ impl Default for ClientOptions {
         ClientOptions {
             pinned: false,
             silence: SILENCE_DEFAULT,
+            retry_for: Duration::ZERO,
         }
     }
 }
+
+/// Whether an error says the journal's route is moving, so that a retry
+/// after looking the route up again can succeed: the broker is unreachable
+/// or the connection broke, or the broker refused for want of a primary,
+/// of members, or of its replicas' acknowledgements.
+pub fn is_failover(e: &ClientError) -> bool {
+    match e {
+        ClientError::Io { .. } => true,
+        ClientError::Status { status, .. } => matches!(
+            *status,
+            Status::NO_JOURNAL_PRIMARY_BROKER
+                | Status::NOT_JOURNAL_PRIMARY_BROKER
+                | Status::NOT_JOURNAL_BROKER
+                | Status::INSUFFICIENT_JOURNAL_BROKERS
+                | Status::WRONG_ROUTE
+                | Status::REPLICATION_FAILED
+                | Status::SHUTTING_DOWN
+                | Status::PROPOSAL_MISMATCH
+        ),
+        _ => false,
+    }
+}
+
+/// The first pause between tries of a failing append, doubling up to
+/// [`RETRY_PAUSE_MAX`].
+pub const RETRY_PAUSE_MIN: Duration = Duration::from_millis(50);
+pub const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
 
 /// A client of one broker. Clones share connections and the route cache.
 #[derive(Clone)]
@@ -410,8 +449,12 @@ pub struct Client {
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Conn>>>>;
 
 struct Inner {
-    /// The endpoint given to `connect`.
+    /// The endpoints given to `connect`, as given (comma-separated).
     bootstrap: String,
+    /// Each of them: admin requests and ROUTE go to the first that answers.
+    bootstraps: Vec<String>,
+    /// The one that answered last.
+    current: std::sync::atomic::AtomicUsize,
     /// One slot per endpoint; the async lock makes concurrent first users
     /// share one connection attempt.
     conns: Mutex<HashMap<String, Slot>>,
@@ -435,8 +478,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Client {
-    /// Connects to a broker through any of its shard endpoints (`host:port`).
-    /// Appends go to each journal's primary, wherever the route puts it.
+    /// Connects to a broker through any of its shard endpoints (`host:port`),
+    /// or to the first that answers of several (`a:7401,b:7401,c:7401`):
+    /// later requests move to another of them when the one in use stops
+    /// answering. Appends go to each journal's primary, wherever the route
+    /// puts it.
     pub async fn connect(endpoint: &str) -> Result<Client, ClientError> {
         Client::connect_with(endpoint, ClientOptions::default()).await
     }
@@ -457,16 +503,33 @@ impl Client {
         endpoint: &str,
         options: ClientOptions,
     ) -> Result<Client, ClientError> {
+        let bootstraps: Vec<String> = endpoint
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(String::from)
+            .collect();
+        if bootstraps.is_empty() {
+            return Err(ClientError::Io {
+                endpoint: endpoint.to_string(),
+                source: Arc::new(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "no endpoint given",
+                )),
+            });
+        }
         let client = Client {
             inner: Arc::new(Inner {
                 bootstrap: endpoint.to_string(),
+                bootstraps,
+                current: std::sync::atomic::AtomicUsize::new(0),
                 conns: Mutex::new(HashMap::new()),
                 routes: Mutex::new(HashMap::new()),
                 options,
                 http: OnceLock::new(),
             }),
         };
-        client.conn(endpoint).await?;
+        client.bootstrap_conn().await?;
         Ok(client)
     }
 
@@ -492,9 +555,34 @@ impl Client {
         Ok(c)
     }
 
+    /// The connection to the bootstrap endpoint in use, or to the next of
+    /// them that answers when it does not.
     async fn bootstrap_conn(&self) -> Result<Arc<Conn>, ClientError> {
-        let endpoint = self.inner.bootstrap.clone();
-        self.conn(&endpoint).await
+        use std::sync::atomic::Ordering;
+        let all = &self.inner.bootstraps;
+        let first = self.inner.current.load(Ordering::Relaxed);
+        let mut failed = None;
+        for i in 0..all.len() {
+            let at = (first + i) % all.len();
+            match self.conn(&all[at]).await {
+                Ok(c) => {
+                    self.inner.current.store(at, Ordering::Relaxed);
+                    return Ok(c);
+                }
+                Err(e @ ClientError::Io { .. }) => failed = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(failed.expect("at least one endpoint"))
+    }
+
+    /// The bootstrap endpoint in use.
+    fn current_bootstrap(&self) -> &str {
+        let at = self
+            .inner
+            .current
+            .load(std::sync::atomic::Ordering::Relaxed);
+        &self.inner.bootstraps[at]
     }
 
     /// Asks the broker which shard owns `journal` (not cached).
@@ -523,7 +611,7 @@ impl Client {
                 } else {
                     &route.endpoint
                 };
-                let endpoint = reachable_endpoint(target, &self.inner.bootstrap);
+                let endpoint = reachable_endpoint(target, self.current_bootstrap());
                 let mut routes = lock(&self.inner.routes);
                 if routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
                     routes.clear();
@@ -583,6 +671,36 @@ impl Client {
             });
         }
         Ok(())
+    }
+
+    /// Creates or replaces journals, each only if its spec is still at the
+    /// revision given with it (`Some(0)`: only if the journal does not
+    /// exist; `None`: whatever it is at), all or none: a revision that does
+    /// not hold fails them all with `ETCD_TRANSACTION_FAILED`. Returns how
+    /// many were applied.
+    pub async fn apply_revised(
+        &self,
+        specs: &[(JournalSpec, Option<u64>)],
+    ) -> Result<u64, ClientError> {
+        #[derive(Deserialize)]
+        struct Applied {
+            applied: u64,
+        }
+        let entries: Vec<serde_json::Value> = specs
+            .iter()
+            .map(|(spec, revision)| {
+                let mut v = serde_json::to_value(spec).expect("specs serialize to JSON");
+                if let (Some(r), Some(o)) = (revision, v.as_object_mut()) {
+                    o.insert("revision".into(), (*r).into());
+                }
+                v
+            })
+            .collect();
+        let body = serde_json::to_vec(&entries).expect("JSON");
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(&conn, Op::APPLY, Bytes::new(), body.into()).await?;
+        let a: Applied = admin_json(&conn, Op::APPLY, reply)?;
+        Ok(a.applied)
     }
 
     /// Creates or replaces journals. Returns how many were applied.
@@ -772,11 +890,34 @@ impl Client {
             .await
     }
 
-    /// [`Client::append`] with options.
+    /// [`Client::append`] with options. Tried again while the journal's
+    /// route moves, for up to [`ClientOptions::retry_for`].
     pub async fn append_with(
         &self,
         req: &AppendRequest,
         content: impl Into<Bytes>,
+        options: AppendOptions,
+    ) -> Result<AppendReply, ClientError> {
+        let content: Bytes = content.into();
+        let give_up = tokio::time::Instant::now() + self.inner.options.retry_for;
+        let mut pause = RETRY_PAUSE_MIN;
+        loop {
+            let r = self.append_once(req, content.clone(), options).await;
+            match r {
+                Err(e) if is_failover(&e) && tokio::time::Instant::now() + pause < give_up => {
+                    self.forget_route(&req.journal);
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn append_once(
+        &self,
+        req: &AppendRequest,
+        content: Bytes,
         options: AppendOptions,
     ) -> Result<AppendReply, ClientError> {
         let first_flags = if options.do_not_proxy {
@@ -784,7 +925,6 @@ impl Client {
         } else {
             0
         };
-        let content: Bytes = content.into();
         let meta = encode_append_meta(req)?;
         let r = async {
             let conn = self.journal_conn(&req.journal).await?;

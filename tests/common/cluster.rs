@@ -30,7 +30,7 @@ pub const LOG_LINES_ON_PANIC: usize = 400;
 /// How long the whole cluster may take to agree on a journal after APPLY.
 pub const APPLY_SETTLE_TIMEOUT: Duration = Duration::from_secs(20);
 
-static ONE_CLUSTER_AT_A_TIME: Mutex<()> = Mutex::new(());
+pub static ONE_CLUSTER_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// One member of a [`Cluster`]: a fixed id, zone, ports and data directory;
 /// the process comes and goes.
@@ -47,9 +47,34 @@ pub struct ClusterBroker {
     cluster_file: PathBuf,
     /// More `rotary serve` arguments, for the next start.
     pub serve_args: Vec<String>,
+    /// A cluster on etcd to join instead of the cluster file: the etcd
+    /// endpoint and the lease TTL (`3s`).
+    pub etcd: Option<(String, String)>,
 }
 
 impl ClusterBroker {
+    /// Broker `b<i+1>` of zone `ZONES[i]`, with ports and a data directory
+    /// of its own, not started.
+    pub fn new(i: usize, cores: usize, cluster_file: PathBuf) -> ClusterBroker {
+        let bdir = tempfile::Builder::new()
+            .prefix(&format!("rotary-b{}-", i + 1))
+            .tempdir()
+            .expect("temp dir");
+        ClusterBroker {
+            id: format!("b{}", i + 1),
+            zone: ZONES[i].to_string(),
+            cores,
+            base_port: super::free_port_range(cores),
+            data: bdir.path().join("data"),
+            dir: bdir,
+            child: None,
+            starts: 0,
+            cluster_file,
+            serve_args: Vec::new(),
+            etcd: None,
+        }
+    }
+
     /// Shard 0's endpoint, as the cluster file names it.
     pub fn endpoint(&self) -> String {
         format!("127.0.0.1:{}", self.base_port)
@@ -106,10 +131,15 @@ impl ClusterBroker {
         self.starts += 1;
         let log = std::fs::File::create(self.log_path(self.starts)).expect("log file");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_rotary"));
-        cmd.arg("serve")
-            .arg("--cluster")
-            .arg(&self.cluster_file)
-            .arg("--id")
+        cmd.arg("serve");
+        match &self.etcd {
+            Some((endpoint, ttl)) => cmd
+                .args(["--etcd", endpoint, "--zone", &self.zone, "--lease-ttl", ttl])
+                .arg("--listen")
+                .arg(self.endpoint()),
+            None => cmd.arg("--cluster").arg(&self.cluster_file),
+        };
+        cmd.arg("--id")
             .arg(&self.id)
             .arg("--data")
             .arg(&self.data)
@@ -184,10 +214,12 @@ impl ClusterBroker {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_rotary"));
         cmd.args(args).arg("--broker").arg(self.endpoint());
         cmd.env_remove("ROTARY_BROKER");
+        // Refusals are what these tests look at: no retries.
+        cmd.env("ROTARY_RETRY_FOR", "0");
         cmd
     }
 
-    fn print_logs(&self) {
+    pub fn print_logs(&self) {
         for start in 1..=self.starts {
             let text = std::fs::read_to_string(self.log_path(start)).unwrap_or_default();
             let lines: Vec<&str> = text.lines().collect();
@@ -244,24 +276,7 @@ impl Cluster {
             .expect("temp dir");
         let file = dir.path().join("cluster.yaml");
         let brokers = (0..n)
-            .map(|i| {
-                let bdir = tempfile::Builder::new()
-                    .prefix(&format!("rotary-b{}-", i + 1))
-                    .tempdir()
-                    .expect("temp dir");
-                ClusterBroker {
-                    id: format!("b{}", i + 1),
-                    zone: ZONES[i].to_string(),
-                    cores,
-                    base_port: super::free_port_range(cores),
-                    data: bdir.path().join("data"),
-                    dir: bdir,
-                    child: None,
-                    starts: 0,
-                    cluster_file: file.clone(),
-                    serve_args: Vec::new(),
-                }
-            })
+            .map(|i| ClusterBroker::new(i, cores, file.clone()))
             .collect();
         let mut c = Cluster {
             brokers,

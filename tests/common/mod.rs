@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod etcd_cluster;
 pub mod store;
 
 use rand::{Rng, RngCore, SeedableRng};
@@ -264,6 +265,8 @@ impl Broker {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_rotary"));
         cmd.args(args).arg("--broker").arg(self.endpoint());
         cmd.env_remove("ROTARY_BROKER");
+        // Refusals are what these tests look at: no retries.
+        cmd.env("ROTARY_RETRY_FOR", "0");
         cmd
     }
 

@@ -1,0 +1,175 @@
+//! What the control thread asks of etcd, in the keyspace's own terms:
+//! guards, writes and events over string keys. A thin layer over
+//! `rotary-etcd`, so that the session reads as the cluster's logic.
+
+use super::state::Kv;
+use rotary_etcd::{Compare, CompareOp, LeaseId, Op, Txn, WatchOptions};
+use std::time::Duration;
+
+/// A condition of a transaction.
+pub enum Guard {
+    /// The key does not exist.
+    Absent(String),
+    /// The key exists.
+    Present(String),
+    /// The key's mod revision is this (0: the key does not exist).
+    ModRevision(String, i64),
+}
+
+/// A write of a transaction.
+pub enum Write {
+    /// Put under `lease` (0: none).
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: i64,
+    },
+    /// Put, keeping the key's lease (an assignment's value, written by the
+    /// journal's primary under the assigned broker's lease).
+    PutKeepLease {
+        key: String,
+        value: Vec<u8>,
+    },
+    Delete {
+        key: String,
+    },
+}
+
+/// One change the watch saw.
+pub enum Event {
+    Put(Kv),
+    /// A key deleted at a revision (by a client, or by its lease's end).
+    Delete(String, i64),
+}
+
+/// The etcd client of a control thread.
+pub struct Etcd(rotary_etcd::Client);
+
+/// A watch of the cluster's prefix.
+pub struct Watch(rotary_etcd::Watcher);
+
+fn kv_of(kv: rotary_etcd::KeyValue) -> Kv {
+    Kv {
+        key: String::from_utf8_lossy(&kv.key).into_owned(),
+        value: kv.value,
+        create_revision: kv.create_revision,
+        mod_revision: kv.mod_revision,
+        lease: kv.lease,
+    }
+}
+
+impl Watch {
+    /// The next batch of events, with the revision through which every
+    /// event has been delivered. An error ends this watch (compacted,
+    /// canceled): read the keyspace again and watch anew.
+    pub async fn next(&mut self) -> Result<(i64, Vec<Event>), String> {
+        loop {
+            match self.0.next().await {
+                Ok(batch) => {
+                    let events = batch
+                        .events
+                        .into_iter()
+                        .map(|e| match e.kind {
+                            rotary_etcd::EventKind::Put => Event::Put(kv_of(e.kv)),
+                            rotary_etcd::EventKind::Delete => Event::Delete(
+                                String::from_utf8_lossy(&e.kv.key).into_owned(),
+                                e.kv.mod_revision,
+                            ),
+                        })
+                        .collect();
+                    return Ok((batch.revision, events));
+                }
+                // A broken stream reopens itself on the next call.
+                Err(e) if e.is_retryable() => {
+                    tracing::debug!(error = %e, "the etcd watch broke; resuming");
+                    tokio::time::sleep(super::control::RETRY_PAUSE).await;
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+}
+
+impl Etcd {
+    pub async fn connect(endpoints: &[String]) -> Result<Etcd, String> {
+        rotary_etcd::Client::connect(endpoints, rotary_etcd::ClientOptions::default())
+            .await
+            .map(Etcd)
+            .map_err(|e| e.to_string())
+    }
+
+    pub async fn grant(&self, ttl: Duration) -> Result<i64, String> {
+        self.0
+            .lease_grant(ttl)
+            .await
+            .map(|l| l.id.0)
+            .map_err(|e| e.to_string())
+    }
+
+    /// One keep-alive: the TTL left, or `None` if the lease is gone.
+    pub async fn keep_alive(&self, lease: i64) -> Result<Option<Duration>, String> {
+        match self.0.lease_keep_alive_once(LeaseId(lease)).await {
+            Ok(ttl) => Ok(Some(ttl)),
+            Err(
+                rotary_etcd::Error::LeaseNotFound { .. } | rotary_etcd::Error::LeaseExpired { .. },
+            ) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    pub async fn revoke(&self, lease: i64) -> Result<(), String> {
+        self.0
+            .lease_revoke(LeaseId(lease))
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Every key under `prefix`, at one revision.
+    pub async fn range(&self, prefix: &str) -> Result<(Vec<Kv>, i64), String> {
+        let r = self
+            .0
+            .range_prefix(prefix.as_bytes().to_vec())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((r.kvs.into_iter().map(kv_of).collect(), r.revision))
+    }
+
+    /// A transaction: `Some(revision)` if every guard held and the writes
+    /// landed, `None` if a guard did not hold (nothing was written).
+    pub async fn txn(&self, guards: Vec<Guard>, writes: Vec<Write>) -> Result<Option<i64>, String> {
+        let compares = guards.into_iter().map(|g| match g {
+            Guard::Absent(k) => Compare::absent(k.into_bytes()),
+            Guard::Present(k) => Compare::create_revision(k.into_bytes(), CompareOp::Greater, 0),
+            Guard::ModRevision(k, 0) => Compare::absent(k.into_bytes()),
+            Guard::ModRevision(k, r) => Compare::mod_revision(k.into_bytes(), CompareOp::Equal, r),
+        });
+        let ops = writes.into_iter().map(|w| match w {
+            Write::Put { key, value, lease } => Op::put(
+                key.into_bytes(),
+                value,
+                (lease != 0).then_some(LeaseId(lease)),
+            ),
+            Write::PutKeepLease { key, value } => Op::put_keep_lease(key.into_bytes(), value),
+            Write::Delete { key } => Op::delete(key.into_bytes()),
+        });
+        let r = self
+            .0
+            .txn(Txn::new().when(compares).and_then(ops))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(r.succeeded.then_some(r.revision))
+    }
+
+    /// Watches `prefix` from `revision` on (inclusive).
+    pub async fn watch(&self, prefix: &str, revision: i64) -> Result<Watch, String> {
+        let options = WatchOptions {
+            start_revision: revision,
+            ..WatchOptions::default()
+        };
+        self.0
+            .watch_prefix(prefix.as_bytes().to_vec(), options)
+            .await
+            .map(Watch)
+            .map_err(|e| e.to_string())
+    }
+}
