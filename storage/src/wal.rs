@@ -41,8 +41,8 @@
 use crate::StorageError;
 use compio::fs::{File, OpenOptions};
 use compio::io::AsyncWriteAtExt;
-use rotary_net::spec::LabelSet;
-use rotary_net::wire::{MetaReader, MetaWriter, META_LEN_MAX};
+use rotary_proto::spec::LabelSet;
+use rotary_proto::wire::{MetaReader, MetaWriter, META_LEN_MAX};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

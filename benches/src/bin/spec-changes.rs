@@ -33,7 +33,7 @@ struct Cli {
 }
 
 fn spec(i: usize, round: usize) -> JournalSpec {
-    let mut spec = JournalSpec::new(&format!("many/part-{i:05}"));
+    let mut spec = JournalSpec::new(format!("many/part-{i:05}"));
     let round = format!("r{round}");
     spec.labels =
         LabelSet::from_pairs([("app", "many"), ("round", round.as_str())]).expect("valid labels");
