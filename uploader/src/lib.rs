@@ -184,6 +184,7 @@ impl Drop for Inner {
 const UPLOADER_NICENESS: i32 = 10;
 
 /// The calling thread's nice (on Linux, nice is per thread).
+#[allow(unsafe_code)] // getpriority: std has no per-thread nice
 fn thread_nice() -> i32 {
     // SAFETY: plain syscall on the calling thread. Its -1 is also a valid
     // nice, so an error reads as -1; callers clamp what they derive from it.
@@ -193,6 +194,7 @@ fn thread_nice() -> i32 {
 /// Sets the calling thread's nice to `nice` (clamped to at most 19). Absolute,
 /// not relative: a blocking-pool thread is created by an uploader thread and
 /// inherits its nice.
+#[allow(unsafe_code)] // setpriority: std has no per-thread nice
 fn set_thread_nice(nice: i32) {
     // SAFETY: plain syscall on the calling thread.
     let rc = unsafe {
