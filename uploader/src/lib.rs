@@ -9,8 +9,9 @@
 //! on executor-agnostic channels, so a compio shard can await them.
 //!
 //! Invariants: an object's name carries the SHA-1 of its *uncompressed*
-//! bytes; an upload is verified before it is reported done; a fragment whose
-//! bytes do not match its name's SHA-1 is never served.
+//! bytes; an upload streams through bounded memory, whatever the fragment's
+//! length, and is verified before it is reported done; a fragment whose
+//! bytes do not match its name's SHA-1 is never written or served.
 //!
 //! Threads: one dispatcher thread (`rotary-upload-queue`) moves jobs from
 //! the bounded queue onto the runtime, at most `threads` at a time; the
