@@ -905,25 +905,7 @@ mod sys {
     /// Confines the calling thread, and every thread it starts afterwards,
     /// to `cpus`.
     pub fn confine_current_thread(cpus: &[usize]) -> std::io::Result<()> {
-        // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        for &c in cpus {
-            if c >= libc::CPU_SETSIZE as usize {
-                return Err(std::io::Error::other(format!(
-                    "core {c} beyond CPU_SETSIZE"
-                )));
-            }
-            // SAFETY: CPU_SET writes within the set for c < CPU_SETSIZE.
-            unsafe { libc::CPU_SET(c, &mut set) };
-        }
-        // SAFETY: pid 0 is the calling thread; the kernel reads
-        // size_of::<cpu_set_t>() bytes from &set during the call only.
-        let rc =
-            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        rotary_tuning::sys::set_thread_affinity(cpus)
     }
 
     /// Pins the ring's io-wq workers (which run fsync and other punted

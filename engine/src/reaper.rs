@@ -29,6 +29,7 @@
 //! bytes off its end, pauses [`FREE_PAUSE`], and goes on, and only then
 //! closes it. A file that something may still read (a fragment with reads
 //! of its journal in flight) is only unlinked: its last reader frees it.
+#![allow(unsafe_code)] // sched_setscheduler: std cannot make a thread SCHED_IDLE
 
 use std::collections::VecDeque;
 use std::path::PathBuf;

@@ -18,9 +18,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use rotary_net::spec::{validate_journal_name, JournalSpec, LabelSelector};
-use rotary_net::status::Status;
-use rotary_net::wire::{
+use rotary_proto::spec::{validate_journal_name, JournalSpec, LabelSelector};
+use rotary_proto::status::Status;
+use rotary_proto::wire::{
     self, AppendReply, AppendRequest, Frame, FrameHeader, Op, ReadData, ReadDone, ReadRequest,
     WireError, BODY_LEN_MAX, HEADER_LEN,
 };

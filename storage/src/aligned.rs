@@ -110,6 +110,10 @@ impl IoBuf for AlignedBuf {
 }
 
 impl SetLen for AlignedBuf {
+    /// # Safety
+    ///
+    /// None beyond the trait's: every byte below the capacity is
+    /// initialized (zeroed at allocation), and a `len` beyond it panics.
     unsafe fn set_len(&mut self, len: usize) {
         self.set_len_checked(len);
     }

@@ -1,6 +1,8 @@
 //! Local fragments: sealed spools kept on disk, named like store objects.
 
 use compio::fs::File;
+use rotary_proto::fragment_name::FragmentName;
+use rotary_proto::spec::Codec;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -34,31 +36,23 @@ pub struct LocalFragment {
 }
 
 /// `<begin:016x>-<end:016x>-<sha1:40 hex>.raw`: Gazette's fragment name
-/// for an uncompressed fragment.
+/// for an uncompressed fragment (local files are never compressed).
 pub fn fragment_file_name(begin: u64, end: u64, sha1: &[u8; 20]) -> String {
-    format!("{begin:016x}-{end:016x}-{}.raw", hex::encode(sha1))
+    FragmentName {
+        begin,
+        end,
+        sha1: *sha1,
+        codec: Codec::None,
+    }
+    .file_name()
 }
 
-/// Parses a fragment object or file name (`…-….ext`) into begin, end, SHA-1
-/// and extension. Anything else is `None`.
-pub fn parse_fragment_name(name: &str) -> Option<(u64, u64, [u8; 20], &str)> {
-    let dot = name.find('.')?;
-    let (stem, ext) = name.split_at(dot);
-    let mut parts = stem.split('-');
-    let begin = parts.next().filter(|p| p.len() == 16)?;
-    let end = parts.next().filter(|p| p.len() == 16)?;
-    let sum = parts.next().filter(|p| p.len() == 40)?;
-    if parts.next().is_some() {
-        return None;
-    }
-    let begin = u64::from_str_radix(begin, 16).ok()?;
-    let end = u64::from_str_radix(end, 16).ok()?;
-    let mut sha1 = [0u8; 20];
-    hex::decode_to_slice(sum, &mut sha1).ok()?;
-    if end < begin {
-        return None;
-    }
-    Some((begin, end, sha1, ext))
+/// Parses a fragment object or file name into begin, end, SHA-1 and
+/// extension, by the one set of rules `rotary_proto::fragment_name` keeps
+/// for local files and store objects alike. Anything else is `None`.
+pub fn parse_fragment_name(name: &str) -> Option<(u64, u64, [u8; 20], &'static str)> {
+    let n = FragmentName::parse(name)?;
+    Some((n.begin, n.end, n.sha1, n.codec.extension()))
 }
 
 /// Extension of a fragment file still being copied from a peer

@@ -1,10 +1,12 @@
 //! rotary's local storage: aligned buffers, O_DIRECT spools, local
-//! fragments and the per-shard commit log.
+//! fragments and the per-shard commit log (`README.md` beside this crate).
 //!
 //! Everything here runs on the owning shard's thread (types are `!Send`
 //! where they hold files). Invariants: a spool never exposes bytes beyond
-//! its committed point; the commit log names each spool's committed end;
-//! fragment files are immutable and named by their content's SHA-1.
+//! its committed point; the commit log names each spool's committed end,
+//! in an encoding of its own (never the wire's: `rotary-proto` supplies
+//! only names and label sets); fragment files are immutable and named by
+//! their content's SHA-1.
 #![deny(unsafe_code)]
 
 pub mod aligned;

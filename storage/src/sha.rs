@@ -205,6 +205,12 @@ mod ni {
         e: __m128i,
     }
 
+    /// A SHA-1 state into SIMD registers.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have SSE4.1 ([`available`]); called only from
+    /// [`compress2`], whose target features include it.
     #[inline(always)]
     unsafe fn load(h: &[u32; 5]) -> Lane {
         Lane {
@@ -213,6 +219,11 @@ mod ni {
         }
     }
 
+    /// A lane's registers back into a SHA-1 state.
+    ///
+    /// # Safety
+    ///
+    /// As for [`load`]: SSE4.1 must be available.
     #[inline(always)]
     unsafe fn store(l: &Lane, h: &mut [u32; 5]) {
         h[0] = _mm_extract_epi32(l.abcd, 3) as u32;
@@ -242,6 +253,12 @@ mod ni {
     }
 
     /// One block into one lane.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have the SHA extensions, SSSE3 and SSE4.1
+    /// ([`available`]); called only from [`compress2`]. The loads read the
+    /// 64 bytes of `block`, unaligned, and nothing else.
     #[inline(always)]
     unsafe fn block(l: &mut Lane, block: &[u8; 64], mask: __m128i) {
         let p = block.as_ptr() as *const __m128i;
@@ -283,6 +300,11 @@ mod ni {
 
     /// Compresses `da` into `a` and, if given, the same number of blocks
     /// `db` into `b`, interleaved block by block.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have the SHA extensions, SSE2, SSSE3 and SSE4.1: call
+    /// it only after [`available`] returned true.
     #[target_feature(enable = "sha,sse2,ssse3,sse4.1")]
     pub unsafe fn compress2(
         a: &mut [u32; 5],

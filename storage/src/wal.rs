@@ -41,8 +41,7 @@
 use crate::StorageError;
 use compio::fs::{File, OpenOptions};
 use compio::io::AsyncWriteAtExt;
-use rotary_net::spec::LabelSet;
-use rotary_net::wire::{MetaReader, MetaWriter, META_LEN_MAX};
+use rotary_proto::spec::LabelSet;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -61,11 +60,23 @@ const RECORD_HEADER_LEN: usize = 8;
 /// Most bytes one record may carry (kind 3). The shard carries fewer (its
 /// own limit, checked against this one at compile time).
 pub const RECORD_INLINE_BYTES_MAX: usize = 64 << 10;
+/// Most bytes a record's encoded registers take. Registers reach the log
+/// from an append's metadata, which the wire bounds more tightly (checked
+/// below), so a record written from any append fits.
+const REGISTERS_LEN_MAX: usize = u16::MAX as usize;
+const _: () = assert!(rotary_proto::wire::REGISTERS_ENCODED_LEN_MAX <= REGISTERS_LEN_MAX);
 /// Largest payload of a record: kind, journal name (`str16`), spool_begin,
-/// end, SHA-1, registers (which travel in a request's metadata, so fit
-/// [`META_LEN_MAX`]), `at` and the carried bytes.
-pub const RECORD_PAYLOAD_LEN_MAX: usize =
-    1 + 2 + u16::MAX as usize + 8 + 8 + 20 + MID_LEN + META_LEN_MAX + 8 + RECORD_INLINE_BYTES_MAX;
+/// end, SHA-1, registers, `at` and the carried bytes.
+pub const RECORD_PAYLOAD_LEN_MAX: usize = 1
+    + 2
+    + u16::MAX as usize
+    + 8
+    + 8
+    + 20
+    + MID_LEN
+    + REGISTERS_LEN_MAX
+    + 8
+    + RECORD_INLINE_BYTES_MAX;
 /// `u64 mid_at | [u8; 20] mid_state`.
 const MID_LEN: usize = 8 + 20;
 const _: () = assert!(RECORD_PAYLOAD_LEN_MAX <= u32::MAX as usize);
@@ -182,13 +193,105 @@ pub struct Inline {
     pub bytes: Vec<u8>,
 }
 
+/// Builds a record's payload. The log's own encoding: it must never follow
+/// a change of the wire's (the golden test below pins its bytes).
+#[derive(Default)]
+struct RecordWriter {
+    buf: Vec<u8>,
+}
+
+impl RecordWriter {
+    fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+
+    fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    fn raw(&mut self, bytes: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(bytes);
+        self
+    }
+
+    /// `u16 length | bytes`. Journal names, label names and label values
+    /// are all far shorter (the spec rules); longer is a bug.
+    fn str16(&mut self, s: &str) -> &mut Self {
+        let len = u16::try_from(s.len()).expect("commit log string fits u16");
+        self.buf.extend_from_slice(&len.to_le_bytes());
+        self.raw(s.as_bytes())
+    }
+
+    /// `u16 count | (str16 name, str16 value)*`, in the set's order.
+    fn labels(&mut self, set: &LabelSet) -> &mut Self {
+        let n = u16::try_from(set.len()).expect("register count fits u16");
+        self.buf.extend_from_slice(&n.to_le_bytes());
+        for l in set.iter() {
+            self.str16(&l.name).str16(&l.value);
+        }
+        self
+    }
+}
+
+/// Reads a record's payload; every read is bounds-checked and `None` on
+/// bytes that do not hold what is asked (a damaged record).
+struct RecordReader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> RecordReader<'a> {
+    fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.buf.len() < n {
+            return None;
+        }
+        let (v, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Some(v)
+    }
+
+    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.bytes(N)?.try_into().ok()
+    }
+
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.array::<1>()?[0])
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.array()?))
+    }
+
+    fn str16(&mut self) -> Option<&'a str> {
+        let len = u16::from_le_bytes(self.array()?) as usize;
+        std::str::from_utf8(self.bytes(len)?).ok()
+    }
+
+    /// A label set; its labels must be valid and sorted, as written.
+    fn labels(&mut self) -> Option<LabelSet> {
+        let n = u16::from_le_bytes(self.array()?);
+        let mut set = LabelSet::new();
+        for _ in 0..n {
+            let name = self.str16()?.to_string();
+            let value = self.str16()?.to_string();
+            set.push_sorted(name, value).ok()?;
+        }
+        Some(set)
+    }
+
+    fn finish(self) -> Option<()> {
+        self.buf.is_empty().then_some(())
+    }
+}
+
 fn encode_record(
     out: &mut Vec<u8>,
     journal: &str,
     state: Option<&JournalState>,
     inline: Option<(u64, &[u8])>,
 ) {
-    let mut w = MetaWriter::new();
+    let mut w = RecordWriter::default();
     match state {
         Some(st) => {
             let kind = match (inline.is_some(), st.mid.is_some()) {
@@ -197,25 +300,23 @@ fn encode_record(
                 (false, true) => KIND_COMMIT_MID,
                 (true, true) => KIND_COMMIT_INLINE_MID,
             };
-            w.fixed(&kind).str16(journal);
-            w.fixed(&st.spool_begin.to_le_bytes())
-                .fixed(&st.end.to_le_bytes())
-                .fixed(&st.sha1);
+            w.u8(kind).str16(journal);
+            w.u64(st.spool_begin).u64(st.end).raw(&st.sha1);
             if let Some(mid) = &st.mid {
-                w.fixed(&mid.encode());
+                w.raw(&mid.encode());
             }
             w.labels(&st.registers);
             if let Some((at, bytes)) = inline {
                 assert!(bytes.len() <= RECORD_INLINE_BYTES_MAX);
                 debug_assert_eq!(at + bytes.len() as u64, st.end);
-                w.fixed(&at.to_le_bytes()).raw(bytes);
+                w.u64(at).raw(bytes);
             }
         }
         None => {
-            w.fixed(&KIND_DELETE).str16(journal);
+            w.u8(KIND_DELETE).str16(journal);
         }
     }
-    frame(out, &w.into_payload());
+    frame(out, &w.buf);
 }
 
 /// A log holding exactly `states`: one commit record each.
@@ -402,32 +503,32 @@ fn implied_payload_len(p: &[u8]) -> Result<Option<u64>, String> {
 }
 
 fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
-    let mut r = MetaReader::new(payload);
-    let kind: u8 = r.fixed("kind").ok()?;
-    let journal = r.str16("journal").ok()?.to_string();
+    let mut r = RecordReader { buf: payload };
+    let kind = r.u8()?;
+    let journal = r.str16()?.to_string();
     match kind {
         KIND_COMMIT | KIND_COMMIT_INLINE | KIND_COMMIT_MID | KIND_COMMIT_INLINE_MID => {
-            let spool_begin = u64::from_le_bytes(r.fixed("spool_begin").ok()?);
-            let end = u64::from_le_bytes(r.fixed("end").ok()?);
-            let sha1: [u8; 20] = r.fixed("sha1").ok()?;
+            let spool_begin = r.u64()?;
+            let end = r.u64()?;
+            let sha1: [u8; 20] = r.array()?;
             let mid = if matches!(kind, KIND_COMMIT_MID | KIND_COMMIT_INLINE_MID) {
-                Some(Midstate::decode(r.fixed("mid").ok()?))
+                Some(Midstate::decode(r.array()?))
             } else {
                 None
             };
-            let registers = r.labels("registers").ok()?;
+            let registers = r.labels()?;
             let inline = if matches!(kind, KIND_COMMIT_INLINE | KIND_COMMIT_INLINE_MID) {
-                let at = u64::from_le_bytes(r.fixed("at").ok()?);
+                let at = r.u64()?;
                 let len = end.checked_sub(at)?;
                 if at < spool_begin || len > payload.len() as u64 {
                     return None;
                 }
-                let bytes = r.bytes(len as usize, "bytes").ok()?.to_vec();
+                let bytes = r.bytes(len as usize)?.to_vec();
                 Some(Inline { at, bytes })
             } else {
                 None
             };
-            r.finish().ok()?;
+            r.finish()?;
             if end < spool_begin {
                 return None;
             }
@@ -442,7 +543,7 @@ fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
             states.insert(journal, Replayed { last, prev, inline });
         }
         KIND_DELETE => {
-            r.finish().ok()?;
+            r.finish()?;
             states.remove(&journal);
         }
         _ => return None,
@@ -826,6 +927,56 @@ mod tests {
         }
     }
 
+    /// The bytes of each kind of record, fixed: data directories written by
+    /// earlier versions must open, so a change here (e.g. one that followed
+    /// a change of the wire's encoding) is a change of the disk format and
+    /// needs a new record kind instead.
+    #[test]
+    fn records_on_disk_keep_their_bytes() {
+        let golden = [
+            "34000000889b88bb010500612f622f630700000000000000640000000000000064646464646464646464646464646464646464640100010072010031",
+            "50000000275bd5ee040500612f622f6307000000000000006e000000000000006e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e6e4700000000000000010000000200000000000003ffffffff6e0000000100010072010032",
+            "3d000000cea78953030300642f6507000000000000000d000000000000000d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d01000100720100330a0000000000000078797a",
+            "5800000005926f38050300642f6507000000000000000d000000000000000d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d4700000000000000010000000200000000000003ffffffff0d00000001000100720100340b00000000000000797a",
+            "08000000867e107c020500612f622f63",
+        ];
+        let mut records = Vec::new();
+        let mut out = Vec::new();
+        encode_record(&mut out, "a/b/c", Some(&st(100, "1")), None);
+        records.push(std::mem::take(&mut out));
+        encode_record(&mut out, "a/b/c", Some(&st_mid(110, "2")), None);
+        records.push(std::mem::take(&mut out));
+        encode_record(&mut out, "d/e", Some(&st(13, "3")), Some((10, b"xyz")));
+        records.push(std::mem::take(&mut out));
+        encode_record(&mut out, "d/e", Some(&st_mid(13, "4")), Some((11, b"yz")));
+        records.push(std::mem::take(&mut out));
+        encode_record(&mut out, "a/b/c", None, None);
+        records.push(std::mem::take(&mut out));
+        for (got, want) in records.iter().zip(golden) {
+            assert_eq!(hex::encode(got), want);
+        }
+
+        // And the fixed bytes read back as those states.
+        let log: Vec<u8> = golden
+            .iter()
+            .flat_map(|h| hex::decode(h).unwrap())
+            .collect();
+        let mut states = HashMap::new();
+        assert_eq!(replay(&log[..log.len() - 16], &mut states), log.len() - 16);
+        assert_eq!(states["a/b/c"].last, st_mid(110, "2"));
+        assert_eq!(states["a/b/c"].prev, Some(st(100, "1")));
+        assert_eq!(states["d/e"].last, st_mid(13, "4"));
+        assert_eq!(
+            states["d/e"].inline,
+            Some(Inline {
+                at: 11,
+                bytes: b"yz".to_vec()
+            })
+        );
+        assert_eq!(replay(&log, &mut states), log.len());
+        assert!(!states.contains_key("a/b/c"));
+    }
+
     #[test]
     fn records_with_and_without_a_midstate_read_back() {
         let mut bytes = Vec::new();
@@ -930,15 +1081,15 @@ mod tests {
         let mut bad = Vec::new();
         encode_record(&mut bad, "a/b/c", Some(&st(9, "1")), None);
         let good = bad.len();
-        let mut w = MetaWriter::new();
-        w.fixed(&KIND_COMMIT_INLINE).str16("a/b/c");
-        w.fixed(&7u64.to_le_bytes())
-            .fixed(&10u64.to_le_bytes())
-            .fixed(&[0u8; 20])
+        let mut w = RecordWriter::default();
+        w.u8(KIND_COMMIT_INLINE).str16("a/b/c");
+        w.u64(7)
+            .u64(10)
+            .raw(&[0u8; 20])
             .labels(&LabelSet::default())
-            .fixed(&8u64.to_le_bytes())
+            .u64(8)
             .raw(b"x");
-        frame(&mut bad, &w.into_payload());
+        frame(&mut bad, &w.buf);
         let mut states = HashMap::new();
         assert_eq!(replay(&bad, &mut states), good);
     }

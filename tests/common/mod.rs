@@ -628,6 +628,7 @@ pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 /// Stops process `pid` with SIGSTOP and waits until it is stopped (the
 /// signal takes effect a moment after `kill` returns), so that nothing it
 /// does afterwards races with the caller.
+#[allow(unsafe_code)] // kill(2): std signals only with SIGKILL
 pub fn stop_process(pid: u32) {
     // SAFETY: signals a child process the test started.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) }, 0);
@@ -661,6 +662,7 @@ pub fn stop_process(pid: u32) {
 }
 
 /// Lets a process stopped by [`stop_process`] run again.
+#[allow(unsafe_code)] // kill(2): std signals only with SIGKILL
 pub fn continue_process(pid: u32) {
     // SAFETY: signals a child process the test started.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);

@@ -1,10 +1,8 @@
-//! O_DIRECT I/O for device calibration: a block-aligned buffer and a
-//! closed-loop writer that keeps a fixed number of writes in flight on a raw
-//! io_uring.
+//! O_DIRECT I/O for device calibration: a closed-loop writer that keeps a
+//! fixed number of writes in flight on a raw io_uring, from one of
+//! storage's block-aligned buffers ([`AlignedBuf`]).
 //!
-//! This is the crate's other module that uses `unsafe`. Invariants:
-//! * [`DirectBuf`]: `ptr` is a live, zero-initialized allocation of `len`
-//!   bytes aligned to [`ALIGN`]; `len` is a positive multiple of [`ALIGN`].
+//! This is the crate's other module that uses `unsafe`. Invariant:
 //! * [`Writer`]: every submission entry points into `buf`, and `in_flight`
 //!   counts the entries whose completion has not been reaped. The buffer is
 //!   handed out mutably and freed only while `in_flight` is zero; if the ring
@@ -14,57 +12,16 @@
 #![allow(unsafe_code)]
 
 use io_uring::{opcode, types, IoUring};
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+pub use rotary_storage::aligned::AlignedBuf;
+use rotary_storage::aligned::BLOCK;
 use std::io;
 use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
-use std::ptr::NonNull;
 use std::time::Instant;
 
 /// Alignment and granularity of O_DIRECT I/O, in bytes: the largest logical
 /// block size in use.
-pub const ALIGN: usize = 4096;
-
-/// A zeroed heap buffer aligned to [`ALIGN`].
-pub struct DirectBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-impl DirectBuf {
-    /// `len` must be a positive multiple of [`ALIGN`].
-    pub fn new(len: usize) -> Self {
-        assert!(len > 0 && len.is_multiple_of(ALIGN), "buffer length {len}");
-        let layout = Layout::from_size_align(len, ALIGN).expect("valid layout");
-        // SAFETY: the layout has a non-zero size; null is checked below.
-        let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        DirectBuf { ptr, len }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// The start of the buffer, for the kernel to read from.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.ptr.as_ptr()
-    }
-
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` is valid for `len` initialized bytes (zeroed at
-        // allocation) and uniquely borrowed through `&mut self`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for DirectBuf {
-    fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len, ALIGN).expect("valid layout");
-        // SAFETY: allocated in `new` with this same layout.
-        unsafe { dealloc(self.ptr.as_ptr(), layout) }
-    }
-}
+pub const ALIGN: usize = BLOCK;
 
 /// Timestamps of one write: pushed to the ring, and its completion reaped.
 #[derive(Clone, Copy, Debug)]
@@ -77,7 +34,7 @@ pub struct Completion {
 /// writes at a time.
 pub struct Writer {
     ring: IoUring,
-    buf: ManuallyDrop<DirectBuf>,
+    buf: ManuallyDrop<AlignedBuf>,
     depth_max: u32,
     in_flight: u32,
     /// Submission time of the write in each slot (`user_data` is the slot).
@@ -85,7 +42,7 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn new(buf: DirectBuf, depth_max: u32) -> io::Result<Self> {
+    pub fn new(buf: AlignedBuf, depth_max: u32) -> io::Result<Self> {
         assert!(depth_max > 0);
         // The submission queue never holds more than `depth_max` entries;
         // the completion queue is twice its size, so it cannot overflow.
@@ -103,7 +60,7 @@ impl Writer {
     /// I/O between runs.
     pub fn buf_mut(&mut self) -> &mut [u8] {
         assert_eq!(self.in_flight, 0, "buffer borrowed while the ring owns it");
-        self.buf.as_mut_slice()
+        self.buf.full_mut()
     }
 
     /// Writes the first `len` bytes of the buffer to `file`, keeping up to
@@ -121,7 +78,7 @@ impl Writer {
     ) -> io::Result<()> {
         assert_eq!(self.in_flight, 0, "a failed ring is not reused");
         assert!(
-            len > 0 && len.is_multiple_of(ALIGN) && len <= self.buf.len(),
+            len > 0 && len.is_multiple_of(ALIGN) && len <= self.buf.capacity(),
             "write length {len}"
         );
         assert!(depth > 0 && depth <= self.depth_max, "depth {depth}");
@@ -187,11 +144,11 @@ impl Writer {
 
     fn push(&mut self, fd: types::Fd, len: u32, offset: u64, slot: usize) {
         assert!(self.slots[slot].is_none(), "slot {slot} already in flight");
-        let entry = opcode::Write::new(fd, self.buf.as_ptr(), len)
+        let entry = opcode::Write::new(fd, self.buf.full().as_ptr(), len)
             .offset(offset)
             .build()
             .user_data(slot as u64);
-        // SAFETY: the entry points at `len <= buf.len()` bytes of `buf`,
+        // SAFETY: the entry points at `len <= buf.capacity()` bytes of `buf`,
         // which stays allocated and is not handed out mutably until this
         // write's completion is reaped (`in_flight` counts it; `buf_mut` and
         // `drop` check it). `fd` is borrowed by `run` for as long.
@@ -220,10 +177,10 @@ mod tests {
 
     #[test]
     fn buffers_are_aligned_and_zeroed() {
-        let mut b = DirectBuf::new(3 * ALIGN);
-        assert_eq!(b.len(), 3 * ALIGN);
-        assert_eq!(b.as_mut_slice().as_ptr() as usize % ALIGN, 0);
-        assert!(b.as_mut_slice().iter().all(|&x| x == 0));
+        let mut b = AlignedBuf::new(3 * ALIGN);
+        assert_eq!(b.capacity(), 3 * ALIGN);
+        assert_eq!(b.full_mut().as_ptr() as usize % ALIGN, 0);
+        assert!(b.full_mut().iter().all(|&x| x == 0));
     }
 
     #[test]
@@ -237,7 +194,7 @@ mod tests {
             .custom_flags(libc::O_DIRECT)
             .open(&path)
             .unwrap();
-        let mut w = Writer::new(DirectBuf::new(2 * ALIGN), 4).unwrap();
+        let mut w = Writer::new(AlignedBuf::new(2 * ALIGN), 4).unwrap();
         for (i, b) in w.buf_mut().iter_mut().enumerate() {
             *b = (i % 253) as u8 + 1;
         }
@@ -250,11 +207,11 @@ mod tests {
         .unwrap();
         assert_eq!(completions, 10);
         let expected: Vec<u8> = (0..2 * ALIGN).map(|i| (i % 253) as u8 + 1).collect();
-        let mut back = DirectBuf::new(2 * ALIGN);
+        let mut back = AlignedBuf::new(2 * ALIGN);
         for i in 0..10u64 {
-            file.read_exact_at(back.as_mut_slice(), i * 2 * ALIGN as u64)
+            file.read_exact_at(back.full_mut(), i * 2 * ALIGN as u64)
                 .unwrap();
-            assert_eq!(back.as_mut_slice(), &expected[..], "block {i}");
+            assert_eq!(back.full_mut(), &expected[..], "block {i}");
         }
         assert_eq!(file.metadata().unwrap().len(), 20 * ALIGN as u64);
     }
@@ -266,7 +223,7 @@ mod tests {
         let path = dir.path().join("r");
         fs::write(&path, b"").unwrap();
         let file = fs::File::open(&path).unwrap();
-        let mut w = Writer::new(DirectBuf::new(ALIGN), 4).unwrap();
+        let mut w = Writer::new(AlignedBuf::new(ALIGN), 4).unwrap();
         let mut offsets = (0..100u64).map(|i| i * ALIGN as u64);
         let err = w
             .run(&file, ALIGN, 4, &mut || offsets.next(), &mut |_| {

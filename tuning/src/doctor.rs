@@ -9,6 +9,7 @@
 //! `tuning/README.md` explains each setting.
 
 use crate::sys;
+use rotary_storage::aligned::AlignedBuf;
 use std::fmt::{self, Write as _};
 use std::fs;
 use std::io;
@@ -787,7 +788,7 @@ fn fs_text(dir: &Path) -> String {
 }
 
 /// Block size of O_DIRECT probe I/O: the largest logical block size in use.
-pub const PROBE_BLOCK_LEN: usize = 4096;
+pub const PROBE_BLOCK_LEN: usize = rotary_storage::aligned::BLOCK;
 
 /// Writes one aligned 4 KiB block with O_DIRECT into a fresh file in `dir`,
 /// reads it back the same way, compares, and removes the file.
@@ -804,16 +805,16 @@ pub fn probe_o_direct(dir: &Path) -> io::Result<()> {
         Err(e) => return Err(io::Error::new(e.kind(), format!("open with O_DIRECT: {e}"))),
     };
     let result = (|| {
-        let mut out = AlignedBlock::new();
-        for (i, b) in out.as_mut().iter_mut().enumerate() {
+        let mut out = AlignedBuf::new(PROBE_BLOCK_LEN);
+        for (i, b) in out.full_mut().iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }
-        file.write_all_at(out.as_mut(), 0)
+        file.write_all_at(out.full_mut(), 0)
             .map_err(|e| io::Error::new(e.kind(), format!("4 KiB O_DIRECT write: {e}")))?;
-        let mut back = AlignedBlock::new();
-        file.read_exact_at(back.as_mut(), 0)
+        let mut back = AlignedBuf::new(PROBE_BLOCK_LEN);
+        file.read_exact_at(back.full_mut(), 0)
             .map_err(|e| io::Error::new(e.kind(), format!("4 KiB O_DIRECT read: {e}")))?;
-        if back.as_mut() != out.as_mut() {
+        if back.full_mut() != out.full_mut() {
             return Err(io::Error::other(
                 "O_DIRECT read returned other bytes than were written",
             ));
@@ -824,26 +825,6 @@ pub fn probe_o_direct(dir: &Path) -> io::Result<()> {
     let removed = fs::remove_file(&path);
     result?;
     removed
-}
-
-/// A 4 KiB block aligned to 4 KiB, carved out of an over-sized vector (no
-/// unsafe allocation needed).
-struct AlignedBlock {
-    buf: Vec<u8>,
-    at: usize,
-}
-
-impl AlignedBlock {
-    fn new() -> Self {
-        let buf = vec![0u8; 2 * PROBE_BLOCK_LEN];
-        let at = buf.as_ptr().align_offset(PROBE_BLOCK_LEN);
-        assert!(at < PROBE_BLOCK_LEN);
-        AlignedBlock { buf, at }
-    }
-
-    fn as_mut(&mut self) -> &mut [u8] {
-        &mut self.buf[self.at..self.at + PROBE_BLOCK_LEN]
-    }
 }
 
 fn check_o_direct(dir: &Path) -> Finding {

@@ -20,5 +20,5 @@
 
 mod direct;
 pub mod doctor;
-mod sys;
+pub mod sys;
 pub mod tune;

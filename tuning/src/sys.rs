@@ -119,8 +119,17 @@ pub fn allowed_cpus() -> io::Result<Vec<usize>> {
         .collect())
 }
 
-/// Restricts the calling thread to `cpus` (sched_setaffinity).
+/// Restricts the calling thread (and the threads it starts later) to
+/// `cpus` (sched_setaffinity). The one affinity helper of the workspace:
+/// shards, benchmarks and `rotary doctor` pin through it. A CPU beyond
+/// CPU_SETSIZE is an `InvalidInput` error, not silently left out.
 pub fn set_thread_affinity(cpus: &[usize]) -> io::Result<()> {
+    if let Some(cpu) = cpus.iter().find(|&&c| c >= CPU_SET_LEN) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("cpu {cpu} beyond CPU_SETSIZE"),
+        ));
+    }
     let set = cpu_set(cpus);
     // SAFETY: `set` is a valid cpu_set_t and its exact size is passed; pid 0
     // is the calling thread.
@@ -147,4 +156,16 @@ pub fn fallocate(file: &impl std::os::fd::AsRawFd, offset: u64, len: u64) -> io:
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn affinity_beyond_the_set_is_refused() {
+        let e = set_thread_affinity(&[0, CPU_SET_LEN]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("CPU_SETSIZE"), "{e}");
+    }
 }

@@ -22,7 +22,7 @@
 //! documents its fields. It runs once, on the calling thread, never on a
 //! shard.
 
-use crate::direct::{DirectBuf, Writer, ALIGN};
+use crate::direct::{AlignedBuf, Writer, ALIGN};
 use crate::doctor::{bytes_text, dev_major_minor, fs_name};
 use crate::sys;
 use serde::{Deserialize, Serialize};
@@ -685,7 +685,7 @@ pub fn run(data_dir: &Path, opts: &TuneOptions) -> Result<Profile, TuneError> {
     let path = scratch.path.as_path();
     let file = &scratch.file;
 
-    let mut writer = Writer::new(DirectBuf::new(BLOCK_BYTES_MAX as usize), DEPTH_MAX)
+    let mut writer = Writer::new(AlignedBuf::new(BLOCK_BYTES_MAX as usize), DEPTH_MAX)
         .map_err(io_err(path, "io_uring setup (see `rotary doctor`)"))?;
     fill_pattern(writer.buf_mut());
 

@@ -9,8 +9,9 @@
 //! on executor-agnostic channels, so a compio shard can await them.
 //!
 //! Invariants: an object's name carries the SHA-1 of its *uncompressed*
-//! bytes; an upload is verified before it is reported done; a fragment whose
-//! bytes do not match its name's SHA-1 is never served.
+//! bytes; an upload streams through bounded memory, whatever the fragment's
+//! length, and is verified before it is reported done; a fragment whose
+//! bytes do not match its name's SHA-1 is never written or served.
 //!
 //! Threads: one dispatcher thread (`rotary-upload-queue`) moves jobs from
 //! the bounded queue onto the runtime, at most `threads` at a time; the
@@ -21,15 +22,14 @@
 //! queues its unconfirmed fragments again after a restart).
 
 mod codec;
-pub mod name;
+mod put;
+pub use rotary_proto::fragment_name as name;
 mod read;
 pub mod store;
 
-use object_store::{ObjectStoreExt, PutPayload};
-use rotary_net::spec::Codec;
-use sha1::Digest;
+use object_store::ObjectStoreExt;
+use rotary_proto::spec::Codec;
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -185,6 +185,7 @@ impl Drop for Inner {
 const UPLOADER_NICENESS: i32 = 10;
 
 /// The calling thread's nice (on Linux, nice is per thread).
+#[allow(unsafe_code)] // getpriority: std has no per-thread nice
 fn thread_nice() -> i32 {
     // SAFETY: plain syscall on the calling thread. Its -1 is also a valid
     // nice, so an error reads as -1; callers clamp what they derive from it.
@@ -194,6 +195,7 @@ fn thread_nice() -> i32 {
 /// Sets the calling thread's nice to `nice` (clamped to at most 19). Absolute,
 /// not relative: a blocking-pool thread is created by an uploader thread and
 /// inherits its nice.
+#[allow(unsafe_code)] // setpriority: std has no per-thread nice
 fn set_thread_nice(nice: i32) {
     // SAFETY: plain syscall on the calling thread.
     let rc = unsafe {
@@ -479,15 +481,12 @@ async fn run_job(shared: &Shared, job: UploadJob) {
     metrics.in_flight.fetch_sub(1, Ordering::AcqRel);
 }
 
-/// A fragment compressed and ready to put.
-struct Prepared {
-    bytes: bytes::Bytes,
-}
-
 async fn upload(shared: &Shared, job: UploadJob) -> Result<Uploaded, StoreError> {
-    rotary_net::spec::validate_journal_name(&job.journal).map_err(|e| StoreError::BadJournal {
-        journal: job.journal.clone(),
-        why: e.to_string(),
+    rotary_proto::spec::validate_journal_name(&job.journal).map_err(|e| {
+        StoreError::BadJournal {
+            journal: job.journal.clone(),
+            why: e.to_string(),
+        }
     })?;
     let store = shared.store(&job.store)?;
     let name = FragmentName {
@@ -497,13 +496,12 @@ async fn upload(shared: &Shared, job: UploadJob) -> Result<Uploaded, StoreError>
         codec: job.codec,
     };
     let key = name.key(&job.journal);
-    let mut prepared = None;
     // Set once an object we wrote failed to verify: it is then ours and
     // wrong, not another writer's, and must be replaced rather than skipped.
     let mut overwrite = false;
     let mut attempt = 0;
     loop {
-        let result = upload_attempt(&store, &job, &key, &mut prepared, &mut overwrite).await;
+        let result = upload_attempt(&store, &job, &key, &mut overwrite).await;
         match result {
             Err(e) if e.is_retryable() && attempt + 1 < UPLOAD_ATTEMPTS_MAX => {
                 tracing::debug!(store = %job.store, %key, attempt, error = %e, "upload attempt failed; retrying");
@@ -523,7 +521,6 @@ async fn upload_attempt(
     store: &Store,
     job: &UploadJob,
     key: &str,
-    prepared: &mut Option<Prepared>,
     overwrite: &mut bool,
 ) -> Result<Uploaded, StoreError> {
     let path = store.path(key)?;
@@ -545,7 +542,7 @@ async fn upload_attempt(
         // one that does not (written by hand, or damaged) would leave the
         // fragment nowhere: then it is replaced.
         match object.head(&path).await {
-            Ok(meta) => match reads_back_as_named(store, job, key).await? {
+            Ok(meta) => match put::reads_back_as_named(store, job, key).await? {
                 Ok(()) => {
                     return Ok(Uploaded::Existing(stored(
                         meta.size,
@@ -561,20 +558,10 @@ async fn upload_attempt(
             Err(e) => return Err(store.err(key, e)),
         }
     }
-    let bytes = match prepared {
-        Some(p) => p.bytes.clone(),
-        None => {
-            let (path, begin, end, sha1, codec) =
-                (job.path.clone(), job.begin, job.end, job.sha1, job.codec);
-            let p = blocking(move || prepare(&path, begin, end, sha1, codec)).await?;
-            prepared.insert(p).bytes.clone()
-        }
-    };
-    object
-        .put(&path, PutPayload::from(bytes.clone()))
-        .await
-        .map_err(|e| store.err(key, e))?;
-    match verify(store, job, key, &bytes).await {
+    // Each attempt reads and compresses the local file again: holding a
+    // compressed fragment between attempts would hold all of it.
+    let written = put::put_fragment(store, job, key).await?;
+    match verify(store, job, key, written).await {
         Ok(meta) => Ok(Uploaded::Written(stored(
             meta.size,
             meta.last_modified.into(),
@@ -589,59 +576,13 @@ async fn upload_attempt(
     }
 }
 
-/// Reads, hashes and compresses the local fragment. Blocking.
-fn prepare(
-    path: &std::path::Path,
-    begin: u64,
-    end: u64,
-    sha1: [u8; 20],
-    codec: Codec,
-) -> Result<Prepared, StoreError> {
-    let io_err = |e: std::io::Error| StoreError::LocalIo {
-        path: path.to_path_buf(),
-        kind: e.kind(),
-        message: e.to_string(),
-    };
-    let corrupt = |why: String| StoreError::LocalCorrupt {
-        path: path.to_path_buf(),
-        why,
-    };
-    let file = std::fs::File::open(path).map_err(io_err)?;
-    let len = end - begin;
-    let file_len = file.metadata().map_err(io_err)?.len();
-    if file_len != len {
-        return Err(corrupt(format!(
-            "holds {file_len} bytes, the fragment is {len}"
-        )));
-    }
-    let mut input = codec::HashingReader::new(file.take(len));
-    let bytes = codec::compress(codec, &mut input).map_err(io_err)?;
-    if input.bytes != len {
-        return Err(corrupt(format!(
-            "read {} bytes, the fragment is {len}",
-            input.bytes
-        )));
-    }
-    let got: [u8; 20] = input.hasher.finalize().into();
-    if got != sha1 {
-        return Err(corrupt(format!(
-            "bytes hash to {}, the fragment's SHA-1 is {}",
-            hex::encode(got),
-            hex::encode(sha1)
-        )));
-    }
-    Ok(Prepared {
-        bytes: bytes::Bytes::from(bytes),
-    })
-}
-
 /// Checks what was written: its size everywhere, and for a file store
 /// (where reading back is cheap) that it decompresses to the named bytes.
 async fn verify(
     store: &Store,
     job: &UploadJob,
     key: &str,
-    written: &bytes::Bytes,
+    written: u64,
 ) -> Result<object_store::ObjectMeta, StoreError> {
     let path = store.path(key)?;
     let failed = |why: String| StoreError::VerifyFailed {
@@ -656,51 +597,18 @@ async fn verify(
         }
         Err(e) => return Err(store.err(key, e)),
     };
-    if meta.size != written.len() as u64 {
+    if meta.size != written {
         return Err(failed(format!(
-            "holds {} bytes, {} were written",
+            "holds {} bytes, {written} were written",
             meta.size,
-            written.len()
         )));
     }
     if let Backend::File(_) = store.backend {
-        reads_back_as_named(store, job, key)
+        put::reads_back_as_named(store, job, key)
             .await?
             .map_err(failed)?;
     }
     Ok(meta)
-}
-
-/// Reads the object at `key` back and checks that it decodes to the job's
-/// bytes. The outer error is the store's (fetching failed); the inner one
-/// says how the object differs.
-async fn reads_back_as_named(
-    store: &Store,
-    job: &UploadJob,
-    key: &str,
-) -> Result<Result<(), String>, StoreError> {
-    let path = store.path(key)?;
-    let back = store
-        .object()
-        .get(&path)
-        .await
-        .map_err(|e| store.err(key, e))?
-        .bytes()
-        .await
-        .map_err(|e| store.err(key, e))?;
-    let (codec, sha1, len) = (job.codec, job.sha1, job.end - job.begin);
-    let check = blocking(move || {
-        let mut decoded = codec::HashingReader::new(codec::decoder(codec, &back[..])?);
-        std::io::copy(&mut decoded, &mut std::io::sink())?;
-        let got: [u8; 20] = decoded.hasher.finalize().into();
-        Ok::<_, std::io::Error>(decoded.bytes == len && got == sha1)
-    })
-    .await;
-    Ok(match check {
-        Ok(true) => Ok(()),
-        Ok(false) => Err("reads back as other bytes".into()),
-        Err(e) => Err(format!("reads back undecodable: {e}")),
-    })
 }
 
 /// Runs blocking work on the runtime's blocking threads.
@@ -716,7 +624,7 @@ async fn list_journal(
     store_url: &str,
     journal: &str,
 ) -> Result<Vec<StoredFragment>, StoreError> {
-    rotary_net::spec::validate_journal_name(journal).map_err(|e| StoreError::BadJournal {
+    rotary_proto::spec::validate_journal_name(journal).map_err(|e| StoreError::BadJournal {
         journal: journal.to_string(),
         why: e.to_string(),
     })?;

@@ -4,7 +4,6 @@
 //! length and SHA-1 match its name, so a corrupt object is never served
 //! whole: the stream ends with an error instead.
 
-use crate::codec;
 use crate::store::StoreError;
 use crate::{HistoryChunk, Shared, StoredFragment};
 use async_channel::{Receiver, Sender};
@@ -166,8 +165,8 @@ fn decode_verified(
         key: fragment.key.clone(),
         why,
     };
-    let mut decoder =
-        codec::decoder(fragment.codec, source).map_err(|e| corrupt(format!("decompress: {e}")))?;
+    let mut decoder = rotary_codec::Decoder::new(fragment.codec, source)
+        .map_err(|e| corrupt(format!("decompress: {e}")))?;
     let mut hasher = Sha1::new();
     let mut held: Option<HistoryChunk> = None;
     let mut offset = fragment.begin;

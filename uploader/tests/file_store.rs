@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use rotary_net::spec::Codec;
+use rotary_proto::spec::Codec;
 use rotary_uploader::{StoreError, Uploader};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -438,4 +438,28 @@ fn requests_fail_cleanly_once_the_pool_is_gone() {
         bytes
     });
     assert_eq!(served, f.data[..served.len()]);
+}
+
+/// A fragment longer than one part goes up as a multipart upload, through
+/// bounded memory, and reads back whole; one whose bytes do not match its
+/// SHA-1 is caught after its parts were put, and leaves no object.
+#[test]
+fn long_fragments_go_up_in_parts() {
+    let s = setup();
+    let f = Fragment::write(s.local.path(), "long/one", 0, data(20 << 20, 3));
+    let stored = upload_ok(&s.up, &f, Codec::None, &s.store);
+    let object = std::fs::read(s.object(&f.key(Codec::None))).unwrap();
+    assert_eq!(stored.size, 20 << 20);
+    assert_eq!(object, f.data);
+
+    let mut bad = Fragment::write(s.local.path(), "long/bad", 0, data(20 << 20, 4));
+    bad.sha1[19] ^= 1;
+    let e = upload(&s.up, &bad, Codec::None, &s.store)
+        .result
+        .unwrap_err();
+    assert!(matches!(e, StoreError::LocalCorrupt { .. }), "{e}");
+    assert!(!s.object(&bad.key(Codec::None)).exists());
+    assert!(block_on(s.up.list(&s.store, "long/bad"))
+        .unwrap()
+        .is_empty());
 }

@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use rotary_net::spec::Codec;
+use rotary_proto::spec::Codec;
 use rotary_uploader::{StoreError, StoredFragment, Uploader};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -400,4 +400,24 @@ fn a_store_that_is_down_is_retryable_and_recovers() {
         f.data
     );
     assert_eq!(m.uploads.load(Ordering::Relaxed), 1);
+}
+
+/// A fragment longer than one part goes up as an S3 multipart upload and
+/// reads back whole; one whose bytes do not match its SHA-1 is aborted
+/// after its parts were put, and leaves no object.
+#[test]
+fn long_fragments_go_up_in_parts() {
+    let (moto, up, local) = setup();
+    let store = moto.store();
+    let f = Fragment::write(local.path(), "long/one", 0, data(20 << 20, 3));
+    let stored = upload_ok(&up, &f, Codec::None, &store);
+    assert_eq!(stored.size, 20 << 20);
+    let object = moto.get(&f.key(Codec::None)).expect("object at its key");
+    assert_eq!(object, f.data);
+
+    let mut bad = Fragment::write(local.path(), "long/bad", 0, data(20 << 20, 4));
+    bad.sha1[19] ^= 1;
+    let e = upload(&up, &bad, Codec::None, &store).result.unwrap_err();
+    assert!(matches!(e, StoreError::LocalCorrupt { .. }), "{e}");
+    assert!(moto.get(&bad.key(Codec::None)).is_none());
 }

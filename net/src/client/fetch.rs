@@ -14,7 +14,7 @@
 
 use crate::spec::Codec;
 use sha1::{Digest, Sha1};
-use std::io::{self, BufReader, Read};
+use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -173,12 +173,7 @@ pub(crate) fn fetch_fragment_into(
             }
         }
     };
-    let decoder: Box<dyn Read> = match fragment.codec {
-        Codec::None => Box::new(transport),
-        Codec::Gzip => Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(transport))),
-        Codec::Zstd => Box::new(zstd::stream::read::Decoder::new(transport).map_err(decode_err)?),
-        Codec::Snappy => Box::new(snap::read::FrameDecoder::new(transport)),
-    };
+    let decoder = rotary_codec::Decoder::new(fragment.codec, transport).map_err(decode_err)?;
     // One byte past the expected length tells a too-long object apart.
     // Each piece is hashed as it arrives, while it is still in cache.
     let mut decoder = decoder.take(len + 1);

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use rand::{Rng, SeedableRng};
-use rotary_net::spec::Codec;
+use rotary_proto::spec::Codec;
 use rotary_uploader::{HistoryChunk, StoreError, StoredFragment, UploadDone, UploadJob, Uploader};
 use sha1::{Digest, Sha1};
 use std::io::{Read, Write};

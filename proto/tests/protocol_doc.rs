@@ -1,10 +1,10 @@
 //! Keeps `docs/PROTOCOL.md` honest: its worked examples are encoded here with
-//! `rotary_net::wire` and compared byte for byte with the hex dumps printed
+//! `rotary_proto::wire` and compared byte for byte with the hex dumps printed
 //! in the document, and its routing example with `shard_of`.
 
-use rotary_net::spec::{LabelSelector, LabelSet};
-use rotary_net::status::Status;
-use rotary_net::wire::{
+use rotary_proto::spec::{LabelSelector, LabelSet};
+use rotary_proto::status::Status;
+use rotary_proto::wire::{
     self, AppendReply, AppendRequest, Op, ReadDone, ReadRequest, BODY_LEN_MAX, HEADER_LEN, MAGIC,
 };
 use sha1::{Digest, Sha1};
@@ -215,16 +215,16 @@ fn constants_match_the_doc() {
 
 #[test]
 fn shard_routing_matches_the_doc() {
-    assert_eq!(rotary_net::shard_of("orders/part-000", 4), 1);
-    assert_eq!(rotary_net::shard_of("orders/part-000", 8), 5);
-    assert_eq!(rotary_net::shard_of("orders/part-001", 4), 2);
-    assert_eq!(rotary_net::shard_of("a/b/c", 4), 3);
+    assert_eq!(rotary_proto::shard_of("orders/part-000", 4), 1);
+    assert_eq!(rotary_proto::shard_of("orders/part-000", 8), 5);
+    assert_eq!(rotary_proto::shard_of("orders/part-001", 4), 2);
+    assert_eq!(rotary_proto::shard_of("a/b/c", 4), 3);
     assert!(DOC.contains("0xff0a6c6c707f2b5d"));
 }
 
 #[test]
 fn replication_frames_match_the_doc() {
-    use rotary_net::repl::{self, Ack, Record};
+    use rotary_proto::repl::{self, Ack, Record};
     let journal = "orders/part-000";
     let frame_of = |op: Op, payload: &[u8]| {
         let mut frame = Vec::new();

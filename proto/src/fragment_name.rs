@@ -17,7 +17,7 @@
 //! be listed as `a/b`'s. Don't name journals that way when their parent
 //! path is itself a journal.
 
-use rotary_net::spec::Codec;
+use crate::spec::Codec;
 
 const OFFSET_HEX_LEN: usize = 16;
 const SHA1_HEX_LEN: usize = 40;
