@@ -140,13 +140,17 @@ pub fn parse_read_query(query: &str) -> Result<ReadQuery, String> {
     };
     for (k, v) in form_urlencoded::parse(query.as_bytes()) {
         match &*k {
-            "offset" => q.offset = match v.parse::<i64>() {
-                Ok(-1) => None,
-                Ok(o) if (0..=OFFSET_MAX as i64).contains(&o) => Some(o as u64),
-                _ => return Err(format!(
+            "offset" => {
+                q.offset = match v.parse::<i64>() {
+                    Ok(-1) => None,
+                    Ok(o) if (0..=OFFSET_MAX as i64).contains(&o) => Some(o as u64),
+                    _ => {
+                        return Err(format!(
                     "offset {v:?} is not an offset (0 to {OFFSET_MAX}, or -1 for the write head)"
-                )),
-            },
+                ))
+                    }
+                }
+            }
             "block" => {
                 q.block = match &*v {
                     "true" | "1" | "" => true,
