@@ -48,6 +48,7 @@ mod baseline;
 mod broker;
 mod child;
 mod cpu;
+mod http;
 mod load;
 pub mod omb;
 mod pingpong;
@@ -96,6 +97,11 @@ pub enum Scenario {
     /// ack frame; and the same crossings through echo servers, with no
     /// broker work. Not part of `all`: it runs brokers of its own.
     Replication,
+    /// latency-1k and append-1m with `/metrics` scraped every second and
+    /// without, alternating; 1 KiB appends through the HTTP gateway (PUT)
+    /// beside the native client. Not part of `all`: it runs a broker and an
+    /// HTTP server of its own.
+    Http,
 }
 
 /// A core list given on the command line, e.g. `0,2-3`.
@@ -171,6 +177,13 @@ pub struct BenchArgs {
     /// Blocking readers tailing the journal of tail-readers' second phase.
     #[arg(long = "tail-readers", value_name = "N", default_value_t = 16)]
     pub tail_readers: usize,
+    /// http: rounds of scraped and unscraped runs, alternating.
+    #[arg(long = "http-rounds", default_value_t = 3)]
+    pub http_rounds: usize,
+    /// http: clients appending at once, each one append at a time (a
+    /// keep-alive connection each through the gateway).
+    #[arg(long = "http-clients", default_value_t = 16)]
+    pub http_clients: usize,
     /// Message bytes of each ping-pong round trip.
     #[arg(long = "pingpong-size", value_name = "BYTES", default_value_t = 1024)]
     pub pingpong_size: usize,
@@ -267,7 +280,8 @@ impl BenchArgs {
         (self.baseline && matches!(s, Scenario::Pingpong | Scenario::Baseline))
             || (self.scenarios.contains(&Scenario::All)
                 && s != Scenario::Backfill
-                && s != Scenario::Replication)
+                && s != Scenario::Replication
+                && s != Scenario::Http)
             || self.scenarios.contains(&s)
     }
 
@@ -507,6 +521,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             figures.steal_cpu_percent.push(("replication", p));
         }
         figures.replication = Some(f);
+    }
+    if args.wants(Scenario::Http) {
+        http::run(&args, &scratch.path().join("http"))?;
     }
     drop(scratch);
 
