@@ -1367,6 +1367,51 @@ mod tests {
     }
 
     #[test]
+    fn http_and_log_flags() {
+        let Cmd::Serve(args) = Cli::try_parse_from(["rotary", "serve"]).unwrap().cmd else {
+            panic!("serve");
+        };
+        assert_eq!(args.http, HTTP_DEFAULT);
+        assert_eq!(args.http_body_limit, 64 << 20);
+        assert_eq!(args.http_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(args.metrics_journals, None);
+        assert_eq!(args.log_format, LogFormat::Text);
+        let Cmd::Serve(args) = Cli::try_parse_from([
+            "rotary",
+            "serve",
+            "--http",
+            "off",
+            "--http-body-limit",
+            "1K",
+            "--http-timeout",
+            "2s",
+            "--metrics-journals",
+            "app=orders",
+            "--log-format",
+            "json",
+        ])
+        .unwrap()
+        .cmd
+        else {
+            panic!("serve");
+        };
+        assert_eq!(args.http, "off");
+        assert_eq!(args.http_body_limit, 1024);
+        assert_eq!(args.http_timeout, std::time::Duration::from_secs(2));
+        assert_eq!(args.metrics_journals.as_deref(), Some("app=orders"));
+        assert_eq!(args.log_format, LogFormat::Json);
+        for bad in [
+            &["--log-format", "xml"][..],
+            &["--http-timeout", "10ms"],
+            &["--http-body-limit", "lots"],
+        ] {
+            let mut argv = vec!["rotary", "serve"];
+            argv.extend_from_slice(bad);
+            assert!(Cli::try_parse_from(argv).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn shard_slices() {
         use std::time::Duration;
         assert_eq!(parse_shard_slice("100us"), Ok(Duration::from_micros(100)));
