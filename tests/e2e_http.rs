@@ -797,3 +797,28 @@ fn readyz_is_ready_once_the_broker_has_started() {
     let m = request(&http, "GET", "/metrics");
     assert!(String::from_utf8_lossy(&m.body).contains("rotary_ready 1"));
 }
+
+/// `--log-format json`: every log line is one JSON object with a level, a
+/// target and the event's fields.
+#[test]
+fn json_logs_are_one_object_a_line() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&["--log-format", "json"]);
+    let client = rt.block_on(broker.client());
+    rt.block_on(journal(&client, "e2e/http/logged"));
+    assert_eq!(put(&http, "/e2e/http/logged", b"x").status, 204);
+    let log = broker.log();
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty());
+    for line in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        assert!(v["level"].is_string(), "{line}");
+        assert!(v["target"].is_string(), "{line}");
+        assert!(v["fields"]["message"].is_string(), "{line}");
+    }
+    assert!(
+        lines.iter().any(|l| l.contains("HTTP listener up")),
+        "{log}"
+    );
+}
