@@ -286,6 +286,37 @@ struct ServeArgs {
     /// shard's core that time. Up to 10ms; 0 sleeps at once.
     #[arg(long = "ack-poll", value_name = "DURATION", value_parser = parse_ack_poll, default_value = "1ms")]
     ack_poll: std::time::Duration,
+    /// The HTTP listener (metrics, health probes, journal gateway), or
+    /// `off`. When the default address is taken (another broker on the
+    /// host), the broker runs without one and says so; an address given
+    /// here must be free.
+    #[arg(long = "http", value_name = "HOST:PORT|off", default_value = HTTP_DEFAULT)]
+    http: String,
+    /// Largest body the HTTP gateway appends (PUT); larger ones are
+    /// answered 413. K, M, G suffixes.
+    #[arg(long = "http-body-limit", value_name = "BYTES", value_parser = parse_bytes, default_value = "64M")]
+    http_body_limit: u64,
+    /// How long an HTTP request's headers may take to arrive, and a PUT's
+    /// body may send nothing, before the request is answered or closed.
+    #[arg(long = "http-timeout", value_name = "DURATION", value_parser = parse_peer_wait, default_value = "10s")]
+    http_timeout: std::time::Duration,
+    /// Journals (a label selector, e.g. `app=orders`) that get series of
+    /// their own on /metrics. Without it, metrics are per broker and shard
+    /// only.
+    #[arg(long = "metrics-journals", value_name = "SELECTOR")]
+    metrics_journals: Option<String>,
+    /// Log lines as human text (default) or as JSON objects, one a line.
+    #[arg(long = "log-format", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+/// `serve --http` by default.
+const HTTP_DEFAULT: &str = "127.0.0.1:7480";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 fn parse_lease_ttl(s: &str) -> Result<std::time::Duration, String> {
@@ -753,11 +784,15 @@ fn serve(args: ServeArgs) -> CmdResult {
         // The store client logs each of its retries at info; the uploader
         // reports what matters (a failed upload or listing) itself.
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,object_store=warn"));
-    let _ = tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match args.log_format {
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init(),
+        LogFormat::Json => logs.json().with_current_span(false).try_init(),
+    };
     let listen: SocketAddr = args
         .listen
         .to_socket_addrs()
@@ -802,7 +837,49 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.shard_slice = args.shard_slice;
     config.ack_poll = args.ack_poll;
     config.replica_ack_timeout = args.replica_ack_timeout;
-    rotary_engine::serve(config).map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
+    if let Some(selector) = &args.metrics_journals {
+        rotary_net::spec::LabelSelector::parse(selector).map_err(|e| {
+            CliError::Usage("BAD_USAGE", format!("--metrics-journals {selector:?}: {e}"))
+        })?;
+    }
+    let http = match args.http.as_str() {
+        "off" => None,
+        addr => {
+            let listen: SocketAddr = addr
+                .to_socket_addrs()
+                .map_err(|e| CliError::Usage("BAD_USAGE", format!("--http {addr}: {e}")))?
+                .next()
+                .ok_or_else(|| {
+                    CliError::Usage("BAD_USAGE", format!("--http {addr}: no address"))
+                })?;
+            let mut c = rotary_http::HttpConfig::new(listen);
+            c.body_limit_bytes = args.http_body_limit;
+            c.timeout = args.http_timeout;
+            c.metrics_journals = args.metrics_journals.clone();
+            match rotary_http::HttpServer::start(c) {
+                Ok(server) => Some(server),
+                Err(e) if e.is_addr_in_use() && addr == HTTP_DEFAULT => {
+                    tracing::warn!(error = %e, "no HTTP listener: the default address is taken (give --http another address, or --http off)");
+                    None
+                }
+                Err(e) => return Err(CliError::Other("SERVE_FAILED", anyhow::Error::new(e))),
+            }
+        }
+    };
+    rotary_engine::serve_with(
+        config,
+        |broker| {
+            if let Some(h) = &http {
+                h.started(broker);
+            }
+        },
+        || {
+            if let Some(h) = &http {
+                h.stopping();
+            }
+        },
+    )
+    .map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))
 }
 
 /// The cluster on etcd that `serve` joins, if `--etcd` names one.
@@ -1607,6 +1684,51 @@ mod tests {
             panic!("serve");
         };
         assert_eq!(args.replica_ack_timeout, std::time::Duration::from_secs(2));
+    }
+
+    #[test]
+    fn http_and_log_flags() {
+        let Cmd::Serve(args) = Cli::try_parse_from(["rotary", "serve"]).unwrap().cmd else {
+            panic!("serve");
+        };
+        assert_eq!(args.http, HTTP_DEFAULT);
+        assert_eq!(args.http_body_limit, 64 << 20);
+        assert_eq!(args.http_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(args.metrics_journals, None);
+        assert_eq!(args.log_format, LogFormat::Text);
+        let Cmd::Serve(args) = Cli::try_parse_from([
+            "rotary",
+            "serve",
+            "--http",
+            "off",
+            "--http-body-limit",
+            "1K",
+            "--http-timeout",
+            "2s",
+            "--metrics-journals",
+            "app=orders",
+            "--log-format",
+            "json",
+        ])
+        .unwrap()
+        .cmd
+        else {
+            panic!("serve");
+        };
+        assert_eq!(args.http, "off");
+        assert_eq!(args.http_body_limit, 1024);
+        assert_eq!(args.http_timeout, std::time::Duration::from_secs(2));
+        assert_eq!(args.metrics_journals.as_deref(), Some("app=orders"));
+        assert_eq!(args.log_format, LogFormat::Json);
+        for bad in [
+            &["--log-format", "xml"][..],
+            &["--http-timeout", "10ms"],
+            &["--http-body-limit", "lots"],
+        ] {
+            let mut argv = vec!["rotary", "serve"];
+            argv.extend_from_slice(bad);
+            assert!(Cli::try_parse_from(argv).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

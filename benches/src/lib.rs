@@ -50,6 +50,7 @@ mod broker;
 mod child;
 mod cpu;
 mod failover;
+mod http;
 mod load;
 pub mod omb;
 mod pingpong;
@@ -107,6 +108,11 @@ pub enum Scenario {
     /// the first acknowledged append after each kill, appends lost, and
     /// etcd writes of an idle cluster. Not part of `all`.
     Failover,
+    /// latency-1k and append-1m with `/metrics` scraped every second and
+    /// without, alternating; 1 KiB appends through the HTTP gateway (PUT)
+    /// beside the native client. Not part of `all`: it runs a broker and an
+    /// HTTP server of its own.
+    Http,
 }
 
 /// A core list given on the command line, e.g. `0,2-3`.
@@ -189,6 +195,13 @@ pub struct BenchArgs {
     /// Blocking readers tailing the journal of tail-readers' second phase.
     #[arg(long = "tail-readers", value_name = "N", default_value_t = 16)]
     pub tail_readers: usize,
+    /// http: rounds of scraped and unscraped runs, alternating.
+    #[arg(long = "http-rounds", default_value_t = 3)]
+    pub http_rounds: usize,
+    /// http: clients appending at once, each one append at a time (a
+    /// keep-alive connection each through the gateway).
+    #[arg(long = "http-clients", default_value_t = 16)]
+    pub http_clients: usize,
     /// Message bytes of each ping-pong round trip.
     #[arg(long = "pingpong-size", value_name = "BYTES", default_value_t = 1024)]
     pub pingpong_size: usize,
@@ -287,7 +300,8 @@ impl BenchArgs {
                 && s != Scenario::Backfill
                 && s != Scenario::Replication
                 && s != Scenario::Allocator
-                && s != Scenario::Failover)
+                && s != Scenario::Failover
+                && s != Scenario::Http)
             || self.scenarios.contains(&s)
     }
 
@@ -536,6 +550,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let f = failover::run(&exe, &scratch.path().join("failover"), args.failover_ttl)?;
         println!("{}", f.summary());
         figures.failover = Some(f);
+    }
+    if args.wants(Scenario::Http) {
+        http::run(&args, &scratch.path().join("http"))?;
     }
     drop(scratch);
 

@@ -194,6 +194,18 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
 /// broker given cores (`cpus`) keeps to them: its other threads (uploads,
 /// store listings) and its rings' io-wq workers run there too.
 pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
+    serve_with(config, |_| {}, || {})
+}
+
+/// [`serve`], calling `started` once every shard has recovered its journals
+/// and listens (with the running broker, e.g. to hand its counters to an
+/// HTTP server and report it ready), and `stopping` when a signal asked it
+/// to stop, before it drains.
+pub fn serve_with(
+    config: ServeConfig,
+    started: impl FnOnce(&Broker),
+    stopping: impl FnOnce(),
+) -> Result<(), EngineError> {
     // A core that does not exist is refused with its message by `start`.
     let online = sys::online_cpus();
     let mut cores: Vec<usize> = config
@@ -209,8 +221,10 @@ pub fn serve(config: ServeConfig) -> Result<(), EngineError> {
             .map_err(|e| EngineError::Config(format!("--cpus {cores:?}: {e}")))?;
     }
     let broker = Broker::start(config)?;
+    started(&broker);
     wait_for_signal();
     tracing::info!("shutting down");
+    stopping();
     broker.shutdown();
     Ok(())
 }
@@ -230,6 +244,26 @@ pub struct Broker {
     pub endpoints: Vec<SocketAddr>,
     /// The broker's session with the cluster on etcd, if it is in one.
     etcd: Option<cluster::Cluster>,
+    observed: Observed,
+}
+
+/// What a broker shows to observers on other threads (an HTTP server's
+/// `/metrics`): shared counters, read with relaxed loads, never a lock a
+/// shard takes on its data path.
+#[derive(Clone)]
+pub struct Observed {
+    pub metrics: Arc<metrics::Metrics>,
+    pub uploader: rotary_uploader::Uploader,
+    pub specs: Arc<specs::SpecStore>,
+    pub data_dir: PathBuf,
+    pub shards: usize,
+}
+
+impl Broker {
+    /// The broker's counters and what else STATS reports.
+    pub fn observed(&self) -> Observed {
+        self.observed.clone()
+    }
 }
 
 /// How long a clean stop of a broker in a cluster on etcd waits for its
@@ -367,7 +401,7 @@ impl Broker {
         } else {
             config.iowq_cpus.clone()
         };
-        if shards > 256 {
+        if shards > metrics::SHARDS_MAX {
             return Err(EngineError::Config(format!(
                 "--cores {shards}: at most 256 shards"
             )));
@@ -524,6 +558,13 @@ impl Broker {
             _lock: lock,
             endpoints,
             etcd,
+            observed: Observed {
+                metrics,
+                uploader,
+                specs,
+                data_dir: dir.clone(),
+                shards,
+            },
         })
     }
 
@@ -631,6 +672,7 @@ fn shard_runtime(
 }
 
 fn run_shard(ctx: ShardContext) {
+    metrics::set_thread_shard(ctx.shard.index);
     let rt = match shard_runtime(ctx.core, ctx.ring_entries) {
         Ok((rt, _)) => rt,
         Err(e) => {

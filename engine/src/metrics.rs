@@ -1,13 +1,139 @@
-//! Broker-wide counters, shared by all shards (relaxed atomics; each
-//! counter is written by its owning shard's thread and read by STATS).
+//! Broker-wide counters, shared by all shards.
+//!
+//! Each counter keeps one slot per shard (plus one for threads that are not
+//! a shard's): a shard's thread adds to its own slot, chosen by the index
+//! [`set_thread_shard`] recorded for the thread when it started, so the
+//! call sites (`metrics::add(&m.appends, n)`) need not name their shard.
+//! The slots of one shard lie together, a cache line apart from the next
+//! shard's, so that shards never write to a line another shard writes.
+//! STATS reads the sums ([`Counter::load`]); the HTTP server's `/metrics`
+//! also reads each slot ([`Counter::slot`]). Every operation is a relaxed
+//! atomic: counters, not synchronization.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Shards a broker may run ([`crate::Broker::start`] refuses more).
+pub const SHARDS_MAX: usize = 256;
+/// The slot of threads that are not a shard's (uploads, hashers, tests).
+pub const OTHER_SLOT: usize = SHARDS_MAX;
+const SLOTS: usize = SHARDS_MAX + 1;
+
+thread_local! {
+    static SLOT: Cell<usize> = const { Cell::new(OTHER_SLOT) };
+}
+
+/// Makes the calling thread count into shard `index`'s slots from now on.
+/// Called once, as a shard's thread starts.
+pub fn set_thread_shard(index: u32) {
+    let index = index as usize;
+    assert!(index < SHARDS_MAX, "shard index {index} beyond SHARDS_MAX");
+    SLOT.with(|s| s.set(index));
+}
+
+fn thread_slot() -> usize {
+    SLOT.with(|s| s.get())
+}
+
+/// Every counter's slots, shard by shard: `[slot][counter]`, each shard's
+/// row padded to whole cache lines.
+struct Slots {
+    values: Box<[AtomicU64]>,
+    /// Counters per row, rounded up to whole 64-byte lines.
+    stride: usize,
+}
+
+impl Slots {
+    fn new(counters: usize) -> Self {
+        let stride = counters.div_ceil(8) * 8;
+        Slots {
+            values: (0..stride * SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            stride,
+        }
+    }
+
+    fn at(&self, slot: usize, counter: usize) -> &AtomicU64 {
+        &self.values[slot * self.stride + counter]
+    }
+}
+
+/// One counter (or gauge) of [`Metrics`], with `AtomicU64`'s methods: the
+/// writing ones act on the calling thread's slot, [`Counter::load`] sums
+/// every slot.
+pub struct Counter {
+    slots: Arc<Slots>,
+    index: usize,
+}
+
+impl Counter {
+    pub fn fetch_add(&self, n: u64, order: Ordering) -> u64 {
+        self.slots.at(thread_slot(), self.index).fetch_add(n, order)
+    }
+
+    /// Lowers the calling thread's slot; a gauge raised on one thread and
+    /// lowered on another leaves one slot wrapped below zero, which the
+    /// sum (wrapping) cancels.
+    pub fn fetch_sub(&self, n: u64, order: Ordering) -> u64 {
+        self.slots.at(thread_slot(), self.index).fetch_sub(n, order)
+    }
+
+    /// The sum over every slot.
+    pub fn load(&self, order: Ordering) -> u64 {
+        (0..SLOTS).fold(0u64, |sum, s| {
+            sum.wrapping_add(self.slots.at(s, self.index).load(order))
+        })
+    }
+
+    /// Sets the counter to `v`: the calling thread's slot holds it, the
+    /// others are cleared (not atomically as a whole).
+    pub fn store(&self, v: u64, order: Ordering) {
+        let mine = thread_slot();
+        for s in 0..SLOTS {
+            let value = if s == mine { v } else { 0 };
+            self.slots.at(s, self.index).store(value, order);
+        }
+    }
+
+    /// What shard `slot` (or [`OTHER_SLOT`]) counted.
+    pub fn slot(&self, slot: usize) -> u64 {
+        self.slots.at(slot, self.index).load(Ordering::Relaxed)
+    }
+}
+
+/// Whether a counter only grows (a Prometheus counter) or also falls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// One counter's description, for exporters.
+#[derive(Clone, Copy, Debug)]
+pub struct Described {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+}
 
 macro_rules! counters {
-    ($($name:ident),* $(,)?) => {
-        #[derive(Default)]
+    ($($(#[doc = $doc:literal])* $kind:ident $name:ident),* $(,)?) => {
         pub struct Metrics {
-            $(pub $name: AtomicU64,)*
+            $($(#[doc = $doc])* pub $name: Counter,)*
+        }
+
+        impl Default for Metrics {
+            fn default() -> Self {
+                let names: &[&str] = &[$(stringify!($name)),*];
+                let slots = Arc::new(Slots::new(names.len()));
+                let mut index = 0..;
+                Metrics {
+                    $($name: Counter {
+                        slots: slots.clone(),
+                        index: index.next().expect("unbounded"),
+                    },)*
+                }
+            }
         }
 
         impl Metrics {
@@ -17,89 +143,197 @@ macro_rules! counters {
                 $(m.insert(stringify!($name).into(), self.$name.load(Ordering::Relaxed).into());)*
                 serde_json::Value::Object(m)
             }
+
+            /// Every counter with its description, in declaration order.
+            pub fn described(&self) -> Vec<(Described, &Counter)> {
+                vec![$((
+                    Described {
+                        name: stringify!($name),
+                        help: concat!($($doc, " ",)* ""),
+                        kind: Kind::$kind,
+                    },
+                    &self.$name,
+                ),)*]
+            }
         }
     };
 }
 
 counters!(
-    appends,
-    append_bytes,
-    append_failures,
-    batches,
-    batch_write_bytes,
-    // Append bytes staged while the journal's previous batch was written.
-    prestaged_bytes,
-    fsyncs,
-    reads,
-    read_bytes,
-    tail_cache_reads,
-    cross_core_forwards,
-    connections,
-    fragments_sealed,
-    // Spools begun in a spare file (an uploaded fragment's), overwriting
-    // written blocks instead of writing fallocated ones.
-    spools_recycled,
-    // Files of uploaded fragments (or empty spools) kept as spares.
-    spares_kept,
-    storage_full,
-    syncs,
-    replicated_batches,
-    proxied_requests,
-    repl_ack_frames,
-    repl_acks,
-    // A gauge: append content read from clients and queued, not yet staged.
-    append_queued_bytes,
-    // Times a connection stopped reading because its shard's append queue
-    // budget was spent.
-    append_queue_waits,
-    // Spool bytes hashed at start to check them against the commit log.
-    recovery_hashed_bytes,
-    // A gauge: memory held by the tail caches of tailed journals.
-    tail_cache_bytes,
-    // Comparisons with a peer's specs that listed them all (the digests
-    // differed), and those that found the same digest and listed nothing.
-    spec_syncs_full,
-    spec_syncs_unchanged,
-    // Listings of a journal's stores started (one LIST, or a page of them,
-    // per store).
-    listings,
-    // First listings of a journal's stores started ahead of the shard's
-    // queue of listings, because a request waited for one.
-    listings_hurried,
-    // Refreshes of a journal's index skipped because this broker is
-    // outside its route and holds none of its bytes (the index let go).
-    listings_spared,
-    // Append bytes whose own SHA-1 the shard's hasher thread computed.
-    hash_offloaded_bytes,
-    // Times an append waited for the hasher to catch up.
-    hash_waits,
-    // Times a journal's appends waited for its `max_append_rate`.
-    rate_waits,
-    // Brokers of a journal's earlier routes that did not answer its new
-    // primary's SYNC in time, and SYNCs not sent to one because it had
-    // not answered another moments before.
-    takeover_sources_silent,
-    takeover_sources_passed_over,
-    // Cluster views learned from peers' STATS as the broker started.
-    cluster_views_learned,
-    // Journal bytes a primary copied from replicas, or brokers a journal
-    // left, that were ahead of it.
-    copied_bytes,
-    // Local fragment files found on disk at start that a read checked
-    // whole against their names, and those that did not match.
-    fragments_checked,
-    fragments_check_failed,
-    // Times a primary's shard polled its ring, rather than sleep, while
-    // replicas' acks were awaited, and the microseconds it spent so.
-    ack_polls,
-    ack_poll_micros,
+    /// Appends committed.
+    Counter appends,
+    /// Bytes of committed appends.
+    Counter append_bytes,
+    /// Appends that failed after they began (rolled back).
+    Counter append_failures,
+    /// Batches of appends written to spools.
+    Counter batches,
+    /// Bytes written to spools by batches.
+    Counter batch_write_bytes,
+    /// Append bytes staged while the journal's previous batch was written.
+    Counter prestaged_bytes,
+    /// Group-committed fdatasyncs of spools.
+    Counter fsyncs,
+    /// Reads started.
+    Counter reads,
+    /// Bytes sent to readers.
+    Counter read_bytes,
+    /// Reads served from a journal's tail cache.
+    Counter tail_cache_reads,
+    /// Requests that landed on the wrong shard and were forwarded to the
+    /// owning one.
+    Counter cross_core_forwards,
+    /// Client connections accepted.
+    Counter connections,
+    /// Spools sealed into fragments.
+    Counter fragments_sealed,
+    /// Spools begun in a spare file (an uploaded fragment's), overwriting
+    /// written blocks instead of writing fallocated ones.
+    Counter spools_recycled,
+    /// Files of uploaded fragments (or empty spools) kept as spares.
+    Counter spares_kept,
+    /// Appends refused with STORAGE_FULL.
+    Counter storage_full,
+    /// SYNCs of journals (a replica joining or a primary taking over).
+    Counter syncs,
+    /// Replication proposals: batches sent to replicas.
+    Counter replicated_batches,
+    /// Requests proxied to another broker.
+    Counter proxied_requests,
+    /// Replication ack frames received from replicas.
+    Counter repl_ack_frames,
+    /// Appends acknowledged by those frames.
+    Counter repl_acks,
+    /// Append content read from clients and queued, not yet staged.
+    Gauge append_queued_bytes,
+    /// Times a connection stopped reading because its shard's append queue
+    /// budget was spent.
+    Counter append_queue_waits,
+    /// Spool bytes hashed at start to check them against the commit log.
+    Counter recovery_hashed_bytes,
+    /// Memory held by the tail caches of tailed journals.
+    Gauge tail_cache_bytes,
+    /// Comparisons with a peer's specs that listed them all (the digests
+    /// differed).
+    Counter spec_syncs_full,
+    /// Comparisons with a peer's specs that found the same digest and
+    /// listed nothing.
+    Counter spec_syncs_unchanged,
+    /// Listings of a journal's stores started (one LIST, or a page of them,
+    /// per store).
+    Counter listings,
+    /// First listings of a journal's stores started ahead of the shard's
+    /// queue of listings, because a request waited for one.
+    Counter listings_hurried,
+    /// Refreshes of a journal's index skipped because this broker is
+    /// outside its route and holds none of its bytes (the index let go).
+    Counter listings_spared,
+    /// Append bytes whose own SHA-1 the shard's hasher thread computed.
+    Counter hash_offloaded_bytes,
+    /// Times an append waited for the hasher to catch up.
+    Counter hash_waits,
+    /// Times a journal's appends waited for its `max_append_rate`.
+    Counter rate_waits,
+    /// Brokers of a journal's earlier routes that did not answer its new
+    /// primary's SYNC in time.
+    Counter takeover_sources_silent,
+    /// SYNCs not sent to a broker of an earlier route because it had not
+    /// answered another moments before.
+    Counter takeover_sources_passed_over,
+    /// Cluster views learned from peers' STATS as the broker started.
+    Counter cluster_views_learned,
+    /// Journal bytes a primary copied from replicas, or brokers a journal
+    /// left, that were ahead of it.
+    Counter copied_bytes,
+    /// Local fragment files found on disk at start that a read checked
+    /// whole against their names.
+    Counter fragments_checked,
+    /// Local fragment files found on disk at start whose bytes did not
+    /// match their names.
+    Counter fragments_check_failed,
+    /// Times a primary's shard polled its ring, rather than sleep, while
+    /// replicas' acks were awaited.
+    Counter ack_polls,
+    /// Microseconds a primary's shard spent polling for replicas' acks.
+    Counter ack_poll_micros,
 );
 
-pub fn add(c: &AtomicU64, n: u64) {
+pub fn add(c: &Counter, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
 /// Lowers a gauge.
-pub fn sub(c: &AtomicU64, n: u64) {
+pub fn sub(c: &Counter, n: u64) {
     c.fetch_sub(n, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each thread counts into its shard's slot; the sum is STATS's value.
+    #[test]
+    fn shards_count_into_their_own_slots() {
+        let m = Arc::new(Metrics::default());
+        let threads: Vec<_> = (0..3u32)
+            .map(|n| {
+                let m = m.clone();
+                std::thread::spawn(move || {
+                    set_thread_shard(n);
+                    add(&m.appends, u64::from(n) + 1);
+                    add(&m.append_queued_bytes, 10);
+                    sub(&m.append_queued_bytes, 4);
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        add(&m.appends, 100);
+        assert_eq!(m.appends.load(Ordering::Relaxed), 1 + 2 + 3 + 100);
+        assert_eq!(
+            (0..3).map(|s| m.appends.slot(s)).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(m.appends.slot(OTHER_SLOT), 100);
+        assert_eq!(m.append_queued_bytes.load(Ordering::Relaxed), 18);
+        assert_eq!(m.to_json(3)["appends"], 106);
+        assert_eq!(m.append_bytes.load(Ordering::Relaxed), 0);
+    }
+
+    /// A gauge raised on one thread and lowered on another sums right.
+    #[test]
+    fn a_gauge_moved_across_threads_sums_to_its_value() {
+        let m = Arc::new(Metrics::default());
+        let m2 = m.clone();
+        std::thread::spawn(move || {
+            set_thread_shard(1);
+            add(&m2.tail_cache_bytes, 50);
+        })
+        .join()
+        .unwrap();
+        sub(&m.tail_cache_bytes, 20);
+        assert_eq!(m.tail_cache_bytes.load(Ordering::Relaxed), 30);
+        m.tail_cache_bytes.store(7, Ordering::Relaxed);
+        assert_eq!(m.tail_cache_bytes.load(Ordering::Relaxed), 7);
+    }
+
+    /// Every counter is described, once, with help text.
+    #[test]
+    fn every_counter_is_described() {
+        let m = Metrics::default();
+        let d = m.described();
+        let json = m.to_json(1);
+        assert_eq!(d.len() + 1, json.as_object().unwrap().len());
+        for (desc, _) in &d {
+            assert!(!desc.help.trim().is_empty(), "{} has no help", desc.name);
+            assert!(json.get(desc.name).is_some());
+        }
+        let gauges: Vec<_> = d
+            .iter()
+            .filter(|(x, _)| x.kind == Kind::Gauge)
+            .map(|(x, _)| x.name)
+            .collect();
+        assert_eq!(gauges, vec!["append_queued_bytes", "tail_cache_bytes"]);
+    }
 }

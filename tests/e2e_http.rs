@@ -1,0 +1,824 @@
+//! End-to-end: the HTTP listener of a real `rotary serve` — the gateway's
+//! round trips and statuses, its limits against bad and slow clients,
+//! `/metrics` checked by `promtool` and scraped by a real Prometheus, and
+//! `/readyz` before and after the broker's start.
+//!
+//! HTTP is spoken over plain TCP sockets here, so that every byte on the
+//! wire (chunked bodies, garbage, a client that stalls) is the test's.
+
+mod common;
+
+use common::*;
+use rotary_net::client::Client;
+use rotary_net::wire::AppendRequest;
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A broker with its HTTP listener on a free port, and its extra args.
+fn broker_with_http(extra: &[&str]) -> (Broker, String) {
+    let port = free_port_range(1);
+    let http = format!("127.0.0.1:{port}");
+    let mut args = vec!["--http".to_string(), http.clone()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let broker = Broker::start_with(
+        CORES_DEFAULT,
+        BrokerOpts {
+            args,
+            ..Default::default()
+        },
+    );
+    wait_http_ready(&http);
+    (broker, http)
+}
+
+/// Waits until `/readyz` answers 200.
+fn wait_http_ready(http: &str) {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Ok(r) = try_request(http, "GET", "/readyz", &[], None) {
+            if r.status == 200 {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "{http}/readyz never said ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: HashMap<String, String>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(&name.to_ascii_lowercase())
+            .map(String::as_str)
+    }
+}
+
+/// Reads a response's status line and headers.
+fn read_head(r: &mut impl BufRead) -> std::io::Result<(u16, HashMap<String, String>)> {
+    let mut line = String::new();
+    if r.read_line(&mut line)? == 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "closed before a status line",
+        ));
+    }
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let mut headers = HashMap::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        let (k, v) = l.split_once(':').expect("header line");
+        headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+    }
+    Ok((status, headers))
+}
+
+/// Reads one chunk of a chunked body; `None` at its end.
+fn read_chunk(r: &mut impl BufRead) -> std::io::Result<Option<Vec<u8>>> {
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let n = usize::from_str_radix(line.trim(), 16).expect("chunk size");
+    let mut chunk = vec![0u8; n + 2];
+    r.read_exact(&mut chunk)?;
+    chunk.truncate(n);
+    Ok((n > 0).then_some(chunk))
+}
+
+/// One request on a connection of its own (`Connection: close`). `chunks`
+/// sends the body chunked, one chunk each.
+fn try_request(
+    http: &str,
+    method: &str,
+    path: &str,
+    chunks: &[&[u8]],
+    length: Option<&[u8]>,
+) -> std::io::Result<Answer> {
+    let mut s = TcpStream::connect(http)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {http}\r\nConnection: close\r\n");
+    if let Some(body) = length {
+        head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    } else if !chunks.is_empty() {
+        head.push_str("Transfer-Encoding: chunked\r\n");
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes())?;
+    if let Some(body) = length {
+        s.write_all(body)?;
+    } else if !chunks.is_empty() {
+        for c in chunks {
+            s.write_all(format!("{:x}\r\n", c.len()).as_bytes())?;
+            s.write_all(c)?;
+            s.write_all(b"\r\n")?;
+        }
+        s.write_all(b"0\r\n\r\n")?;
+    }
+    let mut r = BufReader::new(s);
+    let (status, headers) = read_head(&mut r)?;
+    let mut body = Vec::new();
+    if method != "HEAD" && status != 204 {
+        if headers.get("transfer-encoding").map(String::as_str) == Some("chunked") {
+            while let Some(c) = read_chunk(&mut r)? {
+                body.extend(c);
+            }
+        } else if let Some(n) = headers.get("content-length") {
+            body = vec![0u8; n.parse().unwrap()];
+            r.read_exact(&mut body)?;
+        } else {
+            r.read_to_end(&mut body)?;
+        }
+    }
+    Ok(Answer {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn request(http: &str, method: &str, path: &str) -> Answer {
+    try_request(http, method, path, &[], None).unwrap()
+}
+
+fn put(http: &str, path: &str, body: &[u8]) -> Answer {
+    try_request(http, "PUT", path, &[], Some(body)).unwrap()
+}
+
+fn put_chunked(http: &str, path: &str, chunks: &[&[u8]]) -> Answer {
+    try_request(http, "PUT", path, chunks, None).unwrap()
+}
+
+fn body_line(a: &Answer) -> String {
+    let text = String::from_utf8_lossy(&a.body).to_string();
+    assert!(text.ends_with('\n'), "one line: {text:?}");
+    assert_eq!(text.lines().count(), 1, "one line: {text:?}");
+    text
+}
+
+async fn journal(client: &Client, name: &str) {
+    create_journal(client, name, |_| {}).await;
+}
+
+/// PUT appends the body as one append; GET returns the same bytes with
+/// Gazette's headers; HEAD the headers only; chunked bodies work.
+#[test]
+fn put_then_get_returns_the_bytes_with_gazettes_headers() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&[]);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/round-trip";
+    rt.block_on(journal(&client, name));
+    let path = format!("/{name}");
+
+    let first = b"hello, journal\n".to_vec();
+    let a = put(&http, &path, &first);
+    assert_eq!(a.status, 204, "{a:?}");
+    assert_eq!(a.header("X-Commit-Begin"), Some("0"));
+    assert_eq!(a.header("X-Commit-End"), Some("15"));
+    assert_eq!(a.header("X-Write-Head"), Some("15"));
+    assert_eq!(a.header("X-Commit-SHA1-Sum"), Some(&*hex_sha1(&first)));
+
+    // Chunked, in pieces: one append of their concatenation.
+    let pieces: [&[u8]; 3] = [b"second ", b"append, ", b"chunked\n"];
+    let second: Vec<u8> = pieces.concat();
+    let a = put_chunked(&http, &path, &pieces);
+    assert_eq!(a.status, 204, "{a:?}");
+    assert_eq!(a.header("X-Commit-Begin"), Some("15"));
+    let end = 15 + second.len() as u64;
+    assert_eq!(a.header("X-Commit-End"), Some(&*end.to_string()));
+    assert_eq!(a.header("X-Commit-SHA1-Sum"), Some(&*hex_sha1(&second)));
+
+    // A body larger than one native frame is streamed into one append.
+    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let a = put(&http, &path, &big);
+    assert_eq!(a.status, 204, "{a:?}");
+    assert_eq!(a.header("X-Commit-Begin"), Some(&*end.to_string()));
+    assert_eq!(a.header("X-Commit-SHA1-Sum"), Some(&*hex_sha1(&big)));
+    let head = end + big.len() as u64;
+
+    let all = [first.clone(), second.clone(), big.clone()].concat();
+    let g = request(&http, "GET", &format!("{path}?offset=0"));
+    assert_eq!(g.status, 206, "{g:?}");
+    assert_eq!(g.body, all);
+    assert_eq!(g.header("X-Write-Head"), Some(&*head.to_string()));
+    let fragment = g.header("X-Fragment-Name").expect("X-Fragment-Name");
+    assert!(
+        fragment.starts_with("0000000000000000-") && fragment.ends_with(".raw"),
+        "{fragment}"
+    );
+    assert_eq!(
+        g.header("Content-Range"),
+        Some("bytes 0-9223372036854775807/9223372036854775807")
+    );
+    // The native client reads what the gateway wrote.
+    assert_eq!(rt.block_on(read_all(&client, name)), all);
+
+    // From an offset; and HEAD: the same headers, no bytes.
+    let g = request(&http, "GET", &format!("{path}?offset=15"));
+    assert_eq!(g.status, 206);
+    assert_eq!(g.body, all[15..]);
+    let h = request(&http, "HEAD", &format!("{path}?offset=15"));
+    assert_eq!(h.status, 206, "{h:?}");
+    assert_eq!(h.header("X-Write-Head"), Some(&*head.to_string()));
+    assert!(h.header("X-Fragment-Name").is_some());
+    assert!(h.body.is_empty());
+    // The gateway's appends are counted like any other.
+    let stats = rt.block_on(client.stats()).unwrap();
+    assert_eq!(stats["appends"], 3);
+}
+
+/// A blocking GET at the write head streams what a later PUT appends.
+#[test]
+fn a_blocking_get_is_woken_by_a_later_put() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&[]);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/tail";
+    rt.block_on(journal(&client, name));
+    let path = format!("/{name}");
+    assert_eq!(put(&http, &path, b"before;").status, 204);
+
+    let mut s = TcpStream::connect(&http).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "GET {path}?offset=-1&block=true HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let (status, headers) = read_head(&mut r).unwrap();
+    assert_eq!(status, 206);
+    assert_eq!(headers.get("x-write-head").map(String::as_str), Some("7"));
+
+    let writer = {
+        let http = http.clone();
+        let path = path.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            put(&http, &path, b"woken!")
+        })
+    };
+    let mut got = Vec::new();
+    while got.len() < 6 {
+        got.extend(read_chunk(&mut r).unwrap().expect("the stream goes on"));
+    }
+    assert_eq!(got, b"woken!");
+    assert_eq!(writer.join().unwrap().status, 204);
+}
+
+/// Each status of the mapping, and bad requests: a status and one line.
+#[test]
+fn statuses_map_as_gazettes_gateway_maps_them() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&[]);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/statuses";
+    rt.block_on(journal(&client, name));
+    let ro = "e2e/http/read-only";
+    rt.block_on(create_journal(&client, ro, |s| {
+        s.flags = rotary_net::spec::JournalFlags::ReadOnly
+    }));
+    assert_eq!(put(&http, &format!("/{name}"), b"12345").status, 204);
+
+    let cases: Vec<(Answer, u16, &str)> = vec![
+        // JOURNAL_NOT_FOUND: 404, on reads and appends.
+        (
+            request(&http, "GET", "/e2e/http/none"),
+            404,
+            "JOURNAL_NOT_FOUND",
+        ),
+        (put(&http, "/e2e/http/none", b"x"), 404, "JOURNAL_NOT_FOUND"),
+        (request(&http, "HEAD", "/e2e/http/none"), 404, ""),
+        // OFFSET_NOT_YET_AVAILABLE: 416, at and beyond the head.
+        (
+            request(&http, "GET", &format!("/{name}?offset=5")),
+            416,
+            "OFFSET_NOT_YET_AVAILABLE",
+        ),
+        (
+            request(&http, "GET", &format!("/{name}?offset=-1")),
+            416,
+            "OFFSET_NOT_YET_AVAILABLE",
+        ),
+        // A status that is neither: 500.
+        (put(&http, &format!("/{ro}"), b"x"), 500, "NOT_ALLOWED"),
+        // Malformed requests: 400.
+        (
+            request(&http, "GET", &format!("/{name}?offset=abc")),
+            400,
+            "BAD_REQUEST",
+        ),
+        (
+            request(&http, "GET", &format!("/{name}?follow=1")),
+            400,
+            "BAD_REQUEST",
+        ),
+        (
+            request(&http, "GET", &format!("/{name}?offset=-7")),
+            400,
+            "BAD_REQUEST",
+        ),
+        (request(&http, "GET", "/ab"), 400, "BAD_REQUEST"),
+        (request(&http, "GET", "/"), 400, "BAD_REQUEST"),
+        (
+            put(&http, &format!("/{name}?offset=3"), b"x"),
+            400,
+            "BAD_REQUEST",
+        ),
+        (
+            request(&http, "DELETE", &format!("/{name}")),
+            405,
+            "METHOD_NOT_ALLOWED",
+        ),
+        (request(&http, "POST", "/metrics"), 405, ""),
+    ];
+    for (a, status, line) in cases {
+        assert_eq!(a.status, status, "{a:?}");
+        if !line.is_empty() {
+            let text = body_line(&a);
+            assert!(text.starts_with(line), "{status}: {text:?}");
+        }
+    }
+    // None of them appended anything.
+    assert_eq!(rt.block_on(write_head(&client, name)), 5);
+}
+
+/// A retryable status (STORAGE_FULL) is 503.
+#[test]
+fn a_retryable_status_is_503() {
+    let rt = runtime();
+    let (mut broker, http) = broker_with_http(&[]);
+    broker.kill9();
+    let Some(_mount) = mount_tmpfs(&broker.data, "8m") else {
+        panic!("mounting a tmpfs needs root: run the HTTP tests as root");
+    };
+    broker.start_again();
+    wait_http_ready(&http);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/full";
+    rt.block_on(journal(&client, name));
+    let filler = broker.data.join("filler");
+    {
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![7u8; 64 << 10];
+        while f.write_all(&chunk).is_ok() {}
+        while f.write_all(&[7u8; 512]).is_ok() {}
+    }
+    let mut refused = None;
+    for _ in 0..64 {
+        let a = put(&http, &format!("/{name}"), &vec![1u8; 256 << 10]);
+        if a.status != 204 {
+            refused = Some(a);
+            break;
+        }
+    }
+    let a = refused.expect("a full disk refuses appends");
+    assert_eq!(a.status, 503, "{a:?}");
+    assert!(body_line(&a).starts_with("STORAGE_FULL"), "{a:?}");
+    std::fs::remove_file(&filler).unwrap();
+}
+
+/// A body over the limit is 413, whether its length is declared or it is
+/// chunked, and nothing of it is appended.
+#[test]
+fn a_body_over_the_limit_is_413() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&["--http-body-limit", "1K"]);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/limit";
+    rt.block_on(journal(&client, name));
+    let path = format!("/{name}");
+    assert_eq!(put(&http, &path, &[b'a'; 1024]).status, 204);
+    let a = put(&http, &path, &[b'b'; 1025]);
+    assert_eq!(a.status, 413, "{a:?}");
+    assert!(body_line(&a).starts_with("PAYLOAD_TOO_LARGE"));
+    let chunk = [b'c'; 600];
+    let a = put_chunked(&http, &path, &[&chunk, &chunk]);
+    assert_eq!(a.status, 413, "{a:?}");
+    assert!(body_line(&a).starts_with("PAYLOAD_TOO_LARGE"));
+    assert_eq!(rt.block_on(write_head(&client, name)), 1024);
+    assert_eq!(rt.block_on(read_all(&client, name)), vec![b'a'; 1024]);
+}
+
+/// Garbage, a client that never finishes its headers, one that stalls in
+/// its body: each gets an error status or a close, while appends through
+/// the native client on the same broker go on being acknowledged.
+#[test]
+fn garbage_and_slow_clients_do_not_hold_appends() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&["--http-timeout", "1s"]);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/hostile";
+    rt.block_on(journal(&client, name));
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let appender = {
+        let client = client.clone();
+        let stop = stop.clone();
+        let handle = rt.handle().clone();
+        std::thread::spawn(move || {
+            let mut acked = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let req = AppendRequest {
+                    journal: name.to_string(),
+                    ..Default::default()
+                };
+                handle
+                    .block_on(client.append(&req, b"0123456789".to_vec()))
+                    .expect("append acknowledged");
+                acked += 1;
+            }
+            acked
+        })
+    };
+
+    // Slow-loris: headers that never end. Several of them at once.
+    let mut loris: Vec<TcpStream> = (0..20)
+        .map(|_| {
+            let mut s = TcpStream::connect(&http).unwrap();
+            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                .unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            s
+        })
+        .collect();
+    // A PUT whose body stalls after a few bytes.
+    let mut stalled = TcpStream::connect(&http).unwrap();
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        stalled,
+        "PUT /{name} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789"
+    )
+    .unwrap();
+    // Garbage.
+    for garbage in [
+        &b"HELLO THERE\r\n\r\n"[..],
+        b"\x00\x01\x02\x03\xff\xfe\r\n\r\n",
+        b"GET /healthz HTTP/9.9\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nContent-Length: banana\r\n\r\n",
+    ] {
+        let mut s = TcpStream::connect(&http).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(garbage).unwrap();
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        let text = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.is_empty() || text.starts_with("HTTP/1.1 4"),
+            "{garbage:?} got {text:?}"
+        );
+    }
+    // Each slow-loris connection is answered 408 or closed.
+    for s in &mut loris {
+        let mut answer = Vec::new();
+        let r = s.read_to_end(&mut answer);
+        let text = String::from_utf8_lossy(&answer);
+        assert!(
+            r.is_ok() && (answer.is_empty() || text.starts_with("HTTP/1.1 408")),
+            "slow-loris got {r:?} {text:?}"
+        );
+    }
+    let mut answer = Vec::new();
+    let _ = stalled.read_to_end(&mut answer);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.starts_with("HTTP/1.1 408"),
+        "stalled body got {text:?}"
+    );
+    assert!(text.contains("REQUEST_TIMEOUT"), "{text:?}");
+    // The server still serves.
+    assert_eq!(request(&http, "GET", "/healthz").status, 200);
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let acked = appender.join().expect("every append acknowledged");
+    assert!(acked > 0);
+    // Exactly the native appends are in the journal: the stalled PUT's
+    // ten bytes were not appended.
+    assert_eq!(rt.block_on(write_head(&client, name)), acked * 10);
+}
+
+/// Runs `promtool check metrics` on `text`; panics with what to install if
+/// promtool is missing.
+fn promtool_check(text: &[u8]) -> (bool, String) {
+    let child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => panic!(
+            "promtool not found ({e}): install Debian's `prometheus` package (apt-get install prometheus)"
+        ),
+    };
+    child.stdin.take().unwrap().write_all(text).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// Sample values by series (`name{labels}`), from the text format.
+fn samples(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+fn sum_of(samples: &HashMap<String, f64>, name: &str) -> f64 {
+    samples
+        .iter()
+        .filter(|(k, _)| *k == name || k.starts_with(&format!("{name}{{")))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// `/metrics` passes promtool, has a series for everything STATS reports,
+/// per shard, and agrees with STATS.
+#[test]
+fn metrics_pass_promtool_and_cover_stats() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&["--metrics-journals", "app=http-e2e"]);
+    let client = rt.block_on(broker.client());
+    let names = ["e2e/http/m-one", "e2e/http/m-two", "e2e/http/m-three"];
+    for n in names {
+        rt.block_on(create_journal(&client, n, |s| {
+            if n != "e2e/http/m-three" {
+                s.labels.add("app".into(), "http-e2e".into()).unwrap();
+            }
+        }));
+        for _ in 0..3 {
+            assert_eq!(put(&http, &format!("/{n}"), b"abcd").status, 204);
+        }
+    }
+    let m = request(&http, "GET", "/metrics");
+    assert_eq!(m.status, 200);
+    assert!(m.header("content-type").unwrap().starts_with("text/plain"));
+    let (ok, out) = promtool_check(&m.body);
+    assert!(ok, "promtool check metrics: {out}");
+    let text = String::from_utf8(m.body).unwrap();
+    let s = samples(&text);
+    let stats = rt.block_on(client.stats()).unwrap();
+    // Every STATS number has its series.
+    for (key, value) in stats.as_object().unwrap() {
+        if !value.is_number() {
+            continue;
+        }
+        let series = match key.as_str() {
+            "upload_micros_total" => "rotary_upload_seconds_total".to_string(),
+            "upload_queue_depth"
+            | "shards"
+            | "specs"
+            | "append_queued_bytes"
+            | "tail_cache_bytes" => format!("rotary_{key}"),
+            _ => format!("rotary_{key}_total"),
+        };
+        assert!(
+            s.keys()
+                .any(|k| *k == series || k.starts_with(&format!("{series}{{"))),
+            "STATS {key} has no series {series}"
+        );
+    }
+    assert!(text.contains(&format!(
+        "rotary_specs_digest_info{{digest=\"{}\"}} 1",
+        stats["specs_digest"].as_str().unwrap()
+    )));
+    // Per shard, summing to STATS's value.
+    assert_eq!(sum_of(&s, "rotary_appends_total"), 9.0);
+    assert_eq!(stats["appends"], 9);
+    for shard in 0..CORES_DEFAULT {
+        assert!(s.contains_key(&format!("rotary_appends_total{{shard=\"{shard}\"}}")));
+    }
+    assert_eq!(sum_of(&s, "rotary_append_bytes_total"), 36.0);
+    assert_eq!(
+        s[r#"rotary_http_requests_total{method="PUT",code="204"}"#],
+        9.0
+    );
+    assert_eq!(s["rotary_http_put_seconds_count"], 9.0);
+    assert_eq!(s["rotary_ready"], 1.0);
+    assert!(s["rotary_disk_free_bytes"] > 0.0);
+    // Only the selected journals have series of their own.
+    assert_eq!(
+        s[r#"rotary_journal_write_head_bytes{journal="e2e/http/m-one"}"#],
+        12.0
+    );
+    assert_eq!(
+        s[r#"rotary_journal_write_head_bytes{journal="e2e/http/m-two"}"#],
+        12.0
+    );
+    assert!(!text.contains("e2e/http/m-three"));
+
+    // A scraper that asks for OpenMetrics gets it.
+    let mut sock = TcpStream::connect(&http).unwrap();
+    write!(
+        sock,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text;version=1.0.0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    sock.read_to_string(&mut raw).unwrap();
+    assert!(raw.contains("application/openmetrics-text"), "{raw}");
+    assert!(raw.contains("# TYPE rotary_appends counter"));
+    assert!(raw.contains("# EOF"));
+}
+
+/// A stopped child process, killed by PID when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A real Prometheus server scrapes the broker every second and sees the
+/// append counter move after appends.
+#[test]
+fn prometheus_scrapes_the_append_counter() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&[]);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/scraped";
+    rt.block_on(journal(&client, name));
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+             scrape_configs:\n  - job_name: rotary\n    static_configs:\n      - targets: ['{http}']\n"
+        ),
+    )
+    .unwrap();
+    let web = format!("127.0.0.1:{}", free_port_range(1));
+    let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
+    let spawned = Command::new("prometheus")
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.path().join("data").display()
+        ))
+        .arg(format!("--web.listen-address={web}"))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn();
+    let _prometheus = match spawned {
+        Ok(c) => Child(c),
+        Err(e) => panic!(
+            "prometheus not found ({e}): install Debian's `prometheus` package (apt-get install prometheus)"
+        ),
+    };
+    let query = |q: &str| -> Option<f64> {
+        let path = format!("/api/v1/query?query={}", percent_encode(q));
+        let a = try_request(&web, "GET", &path, &[], None).ok()?;
+        if a.status != 200 {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_slice(&a.body).ok()?;
+        v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+    };
+    let wait_for = |q: &str, want: f64| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            if query(q) == Some(want) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Prometheus never saw {q} = {want} (last {:?}); its log:\n{}",
+                query(q),
+                std::fs::read_to_string(dir.path().join("prometheus.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    wait_for("sum(rotary_appends_total)", 0.0);
+    for _ in 0..5 {
+        assert_eq!(put(&http, &format!("/{name}"), b"scrape me").status, 204);
+    }
+    wait_for("sum(rotary_appends_total)", 5.0);
+    wait_for("sum(rotary_append_bytes_total)", 45.0);
+    wait_for("up{job=\"rotary\"}", 1.0);
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' | b'-' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// `/readyz` answers 503 while the broker starts (here: waiting for its
+/// port) and 200 once its shards recovered and listen; `/healthz` answers
+/// throughout, and the gateway says it is not ready yet.
+#[test]
+fn readyz_is_ready_once_the_broker_has_started() {
+    let http = format!("127.0.0.1:{}", free_port_range(1));
+    let base = free_port_range(2);
+    // Shard 1's port is held: the broker waits for it to come free.
+    let held = std::net::TcpListener::bind(("127.0.0.1", base + 1)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let log = std::fs::File::create(dir.path().join("log")).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_rotary"))
+        .args([
+            "serve",
+            "--cores",
+            "2",
+            "--disk-reserve",
+            "0",
+            "--http",
+            &http,
+        ])
+        .arg("--data")
+        .arg(dir.path().join("data"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{base}"))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let _child = Child(child);
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let not_ready = loop {
+        if let Ok(a) = try_request(&http, "GET", "/readyz", &[], None) {
+            break a;
+        }
+        assert!(Instant::now() < deadline, "no HTTP listener");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(not_ready.status, 503, "{not_ready:?}");
+    assert!(body_line(&not_ready).starts_with("not ready"));
+    assert_eq!(request(&http, "GET", "/healthz").status, 200);
+    let a = put(&http, "/e2e/http/early", b"x");
+    assert_eq!(a.status, 503, "{a:?}");
+    let m = request(&http, "GET", "/metrics");
+    assert!(String::from_utf8_lossy(&m.body).contains("rotary_ready 0"));
+    drop(held);
+    wait_http_ready(&http);
+    let m = request(&http, "GET", "/metrics");
+    assert!(String::from_utf8_lossy(&m.body).contains("rotary_ready 1"));
+}
+
+/// `--log-format json`: every log line is one JSON object with a level, a
+/// target and the event's fields.
+#[test]
+fn json_logs_are_one_object_a_line() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&["--log-format", "json"]);
+    let client = rt.block_on(broker.client());
+    rt.block_on(journal(&client, "e2e/http/logged"));
+    assert_eq!(put(&http, "/e2e/http/logged", b"x").status, 204);
+    let log = broker.log();
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty());
+    for line in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        assert!(v["level"].is_string(), "{line}");
+        assert!(v["target"].is_string(), "{line}");
+        assert!(v["fields"]["message"].is_string(), "{line}");
+    }
+    assert!(
+        lines.iter().any(|l| l.contains("HTTP listener up")),
+        "{log}"
+    );
+}
