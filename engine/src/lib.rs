@@ -8,6 +8,8 @@
 //! nothing on the data path takes a lock. Journal specs are shared behind a
 //! lock because they change rarely and never on the data path.
 
+pub mod append;
+pub mod budget;
 pub mod check;
 pub mod conn;
 pub mod fetch;
