@@ -100,417 +100,44 @@ impl Shard {
         flags: u8,
         cancel: Rc<crate::shard::Cancel>,
     ) {
-        let block = flags & rotary_net::wire::flag::BLOCK != 0;
-        let metadata_only = flags & rotary_net::wire::flag::METADATA_ONLY != 0;
-        use rotary_net::wire::{ReadData, ReadDone};
-        use zerocopy::byteorder::little_endian::U64;
-        use zerocopy::IntoBytes;
         metrics::add(&self.metrics.reads, 1);
-        let done = |status: Status, offset: u64, head: u64, msg: &str| {
-            let meta = ReadDone {
-                offset: U64::new(offset),
-                write_head: U64::new(head),
-            };
-            outbox.frame(
-                Op::READ_DONE,
-                status,
-                request_id,
-                meta.as_bytes(),
-                msg.as_bytes(),
-            );
+        let call = ReadCall {
+            shard: self,
+            j,
+            outbox,
+            request_id,
+            req,
+            flags,
+            cancel,
         };
-        if j.borrow().spec.flags == JournalFlags::WriteOnly {
-            let head = j.borrow().head;
-            return done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
+        if call.j.borrow().spec.flags == JournalFlags::WriteOnly {
+            let head = call.j.borrow().head;
+            return call.done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
-        // Why a read ends early: a CANCEL, or a clean stop of the broker.
-        let stopped = || {
-            if cancel.is_set() {
-                Some((Status::CANCELLED, "read cancelled"))
-            } else if self.shutting_down.get() {
-                Some((
-                    Status::SHUTTING_DOWN,
-                    "the broker is shutting down; read on from this offset elsewhere or later",
-                ))
-            } else {
-                None
-            }
-        };
-        // A read waiting before it starts ends if it is stopped (answered
-        // here) or its connection closed.
-        let ended = |head: u64| {
-            if let Some((status, why)) = stopped() {
-                done(status, req.offset.unwrap_or(head), head, why);
-                return true;
-            }
-            outbox.is_closed()
-        };
-        // A journal with stores is whole only once its store was first
-        // listed: the store may hold history the local disk does not (a
-        // wiped data dir, `--local-cache 0`). Until then a read would see
-        // an empty journal, so it waits for the listing, and a listing
-        // that failed is the read's answer, as it is an append's.
-        loop {
-            let (listed, failed) = {
-                let jm = j.borrow();
-                (jm.index_loaded, jm.index_error.clone())
-            };
-            if listed {
-                break;
-            }
-            let head = j.borrow().head;
-            if let Some(e) = failed {
-                return done(
-                    Status::FRAGMENT_STORE_UNHEALTHY,
-                    req.offset.unwrap_or(head),
-                    head,
-                    &format!("fragment index not yet listed: {e}"),
-                );
-            }
-            let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
-            {
-                let jm = j.borrow();
-                if jm.index_loaded || jm.index_error.is_some() {
-                    continue;
-                }
-            }
-            self.hurry_first_listing(&j);
-            if ended(head) {
-                return;
-            }
-            wakeup.await;
-        }
-        // A primary that started with none of a replicated journal's data
-        // (a new journal, or a data dir lost with its disk) learns its head
-        // from its replicas' at the first SYNC, copying what they hold
-        // beyond its own. Until then a read would see an empty journal, so
-        // it waits for that SYNC, and a SYNC that failed is its answer.
-        // So does a primary the journal was just routed to, until it asked
-        // the brokers of the journal's earlier routes for their heads.
-        loop {
-            let role = self.role(&j.borrow().spec);
-            // (A route short of brokers cannot synchronize at all.)
-            let (route, takeover) = match role {
-                Role::Primary(r) if r.is_complete() => {
-                    let takeover = self.takeover_due(&j, &r);
-                    let first = j.borrow().first_sync_pending && r.members.len() > 1;
-                    if !takeover && !first {
-                        break;
-                    }
-                    (r, takeover)
-                }
-                _ => break,
-            };
-            let failed = {
-                let jm = j.borrow();
-                // A failure stands until its retry is due.
-                jm.sync_retry
-                    .as_ref()
-                    .filter(|(at, _)| Instant::now() < *at && !jm.syncing)
-                    .map(|(_, f)| f.clone())
-            };
-            let head = j.borrow().head;
-            if let Some(f) = failed {
-                let msg = if takeover {
-                    format!(
-                        "the journal's route changed, and its new primary has not learned the head from the brokers it left yet: {}",
-                        f.message
-                    )
-                } else {
-                    format!(
-                        "the primary started without the journal's data and has not synchronized with its replicas yet: {}",
-                        f.message
-                    )
-                };
-                return done(
-                    Status::REPLICATION_FAILED,
-                    req.offset.unwrap_or(head),
-                    head,
-                    &msg,
-                );
-            }
-            let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
-            if takeover {
-                // `prepare` starts the SYNC.
-                self.mark_ready(&j);
-            } else {
-                self.pulse(&j, &route, true);
-            }
-            if ended(head) {
-                return;
-            }
-            wakeup.await;
+        if !call.wait_listed().await || !call.wait_synced().await {
+            return;
         }
         // Appends already answered are readable, and count in the write
         // head, if a moment later: their spool write completes in the turn.
-        settle_answered(&j).await;
+        settle_answered(&call.j).await;
         // `-1` is the end of readable history, the head READ_DONE reports:
         // beyond the write head only before a head reset, when a tail "from
         // now on" must not replay the store's history.
-        let head = j.borrow().read_head();
-        let mut offset = req.offset.unwrap_or(head);
-        if metadata_only {
-            return done(Status::OK, offset, head, "");
+        let head = call.j.borrow().read_head();
+        let mut offset = call.req.offset.unwrap_or(head);
+        if call.flags & rotary_net::wire::flag::METADATA_ONLY != 0 {
+            return call.done(Status::OK, offset, head, "");
         }
-        if !block && offset >= head {
-            return done(
+        if !call.block() && offset >= head {
+            return call.done(
                 Status::OFFSET_NOT_YET_AVAILABLE,
                 offset,
                 head,
                 &format!("offset {offset} is not before the write head {head}"),
             );
         }
-        loop {
-            if let Some(end) = req.end_offset {
-                if offset >= end {
-                    let head = j.borrow().head;
-                    return done(Status::OK, offset, head, "");
-                }
-            }
-            if let Some((status, why)) = stopped() {
-                let head = j.borrow().head;
-                return done(status, offset, head, why);
-            }
-            // Fetch a chunk only with room for it and a turn: a client
-            // that stops reading, however many reads it has in flight,
-            // holds a bounded share of the shard's memory.
-            let Some(turn) = outbox.produce().await else {
-                return;
-            };
-            let (located, head, deleted) = {
-                let jm = j.borrow();
-                (jm.locate(offset), jm.head, jm.deleted)
-            };
-            if deleted {
-                return done(
-                    Status::JOURNAL_NOT_FOUND,
-                    offset,
-                    head,
-                    "journal was deleted",
-                );
-            }
-            // Recent bytes come from memory when the tail cache has them.
-            let served = {
-                let jm = j.borrow();
-                let limit = req
-                    .end_offset
-                    .map_or(jm.head, |e| e.min(jm.head))
-                    .min(offset + READ_CHUNK_BYTES as u64);
-                jm.tail.get(offset, limit).map(|bytes| {
-                    let meta = ReadData {
-                        offset: U64::new(offset),
-                    };
-                    outbox.frame(
-                        Op::READ_DATA,
-                        Status::OK,
-                        request_id,
-                        meta.as_bytes(),
-                        bytes,
-                    );
-                    bytes.len() as u64
-                })
-            };
-            if let Some(n) = served {
-                metrics::add(&self.metrics.read_bytes, n);
-                metrics::add(&self.metrics.tail_cache_reads, 1);
-                offset += n;
-                continue;
-            }
-            let Some(loc) = located else {
-                drop(turn);
-                if j.borrow().spool_out {
-                    // Its spool is being sealed, or its tail reloaded: the
-                    // bytes are back in a file when that is done.
-                    let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
-                    if j.borrow().spool_out && stopped().is_none() && !outbox.is_closed() {
-                        wakeup.await;
-                    }
-                    continue;
-                }
-                let answered_ahead = {
-                    let jm = j.borrow();
-                    offset < jm.answered && jm.head < jm.answered
-                };
-                if !block && answered_ahead {
-                    settle_answered(&j).await;
-                    continue;
-                }
-                if !block {
-                    // Past the head, or in a gap of the history.
-                    return done(Status::OK, offset, head, "");
-                }
-                // Wait for a commit (or cancel, or a closed connection).
-                let wakeup = read_wakeup(&j, &cancel, &outbox, &self.stopping);
-                // Only a readable span ends the wait. Bytes below the read
-                // head that no file holds (history missing, or a fragment
-                // between its local copy and the store's listing) wait for
-                // a commit or a new listing like bytes beyond the head.
-                if j.borrow().locate(offset).is_some() || stopped().is_some() || outbox.is_closed()
-                {
-                    continue;
-                }
-                // While readers wait, appends keep their bytes in memory.
-                j.borrow_mut().waiting_readers += 1;
-                wakeup.await;
-                j.borrow_mut().waiting_readers -= 1;
-                continue;
-            };
-            offset = loc.offset;
-            if let Some(end) = req.end_offset {
-                if offset >= end {
-                    // The rest of the range lies in a gap of the history:
-                    // the read ends at its end, and the client sees that
-                    // no bytes came for it.
-                    let head = j.borrow().head;
-                    return done(Status::OK, end, head, "");
-                }
-            }
-            let mut len = (loc.end - offset).min(READ_CHUNK_BYTES as u64);
-            if let Some(end) = req.end_offset {
-                len = len.min(end - offset);
-            }
-            // A local file's read holds the journal's files from reuse
-            // until it is done: see `retire_fragment`.
-            let reading = matches!(
-                loc.file,
-                FileRef::Open(_) | FileRef::Fragment(..) | FileRef::Unchecked(_)
-            )
-            .then(|| ReadPin::new(&j));
-            let file = match loc.file {
-                FileRef::Remote(frag) => {
-                    // Each chunk from the store takes its own turn.
-                    drop(turn);
-                    let step = if flags & rotary_net::wire::flag::DO_NOT_PROXY != 0 {
-                        self.direct(&frag, offset, request_id, &outbox)
-                            .await
-                            .map(|()| None)
-                            .map_err(|msg| (None, msg))
-                    } else {
-                        self.proxy(&frag, offset, req.end_offset, request_id, &outbox, &cancel)
-                            .await
-                            .map(Some)
-                            .map_err(|(e, reached)| {
-                                let msg = e.to_string();
-                                (Some((e, reached)), msg)
-                            })
-                    };
-                    match step {
-                        // The client reads this fragment from the store and
-                        // comes back at its end.
-                        Ok(None) => {
-                            let head = j.borrow().read_head();
-                            return done(Status::OK, frag.end, head, "");
-                        }
-                        Ok(Some(next)) if next > offset => {
-                            offset = next;
-                            continue;
-                        }
-                        // Stopped before its first chunk: answered above.
-                        Ok(Some(_)) if stopped().is_some() || outbox.is_closed() => continue,
-                        Ok(Some(_)) => {
-                            let head = j.borrow().read_head();
-                            return done(
-                                Status::FRAGMENT_STORE_UNHEALTHY,
-                                offset,
-                                head,
-                                "store returned no bytes for the fragment",
-                            );
-                        }
-                        Err((failed, msg)) => {
-                            use rotary_uploader::StoreError;
-                            let mut jm = j.borrow_mut();
-                            match failed {
-                                // Never served again (bytes already sent from
-                                // it are the client's to discard).
-                                Some((StoreError::Corrupt { .. }, _)) => {
-                                    tracing::warn!(journal = %jm.name, key = %frag.key, error = %msg, "a store fragment is corrupt; left out of the index");
-                                    jm.drop_remote(&frag, true);
-                                }
-                                // Gone from the store (pruned) before a byte
-                                // of it was sent: read on around it.
-                                Some((StoreError::NotFound { .. }, reached)) => {
-                                    jm.drop_remote(&frag, false);
-                                    if reached == offset {
-                                        continue;
-                                    }
-                                }
-                                _ => {}
-                            }
-                            let head = jm.read_head();
-                            return done(Status::FRAGMENT_STORE_UNHEALTHY, offset, head, &msg);
-                        }
-                    }
-                }
-                FileRef::Corrupt(why) => {
-                    let head = j.borrow().head;
-                    return done(Status::IO_ERROR, offset, head, &why);
-                }
-                FileRef::Unchecked(path) => {
-                    drop(turn);
-                    let checked = self.check_fragment(&j, path).await;
-                    drop(reading);
-                    if let Err(msg) = checked {
-                        let head = j.borrow().head;
-                        return done(Status::IO_ERROR, offset, head, &msg);
-                    }
-                    // Checked (and now read from), or found corrupt (and
-                    // now read from a store's copy, or refused).
-                    continue;
-                }
-                FileRef::Open(f) | FileRef::Fragment(_, Some(f)) => f,
-                FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
-                    Ok(f) => Rc::new(f),
-                    // Evicted meanwhile: its span is read from where it is
-                    // now (the store).
-                    Err(e)
-                        if e.kind() == std::io::ErrorKind::NotFound
-                            && !j.borrow().fragments.iter().any(|f| f.path == path) =>
-                    {
-                        continue
-                    }
-                    Err(e) => {
-                        let head = j.borrow().head;
-                        return done(
-                            Status::IO_ERROR,
-                            offset,
-                            head,
-                            &format!("{}: {e}", path.display()),
-                        );
-                    }
-                },
-            };
-            let read = read_range(&file, loc.file_pos, len as usize).await;
-            drop(reading);
-            match read {
-                Ok((buf, range)) if !range.is_empty() => {
-                    let meta = ReadData {
-                        offset: U64::new(offset),
-                    };
-                    outbox.frame(
-                        Op::READ_DATA,
-                        Status::OK,
-                        request_id,
-                        meta.as_bytes(),
-                        &buf.as_slice()[range.clone()],
-                    );
-                    metrics::add(&self.metrics.read_bytes, range.len() as u64);
-                    offset += range.len() as u64;
-                    drop(turn);
-                }
-                Ok(_) => {
-                    let head = j.borrow().head;
-                    return done(
-                        Status::IO_ERROR,
-                        offset,
-                        head,
-                        "short read of local fragment",
-                    );
-                }
-                Err(e) => {
-                    let head = j.borrow().head;
-                    return done(Status::IO_ERROR, offset, head, &e.to_string());
-                }
-            }
+        while let ReadStep::At(next) = call.step(offset).await {
+            offset = next;
         }
     }
 
@@ -756,5 +383,455 @@ impl Shard {
 
     pub fn registers_of(&self, j: &JournalRef) -> LabelSet {
         j.borrow().registers.clone()
+    }
+}
+
+/// Where a read goes after one step: on from an offset, or it ended
+/// (answered, or its connection closed).
+enum ReadStep {
+    At(u64),
+    Ended,
+}
+
+/// One read in progress: what it reads and where it answers.
+struct ReadCall<'s> {
+    shard: &'s Shard,
+    j: JournalRef,
+    outbox: Rc<Outbox>,
+    request_id: u64,
+    req: rotary_net::wire::ReadRequest,
+    flags: u8,
+    cancel: Rc<crate::shard::Cancel>,
+}
+
+impl ReadCall<'_> {
+    fn block(&self) -> bool {
+        self.flags & rotary_net::wire::flag::BLOCK != 0
+    }
+
+    /// Ends the read with READ_DONE.
+    fn done(&self, status: Status, offset: u64, head: u64, msg: &str) {
+        use rotary_net::wire::ReadDone;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let meta = ReadDone {
+            offset: U64::new(offset),
+            write_head: U64::new(head),
+        };
+        self.outbox.frame(
+            Op::READ_DONE,
+            status,
+            self.request_id,
+            meta.as_bytes(),
+            msg.as_bytes(),
+        );
+    }
+
+    /// [`ReadCall::done`] at the journal's write head, then [`ReadStep::Ended`].
+    fn done_at_head(&self, status: Status, offset: u64, msg: &str) -> ReadStep {
+        let head = self.j.borrow().head;
+        self.done(status, offset, head, msg);
+        ReadStep::Ended
+    }
+
+    /// Why a read ends early: a CANCEL, or a clean stop of the broker.
+    fn stopped(&self) -> Option<(Status, &'static str)> {
+        if self.cancel.is_set() {
+            Some((Status::CANCELLED, "read cancelled"))
+        } else if self.shard.shutting_down.get() {
+            Some((
+                Status::SHUTTING_DOWN,
+                "the broker is shutting down; read on from this offset elsewhere or later",
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// A read waiting before it starts ends if it is stopped (answered
+    /// here) or its connection closed.
+    fn ended(&self, head: u64) -> bool {
+        if let Some((status, why)) = self.stopped() {
+            self.done(status, self.req.offset.unwrap_or(head), head, why);
+            return true;
+        }
+        self.outbox.is_closed()
+    }
+
+    fn wakeup(&self) -> impl std::future::Future<Output = ()> {
+        read_wakeup(&self.j, &self.cancel, &self.outbox, &self.shard.stopping)
+    }
+
+    /// A journal with stores is whole only once its store was first
+    /// listed: the store may hold history the local disk does not (a
+    /// wiped data dir, `--local-cache 0`). Until then a read would see
+    /// an empty journal, so it waits for the listing, and a listing
+    /// that failed is the read's answer, as it is an append's.
+    /// False: the read ended.
+    async fn wait_listed(&self) -> bool {
+        loop {
+            let (listed, failed) = {
+                let jm = self.j.borrow();
+                (jm.index_loaded, jm.index_error.clone())
+            };
+            if listed {
+                return true;
+            }
+            let head = self.j.borrow().head;
+            if let Some(e) = failed {
+                self.done(
+                    Status::FRAGMENT_STORE_UNHEALTHY,
+                    self.req.offset.unwrap_or(head),
+                    head,
+                    &format!("fragment index not yet listed: {e}"),
+                );
+                return false;
+            }
+            let wakeup = self.wakeup();
+            {
+                let jm = self.j.borrow();
+                if jm.index_loaded || jm.index_error.is_some() {
+                    continue;
+                }
+            }
+            self.shard.hurry_first_listing(&self.j);
+            if self.ended(head) {
+                return false;
+            }
+            wakeup.await;
+        }
+    }
+
+    /// A primary that started with none of a replicated journal's data
+    /// (a new journal, or a data dir lost with its disk) learns its head
+    /// from its replicas' at the first SYNC, copying what they hold
+    /// beyond its own. Until then a read would see an empty journal, so
+    /// it waits for that SYNC, and a SYNC that failed is its answer.
+    /// So does a primary the journal was just routed to, until it asked
+    /// the brokers of the journal's earlier routes for their heads.
+    /// False: the read ended.
+    async fn wait_synced(&self) -> bool {
+        let j = &self.j;
+        loop {
+            let role = self.shard.role(&j.borrow().spec);
+            // (A route short of brokers cannot synchronize at all.)
+            let (route, takeover) = match role {
+                Role::Primary(r) if r.is_complete() => {
+                    let takeover = self.shard.takeover_due(j, &r);
+                    let first = j.borrow().first_sync_pending && r.members.len() > 1;
+                    if !takeover && !first {
+                        return true;
+                    }
+                    (r, takeover)
+                }
+                _ => return true,
+            };
+            let failed = {
+                let jm = j.borrow();
+                // A failure stands until its retry is due.
+                jm.sync_retry
+                    .as_ref()
+                    .filter(|(at, _)| Instant::now() < *at && !jm.syncing)
+                    .map(|(_, f)| f.clone())
+            };
+            let head = j.borrow().head;
+            if let Some(f) = failed {
+                let msg = if takeover {
+                    format!(
+                        "the journal's route changed, and its new primary has not learned the head from the brokers it left yet: {}",
+                        f.message
+                    )
+                } else {
+                    format!(
+                        "the primary started without the journal's data and has not synchronized with its replicas yet: {}",
+                        f.message
+                    )
+                };
+                self.done(
+                    Status::REPLICATION_FAILED,
+                    self.req.offset.unwrap_or(head),
+                    head,
+                    &msg,
+                );
+                return false;
+            }
+            let wakeup = self.wakeup();
+            if takeover {
+                // `prepare` starts the SYNC.
+                self.shard.mark_ready(j);
+            } else {
+                self.shard.pulse(j, &route, true);
+            }
+            if self.ended(head) {
+                return false;
+            }
+            wakeup.await;
+        }
+    }
+
+    /// Serves one chunk of the read from `offset`, or waits for one.
+    async fn step(&self, offset: u64) -> ReadStep {
+        let j = &self.j;
+        if let Some(end) = self.req.end_offset {
+            if offset >= end {
+                return self.done_at_head(Status::OK, offset, "");
+            }
+        }
+        if let Some((status, why)) = self.stopped() {
+            return self.done_at_head(status, offset, why);
+        }
+        // Fetch a chunk only with room for it and a turn: a client
+        // that stops reading, however many reads it has in flight,
+        // holds a bounded share of the shard's memory.
+        let Some(turn) = self.outbox.produce().await else {
+            return ReadStep::Ended;
+        };
+        let (located, head, deleted) = {
+            let jm = j.borrow();
+            (jm.locate(offset), jm.head, jm.deleted)
+        };
+        if deleted {
+            self.done(
+                Status::JOURNAL_NOT_FOUND,
+                offset,
+                head,
+                "journal was deleted",
+            );
+            return ReadStep::Ended;
+        }
+        if let Some(n) = self.serve_tail(offset) {
+            return ReadStep::At(offset + n);
+        }
+        let Some(loc) = located else {
+            drop(turn);
+            return self.wait_for_bytes(offset, head).await;
+        };
+        let offset = loc.offset;
+        if let Some(end) = self.req.end_offset {
+            if offset >= end {
+                // The rest of the range lies in a gap of the history:
+                // the read ends at its end, and the client sees that
+                // no bytes came for it.
+                return self.done_at_head(Status::OK, end, "");
+            }
+        }
+        let mut len = (loc.end - offset).min(READ_CHUNK_BYTES as u64);
+        if let Some(end) = self.req.end_offset {
+            len = len.min(end - offset);
+        }
+        // A local file's read holds the journal's files from reuse
+        // until it is done: see `retire_fragment`.
+        let reading = matches!(
+            loc.file,
+            FileRef::Open(_) | FileRef::Fragment(..) | FileRef::Unchecked(_)
+        )
+        .then(|| ReadPin::new(j));
+        let file = match loc.file {
+            FileRef::Remote(frag) => {
+                // Each chunk from the store takes its own turn.
+                drop(turn);
+                return self.read_store(frag, offset).await;
+            }
+            FileRef::Corrupt(why) => return self.done_at_head(Status::IO_ERROR, offset, &why),
+            FileRef::Unchecked(path) => {
+                drop(turn);
+                let checked = self.shard.check_fragment(j, path).await;
+                drop(reading);
+                if let Err(msg) = checked {
+                    return self.done_at_head(Status::IO_ERROR, offset, &msg);
+                }
+                // Checked (and now read from), or found corrupt (and
+                // now read from a store's copy, or refused).
+                return ReadStep::At(offset);
+            }
+            FileRef::Open(f) | FileRef::Fragment(_, Some(f)) => f,
+            FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
+                Ok(f) => Rc::new(f),
+                // Evicted meanwhile: its span is read from where it is
+                // now (the store).
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::NotFound
+                        && !j.borrow().fragments.iter().any(|f| f.path == path) =>
+                {
+                    return ReadStep::At(offset)
+                }
+                Err(e) => {
+                    let msg = format!("{}: {e}", path.display());
+                    return self.done_at_head(Status::IO_ERROR, offset, &msg);
+                }
+            },
+        };
+        let read = read_range(&file, loc.file_pos, len as usize).await;
+        drop(reading);
+        let step = match read {
+            Ok((buf, range)) if !range.is_empty() => {
+                self.send(offset, &buf.as_slice()[range.clone()]);
+                ReadStep::At(offset + range.len() as u64)
+            }
+            Ok(_) => self.done_at_head(Status::IO_ERROR, offset, "short read of local fragment"),
+            Err(e) => self.done_at_head(Status::IO_ERROR, offset, &e.to_string()),
+        };
+        drop(turn);
+        step
+    }
+
+    /// Sends bytes read at `offset` as READ_DATA.
+    fn send(&self, offset: u64, bytes: &[u8]) {
+        use rotary_net::wire::ReadData;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let meta = ReadData {
+            offset: U64::new(offset),
+        };
+        self.outbox.frame(
+            Op::READ_DATA,
+            Status::OK,
+            self.request_id,
+            meta.as_bytes(),
+            bytes,
+        );
+        metrics::add(&self.shard.metrics.read_bytes, bytes.len() as u64);
+    }
+
+    /// Recent bytes come from memory when the tail cache has them: how
+    /// many were sent.
+    fn serve_tail(&self, offset: u64) -> Option<u64> {
+        let served = {
+            let jm = self.j.borrow();
+            let limit = self
+                .req
+                .end_offset
+                .map_or(jm.head, |e| e.min(jm.head))
+                .min(offset + READ_CHUNK_BYTES as u64);
+            jm.tail.get(offset, limit).map(|bytes| {
+                self.send(offset, bytes);
+                bytes.len() as u64
+            })
+        }?;
+        metrics::add(&self.shard.metrics.tail_cache_reads, 1);
+        Some(served)
+    }
+
+    /// No file holds `offset` (yet): waits for its bytes, or ends a read
+    /// that does not block.
+    async fn wait_for_bytes(&self, offset: u64, head: u64) -> ReadStep {
+        let j = &self.j;
+        if j.borrow().spool_out {
+            // Its spool is being sealed, or its tail reloaded: the
+            // bytes are back in a file when that is done.
+            let wakeup = self.wakeup();
+            if j.borrow().spool_out && self.stopped().is_none() && !self.outbox.is_closed() {
+                wakeup.await;
+            }
+            return ReadStep::At(offset);
+        }
+        let answered_ahead = {
+            let jm = j.borrow();
+            offset < jm.answered && jm.head < jm.answered
+        };
+        if !self.block() && answered_ahead {
+            settle_answered(j).await;
+            return ReadStep::At(offset);
+        }
+        if !self.block() {
+            // Past the head, or in a gap of the history.
+            self.done(Status::OK, offset, head, "");
+            return ReadStep::Ended;
+        }
+        // Wait for a commit (or cancel, or a closed connection).
+        let wakeup = self.wakeup();
+        // Only a readable span ends the wait. Bytes below the read
+        // head that no file holds (history missing, or a fragment
+        // between its local copy and the store's listing) wait for
+        // a commit or a new listing like bytes beyond the head.
+        if j.borrow().locate(offset).is_some()
+            || self.stopped().is_some()
+            || self.outbox.is_closed()
+        {
+            return ReadStep::At(offset);
+        }
+        // While readers wait, appends keep their bytes in memory.
+        j.borrow_mut().waiting_readers += 1;
+        wakeup.await;
+        j.borrow_mut().waiting_readers -= 1;
+        ReadStep::At(offset)
+    }
+
+    /// Reads from a fragment in a store: proxied, or answered with its
+    /// location when the client asked not to be proxied.
+    async fn read_store(&self, frag: StoredFragment, offset: u64) -> ReadStep {
+        let shard = self.shard;
+        let step = if self.flags & rotary_net::wire::flag::DO_NOT_PROXY != 0 {
+            shard
+                .direct(&frag, offset, self.request_id, &self.outbox)
+                .await
+                .map(|()| None)
+                .map_err(|msg| (None, msg))
+        } else {
+            shard
+                .proxy(
+                    &frag,
+                    offset,
+                    self.req.end_offset,
+                    self.request_id,
+                    &self.outbox,
+                    &self.cancel,
+                )
+                .await
+                .map(Some)
+                .map_err(|(e, reached)| {
+                    let msg = e.to_string();
+                    (Some((e, reached)), msg)
+                })
+        };
+        match step {
+            // The client reads this fragment from the store and
+            // comes back at its end.
+            Ok(None) => {
+                let head = self.j.borrow().read_head();
+                self.done(Status::OK, frag.end, head, "");
+                ReadStep::Ended
+            }
+            Ok(Some(next)) if next > offset => ReadStep::At(next),
+            // Stopped before its first chunk: answered above.
+            Ok(Some(_)) if self.stopped().is_some() || self.outbox.is_closed() => {
+                ReadStep::At(offset)
+            }
+            Ok(Some(_)) => {
+                let head = self.j.borrow().read_head();
+                self.done(
+                    Status::FRAGMENT_STORE_UNHEALTHY,
+                    offset,
+                    head,
+                    "store returned no bytes for the fragment",
+                );
+                ReadStep::Ended
+            }
+            Err((failed, msg)) => {
+                use rotary_uploader::StoreError;
+                let mut jm = self.j.borrow_mut();
+                match failed {
+                    // Never served again (bytes already sent from
+                    // it are the client's to discard).
+                    Some((StoreError::Corrupt { .. }, _)) => {
+                        tracing::warn!(journal = %jm.name, key = %frag.key, error = %msg, "a store fragment is corrupt; left out of the index");
+                        jm.drop_remote(&frag, true);
+                    }
+                    // Gone from the store (pruned) before a byte
+                    // of it was sent: read on around it.
+                    Some((StoreError::NotFound { .. }, reached)) => {
+                        jm.drop_remote(&frag, false);
+                        if reached == offset {
+                            return ReadStep::At(offset);
+                        }
+                    }
+                    _ => {}
+                }
+                let head = jm.read_head();
+                drop(jm);
+                self.done(Status::FRAGMENT_STORE_UNHEALTHY, offset, head, &msg);
+                ReadStep::Ended
+            }
+        }
     }
 }
