@@ -1,10 +1,12 @@
 //! A journal's shard-local state: its spool, sealed local fragments, write
 //! head, registers and the queue of appends waiting their turn.
 
+mod admit;
 mod index;
 mod rate;
 mod tail;
 
+pub use admit::{admit, Admission, AdmitRole, AdmitShard};
 pub use index::{FileRef, Located};
 pub use rate::TokenBucket;
 pub use tail::{

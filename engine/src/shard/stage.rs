@@ -1,6 +1,7 @@
 //! Staging queued appends into spools' write buffers.
 
 use super::*;
+use crate::journal::{admit, Admission, AdmitRole, AdmitShard};
 
 impl Shard {
     /// Enqueues an append; the flusher picks it up.
@@ -56,146 +57,11 @@ impl Shard {
                 let Some(op) = jm.queue.front().cloned() else {
                     return false;
                 };
-                if op.aborted.get().is_some() || op.finished.get() {
-                    jm.queue.pop_front();
-                    let reply = AppendReply {
-                        write_head: jm.staged_head,
-                        ..Default::default()
-                    };
-                    op.end_aborted(&reply);
-                    drop_budget(&op);
-                    continue;
-                }
                 let is_replica_op = op.replica.is_some();
-                // A client's append is staged only by the primary, a
-                // primary's only by a replica: the route may have changed
-                // while it waited (a broker no longer the primary must not
-                // add bytes the new primary never hears of).
-                let allowed = if is_replica_op {
-                    matches!(role, Role::Replica(_))
-                } else {
-                    matches!(role, Role::Primary(_))
-                };
-                if !allowed {
-                    jm.queue.pop_front();
-                    let r = AppendReply {
-                        write_head: jm.staged_head,
-                        registers: jm.staged_registers.clone(),
-                        ..Default::default()
-                    };
-                    if is_replica_op {
-                        op.reply_error(
-                            Status::WRONG_ROUTE,
-                            &r,
-                            "this broker is not a replica of the journal",
-                        );
-                    } else {
-                        op.reply_error(
-                            Status::NOT_JOURNAL_PRIMARY_BROKER,
-                            &r,
-                            "the journal's route changed; this broker is no longer its primary",
-                        );
-                    }
-                    drop_budget(&op);
-                    continue;
-                }
-                let spool = jm.spool.as_ref().expect("checked");
-                if !is_replica_op
-                    && (spool.staged() - spool.begin() >= jm.spec.fragment.length
-                        || jm.seal_requested)
-                {
-                    // Roll to a new fragment first, once this batch commits
-                    // (and replicas have acknowledged what is in flight: the
-                    // acker marks the journal ready then).
-                    return jm.inflight == 0;
-                }
-                let reply = |status: Status, msg: &str, jm: &Journal| {
-                    let r = AppendReply {
-                        write_head: jm.staged_head,
-                        registers: jm.staged_registers.clone(),
-                        ..Default::default()
-                    };
-                    op.reply_error(status, &r, msg);
-                };
-                if jm.has_stores() && !is_replica_op {
-                    if !jm.index_loaded {
-                        match &jm.index_error {
-                            // Wait for the first listing: the store may
-                            // hold offsets beyond the local head.
-                            None => {
-                                if !jm.listing && !jm.listing_hurried {
-                                    self.hurry_first_listing_soon(j);
-                                }
-                                return false;
-                            }
-                            Some(e) => {
-                                let msg = format!("fragment index not yet listed: {e}");
-                                reply(Status::FRAGMENT_STORE_UNHEALTHY, &msg, jm);
-                                jm.queue.pop_front();
-                                drop_budget(&op);
-                                continue;
-                            }
-                        }
-                    }
-                    let remote_end = jm.remote_end();
-                    if remote_end > jm.staged_head {
-                        let msg = format!(
-                            "the fragment index ends at {remote_end}, beyond the write head {}; run `rotary journals reset-head {}`",
-                            jm.staged_head, jm.name
-                        );
-                        reply(Status::INDEX_HAS_GREATER_OFFSET, &msg, jm);
-                        jm.queue.pop_front();
-                        drop_budget(&op);
-                        continue;
-                    }
-                    if self.unuploaded_bytes.get() > self.spool_budget_bytes {
-                        let cause = self.store_error.borrow().clone().unwrap_or_else(|| {
-                            "no upload has reported a failure yet: uploads are behind appends, or still retrying against a store that does not answer".into()
-                        });
-                        let msg = format!(
-                            "{} bytes of sealed fragments await upload (budget {}): {cause}",
-                            self.unuploaded_bytes.get(),
-                            self.spool_budget_bytes
-                        );
-                        reply(Status::FRAGMENT_STORE_UNHEALTHY, &msg, jm);
-                        jm.queue.pop_front();
-                        drop_budget(&op);
-                        continue;
-                    }
-                }
-                let req = &op.req;
-                if let Some(expect) = req.expect_offset {
-                    if expect != jm.staged_head {
-                        let msg = format!(
-                            "expected offset {expect} but the write head is {}",
-                            jm.staged_head
-                        );
-                        let status = if is_replica_op {
-                            if let Some(t) = jm.replica.as_mut() {
-                                t.diverged();
-                            }
-                            Status::PROPOSAL_MISMATCH
-                        } else {
-                            Status::WRONG_APPEND_OFFSET
-                        };
-                        reply(status, &msg, jm);
-                        jm.queue.pop_front();
-                        drop_budget(&op);
-                        continue;
-                    }
-                }
-                if !req.check_registers.is_empty()
-                    && !req.check_registers.matches(&jm.staged_registers)
-                {
-                    let msg = format!(
-                        "registers {{{}}} do not match selector {{{}}}",
-                        jm.staged_registers,
-                        req.check_registers.to_text()
-                    );
-                    reply(Status::REGISTER_MISMATCH, &msg, jm);
-                    jm.queue.pop_front();
-                    drop_budget(&op);
-                    continue;
+                match self.admission(j, jm, &op, &role) {
+                    Front::Stage => {}
+                    Front::Passed => continue,
+                    Front::Wait { again } => return again,
                 }
                 let start = jm.spool.as_ref().expect("checked").commit_point();
                 let seq = if is_replica_op {
@@ -395,6 +261,71 @@ impl Shard {
         }
     }
 
+    /// Acts on [`admit`]'s decision on `op`, the first queued append of
+    /// `j`: drops or refuses it, or says whether it stages now.
+    fn admission(&self, j: &JournalRef, jm: &mut Journal, op: &Rc<AppendOp>, role: &Role) -> Front {
+        let store_error = self.store_error.borrow();
+        let decision = admit(
+            jm,
+            op,
+            &AdmitShard {
+                role: match role {
+                    Role::Primary(_) => AdmitRole::Primary,
+                    Role::Replica(_) => AdmitRole::Replica,
+                    _ => AdmitRole::Other,
+                },
+                inflight: jm.inflight,
+                unuploaded_bytes: self.unuploaded_bytes.get(),
+                spool_budget_bytes: self.spool_budget_bytes,
+                store_error: store_error.as_deref(),
+            },
+        );
+        drop(store_error);
+        match decision {
+            Admission::Stage => Front::Stage,
+            Admission::Drop => {
+                jm.queue.pop_front();
+                let reply = AppendReply {
+                    write_head: jm.staged_head,
+                    ..Default::default()
+                };
+                op.end_aborted(&reply);
+                drop_budget(op);
+                Front::Passed
+            }
+            Admission::Refuse {
+                status,
+                message,
+                diverged,
+            } => {
+                if diverged {
+                    if let Some(t) = jm.replica.as_mut() {
+                        t.diverged();
+                    }
+                }
+                jm.queue.pop_front();
+                let r = AppendReply {
+                    write_head: jm.staged_head,
+                    registers: jm.staged_registers.clone(),
+                    ..Default::default()
+                };
+                op.reply_error(status, &r, &message);
+                drop_budget(op);
+                Front::Passed
+            }
+            // Roll to a new fragment first, once this batch commits (and
+            // replicas have acknowledged what is in flight: the acker
+            // marks the journal ready then).
+            Admission::Seal { again } => Front::Wait { again },
+            Admission::AwaitListing { hurry } => {
+                if hurry {
+                    self.hurry_first_listing_soon(j);
+                }
+                Front::Wait { again: false }
+            }
+        }
+    }
+
     /// Moves a client append's own SHA-1 to the hasher once it is large
     /// enough (`size` bytes, with those about to be staged, against
     /// [`crate::hasher::OFFLOAD_AFTER`]) and the hasher has room. Returns
@@ -474,4 +405,14 @@ impl Shard {
         }
         jm.active = None;
     }
+}
+
+/// What became of the append at the front of a journal's queue.
+enum Front {
+    /// It starts staging.
+    Stage,
+    /// Dropped or refused: the queue moved on.
+    Passed,
+    /// The journal waits; `again`: stage it again in this turn.
+    Wait { again: bool },
 }
