@@ -22,6 +22,23 @@ impl Held {
     }
 }
 
+/// A journal's spool write of a turn: the write (if bytes were staged),
+/// its file, and whether to fdatasync it after.
+type SpoolWrite = (
+    JournalRef,
+    Option<rotary_storage::spool::PendingWrite>,
+    Rc<compio::fs::File>,
+    bool,
+);
+
+/// The outcome of a [`SpoolWrite`]: the write's, the write back, the sync's.
+type WriteResult = (
+    JournalRef,
+    std::io::Result<()>,
+    Option<rotary_storage::spool::PendingWrite>,
+    Option<std::io::Result<()>>,
+);
+
 impl Shard {
     /// The flusher loop. Never returns.
     pub async fn flusher(self: Rc<Self>) {
@@ -42,11 +59,7 @@ impl Shard {
 
     pub(super) async fn turn(self: &Rc<Self>) {
         let started = Instant::now();
-        let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
-        // Dedup by identity, keeping first-come order.
-        let mut seen = std::collections::HashSet::new();
-        ready.retain(|j| seen.insert(Rc::as_ptr(j)));
-        ready.retain(|j| !j.borrow().deleted);
+        let ready = self.take_ready();
 
         // 1. Prepare, every journal at once: seals, new spools and tail
         // loads are file operations that wait on the kernel, and journals
@@ -73,19 +86,7 @@ impl Shard {
             .cloned()
             .collect();
         let early = self.record_commits(&committing);
-        let mut writing = Vec::new();
-        for j in &ready {
-            let mut jm = j.borrow_mut();
-            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
-            let Some(spool) = jm.spool.as_mut() else {
-                continue;
-            };
-            let file = spool.file().clone();
-            let w = spool.take_write();
-            if w.is_some() || fsync {
-                writing.push((j.clone(), w, file, fsync));
-            }
-        }
+        let writing = Self::take_writes(&ready);
         let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
         let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
         let in_flight: Vec<JournalRef> = writing
@@ -104,7 +105,6 @@ impl Shard {
         } else {
             Vec::new()
         };
-        let is_early = |j: &JournalRef| early.iter().any(|x| Rc::ptr_eq(x, j));
         let mut early_waits = HashMap::new();
         for j in &early {
             if let Some(waits) = self.answer_early(j) {
@@ -156,6 +156,173 @@ impl Shard {
             h.swap_back();
         }
         let written = Instant::now();
+        self.settle_writes(results, &log_result, &committing, &early, wrote, &mut held);
+        // Journals that failed may have a record in the log naming bytes
+        // that are not on disk: the log restates what they hold.
+        for j in &committing {
+            if j.borrow().staged.is_empty() {
+                self.restate(j);
+            }
+        }
+        let committing: Vec<JournalRef> = committing
+            .into_iter()
+            .filter(|j| !j.borrow().staged.is_empty())
+            .collect();
+        self.commit_batches(&committing, &early, early_waits);
+        self.flush_pipelines();
+        // What was staged during the writes is the next turn's batch.
+        for h in held {
+            h.j.borrow_mut().staged.extend(h.other);
+            h.j.borrow_mut().staged_with_replicas = h.other_with_replicas;
+            again.push(h.j);
+        }
+        let acked = Instant::now();
+        self.compact_log().await;
+        Self::warn_slow_turn(ready.len(), [started, prepared, staged_at, written, acked]);
+        // Replica journals with a SYNC waiting go around again once their
+        // queued appends are through.
+        for j in &ready {
+            if !j.borrow().sync_waiters.is_empty() {
+                again.push(j.clone());
+            }
+        }
+        // Journals with more to do go around again, after other tasks
+        // (readers, the acker, connections) had a turn.
+        if !again.is_empty() {
+            yield_now().await;
+        }
+        for j in again {
+            self.ready.borrow_mut().push(j);
+        }
+    }
+
+    /// The journals marked ready since the last turn, each once, in the
+    /// order they came, without the deleted ones.
+    fn take_ready(&self) -> Vec<JournalRef> {
+        let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
+        // Dedup by identity, keeping first-come order.
+        let mut seen = std::collections::HashSet::new();
+        ready.retain(|j| seen.insert(Rc::as_ptr(j)));
+        ready.retain(|j| !j.borrow().deleted);
+        ready
+    }
+
+    /// Step 6 of a turn: acknowledges the batches written this turn, or proposes them to
+    /// the replicas and lets the acker acknowledge once every replica has.
+    /// `early`: the journals answered from the commit log, with what
+    /// their early proposals wait for.
+    fn commit_batches(
+        self: &Rc<Self>,
+        committing: &[JournalRef],
+        early: &[JournalRef],
+        mut early_waits: HashMap<*const RefCell<Journal>, Vec<Wait>>,
+    ) {
+        let is_early = |j: &JournalRef| early.iter().any(|x| Rc::ptr_eq(x, j));
+        for j in committing {
+            let (staged_with_replicas, repl_now) = {
+                let jm = j.borrow();
+                (jm.staged_with_replicas, jm.repl.is_some())
+            };
+            if !staged_with_replicas {
+                if is_early(j) {
+                    // Answered and counted when its record was written.
+                    let staged = self.commit_local(j);
+                    self.publish_counted(j, staged, None);
+                } else {
+                    self.acknowledge(j);
+                }
+                continue;
+            }
+            if !repl_now {
+                // The pipelines broke while this batch was written: it
+                // is committed here, but no replica will confirm it.
+                let staged = self.commit_local(j);
+                let f = Failure::new(
+                    Status::REPLICATION_FAILED,
+                    "the replication pipeline broke before the append was proposed",
+                );
+                self.publish(j, staged, Some(&f));
+                continue;
+            }
+            // Proposed already if the batch was answered from the log.
+            let early = early_waits.remove(&Rc::as_ptr(j));
+            let staged = self.commit_local(j);
+            let mut jm = j.borrow_mut();
+            let waits = early.unwrap_or_else(|| propose(&jm, &staged));
+            jm.inflight += 1;
+            jm.proposed.push_back(InFlight { staged, waits });
+            let start_acker = !std::mem::replace(&mut jm.acking, true);
+            drop(jm);
+            self.proposals.set(self.proposals.get() + 1);
+            self.proposed.notify(usize::MAX);
+            if start_acker {
+                self.awaiting_acks.set(self.awaiting_acks.get() + 1);
+                compio::runtime::spawn(self.clone().acker(j.clone())).detach();
+            }
+        }
+    }
+
+    /// Compaction between turns keeps the log short. Its snapshot is
+    /// written and synced in the background while turns go on; only the
+    /// switch to the new file happens here.
+    async fn compact_log(&self) {
+        let (begin, finish) = self.log.borrow().as_ref().map_or((false, false), |l| {
+            let idle = !l.has_pending();
+            (idle && l.needs_compaction(), idle && l.compaction_ready())
+        });
+        if begin {
+            let states = self.states.borrow();
+            if let Some(log) = self.log.borrow_mut().as_mut() {
+                log.begin_compaction(states.iter().map(|(k, v)| (k.as_str(), v)));
+            }
+        } else if finish {
+            let mut log = self.log.borrow_mut().take().expect("commit log present");
+            match log.finish_compaction().await {
+                // The old log's blocks are freed at its last close: the
+                // reaper's, not this thread's (with `discard`, 13-22 ms for
+                // 64 MiB on the test machine).
+                Ok(old) => crate::reaper::close_later(old.into_iter().collect()),
+                Err(e) => {
+                    if let Some(held) = self.log_compaction_failed.due() {
+                        tracing::error!(error = %e, since_last_logged = held, "commit log compaction failed (logged once a minute while it lasts)");
+                    }
+                }
+            }
+            *self.log.borrow_mut() = Some(log);
+        }
+    }
+
+    /// Warns of a turn that took [`SLOW_TURN`] or longer, with the time
+    /// each of its steps took: `at` are the ends of started, prepare,
+    /// stage, write and acknowledge.
+    fn warn_slow_turn(journals: usize, at: [Instant; 5]) {
+        let [started, prepared, staged_at, written, acked] = at;
+        if started.elapsed() >= SLOW_TURN {
+            let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
+            tracing::warn!(
+                journals,
+                prepare_ms = %ms(started, prepared),
+                stage_ms = %ms(prepared, staged_at),
+                write_ms = %ms(staged_at, written),
+                ack_ms = %ms(written, acked),
+                compact_ms = %ms(acked, Instant::now()),
+                "slow turn: the shard's appends waited this long"
+            );
+        }
+    }
+
+    /// Takes the results of a turn's writes: failed spool writes and a
+    /// failed commit-log write or sync fail their batches.
+    fn settle_writes(
+        &self,
+        results: Vec<WriteResult>,
+        log_result: &Result<(), StorageError>,
+        committing: &[JournalRef],
+        early: &[JournalRef],
+        wrote: bool,
+        held: &mut Vec<Held>,
+    ) {
+        let is_early = |j: &JournalRef| early.iter().any(|x| Rc::ptr_eq(x, j));
         // A failed batch fails the one staged after it too.
         let fail_batch = |j: &JournalRef, status: Status, msg: &str, held: &mut Vec<Held>| {
             if let Some(i) = held.iter().position(|h| Rc::ptr_eq(&h.j, j)) {
@@ -199,138 +366,40 @@ impl Shard {
             metrics::add(&self.metrics.batches, 1);
         }
         for (j, status, msg) in &failed {
-            fail_batch(j, *status, msg, &mut held);
+            fail_batch(j, *status, msg, held);
         }
         if let Err(e) = &log_result {
             if let Some(held) = self.log_write_failed.due() {
                 tracing::error!(error = %e, since_last_logged = held, "commit log write failed; failing the batch (logged once a minute while it lasts)");
             }
             let status = storage_status(e);
-            for j in &committing {
+            for j in committing {
                 // Batches answered early had their records written; only
                 // the fdatasync for `fsync` journals failed.
                 if !j.borrow().staged.is_empty() && !is_early(j) {
-                    fail_batch(j, status, &e.to_string(), &mut held);
+                    fail_batch(j, status, &e.to_string(), held);
                 }
             }
         }
-        // Journals that failed may have a record in the log naming bytes
-        // that are not on disk: the log restates what they hold.
-        for j in &committing {
-            if j.borrow().staged.is_empty() {
-                self.restate(j);
-            }
-        }
-        let committing: Vec<JournalRef> = committing
-            .into_iter()
-            .filter(|j| !j.borrow().staged.is_empty())
-            .collect();
-        // 6. Acknowledge, or propose to the replicas and let the acker
-        // acknowledge once every replica has.
-        for j in &committing {
-            let (staged_with_replicas, repl_now) = {
-                let jm = j.borrow();
-                (jm.staged_with_replicas, jm.repl.is_some())
-            };
-            if !staged_with_replicas {
-                if is_early(j) {
-                    // Answered and counted when its record was written.
-                    let staged = self.commit_local(j);
-                    self.publish_counted(j, staged, None);
-                } else {
-                    self.acknowledge(j);
-                }
-                continue;
-            }
-            if !repl_now {
-                // The pipelines broke while this batch was written: it
-                // is committed here, but no replica will confirm it.
-                let staged = self.commit_local(j);
-                let f = Failure::new(
-                    Status::REPLICATION_FAILED,
-                    "the replication pipeline broke before the append was proposed",
-                );
-                self.publish(j, staged, Some(&f));
-                continue;
-            }
-            // Proposed already if the batch was answered from the log.
-            let early = early_waits.remove(&Rc::as_ptr(j));
-            let staged = self.commit_local(j);
+    }
+
+    /// Takes every spool write staged this turn, and which spools (of
+    /// `fsync` journals with a batch) are to be synced after it.
+    fn take_writes(ready: &[JournalRef]) -> Vec<SpoolWrite> {
+        let mut writing = Vec::new();
+        for j in ready {
             let mut jm = j.borrow_mut();
-            let waits = early.unwrap_or_else(|| propose(&jm, &staged));
-            jm.inflight += 1;
-            jm.proposed.push_back(InFlight { staged, waits });
-            let start_acker = !std::mem::replace(&mut jm.acking, true);
-            drop(jm);
-            self.proposals.set(self.proposals.get() + 1);
-            self.proposed.notify(usize::MAX);
-            if start_acker {
-                self.awaiting_acks.set(self.awaiting_acks.get() + 1);
-                compio::runtime::spawn(self.clone().acker(j.clone())).detach();
+            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
+            let Some(spool) = jm.spool.as_mut() else {
+                continue;
+            };
+            let file = spool.file().clone();
+            let w = spool.take_write();
+            if w.is_some() || fsync {
+                writing.push((j.clone(), w, file, fsync));
             }
         }
-        self.flush_pipelines();
-        // What was staged during the writes is the next turn's batch.
-        for h in held {
-            h.j.borrow_mut().staged.extend(h.other);
-            h.j.borrow_mut().staged_with_replicas = h.other_with_replicas;
-            again.push(h.j);
-        }
-        let acked = Instant::now();
-        // Compaction between turns keeps the log short. Its snapshot is
-        // written and synced in the background while turns go on; only
-        // the switch to the new file happens here.
-        let (begin, finish) = self.log.borrow().as_ref().map_or((false, false), |l| {
-            let idle = !l.has_pending();
-            (idle && l.needs_compaction(), idle && l.compaction_ready())
-        });
-        if begin {
-            let states = self.states.borrow();
-            if let Some(log) = self.log.borrow_mut().as_mut() {
-                log.begin_compaction(states.iter().map(|(k, v)| (k.as_str(), v)));
-            }
-        } else if finish {
-            let mut log = self.log.borrow_mut().take().expect("commit log present");
-            match log.finish_compaction().await {
-                // The old log's blocks are freed at its last close: the
-                // reaper's, not this thread's (with `discard`, 13-22 ms for
-                // 64 MiB on the test machine).
-                Ok(old) => crate::reaper::close_later(old.into_iter().collect()),
-                Err(e) => {
-                    if let Some(held) = self.log_compaction_failed.due() {
-                        tracing::error!(error = %e, since_last_logged = held, "commit log compaction failed (logged once a minute while it lasts)");
-                    }
-                }
-            }
-            *self.log.borrow_mut() = Some(log);
-        }
-        if started.elapsed() >= SLOW_TURN {
-            let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
-            tracing::warn!(
-                journals = ready.len(),
-                prepare_ms = %ms(started, prepared),
-                stage_ms = %ms(prepared, staged_at),
-                write_ms = %ms(staged_at, written),
-                ack_ms = %ms(written, acked),
-                compact_ms = %ms(acked, Instant::now()),
-                "slow turn: the shard's appends waited this long"
-            );
-        }
-        // Replica journals with a SYNC waiting go around again once their
-        // queued appends are through.
-        for j in &ready {
-            if !j.borrow().sync_waiters.is_empty() {
-                again.push(j.clone());
-            }
-        }
-        // Journals with more to do go around again, after other tasks
-        // (readers, the acker, connections) had a turn.
-        if !again.is_empty() {
-            yield_now().await;
-        }
-        for j in again {
-            self.ready.borrow_mut().push(j);
-        }
+        writing
     }
 
     /// Runs `work` (a turn's writes), staging meanwhile what arrives for

@@ -80,157 +80,45 @@ impl Shard {
                     started: Instant::now(),
                 });
             }
-            let a = jm.active.as_mut().expect("set above");
-            let spool = jm.spool.as_mut().expect("checked");
-            // Stage what has arrived.
-            loop {
-                let mut chunks = a.op.chunks.borrow_mut();
-                let Some(chunk) = chunks.front() else { break };
-                let bytes = &chunk.bytes()[a.chunk_pos..];
-                if bytes.is_empty() {
-                    let c = chunks.pop_front().expect("front");
-                    a.op.budget.release(c.range.len());
-                    a.chunk_pos = 0;
-                    continue;
-                }
-                if let Err(e) = spool.ensure_allocated(bytes.len() as u64, self.disk_reserve_bytes)
-                {
-                    drop(chunks);
-                    if e.is_full() {
-                        metrics::add(&self.metrics.storage_full, 1);
-                        // Spare spools must never be why an append fails.
-                        self.spares.borrow_mut().release();
-                    }
-                    let a = jm.active.take().expect("active");
-                    jm.tail.truncate(a.start.offset);
-                    spool.rewind(a.start);
-                    send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-                    let r = AppendReply {
-                        write_head: jm.staged_head,
-                        registers: jm.staged_registers.clone(),
-                        ..Default::default()
-                    };
-                    a.op.reply_error(storage_status(&e), &r, &e.to_string());
-                    drop_budget(&a.op);
-                    metrics::add(&self.metrics.append_failures, 1);
-                    jm.queue.pop_front();
-                    // A rewind past written bytes needs a tail reload.
-                    return !jm.queue.is_empty();
-                }
-                let at = spool.staged();
-                // A replica's reply carries no SHA-1 of the append.
-                let client = a.op.replica.is_none();
-                if let Some(h) = self.hasher.as_ref().filter(|_| client) {
-                    let size = at - a.start.offset + bytes.len() as u64;
-                    if self.offload_hash(h, &mut a.sha, size) && h.behind() {
-                        // Its bytes wait in the chunk until the hasher
-                        // caught up and readies the journal again.
-                        drop(chunks);
-                        self.hash_parked.borrow_mut().push(j.clone());
-                        metrics::add(&self.metrics.hash_waits, 1);
-                        return false;
-                    }
-                }
-                // A client's bytes go at the journal's `max_append_rate`;
-                // the rest wait in their chunk (and the connection's budget
-                // holds the client back) while its connection goes on
-                // serving. A replica's were admitted by its primary.
-                let admitted = if client {
-                    match jm.rate.admit(bytes.len() as u64, Instant::now()) {
-                        Ok(n) => &bytes[..n as usize],
-                        Err(wait) => {
-                            drop(chunks);
-                            metrics::add(&self.metrics.rate_waits, 1);
-                            if !jm.rate_timer {
-                                jm.rate_timer = true;
-                                self.ready_after(j, wait);
-                            }
-                            return false;
-                        }
-                    }
-                } else {
-                    bytes
-                };
-                let n = match &mut a.sha {
-                    AppendSha::Inline(_) if !client => spool.stage(admitted),
-                    AppendSha::Inline(sha) => spool.stage_hashed(admitted, sha),
-                    AppendSha::Offloaded(o) => {
-                        let n = spool.stage(admitted);
-                        let from = chunk.range.start + a.chunk_pos;
-                        o.hash(&chunk.data, from..from + n);
-                        metrics::add(&self.metrics.hash_offloaded_bytes, n as u64);
-                        n
-                    }
-                };
-                if client && n < admitted.len() {
-                    jm.rate.give_back((admitted.len() - n) as u64);
-                }
-                if let Some(r) = &jm.repl {
-                    let rec = Record::Content {
-                        seq: a.seq,
-                        journal: &jm.name,
-                        offset: at,
-                        bytes: &bytes[..n],
-                    };
-                    for (p, _) in &r.pipelines {
-                        p.push(&rec);
-                    }
-                }
-                if jm.waiting_readers > 0 {
-                    let window = crate::journal::tail_window(self.journals.borrow().len());
-                    jm.tail.push(at, &bytes[..n], window, &self.metrics);
-                }
-                a.chunk_pos += n;
-                if n < admitted.len() {
-                    // Buffer full: write it, then continue.
-                    return true;
-                }
+            if let Some(again) = self.stage_arrived(j, jm) {
+                return again;
             }
+            let a = jm.active.as_ref().expect("active");
             let content_done = a.op.replica.as_ref().is_some_and(|r| r.content_done.get());
             if (!a.op.complete.get() && !content_done) || !a.op.chunks.borrow().is_empty() {
                 return false;
             }
             // The append is whole.
-            let a = jm.active.take().expect("active");
-            jm.queue.pop_front();
-            let point = spool.commit_point();
-            let begin = a.start.offset;
-            let end = point.offset;
-            if a.op.replica.is_some() {
-                // Committed when its proposal comes (`commit_awaiting`);
-                // the next append's content is staged meanwhile.
-                jm.staged_head = end;
-                jm.awaiting.push_back(crate::append::Awaiting {
-                    op: a.op,
-                    start: a.start,
-                    end: point,
-                    seq: a.seq,
-                });
+            self.finish_whole(jm);
+        }
+    }
+
+    /// Stages what has arrived of the journal's open append, at most its
+    /// spool's buffer, its rate and its hasher allow. Some(again) when the
+    /// journal stops here for this turn (a full buffer: again); None when
+    /// every chunk that arrived is staged.
+    fn stage_arrived(&self, j: &JournalRef, jm: &mut Journal) -> Option<bool> {
+        let a = jm.active.as_mut().expect("set above");
+        let spool = jm.spool.as_mut().expect("checked");
+        // Stage what has arrived.
+        loop {
+            let mut chunks = a.op.chunks.borrow_mut();
+            let Some(chunk) = chunks.front() else { break };
+            let bytes = &chunk.bytes()[a.chunk_pos..];
+            if bytes.is_empty() {
+                let c = chunks.pop_front().expect("front");
+                a.op.budget.release(c.range.len());
+                a.chunk_pos = 0;
                 continue;
             }
-            if begin == end
-                && (!a.op.req.union_registers.is_empty() || !a.op.req.subtract_registers.is_empty())
-            {
-                let r = AppendReply {
-                    write_head: jm.staged_head,
-                    registers: jm.staged_registers.clone(),
-                    ..Default::default()
-                };
-                a.op.reply_error(
-                    Status::BAD_REQUEST,
-                    &r,
-                    "an empty append cannot change registers",
-                );
-                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-                continue;
-            }
-            let mut registers = jm.staged_registers.clone();
-            if begin != end {
-                registers.union(&a.op.req.union_registers);
-                registers.subtract(&a.op.req.subtract_registers);
-            }
-            if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
-                // Replies carry the registers; they must stay encodable.
+            if let Err(e) = spool.ensure_allocated(bytes.len() as u64, self.disk_reserve_bytes) {
+                drop(chunks);
+                if e.is_full() {
+                    metrics::add(&self.metrics.storage_full, 1);
+                    // Spare spools must never be why an append fails.
+                    self.spares.borrow_mut().release();
+                }
+                let a = jm.active.take().expect("active");
                 jm.tail.truncate(a.start.offset);
                 spool.rewind(a.start);
                 send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
@@ -239,26 +127,157 @@ impl Shard {
                     registers: jm.staged_registers.clone(),
                     ..Default::default()
                 };
-                let msg = format!(
-                    "registers would take {} bytes; at most {} are allowed",
-                    registers.encoded_len(),
-                    rotary_net::wire::REGISTERS_ENCODED_LEN_MAX
-                );
-                a.op.reply_error(Status::BAD_REQUEST, &r, &msg);
-                continue;
+                a.op.reply_error(storage_status(&e), &r, &e.to_string());
+                drop_budget(&a.op);
+                metrics::add(&self.metrics.append_failures, 1);
+                jm.queue.pop_front();
+                // A rewind past written bytes needs a tail reload.
+                return Some(!jm.queue.is_empty());
             }
+            let at = spool.staged();
+            // A replica's reply carries no SHA-1 of the append.
+            let client = a.op.replica.is_none();
+            if let Some(h) = self.hasher.as_ref().filter(|_| client) {
+                let size = at - a.start.offset + bytes.len() as u64;
+                if self.offload_hash(h, &mut a.sha, size) && h.behind() {
+                    // Its bytes wait in the chunk until the hasher
+                    // caught up and readies the journal again.
+                    drop(chunks);
+                    self.hash_parked.borrow_mut().push(j.clone());
+                    metrics::add(&self.metrics.hash_waits, 1);
+                    return Some(false);
+                }
+            }
+            // A client's bytes go at the journal's `max_append_rate`;
+            // the rest wait in their chunk (and the connection's budget
+            // holds the client back) while its connection goes on
+            // serving. A replica's were admitted by its primary.
+            let admitted = if client {
+                match jm.rate.admit(bytes.len() as u64, Instant::now()) {
+                    Ok(n) => &bytes[..n as usize],
+                    Err(wait) => {
+                        drop(chunks);
+                        metrics::add(&self.metrics.rate_waits, 1);
+                        if !jm.rate_timer {
+                            jm.rate_timer = true;
+                            self.ready_after(j, wait);
+                        }
+                        return Some(false);
+                    }
+                }
+            } else {
+                bytes
+            };
+            let n = match &mut a.sha {
+                AppendSha::Inline(_) if !client => spool.stage(admitted),
+                AppendSha::Inline(sha) => spool.stage_hashed(admitted, sha),
+                AppendSha::Offloaded(o) => {
+                    let n = spool.stage(admitted);
+                    let from = chunk.range.start + a.chunk_pos;
+                    o.hash(&chunk.data, from..from + n);
+                    metrics::add(&self.metrics.hash_offloaded_bytes, n as u64);
+                    n
+                }
+            };
+            if client && n < admitted.len() {
+                jm.rate.give_back((admitted.len() - n) as u64);
+            }
+            if let Some(r) = &jm.repl {
+                let rec = Record::Content {
+                    seq: a.seq,
+                    journal: &jm.name,
+                    offset: at,
+                    bytes: &bytes[..n],
+                };
+                for (p, _) in &r.pipelines {
+                    p.push(&rec);
+                }
+            }
+            if jm.waiting_readers > 0 {
+                let window = crate::journal::tail_window(self.journals.borrow().len());
+                jm.tail.push(at, &bytes[..n], window, &self.metrics);
+            }
+            a.chunk_pos += n;
+            if n < admitted.len() {
+                // Buffer full: write it, then continue.
+                return Some(true);
+            }
+        }
+        None
+    }
+
+    /// Takes the journal's open append, whole now, out of the queue: a
+    /// replica's awaits its proposal, a client's joins the batch (or is
+    /// refused if its registers would not do).
+    fn finish_whole(&self, jm: &mut Journal) {
+        let a = jm.active.take().expect("active");
+        jm.queue.pop_front();
+        let spool = jm.spool.as_mut().expect("checked");
+        let point = spool.commit_point();
+        let begin = a.start.offset;
+        let end = point.offset;
+        if a.op.replica.is_some() {
+            // Committed when its proposal comes (`commit_awaiting`);
+            // the next append's content is staged meanwhile.
             jm.staged_head = end;
-            jm.staged_registers = registers.clone();
-            jm.staged.push(Staged {
+            jm.awaiting.push_back(crate::append::Awaiting {
                 op: a.op,
-                begin,
-                end,
-                sha1: a.sha.finish(),
-                point,
-                registers,
+                start: a.start,
+                end: point,
                 seq: a.seq,
             });
+            return;
         }
+        if begin == end
+            && (!a.op.req.union_registers.is_empty() || !a.op.req.subtract_registers.is_empty())
+        {
+            let r = AppendReply {
+                write_head: jm.staged_head,
+                registers: jm.staged_registers.clone(),
+                ..Default::default()
+            };
+            a.op.reply_error(
+                Status::BAD_REQUEST,
+                &r,
+                "an empty append cannot change registers",
+            );
+            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            return;
+        }
+        let mut registers = jm.staged_registers.clone();
+        if begin != end {
+            registers.union(&a.op.req.union_registers);
+            registers.subtract(&a.op.req.subtract_registers);
+        }
+        if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
+            // Replies carry the registers; they must stay encodable.
+            jm.tail.truncate(a.start.offset);
+            spool.rewind(a.start);
+            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            let r = AppendReply {
+                write_head: jm.staged_head,
+                registers: jm.staged_registers.clone(),
+                ..Default::default()
+            };
+            let msg = format!(
+                "registers would take {} bytes; at most {} are allowed",
+                registers.encoded_len(),
+                rotary_net::wire::REGISTERS_ENCODED_LEN_MAX
+            );
+            a.op.reply_error(Status::BAD_REQUEST, &r, &msg);
+            return;
+        }
+        jm.staged_head = end;
+        jm.staged_registers = registers.clone();
+        jm.staged.push(Staged {
+            op: a.op,
+            begin,
+            end,
+            sha1: a.sha.finish(),
+            point,
+            registers,
+            seq: a.seq,
+        });
     }
 
     /// Acts on [`admit`]'s decision on `op`, the first queued append of
