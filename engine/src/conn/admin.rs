@@ -416,6 +416,39 @@ impl Conn {
         }
     }
 
+    /// DELETE of journal `name`, here and (unless the request came from a
+    /// peer) on every peer broker.
+    async fn delete(&mut self, frame: &Frame<'_>, name: &str, not_found: &str) {
+        let id = frame.request_id;
+        let is_local = frame.flags & flag::LOCAL != 0;
+        let revision = match parse_revision(frame.payload, is_local) {
+            Ok(r) => r.unwrap_or_else(|| self.shard.specs.next_revision()),
+            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
+        };
+        let local = self.shard.delete_journal(name, revision);
+        let peers = if !is_local {
+            let revised = delete_payload(revision);
+            self.fan_out(Op::DELETE, frame.meta, &revised).await
+        } else {
+            None
+        };
+        let peer_had = peers.as_ref().is_some_and(|p| {
+            p.as_object()
+                .is_some_and(|m| m.values().any(|v| v.as_str() == Some("ok")))
+        });
+        match local {
+            Ok(existed) if existed || peer_had => {
+                let mut body = serde_json::json!({ "deleted": name });
+                if let Some(p) = peers {
+                    body["peers"] = p;
+                }
+                self.admin_ok(id, &body)
+            }
+            Ok(_) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, not_found),
+            Err(e) => self.admin_err(id, spec_write_status(&e), &e.to_string()),
+        }
+    }
+
     pub(super) async fn by_name(&mut self, frame: Frame<'_>, raw: &[u8]) {
         let id = frame.request_id;
         let name = match wire::decode_name(frame.meta) {
@@ -433,35 +466,7 @@ impl Conn {
         }
         let not_found = format!("journal {name:?} does not exist");
         match frame.op {
-            Op::DELETE => {
-                let is_local = frame.flags & flag::LOCAL != 0;
-                let revision = match parse_revision(frame.payload, is_local) {
-                    Ok(r) => r.unwrap_or_else(|| self.shard.specs.next_revision()),
-                    Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
-                };
-                let local = self.shard.delete_journal(&name, revision);
-                let peers = if !is_local {
-                    let revised = delete_payload(revision);
-                    self.fan_out(Op::DELETE, frame.meta, &revised).await
-                } else {
-                    None
-                };
-                let peer_had = peers.as_ref().is_some_and(|p| {
-                    p.as_object()
-                        .is_some_and(|m| m.values().any(|v| v.as_str() == Some("ok")))
-                });
-                match local {
-                    Ok(existed) if existed || peer_had => {
-                        let mut body = serde_json::json!({ "deleted": name });
-                        if let Some(p) = peers {
-                            body["peers"] = p;
-                        }
-                        self.admin_ok(id, &body)
-                    }
-                    Ok(_) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, &not_found),
-                    Err(e) => self.admin_err(id, spec_write_status(&e), &e.to_string()),
-                }
-            }
+            Op::DELETE => self.delete(&frame, &name, &not_found).await,
             op => {
                 let Some(j) = self.shard.journal(&name) else {
                     let (status, msg) = self.shard.unknown_journal(&name);
@@ -484,60 +489,10 @@ impl Conn {
                             Ok(p) => p,
                             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
                         };
-                        // Before the first listing of its store a journal's
-                        // fragments are not known: the answer waits for it
-                        // (in its own task; the connection goes on), or is
-                        // the listing's error.
-                        let shard = self.shard.clone();
-                        let outbox = self.outbox.clone();
-                        compio::runtime::spawn(async move {
-                            let deadline = Instant::now() + FRAGMENTS_LISTING_WAIT;
-                            loop {
-                                let listen = j.borrow().committed.listen();
-                                let (listed, failed) = {
-                                    let jm = j.borrow();
-                                    (jm.index_loaded, jm.index_error.clone())
-                                };
-                                if listed {
-                                    break;
-                                }
-                                let left = deadline.saturating_duration_since(Instant::now());
-                                let failed = failed.or_else(|| {
-                                    left.is_zero().then(|| {
-                                        format!("no listing in {FRAGMENTS_LISTING_WAIT:?}")
-                                    })
-                                });
-                                if let Some(e) = failed {
-                                    let msg = format!("fragment index not yet listed: {e}");
-                                    outbox.error(
-                                        Op::ADMIN_REPLY,
-                                        Status::FRAGMENT_STORE_UNHEALTHY,
-                                        id,
-                                        &[],
-                                        &msg,
-                                    );
-                                    return;
-                                }
-                                if outbox.is_closed() {
-                                    return;
-                                }
-                                // Ahead of the shard's queue, as a read's.
-                                shard.hurry_first_listing(&j);
-                                let _ = compio::time::timeout(left, listen).await;
-                            }
-                            let (body, more) = shard.fragments_page(&j, page.from, page.limit);
-                            let bytes = serde_json::to_vec(&body).expect("json");
-                            let flags = if more { flag::NEXT_PAGE } else { 0 };
-                            outbox.flagged_frame(
-                                Op::ADMIN_REPLY,
-                                flags,
-                                Status::OK,
-                                id,
-                                &[],
-                                &bytes,
-                            );
-                        })
-                        .detach();
+                        // In its own task; the connection goes on.
+                        let task =
+                            answer_fragments(self.shard.clone(), self.outbox.clone(), j, id, page);
+                        compio::runtime::spawn(task).detach();
                     }
                     Op::RESET_HEAD => self.shard.request_reset_head(&j, self.outbox.clone(), id),
                     Op::SEAL => self.shard.request_seal(&j, self.outbox.clone(), id),
@@ -546,6 +501,55 @@ impl Conn {
             }
         }
     }
+}
+
+/// Answers FRAGMENTS with a page of the journal's fragments. Before the
+/// first listing of its store a journal's fragments are not known: the
+/// answer waits for it, or is the listing's error.
+async fn answer_fragments(
+    shard: Rc<Shard>,
+    outbox: Rc<Outbox>,
+    j: JournalRef,
+    id: u64,
+    page: PageRequest,
+) {
+    let deadline = Instant::now() + FRAGMENTS_LISTING_WAIT;
+    loop {
+        let listen = j.borrow().committed.listen();
+        let (listed, failed) = {
+            let jm = j.borrow();
+            (jm.index_loaded, jm.index_error.clone())
+        };
+        if listed {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let failed = failed.or_else(|| {
+            left.is_zero()
+                .then(|| format!("no listing in {FRAGMENTS_LISTING_WAIT:?}"))
+        });
+        if let Some(e) = failed {
+            let msg = format!("fragment index not yet listed: {e}");
+            outbox.error(
+                Op::ADMIN_REPLY,
+                Status::FRAGMENT_STORE_UNHEALTHY,
+                id,
+                &[],
+                &msg,
+            );
+            return;
+        }
+        if outbox.is_closed() {
+            return;
+        }
+        // Ahead of the shard's queue, as a read's.
+        shard.hurry_first_listing(&j);
+        let _ = compio::time::timeout(left, listen).await;
+    }
+    let (body, more) = shard.fragments_page(&j, page.from, page.limit);
+    let bytes = serde_json::to_vec(&body).expect("json");
+    let flags = if more { flag::NEXT_PAGE } else { 0 };
+    outbox.flagged_frame(Op::ADMIN_REPLY, flags, Status::OK, id, &[], &bytes);
 }
 
 #[cfg(test)]

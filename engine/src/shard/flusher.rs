@@ -87,13 +87,7 @@ impl Shard {
             .collect();
         let early = self.record_commits(&committing);
         let writing = Self::take_writes(&ready);
-        let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
         let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
-        let in_flight: Vec<JournalRef> = writing
-            .iter()
-            .filter(|(_, w, _, _)| w.is_some())
-            .map(|(j, _, _, _)| j.clone())
-            .collect();
         // The log's records go first, into the page cache. Batches whose
         // records carry their bytes (or whose bytes are already on disk)
         // are answered now; their replies and proposals are sent before
@@ -117,44 +111,8 @@ impl Shard {
         if !early.is_empty() {
             yield_now().await;
         }
-        let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
-            let mut res = Ok(());
-            let w = match w {
-                Some(w) => {
-                    let (r, w) = w.run(&file).await;
-                    res = r;
-                    Some(w)
-                }
-                None => None,
-            };
-            let synced = if res.is_ok() && fsync {
-                Some(file.sync_data().await)
-            } else {
-                None
-            };
-            (j, res, w, synced)
-        }));
-        let log_sync = async {
-            if !any_fsync || log_written.is_err() {
-                return log_written;
-            }
-            // The log is taken out for the sync so no borrow spans the await.
-            let mut log = self.log.borrow_mut().take().expect("commit log present");
-            let res = log.flush(true).await;
-            *self.log.borrow_mut() = Some(log);
-            res
-        };
-        // The next batch of the journals being written is staged while
-        // they are: hashing it and waiting on the disk overlap.
         let mut held = Vec::new();
-        let (results, log_result) = self
-            .stage_while(&in_flight, &mut held, async {
-                futures_util::join!(spool_writes, log_sync)
-            })
-            .await;
-        for h in &mut held {
-            h.swap_back();
-        }
+        let (results, log_result) = self.write_spools(writing, log_written, &mut held).await;
         let written = Instant::now();
         self.settle_writes(results, &log_result, &committing, &early, wrote, &mut held);
         // Journals that failed may have a record in the log naming bytes
@@ -402,6 +360,61 @@ impl Shard {
         writing
     }
 
+    /// Writes the turn's spools and syncs them (and the commit log, if an
+    /// `fsync` journal wrote), staging meanwhile the next batch of the
+    /// journals being written (see [`Shard::stage_while`]).
+    async fn write_spools(
+        &self,
+        writing: Vec<SpoolWrite>,
+        log_written: Result<(), StorageError>,
+        held: &mut Vec<Held>,
+    ) -> (Vec<WriteResult>, Result<(), StorageError>) {
+        let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
+        let in_flight: Vec<JournalRef> = writing
+            .iter()
+            .filter(|(_, w, _, _)| w.is_some())
+            .map(|(j, _, _, _)| j.clone())
+            .collect();
+        let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
+            let mut res = Ok(());
+            let w = match w {
+                Some(w) => {
+                    let (r, w) = w.run(&file).await;
+                    res = r;
+                    Some(w)
+                }
+                None => None,
+            };
+            let synced = if res.is_ok() && fsync {
+                Some(file.sync_data().await)
+            } else {
+                None
+            };
+            (j, res, w, synced)
+        }));
+        let log_sync = async {
+            if !any_fsync || log_written.is_err() {
+                return log_written;
+            }
+            // The log is taken out for the sync so no borrow spans the await.
+            let mut log = self.log.borrow_mut().take().expect("commit log present");
+            let res = log.flush(true).await;
+            *self.log.borrow_mut() = Some(log);
+            res
+        };
+        // The next batch of the journals being written is staged while
+        // they are: hashing it and waiting on the disk overlap.
+        let (results, log_result) = self
+            .stage_while(&in_flight, held, async {
+                futures_util::join!(spool_writes, log_sync)
+            })
+            .await;
+        for h in held.iter_mut() {
+            h.swap_back();
+        }
+        (results, log_result)
+    }
+
     /// Runs `work` (a turn's writes), staging meanwhile what arrives for
     /// `journals` (those being written) into their spools' second buffers.
     /// A journal's batch being written is set aside in `held` the first
@@ -572,16 +585,14 @@ impl Shard {
         self.states.borrow_mut().insert(jm.name.clone(), st);
     }
 
-    /// Async preparation of a journal before staging: handle an aborted
-    /// active append, reload a tail block, seal, open a spool.
-    pub(super) async fn prepare(&self, j: &JournalRef) {
-        // A SYNC from the primary ends any append it left open. A broker
-        // no longer a replica of the journal (the route changed) drops all
-        // the appends of its old primary not yet committed here, whole or
-        // not: their bytes must not stay in a spool it is about to seal or
-        // append to as the primary. Either way the primary that sent them
-        // hears so at once, unless it rolled them back itself (or gave
-        // them up by synchronizing again on their connection).
+    /// A SYNC from the primary ends any append it left open. A broker
+    /// no longer a replica of the journal (the route changed) drops all
+    /// the appends of its old primary not yet committed here, whole or
+    /// not: their bytes must not stay in a spool it is about to seal or
+    /// append to as the primary. Either way the primary that sent them
+    /// hears so at once, unless it rolled them back itself (or gave
+    /// them up by synchronizing again on their connection).
+    fn supersede_replica_appends(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
             let replica_ops = !jm.awaiting.is_empty()
@@ -608,8 +619,11 @@ impl Shard {
                 }
             }
         }
-        // A replica append rolled back by its primary (or whose connection
-        // closed) drops it and everything staged after it.
+    }
+
+    /// A replica append rolled back by its primary (or whose connection
+    /// closed) drops it and everything staged after it.
+    fn drop_rolled_back(j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
             let jm = &mut *jm;
@@ -638,7 +652,10 @@ impl Shard {
                 }
             }
         }
-        // An aborted active append rewinds the spool to where it began.
+    }
+
+    /// An aborted active append rewinds the spool to where it began.
+    fn rewind_aborted(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
             let aborted = jm
@@ -657,12 +674,18 @@ impl Shard {
                 metrics::add(&self.metrics.append_failures, 1);
             }
         }
-        let role = self.role(&j.borrow().spec);
-        let takeover = match &role {
+    }
+
+    /// Settles the journal's replication for `role`: fails its queue when
+    /// its route is short of brokers, starts a SYNC when its replicas must
+    /// be asked (again), or forgets a stale one. False: nothing more to
+    /// prepare this turn.
+    async fn settle_replication(&self, j: &JournalRef, role: &Role) -> bool {
+        let takeover = match role {
             Role::Primary(route) => self.takeover_due(j, route),
             _ => false,
         };
-        match &role {
+        match role {
             Role::Primary(route) if !route.is_complete() => {
                 let msg = format!(
                     "the journal's replication is {} but the cluster has {} broker(s) for it",
@@ -670,7 +693,7 @@ impl Shard {
                     route.members.len()
                 );
                 self.fail_queue(j, Status::INSUFFICIENT_JOURNAL_BROKERS, &msg);
-                return;
+                return false;
             }
             Role::Primary(route) if route.members.len() > 1 || takeover => {
                 // Synchronized in this very view: after any change of the
@@ -684,7 +707,7 @@ impl Shard {
                     });
                 if !ready {
                     self.begin_sync(j, route.clone()).await;
-                    return;
+                    return false;
                 }
             }
             Role::Primary(_) => j.borrow_mut().repl = None,
@@ -694,7 +717,12 @@ impl Shard {
                 j.borrow_mut().repl = None;
             }
         }
-        self.apply_syncs(j).await;
+        true
+    }
+
+    /// Reloads the spool's tail block after a rollback past written bytes.
+    /// False: that failed, and the queue with it.
+    async fn reload_tail(&self, j: &JournalRef) -> bool {
         let needs_tail = j
             .borrow()
             .spool
@@ -712,8 +740,52 @@ impl Shard {
             if let Err(e) = res {
                 tracing::error!(journal = %j.borrow().name, error = %e, "reloading spool tail failed");
                 self.fail_queue(j, storage_status(&e), &e.to_string());
-                return;
+                return false;
             }
+        }
+        true
+    }
+
+    /// Opens a spool for a journal with appends queued and none open.
+    async fn open_spool(&self, j: &JournalRef) {
+        let needs_spool = {
+            let jm = j.borrow();
+            jm.spool.is_none() && !jm.queue.is_empty()
+        };
+        if needs_spool {
+            let (dir, head, length) = {
+                let jm = j.borrow();
+                (jm.dir.clone(), jm.local_head, jm.spec.fragment.length)
+            };
+            let created = match std::fs::create_dir_all(&dir) {
+                Ok(()) => self.create_spool(&dir, head, length).await,
+                Err(e) => Err(StorageError::io(&dir, e)),
+            };
+            match created {
+                Ok(spool) => j.borrow_mut().spool = Some(spool),
+                Err(e) => {
+                    if e.is_full() {
+                        metrics::add(&self.metrics.storage_full, 1);
+                    }
+                    self.fail_queue(j, storage_status(&e), &e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Async preparation of a journal before staging: handle an aborted
+    /// active append, reload a tail block, seal, open a spool.
+    pub(super) async fn prepare(&self, j: &JournalRef) {
+        self.supersede_replica_appends(j);
+        Self::drop_rolled_back(j);
+        self.rewind_aborted(j);
+        let role = self.role(&j.borrow().spec);
+        if !self.settle_replication(j, &role).await {
+            return;
+        }
+        self.apply_syncs(j).await;
+        if !self.reload_tail(j).await {
+            return;
         }
         let reset = {
             let jm = j.borrow();
@@ -738,29 +810,7 @@ impl Shard {
         if wants_seal {
             self.seal(j).await;
         }
-        let needs_spool = {
-            let jm = j.borrow();
-            jm.spool.is_none() && !jm.queue.is_empty()
-        };
-        if needs_spool {
-            let (dir, head, length) = {
-                let jm = j.borrow();
-                (jm.dir.clone(), jm.local_head, jm.spec.fragment.length)
-            };
-            let created = match std::fs::create_dir_all(&dir) {
-                Ok(()) => self.create_spool(&dir, head, length).await,
-                Err(e) => Err(StorageError::io(&dir, e)),
-            };
-            match created {
-                Ok(spool) => j.borrow_mut().spool = Some(spool),
-                Err(e) => {
-                    if e.is_full() {
-                        metrics::add(&self.metrics.storage_full, 1);
-                    }
-                    self.fail_queue(j, storage_status(&e), &e.to_string());
-                }
-            }
-        }
+        self.open_spool(j).await;
     }
 
     /// A new spool at `head`: in a spare file if one fits the journal's

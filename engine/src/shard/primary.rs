@@ -169,6 +169,65 @@ impl Shard {
         }
     }
 
+    /// Ends a streamed append that went idle, or that holds up the append
+    /// behind it at too slow a rate. True: one was aborted.
+    fn time_out_active(jm: &Journal) -> bool {
+        if let Some(a) = &jm.active {
+            // Bytes that arrived and wait (for the rate, or for
+            // room) are no client's idleness.
+            if a.op.last_activity.get().elapsed() > APPEND_IDLE_TIMEOUT
+                && !a.op.complete.get()
+                && a.op.chunks.borrow().is_empty()
+            {
+                a.op.aborted.set(Some(AbortReason::Timeout));
+                return true;
+            } else if a.holds_up(
+                jm.queue
+                    .iter()
+                    .find(|w| !Rc::ptr_eq(w, &a.op))
+                    .map(|w| &**w),
+                jm.rate.rate(),
+            ) {
+                a.op.aborted.set(Some(AbortReason::TooSlow));
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Queues a journal's sealed fragments for upload and lists its stores
+    /// when due; a broker the journal was routed away from lets its index
+    /// go instead of listing.
+    fn refresh_history(&self, j: &JournalRef, role: Option<&Role>) {
+        let refresh = {
+            let mut jm = j.borrow_mut();
+            if jm.has_stores() {
+                self.queue_uploads(&mut jm);
+                let every = jm.spec.fragment.refresh_interval;
+                !jm.listing
+                    && jm.last_listing.is_none_or(|t| {
+                        t.elapsed() >= every
+                            || (!jm.index_loaded
+                                && !jm.index_forgotten
+                                && t.elapsed() >= std::time::Duration::from_secs(1))
+                    })
+            } else {
+                false
+            }
+        };
+        if refresh {
+            let outside = match role {
+                Some(role) => matches!(role, Role::Outside(_)),
+                None => matches!(self.role(&j.borrow().spec), Role::Outside(_)),
+            };
+            if outside && j.borrow_mut().forget_index() {
+                metrics::add(&self.metrics.listings_spared, 1);
+            } else {
+                self.refresh_listing(j);
+            }
+        }
+    }
+
     /// Seals due spools and times out idle streamed appends. Runs every second.
     pub async fn tick(self: &Rc<Self>) {
         let now = SystemTime::now();
@@ -226,25 +285,8 @@ impl Shard {
                     Some(Role::Outside(_)) if holds_bytes => due = true,
                     _ => {}
                 }
-                if let Some(a) = &jm.active {
-                    // Bytes that arrived and wait (for the rate, or for
-                    // room) are no client's idleness.
-                    if a.op.last_activity.get().elapsed() > APPEND_IDLE_TIMEOUT
-                        && !a.op.complete.get()
-                        && a.op.chunks.borrow().is_empty()
-                    {
-                        a.op.aborted.set(Some(AbortReason::Timeout));
-                        due = true;
-                    } else if a.holds_up(
-                        jm.queue
-                            .iter()
-                            .find(|w| !Rc::ptr_eq(w, &a.op))
-                            .map(|w| &**w),
-                        jm.rate.rate(),
-                    ) {
-                        a.op.aborted.set(Some(AbortReason::TooSlow));
-                        due = true;
-                    }
+                if Self::time_out_active(&jm) {
+                    due = true;
                 }
             }
             if due {
@@ -253,33 +295,7 @@ impl Shard {
             if let Some(Role::Primary(route)) = &role {
                 self.pulse(&j, route, false);
             }
-            let refresh = {
-                let mut jm = j.borrow_mut();
-                if jm.has_stores() {
-                    self.queue_uploads(&mut jm);
-                    let every = jm.spec.fragment.refresh_interval;
-                    !jm.listing
-                        && jm.last_listing.is_none_or(|t| {
-                            t.elapsed() >= every
-                                || (!jm.index_loaded
-                                    && !jm.index_forgotten
-                                    && t.elapsed() >= std::time::Duration::from_secs(1))
-                        })
-                } else {
-                    false
-                }
-            };
-            if refresh {
-                let outside = match &role {
-                    Some(role) => matches!(role, Role::Outside(_)),
-                    None => matches!(self.role(&j.borrow().spec), Role::Outside(_)),
-                };
-                if outside && j.borrow_mut().forget_index() {
-                    metrics::add(&self.metrics.listings_spared, 1);
-                } else {
-                    self.refresh_listing(&j);
-                }
-            }
+            self.refresh_history(&j, role.as_ref());
         }
         self.recount_unuploaded();
     }
@@ -407,6 +423,185 @@ impl Shard {
         .detach();
     }
 
+    /// SYNC of the route's replicas: the pipeline to each one that agrees,
+    /// and into `ahead` those that hold more than `head`.
+    async fn sync_members<'r>(
+        &self,
+        route: &'r Route,
+        name: &str,
+        head: u64,
+        request: &dyn Fn() -> rotary_net::repl::SyncRequest,
+        ahead: &mut Vec<(u64, LabelSet, &'r Member)>,
+    ) -> Result<Vec<(Rc<Pipeline>, u64)>, Failure> {
+        use rotary_net::repl::SyncReply;
+        let mut pipelines = Vec::new();
+        for m in &route.members[1..] {
+            let p = self.pipeline(m, name);
+            let epoch = p.connect().await?;
+            let ack = p.sync(&request()).await?;
+            let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
+            match ack.status {
+                Status::OK => pipelines.push((p, epoch)),
+                Status::PROPOSAL_MISMATCH if reply.head > head => {
+                    ahead.push((reply.head, reply.registers, m));
+                }
+                status => {
+                    // Clients see a retryable status; the cause is named.
+                    return Err(Failure::new(
+                        Status::REPLICATION_FAILED,
+                        format!(
+                            "replica {} answered SYNC with {status}: {}",
+                            m.id, reply.message
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(pipelines)
+    }
+
+    /// Brokers the journal left: they answer WRONG_ROUTE with their head.
+    /// Bytes only they hold are copied and the head moves past them, so
+    /// that this primary's appends never reuse their offsets. One still
+    /// routing the journal to itself has not seen the change, and may yet
+    /// take appends: wait for it.
+    async fn ask_sources<'r>(
+        &self,
+        sources: &'r [Member],
+        name: &str,
+        head: u64,
+        request: &dyn Fn() -> rotary_net::repl::SyncRequest,
+        ahead: &mut Vec<(u64, LabelSet, &'r Member)>,
+    ) -> Result<(), Failure> {
+        use rotary_net::repl::SyncReply;
+        for m in sources {
+            let silent_since = self.silent_sources.borrow().get(&m.id).copied();
+            if silent_since.is_some_and(|at| {
+                at.elapsed() < self.replica_ack_timeout * SILENT_SOURCE_PASSED_OVER
+            }) {
+                metrics::add(&self.metrics.takeover_sources_passed_over, 1);
+                tracing::debug!(journal = %name, broker = %m.id, "a broker of one of the journal's earlier routes did not answer moments ago; taking the journal over without its bytes");
+                continue;
+            }
+            let p = self.pipeline(m, name);
+            let ack = match p.connect().await {
+                Ok(_) => p.sync(&request()).await,
+                Err(f) => Err(f),
+            };
+            let ack = match ack {
+                Ok(ack) => {
+                    self.silent_sources.borrow_mut().remove(&m.id);
+                    ack
+                }
+                Err(f) => {
+                    // Gone with its disk, or stopped: what only it held
+                    // cannot be had (a journal of one replica). One that
+                    // is stopped, or cut off, is not waited for again by
+                    // every journal in turn.
+                    if f.timed_out {
+                        metrics::add(&self.metrics.takeover_sources_silent, 1);
+                        self.silent_sources
+                            .borrow_mut()
+                            .insert(m.id.clone(), Instant::now());
+                    }
+                    tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of one of the journal's earlier routes does not answer; taking the journal over without its bytes");
+                    continue;
+                }
+            };
+            let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
+            if reply.route.contains(&m.id) {
+                return Err(Failure::new(
+                    Status::REPLICATION_FAILED,
+                    format!(
+                        "broker {} still routes the journal to {:?}: it has not seen the cluster change yet",
+                        m.id, reply.route
+                    ),
+                ));
+            }
+            if ack.status == Status::WRONG_ROUTE && reply.head > head {
+                ahead.push((reply.head, reply.registers, m));
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the bytes the brokers `ahead` of this primary hold beyond
+    /// `head`, and moves the journal's heads and registers past them.
+    async fn roll_forward(
+        &self,
+        j: &JournalRef,
+        name: &str,
+        head: u64,
+        mut ahead: Vec<(u64, LabelSet, &Member)>,
+    ) -> Result<(), Failure> {
+        // Furthest first; among equals, route order.
+        ahead.sort_by_key(|a| std::cmp::Reverse(a.0));
+        let (to, their_registers) = (ahead[0].0, ahead[0].1.clone());
+        // Only after a route change, or a restart without the data
+        // (a replaced disk): replicas, or brokers the journal left,
+        // hold bytes this primary does not. They are copied before the
+        // head moves past them, so the primary serves and uploads them
+        // like its own.
+        tracing::warn!(journal = %name, from = head, to, broker = %ahead[0].2.id, "a broker is ahead; copying the journal's bytes from it and rolling forward");
+        // Sealed first, if bytes are open in it (a primary without
+        // replicas keeps its spool through a SYNC).
+        if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+            self.seal(j).await;
+            if j.borrow().spool.is_some() {
+                return Err(Failure::new(
+                    Status::IO_ERROR,
+                    "sealing the primary's spool before copying failed",
+                ));
+            }
+        }
+        let spool = j.borrow_mut().spool.take();
+        if let Some(spool) = spool {
+            // Empty: the SYNC started by sealing.
+            let _ = spool.seal(false).await;
+        }
+        let (dir, durable, from) = {
+            let jm = j.borrow();
+            // What a listed store holds need not be copied.
+            let listed = if jm.index_loaded { jm.remote_end() } else { 0 };
+            (
+                jm.dir.clone(),
+                jm.spec.durability == Durability::Fsync,
+                head.max(listed).min(to),
+            )
+        };
+        let sources: Vec<(u64, std::net::SocketAddr)> = ahead
+            .iter()
+            .map(|(h, _, m)| (*h, self.member_endpoint(m, name)))
+            .collect();
+        let copied = crate::fetch::copy_from_each(&sources, name, from, to, &dir, durable)
+            .await
+            .map_err(|e| Failure::new(Status::REPLICATION_FAILED, e))?;
+        let held: u64 = copied.iter().map(|f| f.end - f.begin).sum();
+        metrics::add(&self.metrics.copied_bytes, held);
+        if held < to - from {
+            tracing::warn!(journal = %name, from, to, copied = held, "the replicas ahead hold only part of the span; the rest is read from the store, if one holds it");
+        }
+        let mut jm = j.borrow_mut();
+        if jm.has_stores() {
+            self.unuploaded_bytes
+                .set(self.unuploaded_bytes.get() + held);
+        }
+        jm.fragments.extend(copied);
+        jm.fragments.sort_by_key(|f| (f.begin, f.end));
+        if jm.has_stores() {
+            self.queue_uploads(&mut jm);
+        }
+        jm.head = jm.head.max(to);
+        jm.local_head = jm.local_head.max(to);
+        jm.staged_head = jm.local_head;
+        // The registers go with the furthest history (fencing must not
+        // step back).
+        jm.registers = their_registers.clone();
+        jm.local_registers = their_registers.clone();
+        jm.staged_registers = their_registers;
+        Ok(())
+    }
+
     /// SYNC with every replica of `route`, and with the brokers of the
     /// journal's earlier routes that left it (see [`Shard::takeover_sources`]).
     /// A broker ahead of this primary (possible only after a route change)
@@ -417,7 +612,7 @@ impl Shard {
         j: &JournalRef,
         route: &Route,
     ) -> Result<PrimaryRepl, Failure> {
-        use rotary_net::repl::{SyncReply, SyncRequest};
+        use rotary_net::repl::SyncRequest;
         // A broker that just started learns from its peers the views it
         // lacks (`catch_up_specs`) before it looks for the brokers a
         // journal left; that takes one ack timeout at most.
@@ -437,7 +632,6 @@ impl Shard {
                     jm.name.clone(),
                 )
             };
-            let mut pipelines = Vec::new();
             // Replicas ahead of this primary: head, registers, member.
             let mut ahead: Vec<(u64, LabelSet, &Member)> = Vec::new();
             let revision = self
@@ -454,81 +648,11 @@ impl Shard {
                 head,
                 registers: registers.clone(),
             };
-            for m in &route.members[1..] {
-                let p = self.pipeline(m, &name);
-                let epoch = p.connect().await?;
-                let ack = p.sync(&request()).await?;
-                let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
-                match ack.status {
-                    Status::OK => pipelines.push((p, epoch)),
-                    Status::PROPOSAL_MISMATCH if reply.head > head => {
-                        ahead.push((reply.head, reply.registers, m));
-                    }
-                    status => {
-                        // Clients see a retryable status; the cause is named.
-                        return Err(Failure::new(
-                            Status::REPLICATION_FAILED,
-                            format!(
-                                "replica {} answered SYNC with {status}: {}",
-                                m.id, reply.message
-                            ),
-                        ));
-                    }
-                }
-            }
-            // Brokers the journal left: they answer WRONG_ROUTE with their
-            // head. Bytes only they hold are copied and the head moves past
-            // them, so that this primary's appends never reuse their
-            // offsets. One still routing the journal to itself has not seen
-            // the change, and may yet take appends: wait for it.
-            for m in &sources {
-                let silent_since = self.silent_sources.borrow().get(&m.id).copied();
-                if silent_since.is_some_and(|at| {
-                    at.elapsed() < self.replica_ack_timeout * SILENT_SOURCE_PASSED_OVER
-                }) {
-                    metrics::add(&self.metrics.takeover_sources_passed_over, 1);
-                    tracing::debug!(journal = %name, broker = %m.id, "a broker of one of the journal's earlier routes did not answer moments ago; taking the journal over without its bytes");
-                    continue;
-                }
-                let p = self.pipeline(m, &name);
-                let ack = match p.connect().await {
-                    Ok(_) => p.sync(&request()).await,
-                    Err(f) => Err(f),
-                };
-                let ack = match ack {
-                    Ok(ack) => {
-                        self.silent_sources.borrow_mut().remove(&m.id);
-                        ack
-                    }
-                    Err(f) => {
-                        // Gone with its disk, or stopped: what only it held
-                        // cannot be had (a journal of one replica). One that
-                        // is stopped, or cut off, is not waited for again by
-                        // every journal in turn.
-                        if f.timed_out {
-                            metrics::add(&self.metrics.takeover_sources_silent, 1);
-                            self.silent_sources
-                                .borrow_mut()
-                                .insert(m.id.clone(), Instant::now());
-                        }
-                        tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of one of the journal's earlier routes does not answer; taking the journal over without its bytes");
-                        continue;
-                    }
-                };
-                let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
-                if reply.route.contains(&m.id) {
-                    return Err(Failure::new(
-                        Status::REPLICATION_FAILED,
-                        format!(
-                            "broker {} still routes the journal to {:?}: it has not seen the cluster change yet",
-                            m.id, reply.route
-                        ),
-                    ));
-                }
-                if ack.status == Status::WRONG_ROUTE && reply.head > head {
-                    ahead.push((reply.head, reply.registers, m));
-                }
-            }
+            let pipelines = self
+                .sync_members(route, &name, head, &request, &mut ahead)
+                .await?;
+            self.ask_sources(&sources, &name, head, &request, &mut ahead)
+                .await?;
             if ahead.is_empty() {
                 j.borrow_mut().takeover_version = version;
                 return Ok(PrimaryRepl {
@@ -537,71 +661,7 @@ impl Shard {
                     version,
                 });
             }
-            // Furthest first; among equals, route order.
-            ahead.sort_by_key(|a| std::cmp::Reverse(a.0));
-            let (to, their_registers) = (ahead[0].0, ahead[0].1.clone());
-            // Only after a route change, or a restart without the data
-            // (a replaced disk): replicas, or brokers the journal left,
-            // hold bytes this primary does not. They are copied before the
-            // head moves past them, so the primary serves and uploads them
-            // like its own.
-            tracing::warn!(journal = %name, from = head, to, broker = %ahead[0].2.id, "a broker is ahead; copying the journal's bytes from it and rolling forward");
-            // Sealed first, if bytes are open in it (a primary without
-            // replicas keeps its spool through a SYNC).
-            if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
-                self.seal(j).await;
-                if j.borrow().spool.is_some() {
-                    return Err(Failure::new(
-                        Status::IO_ERROR,
-                        "sealing the primary's spool before copying failed",
-                    ));
-                }
-            }
-            let spool = j.borrow_mut().spool.take();
-            if let Some(spool) = spool {
-                // Empty: the SYNC started by sealing.
-                let _ = spool.seal(false).await;
-            }
-            let (dir, durable, from) = {
-                let jm = j.borrow();
-                // What a listed store holds need not be copied.
-                let listed = if jm.index_loaded { jm.remote_end() } else { 0 };
-                (
-                    jm.dir.clone(),
-                    jm.spec.durability == Durability::Fsync,
-                    head.max(listed).min(to),
-                )
-            };
-            let sources: Vec<(u64, std::net::SocketAddr)> = ahead
-                .iter()
-                .map(|(h, _, m)| (*h, self.member_endpoint(m, &name)))
-                .collect();
-            let copied = crate::fetch::copy_from_each(&sources, &name, from, to, &dir, durable)
-                .await
-                .map_err(|e| Failure::new(Status::REPLICATION_FAILED, e))?;
-            let held: u64 = copied.iter().map(|f| f.end - f.begin).sum();
-            metrics::add(&self.metrics.copied_bytes, held);
-            if held < to - from {
-                tracing::warn!(journal = %name, from, to, copied = held, "the replicas ahead hold only part of the span; the rest is read from the store, if one holds it");
-            }
-            let mut jm = j.borrow_mut();
-            if jm.has_stores() {
-                self.unuploaded_bytes
-                    .set(self.unuploaded_bytes.get() + held);
-            }
-            jm.fragments.extend(copied);
-            jm.fragments.sort_by_key(|f| (f.begin, f.end));
-            if jm.has_stores() {
-                self.queue_uploads(&mut jm);
-            }
-            jm.head = jm.head.max(to);
-            jm.local_head = jm.local_head.max(to);
-            jm.staged_head = jm.local_head;
-            // The registers go with the furthest history (fencing must not
-            // step back).
-            jm.registers = their_registers.clone();
-            jm.local_registers = their_registers.clone();
-            jm.staged_registers = their_registers;
+            self.roll_forward(j, &name, head, ahead).await?;
         }
         Err(Failure::new(
             Status::PROPOSAL_MISMATCH,

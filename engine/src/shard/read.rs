@@ -661,18 +661,29 @@ impl ReadCall<'_> {
                 }
             },
         };
-        let read = read_range(&file, loc.file_pos, len as usize).await;
+        let step = self.read_file(&file, loc.file_pos, len, offset).await;
         drop(reading);
-        let step = match read {
+        drop(turn);
+        step
+    }
+
+    /// Reads up to `len` bytes at `offset` from `file` at `file_pos`, and
+    /// sends them.
+    async fn read_file(
+        &self,
+        file: &compio::fs::File,
+        file_pos: u64,
+        len: u64,
+        offset: u64,
+    ) -> ReadStep {
+        match read_range(file, file_pos, len as usize).await {
             Ok((buf, range)) if !range.is_empty() => {
                 self.send(offset, &buf.as_slice()[range.clone()]);
                 ReadStep::At(offset + range.len() as u64)
             }
             Ok(_) => self.done_at_head(Status::IO_ERROR, offset, "short read of local fragment"),
             Err(e) => self.done_at_head(Status::IO_ERROR, offset, &e.to_string()),
-        };
-        drop(turn);
-        step
+        }
     }
 
     /// Sends bytes read at `offset` as READ_DATA.

@@ -3,31 +3,14 @@
 use super::*;
 
 impl Shard {
-    /// Opens the shard's directory: replays its commit log and recovers
-    /// every journal it owns.
-    pub async fn open(cfg: ShardConfig) -> Result<Rc<Shard>, crate::EngineError> {
-        let ShardConfig {
-            index,
-            shards,
-            data_dir,
-            specs,
-            metrics,
-            endpoints,
-            disk_reserve_bytes,
-            uploader,
-            spool_budget_bytes,
-            append_queue_bytes,
-            local_cache_bytes,
-            sizing,
-            topology,
-            commit_log_compact_bytes,
-            spec_sync_interval,
-            peer_silence,
-            replica_ack_timeout,
-            ack_poll,
-            hasher,
-        } = cfg;
-        let dir = data_dir.join(format!("shard-{index}"));
+    /// Makes the shard's directory ready (dropping files of journals
+    /// deleted before a crash) and opens its commit log, refusing to go on
+    /// when the log or the specs are missing but the shard holds data.
+    async fn open_log(
+        dir: &std::path::Path,
+        specs: &SpecStore,
+    ) -> Result<(CommitLog, HashMap<String, Replayed>), crate::EngineError> {
+        let dir = dir.to_path_buf();
         std::fs::create_dir_all(dir.join("journals"))
             .map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
         // Files of journals deleted before a crash, not yet removed.
@@ -61,7 +44,7 @@ impl Shard {
                 )));
             }
         }
-        let (mut log, replayed) = CommitLog::open(&dir).await.map_err(|e| match e {
+        let (log, replayed) = CommitLog::open(&dir).await.map_err(|e| match e {
             StorageError::Corrupt { path, why } => {
                 crate::EngineError::Corrupt(format!("{}: {why}", path.display()))
             }
@@ -85,6 +68,98 @@ impl Shard {
                 )));
             }
         }
+        Ok((log, replayed))
+    }
+
+    /// Recovers every journal of this shard from its files and the commit
+    /// log's `replayed` records, then settles the log on what stands.
+    async fn recover_journals(
+        &self,
+        replayed: &HashMap<String, Replayed>,
+    ) -> Result<(), crate::EngineError> {
+        let shard = self;
+        let (index, shards) = (self.index, self.shards);
+        // Journals whose last record did not stand, with what stands instead.
+        let mut restated: Vec<(String, Option<JournalState>)> = Vec::new();
+        let started = Instant::now();
+        let mut recovery = Recovery {
+            same_boot: rotary_storage::boot::recovered_in_this_boot(&shard.dir),
+            ..Recovery::default()
+        };
+        for spec in shard.specs.all() {
+            if rotary_net::shard_of(&spec.name, shards) == index {
+                let (j, chosen) = shard
+                    .recover(spec.clone(), replayed.get(&spec.name), &mut recovery)
+                    .await?;
+                let last = replayed.get(&j.name).map(|r| &r.last);
+                if chosen.as_ref() != last {
+                    let mut states = shard.states.borrow_mut();
+                    match &chosen {
+                        Some(st) => states.insert(j.name.clone(), st.clone()),
+                        None => states.remove(&j.name),
+                    };
+                    restated.push((j.name.clone(), chosen));
+                }
+                shard
+                    .journals
+                    .borrow_mut()
+                    .insert(j.name.clone(), Rc::new(RefCell::new(j)));
+            }
+        }
+        {
+            let mut log = shard.log.borrow_mut().take().expect("commit log present");
+            let states = shard.states.borrow().clone();
+            let res = log
+                .settle(
+                    restated.iter().map(|(n, st)| (n.as_str(), st.as_ref())),
+                    states.iter().map(|(k, v)| (k.as_str(), v)),
+                )
+                .await;
+            *shard.log.borrow_mut() = Some(log);
+            res?;
+        }
+        // Only now: a start that dies before here checks everything again.
+        if let Err(e) = rotary_storage::boot::record_recovery(&shard.dir) {
+            tracing::warn!(dir = %shard.dir.display(), error = %e, "recording this boot's recovery; the next start reads every spool whole");
+        }
+        metrics::add(&shard.metrics.recovery_hashed_bytes, recovery.hashed);
+        tracing::info!(
+            shard = index,
+            spools = recovery.spools,
+            hashed_bytes = recovery.hashed,
+            spools_read_whole = !recovery.same_boot,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "recovered"
+        );
+        Ok(())
+    }
+
+    /// Opens the shard's directory: replays its commit log and recovers
+    /// every journal it owns.
+    pub async fn open(cfg: ShardConfig) -> Result<Rc<Shard>, crate::EngineError> {
+        let ShardConfig {
+            index,
+            shards,
+            data_dir,
+            specs,
+            metrics,
+            endpoints,
+            disk_reserve_bytes,
+            uploader,
+            spool_budget_bytes,
+            append_queue_bytes,
+            local_cache_bytes,
+            sizing,
+            topology,
+            commit_log_compact_bytes,
+            spec_sync_interval,
+            peer_silence,
+            replica_ack_timeout,
+            ack_poll,
+            hasher,
+        } = cfg;
+        let dir = data_dir.join(format!("shard-{index}"));
+        let (mut log, replayed) = Self::open_log(&dir, &specs).await?;
         log.set_compact_bytes(commit_log_compact_bytes);
         // Until recovery checks them against the spools, the last records.
         let states = replayed
@@ -153,58 +228,7 @@ impl Shard {
         });
         *shard.me.borrow_mut() = Rc::downgrade(&shard);
         shard.specs_seen.set(shard.specs.version());
-        // Journals whose last record did not stand, with what stands instead.
-        let mut restated: Vec<(String, Option<JournalState>)> = Vec::new();
-        let started = Instant::now();
-        let mut recovery = Recovery {
-            same_boot: rotary_storage::boot::recovered_in_this_boot(&shard.dir),
-            ..Recovery::default()
-        };
-        for spec in shard.specs.all() {
-            if rotary_net::shard_of(&spec.name, shards) == index {
-                let (j, chosen) = shard
-                    .recover(spec.clone(), replayed.get(&spec.name), &mut recovery)
-                    .await?;
-                let last = replayed.get(&j.name).map(|r| &r.last);
-                if chosen.as_ref() != last {
-                    let mut states = shard.states.borrow_mut();
-                    match &chosen {
-                        Some(st) => states.insert(j.name.clone(), st.clone()),
-                        None => states.remove(&j.name),
-                    };
-                    restated.push((j.name.clone(), chosen));
-                }
-                shard
-                    .journals
-                    .borrow_mut()
-                    .insert(j.name.clone(), Rc::new(RefCell::new(j)));
-            }
-        }
-        {
-            let mut log = shard.log.borrow_mut().take().expect("commit log present");
-            let states = shard.states.borrow().clone();
-            let res = log
-                .settle(
-                    restated.iter().map(|(n, st)| (n.as_str(), st.as_ref())),
-                    states.iter().map(|(k, v)| (k.as_str(), v)),
-                )
-                .await;
-            *shard.log.borrow_mut() = Some(log);
-            res?;
-        }
-        // Only now: a start that dies before here checks everything again.
-        if let Err(e) = rotary_storage::boot::record_recovery(&shard.dir) {
-            tracing::warn!(dir = %shard.dir.display(), error = %e, "recording this boot's recovery; the next start reads every spool whole");
-        }
-        metrics::add(&shard.metrics.recovery_hashed_bytes, recovery.hashed);
-        tracing::info!(
-            shard = index,
-            spools = recovery.spools,
-            hashed_bytes = recovery.hashed,
-            spools_read_whole = !recovery.same_boot,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "recovered"
-        );
+        shard.recover_journals(&replayed).await?;
         Ok(shard)
     }
 
