@@ -21,6 +21,40 @@ impl Conn {
         }
     }
 
+    /// An APPEND whose request id an open append already uses: the
+    /// chunks that follow could belong to either, so both are refused.
+    fn refuse_reused_id(&mut self, frame: &Frame<'_>) {
+        let id = frame.request_id;
+        // The chunks that follow could belong to either: the open
+        // append is rolled back too, rather than finished with the
+        // other's bytes.
+        if let Some((op, j)) = self.appends.remove(&id) {
+            op.aborted.set(Some(AbortReason::Client));
+            self.shard.mark_ready(&j);
+        }
+        // One forwarded is aborted where it went, which answers it.
+        if let Some(addr) = self.forwarded.remove(&id) {
+            if let Some(relay) = self.relays.get(&addr) {
+                let mut abort = Vec::new();
+                wire::encode_frame(
+                    &mut abort,
+                    Op::APPEND_CHUNK,
+                    flag::ABORT,
+                    Status::OK,
+                    id,
+                    &[],
+                    &[],
+                );
+                relay.out.raw(&abort);
+            }
+        }
+        self.refuse_append(
+            frame,
+            Status::BAD_REQUEST,
+            "request id already in use by an open append; both are refused",
+        );
+    }
+
     pub(super) async fn append(&mut self, frame: Frame<'_>, body: Body<'_>) {
         let id = frame.request_id;
         let raw = body.raw();
@@ -32,34 +66,7 @@ impl Conn {
             return self.refuse_append(&frame, Status::BAD_REQUEST, &e.to_string());
         }
         if self.appends.contains_key(&id) || self.forwarded.contains_key(&id) {
-            // The chunks that follow could belong to either: the open
-            // append is rolled back too, rather than finished with the
-            // other's bytes.
-            if let Some((op, j)) = self.appends.remove(&id) {
-                op.aborted.set(Some(AbortReason::Client));
-                self.shard.mark_ready(&j);
-            }
-            // One forwarded is aborted where it went, which answers it.
-            if let Some(addr) = self.forwarded.remove(&id) {
-                if let Some(relay) = self.relays.get(&addr) {
-                    let mut abort = Vec::new();
-                    wire::encode_frame(
-                        &mut abort,
-                        Op::APPEND_CHUNK,
-                        flag::ABORT,
-                        Status::OK,
-                        id,
-                        &[],
-                        &[],
-                    );
-                    relay.out.raw(&abort);
-                }
-            }
-            return self.refuse_append(
-                &frame,
-                Status::BAD_REQUEST,
-                "request id already in use by an open append; both are refused",
-            );
+            return self.refuse_reused_id(&frame);
         }
         let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
         if owner != self.shard.index {

@@ -105,11 +105,8 @@ pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
 
 /// Request id of a frame whose header is readable, else 0.
 fn header_request_id(bytes: &[u8]) -> u64 {
-    if bytes.len() >= 20 {
-        u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"))
-    } else {
-        0
-    }
+    use zerocopy::FromBytes;
+    wire::FrameHeader::read_from_prefix(bytes).map_or(0, |(h, _)| h.request_id.get())
 }
 
 impl Conn {
@@ -141,9 +138,10 @@ impl Conn {
                                 skip = HEADER_LEN + body_len as usize
                             }
                             wire::WireError::UnknownFlags { .. } | wire::WireError::Reserved => {
-                                let body_len =
-                                    u32::from_le_bytes(avail[..4].try_into().expect("4 bytes"));
-                                skip = HEADER_LEN + body_len as usize;
+                                use zerocopy::FromBytes;
+                                let (header, _) = wire::FrameHeader::read_from_prefix(avail)
+                                    .expect("a whole header");
+                                skip = HEADER_LEN + header.body_len.get() as usize;
                             }
                             // Bad magic, oversized, unknown op: close.
                             _ => return,
@@ -169,40 +167,8 @@ impl Conn {
                     continue;
                 }
                 if total >= LARGE_FRAME_BYTES {
-                    // Read the rest of this frame into a buffer of its own.
-                    let mut big = Vec::with_capacity(total);
-                    big.extend_from_slice(avail);
+                    let keep = self.handle_large(&mut rd, avail, total).await;
                     start = buf.len();
-                    while big.len() < total {
-                        let at = big.len();
-                        let BufResult(res, b) = rd.read(big.slice(at..total)).await;
-                        big = b.into_inner();
-                        match res {
-                            Ok(0) | Err(_) => return,
-                            Ok(_) => {}
-                        }
-                    }
-                    let (frame, _) = wire::decode_frame(&big, BODY_LEN_MAX)
-                        .expect("header checked")
-                        .expect("whole frame");
-                    let payload_at = HEADER_LEN + frame.meta.len();
-                    // The frame's metadata is copied out (it is small) so the
-                    // buffer itself can move into the append as its chunk.
-                    let head = big[..payload_at].to_vec();
-                    let frame = Frame {
-                        meta: &head[HEADER_LEN..],
-                        payload: &[],
-                        ..frame
-                    };
-                    let keep = self
-                        .handle(
-                            frame,
-                            Body::Owned(Chunk {
-                                data: Arc::new(big),
-                                range: payload_at..total,
-                            }),
-                        )
-                        .await;
                     if !keep {
                         return;
                     }
@@ -226,6 +192,44 @@ impl Conn {
                 Ok(_) => {}
             }
         }
+    }
+
+    /// Reads the rest of a large frame (`total` bytes, of which `avail`
+    /// arrived) into a buffer of its own, which becomes the append's chunk
+    /// without a copy, and handles it. False closes the connection.
+    async fn handle_large(&mut self, rd: &mut TcpStream, avail: &[u8], total: usize) -> bool {
+        // Read the rest of this frame into a buffer of its own.
+        let mut big = Vec::with_capacity(total);
+        big.extend_from_slice(avail);
+        while big.len() < total {
+            let at = big.len();
+            let BufResult(res, b) = rd.read(big.slice(at..total)).await;
+            big = b.into_inner();
+            match res {
+                Ok(0) | Err(_) => return false,
+                Ok(_) => {}
+            }
+        }
+        let (frame, _) = wire::decode_frame(&big, BODY_LEN_MAX)
+            .expect("header checked")
+            .expect("whole frame");
+        let payload_at = HEADER_LEN + frame.meta.len();
+        // The frame's metadata is copied out (it is small) so the
+        // buffer itself can move into the append as its chunk.
+        let head = big[..payload_at].to_vec();
+        let frame = Frame {
+            meta: &head[HEADER_LEN..],
+            payload: &[],
+            ..frame
+        };
+        self.handle(
+            frame,
+            Body::Owned(Chunk {
+                data: Arc::new(big),
+                range: payload_at..total,
+            }),
+        )
+        .await
     }
 
     /// Handles one frame; false closes the connection.

@@ -1,6 +1,9 @@
 //! Relays: requests forwarded to another shard or broker, and their replies passed back.
 
 use super::*;
+use rotary_net::wire::FrameHeader;
+use zerocopy::byteorder::little_endian::{U16, U32};
+use zerocopy::{FromBytes, IntoBytes};
 
 /// Forwarded reads a connection remembers before it forgets those answered.
 pub(super) const FORWARDED_READS_PRUNE_AT: usize = 1024;
@@ -47,11 +50,10 @@ pub(super) fn refused_by_peer(frame: &[u8], meta_len: usize) -> Vec<u8> {
          differ while a cluster file changes; retry)",
         String::from_utf8_lossy(message)
     );
-    let mut out = frame[..HEADER_LEN].to_vec();
-    let body_len = (meta.len() + message.len()) as u32;
-    out[..4].copy_from_slice(&body_len.to_le_bytes());
-    // Header: body_len u32, magic u16, op u8, flags u8, status u16, …
-    out[8..10].copy_from_slice(&(Status::WRONG_ROUTE as u16).to_le_bytes());
+    let (mut header, _) = FrameHeader::read_from_prefix(frame).expect("a whole frame");
+    header.body_len = U32::new((meta.len() + message.len()) as u32);
+    header.status = U16::new(Status::WRONG_ROUTE as u16);
+    let mut out = header.as_bytes().to_vec();
     out.extend_from_slice(meta);
     out.extend_from_slice(message.as_bytes());
     out

@@ -44,92 +44,105 @@ impl Conn {
                     repl::Record::Rollback { .. } => t.on_rollback(seq),
                 }
             };
-            match verdict {
-                Verdict::Start { seq, begin } => {
-                    // The journal's earlier appends have all their content.
-                    for (op, oj) in self.repl_ops.values() {
-                        if Rc::ptr_eq(oj, &j) {
-                            if let Some(r) = &op.replica {
-                                r.content_done.set(true);
-                            }
+            self.on_verdict(verdict, rec, &j, &sink, frame);
+        }
+        true
+    }
+
+    /// Acts on the replica's verdict on one record of a REPLICATE.
+    fn on_verdict(
+        &mut self,
+        verdict: Verdict,
+        rec: repl::Record<'_>,
+        j: &JournalRef,
+        sink: &Rc<AckSink>,
+        frame: Option<&Arc<Vec<u8>>>,
+    ) {
+        let name = rec.journal();
+        match verdict {
+            Verdict::Start { seq, begin } => {
+                // The journal's earlier appends have all their content.
+                for (op, oj) in self.repl_ops.values() {
+                    if Rc::ptr_eq(oj, j) {
+                        if let Some(r) = &op.replica {
+                            r.content_done.set(true);
                         }
                     }
-                    let op = self.replica_op(&j, &sink, seq, begin);
+                }
+                let op = self.replica_op(j, sink, seq, begin);
+                if let repl::Record::Content { bytes, .. } = &rec {
+                    self.push_bytes(&op, bytes, frame);
+                }
+                self.repl_ops.insert(seq, (op.clone(), j.clone()));
+                self.shard.submit_append(j, op);
+            }
+            Verdict::Continue { seq } => {
+                if let Some((op, _)) = self.repl_ops.get(&seq).cloned() {
                     if let repl::Record::Content { bytes, .. } = &rec {
                         self.push_bytes(&op, bytes, frame);
                     }
-                    self.repl_ops.insert(seq, (op.clone(), j.clone()));
-                    self.shard.submit_append(&j, op);
+                    op.last_activity.set(Instant::now());
+                    self.shard.mark_ready(j);
                 }
-                Verdict::Continue { seq } => {
-                    if let Some((op, _)) = self.repl_ops.get(&seq).cloned() {
-                        if let repl::Record::Content { bytes, .. } = &rec {
-                            self.push_bytes(&op, bytes, frame);
-                        }
-                        op.last_activity.set(Instant::now());
+            }
+            Verdict::Commit { seq, .. } => {
+                let repl::Record::Commit {
+                    end,
+                    fragment_sha1,
+                    registers,
+                    ..
+                } = rec
+                else {
+                    unreachable!("commit verdicts come from commit records")
+                };
+                let proposal = Proposal {
+                    end,
+                    fragment_sha1,
+                    registers,
+                };
+                let Some((op, _)) = self.repl_ops.remove(&seq) else {
+                    return;
+                };
+                if let Some(r) = &op.replica {
+                    *r.proposal.borrow_mut() = Some(proposal);
+                }
+                op.complete.set(true);
+                self.shard.mark_ready(j);
+            }
+            Verdict::CommitEmpty { seq, .. } => sink.push(seq, Status::OK, Vec::new()),
+            Verdict::Rollback { seqs, .. } => {
+                for seq in seqs {
+                    if let Some((op, j)) = self.repl_ops.remove(&seq) {
+                        op.aborted.set(Some(AbortReason::Closed));
                         self.shard.mark_ready(&j);
                     }
                 }
-                Verdict::Commit { seq, .. } => {
-                    let repl::Record::Commit {
-                        end,
-                        fragment_sha1,
-                        registers,
-                        ..
-                    } = rec
-                    else {
-                        unreachable!("commit verdicts come from commit records")
-                    };
-                    let proposal = Proposal {
-                        end,
-                        fragment_sha1,
-                        registers,
-                    };
-                    let Some((op, _)) = self.repl_ops.remove(&seq) else {
-                        continue;
-                    };
-                    if let Some(r) = &op.replica {
-                        *r.proposal.borrow_mut() = Some(proposal);
+            }
+            Verdict::Ignore => {}
+            Verdict::Refuse {
+                seq,
+                status,
+                message,
+                rewind_to,
+            } => {
+                match self
+                    .shard
+                    .shared_failures
+                    .failed(crate::journal::SharedWork::Refusal, "")
+                {
+                    Some(held) => {
+                        tracing::warn!(journal = %name, seq, %status, %message, since_last_logged = held, "refused a replicated record; the primary must synchronize again (logged once a minute)");
                     }
-                    op.complete.set(true);
-                    self.shard.mark_ready(&j);
-                }
-                Verdict::CommitEmpty { seq, .. } => sink.push(seq, Status::OK, Vec::new()),
-                Verdict::Rollback { seqs, .. } => {
-                    for seq in seqs {
-                        if let Some((op, j)) = self.repl_ops.remove(&seq) {
-                            op.aborted.set(Some(AbortReason::Closed));
-                            self.shard.mark_ready(&j);
-                        }
+                    None => {
+                        tracing::debug!(journal = %name, seq, %status, %message, "refused a replicated record");
                     }
                 }
-                Verdict::Ignore => {}
-                Verdict::Refuse {
-                    seq,
-                    status,
-                    message,
-                    rewind_to,
-                } => {
-                    match self
-                        .shard
-                        .shared_failures
-                        .failed(crate::journal::SharedWork::Refusal, "")
-                    {
-                        Some(held) => {
-                            tracing::warn!(journal = %name, seq, %status, %message, since_last_logged = held, "refused a replicated record; the primary must synchronize again (logged once a minute)");
-                        }
-                        None => {
-                            tracing::debug!(journal = %name, seq, %status, %message, "refused a replicated record");
-                        }
-                    }
-                    if rewind_to.is_some() {
-                        self.abort_replica_ops(&j);
-                    }
-                    sink.push(seq, status, message.into_bytes());
+                if rewind_to.is_some() {
+                    self.abort_replica_ops(j);
                 }
+                sink.push(seq, status, message.into_bytes());
             }
         }
-        true
     }
 
     pub(super) fn replica_op(

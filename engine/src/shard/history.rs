@@ -236,6 +236,64 @@ impl Shard {
         .detach();
     }
 
+    /// Logs a store listing's failure once a minute per store, and its
+    /// recovery once.
+    fn log_listing(&self, stores: &[String], name: &str, err: Option<&(&String, String)>) {
+        match err {
+            None => {
+                for store in stores {
+                    if self.shared_failures.worked(SharedWork::Listing, store) {
+                        tracing::info!(store = %store, journal = %name, "listing the fragment store works again");
+                    }
+                }
+            }
+            Some((store, e)) => match self.shared_failures.failed(SharedWork::Listing, store) {
+                Some(held) => {
+                    tracing::warn!(store = %store, journal = %name, error = %e, since_last_logged = held, "listing the fragment store failed; retrying, logged once a minute per store while it lasts");
+                }
+                None => {
+                    tracing::debug!(journal = %name, error = %e, "listing the fragment store failed");
+                }
+            },
+        }
+    }
+
+    /// After a journal's listing: a replica drops its copies the store
+    /// holds, the journal's waiting appends go ahead, and the listings
+    /// waiting for a free slot start.
+    fn listing_done(&self, j: &JournalRef) {
+        let mut jm = j.borrow_mut();
+        if !self.is_primary(&jm.spec) {
+            // A replica's copies are dropped once the store holds them.
+            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.fragments)
+                .into_iter()
+                .partition(|f| f.uploaded);
+            jm.fragments = kept;
+            for f in gone {
+                self.retire_fragment(&jm, f);
+            }
+        }
+        drop(jm);
+        // Fragments the listing found uploaded leave the spool
+        // budget's count at the next tick.
+        // Appends waiting for the index go ahead (or are refused).
+        self.mark_ready(j);
+        self.listings_in_flight
+            .set(self.listings_in_flight.get() - 1);
+        loop {
+            let next = self.listings_waiting.borrow_mut().pop_front();
+            let Some(next) = next else { break };
+            // Not queued any more: its listing was started
+            // meanwhile (hurried, or by the tick).
+            if std::mem::take(&mut next.borrow_mut().listing_queued) {
+                self.refresh_listing(&next);
+            }
+            if self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
+                break;
+            }
+        }
+    }
+
     pub(super) fn start_listing(&self, j: &JournalRef, hurried: bool) {
         if !hurried && self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
             let mut jm = j.borrow_mut();
@@ -300,25 +358,7 @@ impl Shard {
             }
             let shard = me.upgrade();
             if let Some(shard) = &shard {
-                match &err {
-                    None => {
-                        for store in &stores {
-                            if shard.shared_failures.worked(SharedWork::Listing, store) {
-                                tracing::info!(store = %store, journal = %name, "listing the fragment store works again");
-                            }
-                        }
-                    }
-                    Some((store, e)) => {
-                        match shard.shared_failures.failed(SharedWork::Listing, store) {
-                            Some(held) => {
-                                tracing::warn!(store = %store, journal = %name, error = %e, since_last_logged = held, "listing the fragment store failed; retrying, logged once a minute per store while it lasts");
-                            }
-                            None => {
-                                tracing::debug!(journal = %name, error = %e, "listing the fragment store failed");
-                            }
-                        }
-                    }
-                }
+                shard.log_listing(&stores, &name, err.as_ref());
             }
             {
                 let mut jm = j.borrow_mut();
@@ -339,35 +379,7 @@ impl Shard {
                 }
             }
             if let Some(shard) = shard {
-                let mut jm = j.borrow_mut();
-                if !shard.is_primary(&jm.spec) {
-                    // A replica's copies are dropped once the store holds them.
-                    let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.fragments)
-                        .into_iter()
-                        .partition(|f| f.uploaded);
-                    jm.fragments = kept;
-                    for f in gone {
-                        shard.retire_fragment(&jm, f);
-                    }
-                }
-                drop(jm);
-                // Fragments the listing found uploaded leave the spool
-                // budget's count at the next tick.
-                // Appends waiting for the index go ahead (or are refused).
-                shard.mark_ready(&j);
-                shard.listings_in_flight.set(shard.listings_in_flight.get() - 1);
-                loop {
-                    let next = shard.listings_waiting.borrow_mut().pop_front();
-                    let Some(next) = next else { break };
-                    // Not queued any more: its listing was started
-                    // meanwhile (hurried, or by the tick).
-                    if std::mem::take(&mut next.borrow_mut().listing_queued) {
-                        shard.refresh_listing(&next);
-                    }
-                    if shard.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
-                        break;
-                    }
-                }
+                shard.listing_done(&j);
             }
         })
         .detach();

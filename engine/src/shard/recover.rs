@@ -232,6 +232,110 @@ impl Shard {
         Ok(shard)
     }
 
+    /// Recovers the journal's newest spool, `begin` and `path`: the first
+    /// of the commit log's `candidates` that is on disk (or needs nothing
+    /// from the spool) stands. Returns it, and whether the spool holds its
+    /// commits (then the spool is the journal's, and `head` its end).
+    async fn recover_spool(
+        &self,
+        j: &mut Journal,
+        (begin, path): (&u64, &PathBuf),
+        candidates: &[&JournalState],
+        replayed: Option<&Replayed>,
+        recovery: &mut Recovery,
+        head: &mut u64,
+    ) -> Result<(Option<JournalState>, bool), crate::EngineError> {
+        let base = *head;
+        // A candidate commits bytes into the newest spool, or says the
+        // spool holds nothing committed (its commits are all in fragments).
+        let in_spool =
+            |st: &JournalState| st.spool_begin == *begin && st.end > *begin && *begin >= base;
+        let mut chosen: Option<JournalState> = None;
+        // Its index among the candidates.
+        let mut chosen_at = candidates.len();
+        let mut use_spool = false;
+        // The last record may carry bytes that were answered before
+        // their spool write completed: they go back into the spool
+        // (identical bytes if the write did complete).
+        if let Some(r) = replayed {
+            if let Some(inline) = r.inline.as_ref().filter(|_| in_spool(&r.last)) {
+                Spool::repair(path, *begin, inline.at, &inline.bytes).await?;
+            }
+        }
+        // In the boot of the last recovery, a candidate's bytes before
+        // its midstate are on disk: only its own batch is hashed.
+        let checks: Vec<Check> = candidates
+            .iter()
+            .filter(|st| in_spool(st))
+            .map(|st| Check {
+                end: st.end,
+                sha1: st.sha1,
+                from: st
+                    .mid
+                    .filter(|_| recovery.same_boot)
+                    .and_then(|m| Some((m.at, m.resume(st.spool_begin, st.end)?))),
+            })
+            .collect();
+        let found = if checks.is_empty() {
+            None
+        } else {
+            recovery.spools += 1;
+            let (found, hashed) =
+                Spool::recover_checked(path.clone(), *begin, &checks, self.sizing).await?;
+            recovery.hashed += hashed;
+            found
+        };
+        // The first candidate that either is on disk or needs nothing
+        // from the spool stands. Candidates before it all commit into
+        // the spool, so its index among the checks is its index here.
+        for (i, st) in candidates.iter().enumerate() {
+            if !in_spool(st) {
+                chosen = Some((*st).clone());
+                chosen_at = i;
+                break;
+            }
+            if found.as_ref().is_some_and(|(_, at)| *at == i) {
+                chosen = Some((*st).clone());
+                chosen_at = i;
+                use_spool = true;
+                break;
+            }
+        }
+        if chosen.is_none() && !candidates.is_empty() {
+            // Neither the last record nor the one before it matches
+            // the bytes on disk: only possible after power loss in
+            // `replicated` mode (the log reached the disk, the data
+            // did not), or damage to the file.
+            return Err(crate::EngineError::Corrupt(format!(
+                "{}: SHA-1 of committed spool bytes matches neither of the commit log's last two records",
+                path.display()
+            )));
+        }
+        match (use_spool, found) {
+            (true, Some((s, _))) => {
+                *head = s.committed();
+                j.spool_since = Some(SystemTime::now());
+                j.spool = Some(s);
+            }
+            _ if candidates[chosen_at..].iter().any(|st| in_spool(st)) => {
+                // The record that stands does not commit into this
+                // spool, but an older one does: the log names a spool
+                // that is not there. This one may hold acknowledged
+                // bytes no fragment has; it stays.
+                tracing::error!(
+                    path = %path.display(),
+                    "keeping a spool that an earlier commit record names"
+                );
+            }
+            _ => {
+                // Nothing committed into this spool. Its name goes
+                // here, not on the reaper: the next spool may take it.
+                let _ = crate::reaper::unlink_now_free_later(path);
+            }
+        }
+        Ok((chosen, use_spool))
+    }
+
     /// Rebuilds a journal from its directory and what the commit log holds
     /// for it. Returns the journal and the commit-log state that stands: the
     /// last record, or the one before it when the last record's spool
@@ -290,100 +394,20 @@ impl Shard {
                 );
             }
         }
-        // A candidate commits bytes into the newest spool, or says the
-        // spool holds nothing committed (its commits are all in fragments).
-        let in_spool = |st: &JournalState| {
-            newest.as_ref().is_some_and(|(begin, _)| {
-                st.spool_begin == *begin && st.end > *begin && *begin >= head
-            })
+        let (chosen, use_spool) = match &newest {
+            Some((begin, path)) => {
+                self.recover_spool(
+                    &mut j,
+                    (begin, path),
+                    &candidates,
+                    replayed,
+                    recovery,
+                    &mut head,
+                )
+                .await?
+            }
+            None => (candidates.first().map(|st| (*st).clone()), false),
         };
-        let mut chosen: Option<JournalState> = None;
-        // Its index among the candidates.
-        let mut chosen_at = candidates.len();
-        let mut use_spool = false;
-        if let Some((begin, path)) = &newest {
-            // The last record may carry bytes that were answered before
-            // their spool write completed: they go back into the spool
-            // (identical bytes if the write did complete).
-            if let Some(r) = replayed {
-                if let Some(inline) = r.inline.as_ref().filter(|_| in_spool(&r.last)) {
-                    Spool::repair(path, *begin, inline.at, &inline.bytes).await?;
-                }
-            }
-            // In the boot of the last recovery, a candidate's bytes before
-            // its midstate are on disk: only its own batch is hashed.
-            let checks: Vec<Check> = candidates
-                .iter()
-                .filter(|st| in_spool(st))
-                .map(|st| Check {
-                    end: st.end,
-                    sha1: st.sha1,
-                    from: st
-                        .mid
-                        .filter(|_| recovery.same_boot)
-                        .and_then(|m| Some((m.at, m.resume(st.spool_begin, st.end)?))),
-                })
-                .collect();
-            let found = if checks.is_empty() {
-                None
-            } else {
-                recovery.spools += 1;
-                let (found, hashed) =
-                    Spool::recover_checked(path.clone(), *begin, &checks, self.sizing).await?;
-                recovery.hashed += hashed;
-                found
-            };
-            // The first candidate that either is on disk or needs nothing
-            // from the spool stands. Candidates before it all commit into
-            // the spool, so its index among the checks is its index here.
-            for (i, st) in candidates.iter().enumerate() {
-                if !in_spool(st) {
-                    chosen = Some((*st).clone());
-                    chosen_at = i;
-                    break;
-                }
-                if found.as_ref().is_some_and(|(_, at)| *at == i) {
-                    chosen = Some((*st).clone());
-                    chosen_at = i;
-                    use_spool = true;
-                    break;
-                }
-            }
-            if chosen.is_none() && !candidates.is_empty() {
-                // Neither the last record nor the one before it matches
-                // the bytes on disk: only possible after power loss in
-                // `replicated` mode (the log reached the disk, the data
-                // did not), or damage to the file.
-                return Err(crate::EngineError::Corrupt(format!(
-                    "{}: SHA-1 of committed spool bytes matches neither of the commit log's last two records",
-                    path.display()
-                )));
-            }
-            match (use_spool, found) {
-                (true, Some((s, _))) => {
-                    head = s.committed();
-                    j.spool_since = Some(SystemTime::now());
-                    j.spool = Some(s);
-                }
-                _ if candidates[chosen_at..].iter().any(|st| in_spool(st)) => {
-                    // The record that stands does not commit into this
-                    // spool, but an older one does: the log names a spool
-                    // that is not there. This one may hold acknowledged
-                    // bytes no fragment has; it stays.
-                    tracing::error!(
-                        path = %path.display(),
-                        "keeping a spool that an earlier commit record names"
-                    );
-                }
-                _ => {
-                    // Nothing committed into this spool. Its name goes
-                    // here, not on the reaper: the next spool may take it.
-                    let _ = crate::reaper::unlink_now_free_later(path);
-                }
-            }
-        } else {
-            chosen = candidates.first().map(|st| (*st).clone());
-        }
         if let Some(st) = &chosen {
             j.registers = st.registers.clone();
             if !use_spool {

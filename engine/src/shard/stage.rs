@@ -93,6 +93,32 @@ impl Shard {
         }
     }
 
+    /// Fails the open append when its spool could not grow for it: it is
+    /// taken back out of the spool (and its replicas') and answered.
+    /// Returns whether to stage again in this turn.
+    fn fail_allocation(&self, jm: &mut Journal, e: &StorageError) -> bool {
+        if e.is_full() {
+            metrics::add(&self.metrics.storage_full, 1);
+            // Spare spools must never be why an append fails.
+            self.spares.borrow_mut().release();
+        }
+        let a = jm.active.take().expect("active");
+        jm.tail.truncate(a.start.offset);
+        jm.spool.as_mut().expect("checked").rewind(a.start);
+        send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+        let r = AppendReply {
+            write_head: jm.staged_head,
+            registers: jm.staged_registers.clone(),
+            ..Default::default()
+        };
+        a.op.reply_error(storage_status(e), &r, &e.to_string());
+        drop_budget(&a.op);
+        metrics::add(&self.metrics.append_failures, 1);
+        jm.queue.pop_front();
+        // A rewind past written bytes needs a tail reload.
+        !jm.queue.is_empty()
+    }
+
     /// Stages what has arrived of the journal's open append, at most its
     /// spool's buffer, its rate and its hasher allow. Some(again) when the
     /// journal stops here for this turn (a full buffer: again); None when
@@ -113,26 +139,7 @@ impl Shard {
             }
             if let Err(e) = spool.ensure_allocated(bytes.len() as u64, self.disk_reserve_bytes) {
                 drop(chunks);
-                if e.is_full() {
-                    metrics::add(&self.metrics.storage_full, 1);
-                    // Spare spools must never be why an append fails.
-                    self.spares.borrow_mut().release();
-                }
-                let a = jm.active.take().expect("active");
-                jm.tail.truncate(a.start.offset);
-                spool.rewind(a.start);
-                send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-                let r = AppendReply {
-                    write_head: jm.staged_head,
-                    registers: jm.staged_registers.clone(),
-                    ..Default::default()
-                };
-                a.op.reply_error(storage_status(&e), &r, &e.to_string());
-                drop_budget(&a.op);
-                metrics::add(&self.metrics.append_failures, 1);
-                jm.queue.pop_front();
-                // A rewind past written bytes needs a tail reload.
-                return Some(!jm.queue.is_empty());
+                return Some(self.fail_allocation(jm, &e));
             }
             let at = spool.staged();
             // A replica's reply carries no SHA-1 of the append.
