@@ -9,6 +9,8 @@
 //! lock because they change rarely and never on the data path.
 
 pub mod allocator;
+pub mod append;
+pub mod budget;
 pub mod check;
 pub mod cluster;
 pub mod conn;

@@ -305,6 +305,61 @@ impl Drop for SpecStore {
     }
 }
 
+/// Replays into `state` the change logs beside the snapshot at `path`,
+/// from generation `named` (the one the snapshot names) on, and opens the
+/// last of them for appending. A missing log of the chain is corruption.
+fn replay_logs(
+    path: &Path,
+    state: &mut State,
+    named: u64,
+    logs: &[(u64, PathBuf)],
+) -> Result<(), EngineError> {
+    let chain: Vec<&(u64, PathBuf)> = logs.iter().filter(|(g, _)| *g >= named).collect();
+    if chain.first().map(|(g, _)| *g) != Some(named) {
+        return Err(EngineError::Corrupt(format!(
+            "{} names the change log {}, which is missing",
+            path.display(),
+            log_path(path, named).display()
+        )));
+    }
+    if let Some(gap) = chain.windows(2).find(|w| w[1].0 != w[0].0 + 1) {
+        return Err(EngineError::Corrupt(format!(
+            "the change log {} follows {}, but the one between them is missing",
+            gap[1].1.display(),
+            gap[0].1.display()
+        )));
+    }
+    for (i, (_, log_path)) in chain.iter().enumerate() {
+        let (changes, len, file_len) = read_log(log_path).map_err(|e| match e {
+            LogError::Missing => EngineError::Corrupt(format!(
+                "the change log {} went missing while it was read",
+                log_path.display()
+            )),
+            LogError::Io(e) => EngineError::Io(log_path.clone(), e),
+            LogError::Damaged(at) => EngineError::Corrupt(format!(
+                "{}: the record at byte {at} is damaged, and records follow it",
+                log_path.display()
+            )),
+        })?;
+        for change in &changes {
+            apply(state, change, None);
+        }
+        if i + 1 == chain.len() {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(log_path)
+                .map_err(|e| EngineError::Io(log_path.clone(), e))?;
+            state.log = Some(ChangeLog {
+                path: log_path.clone(),
+                file,
+                len,
+                tail_dirty: file_len > len,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl SpecStore {
     /// Reads the snapshot at `path` and replays the change log it names.
     /// A data directory that contradicts itself (the named log missing, a
@@ -359,49 +414,7 @@ impl SpecStore {
             ..State::default()
         };
         if let Some(named) = disk.log {
-            let chain: Vec<&(u64, PathBuf)> = logs.iter().filter(|(g, _)| *g >= named).collect();
-            if chain.first().map(|(g, _)| *g) != Some(named) {
-                return Err(EngineError::Corrupt(format!(
-                    "{} names the change log {}, which is missing",
-                    path.display(),
-                    log_path(&path, named).display()
-                )));
-            }
-            if let Some(gap) = chain.windows(2).find(|w| w[1].0 != w[0].0 + 1) {
-                return Err(EngineError::Corrupt(format!(
-                    "the change log {} follows {}, but the one between them is missing",
-                    gap[1].1.display(),
-                    gap[0].1.display()
-                )));
-            }
-            for (i, (_, log_path)) in chain.iter().enumerate() {
-                let (changes, len, file_len) = read_log(log_path).map_err(|e| match e {
-                    LogError::Missing => EngineError::Corrupt(format!(
-                        "the change log {} went missing while it was read",
-                        log_path.display()
-                    )),
-                    LogError::Io(e) => EngineError::Io(log_path.clone(), e),
-                    LogError::Damaged(at) => EngineError::Corrupt(format!(
-                        "{}: the record at byte {at} is damaged, and records follow it",
-                        log_path.display()
-                    )),
-                })?;
-                for change in &changes {
-                    apply(&mut state, change, None);
-                }
-                if i + 1 == chain.len() {
-                    let file = std::fs::OpenOptions::new()
-                        .write(true)
-                        .open(log_path)
-                        .map_err(|e| EngineError::Io(log_path.clone(), e))?;
-                    state.log = Some(ChangeLog {
-                        path: log_path.clone(),
-                        file,
-                        len,
-                        tail_dirty: file_len > len,
-                    });
-                }
-            }
+            replay_logs(&path, &mut state, named, &logs)?;
         }
         state.stale_logs = logs
             .into_iter()

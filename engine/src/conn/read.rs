@@ -1,0 +1,97 @@
+//! READ: a client's reads, served by this shard or relayed.
+
+use super::*;
+
+impl Conn {
+    pub(super) async fn read(&mut self, frame: Frame<'_>, raw: &[u8]) {
+        let id = frame.request_id;
+        let req = match ReadRequest::decode(frame.meta) {
+            Ok(r) => r,
+            Err(e) => {
+                return self
+                    .outbox
+                    .error(Op::READ_DONE, e.status(), id, &[0; 16], &e.to_string())
+            }
+        };
+        if let Err(e) = validate_journal_name(&req.journal) {
+            return self.outbox.error(
+                Op::READ_DONE,
+                Status::BAD_REQUEST,
+                id,
+                &[0; 16],
+                &e.to_string(),
+            );
+        }
+        let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
+        if owner != self.shard.index {
+            let addr = self.shard.endpoints[owner as usize];
+            self.forward_read(id, addr);
+            metrics::add(&self.shard.metrics.cross_core_forwards, 1);
+            return self.forward_to(addr, raw).await;
+        }
+        let Some(j) = self.shard.journal(&req.journal) else {
+            let (status, msg) = self.shard.unknown_journal(&req.journal);
+            return self.outbox.error(Op::READ_DONE, status, id, &[0; 16], &msg);
+        };
+        let role = self.shard.role(&j.borrow().spec);
+        // A broker taking the journal over copies what this one holds.
+        let takeover = frame.flags & flag::TAKEOVER != 0;
+        if let (Role::Outside(route), false) = (role, takeover) {
+            let Some(primary) = route.primary() else {
+                return self.outbox.error(
+                    Op::READ_DONE,
+                    Status::NO_JOURNAL_PRIMARY_BROKER,
+                    id,
+                    &[0; 16],
+                    "the journal's route is empty",
+                );
+            };
+            let addr = self.shard.member_endpoint(primary, &req.journal);
+            if frame.flags & (flag::DO_NOT_PROXY | flag::PROXIED) != 0 {
+                let msg = format!(
+                    "broker {} is not in the journal's route {:?}; read from {} at {addr}",
+                    self.shard.view().me,
+                    route.ids(),
+                    primary.id
+                );
+                return self.outbox.error(
+                    Op::READ_DONE,
+                    Status::NOT_JOURNAL_BROKER,
+                    id,
+                    &[0; 16],
+                    &msg,
+                );
+            }
+            self.forward_read(id, addr);
+            metrics::add(&self.shard.metrics.proxied_requests, 1);
+            // Marked so that the primary, should its view of the cluster
+            // differ from this broker's, refuses it instead of proxying it
+            // on (or back).
+            return self
+                .proxy_to(addr, &with_flags(raw, flag::PROXIED, 0))
+                .await;
+        }
+        if self.reads.borrow().contains_key(&id) {
+            // A second read under one id could not be told apart, nor
+            // cancelled.
+            return self.outbox.error(
+                Op::READ_DONE,
+                Status::BAD_REQUEST,
+                id,
+                &[0; 16],
+                "request id already in use by an open read",
+            );
+        }
+        let cancel = Rc::new(Cancel::default());
+        self.reads.borrow_mut().insert(id, cancel.clone());
+        let reads = self.reads.clone();
+        let shard = self.shard.clone();
+        let outbox = self.outbox.clone();
+        let flags = frame.flags;
+        compio::runtime::spawn(async move {
+            shard.read(j, outbox, id, req, flags, cancel).await;
+            reads.borrow_mut().remove(&id);
+        })
+        .detach();
+    }
+}

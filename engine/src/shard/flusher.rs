@@ -1,0 +1,991 @@
+//! The flusher: one turn prepares journals, stages their appends, writes
+//! the commit log and the spools, and acknowledges what committed; seals.
+
+use super::primary::propose;
+use super::*;
+
+/// A journal whose batch is being written while the next one is staged.
+/// While the write is in flight, `other` holds the batch being written and
+/// the journal's `staged` the next one; [`Held::swap_back`] trades them
+/// once the write is done, leaving the next batch in `other`.
+pub(super) struct Held {
+    j: JournalRef,
+    other: Vec<Staged>,
+    other_with_replicas: bool,
+}
+
+impl Held {
+    fn swap_back(&mut self) {
+        let mut jm = self.j.borrow_mut();
+        std::mem::swap(&mut jm.staged, &mut self.other);
+        std::mem::swap(&mut jm.staged_with_replicas, &mut self.other_with_replicas);
+    }
+}
+
+/// A journal's spool write of a turn: the write (if bytes were staged),
+/// its file, and whether to fdatasync it after.
+type SpoolWrite = (
+    JournalRef,
+    Option<rotary_storage::spool::PendingWrite>,
+    Rc<compio::fs::File>,
+    bool,
+);
+
+/// The outcome of a [`SpoolWrite`]: the write's, the write back, the sync's.
+type WriteResult = (
+    JournalRef,
+    std::io::Result<()>,
+    Option<rotary_storage::spool::PendingWrite>,
+    Option<std::io::Result<()>>,
+);
+
+impl Shard {
+    /// The flusher loop. Never returns.
+    pub async fn flusher(self: Rc<Self>) {
+        loop {
+            let l = self.wake.listen();
+            let has_log_records = self.log.borrow().as_ref().is_some_and(|l| l.has_pending());
+            if self.ready.borrow().is_empty() && !has_log_records {
+                self.idle.notify(usize::MAX);
+                l.await;
+                continue;
+            }
+            drop(l);
+            self.busy.set(true);
+            self.turn().await;
+            self.busy.set(false);
+        }
+    }
+
+    pub(super) async fn turn(self: &Rc<Self>) {
+        let started = Instant::now();
+        let ready = self.take_ready();
+
+        // 1. Prepare, every journal at once: seals, new spools and tail
+        // loads are file operations that wait on the kernel, and journals
+        // sealing at the same flush-interval boundary would otherwise wait
+        // for each other's.
+        join_all(ready.iter().map(|j| self.prepare(j))).await;
+        let prepared = Instant::now();
+        // 2. Stage.
+        let mut again = Vec::new();
+        for j in &ready {
+            if self.stage(j) {
+                again.push(j.clone());
+            }
+        }
+        let staged_at = Instant::now();
+        // 3. Write every spool with staged bytes and this batch's commit-log
+        // records, all at the same time; `fsync` spools and the log are
+        // fdatasync'ed after their writes. A record can thus reach the disk
+        // without its spool bytes; recovery checks each journal's last record
+        // against the spool's SHA-1 and falls back to the record before it.
+        let committing: Vec<JournalRef> = ready
+            .iter()
+            .filter(|j| !j.borrow().staged.is_empty())
+            .cloned()
+            .collect();
+        let early = self.record_commits(&committing);
+        let writing = Self::take_writes(&ready);
+        let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
+        // The log's records go first, into the page cache. Batches whose
+        // records carry their bytes (or whose bytes are already on disk)
+        // are answered now; their replies and proposals are sent before
+        // the spool writes are submitted.
+        let log_written = self.write_log();
+        // Without their records nothing is answered early; the batch fails.
+        let early = if log_written.is_ok() {
+            early
+        } else {
+            Vec::new()
+        };
+        let mut early_waits = HashMap::new();
+        for j in &early {
+            if let Some(waits) = self.answer_early(j) {
+                early_waits.insert(Rc::as_ptr(j), waits);
+            }
+        }
+        // Replicas get this turn's content (and early proposals, in the
+        // same send) while the spools are written.
+        self.flush_pipelines();
+        if !early.is_empty() {
+            yield_now().await;
+        }
+        let mut held = Vec::new();
+        let (results, log_result) = self.write_spools(writing, log_written, &mut held).await;
+        let written = Instant::now();
+        self.settle_writes(results, &log_result, &committing, &early, wrote, &mut held);
+        // Journals that failed may have a record in the log naming bytes
+        // that are not on disk: the log restates what they hold.
+        for j in &committing {
+            if j.borrow().staged.is_empty() {
+                self.restate(j);
+            }
+        }
+        let committing: Vec<JournalRef> = committing
+            .into_iter()
+            .filter(|j| !j.borrow().staged.is_empty())
+            .collect();
+        self.commit_batches(&committing, &early, early_waits);
+        self.flush_pipelines();
+        // What was staged during the writes is the next turn's batch.
+        for h in held {
+            h.j.borrow_mut().staged.extend(h.other);
+            h.j.borrow_mut().staged_with_replicas = h.other_with_replicas;
+            again.push(h.j);
+        }
+        let acked = Instant::now();
+        self.compact_log().await;
+        Self::warn_slow_turn(ready.len(), [started, prepared, staged_at, written, acked]);
+        // Replica journals with a SYNC waiting go around again once their
+        // queued appends are through.
+        for j in &ready {
+            if !j.borrow().sync_waiters.is_empty() {
+                again.push(j.clone());
+            }
+        }
+        // Journals with more to do go around again, after other tasks
+        // (readers, the acker, connections) had a turn.
+        if !again.is_empty() {
+            yield_now().await;
+        }
+        for j in again {
+            self.ready.borrow_mut().push(j);
+        }
+    }
+
+    /// The journals marked ready since the last turn, each once, in the
+    /// order they came, without the deleted ones.
+    fn take_ready(&self) -> Vec<JournalRef> {
+        let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
+        // Dedup by identity, keeping first-come order.
+        let mut seen = std::collections::HashSet::new();
+        ready.retain(|j| seen.insert(Rc::as_ptr(j)));
+        ready.retain(|j| !j.borrow().deleted);
+        ready
+    }
+
+    /// Step 6 of a turn: acknowledges the batches written this turn, or proposes them to
+    /// the replicas and lets the acker acknowledge once every replica has.
+    /// `early`: the journals answered from the commit log, with what
+    /// their early proposals wait for.
+    fn commit_batches(
+        self: &Rc<Self>,
+        committing: &[JournalRef],
+        early: &[JournalRef],
+        mut early_waits: HashMap<*const RefCell<Journal>, Vec<Wait>>,
+    ) {
+        let is_early = |j: &JournalRef| early.iter().any(|x| Rc::ptr_eq(x, j));
+        for j in committing {
+            let (staged_with_replicas, repl_now) = {
+                let jm = j.borrow();
+                (jm.staged_with_replicas, jm.repl.is_some())
+            };
+            if !staged_with_replicas {
+                if is_early(j) {
+                    // Answered and counted when its record was written.
+                    let staged = self.commit_local(j);
+                    self.publish_counted(j, staged, None);
+                } else {
+                    self.acknowledge(j);
+                }
+                continue;
+            }
+            if !repl_now {
+                // The pipelines broke while this batch was written: it
+                // is committed here, but no replica will confirm it.
+                let staged = self.commit_local(j);
+                let f = Failure::new(
+                    Status::REPLICATION_FAILED,
+                    "the replication pipeline broke before the append was proposed",
+                );
+                self.publish(j, staged, Some(&f));
+                continue;
+            }
+            // Proposed already if the batch was answered from the log.
+            let early = early_waits.remove(&Rc::as_ptr(j));
+            let staged = self.commit_local(j);
+            let mut jm = j.borrow_mut();
+            let waits = early.unwrap_or_else(|| propose(&jm, &staged));
+            jm.inflight += 1;
+            jm.proposed.push_back(InFlight { staged, waits });
+            let start_acker = !std::mem::replace(&mut jm.acking, true);
+            drop(jm);
+            self.proposals.set(self.proposals.get() + 1);
+            self.proposed.notify(usize::MAX);
+            if start_acker {
+                self.awaiting_acks.set(self.awaiting_acks.get() + 1);
+                compio::runtime::spawn(self.clone().acker(j.clone())).detach();
+            }
+        }
+    }
+
+    /// Compaction between turns keeps the log short. Its snapshot is
+    /// written and synced in the background while turns go on; only the
+    /// switch to the new file happens here.
+    async fn compact_log(&self) {
+        let (begin, finish) = self.log.borrow().as_ref().map_or((false, false), |l| {
+            let idle = !l.has_pending();
+            (idle && l.needs_compaction(), idle && l.compaction_ready())
+        });
+        if begin {
+            let states = self.states.borrow();
+            if let Some(log) = self.log.borrow_mut().as_mut() {
+                log.begin_compaction(states.iter().map(|(k, v)| (k.as_str(), v)));
+            }
+        } else if finish {
+            let mut log = self.log.borrow_mut().take().expect("commit log present");
+            match log.finish_compaction().await {
+                // The old log's blocks are freed at its last close: the
+                // reaper's, not this thread's (with `discard`, 13-22 ms for
+                // 64 MiB on the test machine).
+                Ok(old) => crate::reaper::close_later(old.into_iter().collect()),
+                Err(e) => {
+                    if let Some(held) = self.log_compaction_failed.due() {
+                        tracing::error!(error = %e, since_last_logged = held, "commit log compaction failed (logged once a minute while it lasts)");
+                    }
+                }
+            }
+            *self.log.borrow_mut() = Some(log);
+        }
+    }
+
+    /// Warns of a turn that took [`SLOW_TURN`] or longer, with the time
+    /// each of its steps took: `at` are the ends of started, prepare,
+    /// stage, write and acknowledge.
+    fn warn_slow_turn(journals: usize, at: [Instant; 5]) {
+        let [started, prepared, staged_at, written, acked] = at;
+        if started.elapsed() >= SLOW_TURN {
+            let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
+            tracing::warn!(
+                journals,
+                prepare_ms = %ms(started, prepared),
+                stage_ms = %ms(prepared, staged_at),
+                write_ms = %ms(staged_at, written),
+                ack_ms = %ms(written, acked),
+                compact_ms = %ms(acked, Instant::now()),
+                "slow turn: the shard's appends waited this long"
+            );
+        }
+    }
+
+    /// Takes the results of a turn's writes: failed spool writes and a
+    /// failed commit-log write or sync fail their batches.
+    fn settle_writes(
+        &self,
+        results: Vec<WriteResult>,
+        log_result: &Result<(), StorageError>,
+        committing: &[JournalRef],
+        early: &[JournalRef],
+        wrote: bool,
+        held: &mut Vec<Held>,
+    ) {
+        let is_early = |j: &JournalRef| early.iter().any(|x| Rc::ptr_eq(x, j));
+        // A failed batch fails the one staged after it too.
+        let fail_batch = |j: &JournalRef, status: Status, msg: &str, held: &mut Vec<Held>| {
+            if let Some(i) = held.iter().position(|h| Rc::ptr_eq(&h.j, j)) {
+                let h = held.swap_remove(i);
+                j.borrow_mut().staged.extend(h.other);
+            }
+            self.fail_batch(j, status, msg);
+        };
+        let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
+        for (j, res, w, synced) in results {
+            let path = j
+                .borrow()
+                .spool
+                .as_ref()
+                .map(|s| s.path().to_path_buf())
+                .unwrap_or_default();
+            if let Some(w) = w {
+                metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
+                j.borrow_mut()
+                    .spool
+                    .as_mut()
+                    .expect("spool written")
+                    .write_done(w, res.is_ok());
+            }
+            if synced.is_some() {
+                metrics::add(&self.metrics.fsyncs, 1);
+            }
+            if let Err(e) = res.and(synced.unwrap_or(Ok(()))) {
+                let e = StorageError::io(&path, e);
+                if is_early(&j) {
+                    // Answered already: the bytes are in the commit log
+                    // only, and the spool cannot take them. Recovery writes
+                    // them from the log into the spool.
+                    tracing::error!(error = %e, "spool write of an answered batch failed; stopping so recovery restores it from the commit log");
+                    std::process::abort();
+                }
+                failed.push((j, storage_status(&e), e.to_string()));
+            }
+        }
+        if wrote {
+            metrics::add(&self.metrics.batches, 1);
+        }
+        for (j, status, msg) in &failed {
+            fail_batch(j, *status, msg, held);
+        }
+        if let Err(e) = &log_result {
+            if let Some(held) = self.log_write_failed.due() {
+                tracing::error!(error = %e, since_last_logged = held, "commit log write failed; failing the batch (logged once a minute while it lasts)");
+            }
+            let status = storage_status(e);
+            for j in committing {
+                // Batches answered early had their records written; only
+                // the fdatasync for `fsync` journals failed.
+                if !j.borrow().staged.is_empty() && !is_early(j) {
+                    fail_batch(j, status, &e.to_string(), held);
+                }
+            }
+        }
+    }
+
+    /// Takes every spool write staged this turn, and which spools (of
+    /// `fsync` journals with a batch) are to be synced after it.
+    fn take_writes(ready: &[JournalRef]) -> Vec<SpoolWrite> {
+        let mut writing = Vec::new();
+        for j in ready {
+            let mut jm = j.borrow_mut();
+            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
+            let Some(spool) = jm.spool.as_mut() else {
+                continue;
+            };
+            let file = spool.file().clone();
+            let w = spool.take_write();
+            if w.is_some() || fsync {
+                writing.push((j.clone(), w, file, fsync));
+            }
+        }
+        writing
+    }
+
+    /// Writes the turn's spools and syncs them (and the commit log, if an
+    /// `fsync` journal wrote), staging meanwhile the next batch of the
+    /// journals being written (see [`Shard::stage_while`]).
+    async fn write_spools(
+        &self,
+        writing: Vec<SpoolWrite>,
+        log_written: Result<(), StorageError>,
+        held: &mut Vec<Held>,
+    ) -> (Vec<WriteResult>, Result<(), StorageError>) {
+        let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
+        let in_flight: Vec<JournalRef> = writing
+            .iter()
+            .filter(|(_, w, _, _)| w.is_some())
+            .map(|(j, _, _, _)| j.clone())
+            .collect();
+        let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
+            let mut res = Ok(());
+            let w = match w {
+                Some(w) => {
+                    let (r, w) = w.run(&file).await;
+                    res = r;
+                    Some(w)
+                }
+                None => None,
+            };
+            let synced = if res.is_ok() && fsync {
+                Some(file.sync_data().await)
+            } else {
+                None
+            };
+            (j, res, w, synced)
+        }));
+        let log_sync = async {
+            if !any_fsync || log_written.is_err() {
+                return log_written;
+            }
+            // The log is taken out for the sync so no borrow spans the await.
+            let mut log = self.log.borrow_mut().take().expect("commit log present");
+            let res = log.flush(true).await;
+            *self.log.borrow_mut() = Some(log);
+            res
+        };
+        // The next batch of the journals being written is staged while
+        // they are: hashing it and waiting on the disk overlap.
+        let (results, log_result) = self
+            .stage_while(&in_flight, held, async {
+                futures_util::join!(spool_writes, log_sync)
+            })
+            .await;
+        for h in held.iter_mut() {
+            h.swap_back();
+        }
+        (results, log_result)
+    }
+
+    /// Runs `work` (a turn's writes), staging meanwhile what arrives for
+    /// `journals` (those being written) into their spools' second buffers.
+    /// A journal's batch being written is set aside in `held` the first
+    /// time, so that `staged` collects the next batch.
+    pub(super) async fn stage_while<T>(
+        &self,
+        journals: &[JournalRef],
+        held: &mut Vec<Held>,
+        work: impl std::future::Future<Output = T>,
+    ) -> T {
+        if journals.is_empty() {
+            return work.await;
+        }
+        let mut work = std::pin::pin!(work);
+        // Submit the writes first: poll them once and let the runtime hand
+        // them to the kernel.
+        if let std::task::Poll::Ready(out) = futures_util::poll!(work.as_mut()) {
+            return out;
+        }
+        yield_now().await;
+        loop {
+            let wake = self.wake.listen();
+            let mut staged = false;
+            for j in journals {
+                let has_bytes = {
+                    let jm = j.borrow();
+                    !jm.deleted
+                        && jm.spool.as_ref().is_some_and(|s| s.room() > 0)
+                        && jm
+                            .active
+                            .as_ref()
+                            .map(|a| &a.op)
+                            .or(jm.queue.front())
+                            .is_some_and(|op| !op.chunks.borrow().is_empty())
+                };
+                if !has_bytes {
+                    continue;
+                }
+                if !held.iter().any(|h| Rc::ptr_eq(&h.j, j)) {
+                    let mut jm = j.borrow_mut();
+                    held.push(Held {
+                        j: j.clone(),
+                        other: std::mem::take(&mut jm.staged),
+                        other_with_replicas: jm.staged_with_replicas,
+                    });
+                }
+                let before = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                self.stage_queue(j);
+                let after = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                metrics::add(&self.metrics.prestaged_bytes, after.saturating_sub(before));
+                staged = true;
+            }
+            if staged {
+                self.flush_pipelines();
+            }
+            match futures_util::future::select(work.as_mut(), wake).await {
+                futures_util::future::Either::Left((out, _)) => return out,
+                futures_util::future::Either::Right(_) => {}
+            }
+        }
+    }
+
+    /// Adds a commit-log record for each journal's staged appends (none
+    /// for a batch of pulses, which change nothing the log holds). Returns
+    /// the journals whose batch can be answered once the log is written:
+    /// `replicated` ones whose new bytes are few enough for the record to
+    /// carry them (or are on disk already).
+    pub(super) fn record_commits(&self, committing: &[JournalRef]) -> Vec<JournalRef> {
+        let mut log = self.log.borrow_mut();
+        let log = log.as_mut().expect("commit log present");
+        let mut states = self.states.borrow_mut();
+        let mut early = Vec::new();
+        let new_bytes: u64 = committing
+            .iter()
+            .map(|j| {
+                let jm = j.borrow();
+                let end = jm.staged.last().expect("non-empty").end;
+                end.saturating_sub(jm.spool.as_ref().expect("spool").written())
+            })
+            .sum();
+        let carry_max = if new_bytes <= INLINE_TURN_BYTES_MAX {
+            INLINE_BYTES_MAX
+        } else {
+            0
+        };
+        for j in committing {
+            let jm = j.borrow();
+            let last = jm.staged.last().expect("non-empty");
+            let spool = jm.spool.as_ref().expect("spool");
+            if last.end == spool.committed() && last.registers == jm.local_registers {
+                continue;
+            }
+            let st = JournalState {
+                spool_begin: spool.begin(),
+                end: last.end,
+                sha1: last.point.sha.clone().finalize(),
+                registers: last.registers.clone(),
+                mid: Some(spool.committed_midstate()),
+            };
+            let from = spool.written();
+            let carried = (jm.spec.durability == Durability::Replicated)
+                .then(|| match last.end.checked_sub(from) {
+                    None | Some(0) => Some(None),
+                    Some(n) if n <= carry_max => {
+                        spool.staged_since(from).map(|b| Some(&b[..n as usize]))
+                    }
+                    Some(_) => None,
+                })
+                .flatten();
+            match carried {
+                Some(Some(bytes)) => log.record_commit_inline(&jm.name, &st, from, bytes),
+                _ => log.record_commit(&jm.name, &st),
+            }
+            if carried.is_some() {
+                early.push(j.clone());
+            }
+            states.insert(jm.name.clone(), st);
+        }
+        early
+    }
+
+    /// Writes the log's pending records into the page cache. A failed
+    /// write leaves none pending: the batch fails.
+    pub(super) fn write_log(&self) -> Result<(), StorageError> {
+        let mut log = self.log.borrow_mut();
+        let log = log.as_mut().expect("commit log present");
+        let res = log.write_pending();
+        if res.is_err() {
+            log.discard_pending();
+        }
+        res
+    }
+
+    /// Answers a batch whose commit record is written while its spool
+    /// write has yet to complete (the record carries the bytes, or they
+    /// are on disk). A replica's appends are acknowledged to the primary;
+    /// a client's get their replies; a primary's are proposed to its
+    /// replicas, and the waits for their acks are returned.
+    pub(super) fn answer_early(&self, j: &JournalRef) -> Option<Vec<Wait>> {
+        let mut jm = j.borrow_mut();
+        let last = jm.staged.last().expect("non-empty").end;
+        if jm.staged_with_replicas {
+            return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
+        }
+        self.count_appends(&jm.staged, false);
+        jm.staged.iter().for_each(answer_ok);
+        jm.answered = jm.answered.max(last);
+        None
+    }
+
+    /// Adds a commit-log record of what a journal's spool holds committed,
+    /// after a batch of it failed: the log may hold a record of that batch
+    /// (written at the same time as its spool bytes), and the in-memory
+    /// state must not run ahead of the spool.
+    pub(super) fn restate(&self, j: &JournalRef) {
+        let jm = j.borrow();
+        let Some(spool) = &jm.spool else { return };
+        let st = JournalState {
+            spool_begin: spool.begin(),
+            end: spool.committed(),
+            sha1: spool.committed_sha1(),
+            registers: jm.local_registers.clone(),
+            mid: Some(spool.committed_midstate()),
+        };
+        if let Some(log) = self.log.borrow_mut().as_mut() {
+            log.record_commit(&jm.name, &st);
+        }
+        self.states.borrow_mut().insert(jm.name.clone(), st);
+    }
+
+    /// A SYNC from the primary ends any append it left open. A broker
+    /// no longer a replica of the journal (the route changed) drops all
+    /// the appends of its old primary not yet committed here, whole or
+    /// not: their bytes must not stay in a spool it is about to seal or
+    /// append to as the primary. Either way the primary that sent them
+    /// hears so at once, unless it rolled them back itself (or gave
+    /// them up by synchronizing again on their connection).
+    fn supersede_replica_appends(&self, j: &JournalRef) {
+        {
+            let mut jm = j.borrow_mut();
+            let replica_ops = !jm.awaiting.is_empty()
+                || jm.active.as_ref().is_some_and(|a| a.op.replica.is_some());
+            let left = replica_ops && !matches!(self.role(&jm.spec), Role::Replica(_));
+            if left {
+                // Whatever the old primary sends next is refused until a
+                // primary synchronizes the journal again.
+                if let Some(t) = jm.replica.as_mut() {
+                    t.diverged();
+                }
+            }
+            if !jm.sync_waiters.is_empty() || left {
+                let open = jm
+                    .queue
+                    .iter()
+                    .chain(jm.active.as_ref().map(|a| &a.op))
+                    .chain(jm.awaiting.iter().map(|w| &w.op))
+                    .filter(|op| op.replica.is_some() && (left || !op.complete.get()));
+                for op in open {
+                    if op.aborted.get().is_none() {
+                        op.aborted.set(Some(AbortReason::Superseded));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A replica append rolled back by its primary (or whose connection
+    /// closed) drops it and everything staged after it.
+    fn drop_rolled_back(j: &JournalRef) {
+        {
+            let mut jm = j.borrow_mut();
+            let jm = &mut *jm;
+            if let Some(i) = jm
+                .awaiting
+                .iter()
+                .position(|w| w.op.aborted.get().is_some())
+            {
+                let start = jm.awaiting[i].start.clone();
+                let r = AppendReply {
+                    write_head: jm.head,
+                    ..Default::default()
+                };
+                for w in jm.awaiting.drain(i..) {
+                    w.op.end_aborted(&r);
+                }
+                if let Some(a) = jm.active.take() {
+                    a.op.end_aborted(&r);
+                    drop_budget(&a.op);
+                    jm.queue.pop_front();
+                }
+                jm.tail.truncate(start.offset);
+                jm.staged_head = start.offset;
+                if let Some(spool) = jm.spool.as_mut() {
+                    spool.rewind(start);
+                }
+            }
+        }
+    }
+
+    /// An aborted active append rewinds the spool to where it began.
+    fn rewind_aborted(&self, j: &JournalRef) {
+        {
+            let mut jm = j.borrow_mut();
+            let aborted = jm
+                .active
+                .as_ref()
+                .is_some_and(|a| a.op.aborted.get().is_some());
+            if aborted {
+                let a = abandon_active(&mut jm).expect("checked");
+                let reply = AppendReply {
+                    write_head: jm.head,
+                    registers: jm.registers.clone(),
+                    ..Default::default()
+                };
+                a.op.end_aborted(&reply);
+                drop_budget(&a.op);
+                metrics::add(&self.metrics.append_failures, 1);
+            }
+        }
+    }
+
+    /// Settles the journal's replication for `role`: fails its queue when
+    /// its route is short of brokers, starts a SYNC when its replicas must
+    /// be asked (again), or forgets a stale one. False: nothing more to
+    /// prepare this turn.
+    async fn settle_replication(&self, j: &JournalRef, role: &Role) -> bool {
+        let takeover = match role {
+            Role::Primary(route) => self.takeover_due(j, route),
+            _ => false,
+        };
+        match role {
+            Role::Primary(route) if !route.is_complete() => {
+                let msg = format!(
+                    "the journal's replication is {} but the cluster has {} broker(s) for it",
+                    route.replication,
+                    route.members.len()
+                );
+                self.fail_queue(j, Status::INSUFFICIENT_JOURNAL_BROKERS, &msg);
+                return false;
+            }
+            Role::Primary(route) if route.members.len() > 1 || takeover => {
+                // Synchronized in this very view: after any change of the
+                // cluster file the journal may have had another primary
+                // meanwhile (a route that went away and came back is the
+                // same list of members), so the replicas are asked again.
+                let version = self.topology.version();
+                let ready = !takeover
+                    && j.borrow().repl.as_ref().is_some_and(|r| {
+                        r.members == route.ids() && r.version == version && r.is_live()
+                    });
+                if !ready {
+                    self.begin_sync(j, route.clone()).await;
+                    return false;
+                }
+            }
+            Role::Primary(_) => j.borrow_mut().repl = None,
+            Role::Replica(_) | Role::Outside(_) => {
+                // No longer the primary: what it synchronized as one is
+                // stale (its batches in flight keep their own pipelines).
+                j.borrow_mut().repl = None;
+            }
+        }
+        true
+    }
+
+    /// Reloads the spool's tail block after a rollback past written bytes.
+    /// False: that failed, and the queue with it.
+    async fn reload_tail(&self, j: &JournalRef) -> bool {
+        let needs_tail = j
+            .borrow()
+            .spool
+            .as_ref()
+            .is_some_and(|s| !s.can_stage() && !s.write_in_flight());
+        if needs_tail {
+            let mut spool = j.borrow_mut().spool.take().expect("checked");
+            j.borrow_mut().spool_out = true;
+            let res = spool.load_tail().await;
+            {
+                let mut jm = j.borrow_mut();
+                jm.spool = Some(spool);
+                jm.spool_back();
+            }
+            if let Err(e) = res {
+                tracing::error!(journal = %j.borrow().name, error = %e, "reloading spool tail failed");
+                self.fail_queue(j, storage_status(&e), &e.to_string());
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Opens a spool for a journal with appends queued and none open.
+    async fn open_spool(&self, j: &JournalRef) {
+        let needs_spool = {
+            let jm = j.borrow();
+            jm.spool.is_none() && !jm.queue.is_empty()
+        };
+        if needs_spool {
+            let (dir, head, length) = {
+                let jm = j.borrow();
+                (jm.dir.clone(), jm.local_head, jm.spec.fragment.length)
+            };
+            let created = match std::fs::create_dir_all(&dir) {
+                Ok(()) => self.create_spool(&dir, head, length).await,
+                Err(e) => Err(StorageError::io(&dir, e)),
+            };
+            match created {
+                Ok(spool) => j.borrow_mut().spool = Some(spool),
+                Err(e) => {
+                    if e.is_full() {
+                        metrics::add(&self.metrics.storage_full, 1);
+                    }
+                    self.fail_queue(j, storage_status(&e), &e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Async preparation of a journal before staging: handle an aborted
+    /// active append, reload a tail block, seal, open a spool.
+    pub(super) async fn prepare(&self, j: &JournalRef) {
+        self.supersede_replica_appends(j);
+        Self::drop_rolled_back(j);
+        self.rewind_aborted(j);
+        let role = self.role(&j.borrow().spec);
+        if !self.settle_replication(j, &role).await {
+            return;
+        }
+        self.apply_syncs(j).await;
+        if !self.reload_tail(j).await {
+            return;
+        }
+        let reset = {
+            let jm = j.borrow();
+            !jm.reset_waiters.is_empty() && jm.active.is_none() && jm.staged.is_empty()
+        };
+        if reset {
+            self.reset_head(j).await;
+        }
+        let wants_seal = {
+            let jm = j.borrow();
+            let idle = jm.active.is_none() && jm.staged.is_empty() && jm.inflight == 0;
+            // Replicas seal when their primary says so (SYNC), and a
+            // primary not while replicas have yet to ack. A broker the
+            // journal was routed away from seals what it holds, so that it
+            // can be uploaded: the new members may never have had it.
+            idle && match role {
+                Role::Primary(_) => jm.wants_seal(SystemTime::now()),
+                Role::Outside(_) => jm.spool.as_ref().is_some_and(|s| !s.is_empty()),
+                Role::Replica(_) => false,
+            }
+        };
+        if wants_seal {
+            self.seal(j).await;
+        }
+        self.open_spool(j).await;
+    }
+
+    /// A new spool at `head`: in a spare file if one fits the journal's
+    /// fragment length, else a new file.
+    pub(super) async fn create_spool(
+        &self,
+        dir: &std::path::Path,
+        head: u64,
+        fragment_length: u64,
+    ) -> Result<Spool, StorageError> {
+        let max_len = fragment_length.saturating_add(self.sizing.grow_bytes);
+        let spare = self.spares.borrow_mut().take(max_len);
+        if let Some(spare) = spare {
+            match Spool::create_recycled(&spare, dir, head, self.sizing).await {
+                Ok(spool) => {
+                    metrics::add(&self.metrics.spools_recycled, 1);
+                    return Ok(spool);
+                }
+                Err(e) => {
+                    tracing::warn!(spare = %spare.display(), error = %e, "cannot begin a spool in a spare file; creating one");
+                }
+            }
+        }
+        Spool::create_sized(dir, head, self.sizing).await
+    }
+
+    pub(super) async fn seal(&self, j: &JournalRef) {
+        let (spool, durable) = {
+            let mut jm = j.borrow_mut();
+            let durable = jm.spec.durability == Durability::Fsync;
+            (jm.spool.take(), durable)
+        };
+        let spool = match spool {
+            Some(s) if s.is_empty() => {
+                // Nothing to seal: its file is kept as a spare, or its name
+                // removed here (the next spool may take it) and its
+                // preallocated blocks freed by the reaper.
+                let (path, len) = s.into_empty_file();
+                if self.spares.borrow_mut().give(&path, len) {
+                    metrics::add(&self.metrics.spares_kept, 1);
+                } else if let Err(e) = crate::reaper::unlink_now_free_later(&path) {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove an empty spool");
+                }
+                None
+            }
+            other => other,
+        };
+        let mut sealed = None;
+        if let Some(spool) = spool {
+            let path = spool.path().to_path_buf();
+            let begin = spool.begin();
+            j.borrow_mut().spool_out = true;
+            match spool.seal(durable).await {
+                Ok(frag) => sealed = frag,
+                Err(e) => {
+                    // The spool file stays where it was; recovery or the
+                    // next seal picks it up. Reopen it to keep appending.
+                    tracing::error!(path = %path.display(), error = %e, "seal failed");
+                    let end = j.borrow().head;
+                    if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
+                        j.borrow_mut().spool = Some(s);
+                    }
+                    j.borrow_mut().spool_back();
+                    return;
+                }
+            }
+        }
+        let mut jm = j.borrow_mut();
+        jm.seal_requested = false;
+        jm.spool_since = None;
+        // Replicas must start their next spool where this one ended.
+        jm.repl = None;
+        let json = match &sealed {
+            Some(f) => fragment_json(f, jm.has_stores()),
+            None => serde_json::Value::Null,
+        };
+        if let Some(f) = sealed {
+            metrics::add(&self.metrics.fragments_sealed, 1);
+            if jm.has_stores() {
+                // Count it against the spool budget now: the next append
+                // must see it, not wait for an upload attempt to finish.
+                self.unuploaded_bytes
+                    .set(self.unuploaded_bytes.get() + (f.end - f.begin));
+            }
+            // Only the newest sealed fragment keeps its spool's open file
+            // (tailing readers finish it); older ones are opened per read.
+            // Else every fragment of a journal with small fragments holds a
+            // descriptor, and tens of thousands exhaust the process's.
+            if let Some(prev) = jm.fragments.last_mut() {
+                prev.file = None;
+            }
+            jm.fragments.push(f);
+        }
+        if jm.has_stores() {
+            self.queue_uploads(&mut jm);
+        }
+        if jm.spool_out {
+            jm.spool_back();
+        }
+        let body = serde_json::to_vec(&serde_json::json!({ "sealed": json })).expect("json");
+        for (outbox, id) in jm.seal_waiters.drain(..) {
+            outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
+        }
+    }
+
+    /// Commits and acknowledges the staged appends of a journal.
+    pub(super) fn acknowledge(&self, j: &JournalRef) {
+        let staged = self.commit_local(j);
+        self.publish(j, staged, None);
+    }
+
+    /// Moves the journal's local commit point past its staged appends
+    /// (the commit log holds them) and returns them.
+    pub(super) fn commit_local(&self, j: &JournalRef) -> Vec<Staged> {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let staged = std::mem::take(&mut jm.staged);
+        let last = staged.last().expect("non-empty");
+        jm.spool.as_mut().expect("spool").commit(last.point.clone());
+        jm.local_head = last.end;
+        jm.local_registers = last.registers.clone();
+        if jm.spool_since.is_none() {
+            jm.spool_since = Some(SystemTime::now());
+        }
+        staged
+    }
+
+    /// Makes locally committed appends visible and answers them: OK, or
+    /// `failure` when a replica did not acknowledge (they stay committed
+    /// here, like appends whose reply was lost).
+    pub(super) fn publish(&self, j: &JournalRef, staged: Vec<Staged>, failure: Option<&Failure>) {
+        self.count_appends(&staged, failure.is_some());
+        self.publish_counted(j, staged, failure);
+    }
+
+    /// Counts a batch's appends (and their bytes) as succeeded or failed.
+    pub(super) fn count_appends(&self, staged: &[Staged], failed: bool) {
+        // Pulses (internal, their outbox closed) are not client appends.
+        let counted = staged
+            .iter()
+            .filter(|s| !s.op.outbox.is_closed() || s.op.replica.is_some())
+            .count() as u64;
+        if failed {
+            metrics::add(&self.metrics.append_failures, counted);
+        } else {
+            let bytes = staged.iter().map(|s| s.end - s.begin).sum();
+            metrics::add(&self.metrics.appends, counted);
+            metrics::add(&self.metrics.append_bytes, bytes);
+        }
+    }
+
+    /// [`Shard::publish`] of a batch already counted (when it was answered).
+    pub(super) fn publish_counted(
+        &self,
+        j: &JournalRef,
+        staged: Vec<Staged>,
+        failure: Option<&Failure>,
+    ) {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let Some(last) = staged.last() else { return };
+        jm.head = jm.head.max(last.end);
+        jm.registers = last.registers.clone();
+        for s in &staged {
+            if let Some(f) = failure {
+                let reply = AppendReply {
+                    write_head: jm.head,
+                    registers: jm.registers.clone(),
+                    ..Default::default()
+                };
+                s.op.reply_error(f.status, &reply, &f.message);
+                continue;
+            }
+            answer_ok(s);
+        }
+        jm.committed.notify(usize::MAX);
+    }
+}

@@ -1,0 +1,644 @@
+//! Fragment history: uploads, store listings, prune, reset-head, spare files.
+
+use super::*;
+
+impl Shard {
+    /// Hands the journal's sealed, not yet uploaded fragments to the
+    /// uploader. A full queue leaves them for the next tick.
+    pub(super) fn queue_uploads(&self, jm: &mut Journal) {
+        let Some(store) = jm.spec.fragment.stores.first().cloned() else {
+            return;
+        };
+        if matches!(self.role(&jm.spec), Role::Replica(_)) {
+            // The primary uploads. So does a broker outside the route, for
+            // fragments it still holds: the route's members may never have
+            // had those bytes. (A fragment uploaded twice has the same name
+            // and bytes both times.)
+            return;
+        }
+        let codec = jm.spec.fragment.compression_codec;
+        let name = jm.name.clone();
+        for f in jm
+            .fragments
+            .iter_mut()
+            .filter(|f| !f.uploaded && !f.uploading)
+        {
+            let job = UploadJob {
+                journal: name.clone(),
+                begin: f.begin,
+                end: f.end,
+                sha1: f.sha1,
+                path: f.path.clone(),
+                codec,
+                store: store.clone(),
+                done: self.upload_done.clone(),
+            };
+            if self.uploader.try_upload(job).is_err() {
+                break;
+            }
+            self.uploads_in_flight
+                .borrow_mut()
+                .insert((name.clone(), f.begin, f.end, f.sha1));
+            f.uploading = true;
+        }
+    }
+
+    /// Applies upload outcomes reported by the uploader pool.
+    pub(super) async fn upload_results(self: Rc<Self>, rx: async_channel::Receiver<UploadDone>) {
+        while let Ok(done) = rx.recv().await {
+            self.uploads_in_flight.borrow_mut().remove(&(
+                done.journal.clone(),
+                done.begin,
+                done.end,
+                done.sha1,
+            ));
+            let Some(j) = self.journals.borrow().get(&done.journal).cloned() else {
+                continue;
+            };
+            let mut jm = j.borrow_mut();
+            // The SHA-1 tells a fragment from one of the same span of a
+            // deleted journal of the same name, whose upload may end late.
+            let Some(f) = jm
+                .fragments
+                .iter_mut()
+                .find(|f| f.begin == done.begin && f.end == done.end && f.sha1 == done.sha1)
+            else {
+                continue;
+            };
+            f.uploading = false;
+            match done.result {
+                Ok(stored) => {
+                    f.uploaded = true;
+                    // A file found at start is then known to hold its
+                    // bytes: its first read need not hash it again.
+                    f.verified |= done.local_checked;
+                    jm.insert_remote(stored);
+                    *self.store_error.borrow_mut() = None;
+                    if let Some(store) = jm.spec.fragment.stores.first() {
+                        if self.shared_failures.worked(SharedWork::Upload, store) {
+                            tracing::info!(store = %store, journal = %done.journal, "uploads succeed again");
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Only a local fragment that does not match its name is
+                    // beyond retrying: store-side refusals (a bucket being
+                    // recreated, a credential being fixed) may pass.
+                    if !matches!(e, rotary_uploader::StoreError::LocalCorrupt { .. }) {
+                        let store = jm.spec.fragment.stores.first().map_or("", |s| s.as_str());
+                        match self.shared_failures.failed(SharedWork::Upload, store) {
+                            Some(held) => {
+                                tracing::warn!(store, journal = %done.journal, begin = done.begin, end = done.end, error = %e, since_last_logged = held, "upload failed; retrying, logged once a minute per store while it lasts");
+                            }
+                            None => {
+                                tracing::debug!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed; will retry");
+                            }
+                        }
+                    } else {
+                        // Park it for an operator. It stays counted against
+                        // the spool budget, so appends are eventually
+                        // refused naming this error.
+                        f.uploading = true;
+                        if let rotary_uploader::StoreError::LocalCorrupt { why, .. } = &e {
+                            f.corrupt = Some(why.clone());
+                        }
+                        tracing::error!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed permanently; not retrying, and its span is no longer read from this file");
+                    }
+                    *self.store_error.borrow_mut() = Some(e.to_string());
+                }
+            }
+            drop(jm);
+            // Both walk every journal: once per burst of results.
+            if rx.is_empty() {
+                self.recount_unuploaded();
+                self.evict_cache();
+            }
+        }
+    }
+
+    /// Recomputes the sealed bytes awaiting upload.
+    ///
+    /// Runs over every journal of the shard, so it runs once a tick and
+    /// once per burst of upload results, not per listing or per upload: a
+    /// shard may hold tens of thousands of journals. Between two counts the
+    /// figure only runs high (seals add to it at once), so the budget it
+    /// guards is never overrun.
+    pub(super) fn recount_unuploaded(&self) {
+        let mut total = 0;
+        for j in self.journals.borrow().values() {
+            let jm = j.borrow();
+            if !jm.has_stores() {
+                continue;
+            }
+            let waiting: u64 = jm
+                .fragments
+                .iter()
+                .filter(|f| !f.uploaded)
+                .map(|f| f.end - f.begin)
+                .sum();
+            // The route is worked out only for the few journals with
+            // fragments awaiting upload.
+            if waiting > 0 && self.is_primary(&jm.spec) {
+                total += waiting;
+            }
+        }
+        self.unuploaded_bytes.set(total);
+    }
+
+    /// Drops the oldest uploaded local fragments once the local copies of
+    /// uploaded fragments exceed the cache budget.
+    pub(super) fn evict_cache(&self) {
+        let mut cached: Vec<(SystemTime, u64, JournalRef, u64)> = Vec::new();
+        let mut total = 0;
+        for j in self.journals.borrow().values() {
+            for f in j.borrow().fragments.iter().filter(|f| f.uploaded) {
+                total += f.end - f.begin;
+                cached.push((f.sealed_at, f.end - f.begin, j.clone(), f.begin));
+            }
+        }
+        if total <= self.local_cache_bytes {
+            return;
+        }
+        cached.sort_by_key(|c| c.0);
+        for (_, len, j, begin) in cached {
+            if total <= self.local_cache_bytes {
+                break;
+            }
+            let mut jm = j.borrow_mut();
+            if let Some(at) = jm
+                .fragments
+                .iter()
+                .position(|f| f.begin == begin && f.uploaded)
+            {
+                let f = jm.fragments.remove(at);
+                self.retire_fragment(&jm, f);
+                total -= len;
+            }
+        }
+    }
+
+    /// Lists the journal's stores in the background and merges the result.
+    ///
+    /// At most [`LISTINGS_IN_FLIGHT_MAX`] listings of a shard run at once;
+    /// the others wait in a queue, a journal not yet listed ahead of those
+    /// listed before. A shard of tens of thousands of journals would
+    /// otherwise start all their listings in the same tick (at start, and
+    /// again every `refresh_interval`), and their results would hold up
+    /// its appends for hundreds of milliseconds.
+    pub(super) fn refresh_listing(&self, j: &JournalRef) {
+        self.start_listing(j, false);
+    }
+
+    /// Starts the first listing of a journal's stores at once, whatever
+    /// the queue, because a request waits for it: after a start, a shard
+    /// of tens of thousands of journals with stores lists them all, and an
+    /// append to a journal near the end of that queue would otherwise wait
+    /// for every listing ahead of it (tens of seconds on S3). Once per
+    /// journal; a listing under way is left to end.
+    pub fn hurry_first_listing(&self, j: &JournalRef) {
+        {
+            let mut jm = j.borrow_mut();
+            if jm.index_loaded || jm.listing || jm.listing_hurried || !jm.has_stores() {
+                return;
+            }
+            jm.listing_hurried = true;
+        }
+        metrics::add(&self.metrics.listings_hurried, 1);
+        self.start_listing(j, true);
+    }
+
+    /// [`Shard::hurry_first_listing`] from where the journal is borrowed:
+    /// on a task of its own, right after.
+    /// Readies a journal once `wait` has passed (its rate admits more
+    /// bytes then). The caller sets the journal's `rate_timer`, which keeps
+    /// it to one timer at a time.
+    pub(super) fn ready_after(&self, j: &JournalRef, wait: std::time::Duration) {
+        let me = self.me.borrow().clone();
+        let j = j.clone();
+        compio::runtime::spawn(async move {
+            compio::time::sleep(wait).await;
+            j.borrow_mut().rate_timer = false;
+            if let Some(shard) = me.upgrade() {
+                shard.mark_ready(&j);
+            }
+        })
+        .detach();
+    }
+
+    pub(super) fn hurry_first_listing_soon(&self, j: &JournalRef) {
+        let me = self.me.borrow().clone();
+        let j = j.clone();
+        compio::runtime::spawn(async move {
+            if let Some(shard) = me.upgrade() {
+                shard.hurry_first_listing(&j);
+            }
+        })
+        .detach();
+    }
+
+    /// Logs a store listing's failure once a minute per store, and its
+    /// recovery once.
+    fn log_listing(&self, stores: &[String], name: &str, err: Option<&(&String, String)>) {
+        match err {
+            None => {
+                for store in stores {
+                    if self.shared_failures.worked(SharedWork::Listing, store) {
+                        tracing::info!(store = %store, journal = %name, "listing the fragment store works again");
+                    }
+                }
+            }
+            Some((store, e)) => match self.shared_failures.failed(SharedWork::Listing, store) {
+                Some(held) => {
+                    tracing::warn!(store = %store, journal = %name, error = %e, since_last_logged = held, "listing the fragment store failed; retrying, logged once a minute per store while it lasts");
+                }
+                None => {
+                    tracing::debug!(journal = %name, error = %e, "listing the fragment store failed");
+                }
+            },
+        }
+    }
+
+    /// After a journal's listing: a replica drops its copies the store
+    /// holds, the journal's waiting appends go ahead, and the listings
+    /// waiting for a free slot start.
+    fn listing_done(&self, j: &JournalRef) {
+        let mut jm = j.borrow_mut();
+        if !self.is_primary(&jm.spec) {
+            // A replica's copies are dropped once the store holds them.
+            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.fragments)
+                .into_iter()
+                .partition(|f| f.uploaded);
+            jm.fragments = kept;
+            for f in gone {
+                self.retire_fragment(&jm, f);
+            }
+        }
+        drop(jm);
+        // Fragments the listing found uploaded leave the spool
+        // budget's count at the next tick.
+        // Appends waiting for the index go ahead (or are refused).
+        self.mark_ready(j);
+        self.listings_in_flight
+            .set(self.listings_in_flight.get() - 1);
+        loop {
+            let next = self.listings_waiting.borrow_mut().pop_front();
+            let Some(next) = next else { break };
+            // Not queued any more: its listing was started
+            // meanwhile (hurried, or by the tick).
+            if std::mem::take(&mut next.borrow_mut().listing_queued) {
+                self.refresh_listing(&next);
+            }
+            if self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
+                break;
+            }
+        }
+    }
+
+    pub(super) fn start_listing(&self, j: &JournalRef, hurried: bool) {
+        if !hurried && self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
+            let mut jm = j.borrow_mut();
+            if !jm.listing && !jm.listing_queued && jm.has_stores() {
+                jm.listing_queued = true;
+                let mut waiting = self.listings_waiting.borrow_mut();
+                if jm.index_loaded {
+                    waiting.push_back(j.clone());
+                } else {
+                    waiting.push_front(j.clone());
+                }
+            }
+            return;
+        }
+        let (stores, name) = {
+            let mut jm = j.borrow_mut();
+            jm.listing_queued = false;
+            if jm.listing || !jm.has_stores() || jm.deleted {
+                return;
+            }
+            // A journal deleted and created again lists its stores only once
+            // the uploads of the deleted one have ended: listed before, the
+            // new journal would start at 0 and an old fragment land beside
+            // its own. Listed after, it holds the old history (appends
+            // answer INDEX_HAS_GREATER_OFFSET until a reset-head).
+            if !jm.index_loaded
+                && self
+                    .uploads_in_flight
+                    .borrow()
+                    .iter()
+                    .any(|(n, begin, end, sha1)| {
+                        *n == jm.name
+                            && !jm
+                                .fragments
+                                .iter()
+                                .any(|f| f.begin == *begin && f.end == *end && f.sha1 == *sha1)
+                    })
+            {
+                return;
+            }
+            jm.listing = true;
+            (jm.spec.fragment.stores.clone(), jm.name.clone())
+        };
+        self.listings_in_flight
+            .set(self.listings_in_flight.get() + 1);
+        metrics::add(&self.metrics.listings, 1);
+        let mark = j.borrow().listing_mark();
+        let uploader = self.uploader.clone();
+        let j = j.clone();
+        let me = self.me.borrow().clone();
+        compio::runtime::spawn(async move {
+            let mut all = Vec::new();
+            let mut err = None;
+            for store in &stores {
+                match uploader.list(store, &name).await {
+                    Ok(v) => all.extend(v),
+                    Err(e) => {
+                        err = Some((store, e.to_string()));
+                        break;
+                    }
+                }
+            }
+            let shard = me.upgrade();
+            if let Some(shard) = &shard {
+                shard.log_listing(&stores, &name, err.as_ref());
+            }
+            {
+                let mut jm = j.borrow_mut();
+                jm.listing = false;
+                jm.index_forgotten = false;
+                jm.last_listing = Some(Instant::now());
+                match err {
+                    None => {
+                        jm.set_listing(all, mark);
+                        jm.index_loaded = true;
+                        jm.index_error = None;
+                    }
+                    Some((_, e)) => {
+                        jm.index_error = Some(e);
+                        // Reads waiting for a first listing get its error.
+                        jm.committed.notify(usize::MAX);
+                    }
+                }
+            }
+            if let Some(shard) = shard {
+                shard.listing_done(&j);
+            }
+        })
+        .detach();
+    }
+
+    /// Asks the flusher to move the write head to the end of the index.
+    pub fn request_reset_head(&self, j: &JournalRef, outbox: Rc<Outbox>, request_id: u64) {
+        j.borrow_mut().reset_waiters.push((outbox, request_id));
+        self.mark_ready(j);
+    }
+
+    /// Seals every open spool of journals with stores and waits, at most
+    /// `timeout`, until every sealed fragment is in its store.
+    pub async fn flush_to_stores(&self, timeout: std::time::Duration) -> bool {
+        let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
+        for j in &journals {
+            let wants = {
+                let jm = j.borrow();
+                jm.has_stores()
+                    && self.is_primary(&jm.spec)
+                    && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
+            };
+            if wants {
+                j.borrow_mut().seal_requested = true;
+                self.mark_ready(j);
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let pending = journals.iter().any(|j| {
+                let jm = j.borrow();
+                jm.has_stores()
+                    && self.is_primary(&jm.spec)
+                    && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
+            });
+            if !pending {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            for j in &journals {
+                let mut jm = j.borrow_mut();
+                if jm.has_stores() {
+                    self.queue_uploads(&mut jm);
+                }
+            }
+            compio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Deletes store fragments older than their journal's retention.
+    pub async fn prune(
+        &self,
+        selector: &rotary_net::LabelSelector,
+        dry_run: bool,
+    ) -> Result<Vec<serde_json::Value>, String> {
+        let now = SystemTime::now();
+        // Every store is listed before anything is deleted, so that a
+        // store that cannot be listed fails the prune, not half of it.
+        let mut due = Vec::new();
+        for spec in self.specs.all() {
+            let retention = spec.fragment.retention;
+            if !selector.matches(&spec.labels) || retention.is_zero() {
+                continue;
+            }
+            for store in &spec.fragment.stores {
+                let listed = self
+                    .uploader
+                    .list(store, &spec.name)
+                    .await
+                    .map_err(|e| format!("nothing was pruned: {e}"))?;
+                for f in listed {
+                    let age = now.duration_since(f.mod_time).unwrap_or_default();
+                    if age > retention {
+                        due.push((f, age));
+                    }
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for (f, age) in due {
+            if !dry_run {
+                if let Err(e) = self.uploader.delete(&f).await {
+                    let keys: Vec<String> = out
+                        .iter()
+                        .map(|v: &serde_json::Value| {
+                            let text = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+                            text("store") + &text("key")
+                        })
+                        .collect();
+                    return Err(format!(
+                        "{e}; {} fragment(s) were pruned before it: [{}]",
+                        keys.len(),
+                        keys.join(", ")
+                    ));
+                }
+                // Reads of this shard's journals go around it at once; other
+                // shards find it gone when they next list or read it.
+                if let Some(j) = self.journals.borrow().get(&f.journal) {
+                    j.borrow_mut().drop_remote(&f, false);
+                }
+            }
+            out.push(serde_json::json!({
+                "journal": f.journal,
+                "begin": f.begin,
+                "end": f.end,
+                "sha1": hex::encode(f.sha1),
+                "store": f.store,
+                "key": f.key,
+                "age_secs": age.as_secs(),
+            }));
+        }
+        Ok(out)
+    }
+
+    /// Deletes a journal owned by this shard: its spec, its queued appends,
+    /// its local files. Returns false if it did not exist.
+    pub fn delete_journal(&self, name: &str, revision: u64) -> Result<bool, crate::EngineError> {
+        let existed = match self.specs.delete_at(name, revision)? {
+            crate::specs::Deleted::Removed => true,
+            crate::specs::Deleted::Absent => false,
+            // Created again after this deletion: nothing to do.
+            crate::specs::Deleted::KeptNewer => return Ok(false),
+        };
+        if let Some(j) = self.journals.borrow_mut().remove(name) {
+            let mut j = j.borrow_mut();
+            j.deleted = true;
+            let reply = AppendReply::default();
+            for op in j.queue.drain(..) {
+                op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
+            }
+            if let Some(a) = j.active.take() {
+                a.op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
+            }
+            j.committed.notify(usize::MAX);
+            let root = self.dir.join("journals").join(name);
+            // Renamed first, so that a journal of the same name can be
+            // created again at once; the reaper deletes the rest.
+            let trash = trash_dir(&self.dir);
+            match std::fs::rename(root.join("@"), &trash) {
+                Ok(()) => crate::reaper::remove_dir_all(trash),
+                // Not renamed: removed here, before the name can be reused.
+                Err(_) => {
+                    let _ = std::fs::remove_dir_all(root.join("@"));
+                }
+            }
+            // Parent directories of other journals stay.
+            let _ = std::fs::remove_dir(&root);
+        }
+        self.states.borrow_mut().remove(name);
+        if let Some(log) = self.log.borrow_mut().as_mut() {
+            log.record_delete(name);
+        }
+        self.wake.notify(1);
+        Ok(existed)
+    }
+
+    /// Gives up the spare spools once the disk has less than
+    /// `SPARE_BYTES_MAX` free above the reserve: space for appends comes
+    /// first.
+    pub(super) fn check_spares(&self) {
+        if self.spares.borrow().is_empty() {
+            return;
+        }
+        let low = rotary_storage::spool::free_bytes_at(&self.dir).is_ok_and(|free| {
+            free < self
+                .disk_reserve_bytes
+                .saturating_add(crate::spares::SPARE_BYTES_MAX)
+        });
+        if low {
+            tracing::info!(
+                bytes = self.spares.borrow().bytes(),
+                "the disk is short of space: deleting the spare spools"
+            );
+            self.spares.borrow_mut().release();
+        }
+    }
+
+    /// Lets go of a local fragment's file: kept as a spare when nothing
+    /// can read or write it any more (in the store, not being uploaded, no
+    /// read of its journal in flight, not known to be damaged), else
+    /// deleted by the reaper: freed a step at a time unless something
+    /// may still read it.
+    pub(super) fn retire_fragment(&self, jm: &Journal, f: LocalFragment) {
+        let unread = !f.uploading && jm.reads_in_flight == 0;
+        let idle = unread && f.uploaded && f.corrupt.is_none();
+        let len = f.end - f.begin;
+        drop(f.file);
+        if idle && self.spares.borrow_mut().give(&f.path, len) {
+            metrics::add(&self.metrics.spares_kept, 1);
+        } else if unread {
+            crate::reaper::free_file(f.path);
+        } else {
+            crate::reaper::remove_file(f.path);
+        }
+    }
+
+    /// Moves the write head to the end of the fragment index (after a
+    /// broker restarted on an empty disk), sealing the open spool first.
+    pub(super) async fn reset_head(&self, j: &JournalRef) {
+        let (loaded, error) = {
+            let jm = j.borrow();
+            (jm.index_loaded, jm.index_error.clone())
+        };
+        if !loaded {
+            let msg = format!(
+                "fragment index not yet listed: {}",
+                error.unwrap_or_else(|| "listing in progress".into())
+            );
+            for (outbox, id) in j.borrow_mut().reset_waiters.drain(..) {
+                outbox.error(
+                    Op::ADMIN_REPLY,
+                    Status::FRAGMENT_STORE_UNHEALTHY,
+                    id,
+                    &[],
+                    &msg,
+                );
+            }
+            return;
+        }
+        if j.borrow().spool.is_some() {
+            self.seal(j).await;
+        }
+        let mut jm = j.borrow_mut();
+        let local_end = jm.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        let head = jm.head.max(jm.remote_end()).max(local_end);
+        if head > jm.head {
+            // Recorded, so that a restart before the next append keeps the
+            // new head: an empty spool beginning there (recovery starts a
+            // journal at least at its last record's end).
+            let st = JournalState {
+                spool_begin: head,
+                end: head,
+                sha1: Sha1::new().finalize(),
+                registers: jm.local_registers.clone(),
+                mid: Some(Midstate::of(head, &Sha1::new())),
+            };
+            if let Some(log) = self.log.borrow_mut().as_mut() {
+                log.record_commit(&jm.name, &st);
+            }
+            if let Err(e) = self.write_log() {
+                let msg = format!("recording the new write head: {e}");
+                for (outbox, id) in jm.reset_waiters.drain(..) {
+                    outbox.error(Op::ADMIN_REPLY, storage_status(&e), id, &[], &msg);
+                }
+                return;
+            }
+            self.states.borrow_mut().insert(jm.name.clone(), st);
+        }
+        jm.head = head;
+        jm.local_head = head;
+        jm.staged_head = head;
+        let body =
+            serde_json::to_vec(&serde_json::json!({ "journal": jm.name, "write_head": head }))
+                .expect("json");
+        for (outbox, id) in jm.reset_waiters.drain(..) {
+            outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
+        }
+        jm.committed.notify(usize::MAX);
+    }
+}

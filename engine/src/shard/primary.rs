@@ -1,0 +1,682 @@
+//! What a journal's primary does beyond staging: proposing batches to replicas,
+//! gathering their acks, synchronizing replicas, taking over journals, pulses.
+
+use super::*;
+
+/// Proposes a journal's batch to each of its replicas: the commit record
+/// of every staged append. Returns what to wait for.
+pub(super) fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
+    let repl = jm.repl.as_ref().expect("proposed with replicas");
+    let mut waits = Vec::new();
+    for (p, epoch) in &repl.pipelines {
+        for s in staged {
+            p.push(&Record::Commit {
+                seq: s.seq,
+                journal: &jm.name,
+                begin: s.begin,
+                end: s.end,
+                fragment_sha1: s.point.sha.clone().finalize(),
+                registers: s.registers.clone(),
+            });
+        }
+        waits.push((p.clone(), *epoch, staged.iter().map(|s| s.seq).collect()));
+    }
+    waits
+}
+
+impl Shard {
+    /// The brokers to ask for bytes of a journal beyond this primary's
+    /// head before it gives out offsets: those of the journal's routes in
+    /// the views before the current one, since its takeover was last
+    /// settled (`since`), that are not in its route now. A route that
+    /// gained no broker leaves none; when every member of an old route
+    /// stays in the new one, the replicas' SYNC answers carry their heads
+    /// anyway. With the topology version of the views they were found in.
+    pub(super) fn takeover_sources(
+        &self,
+        spec: &rotary_net::JournalSpec,
+        route: &Route,
+        since: u64,
+    ) -> (u64, Vec<Member>) {
+        let views = self.views();
+        let mut sources: Vec<Member> = Vec::new();
+        // In a cluster on etcd a primary is only ever a member that was
+        // consistent with the route before it (it holds every acknowledged
+        // byte), and brokers that left hold nothing it lacks: nobody to ask.
+        if views.current.assigned.is_some() {
+            return (views.version, sources);
+        }
+        for view in views.since(since) {
+            for m in view.route(&spec.name, spec.replication).members {
+                if m.id != views.current.me
+                    && !route.contains(&m.id)
+                    && !sources.iter().any(|s| s.id == m.id)
+                {
+                    sources.push(m);
+                }
+            }
+        }
+        (views.version, sources)
+    }
+
+    /// Whether this primary of `j` has yet to ask the brokers of the
+    /// journal's earlier routes for bytes beyond its head (see
+    /// [`Shard::takeover_sources`]). With none to ask, it is settled here.
+    pub(super) fn takeover_due(&self, j: &JournalRef, route: &Route) -> bool {
+        let since = j.borrow().takeover_version;
+        if since == self.topology.version() {
+            return false;
+        }
+        let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
+        if sources.is_empty() {
+            j.borrow_mut().takeover_version = version;
+        }
+        !sources.is_empty()
+    }
+
+    /// Answers a journal's replicated batches in commit order as its
+    /// replicas ack them. One runs per journal while it has batches in
+    /// flight, so a replica slow to answer holds up only the journals
+    /// routed through it, not every journal of the shard.
+    pub(super) async fn acker(self: Rc<Self>, j: JournalRef) {
+        loop {
+            let next = j.borrow_mut().proposed.pop_front();
+            let Some(f) = next else {
+                j.borrow_mut().acking = false;
+                self.awaiting_acks.set(self.awaiting_acks.get() - 1);
+                return;
+            };
+            let mut failure = None;
+            let mut failed_at = "";
+            'wait: for (i, (p, epoch, seqs)) in f.waits.iter().enumerate() {
+                failed_at = &p.peer;
+                for (k, &seq) in seqs.iter().enumerate() {
+                    let failed = match p.wait(seq, *epoch).await {
+                        Ok(ack) if ack.status == Status::OK => continue,
+                        Ok(ack) => Failure::new(
+                            Status::REPLICATION_FAILED,
+                            format!(
+                                "replica {} answered {}: {}",
+                                p.peer,
+                                ack.status,
+                                String::from_utf8_lossy(&ack.body)
+                            ),
+                        ),
+                        Err(e) => e,
+                    };
+                    failure = Some(failed);
+                    // Nobody waits for the rest of the batch's acks.
+                    for &rest in &seqs[k + 1..] {
+                        p.forget(rest, *epoch);
+                    }
+                    for (p, epoch, seqs) in &f.waits[i + 1..] {
+                        for &rest in seqs {
+                            p.forget(rest, *epoch);
+                        }
+                    }
+                    break 'wait;
+                }
+            }
+            metrics::add(&self.metrics.replicated_batches, 1);
+            if let Some(e) = &failure {
+                let journal = j.borrow().name.clone();
+                match self
+                    .shared_failures
+                    .failed(SharedWork::Replication, failed_at)
+                {
+                    Some(held) => {
+                        tracing::warn!(replica = failed_at, %journal, error = %e.message, since_last_logged = held, "replication failed; the journal will synchronize again (logged once a minute per replica)");
+                    }
+                    None => {
+                        tracing::debug!(replica = failed_at, %journal, error = %e.message, "replication failed");
+                    }
+                }
+            }
+            self.publish(&j, f.staged, failure.as_ref());
+            {
+                let mut jm = j.borrow_mut();
+                jm.inflight -= 1;
+                if failure.is_some() {
+                    jm.repl = None;
+                }
+            }
+            self.mark_ready(&j);
+        }
+    }
+
+    /// Keeps the shard's runtime polling its ring, rather than sleeping,
+    /// for up to `ack_poll` after each proposal while replicas' acks are
+    /// awaited: they are a round trip away, and a thread that sleeps is
+    /// woken (on a virtual machine, its vCPU too) only after they arrive.
+    pub(super) async fn poll_for_acks(self: Rc<Self>) {
+        let mut seen = self.proposals.get();
+        loop {
+            let l = self.proposed.listen();
+            if self.proposals.get() == seen {
+                l.await;
+                continue;
+            }
+            drop(l);
+            seen = self.proposals.get();
+            let began = Instant::now();
+            let mut until = began + self.ack_poll;
+            while self.awaiting_acks.get() > 0 && Instant::now() < until {
+                if self.proposals.get() != seen {
+                    seen = self.proposals.get();
+                    until = Instant::now() + self.ack_poll;
+                }
+                yield_now().await;
+            }
+            metrics::add(&self.metrics.ack_polls, 1);
+            metrics::add(
+                &self.metrics.ack_poll_micros,
+                began.elapsed().as_micros() as u64,
+            );
+        }
+    }
+
+    /// Ends a streamed append that went idle, or that holds up the append
+    /// behind it at too slow a rate. True: one was aborted.
+    fn time_out_active(jm: &Journal) -> bool {
+        if let Some(a) = &jm.active {
+            // Bytes that arrived and wait (for the rate, or for
+            // room) are no client's idleness.
+            if a.op.last_activity.get().elapsed() > APPEND_IDLE_TIMEOUT
+                && !a.op.complete.get()
+                && a.op.chunks.borrow().is_empty()
+            {
+                a.op.aborted.set(Some(AbortReason::Timeout));
+                return true;
+            } else if a.holds_up(
+                jm.queue
+                    .iter()
+                    .find(|w| !Rc::ptr_eq(w, &a.op))
+                    .map(|w| &**w),
+                jm.rate.rate(),
+            ) {
+                a.op.aborted.set(Some(AbortReason::TooSlow));
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Queues a journal's sealed fragments for upload and lists its stores
+    /// when due; a broker the journal was routed away from lets its index
+    /// go instead of listing.
+    fn refresh_history(&self, j: &JournalRef, role: Option<&Role>) {
+        let refresh = {
+            let mut jm = j.borrow_mut();
+            if jm.has_stores() {
+                self.queue_uploads(&mut jm);
+                let every = jm.spec.fragment.refresh_interval;
+                !jm.listing
+                    && jm.last_listing.is_none_or(|t| {
+                        t.elapsed() >= every
+                            || (!jm.index_loaded
+                                && !jm.index_forgotten
+                                && t.elapsed() >= std::time::Duration::from_secs(1))
+                    })
+            } else {
+                false
+            }
+        };
+        if refresh {
+            let outside = match role {
+                Some(role) => matches!(role, Role::Outside(_)),
+                None => matches!(self.role(&j.borrow().spec), Role::Outside(_)),
+            };
+            if outside && j.borrow_mut().forget_index() {
+                metrics::add(&self.metrics.listings_spared, 1);
+            } else {
+                self.refresh_listing(j);
+            }
+        }
+    }
+
+    /// Seals due spools and times out idle streamed appends. Runs every second.
+    pub async fn tick(self: &Rc<Self>) {
+        let now = SystemTime::now();
+        self.check_spares();
+        self.take_spec_changes();
+        // After a change of the cluster file, a journal that this broker
+        // became the primary of is taken over now (its bytes copied from
+        // the brokers it left, while they still run) rather than at its
+        // first request, however long that is in coming. Not at a start:
+        // journals are taken over then at their first request, as before.
+        let current = self.view();
+        let before = std::mem::replace(&mut *self.tick_view.borrow_mut(), current.clone());
+        let changed = !Arc::ptr_eq(&before, &current);
+        let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
+        let mut takeovers = 0;
+        for j in journals {
+            let mut due = false;
+            if changed {
+                let mut jm = j.borrow_mut();
+                let was_primary = before
+                    .route(&jm.spec.name, jm.spec.replication)
+                    .is_primary(&current.me);
+                jm.route_check |= !was_primary;
+            }
+            // Working out a route costs more than the rest of a quiet
+            // journal's tick: it is needed only for a journal holding bytes,
+            // with replicas to pulse, or whose route may have changed, of
+            // tens of thousands on a shard.
+            let holds_bytes = j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty());
+            // At most so many takeovers begin in a tick; the other
+            // journals keep their check for the next.
+            let check = j.borrow().route_check && takeovers < TICK_TAKEOVERS_MAX;
+            let role = {
+                let jm = j.borrow();
+                (holds_bytes || jm.spec.replication > 1 || check).then(|| self.role(&jm.spec))
+            };
+            if check {
+                match &role {
+                    // Checked again each tick until it is settled.
+                    Some(Role::Primary(route))
+                        if route.is_complete() && self.takeover_due(&j, route) =>
+                    {
+                        takeovers += 1;
+                        due = true
+                    }
+                    _ => j.borrow_mut().route_check = false,
+                }
+            }
+            {
+                let jm = j.borrow();
+                match &role {
+                    Some(Role::Primary(_)) if jm.wants_seal(now) && holds_bytes => due = true,
+                    // A journal routed away from this broker: its open spool
+                    // is sealed and uploaded (see `prepare`).
+                    Some(Role::Outside(_)) if holds_bytes => due = true,
+                    _ => {}
+                }
+                if Self::time_out_active(&jm) {
+                    due = true;
+                }
+            }
+            if due {
+                self.mark_ready(&j);
+            }
+            if let Some(Role::Primary(route)) = &role {
+                self.pulse(&j, route, false);
+            }
+            self.refresh_history(&j, role.as_ref());
+        }
+        self.recount_unuploaded();
+    }
+
+    /// Sends an empty append through an idle replicated journal, so that a
+    /// broken replica is found (and the journal re-synchronized once it is
+    /// back) without waiting for client traffic.
+    /// `now` sends it without waiting for the journal to be idle a while
+    /// (a read waits for the first SYNC).
+    pub(super) fn pulse(&self, j: &JournalRef, route: &Route, now: bool) {
+        {
+            let mut jm = j.borrow_mut();
+            let idle = jm.queue.is_empty()
+                && jm.active.is_none()
+                && jm.inflight == 0
+                && !jm.syncing
+                && (now || jm.last_append.elapsed() >= PULSE_IDLE);
+            if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
+                return;
+            }
+            jm.last_append = Instant::now();
+        }
+        let outbox = Rc::new(Outbox::new());
+        outbox.close();
+        let op = Rc::new(crate::append::AppendOp {
+            request_id: 0,
+            outbox,
+            req: rotary_net::wire::AppendRequest {
+                journal: j.borrow().name.clone(),
+                ..Default::default()
+            },
+            chunks: RefCell::new(Default::default()),
+            complete: Cell::new(true),
+            aborted: Cell::new(None),
+            finished: Cell::new(false),
+            last_activity: Cell::new(Instant::now()),
+            budget: Rc::new(crate::budget::Budget::default()),
+            replica: None,
+        });
+        self.submit_append(j, op);
+    }
+
+    /// Starts agreeing with the journal's replicas (SYNC) in the
+    /// background; the journal stages nothing until they agree.
+    pub(super) async fn begin_sync(&self, j: &JournalRef, route: Route) {
+        {
+            let mut jm = j.borrow_mut();
+            let jm = &mut *jm;
+            if jm.syncing {
+                return;
+            }
+            // An open append's content went over pipelines being replaced.
+            if let Some(a) = abandon_active(jm) {
+                let reply = AppendReply {
+                    write_head: jm.head,
+                    registers: jm.registers.clone(),
+                    ..Default::default()
+                };
+                a.op.reply_error(
+                    Status::REPLICATION_FAILED,
+                    &reply,
+                    "the journal's replication pipeline broke during the append; it was rolled back",
+                );
+                drop_budget(&a.op);
+                jm.queue.pop_front();
+                metrics::add(&self.metrics.append_failures, 1);
+            }
+            if jm.inflight > 0 || !jm.staged.is_empty() {
+                // The acker marks the journal ready when they are answered.
+                return;
+            }
+            jm.repl = None;
+        }
+        let retry = j.borrow().sync_retry.clone();
+        if let Some((at, f)) = retry {
+            if Instant::now() < at {
+                // The last SYNC failed moments ago: answer with its cause.
+                self.fail_queue(j, f.status, &f.message);
+                return;
+            }
+        }
+        // A fresh spool at the head on every member. (A primary without
+        // replicas, asking only its earlier routes' brokers, keeps its spool
+        // unless they are ahead of it.)
+        if route.members.len() > 1 && j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+            self.seal(j).await;
+        }
+        j.borrow_mut().syncing = true;
+        let Some(me) = self.me.borrow().upgrade() else {
+            return;
+        };
+        let j = j.clone();
+        compio::runtime::spawn(async move {
+            let res = me.sync_replicas(&j, &route).await;
+            let mut replicas: Vec<&str> = route.members.iter().skip(1).map(|m| m.id.as_str()).collect();
+            replicas.sort_unstable();
+            let replicas = replicas.join(",");
+            {
+                let mut jm = j.borrow_mut();
+                jm.syncing = false;
+                match res {
+                    Ok(repl) => {
+                        metrics::add(&me.metrics.syncs, 1);
+                        // In a cluster on etcd the assignments record the
+                        // route: its members are consistent from now on.
+                        if let Some(control) = me.topology.control() {
+                            control.synced(&jm.name, route.ids());
+                        }
+                        jm.repl = Some(repl);
+                        jm.sync_retry = None;
+                        jm.first_sync_pending = false;
+                        if me.shared_failures.worked(SharedWork::Sync, &replicas) {
+                            tracing::info!(replicas, journal = %jm.name, "replicas synchronized again");
+                        }
+                    }
+                    Err(f) => {
+                        if let Some(held) = me.shared_failures.failed(SharedWork::Sync, &replicas) {
+                            tracing::warn!(replicas, journal = %jm.name, status = %f.status, error = %f.message, since_last_logged = held, "replicas did not synchronize; retrying every 250 ms, logged once a minute per replica set while it lasts");
+                        } else {
+                            tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
+                        }
+                        jm.sync_retry = Some((Instant::now() + SYNC_RETRY, f));
+                    }
+                }
+                // Reads waiting for the first SYNC get its outcome.
+                jm.committed.notify(usize::MAX);
+            }
+            me.mark_ready(&j);
+        })
+        .detach();
+    }
+
+    /// SYNC of the route's replicas: the pipeline to each one that agrees,
+    /// and into `ahead` those that hold more than `head`.
+    async fn sync_members<'r>(
+        &self,
+        route: &'r Route,
+        name: &str,
+        head: u64,
+        request: &dyn Fn() -> rotary_net::repl::SyncRequest,
+        ahead: &mut Vec<(u64, LabelSet, &'r Member)>,
+    ) -> Result<Vec<(Rc<Pipeline>, u64)>, Failure> {
+        use rotary_net::repl::SyncReply;
+        let mut pipelines = Vec::new();
+        for m in &route.members[1..] {
+            let p = self.pipeline(m, name);
+            let epoch = p.connect().await?;
+            let ack = p.sync(&request()).await?;
+            let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
+            match ack.status {
+                Status::OK => pipelines.push((p, epoch)),
+                Status::PROPOSAL_MISMATCH if reply.head > head => {
+                    ahead.push((reply.head, reply.registers, m));
+                }
+                status => {
+                    // Clients see a retryable status; the cause is named.
+                    return Err(Failure::new(
+                        Status::REPLICATION_FAILED,
+                        format!(
+                            "replica {} answered SYNC with {status}: {}",
+                            m.id, reply.message
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(pipelines)
+    }
+
+    /// Brokers the journal left: they answer WRONG_ROUTE with their head.
+    /// Bytes only they hold are copied and the head moves past them, so
+    /// that this primary's appends never reuse their offsets. One still
+    /// routing the journal to itself has not seen the change, and may yet
+    /// take appends: wait for it.
+    async fn ask_sources<'r>(
+        &self,
+        sources: &'r [Member],
+        name: &str,
+        head: u64,
+        request: &dyn Fn() -> rotary_net::repl::SyncRequest,
+        ahead: &mut Vec<(u64, LabelSet, &'r Member)>,
+    ) -> Result<(), Failure> {
+        use rotary_net::repl::SyncReply;
+        for m in sources {
+            let silent_since = self.silent_sources.borrow().get(&m.id).copied();
+            if silent_since.is_some_and(|at| {
+                at.elapsed() < self.replica_ack_timeout * SILENT_SOURCE_PASSED_OVER
+            }) {
+                metrics::add(&self.metrics.takeover_sources_passed_over, 1);
+                tracing::debug!(journal = %name, broker = %m.id, "a broker of one of the journal's earlier routes did not answer moments ago; taking the journal over without its bytes");
+                continue;
+            }
+            let p = self.pipeline(m, name);
+            let ack = match p.connect().await {
+                Ok(_) => p.sync(&request()).await,
+                Err(f) => Err(f),
+            };
+            let ack = match ack {
+                Ok(ack) => {
+                    self.silent_sources.borrow_mut().remove(&m.id);
+                    ack
+                }
+                Err(f) => {
+                    // Gone with its disk, or stopped: what only it held
+                    // cannot be had (a journal of one replica). One that
+                    // is stopped, or cut off, is not waited for again by
+                    // every journal in turn.
+                    if f.timed_out {
+                        metrics::add(&self.metrics.takeover_sources_silent, 1);
+                        self.silent_sources
+                            .borrow_mut()
+                            .insert(m.id.clone(), Instant::now());
+                    }
+                    tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of one of the journal's earlier routes does not answer; taking the journal over without its bytes");
+                    continue;
+                }
+            };
+            let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
+            if reply.route.contains(&m.id) {
+                return Err(Failure::new(
+                    Status::REPLICATION_FAILED,
+                    format!(
+                        "broker {} still routes the journal to {:?}: it has not seen the cluster change yet",
+                        m.id, reply.route
+                    ),
+                ));
+            }
+            if ack.status == Status::WRONG_ROUTE && reply.head > head {
+                ahead.push((reply.head, reply.registers, m));
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the bytes the brokers `ahead` of this primary hold beyond
+    /// `head`, and moves the journal's heads and registers past them.
+    async fn roll_forward(
+        &self,
+        j: &JournalRef,
+        name: &str,
+        head: u64,
+        mut ahead: Vec<(u64, LabelSet, &Member)>,
+    ) -> Result<(), Failure> {
+        // Furthest first; among equals, route order.
+        ahead.sort_by_key(|a| std::cmp::Reverse(a.0));
+        let (to, their_registers) = (ahead[0].0, ahead[0].1.clone());
+        // Only after a route change, or a restart without the data
+        // (a replaced disk): replicas, or brokers the journal left,
+        // hold bytes this primary does not. They are copied before the
+        // head moves past them, so the primary serves and uploads them
+        // like its own.
+        tracing::warn!(journal = %name, from = head, to, broker = %ahead[0].2.id, "a broker is ahead; copying the journal's bytes from it and rolling forward");
+        // Sealed first, if bytes are open in it (a primary without
+        // replicas keeps its spool through a SYNC).
+        if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+            self.seal(j).await;
+            if j.borrow().spool.is_some() {
+                return Err(Failure::new(
+                    Status::IO_ERROR,
+                    "sealing the primary's spool before copying failed",
+                ));
+            }
+        }
+        let spool = j.borrow_mut().spool.take();
+        if let Some(spool) = spool {
+            // Empty: the SYNC started by sealing.
+            let _ = spool.seal(false).await;
+        }
+        let (dir, durable, from) = {
+            let jm = j.borrow();
+            // What a listed store holds need not be copied.
+            let listed = if jm.index_loaded { jm.remote_end() } else { 0 };
+            (
+                jm.dir.clone(),
+                jm.spec.durability == Durability::Fsync,
+                head.max(listed).min(to),
+            )
+        };
+        let sources: Vec<(u64, std::net::SocketAddr)> = ahead
+            .iter()
+            .map(|(h, _, m)| (*h, self.member_endpoint(m, name)))
+            .collect();
+        let copied = crate::fetch::copy_from_each(&sources, name, from, to, &dir, durable)
+            .await
+            .map_err(|e| Failure::new(Status::REPLICATION_FAILED, e))?;
+        let held: u64 = copied.iter().map(|f| f.end - f.begin).sum();
+        metrics::add(&self.metrics.copied_bytes, held);
+        if held < to - from {
+            tracing::warn!(journal = %name, from, to, copied = held, "the replicas ahead hold only part of the span; the rest is read from the store, if one holds it");
+        }
+        let mut jm = j.borrow_mut();
+        if jm.has_stores() {
+            self.unuploaded_bytes
+                .set(self.unuploaded_bytes.get() + held);
+        }
+        jm.fragments.extend(copied);
+        jm.fragments.sort_by_key(|f| (f.begin, f.end));
+        if jm.has_stores() {
+            self.queue_uploads(&mut jm);
+        }
+        jm.head = jm.head.max(to);
+        jm.local_head = jm.local_head.max(to);
+        jm.staged_head = jm.local_head;
+        // The registers go with the furthest history (fencing must not
+        // step back).
+        jm.registers = their_registers.clone();
+        jm.local_registers = their_registers.clone();
+        jm.staged_registers = their_registers;
+        Ok(())
+    }
+
+    /// SYNC with every replica of `route`, and with the brokers of the
+    /// journal's earlier routes that left it (see [`Shard::takeover_sources`]).
+    /// A broker ahead of this primary (possible only after a route change)
+    /// moves the journal forward to its head first, so offsets are never
+    /// reused.
+    pub(super) async fn sync_replicas(
+        &self,
+        j: &JournalRef,
+        route: &Route,
+    ) -> Result<PrimaryRepl, Failure> {
+        use rotary_net::repl::SyncRequest;
+        // A broker that just started learns from its peers the views it
+        // lacks (`catch_up_specs`) before it looks for the brokers a
+        // journal left; that takes one ack timeout at most.
+        let started = Instant::now();
+        while !self.topology.peers_asked() && started.elapsed() < self.replica_ack_timeout {
+            compio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let since = j.borrow().takeover_version;
+        let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
+        for _ in 0..3 {
+            let (spec, head, registers, name) = {
+                let jm = j.borrow();
+                (
+                    jm.spec.clone(),
+                    jm.local_head,
+                    jm.local_registers.clone(),
+                    jm.name.clone(),
+                )
+            };
+            // Replicas ahead of this primary: head, registers, member.
+            let mut ahead: Vec<(u64, LabelSet, &Member)> = Vec::new();
+            let revision = self
+                .specs
+                .get_revised(&name)
+                .filter(|r| r.spec == spec)
+                .map_or(0, |r| r.revision);
+            let request = || SyncRequest {
+                seq: self.seq(),
+                journal: name.clone(),
+                spec: spec.clone(),
+                revision,
+                route: route.ids(),
+                head,
+                registers: registers.clone(),
+            };
+            let pipelines = self
+                .sync_members(route, &name, head, &request, &mut ahead)
+                .await?;
+            self.ask_sources(&sources, &name, head, &request, &mut ahead)
+                .await?;
+            if ahead.is_empty() {
+                j.borrow_mut().takeover_version = version;
+                return Ok(PrimaryRepl {
+                    members: route.ids(),
+                    pipelines,
+                    version,
+                });
+            }
+            self.roll_forward(j, &name, head, ahead).await?;
+        }
+        Err(Failure::new(
+            Status::PROPOSAL_MISMATCH,
+            "replicas keep disagreeing with the primary's head",
+        ))
+    }
+}

@@ -1,0 +1,848 @@
+//! Reads: from local fragments, the spool, the stores, or by location.
+
+use super::*;
+
+/// Cancellation of a streaming read.
+#[derive(Default)]
+pub struct Cancel {
+    set: Cell<bool>,
+    pub event: Event,
+}
+
+impl Cancel {
+    pub fn is_set(&self) -> bool {
+        self.set.get()
+    }
+
+    pub fn cancel(&self) {
+        self.set.set(true);
+        self.event.notify(usize::MAX);
+    }
+}
+
+/// A read of a journal's local file in flight (counted in
+/// `Journal::reads_in_flight` while it lives).
+pub(super) struct ReadPin(JournalRef);
+
+impl ReadPin {
+    fn new(j: &JournalRef) -> ReadPin {
+        j.borrow_mut().reads_in_flight += 1;
+        ReadPin(j.clone())
+    }
+}
+
+impl Drop for ReadPin {
+    fn drop(&mut self) {
+        // Should the journal be borrowed here, the count stays up: that
+        // only stops its files from being reused, never the other way.
+        if let Ok(mut jm) = self.0.try_borrow_mut() {
+            jm.reads_in_flight -= 1;
+        }
+    }
+}
+
+/// Waits while appends answered to their appenders are still being
+/// written to the spool, until they are readable.
+pub(super) async fn settle_answered(j: &JournalRef) {
+    loop {
+        let l = {
+            let jm = j.borrow();
+            if jm.deleted || jm.head >= jm.answered {
+                return;
+            }
+            jm.committed.listen()
+        };
+        // The turn publishes the batch as soon as its write completes.
+        l.await;
+    }
+}
+
+/// What wakes a waiting read: a commit or a new store listing of its
+/// journal, a CANCEL, its connection closing, or the broker stopping. Call
+/// it before the last check of what the read waits for, so nothing in
+/// between is missed, then await it.
+pub(super) fn read_wakeup(
+    j: &JournalRef,
+    cancel: &crate::shard::Cancel,
+    outbox: &Outbox,
+    stopping: &Event,
+) -> impl std::future::Future<Output = ()> {
+    let commit = j.borrow().committed.listen();
+    let cancelled = cancel.event.listen();
+    // Not `drained`, which fires after every write of the connection's
+    // outbox: a tailing reader would wake once more for each chunk it sent.
+    let closed = outbox.closing.listen();
+    let stopped = stopping.listen();
+    async move {
+        let (a, b, c, d) = (
+            std::pin::pin!(commit),
+            std::pin::pin!(cancelled),
+            std::pin::pin!(closed),
+            std::pin::pin!(stopped),
+        );
+        futures_util::future::select(
+            futures_util::future::select(a, b),
+            futures_util::future::select(c, d),
+        )
+        .await;
+    }
+}
+
+impl Shard {
+    /// Streams a read to `outbox`. Ends with READ_DONE unless the
+    /// connection closed.
+    pub async fn read(
+        &self,
+        j: JournalRef,
+        outbox: Rc<Outbox>,
+        request_id: u64,
+        req: rotary_net::wire::ReadRequest,
+        flags: u8,
+        cancel: Rc<crate::shard::Cancel>,
+    ) {
+        metrics::add(&self.metrics.reads, 1);
+        let call = ReadCall {
+            shard: self,
+            j,
+            outbox,
+            request_id,
+            req,
+            flags,
+            cancel,
+        };
+        if call.j.borrow().spec.flags == JournalFlags::WriteOnly {
+            let head = call.j.borrow().head;
+            return call.done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
+        }
+        if !call.wait_listed().await || !call.wait_synced().await {
+            return;
+        }
+        // Appends already answered are readable, and count in the write
+        // head, if a moment later: their spool write completes in the turn.
+        settle_answered(&call.j).await;
+        // `-1` is the end of readable history, the head READ_DONE reports:
+        // beyond the write head only before a head reset, when a tail "from
+        // now on" must not replay the store's history.
+        let head = call.j.borrow().read_head();
+        let mut offset = call.req.offset.unwrap_or(head);
+        if call.flags & rotary_net::wire::flag::METADATA_ONLY != 0 {
+            return call.done(Status::OK, offset, head, "");
+        }
+        if !call.block() && offset >= head {
+            return call.done(
+                Status::OFFSET_NOT_YET_AVAILABLE,
+                offset,
+                head,
+                &format!("offset {offset} is not before the write head {head}"),
+            );
+        }
+        while let ReadStep::At(next) = call.step(offset).await {
+            offset = next;
+        }
+    }
+
+    /// Checks the local fragment file at `path` of journal `j` against its
+    /// name, once: a second caller waits for the first one's check. The
+    /// fragment is then marked verified, or corrupt (never read again).
+    /// Err: the file could not be read this time; it stays unchecked.
+    pub(super) async fn check_fragment(&self, j: &JournalRef, path: PathBuf) -> Result<(), String> {
+        let running = self.checking.borrow().get(&path).cloned();
+        if let Some(event) = running {
+            let l = event.listen();
+            if self.checking.borrow().contains_key(&path) {
+                l.await;
+            }
+            return Ok(());
+        }
+        let Some((begin, end, sha1)) = j
+            .borrow()
+            .fragments
+            .iter()
+            .find(|f| f.path == path && !f.verified)
+            .map(|f| (f.begin, f.end, f.sha1))
+        else {
+            // Checked, evicted or dropped meanwhile: locate again.
+            return Ok(());
+        };
+        let event = Rc::new(Event::new());
+        self.checking
+            .borrow_mut()
+            .insert(path.clone(), event.clone());
+        let res = crate::check::check(path.clone(), begin, end, sha1).await;
+        self.checking.borrow_mut().remove(&path);
+        event.notify(usize::MAX);
+        let mut jm = j.borrow_mut();
+        let name = jm.name.clone();
+        let Some(f) = jm.fragments.iter_mut().find(|f| f.path == path) else {
+            return Ok(());
+        };
+        match res {
+            Ok(()) => {
+                f.verified = true;
+                metrics::add(&self.metrics.fragments_checked, 1);
+                Ok(())
+            }
+            Err(crate::check::CheckFailed::Mismatch(why)) => {
+                tracing::error!(journal = %name, path = %path.display(), %why, "a local fragment does not hold the bytes its name says; it is never served");
+                metrics::add(&self.metrics.fragments_checked, 1);
+                metrics::add(&self.metrics.fragments_check_failed, 1);
+                f.corrupt = Some(why);
+                Ok(())
+            }
+            Err(crate::check::CheckFailed::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Still in the index, but its file is gone (removed by
+                // hand): nothing of it can be served.
+                tracing::error!(journal = %name, path = %path.display(), "a local fragment's file is gone; it is never served");
+                metrics::add(&self.metrics.fragments_check_failed, 1);
+                f.corrupt = Some("its file is gone".into());
+                Ok(())
+            }
+            Err(crate::check::CheckFailed::Io(e)) => Err(format!(
+                "{}: checking the fragment against its name: {e}",
+                path.display()
+            )),
+        }
+    }
+
+    /// Answers a direct read with the fragment's location.
+    pub(super) async fn direct(
+        &self,
+        frag: &StoredFragment,
+        offset: u64,
+        request_id: u64,
+        outbox: &Outbox,
+    ) -> Result<(), String> {
+        use rotary_net::wire::ReadFragment;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let location = self
+            .uploader
+            .locate(frag, LOCATION_TTL)
+            .await
+            .map_err(|e| e.to_string())?;
+        let meta = ReadFragment {
+            begin: U64::new(frag.begin),
+            end: U64::new(frag.end),
+            offset: U64::new(offset),
+            sha1: frag.sha1,
+            codec: rotary_net::wire::codec_code(frag.codec),
+            reserved: [0; 3],
+        };
+        outbox.frame(
+            Op::READ_FRAGMENT,
+            Status::OK,
+            request_id,
+            meta.as_bytes(),
+            location.as_bytes(),
+        );
+        Ok(())
+    }
+
+    /// Streams a store fragment's bytes from `offset` as READ_DATA, up to
+    /// `end_offset`. Returns the next offset to read.
+    pub(super) async fn proxy(
+        &self,
+        frag: &StoredFragment,
+        mut offset: u64,
+        end_offset: Option<u64>,
+        request_id: u64,
+        outbox: &Outbox,
+        cancel: &crate::shard::Cancel,
+    ) -> Result<u64, (rotary_uploader::StoreError, u64)> {
+        use rotary_net::wire::ReadData;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let rx = self.uploader.read(frag, offset, READ_CHUNK_BYTES);
+        // Set once `end_offset` is reached inside the fragment: the rest of
+        // it is still read, not sent, so that its SHA-1 is checked before
+        // the read is answered OK.
+        let mut served = false;
+        while let Ok(chunk) = rx.recv().await {
+            let chunk = chunk.map_err(|e| (e, offset))?;
+            if served {
+                continue;
+            }
+            if chunk.offset != offset {
+                let skipped = rotary_uploader::StoreError::Corrupt {
+                    store: frag.store.clone(),
+                    key: frag.key.clone(),
+                    why: format!("store stream skipped from {offset} to {}", chunk.offset),
+                };
+                return Err((skipped, offset));
+            }
+            let Some(_turn) = outbox.produce().await else {
+                break;
+            };
+            let mut bytes = &chunk.bytes[..];
+            if let Some(end) = end_offset {
+                bytes = &bytes[..bytes.len().min(end.saturating_sub(offset) as usize)];
+            }
+            let meta = ReadData {
+                offset: U64::new(offset),
+            };
+            outbox.frame(
+                Op::READ_DATA,
+                Status::OK,
+                request_id,
+                meta.as_bytes(),
+                bytes,
+            );
+            metrics::add(&self.metrics.read_bytes, bytes.len() as u64);
+            offset += bytes.len() as u64;
+            if end_offset.is_some_and(|e| offset >= e) {
+                served = true;
+            } else if cancel.is_set() || self.shutting_down.get() || outbox.is_closed() {
+                break;
+            }
+        }
+        Ok(offset)
+    }
+
+    /// A page of the journal's fragments (FRAGMENTS, PROTOCOL §9.5): those
+    /// beginning at or after `from`, sorted by begin, local copies first.
+    /// At most `limit` of them, except that fragments beginning where the
+    /// page's last one does are never split across pages. Returns the page
+    /// and whether fragments beginning after its last remain. The work is
+    /// bounded by the page, not by the index: a journal's store may hold
+    /// hundreds of thousands of fragments, and the shard serves appends
+    /// meanwhile.
+    pub fn fragments_page(
+        &self,
+        j: &JournalRef,
+        from: u64,
+        limit: usize,
+    ) -> (serde_json::Value, bool) {
+        let jm = j.borrow();
+        let limit = limit.max(1);
+        let mut out: Vec<(u64, bool, serde_json::Value)> = jm
+            .fragments
+            .iter()
+            .filter(|f| f.begin >= from)
+            .map(|f| (f.begin, false, fragment_json(f, jm.has_stores())))
+            .collect();
+        // The index is sorted by begin: take a page's worth from `from`,
+        // and the rest of the last begin's fragments.
+        let first = jm.remote.partition_point(|r| r.begin < from);
+        let mut last = (first + limit).min(jm.remote.len());
+        while last < jm.remote.len()
+            && last > first
+            && jm.remote[last].begin == jm.remote[last - 1].begin
+        {
+            last += 1;
+        }
+        let remote_left = last < jm.remote.len();
+        for r in &jm.remote[first..last] {
+            out.push((
+                r.begin,
+                true,
+                serde_json::json!({
+                    "begin": r.begin,
+                    "end": r.end,
+                    "sha1": hex::encode(r.sha1),
+                    "codec": r.codec,
+                    "size": r.size,
+                    "store": r.store,
+                    "key": r.key,
+                    "path": r.key,
+                    "mod_time": unix_secs(r.mod_time),
+                    "open": false,
+                }),
+            ));
+        }
+        if let Some(spool) = jm
+            .spool
+            .as_ref()
+            .filter(|s| !s.is_empty() && s.begin() >= from)
+        {
+            out.push((
+                spool.begin(),
+                false,
+                serde_json::json!({
+                    "begin": spool.begin(),
+                    "end": spool.committed(),
+                    "sha1": hex::encode(spool.committed_sha1()),
+                    "codec": "none",
+                    "size": spool.len(),
+                    "store": "local",
+                    "path": spool.path().display().to_string(),
+                    "mod_time": unix_secs(SystemTime::now()),
+                    "open": true,
+                }),
+            ));
+        }
+        out.sort_by_key(|(begin, remote, _)| (*begin, *remote));
+        let mut cut = out.len().min(limit);
+        while cut < out.len() && cut > 0 && out[cut].0 == out[cut - 1].0 {
+            cut += 1;
+        }
+        let more = cut < out.len() || remote_left;
+        out.truncate(cut);
+        let page = out.into_iter().map(|(_, _, v)| v).collect();
+        (serde_json::Value::Array(page), more)
+    }
+
+    pub fn registers_of(&self, j: &JournalRef) -> LabelSet {
+        j.borrow().registers.clone()
+    }
+}
+
+/// Where a read goes after one step: on from an offset, or it ended
+/// (answered, or its connection closed).
+enum ReadStep {
+    At(u64),
+    Ended,
+}
+
+/// One read in progress: what it reads and where it answers.
+struct ReadCall<'s> {
+    shard: &'s Shard,
+    j: JournalRef,
+    outbox: Rc<Outbox>,
+    request_id: u64,
+    req: rotary_net::wire::ReadRequest,
+    flags: u8,
+    cancel: Rc<crate::shard::Cancel>,
+}
+
+impl ReadCall<'_> {
+    fn block(&self) -> bool {
+        self.flags & rotary_net::wire::flag::BLOCK != 0
+    }
+
+    /// Ends the read with READ_DONE.
+    fn done(&self, status: Status, offset: u64, head: u64, msg: &str) {
+        use rotary_net::wire::ReadDone;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let meta = ReadDone {
+            offset: U64::new(offset),
+            write_head: U64::new(head),
+        };
+        self.outbox.frame(
+            Op::READ_DONE,
+            status,
+            self.request_id,
+            meta.as_bytes(),
+            msg.as_bytes(),
+        );
+    }
+
+    /// [`ReadCall::done`] at the journal's write head, then [`ReadStep::Ended`].
+    fn done_at_head(&self, status: Status, offset: u64, msg: &str) -> ReadStep {
+        let head = self.j.borrow().head;
+        self.done(status, offset, head, msg);
+        ReadStep::Ended
+    }
+
+    /// Why a read ends early: a CANCEL, or a clean stop of the broker.
+    fn stopped(&self) -> Option<(Status, &'static str)> {
+        if self.cancel.is_set() {
+            Some((Status::CANCELLED, "read cancelled"))
+        } else if self.shard.shutting_down.get() {
+            Some((
+                Status::SHUTTING_DOWN,
+                "the broker is shutting down; read on from this offset elsewhere or later",
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// A read waiting before it starts ends if it is stopped (answered
+    /// here) or its connection closed.
+    fn ended(&self, head: u64) -> bool {
+        if let Some((status, why)) = self.stopped() {
+            self.done(status, self.req.offset.unwrap_or(head), head, why);
+            return true;
+        }
+        self.outbox.is_closed()
+    }
+
+    fn wakeup(&self) -> impl std::future::Future<Output = ()> {
+        read_wakeup(&self.j, &self.cancel, &self.outbox, &self.shard.stopping)
+    }
+
+    /// A journal with stores is whole only once its store was first
+    /// listed: the store may hold history the local disk does not (a
+    /// wiped data dir, `--local-cache 0`). Until then a read would see
+    /// an empty journal, so it waits for the listing, and a listing
+    /// that failed is the read's answer, as it is an append's.
+    /// False: the read ended.
+    async fn wait_listed(&self) -> bool {
+        loop {
+            let (listed, failed) = {
+                let jm = self.j.borrow();
+                (jm.index_loaded, jm.index_error.clone())
+            };
+            if listed {
+                return true;
+            }
+            let head = self.j.borrow().head;
+            if let Some(e) = failed {
+                self.done(
+                    Status::FRAGMENT_STORE_UNHEALTHY,
+                    self.req.offset.unwrap_or(head),
+                    head,
+                    &format!("fragment index not yet listed: {e}"),
+                );
+                return false;
+            }
+            let wakeup = self.wakeup();
+            {
+                let jm = self.j.borrow();
+                if jm.index_loaded || jm.index_error.is_some() {
+                    continue;
+                }
+            }
+            self.shard.hurry_first_listing(&self.j);
+            if self.ended(head) {
+                return false;
+            }
+            wakeup.await;
+        }
+    }
+
+    /// A primary that started with none of a replicated journal's data
+    /// (a new journal, or a data dir lost with its disk) learns its head
+    /// from its replicas' at the first SYNC, copying what they hold
+    /// beyond its own. Until then a read would see an empty journal, so
+    /// it waits for that SYNC, and a SYNC that failed is its answer.
+    /// So does a primary the journal was just routed to, until it asked
+    /// the brokers of the journal's earlier routes for their heads.
+    /// False: the read ended.
+    async fn wait_synced(&self) -> bool {
+        let j = &self.j;
+        loop {
+            let role = self.shard.role(&j.borrow().spec);
+            // (A route short of brokers cannot synchronize at all.)
+            let (route, takeover) = match role {
+                Role::Primary(r) if r.is_complete() => {
+                    let takeover = self.shard.takeover_due(j, &r);
+                    let first = j.borrow().first_sync_pending && r.members.len() > 1;
+                    if !takeover && !first {
+                        return true;
+                    }
+                    (r, takeover)
+                }
+                _ => return true,
+            };
+            let failed = {
+                let jm = j.borrow();
+                // A failure stands until its retry is due.
+                jm.sync_retry
+                    .as_ref()
+                    .filter(|(at, _)| Instant::now() < *at && !jm.syncing)
+                    .map(|(_, f)| f.clone())
+            };
+            let head = j.borrow().head;
+            if let Some(f) = failed {
+                let msg = if takeover {
+                    format!(
+                        "the journal's route changed, and its new primary has not learned the head from the brokers it left yet: {}",
+                        f.message
+                    )
+                } else {
+                    format!(
+                        "the primary started without the journal's data and has not synchronized with its replicas yet: {}",
+                        f.message
+                    )
+                };
+                self.done(
+                    Status::REPLICATION_FAILED,
+                    self.req.offset.unwrap_or(head),
+                    head,
+                    &msg,
+                );
+                return false;
+            }
+            let wakeup = self.wakeup();
+            if takeover {
+                // `prepare` starts the SYNC.
+                self.shard.mark_ready(j);
+            } else {
+                self.shard.pulse(j, &route, true);
+            }
+            if self.ended(head) {
+                return false;
+            }
+            wakeup.await;
+        }
+    }
+
+    /// Serves one chunk of the read from `offset`, or waits for one.
+    async fn step(&self, offset: u64) -> ReadStep {
+        let j = &self.j;
+        if let Some(end) = self.req.end_offset {
+            if offset >= end {
+                return self.done_at_head(Status::OK, offset, "");
+            }
+        }
+        if let Some((status, why)) = self.stopped() {
+            return self.done_at_head(status, offset, why);
+        }
+        // Fetch a chunk only with room for it and a turn: a client
+        // that stops reading, however many reads it has in flight,
+        // holds a bounded share of the shard's memory.
+        let Some(turn) = self.outbox.produce().await else {
+            return ReadStep::Ended;
+        };
+        let (located, head, deleted) = {
+            let jm = j.borrow();
+            (jm.locate(offset), jm.head, jm.deleted)
+        };
+        if deleted {
+            self.done(
+                Status::JOURNAL_NOT_FOUND,
+                offset,
+                head,
+                "journal was deleted",
+            );
+            return ReadStep::Ended;
+        }
+        if let Some(n) = self.serve_tail(offset) {
+            return ReadStep::At(offset + n);
+        }
+        let Some(loc) = located else {
+            drop(turn);
+            return self.wait_for_bytes(offset, head).await;
+        };
+        let offset = loc.offset;
+        if let Some(end) = self.req.end_offset {
+            if offset >= end {
+                // The rest of the range lies in a gap of the history:
+                // the read ends at its end, and the client sees that
+                // no bytes came for it.
+                return self.done_at_head(Status::OK, end, "");
+            }
+        }
+        let mut len = (loc.end - offset).min(READ_CHUNK_BYTES as u64);
+        if let Some(end) = self.req.end_offset {
+            len = len.min(end - offset);
+        }
+        // A local file's read holds the journal's files from reuse
+        // until it is done: see `retire_fragment`.
+        let reading = matches!(
+            loc.file,
+            FileRef::Open(_) | FileRef::Fragment(..) | FileRef::Unchecked(_)
+        )
+        .then(|| ReadPin::new(j));
+        let file = match loc.file {
+            FileRef::Remote(frag) => {
+                // Each chunk from the store takes its own turn.
+                drop(turn);
+                return self.read_store(frag, offset).await;
+            }
+            FileRef::Corrupt(why) => return self.done_at_head(Status::IO_ERROR, offset, &why),
+            FileRef::Unchecked(path) => {
+                drop(turn);
+                let checked = self.shard.check_fragment(j, path).await;
+                drop(reading);
+                if let Err(msg) = checked {
+                    return self.done_at_head(Status::IO_ERROR, offset, &msg);
+                }
+                // Checked (and now read from), or found corrupt (and
+                // now read from a store's copy, or refused).
+                return ReadStep::At(offset);
+            }
+            FileRef::Open(f) | FileRef::Fragment(_, Some(f)) => f,
+            FileRef::Fragment(path, None) => match compio::fs::File::open(&path).await {
+                Ok(f) => Rc::new(f),
+                // Evicted meanwhile: its span is read from where it is
+                // now (the store).
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::NotFound
+                        && !j.borrow().fragments.iter().any(|f| f.path == path) =>
+                {
+                    return ReadStep::At(offset)
+                }
+                Err(e) => {
+                    let msg = format!("{}: {e}", path.display());
+                    return self.done_at_head(Status::IO_ERROR, offset, &msg);
+                }
+            },
+        };
+        let step = self.read_file(&file, loc.file_pos, len, offset).await;
+        drop(reading);
+        drop(turn);
+        step
+    }
+
+    /// Reads up to `len` bytes at `offset` from `file` at `file_pos`, and
+    /// sends them.
+    async fn read_file(
+        &self,
+        file: &compio::fs::File,
+        file_pos: u64,
+        len: u64,
+        offset: u64,
+    ) -> ReadStep {
+        match read_range(file, file_pos, len as usize).await {
+            Ok((buf, range)) if !range.is_empty() => {
+                self.send(offset, &buf.as_slice()[range.clone()]);
+                ReadStep::At(offset + range.len() as u64)
+            }
+            Ok(_) => self.done_at_head(Status::IO_ERROR, offset, "short read of local fragment"),
+            Err(e) => self.done_at_head(Status::IO_ERROR, offset, &e.to_string()),
+        }
+    }
+
+    /// Sends bytes read at `offset` as READ_DATA.
+    fn send(&self, offset: u64, bytes: &[u8]) {
+        use rotary_net::wire::ReadData;
+        use zerocopy::byteorder::little_endian::U64;
+        use zerocopy::IntoBytes;
+        let meta = ReadData {
+            offset: U64::new(offset),
+        };
+        self.outbox.frame(
+            Op::READ_DATA,
+            Status::OK,
+            self.request_id,
+            meta.as_bytes(),
+            bytes,
+        );
+        metrics::add(&self.shard.metrics.read_bytes, bytes.len() as u64);
+    }
+
+    /// Recent bytes come from memory when the tail cache has them: how
+    /// many were sent.
+    fn serve_tail(&self, offset: u64) -> Option<u64> {
+        let served = {
+            let jm = self.j.borrow();
+            let limit = self
+                .req
+                .end_offset
+                .map_or(jm.head, |e| e.min(jm.head))
+                .min(offset + READ_CHUNK_BYTES as u64);
+            jm.tail.get(offset, limit).map(|bytes| {
+                self.send(offset, bytes);
+                bytes.len() as u64
+            })
+        }?;
+        metrics::add(&self.shard.metrics.tail_cache_reads, 1);
+        Some(served)
+    }
+
+    /// No file holds `offset` (yet): waits for its bytes, or ends a read
+    /// that does not block.
+    async fn wait_for_bytes(&self, offset: u64, head: u64) -> ReadStep {
+        let j = &self.j;
+        if j.borrow().spool_out {
+            // Its spool is being sealed, or its tail reloaded: the
+            // bytes are back in a file when that is done.
+            let wakeup = self.wakeup();
+            if j.borrow().spool_out && self.stopped().is_none() && !self.outbox.is_closed() {
+                wakeup.await;
+            }
+            return ReadStep::At(offset);
+        }
+        let answered_ahead = {
+            let jm = j.borrow();
+            offset < jm.answered && jm.head < jm.answered
+        };
+        if !self.block() && answered_ahead {
+            settle_answered(j).await;
+            return ReadStep::At(offset);
+        }
+        if !self.block() {
+            // Past the head, or in a gap of the history.
+            self.done(Status::OK, offset, head, "");
+            return ReadStep::Ended;
+        }
+        // Wait for a commit (or cancel, or a closed connection).
+        let wakeup = self.wakeup();
+        // Only a readable span ends the wait. Bytes below the read
+        // head that no file holds (history missing, or a fragment
+        // between its local copy and the store's listing) wait for
+        // a commit or a new listing like bytes beyond the head.
+        if j.borrow().locate(offset).is_some()
+            || self.stopped().is_some()
+            || self.outbox.is_closed()
+        {
+            return ReadStep::At(offset);
+        }
+        // While readers wait, appends keep their bytes in memory.
+        j.borrow_mut().waiting_readers += 1;
+        wakeup.await;
+        j.borrow_mut().waiting_readers -= 1;
+        ReadStep::At(offset)
+    }
+
+    /// Reads from a fragment in a store: proxied, or answered with its
+    /// location when the client asked not to be proxied.
+    async fn read_store(&self, frag: StoredFragment, offset: u64) -> ReadStep {
+        let shard = self.shard;
+        let step = if self.flags & rotary_net::wire::flag::DO_NOT_PROXY != 0 {
+            shard
+                .direct(&frag, offset, self.request_id, &self.outbox)
+                .await
+                .map(|()| None)
+                .map_err(|msg| (None, msg))
+        } else {
+            shard
+                .proxy(
+                    &frag,
+                    offset,
+                    self.req.end_offset,
+                    self.request_id,
+                    &self.outbox,
+                    &self.cancel,
+                )
+                .await
+                .map(Some)
+                .map_err(|(e, reached)| {
+                    let msg = e.to_string();
+                    (Some((e, reached)), msg)
+                })
+        };
+        match step {
+            // The client reads this fragment from the store and
+            // comes back at its end.
+            Ok(None) => {
+                let head = self.j.borrow().read_head();
+                self.done(Status::OK, frag.end, head, "");
+                ReadStep::Ended
+            }
+            Ok(Some(next)) if next > offset => ReadStep::At(next),
+            // Stopped before its first chunk: answered above.
+            Ok(Some(_)) if self.stopped().is_some() || self.outbox.is_closed() => {
+                ReadStep::At(offset)
+            }
+            Ok(Some(_)) => {
+                let head = self.j.borrow().read_head();
+                self.done(
+                    Status::FRAGMENT_STORE_UNHEALTHY,
+                    offset,
+                    head,
+                    "store returned no bytes for the fragment",
+                );
+                ReadStep::Ended
+            }
+            Err((failed, msg)) => {
+                use rotary_uploader::StoreError;
+                let mut jm = self.j.borrow_mut();
+                match failed {
+                    // Never served again (bytes already sent from
+                    // it are the client's to discard).
+                    Some((StoreError::Corrupt { .. }, _)) => {
+                        tracing::warn!(journal = %jm.name, key = %frag.key, error = %msg, "a store fragment is corrupt; left out of the index");
+                        jm.drop_remote(&frag, true);
+                    }
+                    // Gone from the store (pruned) before a byte
+                    // of it was sent: read on around it.
+                    Some((StoreError::NotFound { .. }, reached)) => {
+                        jm.drop_remote(&frag, false);
+                        if reached == offset {
+                            return ReadStep::At(offset);
+                        }
+                    }
+                    _ => {}
+                }
+                let head = jm.read_head();
+                drop(jm);
+                self.done(Status::FRAGMENT_STORE_UNHEALTHY, offset, head, &msg);
+                ReadStep::Ended
+            }
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! What a replica does: applying its primary's records and SYNCs.
+
+use super::*;
+
+impl Shard {
+    /// Applies SYNCs sent by the journal's primary, once the appends it
+    /// sent before them are through.
+    pub(super) async fn apply_syncs(&self, j: &JournalRef) {
+        use rotary_net::repl::SyncReply;
+        loop {
+            let w = {
+                let mut jm = j.borrow_mut();
+                if jm.sync_waiters.is_empty()
+                    || jm.active.is_some()
+                    || !jm.queue.is_empty()
+                    || !jm.staged.is_empty()
+                    || !jm.awaiting.is_empty()
+                {
+                    return;
+                }
+                jm.sync_waiters.remove(0)
+            };
+            let view = self.view();
+            let route = view.route(&w.req.journal, w.req.spec.replication);
+            let head = j.borrow().local_head;
+            let answer = |status: Status, message: String, head: u64| {
+                let body = SyncReply {
+                    head,
+                    route: route.ids(),
+                    registers: j.borrow().local_registers.clone(),
+                    message,
+                };
+                w.sink
+                    .push(w.req.seq, status, serde_json::to_vec(&body).expect("json"));
+            };
+            if route.ids() != w.req.route || !route.contains(&view.me) || route.is_primary(&view.me)
+            {
+                let msg = route_disagreement(&view.me, &route, &w.req);
+                answer(Status::WRONG_ROUTE, msg, head);
+                continue;
+            }
+            if head > w.req.head {
+                let msg = format!(
+                    "the replica's head {head} is beyond the primary's {}",
+                    w.req.head
+                );
+                answer(Status::PROPOSAL_MISMATCH, msg, head);
+                continue;
+            }
+            if j.borrow().spool.is_some() {
+                self.seal(j).await;
+            }
+            if j.borrow().spool.is_some() {
+                answer(
+                    Status::IO_ERROR,
+                    "sealing the replica's spool failed".into(),
+                    head,
+                );
+                continue;
+            }
+            {
+                let mut jm = j.borrow_mut();
+                let h = w.req.head;
+                jm.head = h;
+                jm.local_head = h;
+                jm.staged_head = h;
+                jm.registers = w.req.registers.clone();
+                jm.local_registers = w.req.registers.clone();
+                jm.staged_registers = w.req.registers.clone();
+                jm.replica = Some(crate::replica::ReplicaTrack::synced_at(h, w.req.seq));
+                jm.committed.notify(usize::MAX);
+            }
+            metrics::add(&self.metrics.syncs, 1);
+            answer(Status::OK, String::new(), w.req.head);
+        }
+    }
+
+    /// Moves a replica's appends whose proposals arrived, oldest first,
+    /// from awaiting to this turn's batch, each checked against the bytes
+    /// staged for it. A mismatch drops it and everything staged after it.
+    pub(super) fn commit_awaiting(&self, jm: &mut Journal) {
+        while let Some(front) = jm.awaiting.front() {
+            let proposal = match &front.op.replica {
+                Some(r) => r.proposal.borrow().clone(),
+                None => None,
+            };
+            let Some(proposal) = proposal else { break };
+            let w = jm.awaiting.pop_front().expect("front");
+            let staged_sha = w.end.sha.clone().finalize();
+            if let Err(msg) = crate::replica::check_proposal(
+                w.end.offset,
+                &staged_sha,
+                proposal.end,
+                &proposal.fragment_sha1,
+            ) {
+                let r = AppendReply {
+                    write_head: jm.head,
+                    ..Default::default()
+                };
+                w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, &msg);
+                self.drop_replica_tail(jm, w.start, &msg);
+                return;
+            }
+            jm.staged_registers = proposal.registers.clone();
+            jm.staged.push(Staged {
+                op: w.op,
+                begin: w.start.offset,
+                end: w.end.offset,
+                sha1: crate::append::Digest::Ready(staged_sha),
+                point: w.end,
+                registers: proposal.registers,
+                seq: w.seq,
+            });
+        }
+    }
+
+    /// Drops a replica's awaiting and active appends and rewinds its spool
+    /// to `start`; the journal needs a SYNC before it takes more.
+    pub(super) fn drop_replica_tail(&self, jm: &mut Journal, start: CommitPoint, msg: &str) {
+        let r = AppendReply {
+            write_head: jm.head,
+            ..Default::default()
+        };
+        for w in jm.awaiting.drain(..) {
+            w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
+        }
+        if let Some(a) = jm.active.take() {
+            a.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
+            drop_budget(&a.op);
+            jm.queue.pop_front();
+        }
+        jm.tail.truncate(start.offset);
+        jm.staged_head = start.offset;
+        if let Some(spool) = jm.spool.as_mut() {
+            spool.rewind(start);
+        }
+        if let Some(t) = jm.replica.as_mut() {
+            t.diverged();
+        }
+    }
+}

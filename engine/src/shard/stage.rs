@@ -1,0 +1,444 @@
+//! Staging queued appends into spools' write buffers.
+
+use super::*;
+use crate::journal::{admit, Admission, AdmitRole, AdmitShard};
+
+impl Shard {
+    /// Enqueues an append; the flusher picks it up.
+    pub fn submit_append(&self, j: &JournalRef, op: Rc<crate::append::AppendOp>) {
+        j.borrow_mut().queue.push_back(op);
+        self.mark_ready(j);
+    }
+
+    /// Stages queued appends of one journal. Returns true if it has more
+    /// to stage as soon as the buffer is written.
+    pub(super) fn stage(&self, j: &JournalRef) -> bool {
+        let again = self.stage_queue(j);
+        let mut jm = j.borrow_mut();
+        if !jm.awaiting.is_empty() {
+            self.commit_awaiting(&mut jm);
+        }
+        again
+    }
+
+    pub(super) fn stage_queue(&self, j: &JournalRef) -> bool {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let role = self.role(&jm.spec);
+        let replicated = matches!(&role, Role::Primary(r) if r.members.len() > 1);
+        if replicated && jm.repl.is_none() {
+            // A SYNC is due (say, the spool was just sealed): the next
+            // turn's prepare starts it. One under way marks the journal
+            // ready when it ends, and so does the acker for batches in
+            // flight.
+            return !jm.syncing && jm.inflight == 0 && !jm.queue.is_empty();
+        }
+        if replicated && jm.inflight >= INFLIGHT_BATCHES_MAX {
+            // Replicas catch up first (the acker marks the journal ready).
+            return false;
+        }
+        if jm.staged.is_empty() {
+            jm.staged_with_replicas = jm.repl.is_some();
+        }
+        if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
+            // Seal waiters on a journal without a spool get their answer.
+            if jm.spool.is_none() && !jm.seal_waiters.is_empty() {
+                let body =
+                    serde_json::to_vec(&serde_json::json!({ "sealed": null })).expect("json");
+                for (outbox, id) in jm.seal_waiters.drain(..) {
+                    outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
+                }
+                jm.seal_requested = false;
+            }
+            return false;
+        }
+        loop {
+            if jm.active.is_none() {
+                let Some(op) = jm.queue.front().cloned() else {
+                    return false;
+                };
+                let is_replica_op = op.replica.is_some();
+                match self.admission(j, jm, &op, &role) {
+                    Front::Stage => {}
+                    Front::Passed => continue,
+                    Front::Wait { again } => return again,
+                }
+                let start = jm.spool.as_ref().expect("checked").commit_point();
+                let seq = if is_replica_op {
+                    op.request_id
+                } else {
+                    jm.last_append = Instant::now();
+                    self.seq()
+                };
+                jm.active = Some(Active {
+                    _streaming: crate::budget::Streaming::new(op.budget.clone()),
+                    op,
+                    start,
+                    sha: crate::append::AppendSha::Inline(Sha1::new()),
+                    chunk_pos: 0,
+                    seq,
+                    started: Instant::now(),
+                });
+            }
+            if let Some(again) = self.stage_arrived(j, jm) {
+                return again;
+            }
+            let a = jm.active.as_ref().expect("active");
+            let content_done = a.op.replica.as_ref().is_some_and(|r| r.content_done.get());
+            if (!a.op.complete.get() && !content_done) || !a.op.chunks.borrow().is_empty() {
+                return false;
+            }
+            // The append is whole.
+            self.finish_whole(jm);
+        }
+    }
+
+    /// Fails the open append when its spool could not grow for it: it is
+    /// taken back out of the spool (and its replicas') and answered.
+    /// Returns whether to stage again in this turn.
+    fn fail_allocation(&self, jm: &mut Journal, e: &StorageError) -> bool {
+        if e.is_full() {
+            metrics::add(&self.metrics.storage_full, 1);
+            // Spare spools must never be why an append fails.
+            self.spares.borrow_mut().release();
+        }
+        let a = jm.active.take().expect("active");
+        jm.tail.truncate(a.start.offset);
+        jm.spool.as_mut().expect("checked").rewind(a.start);
+        send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+        let r = AppendReply {
+            write_head: jm.staged_head,
+            registers: jm.staged_registers.clone(),
+            ..Default::default()
+        };
+        a.op.reply_error(storage_status(e), &r, &e.to_string());
+        drop_budget(&a.op);
+        metrics::add(&self.metrics.append_failures, 1);
+        jm.queue.pop_front();
+        // A rewind past written bytes needs a tail reload.
+        !jm.queue.is_empty()
+    }
+
+    /// Stages what has arrived of the journal's open append, at most its
+    /// spool's buffer, its rate and its hasher allow. Some(again) when the
+    /// journal stops here for this turn (a full buffer: again); None when
+    /// every chunk that arrived is staged.
+    fn stage_arrived(&self, j: &JournalRef, jm: &mut Journal) -> Option<bool> {
+        let a = jm.active.as_mut().expect("set above");
+        let spool = jm.spool.as_mut().expect("checked");
+        // Stage what has arrived.
+        loop {
+            let mut chunks = a.op.chunks.borrow_mut();
+            let Some(chunk) = chunks.front() else { break };
+            let bytes = &chunk.bytes()[a.chunk_pos..];
+            if bytes.is_empty() {
+                let c = chunks.pop_front().expect("front");
+                a.op.budget.release(c.range.len());
+                a.chunk_pos = 0;
+                continue;
+            }
+            if let Err(e) = spool.ensure_allocated(bytes.len() as u64, self.disk_reserve_bytes) {
+                drop(chunks);
+                return Some(self.fail_allocation(jm, &e));
+            }
+            let at = spool.staged();
+            // A replica's reply carries no SHA-1 of the append.
+            let client = a.op.replica.is_none();
+            if let Some(h) = self.hasher.as_ref().filter(|_| client) {
+                let size = at - a.start.offset + bytes.len() as u64;
+                if self.offload_hash(h, &mut a.sha, size) && h.behind() {
+                    // Its bytes wait in the chunk until the hasher
+                    // caught up and readies the journal again.
+                    drop(chunks);
+                    self.hash_parked.borrow_mut().push(j.clone());
+                    metrics::add(&self.metrics.hash_waits, 1);
+                    return Some(false);
+                }
+            }
+            // A client's bytes go at the journal's `max_append_rate`;
+            // the rest wait in their chunk (and the connection's budget
+            // holds the client back) while its connection goes on
+            // serving. A replica's were admitted by its primary.
+            let admitted = if client {
+                match jm.rate.admit(bytes.len() as u64, Instant::now()) {
+                    Ok(n) => &bytes[..n as usize],
+                    Err(wait) => {
+                        drop(chunks);
+                        metrics::add(&self.metrics.rate_waits, 1);
+                        if !jm.rate_timer {
+                            jm.rate_timer = true;
+                            self.ready_after(j, wait);
+                        }
+                        return Some(false);
+                    }
+                }
+            } else {
+                bytes
+            };
+            let n = match &mut a.sha {
+                AppendSha::Inline(_) if !client => spool.stage(admitted),
+                AppendSha::Inline(sha) => spool.stage_hashed(admitted, sha),
+                AppendSha::Offloaded(o) => {
+                    let n = spool.stage(admitted);
+                    let from = chunk.range.start + a.chunk_pos;
+                    o.hash(&chunk.data, from..from + n);
+                    metrics::add(&self.metrics.hash_offloaded_bytes, n as u64);
+                    n
+                }
+            };
+            if client && n < admitted.len() {
+                jm.rate.give_back((admitted.len() - n) as u64);
+            }
+            if let Some(r) = &jm.repl {
+                let rec = Record::Content {
+                    seq: a.seq,
+                    journal: &jm.name,
+                    offset: at,
+                    bytes: &bytes[..n],
+                };
+                for (p, _) in &r.pipelines {
+                    p.push(&rec);
+                }
+            }
+            if jm.waiting_readers > 0 {
+                let window = crate::journal::tail_window(self.journals.borrow().len());
+                jm.tail.push(at, &bytes[..n], window, &self.metrics);
+            }
+            a.chunk_pos += n;
+            if n < admitted.len() {
+                // Buffer full: write it, then continue.
+                return Some(true);
+            }
+        }
+        None
+    }
+
+    /// Takes the journal's open append, whole now, out of the queue: a
+    /// replica's awaits its proposal, a client's joins the batch (or is
+    /// refused if its registers would not do).
+    fn finish_whole(&self, jm: &mut Journal) {
+        let a = jm.active.take().expect("active");
+        jm.queue.pop_front();
+        let spool = jm.spool.as_mut().expect("checked");
+        let point = spool.commit_point();
+        let begin = a.start.offset;
+        let end = point.offset;
+        if a.op.replica.is_some() {
+            // Committed when its proposal comes (`commit_awaiting`);
+            // the next append's content is staged meanwhile.
+            jm.staged_head = end;
+            jm.awaiting.push_back(crate::append::Awaiting {
+                op: a.op,
+                start: a.start,
+                end: point,
+                seq: a.seq,
+            });
+            return;
+        }
+        if begin == end
+            && (!a.op.req.union_registers.is_empty() || !a.op.req.subtract_registers.is_empty())
+        {
+            let r = AppendReply {
+                write_head: jm.staged_head,
+                registers: jm.staged_registers.clone(),
+                ..Default::default()
+            };
+            a.op.reply_error(
+                Status::BAD_REQUEST,
+                &r,
+                "an empty append cannot change registers",
+            );
+            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            return;
+        }
+        let mut registers = jm.staged_registers.clone();
+        if begin != end {
+            registers.union(&a.op.req.union_registers);
+            registers.subtract(&a.op.req.subtract_registers);
+        }
+        if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
+            // Replies carry the registers; they must stay encodable.
+            jm.tail.truncate(a.start.offset);
+            spool.rewind(a.start);
+            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            let r = AppendReply {
+                write_head: jm.staged_head,
+                registers: jm.staged_registers.clone(),
+                ..Default::default()
+            };
+            let msg = format!(
+                "registers would take {} bytes; at most {} are allowed",
+                registers.encoded_len(),
+                rotary_net::wire::REGISTERS_ENCODED_LEN_MAX
+            );
+            a.op.reply_error(Status::BAD_REQUEST, &r, &msg);
+            return;
+        }
+        jm.staged_head = end;
+        jm.staged_registers = registers.clone();
+        jm.staged.push(Staged {
+            op: a.op,
+            begin,
+            end,
+            sha1: a.sha.finish(),
+            point,
+            registers,
+            seq: a.seq,
+        });
+    }
+
+    /// Acts on [`admit`]'s decision on `op`, the first queued append of
+    /// `j`: drops or refuses it, or says whether it stages now.
+    fn admission(&self, j: &JournalRef, jm: &mut Journal, op: &Rc<AppendOp>, role: &Role) -> Front {
+        let store_error = self.store_error.borrow();
+        let decision = admit(
+            jm,
+            op,
+            &AdmitShard {
+                role: match role {
+                    Role::Primary(_) => AdmitRole::Primary,
+                    Role::Replica(_) => AdmitRole::Replica,
+                    _ => AdmitRole::Other,
+                },
+                inflight: jm.inflight,
+                unuploaded_bytes: self.unuploaded_bytes.get(),
+                spool_budget_bytes: self.spool_budget_bytes,
+                store_error: store_error.as_deref(),
+            },
+        );
+        drop(store_error);
+        match decision {
+            Admission::Stage => Front::Stage,
+            Admission::Drop => {
+                jm.queue.pop_front();
+                let reply = AppendReply {
+                    write_head: jm.staged_head,
+                    ..Default::default()
+                };
+                op.end_aborted(&reply);
+                drop_budget(op);
+                Front::Passed
+            }
+            Admission::Refuse {
+                status,
+                message,
+                diverged,
+            } => {
+                if diverged {
+                    if let Some(t) = jm.replica.as_mut() {
+                        t.diverged();
+                    }
+                }
+                jm.queue.pop_front();
+                let r = AppendReply {
+                    write_head: jm.staged_head,
+                    registers: jm.staged_registers.clone(),
+                    ..Default::default()
+                };
+                op.reply_error(status, &r, &message);
+                drop_budget(op);
+                Front::Passed
+            }
+            // Roll to a new fragment first, once this batch commits (and
+            // replicas have acknowledged what is in flight: the acker
+            // marks the journal ready then).
+            Admission::Seal { again } => Front::Wait { again },
+            Admission::AwaitListing { hurry } => {
+                if hurry {
+                    self.hurry_first_listing_soon(j);
+                }
+                Front::Wait { again: false }
+            }
+        }
+    }
+
+    /// Moves a client append's own SHA-1 to the hasher once it is large
+    /// enough (`size` bytes, with those about to be staged, against
+    /// [`crate::hasher::OFFLOAD_AFTER`]) and the hasher has room. Returns
+    /// whether the append's hashing is offloaded.
+    pub(super) fn offload_hash(
+        &self,
+        h: &crate::hasher::Hasher,
+        sha: &mut AppendSha,
+        size: u64,
+    ) -> bool {
+        match sha {
+            AppendSha::Offloaded(_) => true,
+            AppendSha::Inline(_) => {
+                if size < crate::hasher::OFFLOAD_AFTER || !h.has_room() {
+                    return false;
+                }
+                let AppendSha::Inline(inline) =
+                    std::mem::replace(sha, AppendSha::Inline(Sha1::new()))
+                else {
+                    unreachable!("matched above")
+                };
+                *sha = AppendSha::Offloaded(h.offload(inline));
+                true
+            }
+        }
+    }
+
+    /// Fails every append staged in this batch and the active one, and
+    /// rewinds the spool to its last commit.
+    pub(super) fn fail_batch(&self, j: &JournalRef, status: Status, msg: &str) {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let reply = AppendReply {
+            write_head: jm.head,
+            registers: jm.registers.clone(),
+            ..Default::default()
+        };
+        for s in jm.staged.drain(..) {
+            send_rollback(jm.repl.as_ref(), &jm.name, s.seq);
+            s.op.reply_error(status, &reply, msg);
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+        if let Some(a) = jm.active.take() {
+            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            a.op.reply_error(status, &reply, msg);
+            drop_budget(&a.op);
+            jm.queue.pop_front();
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+        for w in jm.awaiting.drain(..) {
+            w.op.reply_error(status, &reply, msg);
+        }
+        if let Some(t) = jm.replica.as_mut() {
+            t.diverged();
+        }
+        if let Some(spool) = jm.spool.as_mut() {
+            spool.rollback();
+        }
+        let head = jm.local_head;
+        jm.tail.truncate(head);
+        jm.staged_head = head;
+        jm.staged_registers = jm.local_registers.clone();
+    }
+
+    /// Fails every queued append of a journal (its spool cannot be used).
+    pub(super) fn fail_queue(&self, j: &JournalRef, status: Status, msg: &str) {
+        let mut jm = j.borrow_mut();
+        let reply = AppendReply {
+            write_head: jm.head,
+            registers: jm.registers.clone(),
+            ..Default::default()
+        };
+        for op in jm.queue.drain(..) {
+            op.reply_error(status, &reply, msg);
+            drop_budget(&op);
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+        jm.active = None;
+    }
+}
+
+/// What became of the append at the front of a journal's queue.
+enum Front {
+    /// It starts staging.
+    Stage,
+    /// Dropped or refused: the queue moved on.
+    Passed,
+    /// The journal waits; `again`: stage it again in this turn.
+    Wait { again: bool },
+}
