@@ -44,6 +44,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: JournalsCmd,
     },
+    /// Lists the cluster's brokers, or drains one.
+    Brokers {
+        #[command(subcommand)]
+        cmd: BrokersCmd,
+    },
     /// Appends standard input (or a file) to a journal as one atomic span and
     /// prints the result as one JSON line.
     Append(AppendArgs),
@@ -387,6 +392,27 @@ fn parse_upload_threads(s: &str) -> Result<usize, String> {
             "{s:?}: want a thread count from 1 to {UPLOAD_THREADS_MAX}"
         )),
     }
+}
+
+#[derive(Subcommand, Debug)]
+enum BrokersCmd {
+    /// Lists the brokers: id, zone, endpoint, journal limit, journals and
+    /// primaries held, and whether each is exiting.
+    List {
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = TableOrJson::Table)]
+        output: TableOrJson,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
+    /// Marks a broker exiting: the allocator moves its journals to other
+    /// brokers (each replacement added before the broker's copy goes), and
+    /// the broker stops once it holds none. A cluster on etcd only.
+    Drain {
+        /// The broker's member id.
+        id: String,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -1048,6 +1074,7 @@ async fn client_command(cmd: Cmd) -> CmdResult {
             unreachable!("handled without a runtime")
         }
         Cmd::Journals { cmd } => journals(cmd).await,
+        Cmd::Brokers { cmd } => brokers(cmd).await,
         Cmd::Append(args) => append(args).await,
         Cmd::Read(args) => read(args).await,
         Cmd::Fragments {
@@ -1251,6 +1278,26 @@ fn take_revisions(text: &str) -> Result<(String, Vec<Option<u64>>), CliError> {
     }
     let text = serde_yaml::to_string(&doc).map_err(|e| bad(e.to_string()))?;
     Ok((text, revisions))
+}
+
+async fn brokers(cmd: BrokersCmd) -> CmdResult {
+    match cmd {
+        BrokersCmd::List { output, broker } => {
+            let client = connect(&broker).await?;
+            let members = client.members().await?;
+            match output {
+                TableOrJson::Json => print_json(&members),
+                TableOrJson::Table => print_text(&output::brokers_table(&members)),
+            }
+        }
+        BrokersCmd::Drain { id, broker } => {
+            let client = connect(&broker).await?;
+            client.drain(&id).await?;
+            after_change(print_text(&format!("draining {id}\n")), || {
+                format!("draining {id}")
+            })
+        }
+    }
 }
 
 /// Names `journals apply` prints before it counts the rest.

@@ -69,6 +69,39 @@ pub fn journals_table(list: &[JournalInfo]) -> String {
     )
 }
 
+/// `brokers list` as a table.
+pub fn brokers_table(members: &[rotary_net::client::MemberInfo]) -> String {
+    let rows: Vec<Vec<String>> = members
+        .iter()
+        .map(|m| {
+            vec![
+                m.id.clone(),
+                m.zone.clone(),
+                m.endpoint.clone(),
+                match m.journal_limit {
+                    0 => "-".into(),
+                    n => n.to_string(),
+                },
+                m.journals.to_string(),
+                m.primaries.to_string(),
+                if m.exiting { "yes" } else { "no" }.into(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ID",
+            "ZONE",
+            "ENDPOINT",
+            "LIMIT",
+            "JOURNALS",
+            "PRIMARIES",
+            "EXITING",
+        ],
+        &rows,
+    )
+}
+
 /// One line of `journals list --watch`: name, spec revision, route (and
 /// the etcd revision it was read at), tab-separated.
 pub fn watch_line(j: &JournalInfo) -> String {

@@ -219,6 +219,25 @@ pub struct JournalRoute {
     pub etcd_revision: Option<i64>,
 }
 
+/// One broker of the cluster, as MEMBERS answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    pub id: String,
+    #[serde(default)]
+    pub zone: String,
+    /// Shard 0's address.
+    pub endpoint: String,
+    /// Journals it may hold (0: no limit is known, outside etcd).
+    #[serde(default)]
+    pub journal_limit: u32,
+    /// Journals it holds, as primary or replica, and of those as primary.
+    pub journals: usize,
+    pub primaries: usize,
+    /// It is leaving: its journals move to other brokers.
+    #[serde(default)]
+    pub exiting: bool,
+}
+
 /// Options of [`Client::append_with`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AppendOptions {
@@ -866,6 +885,23 @@ impl Client {
         let conn = self.bootstrap_conn().await?;
         let reply = unary(&conn, Op::PRUNE, Bytes::new(), body.into()).await?;
         admin_json(&conn, Op::PRUNE, reply)
+    }
+
+    /// The cluster's brokers, with the journals each holds.
+    pub async fn members(&self) -> Result<Vec<MemberInfo>, ClientError> {
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(&conn, Op::MEMBERS, Bytes::new(), Bytes::new()).await?;
+        admin_json(&conn, Op::MEMBERS, reply)
+    }
+
+    /// Marks broker `id` exiting: its journals move to other brokers, and
+    /// it stops once it holds none (a cluster on etcd only).
+    pub async fn drain(&self, id: &str) -> Result<(), ClientError> {
+        let body = serde_json::to_vec(&serde_json::json!({ "id": id })).expect("JSON");
+        let conn = self.bootstrap_conn().await?;
+        let reply = unary(&conn, Op::DRAIN, Bytes::new(), body.into()).await?;
+        let _: serde_json::Value = admin_json(&conn, Op::DRAIN, reply)?;
+        Ok(())
     }
 
     /// The broker's counters.

@@ -111,6 +111,11 @@ ops! {
     RESET_HEAD = 0x17, flags = 0;
     /// Deletes store fragments older than their journal's retention; JSON payload.
     PRUNE = 0x18, flags = 0;
+    /// Lists the cluster's brokers (members), with the journals each holds.
+    MEMBERS = 0x19, flags = 0;
+    /// Marks a broker exiting, so that its journals move to others; JSON
+    /// payload `{"id": "…"}`. In a cluster on etcd only.
+    DRAIN = 0x1A, flags = 0;
     /// Broker to broker: content, commit proposals and rollbacks of a
     /// primary's appends, for the replica shard this connection reaches.
     REPLICATE = 0x20, flags = 0;
@@ -127,7 +132,7 @@ ops! {
     /// only by a store: where to read it. The READ_DONE that follows names
     /// the offset to resume at with the broker.
     READ_FRAGMENT = 0x85, flags = 0;
-    /// Reply to ROUTE, APPLY, LIST, DELETE, FRAGMENTS, SEAL, STATS: JSON payload.
+    /// Reply to ROUTE, APPLY, LIST, DELETE, FRAGMENTS, SEAL, STATS, MEMBERS, DRAIN: JSON payload.
     ADMIN_REPLY = 0x90, flags = flag::PARTIAL | flag::NEXT_PAGE;
     /// Reply to PING.
     PONG = 0x96, flags = 0;

@@ -40,6 +40,28 @@ pub enum Request {
     Holding {
         reply: async_channel::Sender<Result<usize, ControlError>>,
     },
+    /// Every member, with what it holds.
+    Members {
+        reply: async_channel::Sender<Result<Vec<MemberInfo>, ControlError>>,
+    },
+    /// Mark member `id` (of any zone) exiting.
+    DrainMember {
+        id: String,
+        reply: async_channel::Sender<Result<i64, ControlError>>,
+    },
+}
+
+/// One member as `rotary brokers list` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemberInfo {
+    pub id: String,
+    pub zone: String,
+    pub endpoint: String,
+    pub journal_limit: u32,
+    /// Journals it holds, as primary or replica.
+    pub journals: usize,
+    pub primaries: usize,
+    pub exiting: bool,
 }
 
 /// Why a request to the control thread failed.
@@ -52,6 +74,9 @@ pub enum ControlError {
     /// etcd could not be reached or refused the request.
     #[error("etcd: {0}")]
     Etcd(String),
+    /// What the request names does not exist.
+    #[error("{0}")]
+    NotFound(String),
     /// The control thread is gone (the broker is stopping).
     #[error("the broker's etcd session has ended")]
     Gone,
@@ -59,7 +84,7 @@ pub enum ControlError {
 
 impl ControlError {
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, ControlError::TxnFailed(_))
+        !matches!(self, ControlError::TxnFailed(_) | ControlError::NotFound(_))
     }
 }
 
@@ -115,6 +140,14 @@ impl ControlHandle {
 
     pub async fn holding(&self) -> Result<usize, ControlError> {
         self.ask(|reply| Request::Holding { reply }).await
+    }
+
+    pub async fn members(&self) -> Result<Vec<MemberInfo>, ControlError> {
+        self.ask(|reply| Request::Members { reply }).await
+    }
+
+    pub async fn drain_member(&self, id: String) -> Result<i64, ControlError> {
+        self.ask(|reply| Request::DrainMember { id, reply }).await
     }
 
     /// Tells the control thread a primary synchronized `route`; never

@@ -27,6 +27,8 @@ pub struct Session {
     pub specs: Arc<SpecStore>,
     pub fence: Arc<Fence>,
     pub exiting: bool,
+    /// SIGTERM was raised (a drained broker stopping by itself).
+    pub stopping: bool,
     /// The view last handed to the shards.
     pub handed: Option<ClusterView>,
 }
@@ -77,6 +79,7 @@ impl Session {
             specs,
             fence,
             exiting: false,
+            stopping: false,
             handed: None,
         })
     }
@@ -245,6 +248,12 @@ impl Session {
                     .count();
                 let _ = reply.send(Ok(n)).await;
             }
+            Request::Members { reply } => {
+                let _ = reply.send(Ok(self.members())).await;
+            }
+            Request::DrainMember { id, reply } => {
+                let _ = reply.send(self.drain_member(&id).await).await;
+            }
             Request::Synced { journal, route } => self.record_route(&journal, route).await,
         }
     }
@@ -299,6 +308,79 @@ impl Session {
             Ok(Some(rev)) => Ok(rev),
             Ok(None) => Err(ControlError::TxnFailed(refused.into())),
             Err(e) => Err(ControlError::Etcd(e)),
+        }
+    }
+
+    /// Every member with the journals and primaries it holds.
+    fn members(&self) -> Vec<control::MemberInfo> {
+        let snapshot = &self.keyspace.snapshot;
+        let mut held: std::collections::HashMap<&MemberKey, (usize, usize)> = Default::default();
+        for a in snapshot.assignments.keys() {
+            let h = held.entry(&a.member).or_default();
+            h.0 += 1;
+            h.1 += usize::from(a.slot == 0);
+        }
+        snapshot
+            .members
+            .iter()
+            .map(|(k, m)| {
+                let (journals, primaries) = held.get(k).copied().unwrap_or_default();
+                control::MemberInfo {
+                    id: k.id.clone(),
+                    zone: k.zone.clone(),
+                    endpoint: m.spec.endpoint.clone(),
+                    journal_limit: m.spec.journal_limit,
+                    journals,
+                    primaries,
+                    exiting: m.spec.exiting,
+                }
+            })
+            .collect()
+    }
+
+    /// Marks member `id` exiting: its key keeps its lease (its broker's)
+    /// and is written only if unchanged since this broker read it.
+    async fn drain_member(&mut self, id: &str) -> Result<i64, ControlError> {
+        let snapshot = &self.keyspace.snapshot;
+        let Some((key, member)) = snapshot.members.iter().find(|(k, _)| k.id == id) else {
+            return Err(ControlError::NotFound(format!(
+                "no broker {id:?} is a member"
+            )));
+        };
+        let mut spec = member.spec.clone();
+        spec.exiting = true;
+        let key_text = allocator::member_key(&snapshot.prefix, key);
+        let guards = vec![Guard::ModRevision(key_text.clone(), member.mod_revision)];
+        let write = Write::PutKeepLease {
+            key: key_text,
+            value: serde_json::to_vec(&spec).expect("json"),
+        };
+        self.write_guarded(
+            guards,
+            vec![write],
+            "the member changed meanwhile; try again",
+        )
+        .await
+    }
+
+    /// A broker drained by an operator (its member key marked exiting by
+    /// anyone) stops once the allocator moved every journal away from it:
+    /// it signals itself SIGTERM, and the broker stops as on any SIGTERM.
+    fn stop_when_drained(&mut self) {
+        let me = self.member();
+        let snapshot = &self.keyspace.snapshot;
+        let marked = snapshot.members.get(&me).is_some_and(|m| m.spec.exiting);
+        if !marked || self.stopping {
+            return;
+        }
+        if !self.exiting {
+            tracing::info!("this broker was marked exiting; its journals move to other brokers");
+            self.exiting = true;
+        }
+        if snapshot.assignments.keys().all(|a| a.member != me) {
+            tracing::info!("this broker holds no journal any more; stopping");
+            self.stopping = true;
+            let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
         }
     }
 
@@ -391,6 +473,7 @@ impl Session {
                 Wake::Events(Ok((rev, events))) => {
                     self.take_events(rev, events);
                     self.allocate().await;
+                    self.stop_when_drained();
                 }
                 Wake::Events(Err(e)) => {
                     tracing::warn!(error = %e, "the etcd watch broke; reading the keyspace again");

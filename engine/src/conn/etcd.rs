@@ -4,9 +4,74 @@
 
 use super::admin::check_specs;
 use super::*;
-use crate::cluster::control::{ControlError, ControlHandle};
+use crate::cluster::control::{ControlError, ControlHandle, MemberInfo};
 
 impl Conn {
+    /// MEMBERS: in a cluster on etcd, every member as etcd holds it; else
+    /// the brokers of this broker's view, with the journals routed to them.
+    pub(super) async fn members(&self, id: u64) {
+        let list = match self.shard.topology().control() {
+            Some(control) => match control.members().await {
+                Ok(list) => list,
+                Err(e) => return self.admin_err(id, control_status(&e), &e.to_string()),
+            },
+            None => self.members_of_view(),
+        };
+        self.admin_ok(id, &serde_json::json!(list));
+    }
+
+    fn members_of_view(&self) -> Vec<MemberInfo> {
+        let view = self.shard.view();
+        let mut held: HashMap<String, (usize, usize)> = HashMap::new();
+        for spec in self.shard.specs.all() {
+            let route = view.route(&spec.name, spec.replication);
+            for (i, m) in route.members.iter().enumerate() {
+                let h = held.entry(m.id.clone()).or_default();
+                h.0 += 1;
+                h.1 += usize::from(i == 0);
+            }
+        }
+        view.brokers
+            .iter()
+            .map(|m| {
+                let (journals, primaries) = held.get(&m.id).copied().unwrap_or_default();
+                MemberInfo {
+                    id: m.id.clone(),
+                    zone: m.zone.clone(),
+                    endpoint: m.endpoint.to_string(),
+                    journal_limit: 0,
+                    journals,
+                    primaries,
+                    exiting: false,
+                }
+            })
+            .collect()
+    }
+
+    /// DRAIN: marks a member exiting (a cluster on etcd only).
+    pub(super) async fn drain_member(&self, id: u64, payload: &[u8]) {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Drain {
+            id: String,
+        }
+        let req: Drain = match serde_json::from_slice(payload) {
+            Ok(r) => r,
+            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &format!("DRAIN: {e}")),
+        };
+        let Some(control) = self.shard.topology().control() else {
+            let msg = "DRAIN needs a cluster on etcd: stop a broker of a cluster file with SIGTERM";
+            return self.admin_err(id, Status::NOT_ALLOWED, msg);
+        };
+        match control.drain_member(req.id.clone()).await {
+            Ok(revision) => self.admin_ok(
+                id,
+                &serde_json::json!({ "draining": req.id, "revision": revision }),
+            ),
+            Err(e) => self.admin_err(id, control_status(&e), &e.to_string()),
+        }
+    }
+
     /// APPLY in a cluster on etcd: one transaction of every spec, each
     /// guarded by the revision the client gave with it (`"revision"`; 0:
     /// the journal must not exist), answered once this broker's spec store
@@ -115,6 +180,7 @@ const REVISION_WAIT_MAX: Duration = Duration::from_secs(5);
 fn control_status(e: &ControlError) -> Status {
     match e {
         ControlError::TxnFailed(_) => Status::ETCD_TRANSACTION_FAILED,
+        ControlError::NotFound(_) => Status::NOT_ALLOWED,
         ControlError::Etcd(_) | ControlError::Gone => Status::IO_ERROR,
     }
 }

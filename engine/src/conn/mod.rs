@@ -278,6 +278,8 @@ impl Conn {
             }
             Op::SYNC => self.sync(frame.request_id, payload),
             Op::APPLY => self.apply(id, frame.flags, payload).await,
+            Op::MEMBERS => self.members(id).await,
+            Op::DRAIN => self.drain_member(id, payload).await,
             Op::LIST => self.list(id, payload),
             Op::STATS => {
                 let mut body = self.shard.metrics.to_json(self.shard.shards as usize);
@@ -389,7 +391,14 @@ fn shape_error(op: Op, meta_len: usize, payload_len: usize) -> Option<(Status, S
     }
     let no_meta = matches!(
         op,
-        Op::APPEND_CHUNK | Op::APPLY | Op::LIST | Op::STATS | Op::PING | Op::PRUNE
+        Op::APPEND_CHUNK
+            | Op::APPLY
+            | Op::LIST
+            | Op::STATS
+            | Op::PING
+            | Op::PRUNE
+            | Op::MEMBERS
+            | Op::DRAIN
     );
     if no_meta && meta_len != 0 {
         return Some((
@@ -399,7 +408,7 @@ fn shape_error(op: Op, meta_len: usize, payload_len: usize) -> Option<(Status, S
     }
     let no_payload = matches!(
         op,
-        Op::READ | Op::ROUTE | Op::SEAL | Op::STATS | Op::RESET_HEAD
+        Op::READ | Op::ROUTE | Op::SEAL | Op::STATS | Op::RESET_HEAD | Op::MEMBERS
     );
     if no_payload && payload_len != 0 {
         return Some((
