@@ -7,6 +7,7 @@
 //! per-core servers live in `rotary-engine` and use `wire` directly.
 
 pub mod client;
+pub mod message;
 pub mod repl;
 pub mod spec;
 pub mod status;
