@@ -82,6 +82,8 @@ pub enum MessageError {
     Append {
         journal: String,
         why: String,
+        /// The broker's status, if it refused the last try.
+        status: Option<crate::status::Status>,
         retryable: bool,
     },
     /// An earlier append to the journal failed: the transaction must be
@@ -91,7 +93,7 @@ pub enum MessageError {
     #[error("journal {journal} not found")]
     JournalNotFound { journal: String },
     /// The journal's `content-type` label names no framing this client has.
-    #[error("journal {journal}: content-type {content_type:?} is not application/x-ndjson or application/x-protobuf-fixed")]
+    #[error("journal {journal}: {} names no framing: want content-type application/x-ndjson or application/x-protobuf-fixed", .content_type.as_deref().map_or("no content-type label".to_string(), |c| format!("content-type {c:?}")))]
     NoFraming {
         journal: String,
         content_type: Option<String>,

@@ -211,6 +211,13 @@ impl Publisher {
         }
     }
 
+    /// Looks up `journal`'s framing now rather than at its first message,
+    /// so that a missing journal or label is found before anything is
+    /// published.
+    pub async fn prepare(&mut self, journal: &str) -> Result<(), MessageError> {
+        self.ensure(journal).await
+    }
+
     async fn ensure(&mut self, journal: &str) -> Result<(), MessageError> {
         if !self.journals.contains_key(journal) {
             let framing = self.framing_of(journal).await?;
@@ -367,7 +374,7 @@ async fn append_loop(
     retry_for: Duration,
     stats: Arc<PublisherStats>,
 ) {
-    let mut failed: Option<(String, bool)> = None;
+    let mut failed: Option<(String, Option<Status>, bool)> = None;
     let req = AppendRequest {
         journal: journal.clone(),
         ..AppendRequest::default()
@@ -378,9 +385,10 @@ async fn append_loop(
             Cmd::Barrier(reply) => {
                 let r = match failed.clone() {
                     None => Ok(()),
-                    Some((why, retryable)) => Err(MessageError::Append {
+                    Some((why, status, retryable)) => Err(MessageError::Append {
                         journal: journal.clone(),
                         why,
+                        status,
                         retryable,
                     }),
                 };
@@ -412,7 +420,7 @@ async fn append_loop(
                         }
                         Err(e) => {
                             let retryable = e.is_retryable();
-                            failed = Some((e.to_string(), retryable));
+                            failed = Some((e.to_string(), e.status(), retryable));
                             break;
                         }
                     }
