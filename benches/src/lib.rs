@@ -49,6 +49,7 @@ mod broker;
 mod child;
 mod cpu;
 mod load;
+mod messages;
 pub mod omb;
 mod pingpong;
 mod replication;
@@ -96,6 +97,10 @@ pub enum Scenario {
     /// ack frame; and the same crossings through echo servers, with no
     /// broker work. Not part of `all`: it runs brokers of its own.
     Replication,
+    /// 1 KiB messages in transactions of 100 over 4 journals, read
+    /// committed, beside plain appends of the same bytes: messages/s,
+    /// latency, and the reader's CPU per message. Not part of `all`.
+    Messages,
 }
 
 /// A core list given on the command line, e.g. `0,2-3`.
@@ -267,7 +272,8 @@ impl BenchArgs {
         (self.baseline && matches!(s, Scenario::Pingpong | Scenario::Baseline))
             || (self.scenarios.contains(&Scenario::All)
                 && s != Scenario::Backfill
-                && s != Scenario::Replication)
+                && s != Scenario::Replication
+                && s != Scenario::Messages)
             || self.scenarios.contains(&s)
     }
 
@@ -508,9 +514,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         figures.replication = Some(f);
     }
+    let messages = if args.wants(Scenario::Messages) {
+        Some(messages::run(&args, &scratch.path().join("messages"))?)
+    } else {
+        None
+    };
     drop(scratch);
 
     print!("{}", figures.table());
+    if let Some(m) = &messages {
+        print!("{m}");
+    }
     if let Some(path) = &args.output {
         let json = serde_json::to_vec_pretty(&figures.to_json()).expect("figures serialize");
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
