@@ -419,6 +419,7 @@ fn reader_cpu(endpoint: &str, names: &[String]) -> anyhow::Result<([f64; 4], u64
                 }
             }
             let plain = thread_cpu_ns()? - t0;
+            eprintln!("messages: round {round}: plain read done");
             let mut per_mode = [0u64; 2];
             for (k, mode) in [ReadMode::Uncommitted, ReadMode::Committed]
                 .into_iter()
@@ -439,6 +440,7 @@ fn reader_cpu(endpoint: &str, names: &[String]) -> anyhow::Result<([f64; 4], u64
                     n += 1;
                 }
                 per_mode[k] = thread_cpu_ns()? - t0;
+                eprintln!("messages: round {round}: {mode:?} read done, {n} messages");
                 if mode == ReadMode::Committed {
                     count = n;
                 }
@@ -452,7 +454,8 @@ fn reader_cpu(endpoint: &str, names: &[String]) -> anyhow::Result<([f64; 4], u64
         // (interleaved across journals as a reader might see them).
         let mut seq_best = f64::MAX;
         for _ in 0..CPU_ROUNDS {
-            let mut seq = Sequencer::new(rotary_net::message::sequencer::RING_LEN_DEFAULT);
+            // A ring that holds them all: no replays, which need journal reads.
+            let mut seq = Sequencer::new(envelopes.len());
             let t0 = thread_cpu_ns()?;
             let mut delivered = 0u64;
             for env in envelopes.iter().cloned() {

@@ -98,6 +98,10 @@ pub struct Reader {
     rx: mpsc::Receiver<Fetched>,
     tasks: Vec<JoinHandle<()>>,
     replay: Option<Replay>,
+    /// Replays read on their own connections: a journal's read stalled
+    /// behind the full envelope channel holds up its connection's other
+    /// replies, and would hold up the replay the reader waits for.
+    replay_client: Option<Client>,
 }
 
 impl std::fmt::Debug for Reader {
@@ -178,6 +182,7 @@ impl Reader {
             rx,
             tasks,
             replay: None,
+            replay_client: None,
         })
     }
 
@@ -241,6 +246,11 @@ impl Reader {
     }
 
     async fn replay_next(&mut self) -> Result<Option<Envelope>, MessageError> {
+        if self.replay_client.is_none() {
+            let c = Client::connect(self.client.endpoint()).await?;
+            self.replay_client = Some(c);
+        }
+        let client = self.replay_client.as_ref().expect("connected");
         let r = self.replay.as_mut().expect("replaying");
         loop {
             if let Some(env) = r.out.pop_front() {
@@ -258,7 +268,7 @@ impl Reader {
                         offset: Some(at),
                         end_offset: Some(r.end),
                     };
-                    match self.client.read(&req, false, false).await {
+                    match client.read(&req, false, false).await {
                         Ok(s) => r.stream.insert(s),
                         Err(e) => {
                             r.retry.failed(e).await?;
