@@ -54,6 +54,12 @@ enum Cmd {
     Append(AppendArgs),
     /// Reads a journal's bytes to standard output.
     Read(ReadArgs),
+    /// Publishes JSON lines from standard input as messages
+    /// (docs/MESSAGES.md), to the journals in turn.
+    Publish(crate::messages::PublishArgs),
+    /// Prints the messages of journals, one per line: read committed
+    /// (each committed message once), or everything with --uncommitted.
+    Consume(crate::messages::ConsumeArgs),
     /// Lists a journal's fragments.
     Fragments {
         name: String,
@@ -89,7 +95,7 @@ enum Cmd {
 }
 
 #[derive(Args, Debug)]
-struct BrokerArgs {
+pub(crate) struct BrokerArgs {
     /// How long an append keeps being tried while its journal's route moves
     /// (a broker died or hands its journals off): a broken connection, or
     /// NO_JOURNAL_PRIMARY_BROKER, INSUFFICIENT_JOURNAL_BROKERS,
@@ -765,7 +771,7 @@ fn status_explanation(status: Status) -> &'static str {
     }
 }
 
-type CmdResult = Result<(), CliError>;
+pub(crate) type CmdResult = Result<(), CliError>;
 
 /// Runs a parsed command line; returns the process exit code.
 pub fn run(cli: Cli) -> i32 {
@@ -1001,7 +1007,7 @@ fn apply_tune_profile(config: &mut rotary_engine::ServeConfig) {
 /// How long a broker has to answer the PING each client command starts with.
 const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
+pub(crate) async fn connect(broker: &BrokerArgs) -> Result<Client, CliError> {
     let options = rotary_net::client::ClientOptions {
         retry_for: broker.retry_for()?,
         ..Default::default()
@@ -1077,6 +1083,8 @@ async fn client_command(cmd: Cmd) -> CmdResult {
         Cmd::Brokers { cmd } => brokers(cmd).await,
         Cmd::Append(args) => append(args).await,
         Cmd::Read(args) => read(args).await,
+        Cmd::Publish(args) => crate::messages::publish(args).await,
+        Cmd::Consume(args) => crate::messages::consume(args).await,
         Cmd::Fragments {
             name,
             output,
@@ -1119,7 +1127,7 @@ fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
     print_text(&text)
 }
 
-fn ignore_broken_pipe(e: std::io::Error) -> CmdResult {
+pub(crate) fn ignore_broken_pipe(e: std::io::Error) -> CmdResult {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
         Ok(())
     } else {

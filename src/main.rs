@@ -9,6 +9,7 @@
 //! `cli::CliError::report`.
 
 mod cli;
+mod messages;
 mod output;
 
 use clap::Parser;

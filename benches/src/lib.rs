@@ -52,6 +52,7 @@ mod cpu;
 mod failover;
 mod http;
 mod load;
+mod messages;
 pub mod omb;
 mod pingpong;
 mod replication;
@@ -113,6 +114,10 @@ pub enum Scenario {
     /// beside the native client. Not part of `all`: it runs a broker and an
     /// HTTP server of its own.
     Http,
+    /// 1 KiB messages in transactions of 100 over 4 journals, read
+    /// committed, beside plain appends of the same bytes: messages/s,
+    /// latency, and the reader's CPU per message. Not part of `all`.
+    Messages,
 }
 
 /// A core list given on the command line, e.g. `0,2-3`.
@@ -301,7 +306,8 @@ impl BenchArgs {
                 && s != Scenario::Replication
                 && s != Scenario::Allocator
                 && s != Scenario::Failover
-                && s != Scenario::Http)
+                && s != Scenario::Http
+                && s != Scenario::Messages)
             || self.scenarios.contains(&s)
     }
 
@@ -554,9 +560,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.wants(Scenario::Http) {
         http::run(&args, &scratch.path().join("http"))?;
     }
+    let messages = if args.wants(Scenario::Messages) {
+        Some(messages::run(&args, &scratch.path().join("messages"))?)
+    } else {
+        None
+    };
     drop(scratch);
 
     print!("{}", figures.table());
+    if let Some(m) = &messages {
+        print!("{m}");
+    }
     if let Some(path) = &args.output {
         let json = serde_json::to_vec_pretty(&figures.to_json()).expect("figures serialize");
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;

@@ -9,6 +9,7 @@
 //! in `rotary-engine`.
 
 pub mod client;
+pub mod message;
 
 pub use rotary_proto::{fragment_name, repl, shard_of, spec, status, wire};
 pub use rotary_proto::{JournalSpec, LabelSelector, LabelSet, Status};
