@@ -86,6 +86,8 @@ struct Cluster {
     etcd: rotary_etcd::testing::Etcd,
     ttl: Duration,
     brokers: Vec<Broker>,
+    /// The journal's fragment store (a directory).
+    store: PathBuf,
 }
 
 impl Cluster {
@@ -144,6 +146,9 @@ impl Cluster {
     }
 }
 
+/// When each acknowledged append was sent, and when its ack came.
+type Times = Arc<Mutex<Vec<(Instant, Instant)>>>;
+
 /// Acknowledged records: (writer, sequence) → the offsets of their append.
 type Acked = Arc<Mutex<BTreeMap<(u32, u64), (u64, u64)>>>;
 
@@ -156,6 +161,7 @@ pub fn run(exe: &Path, dir: &Path, ttl: Duration) -> anyhow::Result<Failover> {
         etcd,
         ttl,
         brokers: Vec::new(),
+        store: dir.join("store"),
     };
     for i in 0..BROKERS {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -181,10 +187,10 @@ pub fn run(exe: &Path, dir: &Path, ttl: Duration) -> anyhow::Result<Failover> {
 async fn measure(cluster: &mut Cluster) -> anyhow::Result<Failover> {
     let client = connect(&cluster.endpoints()).await?;
     let journal = "bench/failover";
-    apply(&client, journal, 3).await?;
+    apply(&client, journal, 3, &cluster.store).await?;
     cluster.settled(&client, journal).await?;
     let acked: Acked = Arc::default();
-    let times: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let times: Times = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let writers: Vec<_> = (0..WRITERS)
         .map(|w| {
@@ -210,12 +216,15 @@ async fn measure(cluster: &mut Cluster) -> anyhow::Result<Failover> {
         let killed_at = Instant::now();
         cluster.brokers[i].child.take();
         let first = loop {
+            // The first ack of an append sent after the kill: an append in
+            // flight at the kill may be acknowledged by the dying primary.
             let after = times
                 .lock()
                 .expect("times")
                 .iter()
-                .copied()
-                .find(|t| *t > killed_at);
+                .filter(|(sent, _)| *sent > killed_at)
+                .map(|(_, acked)| *acked)
+                .min();
             if let Some(t) = after {
                 break t;
             }
@@ -240,6 +249,7 @@ async fn measure(cluster: &mut Cluster) -> anyhow::Result<Failover> {
     }
     let acked = acked.lock().expect("acked").clone();
     let lost = count_lost(&client, journal, &acked).await?;
+    report_store(&cluster.store.join(journal));
     let idle = idle_writes(cluster, &client).await?;
     Ok(Failover {
         lease_ttl_ms: cluster.ttl.as_millis() as u64,
@@ -267,8 +277,19 @@ async fn connect(endpoints: &str) -> anyhow::Result<Client> {
     }
 }
 
-async fn apply(client: &Client, journal: &str, replication: u32) -> anyhow::Result<()> {
-    let spec = format!("- {{name: {journal}, replication: {replication}}}\n");
+/// Applies the journal, with a `file://` store: replicas added after a
+/// kill hold only the bytes from their join on, and the history before it
+/// is read from the store.
+async fn apply(
+    client: &Client,
+    journal: &str,
+    replication: u32,
+    store: &Path,
+) -> anyhow::Result<()> {
+    let spec = format!(
+        "- {{name: {journal}, replication: {replication}, fragment: {{stores: [\"file://{}/\"]}}}}\n",
+        store.display()
+    );
     let specs = rotary_net::spec::parse_specs(&spec).context("spec")?;
     client.apply(&specs).await.context("applying the journal")?;
     Ok(())
@@ -287,7 +308,7 @@ async fn write(
     journal: &str,
     writer: u32,
     acked: Acked,
-    times: Arc<Mutex<Vec<Instant>>>,
+    times: Times,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
     let req = AppendRequest {
@@ -296,13 +317,14 @@ async fn write(
     };
     let mut seq = 0u64;
     while !stop.load(Ordering::Relaxed) {
+        let sent = Instant::now();
         match client.append(&req, record(writer, seq)).await {
             Ok(r) => {
                 acked
                     .lock()
                     .expect("acked")
                     .insert((writer, seq), (r.begin, r.end));
-                times.lock().expect("times").push(Instant::now());
+                times.lock().expect("times").push((sent, Instant::now()));
             }
             Err(e) => eprintln!("failover: writer {writer}, append {seq} failed: {e}"),
         }
@@ -329,14 +351,34 @@ async fn count_lost(
         .await
         .context("reading the journal")?;
     while let Some(event) = stream.next().await {
-        if let rotary_net::client::ReadEvent::Data { content, .. } = event.context("read")? {
+        if let rotary_net::client::ReadEvent::Data { offset, content } = event.context("read")? {
+            // A gap (bytes no broker or store holds) stays zeroes: lost.
+            bytes.resize(offset as usize, 0);
             bytes.extend_from_slice(&content);
         }
     }
-    Ok(acked
+    let lost: Vec<(u64, u64)> = acked
         .iter()
         .filter(|((w, s), (b, e))| bytes.get(*b as usize..*e as usize) != Some(&record(*w, *s)[..]))
-        .count())
+        .map(|(_, span)| *span)
+        .collect();
+    if let (Some(first), Some(last)) = (lost.first(), lost.last()) {
+        let zeroes = lost
+            .iter()
+            .filter(|(b, e)| {
+                bytes
+                    .get(*b as usize..*e as usize)
+                    .is_none_or(|s| s.iter().all(|x| *x == 0))
+            })
+            .count();
+        eprintln!(
+            "failover: {} acknowledged records not read back, from offset {} to {}; {zeroes} of them in spans the read skipped",
+            lost.len(),
+            first.0,
+            last.1
+        );
+    }
+    Ok(lost.len())
 }
 
 /// etcd writes per journal and hour while nothing happens: 100 journals
@@ -371,4 +413,34 @@ async fn idle_writes(cluster: &Cluster, client: &Client) -> anyhow::Result<f64> 
         .revision;
     let per_hour = (after - before) as f64 * 3600.0 / IDLE_WATCH.as_secs_f64();
     Ok(per_hour / IDLE_JOURNALS as f64)
+}
+
+/// Prints the spans the store's fragments of the journal cover, and the
+/// gaps between them.
+fn report_store(dir: &Path) {
+    let mut spans: Vec<(u64, u64)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let mut parts = name.split('-');
+            let b = u64::from_str_radix(parts.next()?, 16).ok()?;
+            let e = u64::from_str_radix(parts.next()?, 16).ok()?;
+            Some((b, e))
+        })
+        .collect();
+    spans.sort_unstable();
+    let mut covered = 0u64;
+    let mut gaps = Vec::new();
+    for (b, e) in &spans {
+        if *b > covered {
+            gaps.push((covered, *b));
+        }
+        covered = covered.max(*e);
+    }
+    eprintln!(
+        "failover: the store holds {} fragments up to offset {covered}; gaps: {gaps:?}",
+        spans.len()
+    );
 }
