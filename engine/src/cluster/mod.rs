@@ -74,10 +74,7 @@ impl EtcdConfig {
 /// Milliseconds on the process's monotonic clock, from its first call.
 pub fn now_ms() -> u64 {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    EPOCH
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64
+    EPOCH.get_or_init(crate::clock::now).elapsed().as_millis() as u64
 }
 
 /// A broker's place in the cluster: the control thread, started but not

@@ -243,7 +243,7 @@ const TRASH_PREFIX: &str = "deleted-";
 fn trash_dir(shard_dir: &std::path::Path) -> PathBuf {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let nanos = SystemTime::now()
+    let nanos = crate::clock::wall()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     shard_dir.join(format!("{TRASH_PREFIX}{nanos:x}-{n}"))
