@@ -3,13 +3,16 @@
 //! `Instant::now()` or `SystemTime::now()` itself (`clippy.toml` forbids
 //! them).
 //!
-//! It is module-level, not a `Clock` field threaded through `Shard`: time is
-//! read by the shard, the journals, the connections, the pipeline and the
-//! reaper, and threading one value through all of them is a refactor of its
-//! own. Each shard runs on one thread, so a test that installs a manual
-//! clock on that thread ([`install`]) drives every time-based decision the
-//! shard makes; pure decisions (`TokenBucket::admit`) take their time as an
-//! argument.
+//! The clock is injected per shard, at the thread: `ServeConfig::clock`
+//! goes into each `ShardConfig`, and the thread that runs a shard installs
+//! it ([`install`]) before opening the shard, so every time-based decision
+//! of that shard (stage, flusher, pipeline, journals, connections) reads it.
+//! Call sites then use the module-level functions rather than a `Clock`
+//! field on `Shard`: time is read by the shard, the journals, the
+//! connections, the pipeline and the reaper, and threading one value
+//! through all of their signatures is a refactor of its own. Pure decisions
+//! (`TokenBucket::admit`) take their time as an argument. Threads other than
+//! the shards' (reaper, cluster control, hashers) read the real clock.
 
 pub use rotary_proto::clock::{install, now, unix_nanos, wall, Clock, Installed};
 

@@ -110,6 +110,9 @@ pub struct ServeConfig {
     /// it proposed a batch to replicas, while their acks are awaited (see
     /// `Shard::poll_for_acks`). Zero: it sleeps at once.
     pub ack_poll: Duration,
+    /// The clock each shard's thread reads (see `clock`): the real one but
+    /// in tests that set and move time.
+    pub clock: clock::Clock,
 }
 
 /// [`ServeConfig::shard_slice`] by default: the shortest the kernel allows.
@@ -144,6 +147,7 @@ impl ServeConfig {
             hash_backlog_bytes: hasher::BACKLOG_BYTES,
             shard_slice: SHARD_SLICE_DEFAULT,
             ack_poll: ACK_POLL_DEFAULT,
+            clock: clock::Clock::real(),
         }
     }
 }
@@ -518,6 +522,7 @@ impl Broker {
                     peer_silence: config.peer_silence,
                     replica_ack_timeout: config.replica_ack_timeout,
                     ack_poll: config.ack_poll,
+                    clock: config.clock.clone(),
                     // With one core there is nowhere else to hash.
                     hasher: if hash_cores[n].is_empty() {
                         None
@@ -675,6 +680,8 @@ fn shard_runtime(
 
 fn run_shard(ctx: ShardContext) {
     metrics::set_thread_shard(ctx.shard.index);
+    // Every time-based decision of this shard reads this clock.
+    let _clock = clock::install(ctx.shard.clock.clone());
     let rt = match shard_runtime(ctx.core, ctx.ring_entries) {
         Ok((rt, _)) => rt,
         Err(e) => {

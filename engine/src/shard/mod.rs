@@ -221,6 +221,9 @@ pub struct ShardConfig {
     /// Hashes large appends' own SHA-1 off the shard's thread; `None` on a
     /// broker with one core.
     pub hasher: Option<crate::hasher::Hasher>,
+    /// The clock the shard's thread reads; installed by the thread that
+    /// runs the shard, before it opens it.
+    pub clock: crate::clock::Clock,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.

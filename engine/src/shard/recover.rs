@@ -157,6 +157,7 @@ impl Shard {
             replica_ack_timeout,
             ack_poll,
             hasher,
+            clock: _,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         let (mut log, replayed) = Self::open_log(&dir, &specs).await?;
