@@ -2,7 +2,6 @@
 //! commit nothing, reads and admin keep working, and appends succeed again
 //! once space returns. Runs on a small tmpfs of its own, which needs root
 //! (as in CI); elsewhere it says so and checks nothing.
-#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

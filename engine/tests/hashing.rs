@@ -1,6 +1,5 @@
 //! Large appends whose own SHA-1 the shard's hasher thread computes: their
 //! replies, their bytes, and appends rolled back while it held them.
-#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -1,6 +1,5 @@
 //! In-process broker tests over real sockets: the engine's append, read and
 //! recovery paths, driven with raw frames (no client library).
-#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 
