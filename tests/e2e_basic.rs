@@ -1,5 +1,6 @@
 //! End-to-end: append/read round trips through the client library and the
 //! CLI, blocking tails, journal admin through the CLI, fsync journals.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! End-to-end: many concurrent writers pipelining appends to one journal.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

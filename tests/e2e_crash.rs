@@ -1,5 +1,6 @@
 //! End-to-end: dying clients leave no trace; a broker killed with SIGKILL
 //! loses nothing it acknowledged and shows no partial append.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! A cluster on etcd, end to end: a real `etcd` and real `rotary serve
 //! --etcd` processes on loopback. Journals are assigned by the allocator,
 //! move when a broker dies or leaves, and never lose an acknowledged byte.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -5,6 +5,7 @@
 //! by clients) and refuses appends until its head is reset; retention
 //! prunes; a store outage delays uploads without losing them; journals whose
 //! names prefix each other keep apart.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

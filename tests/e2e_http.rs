@@ -5,6 +5,7 @@
 //!
 //! HTTP is spoken over plain TCP sockets here, so that every byte on the
 //! wire (chunked bodies, garbage, a client that stalls) is the test's.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

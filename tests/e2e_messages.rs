@@ -14,6 +14,7 @@
 //!   message for message; a damaged frame in the middle is skipped and
 //!   counted.
 //! - `rotary publish` and `rotary consume` from the shell.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -13,6 +13,7 @@
 //!
 //! Copies are compared through pinned clients (every request to one broker)
 //! with DO_NOT_PROXY, so each broker answers from what it holds itself.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! End-to-end: append preconditions, register sequences and every status a
 //! client can provoke, plus malformed frames on raw sockets.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

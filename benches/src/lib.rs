@@ -42,6 +42,7 @@
 //! figures are reported, and the table says whether each target was met.
 
 #![deny(unsafe_code)]
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 mod allocator;
 mod backfill;

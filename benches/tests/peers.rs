@@ -8,6 +8,7 @@
 //! The servers are not part of the build, so the tests are ignored by
 //! default; `benches/peers/run.sh` installs them. Run with
 //! `cargo test -p rotary-benches --test peers -- --ignored`.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 use bytes::Bytes;
 use futures_util::future::join_all;

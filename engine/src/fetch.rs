@@ -306,7 +306,7 @@ impl Piece {
             corrupt: None,
             // Hashed into `sha1` as it was copied.
             verified: true,
-            sealed_at: std::time::SystemTime::now(),
+            sealed_at: crate::clock::wall(),
         })
     }
 }

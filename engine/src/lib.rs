@@ -12,6 +12,7 @@ pub mod allocator;
 pub mod append;
 pub mod budget;
 pub mod check;
+pub mod clock;
 pub mod cluster;
 pub mod conn;
 pub mod fetch;
@@ -109,6 +110,9 @@ pub struct ServeConfig {
     /// it proposed a batch to replicas, while their acks are awaited (see
     /// `Shard::poll_for_acks`). Zero: it sleeps at once.
     pub ack_poll: Duration,
+    /// The clock each shard's thread reads (see `clock`): the real one but
+    /// in tests that set and move time.
+    pub clock: clock::Clock,
 }
 
 /// [`ServeConfig::shard_slice`] by default: the shortest the kernel allows.
@@ -143,6 +147,7 @@ impl ServeConfig {
             hash_backlog_bytes: hasher::BACKLOG_BYTES,
             shard_slice: SHARD_SLICE_DEFAULT,
             ack_poll: ACK_POLL_DEFAULT,
+            clock: clock::Clock::real(),
         }
     }
 }
@@ -517,6 +522,7 @@ impl Broker {
                     peer_silence: config.peer_silence,
                     replica_ack_timeout: config.replica_ack_timeout,
                     ack_poll: config.ack_poll,
+                    clock: config.clock.clone(),
                     // With one core there is nowhere else to hash.
                     hasher: if hash_cores[n].is_empty() {
                         None
@@ -582,9 +588,9 @@ impl Broker {
         for s in &self.stops {
             let _ = s.try_send(());
         }
-        let deadline = std::time::Instant::now() + SHUTDOWN_DRAIN;
+        let deadline = crate::clock::now() + SHUTDOWN_DRAIN;
         for _ in 0..self.stops.len() {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left = deadline.saturating_duration_since(crate::clock::now());
             if self.done.recv_timeout(left).is_err() {
                 tracing::warn!("a shard did not drain in time");
                 break;
@@ -605,12 +611,11 @@ impl Broker {
 const BIND_RETRY_FOR: Duration = Duration::from_secs(2);
 
 fn bind_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    let deadline = std::time::Instant::now() + BIND_RETRY_FOR;
+    let deadline = crate::clock::now() + BIND_RETRY_FOR;
     loop {
         match std::net::TcpListener::bind(addr) {
             Err(e)
-                if e.kind() == std::io::ErrorKind::AddrInUse
-                    && std::time::Instant::now() < deadline =>
+                if e.kind() == std::io::ErrorKind::AddrInUse && crate::clock::now() < deadline =>
             {
                 std::thread::sleep(Duration::from_millis(50));
             }
@@ -675,6 +680,8 @@ fn shard_runtime(
 
 fn run_shard(ctx: ShardContext) {
     metrics::set_thread_shard(ctx.shard.index);
+    // Every time-based decision of this shard reads this clock.
+    let _clock = clock::install(ctx.shard.clock.clone());
     let rt = match shard_runtime(ctx.core, ctx.ring_entries) {
         Ok((rt, _)) => rt,
         Err(e) => {
@@ -777,7 +784,7 @@ fn run_shard(ctx: ShardContext) {
                         } else {
                             tracing::warn!(error = %e, failures, "accept failed");
                         }
-                        warned = Some(std::time::Instant::now());
+                        warned = Some(crate::clock::now());
                         failures = 0;
                     }
                     if out_of_fds && spare.is_some() {
@@ -1031,7 +1038,7 @@ mod tests {
         let l = super::bind_listener(addr).expect("bound once the port came free");
         assert_eq!(l.local_addr().unwrap(), addr);
         freed.join().unwrap();
-        let started = std::time::Instant::now();
+        let started = crate::clock::now();
         let e = super::bind_listener(addr).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
         assert!(started.elapsed() >= super::BIND_RETRY_FOR);

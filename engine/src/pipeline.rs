@@ -21,7 +21,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a primary waits for a replica's ack before it gives the
 /// pipeline up, unless configured (`rotary serve --replica-ack-timeout`).
@@ -231,7 +231,7 @@ impl Pipeline {
         if let Some(ack) = self.take(seq) {
             return Ok(ack);
         }
-        let deadline = Instant::now() + self.ack_timeout;
+        let deadline = crate::clock::now() + self.ack_timeout;
         let event = Rc::new(Event::new());
         self.waiters.borrow_mut().insert(seq, event.clone());
         let _waiting = Waiting {
@@ -246,7 +246,7 @@ impl Pipeline {
             if self.live_epoch() != Some(epoch) {
                 return Err(self.broken_failure());
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(crate::clock::now());
             if left.is_zero() || compio::time::timeout(left, l).await.is_err() {
                 // A replica that stops answering is treated as gone.
                 tracing::warn!(peer = %self.peer, seq, "no ack from replica in time; closing the pipeline");

@@ -113,7 +113,7 @@ fn reap(rx: crossbeam_channel::Receiver<Job>) {
     loop {
         let job = match held.front() {
             Some((until, _)) => {
-                match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                match rx.recv_timeout(until.saturating_duration_since(crate::clock::now())) {
                     Ok(job) => Some(job),
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
                     Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
@@ -134,9 +134,9 @@ fn reap(rx: crossbeam_channel::Receiver<Job>) {
             }
             Some(Job::Dir(path, keep)) => {
                 remove(&path, std::fs::remove_dir_all(&path));
-                held.push_back((Instant::now() + JOURNAL_GRACE, keep));
+                held.push_back((crate::clock::now() + JOURNAL_GRACE, keep));
             }
-            Some(Job::Hold(keep)) => held.push_back((Instant::now() + JOURNAL_GRACE, keep)),
+            Some(Job::Hold(keep)) => held.push_back((crate::clock::now() + JOURNAL_GRACE, keep)),
             Some(Job::Flush(done)) => {
                 let _ = done.send(());
             }
@@ -148,7 +148,7 @@ fn reap(rx: crossbeam_channel::Receiver<Job>) {
         }
         while held
             .front()
-            .is_some_and(|(until, _)| *until <= Instant::now())
+            .is_some_and(|(until, _)| *until <= crate::clock::now())
         {
             let (_, files) = held.pop_front().expect("front");
             for f in &files {

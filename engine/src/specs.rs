@@ -60,7 +60,7 @@ pub fn check_revision(revision: u64) -> Result<u64, String> {
 }
 
 fn now_nanos() -> u64 {
-    std::time::SystemTime::now()
+    crate::clock::wall()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
 }

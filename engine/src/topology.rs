@@ -765,10 +765,10 @@ mod tests {
             std::fs::rename(&tmp, &p).unwrap();
         };
         let wait_for = |t: &Topology, n: usize| {
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let deadline = crate::clock::now() + Duration::from_secs(10);
             while t.views().current.brokers.len() != n {
                 assert!(
-                    std::time::Instant::now() < deadline,
+                    crate::clock::now() < deadline,
                     "the watcher did not see a file of {n} brokers: {:?}",
                     ids(&t.views().current)
                 );

@@ -2,6 +2,7 @@
 //! a broker started on an empty data directory serves them at their
 //! offsets (proxied and as locations), refuses appends until the head is
 //! reset, and a clean shutdown uploads the open spool.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

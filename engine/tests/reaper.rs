@@ -5,6 +5,7 @@
 //! removes, so that what it does to the file's blocks stays observable.
 //! One test in this binary: [`reaper::flush`] elsewhere would make the
 //! reaper free everything at once.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 use rotary_engine::reaper::{self, FREE_STEP};
 use std::path::Path;

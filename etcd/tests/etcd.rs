@@ -1,4 +1,5 @@
 //! The client against a real etcd, started by the harness on free ports.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 use std::time::Duration;
 

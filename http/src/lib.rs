@@ -14,6 +14,7 @@
 //! at once), [`HttpConfig::body_limit_bytes`] per PUT (413 beyond), and
 //! [`HttpConfig::timeout`] for a request's headers to arrive and between
 //! the pieces of its body (a slow-loris client is cut off).
+#![allow(clippy::disallowed_methods)] // The HTTP gateway runs on tokio's real time; outside the engine's clock.
 
 mod body;
 mod exporter;

@@ -1845,7 +1845,7 @@ mod tests {
         let (addr, pings) = silent_broker(false).await;
         let silence = Duration::from_millis(150);
         let client = Client::connect_with(&addr, quick(silence)).await.unwrap();
-        let started = std::time::Instant::now();
+        let started = rotary_proto::clock::now();
         let err = tokio::time::timeout(Duration::from_secs(10), client.stats())
             .await
             .expect("the silent broker is given up on well before 10 s")

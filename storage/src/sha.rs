@@ -404,6 +404,7 @@ mod tests {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // Measures real hashing rates.
 mod speed {
     use super::*;
 

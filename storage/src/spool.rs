@@ -731,7 +731,7 @@ impl Spool {
             corrupt: None,
             // Every byte was hashed into `sha1` as it was staged.
             verified: true,
-            sealed_at: std::time::SystemTime::now(),
+            sealed_at: rotary_proto::clock::wall(),
         }))
     }
 }

@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 use store::{Backend, Store};
 
 pub use name::FragmentName;
@@ -285,14 +285,14 @@ impl Uploader {
     /// if idle. For shutdown and tests: never call it on a shard's executor.
     pub fn wait_idle(&self, timeout: Duration) -> bool {
         let metrics = &self.inner.shared.metrics;
-        let deadline = Instant::now() + timeout;
+        let deadline = rotary_proto::clock::now() + timeout;
         loop {
             let busy =
                 metrics.queued.load(Ordering::Acquire) + metrics.in_flight.load(Ordering::Acquire);
             if busy == 0 {
                 return true;
             }
-            if Instant::now() >= deadline {
+            if rotary_proto::clock::now() >= deadline {
                 return false;
             }
             std::thread::sleep(IDLE_POLL);
@@ -439,7 +439,7 @@ enum Uploaded {
 }
 
 async fn run_job(shared: &Shared, job: UploadJob) {
-    let started = Instant::now();
+    let started = rotary_proto::clock::now();
     let done = job.done.clone();
     let (journal, begin, end, sha1) = (job.journal.clone(), job.begin, job.end, job.sha1);
     let result = upload(shared, job).await;

@@ -1,4 +1,5 @@
 //! The uploader against a `file://` store in a temporary directory.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -4,6 +4,7 @@
 //! The server is found via `ROTARY_MOTO_SERVER`, else at
 //! `/tmp/rotary-moto/bin/moto_server`. Without it these tests fail, saying
 //! how to install it; CI installs it.
+#![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! `rotary-bench`: the benchmark harness on its own, with the same flags as
 //! `rotary bench`.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use clap::Parser;
 

@@ -7,6 +7,7 @@
 //! shard that takes it, and times each from call to return: the time that
 //! shard would serve nothing. Prints the percentiles and the slowest
 //! changes, and the change logs and snapshot on disk at the end.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use clap::Parser;
 use hdrhistogram::Histogram;

@@ -7,6 +7,7 @@
 //! before staging the next; the figure is the bytes over the time spent in
 //! the writes alone (staging and hashing are left out), so it compares
 //! what the disk does with the two kinds of file.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use clap::Parser;
 use rotary_storage::spool::{Spool, SpoolSizing};

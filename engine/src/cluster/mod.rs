@@ -71,12 +71,13 @@ impl EtcdConfig {
     }
 }
 
-/// Milliseconds on the process's monotonic clock, from its first call.
+/// Milliseconds on the calling thread's clock (`crate::clock`), from the
+/// first call in the process.
 pub fn now_ms() -> u64 {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    EPOCH
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
+    let epoch = *EPOCH.get_or_init(crate::clock::now);
+    crate::clock::now()
+        .saturating_duration_since(epoch)
         .as_millis() as u64
 }
 

@@ -534,7 +534,7 @@ async fn answer_fragments(
     id: u64,
     page: PageRequest,
 ) {
-    let deadline = Instant::now() + FRAGMENTS_LISTING_WAIT;
+    let deadline = crate::clock::now() + FRAGMENTS_LISTING_WAIT;
     loop {
         let listen = j.borrow().committed.listen();
         let (listed, failed) = {
@@ -544,7 +544,7 @@ async fn answer_fragments(
         if listed {
             break;
         }
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(crate::clock::now());
         let failed = failed.or_else(|| {
             left.is_zero()
                 .then(|| format!("no listing in {FRAGMENTS_LISTING_WAIT:?}"))

@@ -136,7 +136,7 @@ impl Conn {
             complete: Cell::new(!more),
             aborted: Cell::new(None),
             finished: Cell::new(false),
-            last_activity: Cell::new(Instant::now()),
+            last_activity: Cell::new(crate::clock::now()),
             budget: self.budget.clone(),
             replica: None,
         });
@@ -228,7 +228,7 @@ impl Conn {
             self.shard.mark_ready(&j);
             return;
         }
-        op.last_activity.set(Instant::now());
+        op.last_activity.set(crate::clock::now());
         if frame.flags & flag::ABORT != 0 {
             op.aborted.set(Some(AbortReason::Client));
             self.appends.remove(&id);

@@ -134,10 +134,8 @@ impl Conn {
     /// Waits (bounded) until the spec store took etcd's change at
     /// `revision`, so that a LIST right after an APPLY shows it.
     async fn wait_for_revision(&self, revision: i64) {
-        let give_up = std::time::Instant::now() + REVISION_WAIT_MAX;
-        while self.shard.specs.revision_seen() < revision as u64
-            && std::time::Instant::now() < give_up
-        {
+        let give_up = crate::clock::now() + REVISION_WAIT_MAX;
+        while self.shard.specs.revision_seen() < revision as u64 && crate::clock::now() < give_up {
             compio::time::sleep(Duration::from_millis(2)).await;
         }
     }

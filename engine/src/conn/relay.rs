@@ -33,7 +33,7 @@ impl RelayWatch {
         RelayWatch {
             pending: RefCell::new(HashSet::new()),
             proxied: RefCell::new(HashSet::new()),
-            heard: Cell::new(Instant::now()),
+            heard: Cell::new(crate::clock::now()),
             abandoned: Cell::new(false),
         }
     }
@@ -110,7 +110,7 @@ pub(super) async fn pump(mut rd: TcpStream, client: Rc<Outbox>, relay: Relay) {
             // Its requests were answered already.
             return;
         }
-        relay.watch.heard.set(Instant::now());
+        relay.watch.heard.set(crate::clock::now());
         match res {
             Ok(0) | Err(_) => break,
             Ok(_) => {}
@@ -151,7 +151,7 @@ pub(super) async fn watch(peer: SocketAddr, client: Rc<Outbox>, relay: Relay, si
         }
         match probe {
             None => {
-                probe = Some(Instant::now());
+                probe = Some(crate::clock::now());
                 let mut ping = Vec::new();
                 wire::encode_frame(&mut ping, Op::PING, 0, Status::OK, RELAY_PROBE_ID, &[], &[]);
                 relay.out.raw(&ping);

@@ -81,7 +81,7 @@ impl Conn {
                     if let repl::Record::Content { bytes, .. } = &rec {
                         self.push_bytes(&op, bytes, frame);
                     }
-                    op.last_activity.set(Instant::now());
+                    op.last_activity.set(crate::clock::now());
                     self.shard.mark_ready(j);
                 }
             }
@@ -164,7 +164,7 @@ impl Conn {
             complete: Cell::new(false),
             aborted: Cell::new(None),
             finished: Cell::new(false),
-            last_activity: Cell::new(Instant::now()),
+            last_activity: Cell::new(crate::clock::now()),
             budget: self.budget.clone(),
             replica: Some(ReplicaOp {
                 sink: sink.clone(),

@@ -190,7 +190,7 @@ mod tests {
             complete: Cell::new(false),
             aborted: Cell::new(None),
             finished: Cell::new(false),
-            last_activity: Cell::new(Instant::now()),
+            last_activity: Cell::new(crate::clock::now()),
             budget: Rc::new(crate::budget::Budget::default()),
             replica: replica.then(|| ReplicaOp {
                 sink: crate::append::AckSink::new(outbox),

@@ -28,7 +28,7 @@ impl Journal {
         self.index_error = None;
         self.index_forgotten = true;
         self.listing_hurried = false;
-        self.last_listing = Some(Instant::now());
+        self.last_listing = Some(crate::clock::now());
         self.remote = Vec::new();
         self.confirmed.clear();
         self.remote_changed();

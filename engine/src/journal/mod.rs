@@ -52,7 +52,7 @@ impl Repeated {
             self.held.set(self.held.get() + 1);
             return None;
         }
-        self.last.set(Some(Instant::now()));
+        self.last.set(Some(crate::clock::now()));
         Some(self.held.replace(0))
     }
 }
@@ -258,7 +258,7 @@ impl Journal {
             replica: None,
             awaiting: VecDeque::new(),
             sync_waiters: Vec::new(),
-            last_append: Instant::now(),
+            last_append: crate::clock::now(),
             queue: VecDeque::new(),
             active: None,
             staged: Vec::new(),
@@ -575,7 +575,8 @@ mod tests {
         assert_eq!(r.due(), Some(0));
         assert_eq!(r.due(), None);
         assert_eq!(r.due(), None);
-        r.last.set(Instant::now().checked_sub(REPEAT_WARN_INTERVAL));
+        r.last
+            .set(crate::clock::now().checked_sub(REPEAT_WARN_INTERVAL));
         assert_eq!(r.due(), Some(2));
         assert_eq!(r.due(), None);
     }
@@ -603,7 +604,7 @@ mod tests {
             .unwrap()
             .0
             .last
-            .set(Instant::now().checked_sub(REPEAT_WARN_INTERVAL));
+            .set(crate::clock::now().checked_sub(REPEAT_WARN_INTERVAL));
         assert_eq!(f.failed(SharedWork::Listing, a), Some(2));
         assert!(f.worked(SharedWork::Listing, a));
         assert!(f.worked(SharedWork::Upload, a));
@@ -740,7 +741,7 @@ mod tests {
 
     #[test]
     fn token_bucket_admits_its_rate() {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut b = TokenBucket::new(1000);
         // One second of burst, then nothing until the bucket refills.
         assert_eq!(b.admit(600, now), Ok(600));

@@ -15,7 +15,7 @@ impl TokenBucket {
         TokenBucket {
             rate,
             tokens: rate as f64,
-            last: Instant::now(),
+            last: crate::clock::now(),
         }
     }
 

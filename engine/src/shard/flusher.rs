@@ -58,7 +58,7 @@ impl Shard {
     }
 
     pub(super) async fn turn(self: &Rc<Self>) {
-        let started = Instant::now();
+        let started = crate::clock::now();
         let ready = self.take_ready();
 
         // 1. Prepare, every journal at once: seals, new spools and tail
@@ -66,7 +66,7 @@ impl Shard {
         // sealing at the same flush-interval boundary would otherwise wait
         // for each other's.
         join_all(ready.iter().map(|j| self.prepare(j))).await;
-        let prepared = Instant::now();
+        let prepared = crate::clock::now();
         // 2. Stage.
         let mut again = Vec::new();
         for j in &ready {
@@ -74,7 +74,7 @@ impl Shard {
                 again.push(j.clone());
             }
         }
-        let staged_at = Instant::now();
+        let staged_at = crate::clock::now();
         // 3. Write every spool with staged bytes and this batch's commit-log
         // records, all at the same time; `fsync` spools and the log are
         // fdatasync'ed after their writes. A record can thus reach the disk
@@ -113,7 +113,7 @@ impl Shard {
         }
         let mut held = Vec::new();
         let (results, log_result) = self.write_spools(writing, log_written, &mut held).await;
-        let written = Instant::now();
+        let written = crate::clock::now();
         self.settle_writes(results, &log_result, &committing, &early, wrote, &mut held);
         // Journals that failed may have a record in the log naming bytes
         // that are not on disk: the log restates what they hold.
@@ -134,7 +134,7 @@ impl Shard {
             h.j.borrow_mut().staged_with_replicas = h.other_with_replicas;
             again.push(h.j);
         }
-        let acked = Instant::now();
+        let acked = crate::clock::now();
         self.compact_log().await;
         Self::warn_slow_turn(ready.len(), [started, prepared, staged_at, written, acked]);
         // Replica journals with a SYNC waiting go around again once their
@@ -263,7 +263,7 @@ impl Shard {
                 stage_ms = %ms(prepared, staged_at),
                 write_ms = %ms(staged_at, written),
                 ack_ms = %ms(written, acked),
-                compact_ms = %ms(acked, Instant::now()),
+                compact_ms = %ms(acked, crate::clock::now()),
                 "slow turn: the shard's appends waited this long"
             );
         }
@@ -802,7 +802,7 @@ impl Shard {
             // journal was routed away from seals what it holds, so that it
             // can be uploaded: the new members may never have had it.
             idle && match role {
-                Role::Primary(_) => jm.wants_seal(SystemTime::now()),
+                Role::Primary(_) => jm.wants_seal(crate::clock::wall()),
                 Role::Outside(_) => jm.spool.as_ref().is_some_and(|s| !s.is_empty()),
                 Role::Replica(_) => false,
             }
@@ -933,7 +933,7 @@ impl Shard {
         jm.local_head = last.end;
         jm.local_registers = last.registers.clone();
         if jm.spool_since.is_none() {
-            jm.spool_since = Some(SystemTime::now());
+            jm.spool_since = Some(crate::clock::wall());
         }
         staged
     }

@@ -364,7 +364,7 @@ impl Shard {
                 let mut jm = j.borrow_mut();
                 jm.listing = false;
                 jm.index_forgotten = false;
-                jm.last_listing = Some(Instant::now());
+                jm.last_listing = Some(crate::clock::now());
                 match err {
                     None => {
                         jm.set_listing(all, mark);
@@ -407,7 +407,7 @@ impl Shard {
                 self.mark_ready(j);
             }
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::clock::now() + timeout;
         loop {
             let pending = journals.iter().any(|j| {
                 let jm = j.borrow();
@@ -418,7 +418,7 @@ impl Shard {
             if !pending {
                 return true;
             }
-            if Instant::now() >= deadline {
+            if crate::clock::now() >= deadline {
                 return false;
             }
             for j in &journals {
@@ -437,7 +437,7 @@ impl Shard {
         selector: &rotary_net::LabelSelector,
         dry_run: bool,
     ) -> Result<Vec<serde_json::Value>, String> {
-        let now = SystemTime::now();
+        let now = crate::clock::wall();
         // Every store is listed before anything is deleted, so that a
         // store that cannot be listed fails the prune, not half of it.
         let mut due = Vec::new();

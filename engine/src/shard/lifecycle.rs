@@ -102,10 +102,10 @@ impl Shard {
     /// Waits, up to `limit`, until every connection has written out what
     /// it was given to send.
     pub async fn answers_sent(&self, limit: std::time::Duration) {
-        let deadline = Instant::now() + limit;
+        let deadline = crate::clock::now() + limit;
         // Reads woken by the stop answer in their next step.
         yield_now().await;
-        while Instant::now() < deadline {
+        while crate::clock::now() < deadline {
             let pending = self
                 .outboxes
                 .borrow()

@@ -221,6 +221,9 @@ pub struct ShardConfig {
     /// Hashes large appends' own SHA-1 off the shard's thread; `None` on a
     /// broker with one core.
     pub hasher: Option<crate::hasher::Hasher>,
+    /// The clock the shard's thread reads; installed by the thread that
+    /// runs the shard, before it opens it.
+    pub clock: crate::clock::Clock,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -243,7 +246,7 @@ const TRASH_PREFIX: &str = "deleted-";
 fn trash_dir(shard_dir: &std::path::Path) -> PathBuf {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let nanos = SystemTime::now()
+    let nanos = crate::clock::wall()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     shard_dir.join(format!("{TRASH_PREFIX}{nanos:x}-{n}"))

@@ -15,7 +15,7 @@ impl Shard {
     pub(super) async fn catch_up_specs(self: Rc<Self>) {
         const GIVE_UP: std::time::Duration = std::time::Duration::from_secs(60);
         const PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(5);
-        let started = std::time::Instant::now();
+        let started = crate::clock::now();
         let mut pause = std::time::Duration::from_millis(100);
         let view = self.view();
         let mut waiting: Vec<_> = view.brokers.iter().filter(|m| m.id != view.me).collect();

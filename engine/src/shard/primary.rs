@@ -158,12 +158,12 @@ impl Shard {
             }
             drop(l);
             seen = self.proposals.get();
-            let began = Instant::now();
+            let began = crate::clock::now();
             let mut until = began + self.ack_poll;
-            while self.awaiting_acks.get() > 0 && Instant::now() < until {
+            while self.awaiting_acks.get() > 0 && crate::clock::now() < until {
                 if self.proposals.get() != seen {
                     seen = self.proposals.get();
-                    until = Instant::now() + self.ack_poll;
+                    until = crate::clock::now() + self.ack_poll;
                 }
                 yield_now().await;
             }
@@ -236,7 +236,7 @@ impl Shard {
 
     /// Seals due spools and times out idle streamed appends. Runs every second.
     pub async fn tick(self: &Rc<Self>) {
-        let now = SystemTime::now();
+        let now = crate::clock::wall();
         self.check_spares();
         self.take_spec_changes();
         // After a change of the cluster file, a journal that this broker
@@ -322,7 +322,7 @@ impl Shard {
             if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
                 return;
             }
-            jm.last_append = Instant::now();
+            jm.last_append = crate::clock::now();
         }
         let outbox = Rc::new(Outbox::new());
         outbox.close();
@@ -337,7 +337,7 @@ impl Shard {
             complete: Cell::new(true),
             aborted: Cell::new(None),
             finished: Cell::new(false),
-            last_activity: Cell::new(Instant::now()),
+            last_activity: Cell::new(crate::clock::now()),
             budget: Rc::new(crate::budget::Budget::default()),
             replica: None,
         });
@@ -377,7 +377,7 @@ impl Shard {
         }
         let retry = j.borrow().sync_retry.clone();
         if let Some((at, f)) = retry {
-            if Instant::now() < at {
+            if crate::clock::now() < at {
                 // The last SYNC failed moments ago: answer with its cause.
                 self.fail_queue(j, f.status, &f.message);
                 return;
@@ -423,7 +423,7 @@ impl Shard {
                         } else {
                             tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
                         }
-                        jm.sync_retry = Some((Instant::now() + SYNC_RETRY, f));
+                        jm.sync_retry = Some((crate::clock::now() + SYNC_RETRY, f));
                     }
                 }
                 // Reads waiting for the first SYNC get its outcome.
@@ -513,7 +513,7 @@ impl Shard {
                         metrics::add(&self.metrics.takeover_sources_silent, 1);
                         self.silent_sources
                             .borrow_mut()
-                            .insert(m.id.clone(), Instant::now());
+                            .insert(m.id.clone(), crate::clock::now());
                     }
                     tracing::warn!(journal = %name, broker = %m.id, error = %f.message, "a broker of one of the journal's earlier routes does not answer; taking the journal over without its bytes");
                     continue;
@@ -627,7 +627,7 @@ impl Shard {
         // A broker that just started learns from its peers the views it
         // lacks (`catch_up_specs`) before it looks for the brokers a
         // journal left; that takes one ack timeout at most.
-        let started = Instant::now();
+        let started = crate::clock::now();
         while !self.topology.peers_asked() && started.elapsed() < self.replica_ack_timeout {
             compio::time::sleep(std::time::Duration::from_millis(10)).await;
         }

@@ -365,7 +365,7 @@ impl Shard {
                     "size": spool.len(),
                     "store": "local",
                     "path": spool.path().display().to_string(),
-                    "mod_time": unix_secs(SystemTime::now()),
+                    "mod_time": unix_secs(crate::clock::wall()),
                     "open": true,
                 }),
             ));
@@ -531,7 +531,7 @@ impl ReadCall<'_> {
                 // A failure stands until its retry is due.
                 jm.sync_retry
                     .as_ref()
-                    .filter(|(at, _)| Instant::now() < *at && !jm.syncing)
+                    .filter(|(at, _)| crate::clock::now() < *at && !jm.syncing)
                     .map(|(_, f)| f.clone())
             };
             let head = j.borrow().head;

@@ -81,7 +81,7 @@ impl Shard {
         let (index, shards) = (self.index, self.shards);
         // Journals whose last record did not stand, with what stands instead.
         let mut restated: Vec<(String, Option<JournalState>)> = Vec::new();
-        let started = Instant::now();
+        let started = crate::clock::now();
         let mut recovery = Recovery {
             same_boot: rotary_storage::boot::recovered_in_this_boot(&shard.dir),
             ..Recovery::default()
@@ -157,6 +157,7 @@ impl Shard {
             replica_ack_timeout,
             ack_poll,
             hasher,
+            clock: _,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         let (mut log, replayed) = Self::open_log(&dir, &specs).await?;
@@ -314,7 +315,7 @@ impl Shard {
         match (use_spool, found) {
             (true, Some((s, _))) => {
                 *head = s.committed();
-                j.spool_since = Some(SystemTime::now());
+                j.spool_since = Some(crate::clock::wall());
                 j.spool = Some(s);
             }
             _ if candidates[chosen_at..].iter().any(|st| in_spool(st)) => {

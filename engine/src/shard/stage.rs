@@ -67,7 +67,7 @@ impl Shard {
                 let seq = if is_replica_op {
                     op.request_id
                 } else {
-                    jm.last_append = Instant::now();
+                    jm.last_append = crate::clock::now();
                     self.seq()
                 };
                 jm.active = Some(Active {
@@ -77,7 +77,7 @@ impl Shard {
                     sha: crate::append::AppendSha::Inline(Sha1::new()),
                     chunk_pos: 0,
                     seq,
-                    started: Instant::now(),
+                    started: crate::clock::now(),
                 });
             }
             if let Some(again) = self.stage_arrived(j, jm) {
@@ -160,7 +160,7 @@ impl Shard {
             // holds the client back) while its connection goes on
             // serving. A replica's were admitted by its primary.
             let admitted = if client {
-                match jm.rate.admit(bytes.len() as u64, Instant::now()) {
+                match jm.rate.admit(bytes.len() as u64, crate::clock::now()) {
                     Ok(n) => &bytes[..n as usize],
                     Err(wait) => {
                         drop(chunks);

@@ -65,7 +65,7 @@ impl ProducerId {
             use std::hash::{BuildHasher, Hasher};
             let mut h = std::collections::hash_map::RandomState::new().build_hasher();
             h.write_u128(
-                std::time::SystemTime::now()
+                rotary_proto::clock::wall()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_nanos()),
             );
@@ -115,7 +115,7 @@ impl Clock {
 
     /// The wall clock now.
     pub fn wall() -> Clock {
-        let nanos = std::time::SystemTime::now()
+        let nanos = rotary_proto::clock::wall()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         Clock::from_unix_nanos(nanos)

@@ -1,0 +1,48 @@
+//! The engine's clock: [`rotary_proto::clock`], through which every engine
+//! call site reads time (`clock::now()`, `clock::wall()`), never
+//! `Instant::now()` or `SystemTime::now()` itself (`clippy.toml` forbids
+//! them).
+//!
+//! The clock is injected per shard, at the thread: `ServeConfig::clock`
+//! goes into each `ShardConfig`, and the thread that runs a shard installs
+//! it ([`install`]) before opening the shard, so every time-based decision
+//! of that shard (stage, flusher, pipeline, journals, connections) reads it.
+//! Call sites then use the module-level functions rather than a `Clock`
+//! field on `Shard`: time is read by the shard, the journals, the
+//! connections, the pipeline and the reaper, and threading one value
+//! through all of their signatures is a refactor of its own. Pure decisions
+//! (`TokenBucket::admit`) take their time as an argument. Threads other than
+//! the shards' (reaper, cluster control, hashers) read the real clock.
+
+pub use rotary_proto::clock::{install, now, unix_nanos, wall, Clock, Installed};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::journal::TokenBucket;
+    use std::time::Duration;
+
+    /// The append rate limit decides from the clock alone: with the clock
+    /// standing still nothing refills, and half a second later exactly half
+    /// a second's bytes may go.
+    #[test]
+    fn manual_clock_drives_the_append_rate_limit() {
+        let clock = Clock::manual();
+        let _installed = install(clock.clone());
+        let mut bucket = TokenBucket::new(1000);
+        assert_eq!(bucket.admit(1000, now()), Ok(1000));
+        let wait = bucket.admit(1, now()).expect_err("the burst is spent");
+        assert!(
+            wait > Duration::ZERO && wait <= Duration::from_millis(1),
+            "{wait:?}"
+        );
+        // Time stands still: however often asked, nothing more is admitted.
+        assert!(bucket.admit(1, now()).is_err());
+        clock.advance(Duration::from_millis(500));
+        assert_eq!(bucket.admit(1000, now()), Ok(500));
+        assert!(bucket.admit(1, now()).is_err());
+        clock.advance(Duration::from_secs(5));
+        // Refill stops at one second's worth.
+        assert_eq!(bucket.admit(5000, now()), Ok(1000));
+    }
+}
