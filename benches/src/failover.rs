@@ -248,6 +248,10 @@ async fn measure(cluster: &mut Cluster) -> anyhow::Result<Failover> {
         w.await.context("writer")??;
     }
     let acked = acked.lock().expect("acked").clone();
+    // A broker lists the store every refresh_interval (1 s here): history
+    // another broker uploaded after the primary's last listing is read
+    // once the next listing found it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let lost = count_lost(&client, journal, &acked).await?;
     report_store(&cluster.store.join(journal));
     let idle = idle_writes(cluster, &client).await?;
@@ -277,9 +281,9 @@ async fn connect(endpoints: &str) -> anyhow::Result<Client> {
     }
 }
 
-/// Applies the journal, with a `file://` store: replicas added after a
-/// kill hold only the bytes from their join on, and the history before it
-/// is read from the store.
+/// Applies the journal, with a `file://` store listed every second:
+/// replicas added after a kill hold only the bytes from their join on, and
+/// the history before it is read from the store.
 async fn apply(
     client: &Client,
     journal: &str,
@@ -287,7 +291,7 @@ async fn apply(
     store: &Path,
 ) -> anyhow::Result<()> {
     let spec = format!(
-        "- {{name: {journal}, replication: {replication}, fragment: {{stores: [\"file://{}/\"]}}}}\n",
+        "- {{name: {journal}, replication: {replication}, fragment: {{stores: [\"file://{}/\"], refresh_interval: 1s}}}}\n",
         store.display()
     );
     let specs = rotary_net::spec::parse_specs(&spec).context("spec")?;
