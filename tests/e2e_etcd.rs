@@ -276,11 +276,17 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     );
 }
 
-/// The first offset a member's own copy holds (0 unless it joined later).
+/// The first offset a member's own copy holds (0 unless it joined later),
+/// by its local fragments (a store's hold history no member may have).
 async fn member_first_offset(endpoint: &str, journal: &str) -> u64 {
     let client = Client::connect_pinned(endpoint).await.expect("connect");
     let fragments = client.fragments(journal).await.expect("fragments");
-    fragments.iter().map(|f| f.begin).min().unwrap_or(0)
+    fragments
+        .iter()
+        .filter(|f| f.store == "local")
+        .map(|f| f.begin)
+        .min()
+        .unwrap_or(0)
 }
 
 /// The first ack of an append sent after `at`.
@@ -365,7 +371,15 @@ async fn check_journal_and_members(
 async fn a_rolling_restart_under_load_fails_no_append() {
     let mut c = EtcdCluster::start(4, 1, TTL);
     let journal = "etcd/rolling";
-    let (code, err) = apply_yaml(&c, &format!("- {{name: {journal}, replication: 3}}\n"));
+    // Each broker comes back holding nothing of the journal, and after
+    // the last restart no broker holds its first bytes: its history lives
+    // in its store, where each broker's exit uploads its spools.
+    let store = tempfile::tempdir().expect("store dir");
+    let yaml = format!(
+        "- {{name: {journal}, replication: 3, fragment: {{stores: [\"file://{}/\"], refresh_interval: 1s}}}}\n",
+        store.path().display()
+    );
+    let (code, err) = apply_yaml(&c, &yaml);
     assert_eq!(code, 0, "{err}");
     c.assigned(journal, 3).await;
 
@@ -399,7 +413,38 @@ async fn a_rolling_restart_under_load_fails_no_append() {
     eprintln!("{acks} appends acknowledged during the rolling restart");
 
     let last = c.assigned(journal, 3).await;
+    // Fragments the drained brokers uploaded on their way out reach the
+    // primary's index with its next listing of the store.
+    let primary = Client::connect_pinned(&c.brokers[c.index(&last.route.primary)].endpoint())
+        .await
+        .expect("connect pinned");
+    let deadline = Instant::now() + WRITER_RETRY;
+    loop {
+        let fragments = primary.fragments(journal).await.expect("fragments");
+        match first_gap(&fragments) {
+            None => break,
+            Some(gap) => assert!(
+                Instant::now() < deadline,
+                "{journal}'s fragments leave {gap:?} uncovered: {fragments:#?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     check_journal_and_members(&c, &client, journal, &last, &acked).await;
+}
+
+/// The first range from 0 that none of `fragments` covers, below their end.
+fn first_gap(fragments: &[rotary_net::client::FragmentInfo]) -> Option<(u64, u64)> {
+    let mut sorted: Vec<(u64, u64)> = fragments.iter().map(|f| (f.begin, f.end)).collect();
+    sorted.sort();
+    let mut covered = 0;
+    for (begin, end) in sorted {
+        if begin > covered {
+            return Some((covered, begin));
+        }
+        covered = covered.max(end);
+    }
+    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
