@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 const TTL: &str = "3s";
 /// How long writers keep trying an append while its journal fails over.
 const WRITER_RETRY: Duration = Duration::from_secs(30);
+/// How long writers that must get past a hung broker wait for a silent
+/// connection before probing it (it fails at twice this).
+const HUNG_SILENCE: Duration = Duration::from_secs(2);
 
 /// Applies `specs` through the CLI, as YAML; returns the exit code and stderr.
 fn apply_yaml(c: &EtcdCluster, yaml: &str) -> (i32, String) {
@@ -274,11 +277,17 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     );
 }
 
-/// The first offset a member's own copy holds (0 unless it joined later).
+/// The first offset a member's own copy holds (0 unless it joined later),
+/// by its local fragments (a store's hold history no member may have).
 async fn member_first_offset(endpoint: &str, journal: &str) -> u64 {
     let client = Client::connect_pinned(endpoint).await.expect("connect");
     let fragments = client.fragments(journal).await.expect("fragments");
-    fragments.iter().map(|f| f.begin).min().unwrap_or(0)
+    fragments
+        .iter()
+        .filter(|f| f.store == "local")
+        .map(|f| f.begin)
+        .min()
+        .unwrap_or(0)
 }
 
 /// The first ack of an append sent after `at`.
@@ -300,5 +309,306 @@ async fn wait_for_ack_after(times: &Times, at: Instant) {
             "no append acknowledged after the fault"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A client bootstrapped at the brokers `at` (indexes) only, retrying
+/// appends for `retry`, and giving up on a connection silent for twice
+/// [`HUNG_SILENCE`] (a hung broker answers nothing, not even a PING).
+async fn client_of(c: &EtcdCluster, at: &[usize], retry: Duration) -> Client {
+    let endpoints: Vec<String> = at.iter().map(|&i| c.brokers[i].endpoint()).collect();
+    let options = rotary_net::client::ClientOptions {
+        retry_for: retry,
+        silence: HUNG_SILENCE,
+        ..rotary_net::client::ClientOptions::default()
+    };
+    Client::connect_with(&endpoints.join(","), options)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {endpoints:?}: {e}"))
+}
+
+/// Stops `tasks` and returns the failed appends.
+async fn stop_writers(
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    failures: &Arc<Mutex<Vec<String>>>,
+) -> Vec<String> {
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("writer");
+    }
+    let failed = failures.lock().unwrap().clone();
+    failed
+}
+
+/// Every acknowledged record is in `journal`, and each member of its
+/// route holds the same bytes as the journal (from the offset it joined
+/// at on); returns the journal's bytes.
+async fn check_journal_and_members(
+    c: &EtcdCluster,
+    client: &Client,
+    journal: &str,
+    route: &rotary_net::client::JournalInfo,
+    acked: &Acked,
+) -> Vec<u8> {
+    let all = common::read_all(client, journal).await;
+    let acked = acked.lock().unwrap().clone();
+    check_acked(&all, &acked);
+    let head = all.len() as u64;
+    for id in &route.route.members {
+        let b = &c.brokers[c.index(id)];
+        let from = member_first_offset(&b.endpoint(), journal).await;
+        let copy = pinned_copy(&b.endpoint(), journal, from, head).await;
+        assert_eq!(
+            sha1(&copy),
+            sha1(&all[from as usize..]),
+            "{id}'s copy from {from} differs"
+        );
+    }
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_under_load_fails_no_append() {
+    let mut c = EtcdCluster::start(4, 1, TTL);
+    let journal = "etcd/rolling";
+    // Each broker comes back holding nothing of the journal, and after
+    // the last restart no broker holds its first bytes: its history lives
+    // in its store, where each broker's exit uploads its spools.
+    let store = tempfile::tempdir().expect("store dir");
+    let yaml = format!(
+        "- {{name: {journal}, replication: 3, fragment: {{stores: [\"file://{}/\"], refresh_interval: 1s}}}}\n",
+        store.path().display()
+    );
+    let (code, err) = apply_yaml(&c, &yaml);
+    assert_eq!(code, 0, "{err}");
+    c.assigned(journal, 3).await;
+
+    let client = c.client(WRITER_RETRY).await;
+    let acked: Acked = Arc::default();
+    let times: Times = Arc::default();
+    let failures = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tasks = start_writers(&client, journal, 2, &acked, &times, &failures, &stop);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    for i in 0..c.brokers.len() {
+        let began = Instant::now();
+        // The drain blocks this thread; the writers go on elsewhere.
+        tokio::task::block_in_place(|| c.brokers[i].stop_graceful());
+        let drained = began.elapsed();
+        tokio::task::block_in_place(|| c.brokers[i].start());
+        let route = c.assigned(journal, 3).await;
+        eprintln!(
+            "{}: exited {drained:?} after SIGTERM, route {:?} after {:?}",
+            c.brokers[i].id,
+            route.route,
+            began.elapsed()
+        );
+        wait_for_ack_after(&times, began).await;
+    }
+    let failed = stop_writers(&stop, tasks, &failures).await;
+    assert!(failed.is_empty(), "appends failed: {failed:#?}");
+    let acks = acked.lock().unwrap().len();
+    assert!(acks > 0);
+    eprintln!("{acks} appends acknowledged during the rolling restart");
+
+    let last = c.assigned(journal, 3).await;
+    // Fragments the drained brokers uploaded on their way out reach the
+    // primary's index with its next listing of the store.
+    let primary = Client::connect_pinned(&c.brokers[c.index(&last.route.primary)].endpoint())
+        .await
+        .expect("connect pinned");
+    let deadline = Instant::now() + WRITER_RETRY;
+    loop {
+        let fragments = primary.fragments(journal).await.expect("fragments");
+        match first_gap(&fragments) {
+            None => break,
+            Some(gap) => assert!(
+                Instant::now() < deadline,
+                "{journal}'s fragments leave {gap:?} uncovered: {fragments:#?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    check_journal_and_members(&c, &client, journal, &last, &acked).await;
+}
+
+/// The first range from 0 that none of `fragments` covers, below their end.
+fn first_gap(fragments: &[rotary_net::client::FragmentInfo]) -> Option<(u64, u64)> {
+    let mut sorted: Vec<(u64, u64)> = fragments.iter().map(|f| (f.begin, f.end)).collect();
+    sorted.sort();
+    let mut covered = 0;
+    for (begin, end) in sorted {
+        if begin > covered {
+            return Some((covered, begin));
+        }
+        covered = covered.max(end);
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_go_on_while_etcd_is_down_and_the_cluster_recovers() {
+    let mut c = EtcdCluster::start(3, 1, TTL);
+    let journal = "etcd/outage";
+    let (code, err) = apply_yaml(&c, &format!("- {{name: {journal}, replication: 3}}\n"));
+    assert_eq!(code, 0, "{err}");
+    let before = c.assigned(journal, 3).await;
+
+    let client = c.client(WRITER_RETRY).await;
+    let acked: Acked = Arc::default();
+    let times: Times = Arc::default();
+    let failures = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tasks = start_writers(&client, journal, 2, &acked, &times, &failures, &stop);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    c.etcd.stop();
+    let stopped = Instant::now();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let restarted = Instant::now();
+    let during = times
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(sent, acked)| *sent > stopped && *acked < restarted)
+        .count();
+    c.etcd.restart().unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{during} appends acknowledged while etcd was down");
+    assert!(during > 0, "no append acknowledged while etcd was down");
+    {
+        let failed = failures.lock().unwrap().clone();
+        assert!(
+            failed.is_empty(),
+            "appends failed while etcd was down: {failed:#?}"
+        );
+    }
+
+    // The cluster picks up where it was: a journal applied now is
+    // assigned and takes appends, and the first one keeps its route.
+    let (code, err) = apply_yaml(&c, "- {name: etcd/after, replication: 3}\n");
+    assert_eq!(code, 0, "{err}");
+    c.assigned("etcd/after", 3).await;
+    let req = AppendRequest {
+        journal: "etcd/after".into(),
+        ..AppendRequest::default()
+    };
+    let r = record(9, 0, 200);
+    let reply = client.append(&req, r.clone()).await.expect("append");
+    assert_eq!((reply.begin, reply.end), (0, r.len() as u64));
+    wait_for_ack_after(&times, Instant::now()).await;
+
+    let failed = stop_writers(&stop, tasks, &failures).await;
+    assert!(failed.is_empty(), "appends failed: {failed:#?}");
+    let after = c.assigned(journal, 3).await;
+    assert_eq!(after.route.primary, before.route.primary);
+    check_journal_and_members(&c, &client, journal, &after, &acked).await;
+    let copy = pinned_copy(
+        &c.brokers[c.index(&after.route.primary)].endpoint(),
+        "etcd/after",
+        0,
+        r.len() as u64,
+    )
+    .await;
+    assert_eq!(sha1(&copy), sha1(&r));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_paused_past_its_lease_acknowledges_nothing_after() {
+    let c = EtcdCluster::start(4, 1, TTL);
+    let journal = "etcd/paused";
+    let (code, err) = apply_yaml(&c, &format!("- {{name: {journal}, replication: 3}}\n"));
+    assert_eq!(code, 0, "{err}");
+    let first = c.assigned(journal, 3).await;
+    let paused_id = first.route.primary.clone();
+    let paused = c.index(&paused_id);
+    let others: Vec<usize> = (0..c.brokers.len()).filter(|&i| i != paused).collect();
+
+    // The writers know the cluster by the other brokers (a hung broker
+    // answers nothing, not even where a route went), and give up on an
+    // append in flight to it after a few seconds of silence, to try the
+    // new primary.
+    let client = client_of(&c, &others, WRITER_RETRY).await;
+    let acked: Acked = Arc::default();
+    let times: Times = Arc::default();
+    let failures = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tasks = start_writers(&client, journal, 2, &acked, &times, &failures, &stop);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let pid = c.brokers[paused].pid().expect("running");
+    common::stop_process(pid);
+    let paused_at = Instant::now();
+    // The others promote a new primary, without the paused broker.
+    let lister = client_of(&c, &others, Duration::ZERO).await;
+    let deadline = Instant::now() + common::etcd_cluster::ASSIGN_TIMEOUT;
+    let moved = loop {
+        let list = lister.list("").await.unwrap_or_default();
+        let j = list.iter().find(|j| j.spec.name == journal).cloned();
+        if let Some(j) = j {
+            if j.route.members.len() == 3 && !j.route.members.contains(&paused_id) {
+                break j;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{journal} still routed to the paused {paused_id}: {list:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_ne!(moved.route.primary, paused_id);
+    eprintln!("route {:?} after {:?}", moved.route, paused_at.elapsed());
+    wait_for_ack_after(&times, Instant::now()).await;
+    // Well past its lease.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Woken, the old primary acknowledges nothing as primary, however it
+    // sees the journal at first.
+    common::continue_process(pid);
+    let pinned = Client::connect_pinned(&c.brokers[paused].endpoint())
+        .await
+        .expect("connect pinned");
+    let req = AppendRequest {
+        journal: journal.into(),
+        ..AppendRequest::default()
+    };
+    let stale = pinned
+        .append_with(
+            &req,
+            record(99, 0, 100),
+            rotary_net::client::AppendOptions { do_not_proxy: true },
+        )
+        .await;
+    eprintln!("append to the woken broker: {stale:?}");
+    assert!(
+        stale.is_err(),
+        "the paused primary acknowledged an append: {stale:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let failed = stop_writers(&stop, tasks, &failures).await;
+    assert!(failed.is_empty(), "appends failed: {failed:#?}");
+    let last = c.assigned(journal, 3).await;
+    let all = check_journal_and_members(&c, &client, journal, &last, &acked).await;
+    let found = parse_records(&all, 0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        found.iter().all(|f| f.writer != 99),
+        "the refused append is in the journal"
+    );
+    // If it is not the primary again, it still refuses appends.
+    if last.route.primary != paused_id {
+        let r = pinned
+            .append_with(
+                &req,
+                record(99, 1, 100),
+                rotary_net::client::AppendOptions { do_not_proxy: true },
+            )
+            .await;
+        let s = status_of(r);
+        assert!(
+            s == Status::NOT_JOURNAL_PRIMARY_BROKER || s == Status::NOT_JOURNAL_BROKER,
+            "{s:?}"
+        );
     }
 }

@@ -174,6 +174,9 @@ pub struct Proposal {
 /// Acks of one replication connection, sent many per REPLICATE_ACK frame:
 /// everything pushed while a task runs goes out in one frame.
 pub struct AckSink {
+    /// Unique among the process's sinks: names the connection (the
+    /// primary's stream) a replica synchronized a journal with.
+    pub id: u64,
     pub outbox: Rc<Outbox>,
     pending: RefCell<Vec<rotary_net::repl::Ack>>,
     scheduled: Cell<bool>,
@@ -181,7 +184,9 @@ pub struct AckSink {
 
 impl AckSink {
     pub fn new(outbox: Rc<Outbox>) -> Rc<AckSink> {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Rc::new(AckSink {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             outbox,
             pending: RefCell::new(Vec::new()),
             scheduled: Cell::new(false),

@@ -63,6 +63,10 @@ pub struct ReplicaTrack {
     pending: VecDeque<Pending>,
     /// The newest sequence number committed (or of the SYNC).
     last_seq: u64,
+    /// The primary's stream (connection) that synchronized the journal:
+    /// records of any other stream (a primary the route has left, still
+    /// sending) are refused without touching this state.
+    stream: u64,
 }
 
 impl ReplicaTrack {
@@ -74,7 +78,21 @@ impl ReplicaTrack {
             expect: head,
             pending: VecDeque::new(),
             last_seq: seq,
+            stream: 0,
         }
+    }
+
+    /// Binds the track to the stream that synchronized it.
+    pub fn with_stream(mut self, stream: u64) -> ReplicaTrack {
+        self.stream = stream;
+        self
+    }
+
+    /// Whether records of `stream` may move this track: it is the stream
+    /// that synchronized the journal, or the journal is not synchronized
+    /// (its records are then refused as usual).
+    pub fn takes_stream(&self, stream: u64) -> bool {
+        !self.synced || self.stream == stream
     }
 
     pub fn is_synced(&self) -> bool {
@@ -212,6 +230,16 @@ pub fn check_proposal(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_stream_that_synchronized_moves_the_track() {
+        let t = ReplicaTrack::synced_at(100, 1).with_stream(7);
+        assert!(t.takes_stream(7));
+        assert!(!t.takes_stream(8), "a deposed primary's stream");
+        let mut t = t;
+        t.diverged();
+        assert!(t.takes_stream(8), "unsynchronized: refused as usual");
+    }
 
     #[test]
     fn in_order_records_commit() {

@@ -12,7 +12,7 @@
 //! the logs of every run of every broker are printed first; set
 //! `ROTARY_TEST_LOGS=1` to print them after a passing test as well).
 
-use super::{kill_with_parent, raw_ping, READY_TIMEOUT};
+use super::{kill_with_parent, raw_ping, GRACEFUL_EXIT_TIMEOUT, READY_TIMEOUT};
 use rotary_net::client::Client;
 use rotary_net::spec::JournalSpec;
 use std::path::{Path, PathBuf};
@@ -185,6 +185,40 @@ impl ClusterBroker {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then waits (up to [`GRACEFUL_EXIT_TIMEOUT`] and a margin)
+    /// for the process to exit; fails the test unless it exits with 0.
+    pub fn stop_graceful(&mut self) {
+        let mut child = self.child.take().expect("broker running");
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) on the PID of a child this harness spawned and has
+        // not reaped, so the PID cannot have been reused.
+        let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        assert_eq!(rc, 0, "SIGTERM to {}", self.id);
+        let limit = GRACEFUL_EXIT_TIMEOUT + Duration::from_secs(15);
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait for broker") {
+                assert!(
+                    status.success(),
+                    "{} exited with {status} after SIGTERM; log:\n{}",
+                    self.id,
+                    self.log()
+                );
+                return;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "{} still running {limit:?} after SIGTERM; log:\n{}",
+                    self.id,
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
         }
     }
 

@@ -455,7 +455,7 @@ impl Session {
     /// key and assignments go at once rather than a TTL later.
     pub async fn run(mut self, requests: async_channel::Receiver<Request>) {
         let tick = (self.config.lease_ttl / 3).min(Duration::from_secs(1));
-        let mut watch = self.watch_from(self.keyspace.revision() + 1).await;
+        let mut watch = self.watch_events(self.keyspace.revision() + 1).await;
         let mut next_keep_alive = now_ms();
         loop {
             if now_ms() >= next_keep_alive {
@@ -465,7 +465,9 @@ impl Session {
                 self.hand_view();
             }
             let wake = tokio::select! {
-                e = watch.next() => Wake::Events(e),
+                e = watch.recv() => Wake::Events(
+                    e.unwrap_or_else(|| Err("the etcd watch ended".into())),
+                ),
                 r = requests.recv() => Wake::Request(r.ok()),
                 _ = tokio::time::sleep(tick) => Wake::Tick,
             };
@@ -479,7 +481,7 @@ impl Session {
                     tracing::warn!(error = %e, "the etcd watch broke; reading the keyspace again");
                     tokio::time::sleep(control::RETRY_PAUSE).await;
                     if self.reload().await {
-                        watch = self.watch_from(self.keyspace.revision() + 1).await;
+                        watch = self.watch_events(self.keyspace.revision() + 1).await;
                     }
                 }
                 Wake::Request(Some(req)) => self.serve(req).await,
@@ -502,6 +504,28 @@ impl Session {
             // closes on its own if this lasts.
             Err(e) => tracing::warn!(error = %e, "could not renew the broker's lease"),
         }
+    }
+
+    /// The watch's batches, from a task of their own: a reopening watch
+    /// waits (backing off) inside `next`, and the loop's tick would drop
+    /// that wait, again and again, before it ever reopened. The task ends
+    /// after the first error, or when the receiver is dropped.
+    async fn watch_events(
+        &mut self,
+        revision: i64,
+    ) -> tokio::sync::mpsc::Receiver<Result<(i64, Vec<Event>), String>> {
+        let mut watch = self.watch_from(revision).await;
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            loop {
+                let batch = watch.next().await;
+                let failed = batch.is_err();
+                if tx.send(batch).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        rx
     }
 
     async fn watch_from(&mut self, revision: i64) -> super::io::Watch {

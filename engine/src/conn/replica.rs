@@ -36,12 +36,27 @@ impl Conn {
             let verdict = {
                 let mut jm = j.borrow_mut();
                 let t = jm.replica.get_or_insert_with(Default::default);
-                match &rec {
-                    repl::Record::Content { offset, bytes, .. } => {
-                        t.on_content(seq, *offset, bytes.len() as u64)
+                if !t.takes_stream(sink.id) {
+                    // Another primary's stream synchronized the journal:
+                    // this one's records (a deposed primary's, still in
+                    // flight) must not disturb its appends.
+                    match &rec {
+                        repl::Record::Rollback { .. } => Verdict::Ignore,
+                        _ => Verdict::Refuse {
+                            seq,
+                            status: Status::PROPOSAL_MISMATCH,
+                            message: "the journal is synchronized with another primary".into(),
+                            rewind_to: None,
+                        },
                     }
-                    repl::Record::Commit { begin, end, .. } => t.on_commit(seq, *begin, *end),
-                    repl::Record::Rollback { .. } => t.on_rollback(seq),
+                } else {
+                    match &rec {
+                        repl::Record::Content { offset, bytes, .. } => {
+                            t.on_content(seq, *offset, bytes.len() as u64)
+                        }
+                        repl::Record::Commit { begin, end, .. } => t.on_commit(seq, *begin, *end),
+                        repl::Record::Rollback { .. } => t.on_rollback(seq),
+                    }
                 }
             };
             self.on_verdict(verdict, rec, &j, &sink, frame);

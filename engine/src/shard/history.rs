@@ -391,15 +391,24 @@ impl Shard {
         self.mark_ready(j);
     }
 
-    /// Seals every open spool of journals with stores and waits, at most
-    /// `timeout`, until every sealed fragment is in its store.
+    /// Whether this shard uploads the journal's fragments: as its primary,
+    /// or as a broker outside its route that still holds bytes of it (a
+    /// drained broker, whose copy may be the last of what it holds beyond
+    /// the store: the members that replaced it joined at the head).
+    fn uploads(&self, spec: &rotary_net::JournalSpec) -> bool {
+        !matches!(self.role(spec), Role::Replica(_))
+    }
+
+    /// Seals every open spool of journals with stores this shard uploads
+    /// and waits, at most `timeout`, until every sealed fragment is in its
+    /// store.
     pub async fn flush_to_stores(&self, timeout: std::time::Duration) -> bool {
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         for j in &journals {
             let wants = {
                 let jm = j.borrow();
                 jm.has_stores()
-                    && self.is_primary(&jm.spec)
+                    && self.uploads(&jm.spec)
                     && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
             };
             if wants {
@@ -412,7 +421,7 @@ impl Shard {
             let pending = journals.iter().any(|j| {
                 let jm = j.borrow();
                 jm.has_stores()
-                    && self.is_primary(&jm.spec)
+                    && self.uploads(&jm.spec)
                     && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
             });
             if !pending {

@@ -67,7 +67,9 @@ impl Shard {
                 jm.registers = w.req.registers.clone();
                 jm.local_registers = w.req.registers.clone();
                 jm.staged_registers = w.req.registers.clone();
-                jm.replica = Some(crate::replica::ReplicaTrack::synced_at(h, w.req.seq));
+                jm.replica = Some(
+                    crate::replica::ReplicaTrack::synced_at(h, w.req.seq).with_stream(w.sink.id),
+                );
                 jm.committed.notify(usize::MAX);
             }
             metrics::add(&self.metrics.syncs, 1);
