@@ -34,28 +34,32 @@ type Times = Arc<Mutex<Vec<(Instant, Instant)>>>;
 /// What each writer had acknowledged: (writer, seq) → offsets.
 type Acked = Arc<Mutex<BTreeMap<(u32, u32), (u64, u64)>>>;
 
-/// Writers appending records to `journal` one after another, each waiting
-/// for its ack, until `stop`; returns the tasks. Each ack is recorded with
-/// the time it came (for the time to the first ack after a fault).
-fn start_writers(
-    client: &Client,
-    journal: &str,
-    writers: u32,
-    acked: &Acked,
-    ack_times: &Times,
-    failures: &Arc<Mutex<Vec<String>>>,
-    stop: &Arc<std::sync::atomic::AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..writers)
-        .map(|w| {
+/// Writers appending records to a journal one after another, each waiting
+/// for its ack, until stopped. Each ack is recorded with the offsets it
+/// gave and when its append was sent and acknowledged (for the time to the
+/// first ack after a fault); each failure with its error.
+struct Load {
+    acked: Acked,
+    times: Times,
+    failures: Arc<Mutex<Vec<String>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(client: &Client, journal: &str, writers: u32) -> Load {
+        let mut load = Load {
+            acked: Arc::default(),
+            times: Arc::default(),
+            failures: Arc::default(),
+            stop: Arc::default(),
+            tasks: Vec::new(),
+        };
+        for w in 0..writers {
             let (client, journal) = (client.clone(), journal.to_string());
-            let (acked, times, failures, stop) = (
-                acked.clone(),
-                ack_times.clone(),
-                failures.clone(),
-                stop.clone(),
-            );
-            tokio::spawn(async move {
+            let (acked, times) = (load.acked.clone(), load.times.clone());
+            let (failures, stop) = (load.failures.clone(), load.stop.clone());
+            load.tasks.push(tokio::spawn(async move {
                 let mut seq = 0u32;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let req = AppendRequest {
@@ -76,9 +80,21 @@ fn start_writers(
                     }
                     seq += 1;
                 }
-            })
-        })
-        .collect()
+            }));
+        }
+        load
+    }
+
+    /// Stops the writers; returns what was acknowledged and what failed.
+    async fn finish(self) -> (BTreeMap<(u32, u32), (u64, u64)>, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.expect("writer");
+        }
+        let acked = self.acked.lock().unwrap().clone();
+        let failed = self.failures.lock().unwrap().clone();
+        (acked, failed)
+    }
 }
 
 /// Reads `[from, to)` of `journal` from broker `endpoint`'s own copy.
@@ -195,11 +211,7 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     let first = c.assigned(journal, 3).await;
 
     let client = c.client(WRITER_RETRY).await;
-    let acked: Acked = Arc::default();
-    let times: Times = Arc::default();
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let tasks = start_writers(&client, journal, 4, &acked, &times, &failures, &stop);
+    let load = Load::start(&client, journal, 4);
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     // The primary dies.
@@ -209,10 +221,10 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     c.brokers[i].kill9();
     let second = c.assigned(journal, 3).await;
     assert_ne!(second.route.primary, primary);
-    wait_for_ack_after(&times, killed_at).await;
+    wait_for_ack_after(&load.times, killed_at).await;
     eprintln!(
         "first acknowledged append {:?} after the primary was killed",
-        first_ack_after(&times, killed_at).expect("an ack") - killed_at
+        first_ack_after(&load.times, killed_at).expect("an ack") - killed_at
     );
 
     // The killed primary comes back, as a new member, and the journal
@@ -230,20 +242,15 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     let killed_at = Instant::now();
     let i = c.index(&replica);
     c.brokers[i].kill9();
-    wait_for_ack_after(&times, killed_at).await;
+    wait_for_ack_after(&load.times, killed_at).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for t in tasks {
-        t.await.expect("writer");
-    }
-    let failed = failures.lock().unwrap().clone();
+    let (acked, failed) = load.finish().await;
     assert!(failed.is_empty(), "appends failed: {failed:#?}");
 
     // The journal has every acknowledged record, and each live member's
     // copy agrees with the primary's over what both hold.
     let last = c.assigned(journal, 3).await;
     let all = common::read_all(&client, journal).await;
-    let acked = acked.lock().unwrap().clone();
     check_acked(&all, &acked);
     let primary = &c.brokers[c.index(&last.route.primary)];
     let head = all.len() as u64;
@@ -327,20 +334,6 @@ async fn client_of(c: &EtcdCluster, at: &[usize], retry: Duration) -> Client {
         .unwrap_or_else(|e| panic!("connect to {endpoints:?}: {e}"))
 }
 
-/// Stops `tasks` and returns the failed appends.
-async fn stop_writers(
-    stop: &Arc<std::sync::atomic::AtomicBool>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-    failures: &Arc<Mutex<Vec<String>>>,
-) -> Vec<String> {
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for t in tasks {
-        t.await.expect("writer");
-    }
-    let failed = failures.lock().unwrap().clone();
-    failed
-}
-
 /// Every acknowledged record is in `journal`, and each member of its
 /// route holds the same bytes as the journal (from the offset it joined
 /// at on); returns the journal's bytes.
@@ -349,11 +342,10 @@ async fn check_journal_and_members(
     client: &Client,
     journal: &str,
     route: &rotary_net::client::JournalInfo,
-    acked: &Acked,
+    acked: &BTreeMap<(u32, u32), (u64, u64)>,
 ) -> Vec<u8> {
     let all = common::read_all(client, journal).await;
-    let acked = acked.lock().unwrap().clone();
-    check_acked(&all, &acked);
+    check_acked(&all, acked);
     let head = all.len() as u64;
     for id in &route.route.members {
         let b = &c.brokers[c.index(id)];
@@ -385,11 +377,7 @@ async fn a_rolling_restart_under_load_fails_no_append() {
     c.assigned(journal, 3).await;
 
     let client = c.client(WRITER_RETRY).await;
-    let acked: Acked = Arc::default();
-    let times: Times = Arc::default();
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let tasks = start_writers(&client, journal, 2, &acked, &times, &failures, &stop);
+    let load = Load::start(&client, journal, 2);
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     for i in 0..c.brokers.len() {
@@ -405,11 +393,11 @@ async fn a_rolling_restart_under_load_fails_no_append() {
             route.route,
             began.elapsed()
         );
-        wait_for_ack_after(&times, began).await;
+        wait_for_ack_after(&load.times, began).await;
     }
-    let failed = stop_writers(&stop, tasks, &failures).await;
+    let (acked, failed) = load.finish().await;
     assert!(failed.is_empty(), "appends failed: {failed:#?}");
-    let acks = acked.lock().unwrap().len();
+    let acks = acked.len();
     assert!(acks > 0);
     eprintln!("{acks} appends acknowledged during the rolling restart");
 
@@ -457,18 +445,15 @@ async fn appends_go_on_while_etcd_is_down_and_the_cluster_recovers() {
     let before = c.assigned(journal, 3).await;
 
     let client = c.client(WRITER_RETRY).await;
-    let acked: Acked = Arc::default();
-    let times: Times = Arc::default();
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let tasks = start_writers(&client, journal, 2, &acked, &times, &failures, &stop);
+    let load = Load::start(&client, journal, 2);
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     c.etcd.stop();
     let stopped = Instant::now();
     tokio::time::sleep(Duration::from_secs(30)).await;
     let restarted = Instant::now();
-    let during = times
+    let during = load
+        .times
         .lock()
         .unwrap()
         .iter()
@@ -478,7 +463,7 @@ async fn appends_go_on_while_etcd_is_down_and_the_cluster_recovers() {
     eprintln!("{during} appends acknowledged while etcd was down");
     assert!(during > 0, "no append acknowledged while etcd was down");
     {
-        let failed = failures.lock().unwrap().clone();
+        let failed = load.failures.lock().unwrap().clone();
         assert!(
             failed.is_empty(),
             "appends failed while etcd was down: {failed:#?}"
@@ -497,9 +482,9 @@ async fn appends_go_on_while_etcd_is_down_and_the_cluster_recovers() {
     let r = record(9, 0, 200);
     let reply = client.append(&req, r.clone()).await.expect("append");
     assert_eq!((reply.begin, reply.end), (0, r.len() as u64));
-    wait_for_ack_after(&times, Instant::now()).await;
+    wait_for_ack_after(&load.times, Instant::now()).await;
 
-    let failed = stop_writers(&stop, tasks, &failures).await;
+    let (acked, failed) = load.finish().await;
     assert!(failed.is_empty(), "appends failed: {failed:#?}");
     let after = c.assigned(journal, 3).await;
     assert_eq!(after.route.primary, before.route.primary);
@@ -530,11 +515,7 @@ async fn a_primary_paused_past_its_lease_acknowledges_nothing_after() {
     // append in flight to it after a few seconds of silence, to try the
     // new primary.
     let client = client_of(&c, &others, WRITER_RETRY).await;
-    let acked: Acked = Arc::default();
-    let times: Times = Arc::default();
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let tasks = start_writers(&client, journal, 2, &acked, &times, &failures, &stop);
+    let load = Load::start(&client, journal, 2);
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let pid = c.brokers[paused].pid().expect("running");
@@ -559,7 +540,7 @@ async fn a_primary_paused_past_its_lease_acknowledges_nothing_after() {
     };
     assert_ne!(moved.route.primary, paused_id);
     eprintln!("route {:?} after {:?}", moved.route, paused_at.elapsed());
-    wait_for_ack_after(&times, Instant::now()).await;
+    wait_for_ack_after(&load.times, Instant::now()).await;
     // Well past its lease.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
@@ -587,7 +568,7 @@ async fn a_primary_paused_past_its_lease_acknowledges_nothing_after() {
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
 
-    let failed = stop_writers(&stop, tasks, &failures).await;
+    let (acked, failed) = load.finish().await;
     assert!(failed.is_empty(), "appends failed: {failed:#?}");
     let last = c.assigned(journal, 3).await;
     let all = check_journal_and_members(&c, &client, journal, &last, &acked).await;
