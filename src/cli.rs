@@ -267,7 +267,7 @@ struct ServeArgs {
     /// may hold.
     #[arg(long = "journal-limit", value_name = "N", default_value_t = rotary_engine::cluster::JOURNAL_LIMIT_DEFAULT, requires = "etcd")]
     journal_limit: u32,
-    /// In a cluster: how often the broker compares its journal specs with
+    /// With --cluster: how often the broker compares its journal specs with
     /// each peer's and takes newer ones (changes and deletions it missed),
     /// besides once at start. A duration such as 30s or 5m; 0 = only at start.
     #[arg(long = "spec-sync-interval", value_name = "DURATION", value_parser = parse_spec_sync, default_value = "1m")]

@@ -253,8 +253,13 @@ impl Reader {
         let client = self.replay_client.as_ref().expect("connected");
         let r = self.replay.as_mut().expect("replaying");
         loop {
-            if let Some(env) = r.out.pop_front() {
-                return Ok(Some(env));
+            // The sequencer takes each replayed envelope only as it is
+            // handed out, so that a checkpoint taken between two `next`
+            // calls never counts one still waiting here as delivered.
+            while let Some(env) = r.out.pop_front() {
+                if let Some(d) = self.seq.replay(env)? {
+                    return Ok(Some(d));
+                }
             }
             let at = r.decoder.offset();
             if r.done || at >= r.end {
@@ -282,9 +287,7 @@ impl Reader {
                     r.retry.progress();
                     r.decoder.push(offset, &content);
                     while let Some(env) = r.decoder.next_envelope() {
-                        if let Some(d) = self.seq.replay(env)? {
-                            r.out.push_back(d);
-                        }
+                        r.out.push_back(env);
                     }
                 }
                 Some(Ok(ReadEvent::Done(done))) => {
