@@ -595,6 +595,14 @@ impl Client {
         Err(failed.expect("at least one endpoint"))
     }
 
+    /// Moves on from the bootstrap endpoint in use to the next one.
+    fn pass_over_bootstrap(&self) {
+        use std::sync::atomic::Ordering;
+        let n = self.inner.bootstraps.len();
+        let at = self.inner.current.load(Ordering::Relaxed);
+        self.inner.current.store((at + 1) % n, Ordering::Relaxed);
+    }
+
     /// The bootstrap endpoint in use.
     fn current_bootstrap(&self) -> &str {
         let at = self
@@ -679,9 +687,21 @@ impl Client {
 
     /// PING: round trip to the bootstrap endpoint.
     pub async fn ping(&self) -> Result<(), ClientError> {
-        let conn = self.bootstrap_conn().await?;
+        // A broker that died a moment ago may still have accepted the
+        // connection; its PING then fails, and the next endpoint is tried.
+        let mut tries = self.inner.bootstraps.len();
+        let (conn, reply) = loop {
+            let conn = self.bootstrap_conn().await?;
+            let payload = Bytes::from_static(b"rotary");
+            match unary(&conn, Op::PING, Bytes::new(), payload).await {
+                Err(ClientError::Io { .. }) if tries > 1 => {
+                    tries -= 1;
+                    self.pass_over_bootstrap();
+                }
+                r => break (conn, r?),
+            }
+        };
         let payload = Bytes::from_static(b"rotary");
-        let reply = unary(&conn, Op::PING, Bytes::new(), payload.clone()).await?;
         expect_op(&conn, Op::PING, &reply, Op::PONG)?;
         if reply.payload != payload {
             return Err(ClientError::Protocol {
