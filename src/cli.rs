@@ -874,6 +874,9 @@ fn serve(args: ServeArgs) -> CmdResult {
             CliError::Usage("BAD_USAGE", format!("--metrics-journals {selector:?}: {e}"))
         })?;
     }
+    // The HTTP threads start here: on the broker's cores, like the rest.
+    rotary_engine::confine_to_cores(&config)
+        .map_err(|e| CliError::Other("SERVE_FAILED", anyhow::Error::new(e)))?;
     let http = match args.http.as_str() {
         "off" => None,
         addr => {

@@ -213,6 +213,20 @@ pub fn serve_with(
     started: impl FnOnce(&Broker),
     stopping: impl FnOnce(),
 ) -> Result<(), EngineError> {
+    confine_to_cores(&config)?;
+    let broker = Broker::start(config)?;
+    started(&broker);
+    wait_for_signal();
+    tracing::info!("shutting down");
+    stopping();
+    broker.shutdown();
+    Ok(())
+}
+
+/// Keeps the calling thread, and every thread it starts from now on, on
+/// the broker's cores (`cpus` and `iowq_cpus`), if it was given any. Call
+/// it before starting threads that belong to the broker (an HTTP server's).
+pub fn confine_to_cores(config: &ServeConfig) -> Result<(), EngineError> {
     // A core that does not exist is refused with its message by `start`.
     let online = sys::online_cpus();
     let mut cores: Vec<usize> = config
@@ -227,12 +241,6 @@ pub fn serve_with(
         sys::confine_current_thread(&cores)
             .map_err(|e| EngineError::Config(format!("--cpus {cores:?}: {e}")))?;
     }
-    let broker = Broker::start(config)?;
-    started(&broker);
-    wait_for_signal();
-    tracing::info!("shutting down");
-    stopping();
-    broker.shutdown();
     Ok(())
 }
 
