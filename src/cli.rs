@@ -96,14 +96,15 @@ enum Cmd {
 
 #[derive(Args, Debug)]
 pub(crate) struct BrokerArgs {
-    /// How long an append keeps being tried while its journal's route moves
-    /// (a broker died or hands its journals off): a broken connection, or
-    /// NO_JOURNAL_PRIMARY_BROKER, INSUFFICIENT_JOURNAL_BROKERS,
-    /// REPLICATION_FAILED and the like. Each try asks the route again. A
-    /// retried append may have committed the first time; give --offset or
-    /// registers to keep it exactly once. Content longer than 16 MiB is
-    /// streamed and not retried. 0: no retries. [env: ROTARY_RETRY_FOR]
-    /// [default: 30s]
+    /// How long an append, or a read (not --proxy or --metadata), keeps
+    /// being tried while its journal's route moves (a broker died or hands
+    /// its journals off): a broken connection, or NO_JOURNAL_PRIMARY_BROKER,
+    /// INSUFFICIENT_JOURNAL_BROKERS, REPLICATION_FAILED and the like. Each
+    /// try asks the route again; a read goes on from the next offset it
+    /// has not printed. A retried append may have committed the first
+    /// time; give --offset or registers to keep it exactly once. Content
+    /// longer than 16 MiB is streamed and not retried. 0: no retries.
+    /// [env: ROTARY_RETRY_FOR] [default: 30s]
     #[arg(long = "retry-for", value_name = "DURATION", value_parser = parse_retry_for)]
     retry_for: Option<std::time::Duration>,
     /// Broker endpoint, any shard's HOST:PORT, or several comma-separated
@@ -1443,6 +1444,7 @@ async fn append(args: AppendArgs) -> CmdResult {
             Some(t) => parse_label_set(t).map_err(bad)?,
             None => LabelSet::new(),
         },
+        route_revision: 0,
     };
     let input = match &args.input {
         // `-i -` is standard input, as `apply -f -` is.
@@ -1485,6 +1487,7 @@ async fn read(args: ReadArgs) -> CmdResult {
             ReadOffset::At(o) => Some(o),
         },
         end_offset: args.end_offset,
+        route_revision: 0,
     };
     let client = if args.pin {
         answering(Client::connect_pinned(&args.broker.endpoint()?).await?).await?

@@ -82,6 +82,7 @@ async fn client_append_read_round_trip() {
         journal: j.into(),
         offset: Some(7),
         end_offset: None,
+        route_revision: 0,
     };
     let mut s = client.read(&req, false, true).await.unwrap();
     match s.next().await.unwrap().unwrap() {
@@ -332,6 +333,7 @@ async fn many_tailed_journals_share_a_bounded_tail_cache() {
             journal: n.clone(),
             offset: Some(0),
             end_offset: Some(BYTES as u64),
+            route_revision: 0,
         };
         streams.push(readers.read(&req, true, false).await.unwrap());
     }
@@ -383,6 +385,7 @@ async fn blocking_tail_is_woken_by_a_later_append() {
         journal: j.into(),
         offset: Some(head),
         end_offset: end,
+        route_revision: 0,
     };
     let mut bounded = client
         .read(&at_head(Some(head + tail.len() as u64)), true, false)
@@ -714,6 +717,7 @@ async fn requests_to_the_wrong_shard_are_forwarded() {
             journal: j.clone(),
             offset: Some(offset),
             end_offset: None,
+            route_revision: 0,
         }
         .encode()
     };
@@ -955,6 +959,7 @@ async fn offsets_beyond_i64_are_refused_not_wrapped() {
         journal: j.to_string(),
         offset: Some(rotary_net::wire::OFFSET_MAX + 1),
         end_offset: None,
+        route_revision: 0,
     };
     let err = client.read(&read, false, false).await.unwrap_err();
     assert!(

@@ -43,6 +43,7 @@ async fn concurrent_writers_commit_whole_contiguous_appends() {
                 journal: j.to_string(),
                 offset: Some(0),
                 end_offset: Some(total_expected),
+                route_revision: 0,
             };
             let mut stream = client.read(&req, true, false).await.unwrap();
             let mut got = Vec::new();

@@ -346,6 +346,7 @@ async fn abandoned_client_appends_roll_back_at_once() {
         journal: j.into(),
         offset: Some(0),
         end_offset: None,
+        route_revision: 0,
     };
     let mut stream = client.read(&r, false, false).await.unwrap();
     assert!(matches!(
@@ -782,6 +783,7 @@ async fn a_client_gives_up_on_a_broker_that_stopped_answering() {
         journal: j.into(),
         offset: Some(first.end),
         end_offset: None,
+        route_revision: 0,
     };
     let mut tail = client.read(&at_head, true, false).await.unwrap();
     let quiet = tokio::time::timeout(silence * 5, tail.next()).await;
@@ -885,6 +887,7 @@ async fn a_damaged_local_fragment_found_at_start_is_never_served() {
         journal: j.to_string(),
         offset: Some(offset),
         end_offset: end,
+        route_revision: 0,
     };
     // The damaged fragment: refused, and again on a second read.
     for _ in 0..2 {

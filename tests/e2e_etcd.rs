@@ -97,6 +97,60 @@ impl Load {
     }
 }
 
+/// A reader tailing a journal from offset 0 with a blocking direct read,
+/// through whatever happens to the brokers, collecting what it is given.
+struct Tail {
+    /// Stop once this many bytes are read (`u64::MAX` until known).
+    until: Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<Result<Vec<u8>, String>>,
+}
+
+impl Tail {
+    fn start(client: Client, journal: &str) -> Tail {
+        use std::sync::atomic::Ordering::Relaxed;
+        let until = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
+        let req = rotary_net::wire::ReadRequest {
+            journal: journal.into(),
+            offset: Some(0),
+            end_offset: None,
+            route_revision: 0,
+        };
+        let stop = until.clone();
+        let task = tokio::spawn(async move {
+            let mut read = client.read_direct(&req, true);
+            let mut got = Vec::new();
+            while (got.len() as u64) < stop.load(Relaxed) {
+                let tick = tokio::time::sleep(Duration::from_millis(100));
+                let ev = tokio::select! {
+                    ev = read.next() => ev,
+                    _ = tick => continue,
+                };
+                match ev {
+                    Some(Ok(rotary_net::client::ReadEvent::Data { offset, content })) => {
+                        if offset != got.len() as u64 {
+                            return Err(format!("data at {offset} after {} bytes", got.len()));
+                        }
+                        got.extend_from_slice(&content);
+                    }
+                    other => return Err(format!("the tailing read ended: {other:?}")),
+                }
+            }
+            Ok(got)
+        });
+        Tail { until, task }
+    }
+
+    /// The bytes read, once `head` of them are.
+    async fn finish(self, head: u64) -> Vec<u8> {
+        self.until.store(head, std::sync::atomic::Ordering::Relaxed);
+        let got = tokio::time::timeout(Duration::from_secs(60), self.task)
+            .await
+            .expect("the tailing reader reaches the head")
+            .expect("reader task");
+        got.unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
 /// Reads `[from, to)` of `journal` from broker `endpoint`'s own copy.
 async fn pinned_copy(endpoint: &str, journal: &str, from: u64, to: u64) -> Vec<u8> {
     let client = Client::connect_pinned(endpoint)
@@ -212,6 +266,7 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
 
     let client = c.client(WRITER_RETRY).await;
     let load = Load::start(&client, journal, 4);
+    let tail = Tail::start(c.client(WRITER_RETRY).await, journal);
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     // The primary dies.
@@ -252,6 +307,14 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     let last = c.assigned(journal, 3).await;
     let all = common::read_all(&client, journal).await;
     check_acked(&all, &acked);
+    // The reader that tailed the journal throughout followed it from
+    // broker to broker and read every byte once, in order.
+    let tailed = tail.finish(all.len() as u64).await;
+    assert_eq!(
+        sha1(&tailed),
+        sha1(&all),
+        "the tailing reader's bytes differ"
+    );
     let primary = &c.brokers[c.index(&last.route.primary)];
     let head = all.len() as u64;
     let whole = pinned_copy(&primary.endpoint(), journal, 0, head).await;
@@ -592,4 +655,89 @@ async fn a_primary_paused_past_its_lease_acknowledges_nothing_after() {
             "{s:?}"
         );
     }
+}
+
+/// Requests carry the etcd revision their route was read at. A broker
+/// that has not seen it waits for its watch to get there, and refuses with
+/// WRONG_ROUTE (naming its own revision) only if it does not in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_routed_at_a_later_revision_wait_for_the_broker_to_reach_it() {
+    let c = EtcdCluster::start(2, 1, TTL);
+    let journal = "etcd/revised";
+    let (code, err) = apply_yaml(&c, &format!("- {{name: {journal}, replication: 1}}\n"));
+    assert_eq!(code, 0, "{err}");
+    let info = c.assigned(journal, 1).await;
+    let primary = &c.brokers[c.index(&info.route.primary)];
+    let client = Client::connect(&primary.endpoint()).await.expect("connect");
+    let seen = client.route(journal).await.expect("route").revision;
+    assert!(seen > 0, "a route read from etcd has a revision");
+    let req = |revision: u64| AppendRequest {
+        journal: journal.into(),
+        route_revision: revision,
+        ..AppendRequest::default()
+    };
+    let at_seen = req(seen);
+    let first = client.append(&at_seen, &b"at the route's revision\n"[..]);
+    let first = first.await.expect("append");
+
+    // A revision no watch will reach: refused once the wait is over, with
+    // the revision the broker has.
+    let far = seen + 1_000_000;
+    let e = client.append(&req(far), &b"never\n"[..]).await.unwrap_err();
+    assert_eq!(e.status(), Some(Status::WRONG_ROUTE), "{e}");
+    let answered = e.append_reply().expect("reply").route_revision;
+    assert!(answered >= seen && answered < far, "answered at {answered}");
+    let e = client.route_at(journal, far).await.unwrap_err();
+    assert_eq!(e.status(), Some(Status::WRONG_ROUTE), "{e}");
+    let read = rotary_net::wire::ReadRequest {
+        journal: journal.into(),
+        offset: Some(0),
+        end_offset: None,
+        route_revision: far,
+    };
+    let mut stream = client.read(&read, false, false).await.expect("read");
+    match stream.next().await {
+        Some(Ok(rotary_net::client::ReadEvent::Done(done))) => {
+            assert_eq!(done.status, Status::WRONG_ROUTE, "{done:?}");
+            assert!(done.route_revision >= seen && done.route_revision < far);
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+
+    // The next revision: the append and the ROUTE wait until a change in
+    // etcd brings the broker there, and are answered after it, not before.
+    let now = client.route(journal).await.expect("route").revision;
+    let waiting = {
+        let client = client.clone();
+        let req = req(now + 1);
+        tokio::spawn(async move {
+            let r = client.append(&req, &b"after the next change\n"[..]).await;
+            (r, Instant::now())
+        })
+    };
+    let routing = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let r = client.route_at(journal, now + 1).await;
+            (r, Instant::now())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let changed_at = Instant::now();
+    let (code, err) = apply_yaml(&c, "- {name: etcd/another, replication: 1}\n");
+    assert_eq!(code, 0, "{err}");
+    let (appended, appended_at) = waiting.await.expect("task");
+    let appended = appended.expect("the append waited and was taken");
+    assert_eq!(appended.begin, first.end);
+    assert!(appended_at > changed_at, "answered before the change");
+    let (routed, routed_at) = routing.await.expect("task");
+    assert!(routed.expect("route").revision > now);
+    assert!(routed_at > changed_at, "answered before the change");
+    let stats = client.stats().await.expect("stats");
+    // The ROUTE shares the append's connection, and is read after it.
+    assert!(stats["route_revision_waits"].as_u64() >= Some(1), "{stats}");
+    assert!(
+        stats["route_revision_timeouts"].as_u64() >= Some(3),
+        "{stats}"
+    );
 }

@@ -189,6 +189,7 @@ async fn read_direct(client: &Client, journal: &str, from: u64) -> (Vec<u8>, u64
         journal: journal.to_string(),
         offset: Some(from),
         end_offset: None,
+        route_revision: 0,
     };
     let mut stream = client.read_direct(&r, false);
     let mut out = Vec::new();
@@ -401,6 +402,7 @@ async fn wiped_broker_serves_history(store: TestStore, codec: Codec) {
         journal: name.to_string(),
         offset: Some(mid),
         end_offset: None,
+        route_revision: 0,
     };
     let options = ReadOptions {
         do_not_proxy: true,
@@ -490,6 +492,7 @@ async fn wiped_broker_serves_history(store: TestStore, codec: Codec) {
         journal: name.to_string(),
         offset: Some(0),
         end_offset: None,
+        route_revision: 0,
     };
     let mut tail = client.read_direct(&r, true);
     let mut got = Vec::new();
@@ -1129,6 +1132,7 @@ async fn prune_deletes_nothing_it_cannot_report() {
                 journal: on_file.to_string(),
                 offset: Some(0),
                 end_offset: None,
+                route_revision: 0,
             },
             ReadOptions::default(),
         )

@@ -236,6 +236,7 @@ async fn local_head(b: &ClusterBroker, journal: &str) -> u64 {
         journal: journal.to_string(),
         offset: None,
         end_offset: None,
+        route_revision: 0,
     };
     let options = ReadOptions {
         metadata_only: true,
@@ -277,6 +278,7 @@ async fn direct_copy(b: &ClusterBroker, journal: &str) -> Vec<u8> {
         journal: journal.to_string(),
         offset: Some(0),
         end_offset: None,
+        route_revision: 0,
     };
     let mut stream = client.read_direct(&r, false);
     let mut out = Vec::new();
@@ -1924,6 +1926,7 @@ async fn brokers_outside_the_route_proxy_or_refuse_body(cluster: &mut Cluster) {
             journal: j.to_string(),
             offset: Some(0),
             end_offset: None,
+            route_revision: 0,
         };
         let mut s = raw_connect(to);
         s.write_all(&frame(Op::READ, flag::PROXIED, 9, &read.encode(), &[]))
@@ -3755,6 +3758,7 @@ async fn requests_proxied_to_a_peer_that_stopped_answering_body(cluster: &mut Cl
         journal: j.into(),
         offset: Some(a.end),
         end_offset: None,
+        route_revision: 0,
     };
     let mut tail = via_outside.read(&at_head, true, false).await.unwrap();
     let quiet = tokio::time::timeout(silence * 4, tail.next()).await;

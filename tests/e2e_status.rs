@@ -164,6 +164,7 @@ async fn request_statuses() {
             journal: bad.into(),
             offset: Some(0),
             end_offset: None,
+            route_revision: 0,
         };
         assert_eq!(
             read_status(&client, &r, false).await.0,
@@ -182,6 +183,7 @@ async fn request_statuses() {
         journal: missing.into(),
         offset: Some(0),
         end_offset: None,
+        route_revision: 0,
     };
     assert_eq!(
         read_status(&client, &r, false).await.0,
@@ -218,6 +220,7 @@ async fn request_statuses() {
         journal: j.into(),
         offset,
         end_offset: None,
+        route_revision: 0,
     };
     assert_eq!(
         read_status(&client, &rd(wo, Some(0)), false).await.0,
@@ -914,6 +917,7 @@ async fn a_client_that_stops_reading_holds_bounded_memory() {
             journal: big.to_string(),
             offset: Some(0),
             end_offset: None,
+            route_revision: 0,
         }
         .encode();
         reqs.extend_from_slice(&frame(Op::READ, 0, id, &meta, &[]));
@@ -1122,6 +1126,7 @@ async fn a_read_id_in_use_is_refused() {
             journal: j.into(),
             offset: Some(0),
             end_offset: None,
+            route_revision: 0,
         }
         .encode();
         s.write_all(&frame(Op::READ, flag::BLOCK, 5, &read, &[]))
@@ -1219,6 +1224,7 @@ async fn requests_carry_only_the_sections_their_op_has_on(cores: usize) {
         journal: j.into(),
         offset: Some(0),
         end_offset: None,
+        route_revision: 0,
     }
     .encode();
     tokio::task::block_in_place(|| {
@@ -1429,6 +1435,7 @@ async fn a_clean_stop_answers_what_it_ends() {
             journal: j.into(),
             offset: Some(4),
             end_offset: None,
+            route_revision: 0,
         }
         .encode();
         reader

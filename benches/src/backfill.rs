@@ -384,6 +384,7 @@ async fn direct_pass(
         journal: journal.to_string(),
         offset: Some(0),
         end_offset: Some(head),
+        route_revision: 0,
     };
     let mut read = client.read_direct(&req, false);
     let mut sha = hash.then(Sha1::new);
@@ -430,6 +431,7 @@ async fn backfill_loop(
         journal,
         offset: Some(0),
         end_offset: Some(head),
+        route_revision: 0,
     };
     while !stop.load(Ordering::Relaxed) {
         let mut read = client.read_direct(&req, false);

@@ -349,6 +349,7 @@ async fn count_lost(
         journal: journal.to_string(),
         offset: Some(0),
         end_offset: Some(end),
+        route_revision: 0,
     };
     let mut stream = client
         .read(&req, false, false)

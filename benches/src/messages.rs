@@ -307,6 +307,7 @@ async fn phases(
                 journal: name.clone(),
                 offset: Some(0),
                 end_offset: None,
+                route_revision: 0,
             };
             let mut stream = client.read(&req, true, false).await?;
             let mut decoder = Decoder::new(name.as_str().into(), Framing::Fixed, 0);
@@ -402,6 +403,7 @@ fn reader_cpu(endpoint: &str, names: &[String]) -> anyhow::Result<([f64; 4], u64
                     journal: name.clone(),
                     offset: Some(0),
                     end_offset: None,
+                    route_revision: 0,
                 };
                 let mut stream = client.read(&req, false, false).await?;
                 while let Some(ev) = stream.next().await {

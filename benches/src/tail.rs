@@ -203,6 +203,7 @@ async fn tail(
             journal,
             offset: Some(0),
             end_offset: None,
+            route_revision: 0,
         };
         let options = ReadOptions {
             block: true,
@@ -307,6 +308,7 @@ async fn write_head(client: &Client, journal: &str) -> anyhow::Result<u64> {
         journal: journal.to_string(),
         offset: None,
         end_offset: None,
+        route_revision: 0,
     };
     let options = ReadOptions {
         metadata_only: true,

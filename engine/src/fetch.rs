@@ -157,6 +157,7 @@ async fn read_once(
         journal: journal.to_string(),
         offset: Some(from),
         end_offset: Some(to),
+        route_revision: 0,
     };
     let mut out = Vec::new();
     wire::encode_frame(

@@ -196,6 +196,12 @@ counters!(
     Counter storage_full,
     /// SYNCs of journals (a replica joining or a primary taking over).
     Counter syncs,
+    /// Requests and SYNCs routed at an etcd revision this broker had not
+    /// seen yet, that it waited for.
+    Counter route_revision_waits,
+    /// Those whose revision the broker's watch did not reach in time
+    /// (refused with WRONG_ROUTE).
+    Counter route_revision_timeouts,
     /// Replication proposals: batches sent to replicas.
     Counter replicated_batches,
     /// Requests proxied to another broker.

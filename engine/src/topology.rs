@@ -139,6 +139,13 @@ impl ClusterView {
         }
     }
 
+    /// The etcd revision this view's routes were read at; 0 outside etcd.
+    pub fn revision(&self) -> u64 {
+        self.assigned
+            .as_ref()
+            .map_or(0, |a| u64::try_from(a.revision).unwrap_or(0))
+    }
+
     /// Whether this is a single-node deployment (no cluster file).
     pub fn is_single(&self) -> bool {
         self.brokers.len() == 1 && self.brokers[0].id == LOCAL_BROKER

@@ -142,6 +142,7 @@ fn history_survives_a_wiped_broker() {
         journal: name.into(),
         offset: Some(5),
         end_offset: None,
+        route_revision: 0,
     };
     c.send(Op::READ, flag::DO_NOT_PROXY, 31, &r.encode(), &[]);
     let frag = c.recv();
@@ -206,6 +207,7 @@ fn a_read_in_missing_history_waits_without_stalling_the_shard() {
         journal: a.into(),
         offset: Some(0),
         end_offset: None,
+        route_revision: 0,
     };
     reader.send(Op::READ, flag::BLOCK, 41, &r.encode(), &[]);
     // Give the read time to reach its wait; nothing below depends on it.

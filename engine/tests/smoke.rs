@@ -198,6 +198,7 @@ fn tailing_readers_are_served_from_memory() {
             journal: name.into(),
             offset: Some(0),
             end_offset: Some(3000),
+            route_revision: 0,
         };
         r.send(Op::READ, flag::BLOCK, 11, &req.encode(), &[]);
     }
@@ -377,6 +378,7 @@ fn an_answered_append_is_readable_at_once() {
                 journal: name.into(),
                 offset,
                 end_offset: None,
+                route_revision: 0,
             };
             reader.send(Op::READ, flags, 7, &read.encode(), &[]);
             let done = reader.recv();

@@ -305,6 +305,7 @@ async fn gather(state: &State) -> Gathered {
                 journal: name.clone(),
                 offset: None,
                 end_offset: None,
+                route_revision: 0,
             };
             let opts = rotary_net::client::ReadOptions {
                 block: false,

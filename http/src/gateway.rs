@@ -266,6 +266,7 @@ async fn read(
         journal: journal.clone(),
         offset: query.offset,
         end_offset: None,
+        route_revision: 0,
     };
     let meta = ReadOptions {
         block: false,
@@ -338,6 +339,7 @@ async fn read(
         journal,
         offset: Some(offset),
         end_offset: None,
+        route_revision: 0,
     };
     let mut reading = match client.read(&stream, query.block, false).await {
         Ok(s) => s,

@@ -191,6 +191,10 @@ pub struct RouteInfo {
     /// The brokers holding the journal, primary first.
     #[serde(default)]
     pub members: Vec<RouteMember>,
+    /// In a cluster on etcd, the etcd revision the route was read at; 0
+    /// outside etcd.
+    #[serde(default)]
+    pub revision: u64,
 }
 
 /// One broker of a journal's route.
@@ -383,6 +387,9 @@ pub struct ReadDone {
     pub status: Status,
     /// The broker's message for a non-OK status; empty on OK.
     pub message: String,
+    /// In a cluster on etcd, the revision of the route a refusing broker
+    /// acted on (see [`Client::saw_route_revision`]); 0 otherwise.
+    pub route_revision: u64,
 }
 
 impl ReadDone {
@@ -467,6 +474,18 @@ pub struct Client {
 
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Conn>>>>;
 
+/// What a client knows of a journal's route: the endpoint of the shard its
+/// requests go to, and the etcd revision the route was read at. A route
+/// forgotten (the broker was gone, or said the route moved) keeps its
+/// revision, so that the next lookup asks for at least that revision and
+/// a broker whose watch is behind waits instead of answering an older
+/// route.
+#[derive(Clone, Debug, Default)]
+struct CachedRoute {
+    endpoint: Option<String>,
+    revision: u64,
+}
+
 struct Inner {
     /// The endpoints given to `connect`, as given (comma-separated).
     bootstrap: String,
@@ -477,8 +496,8 @@ struct Inner {
     /// One slot per endpoint; the async lock makes concurrent first users
     /// share one connection attempt.
     conns: Mutex<HashMap<String, Slot>>,
-    /// Journal name → endpoint of its shard.
-    routes: Mutex<HashMap<String, String>>,
+    /// Journal name → its cached route.
+    routes: Mutex<HashMap<String, CachedRoute>>,
     options: ClientOptions,
     /// HTTP agent of direct reads, made on first use.
     http: OnceLock<ureq::Agent>,
@@ -612,26 +631,63 @@ impl Client {
         &self.inner.bootstraps[at]
     }
 
-    /// Asks the broker which shard owns `journal` (not cached).
+    /// Asks the broker which shard owns `journal` (not cached), at no
+    /// older etcd revision than this client has seen for the journal.
     pub async fn route(&self, journal: &str) -> Result<RouteInfo, ClientError> {
-        check_name_len(journal)?;
-        let conn = self.bootstrap_conn().await?;
-        let reply = unary(
-            &conn,
-            Op::ROUTE,
-            wire::encode_name(journal).into(),
-            Bytes::new(),
-        )
-        .await?;
-        admin_json(&conn, Op::ROUTE, reply)
+        let seen = self.route_revision(journal);
+        self.route_at(journal, seen).await
     }
 
-    /// The connection to the shard owning `journal`.
-    async fn journal_conn(&self, journal: &str) -> Result<Arc<Conn>, ClientError> {
+    /// Asks the broker which shard owns `journal`, read at etcd revision
+    /// `min_revision` or later (Gazette's `min_etcd_revision`): a broker
+    /// whose watch is behind waits for it, for a bounded time, and answers
+    /// WRONG_ROUTE if it does not get there. 0 takes whatever it has.
+    pub async fn route_at(
+        &self,
+        journal: &str,
+        min_revision: u64,
+    ) -> Result<RouteInfo, ClientError> {
+        check_name_len(journal)?;
+        let conn = self.bootstrap_conn().await?;
+        let meta = wire::encode_route(journal, min_revision);
+        let reply = unary(&conn, Op::ROUTE, meta.into(), Bytes::new()).await?;
+        let info: RouteInfo = admin_json(&conn, Op::ROUTE, reply)?;
+        self.saw_route_revision(journal, info.revision);
+        Ok(info)
+    }
+
+    /// The etcd revision this client last saw the journal's route at (0
+    /// outside etcd, or before it asked).
+    pub fn route_revision(&self, journal: &str) -> u64 {
+        lock(&self.inner.routes)
+            .get(journal)
+            .map_or(0, |r| r.revision)
+    }
+
+    /// Notes that a broker answered about `journal` at etcd revision
+    /// `revision`: later requests for the journal carry at least it.
+    pub fn saw_route_revision(&self, journal: &str, revision: u64) {
+        if revision == 0 {
+            return;
+        }
+        let mut routes = lock(&self.inner.routes);
+        if !routes.contains_key(journal) && routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
+            routes.clear();
+        }
+        let r = routes.entry(journal.to_string()).or_default();
+        r.revision = r.revision.max(revision);
+    }
+
+    /// The connection to the shard owning `journal`, and the etcd revision
+    /// its route was read at.
+    async fn journal_conn(&self, journal: &str) -> Result<(Arc<Conn>, u64), ClientError> {
         let cached = lock(&self.inner.routes).get(journal).cloned();
-        let endpoint = match cached {
-            Some(e) => e,
-            None => {
+        let (endpoint, revision) = match cached {
+            Some(CachedRoute {
+                endpoint: Some(e),
+                revision,
+            }) => (e, revision),
+            _ => {
                 let route = self.route(journal).await?;
                 let target = if self.inner.options.pinned && !route.local_endpoint.is_empty() {
                     &route.local_endpoint
@@ -640,15 +696,17 @@ impl Client {
                 };
                 let endpoint = reachable_endpoint(target, self.current_bootstrap());
                 let mut routes = lock(&self.inner.routes);
-                if routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
+                if !routes.contains_key(journal) && routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
                     routes.clear();
                 }
-                routes.insert(journal.to_string(), endpoint.clone());
-                endpoint
+                let r = routes.entry(journal.to_string()).or_default();
+                r.endpoint = Some(endpoint.clone());
+                r.revision = r.revision.max(route.revision);
+                (endpoint, r.revision)
             }
         };
         match self.conn(&endpoint).await {
-            Ok(c) => Ok(c),
+            Ok(c) => Ok((c, revision)),
             Err(e) => {
                 self.forget_route(journal);
                 Err(e)
@@ -656,11 +714,13 @@ impl Client {
         }
     }
 
-    /// Drops a cached route after a connection failure (the broker may have
-    /// restarted with another shard count) or a refusal that says the route
-    /// moved.
-    fn forget_route(&self, journal: &str) {
-        lock(&self.inner.routes).remove(journal);
+    /// Drops a cached route's endpoint after a connection failure (the
+    /// broker may have restarted with another shard count) or a refusal
+    /// that says the route moved; its revision is kept.
+    pub fn forget_route(&self, journal: &str) {
+        if let Some(r) = lock(&self.inner.routes).get_mut(journal) {
+            r.endpoint = None;
+        }
     }
 
     fn on_journal_error<T>(
@@ -669,6 +729,9 @@ impl Client {
         r: Result<T, ClientError>,
     ) -> Result<T, ClientError> {
         if let Err(e) = &r {
+            if let Some(reply) = e.append_reply() {
+                self.saw_route_revision(journal, reply.route_revision);
+            }
             // The broker is gone, or the route moved: ask ROUTE again.
             let moved = matches!(
                 e.status(),
@@ -802,7 +865,7 @@ impl Client {
     ) -> Result<T, ClientError> {
         check_name_len(journal)?;
         let r = async {
-            let conn = self.journal_conn(journal).await?;
+            let (conn, _) = self.journal_conn(journal).await?;
             let reply = unary(&conn, op, wire::encode_name(journal).into(), Bytes::new()).await?;
             admin_json(&conn, op, reply)
         }
@@ -847,7 +910,7 @@ impl Client {
         let body =
             serde_json::to_vec(&serde_json::json!({ "from": from, "limit": limit })).expect("JSON");
         let r = async {
-            let conn = self.journal_conn(journal).await?;
+            let (conn, _) = self.journal_conn(journal).await?;
             let reply = unary(
                 &conn,
                 Op::FRAGMENTS,
@@ -983,7 +1046,8 @@ impl Client {
         };
         let meta = encode_append_meta(req)?;
         let r = async {
-            let conn = self.journal_conn(&req.journal).await?;
+            let (conn, revision) = self.journal_conn(&req.journal).await?;
+            let meta = with_route_revision(req, meta, revision);
             let (tx, mut rx) = oneshot::channel();
             let id = conn.register(Waiter::Once(tx))?;
             let mut guard = AppendGuard::new(&conn, id);
@@ -1036,7 +1100,8 @@ impl Client {
     {
         let meta = encode_append_meta(req)?;
         let r = async {
-            let conn = self.journal_conn(&req.journal).await?;
+            let (conn, revision) = self.journal_conn(&req.journal).await?;
+            let meta = with_route_revision(req, meta, revision);
             let (tx, mut rx) = oneshot::channel();
             let id = conn.register(Waiter::Once(tx))?;
             let mut guard = AppendGuard::new(&conn, id);
@@ -1124,7 +1189,11 @@ impl Client {
         wire::check_offset(req.offset).map_err(ClientError::Offset)?;
         wire::check_end_offset(req.end_offset).map_err(ClientError::Offset)?;
         let r = async {
-            let conn = self.journal_conn(&req.journal).await?;
+            let (conn, revision) = self.journal_conn(&req.journal).await?;
+            let req = ReadRequest {
+                route_revision: req.route_revision.max(revision),
+                ..req.clone()
+            };
             let (tx, rx) = mpsc::channel(READ_FRAMES_BUFFERED_MAX);
             let id = conn.register(Waiter::Stream(tx))?;
             let mut flags = 0;
@@ -1175,6 +1244,20 @@ fn check_name_len(journal: &str) -> Result<(), ClientError> {
         }));
     }
     Ok(())
+}
+
+/// APPEND metadata carrying the revision of the route it is sent on, when
+/// that is later than the one the request names (`meta` as encoded from
+/// `req`).
+fn with_route_revision(req: &AppendRequest, meta: Bytes, revision: u64) -> Bytes {
+    if revision <= req.route_revision {
+        return meta;
+    }
+    let req = AppendRequest {
+        route_revision: revision,
+        ..req.clone()
+    };
+    req.encode().into()
 }
 
 /// APPEND metadata, refusing requests whose metadata would not fit a frame.
@@ -1458,13 +1541,15 @@ impl ReadStream {
             }
             Op::READ_DONE => {
                 self.done = true;
-                let (offset, write_head) = if reply.meta.is_empty() && reply.status != Status::OK {
-                    (0, 0)
+                let (offset, write_head, route_revision) = if reply.meta.is_empty()
+                    && reply.status != Status::OK
+                {
+                    (0, 0, 0)
                 } else {
-                    match wire::decode_fixed::<wire::ReadDone>(&reply.meta, "read done") {
-                        Ok(d) => (d.offset.get(), d.write_head.get()),
+                    match wire::decode_read_done(&reply.meta) {
+                        Ok((d, r)) => (d.offset.get(), d.write_head.get(), r),
                         Err(e) if reply.status == Status::OK => return Err(self.protocol(e.into())),
-                        Err(_) => (0, 0),
+                        Err(_) => (0, 0, 0),
                     }
                 };
                 let message = if reply.status == Status::OK {
@@ -1477,6 +1562,7 @@ impl ReadStream {
                     write_head,
                     status: reply.status,
                     message,
+                    route_revision,
                 }))
             }
             Op::ERROR => {
@@ -1673,6 +1759,7 @@ mod tests {
                     write_head: head + content.len() as u64,
                     sha1: [0; 20],
                     registers: Default::default(),
+                    route_revision: 0,
                 };
                 head = reply.end;
                 let mut out = Vec::new();

@@ -226,6 +226,10 @@ pub fn decode_acks(payload: &[u8]) -> Result<Vec<Ack>, WireError> {
     Ok(out)
 }
 
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
 /// SYNC's JSON payload: the primary's view of a journal. The replica seals
 /// its open spool and starts the next one at `head`, unless it disagrees.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -239,6 +243,11 @@ pub struct SyncRequest {
     pub revision: u64,
     /// Route member ids as the primary computes them, primary first.
     pub route: Vec<String>,
+    /// In a cluster on etcd, the revision `route` was read at: a replica
+    /// that has seen less waits for its watch to catch up before it
+    /// compares routes. 0 outside etcd.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub route_revision: u64,
     pub head: u64,
     pub registers: LabelSet,
 }
@@ -250,6 +259,11 @@ pub struct SyncReply {
     pub head: u64,
     /// The route as the replica computes it.
     pub route: Vec<String>,
+    /// The etcd revision the replica's `route` was read at (0 outside
+    /// etcd): a primary told WRONG_ROUTE at a later revision than its own
+    /// waits for its watch to reach it before it synchronizes again.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub route_revision: u64,
     /// The replica's registers (a primary rolling forward adopts them).
     #[serde(default)]
     pub registers: LabelSet,

@@ -399,6 +399,16 @@ impl MetaWriter {
         self
     }
 
+    /// Ends a section with an etcd revision, left out when 0: sections
+    /// without one read as revision 0 ([`MetaReader::revision`]), so
+    /// brokers and clients outside etcd send what they always sent.
+    pub fn revision(&mut self, revision: u64) -> &mut Self {
+        if revision != 0 {
+            self.buf.extend_from_slice(&revision.to_le_bytes());
+        }
+        self
+    }
+
     /// Bytes written so far.
     pub fn len(&self) -> usize {
         self.buf.len()
@@ -485,6 +495,16 @@ impl<'a> MetaReader<'a> {
         Ok(set)
     }
 
+    /// The optional etcd revision that may end a section (see
+    /// [`MetaWriter::revision`]): 0 when the section ends here.
+    pub fn revision(&mut self, what: &'static str) -> Result<u64, WireError> {
+        if self.buf.is_empty() {
+            return Ok(0);
+        }
+        let v: U64 = self.fixed(what)?;
+        Ok(v.get())
+    }
+
     pub fn finish(self) -> Result<(), WireError> {
         if self.buf.is_empty() {
             Ok(())
@@ -551,6 +571,10 @@ pub struct AppendRequest {
     pub union_registers: LabelSet,
     /// Removed from the registers if the append commits at least one byte.
     pub subtract_registers: LabelSet,
+    /// The etcd revision the sender's route of the journal was read at
+    /// (Gazette's `min_etcd_revision`): a broker that has seen less waits
+    /// for its watch to catch up before it routes the append. 0: none.
+    pub route_revision: u64,
 }
 
 impl AppendRequest {
@@ -566,7 +590,8 @@ impl AppendRequest {
         .labels(&self.check_registers.include)
         .labels(&self.check_registers.exclude)
         .labels(&self.union_registers)
-        .labels(&self.subtract_registers);
+        .labels(&self.subtract_registers)
+        .revision(self.route_revision);
         w.finish()
     }
 
@@ -584,6 +609,7 @@ impl AppendRequest {
         let exclude = r.labels("check_registers.exclude")?;
         let union_registers = r.labels("union_registers")?;
         let subtract_registers = r.labels("subtract_registers")?;
+        let route_revision = r.revision("route revision")?;
         r.finish()?;
         Ok(AppendRequest {
             journal,
@@ -591,6 +617,7 @@ impl AppendRequest {
             check_registers: LabelSelector { include, exclude },
             union_registers,
             subtract_registers,
+            route_revision,
         })
     }
 }
@@ -619,6 +646,10 @@ pub struct AppendReply {
     pub write_head: u64,
     pub sha1: [u8; 20],
     pub registers: LabelSet,
+    /// In a cluster on etcd, the revision of the route the answering
+    /// broker acted on; a client told to go elsewhere looks the route up
+    /// again at this revision or later. 0 outside etcd.
+    pub route_revision: u64,
 }
 
 impl AppendReply {
@@ -631,7 +662,8 @@ impl AppendReply {
             sha1: self.sha1,
             reserved: [0; 4],
         })
-        .labels(&self.registers);
+        .labels(&self.registers)
+        .revision(self.route_revision);
         w.finish()
     }
 
@@ -639,6 +671,7 @@ impl AppendReply {
         let mut r = MetaReader::new(meta);
         let f: AppendReplyFixed = r.fixed("append reply")?;
         let registers = r.labels("registers")?;
+        let route_revision = r.revision("route revision")?;
         r.finish()?;
         Ok(AppendReply {
             begin: f.begin.get(),
@@ -646,6 +679,7 @@ impl AppendReply {
             write_head: f.write_head.get(),
             sha1: f.sha1,
             registers,
+            route_revision,
         })
     }
 }
@@ -668,6 +702,8 @@ pub struct ReadRequest {
     pub offset: Option<u64>,
     /// Stop before this offset; `None` reads without end.
     pub end_offset: Option<u64>,
+    /// As [`AppendRequest::route_revision`]. 0: none.
+    pub route_revision: u64,
 }
 
 impl ReadRequest {
@@ -680,7 +716,8 @@ impl ReadRequest {
             offset: I64::new(offset_to_wire(self.offset)),
             end_offset: U64::new(self.end_offset.unwrap_or(0)),
         })
-        .str16(&self.journal);
+        .str16(&self.journal)
+        .revision(self.route_revision);
         w.finish()
     }
 
@@ -697,11 +734,13 @@ impl ReadRequest {
             e => Some(e),
         };
         let journal = r.str16("journal name")?.to_string();
+        let route_revision = r.revision("route revision")?;
         r.finish()?;
         Ok(ReadRequest {
             journal,
             offset,
             end_offset,
+            route_revision,
         })
     }
 }
@@ -775,6 +814,41 @@ pub fn encode_name(name: &str) -> Vec<u8> {
     let mut w = MetaWriter::new();
     w.str16(name);
     w.finish()
+}
+
+/// ROUTE's metadata: the journal's name and the least etcd revision the
+/// answer must be read at (0: any).
+pub fn encode_route(name: &str, min_revision: u64) -> Vec<u8> {
+    let mut w = MetaWriter::new();
+    w.str16(name).revision(min_revision);
+    w.finish()
+}
+
+/// Decodes ROUTE's metadata (see [`encode_route`]).
+pub fn decode_route(meta: &[u8]) -> Result<(&str, u64), WireError> {
+    let mut r = MetaReader::new(meta);
+    let name = r.str16("journal name")?;
+    let revision = r.revision("route revision")?;
+    r.finish()?;
+    Ok((name, revision))
+}
+
+/// A refused READ's READ_DONE metadata: offsets 0 and, in a cluster on
+/// etcd, the revision of the route the refusing broker acted on.
+pub fn encode_read_refusal(route_revision: u64) -> Vec<u8> {
+    let mut w = MetaWriter::new();
+    w.raw(&[0; 16]).revision(route_revision);
+    w.finish()
+}
+
+/// Decodes READ_DONE's metadata: where the read stopped, and the route
+/// revision a refusal may carry (0 without one).
+pub fn decode_read_done(meta: &[u8]) -> Result<(ReadDone, u64), WireError> {
+    let mut r = MetaReader::new(meta);
+    let done: ReadDone = r.fixed("read done")?;
+    let revision = r.revision("route revision")?;
+    r.finish()?;
+    Ok((done, revision))
 }
 
 /// Decodes a fixed-size metadata section exactly.
@@ -852,6 +926,7 @@ mod tests {
             journal: "a/b/c".into(),
             offset: Some(OFFSET_MAX + 1),
             end_offset: None,
+            route_revision: 0,
         };
         let _ = req.encode();
     }
@@ -863,33 +938,49 @@ mod tests {
             expect in proptest::option::of(0u64..=OFFSET_MAX),
             include in label_set(), exclude in label_set(),
             union in label_set(), subtract in label_set(),
+            route_revision in prop_oneof![Just(0u64), any::<u64>()],
         ) {
             let req = AppendRequest {
                 journal, expect_offset: expect,
                 check_registers: LabelSelector { include, exclude },
-                union_registers: union, subtract_registers: subtract,
+                union_registers: union, subtract_registers: subtract, route_revision,
             };
             let meta = req.encode();
-            prop_assert_eq!(AppendRequest::decode(&meta).unwrap(), req);
-            // Every strict prefix is rejected, never accepted or panicking.
+            prop_assert_eq!(AppendRequest::decode(&meta).unwrap(), req.clone());
+            // Every strict prefix is rejected, never accepted or panicking,
+            // but the one without the revision, which is the request at
+            // revision 0 (what a sender outside etcd sends).
+            let bare = if route_revision == 0 { meta.len() } else { meta.len() - 8 };
             for cut in 0..meta.len() {
-                prop_assert!(AppendRequest::decode(&meta[..cut]).is_err());
+                match AppendRequest::decode(&meta[..cut]) {
+                    Ok(r) => {
+                        prop_assert_eq!(cut, bare);
+                        prop_assert_eq!(r, AppendRequest { route_revision: 0, ..req.clone() });
+                    }
+                    Err(_) => prop_assert_ne!(cut, bare),
+                }
             }
         }
 
         #[test]
         fn append_reply_round_trips(begin in any::<u64>(), len in 0u64..1<<40, head in any::<u64>(),
-                                    sha1 in any::<[u8; 20]>(), registers in label_set()) {
-            let reply = AppendReply { begin, end: begin.wrapping_add(len), write_head: head, sha1, registers };
+                                    sha1 in any::<[u8; 20]>(), registers in label_set(),
+                                    route_revision in any::<u64>()) {
+            let reply = AppendReply { begin, end: begin.wrapping_add(len), write_head: head, sha1, registers, route_revision };
             prop_assert_eq!(AppendReply::decode(&reply.encode()).unwrap(), reply);
         }
 
         #[test]
         fn read_request_round_trips(journal in journal(),
                                     offset in proptest::option::of(0u64..=OFFSET_MAX),
-                                    end in proptest::option::of(1u64..u64::MAX)) {
-            let req = ReadRequest { journal, offset, end_offset: end };
+                                    end in proptest::option::of(1u64..u64::MAX),
+                                    route_revision in any::<u64>()) {
+            let req = ReadRequest { journal: journal.clone(), offset, end_offset: end, route_revision };
             prop_assert_eq!(ReadRequest::decode(&req.encode()).unwrap(), req);
+            let route = encode_route(&journal, route_revision);
+            prop_assert_eq!(decode_route(&route).unwrap(), (journal.as_str(), route_revision));
+            let (done, r) = decode_read_done(&encode_read_refusal(route_revision)).unwrap();
+            prop_assert_eq!((done.offset.get(), done.write_head.get(), r), (0, 0, route_revision));
         }
 
         #[test]

@@ -53,6 +53,7 @@ fn append_request() -> AppendRequest {
         check_registers: LabelSelector::default(),
         union_registers: LabelSet::from_pairs([("owner", "w7")]).unwrap(),
         subtract_registers: LabelSet::new(),
+        route_revision: 0,
     }
 }
 
@@ -90,6 +91,7 @@ fn append_reply_matches_the_doc() {
         write_head: 0x1006,
         sha1,
         registers: LabelSet::from_pairs([("owner", "w7")]).unwrap(),
+        route_revision: 0,
     };
     let mut frame = Vec::new();
     wire::encode_frame(
@@ -117,6 +119,7 @@ fn read_frames_match_the_doc() {
         journal: "orders/part-000".into(),
         offset: Some(0x1000),
         end_offset: None,
+        route_revision: 0,
     };
     let mut frame = Vec::new();
     wire::encode_frame(
@@ -289,6 +292,7 @@ fn replication_frames_match_the_doc() {
         route: vec!["b3".into(), "b2".into(), "b1".into()],
         registers: LabelSet::new(),
         message: String::new(),
+        route_revision: 0,
     };
     let text = serde_json::to_string(&reply).unwrap();
     assert!(

@@ -413,6 +413,7 @@ pub async fn read_range_with(
         journal: journal.to_string(),
         offset: Some(from),
         end_offset: to,
+        route_revision: 0,
     };
     let stream = client.read_with(&req, options).await?;
     read_to_done(stream, &format!("{}: {journal}", client.endpoint()), from).await
@@ -469,6 +470,7 @@ pub async fn write_head(client: &Client, journal: &str) -> u64 {
         journal: journal.to_string(),
         offset: None,
         end_offset: None,
+        route_revision: 0,
     };
     let mut stream = client.read(&req, false, true).await.expect("metadata read");
     match stream

@@ -334,6 +334,24 @@ impl Conn {
         Some(serde_json::Value::Object(out))
     }
 
+    /// ROUTE, answered once this broker's view has reached the revision
+    /// the request asks for (if it can).
+    pub(super) async fn route(&self, id: u64, meta: &[u8]) {
+        let (name, revision) = match wire::decode_route(meta) {
+            Ok(r) => r,
+            Err(e) => return self.admin_err(id, e.status(), &e.to_string()),
+        };
+        if let Err(e) = rotary_net::spec::validate_journal_name(name) {
+            return self.admin_err(id, Status::BAD_REQUEST, &e.to_string());
+        }
+        if !self.shard.await_revision(revision).await {
+            let msg = self.shard.behind_message(revision);
+            return self.admin_err(id, Status::WRONG_ROUTE, &msg);
+        }
+        let body = self.route_json(name);
+        self.admin_ok(id, &body);
+    }
+
     /// ROUTE's answer: this broker's shard for the journal, and its route.
     pub(super) fn route_json(&self, name: &str) -> serde_json::Value {
         let shard = rotary_net::shard_of(name, self.shard.shards);
@@ -361,6 +379,7 @@ impl Conn {
             "broker": view.me,
             "local_endpoint": local,
             "members": members,
+            "revision": view.revision(),
         })
     }
 

@@ -3,14 +3,16 @@
 use super::*;
 
 impl Conn {
+    /// Refuses an append; the reply names the etcd revision of the route
+    /// this broker acted on, so that a client sent elsewhere looks the
+    /// route up again at least there.
     pub(super) fn append_error(&self, id: u64, status: Status, msg: &str) {
-        self.outbox.error(
-            Op::APPEND_REPLY,
-            status,
-            id,
-            &AppendReply::default().encode(),
-            msg,
-        );
+        let reply = AppendReply {
+            route_revision: self.shard.view().revision(),
+            ..AppendReply::default()
+        };
+        self.outbox
+            .error(Op::APPEND_REPLY, status, id, &reply.encode(), msg);
     }
 
     /// Refuses an append at its first frame; its later chunks are dropped.
@@ -79,6 +81,10 @@ impl Conn {
         }
         if self.shard.is_shutting_down() {
             return self.refuse_append(&frame, Status::SHUTTING_DOWN, "broker is shutting down");
+        }
+        if !self.shard.await_revision(req.route_revision).await {
+            let msg = self.shard.behind_message(req.route_revision);
+            return self.refuse_append(&frame, Status::WRONG_ROUTE, &msg);
         }
         let Some(j) = self.shard.journal(&req.journal) else {
             let (status, msg) = self.shard.unknown_journal(&req.journal);

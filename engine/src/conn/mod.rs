@@ -259,16 +259,7 @@ impl Conn {
                 }
             }
             Op::PING => self.outbox.frame(Op::PONG, Status::OK, id, &[], payload),
-            Op::ROUTE => match wire::decode_name(frame.meta) {
-                Ok(name) => match rotary_net::spec::validate_journal_name(name) {
-                    Ok(()) => {
-                        let body = self.route_json(name);
-                        self.admin_ok(id, &body);
-                    }
-                    Err(e) => self.admin_err(id, Status::BAD_REQUEST, &e.to_string()),
-                },
-                Err(e) => self.admin_err(id, e.status(), &e.to_string()),
-            },
+            Op::ROUTE => self.route(id, frame.meta).await,
             Op::REPLICATE => {
                 let own = match &body {
                     Body::Owned(c) => Some(c.data.clone()),
@@ -276,7 +267,7 @@ impl Conn {
                 };
                 return self.replicate(payload, own.as_ref());
             }
-            Op::SYNC => self.sync(frame.request_id, payload),
+            Op::SYNC => self.sync(frame.request_id, payload).await,
             Op::APPLY => self.apply(id, frame.flags, payload).await,
             Op::MEMBERS => self.members(id).await,
             Op::DRAIN => self.drain_member(id, payload).await,

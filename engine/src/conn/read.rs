@@ -8,9 +8,13 @@ impl Conn {
         let req = match ReadRequest::decode(frame.meta) {
             Ok(r) => r,
             Err(e) => {
-                return self
-                    .outbox
-                    .error(Op::READ_DONE, e.status(), id, &[0; 16], &e.to_string())
+                return self.outbox.error(
+                    Op::READ_DONE,
+                    e.status(),
+                    id,
+                    &self.refusal_meta(),
+                    &e.to_string(),
+                )
             }
         };
         if let Err(e) = validate_journal_name(&req.journal) {
@@ -18,7 +22,7 @@ impl Conn {
                 Op::READ_DONE,
                 Status::BAD_REQUEST,
                 id,
-                &[0; 16],
+                &self.refusal_meta(),
                 &e.to_string(),
             );
         }
@@ -29,9 +33,21 @@ impl Conn {
             metrics::add(&self.shard.metrics.cross_core_forwards, 1);
             return self.forward_to(addr, raw).await;
         }
+        if !self.shard.await_revision(req.route_revision).await {
+            let msg = self.shard.behind_message(req.route_revision);
+            return self.outbox.error(
+                Op::READ_DONE,
+                Status::WRONG_ROUTE,
+                id,
+                &self.refusal_meta(),
+                &msg,
+            );
+        }
         let Some(j) = self.shard.journal(&req.journal) else {
             let (status, msg) = self.shard.unknown_journal(&req.journal);
-            return self.outbox.error(Op::READ_DONE, status, id, &[0; 16], &msg);
+            return self
+                .outbox
+                .error(Op::READ_DONE, status, id, &self.refusal_meta(), &msg);
         };
         let role = self.shard.role(&j.borrow().spec);
         // A broker taking the journal over copies what this one holds.
@@ -42,7 +58,7 @@ impl Conn {
                     Op::READ_DONE,
                     Status::NO_JOURNAL_PRIMARY_BROKER,
                     id,
-                    &[0; 16],
+                    &self.refusal_meta(),
                     "the journal's route is empty",
                 );
             };
@@ -58,7 +74,7 @@ impl Conn {
                     Op::READ_DONE,
                     Status::NOT_JOURNAL_BROKER,
                     id,
-                    &[0; 16],
+                    &self.refusal_meta(),
                     &msg,
                 );
             }
@@ -78,7 +94,7 @@ impl Conn {
                 Op::READ_DONE,
                 Status::BAD_REQUEST,
                 id,
-                &[0; 16],
+                &self.refusal_meta(),
                 "request id already in use by an open read",
             );
         }
@@ -93,5 +109,11 @@ impl Conn {
             reads.borrow_mut().remove(&id);
         })
         .detach();
+    }
+
+    /// READ_DONE's metadata of a refused read: no offsets, and the etcd
+    /// revision of the route this broker acted on.
+    fn refusal_meta(&self) -> Vec<u8> {
+        rotary_net::wire::encode_read_refusal(self.shard.view().revision())
     }
 }

@@ -228,7 +228,10 @@ impl Conn {
     }
 
     /// SYNC: the primary's view of a journal, to be applied by the flusher.
-    pub(super) fn sync(&mut self, request_id: u64, payload: &[u8]) {
+    /// A replica whose watch has not reached the revision the primary read
+    /// its route at waits for it first (bounded), so that the two compare
+    /// routes of one revision; the stream's later frames wait behind it.
+    pub(super) async fn sync(&mut self, request_id: u64, payload: &[u8]) {
         let sink = self.sink();
         let req: rotary_net::repl::SyncRequest = match serde_json::from_slice(payload) {
             Ok(r) => r,
@@ -242,12 +245,14 @@ impl Conn {
                 )
             }
         };
+        self.shard.await_revision(req.route_revision).await;
         let view = self.shard.view();
         let route = view.route(&req.journal, req.spec.replication);
         let refuse = |status: Status, message: String| {
             let body = rotary_net::repl::SyncReply {
                 message,
                 route: route.ids(),
+                route_revision: view.revision(),
                 ..Default::default()
             };
             sink.push(req.seq, status, serde_json::to_vec(&body).expect("json"));

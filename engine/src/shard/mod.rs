@@ -171,6 +171,11 @@ const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 /// Batches of one journal proposed to replicas and not yet acknowledged.
 const INFLIGHT_BATCHES_MAX: usize = 16;
 /// How long a primary waits before retrying a failed SYNC.
+/// How long a broker waits for its etcd watch to reach the revision a
+/// request or a SYNC was routed at before it refuses with WRONG_ROUTE.
+pub const ROUTE_REVISION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How often that wait looks at the view again.
+const ROUTE_REVISION_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 /// A turn that takes this long is logged with the time of each phase.
 const SLOW_TURN: std::time::Duration = std::time::Duration::from_millis(50);
@@ -408,6 +413,40 @@ impl Shard {
         &self.topology
     }
 
+    /// Waits until this broker's view of the cluster has reached etcd
+    /// revision `revision` (one a client or a peer read a route at), for
+    /// at most [`ROUTE_REVISION_WAIT`]; whether it has. Routes come from
+    /// the control thread's watch, so a broker behind by a moment catches
+    /// up within milliseconds; one cut off from etcd does not.
+    pub async fn await_revision(&self, revision: u64) -> bool {
+        if self.view().revision() >= revision {
+            return true;
+        }
+        let started = crate::clock::now();
+        loop {
+            compio::time::sleep(ROUTE_REVISION_POLL).await;
+            if self.view().revision() >= revision {
+                metrics::add(&self.metrics.route_revision_waits, 1);
+                return true;
+            }
+            if crate::clock::now().duration_since(started) >= ROUTE_REVISION_WAIT {
+                metrics::add(&self.metrics.route_revision_timeouts, 1);
+                return false;
+            }
+        }
+    }
+
+    /// Why a request at `revision` is refused by a broker whose watch has
+    /// not reached it (see [`Shard::await_revision`]).
+    pub fn behind_message(&self, revision: u64) -> String {
+        format!(
+            "broker {} has read the cluster at etcd revision {}, behind the request's {revision}, and its watch did not catch up within {:?}",
+            self.view().me,
+            self.view().revision(),
+            ROUTE_REVISION_WAIT
+        )
+    }
+
     /// The current view and the ones before it.
     pub fn views(&self) -> crate::topology::Views {
         let v = self.topology.version();
@@ -518,6 +557,7 @@ fn answer_ok(s: &Staged) {
         write_head: s.end,
         sha1: [0; 20],
         registers: s.registers.clone(),
+        route_revision: 0,
     };
     let send = |op: &AppendOp, reply: &AppendReply| {
         op.outbox.frame(

@@ -457,6 +457,11 @@ impl Shard {
                     ahead.push((reply.head, reply.registers, m));
                 }
                 status => {
+                    // A replica that read a later route: this broker
+                    // catches up with it before it routes the journal again.
+                    if status == Status::WRONG_ROUTE {
+                        self.await_revision(reply.route_revision).await;
+                    }
                     // Clients see a retryable status; the cause is named.
                     return Err(Failure::new(
                         Status::REPLICATION_FAILED,
@@ -656,6 +661,7 @@ impl Shard {
                 spec: spec.clone(),
                 revision,
                 route: route.ids(),
+                route_revision: self.view().revision(),
                 head,
                 registers: registers.clone(),
             };

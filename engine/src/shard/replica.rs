@@ -27,6 +27,7 @@ impl Shard {
                 let body = SyncReply {
                     head,
                     route: route.ids(),
+                    route_revision: view.revision(),
                     registers: j.borrow().local_registers.clone(),
                     message,
                 };

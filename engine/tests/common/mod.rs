@@ -86,6 +86,7 @@ impl Conn {
             journal: journal.into(),
             offset: Some(offset),
             end_offset: None,
+            route_revision: 0,
         };
         self.send(Op::READ, 0, 9, &req.encode(), &[]);
         let mut out = Vec::new();

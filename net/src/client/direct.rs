@@ -100,6 +100,21 @@ struct State {
     finished: bool,
     stats: Arc<DirectReadStats>,
     buffers: Arc<BufferPool>,
+    /// While the journal's route moves (a broker died or hands its
+    /// journals off), broker reads that fail are sent again from `offset`
+    /// for up to [`crate::client::ClientOptions::retry_for`] from the
+    /// first failure since the read last made progress.
+    retry: Retry,
+}
+
+/// The retries of a read's broker reads.
+struct Retry {
+    /// When the tries since the last progress stop; `None` while the read
+    /// goes well.
+    give_up: Option<tokio::time::Instant>,
+    pause: std::time::Duration,
+    /// Broker reads that were tries again, not new spans.
+    again: u64,
 }
 
 /// Fragment buffers a direct read has handed out and got back: a fetch
@@ -170,7 +185,6 @@ impl DirectRead {
         let stats = Arc::new(DirectReadStats::default());
         DirectRead {
             state: Some(Box::new(State {
-                client,
                 journal: req.journal.clone(),
                 offset: req.offset,
                 end_offset: req.end_offset,
@@ -185,6 +199,12 @@ impl DirectRead {
                 finished: false,
                 stats: stats.clone(),
                 buffers: Arc::default(),
+                retry: Retry {
+                    give_up: None,
+                    pause: crate::client::RETRY_PAUSE_MIN,
+                    again: 0,
+                },
+                client,
             })),
             step: None,
             stats,
@@ -244,6 +264,28 @@ enum Wake {
 }
 
 impl State {
+    /// Whether a broker read that failed with `e` is to be sent again:
+    /// the route is moving and the read's time to retry is not up. Waits
+    /// out the pause before the next try.
+    async fn try_again(&mut self, e: &ClientError) -> bool {
+        let pause = self.retry.pause;
+        let now = tokio::time::Instant::now();
+        let give_up = *self
+            .retry
+            .give_up
+            .get_or_insert(now + self.client.inner.options.retry_for);
+        if !crate::client::is_failover(e) || now + pause >= give_up {
+            return false;
+        }
+        self.stream = None;
+        self.fragment = None;
+        self.client.forget_route(&self.journal);
+        tokio::time::sleep(pause).await;
+        self.retry.pause = (pause * 2).min(crate::client::RETRY_PAUSE_MAX);
+        self.retry.again += 1;
+        true
+    }
+
     fn fail(&mut self, e: ClientError) -> Option<Result<ReadEvent, ClientError>> {
         self.finished = true;
         self.stream = None;
@@ -303,6 +345,7 @@ impl State {
             if pull && self.stream.is_none() {
                 match self.start().await {
                     Ok(s) => self.stream = Some(s),
+                    Err(e) if self.try_again(&e).await => continue,
                     Err(e) => return self.fail(e),
                 }
             }
@@ -332,12 +375,15 @@ impl State {
                     continue;
                 }
                 Wake::Broker(Some(Ok(ev))) => ev,
+                Wake::Broker(Some(Err(e))) if self.try_again(&e).await => continue,
                 Wake::Broker(Some(Err(e))) => return self.fail(e),
                 Wake::Broker(None) => return self.fail(self.protocol(ProtocolError::Truncated)),
             };
             match ev {
                 ReadEvent::Data { offset, content } => {
                     self.offset = Some(offset + content.len() as u64);
+                    self.retry.give_up = None;
+                    self.retry.pause = crate::client::RETRY_PAUSE_MIN;
                     let ev = ReadEvent::Data { offset, content };
                     if self.ahead.is_empty() {
                         return Some(Ok(ev));
@@ -371,7 +417,17 @@ impl State {
                 }
                 ReadEvent::Done(done) => {
                     self.stream = None;
-                    let first_read = self.stats.reads.load(Ordering::Relaxed) == 1;
+                    self.client
+                        .saw_route_revision(&self.journal, done.route_revision);
+                    if let Err(e) = done.check() {
+                        if done.status != Status::OFFSET_NOT_YET_AVAILABLE
+                            && self.try_again(&e).await
+                        {
+                            continue;
+                        }
+                    }
+                    let reads = self.stats.reads.load(Ordering::Relaxed);
+                    let first_read = reads - self.retry.again == 1;
                     if let Some(done) = self.on_done(done, first_read) {
                         if self.ahead.is_empty() {
                             self.finished = true;
@@ -396,6 +452,7 @@ impl State {
             journal: self.journal.clone(),
             offset: self.offset,
             end_offset,
+            route_revision: 0,
         };
         let direct = self.proxy_until.is_none();
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
@@ -531,6 +588,7 @@ impl State {
                 write_head,
                 status: Status::OK,
                 message: String::new(),
+                route_revision: 0,
             }));
             self.finished = true;
         }
@@ -715,6 +773,7 @@ mod tests {
             journal: "test/direct".into(),
             offset: Some(offset),
             end_offset: end,
+            route_revision: 0,
         }
     }
 

@@ -272,6 +272,7 @@ impl Reader {
                         journal: r.journal.to_string(),
                         offset: Some(at),
                         end_offset: Some(r.end),
+                        route_revision: 0,
                     };
                     match client.read(&req, false, false).await {
                         Ok(s) => r.stream.insert(s),
@@ -365,6 +366,7 @@ async fn read_loop(
             journal: journal.to_string(),
             offset: Some(decoder.offset()),
             end_offset: None,
+            route_revision: 0,
         };
         let failure = match client.read(&req, block, false).await {
             Err(e) => Some(e),

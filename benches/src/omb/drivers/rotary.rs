@@ -279,6 +279,7 @@ async fn consume(
             journal: journal.clone(),
             offset: Some(offset),
             end_offset: None,
+            route_revision: 0,
         };
         let mut read = client.read_direct(&req, true);
         let why = loop {
