@@ -229,7 +229,12 @@ impl Reader {
             }
             match self.rx.recv().await? {
                 Fetched::Envelope { env, skipped_bytes } => {
-                    self.skipped.insert(env.journal.clone(), skipped_bytes);
+                    match self.skipped.get_mut(&*env.journal) {
+                        Some(s) => *s = skipped_bytes,
+                        None => {
+                            self.skipped.insert(env.journal.clone(), skipped_bytes);
+                        }
+                    }
                     match self.mode {
                         ReadMode::Uncommitted => {
                             self.seq.set_offset(&env.journal, env.end);

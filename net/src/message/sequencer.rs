@@ -25,6 +25,10 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+/// Producers' states are looked up once per message: a fast hasher,
+/// seeded per process.
+type Partials = HashMap<Key, Partial, foldhash::fast::RandomState>;
+
 /// Pending messages a reader keeps unless told otherwise.
 pub const RING_LEN_DEFAULT: usize = 8192;
 
@@ -106,7 +110,8 @@ impl Partial {
 struct Slot {
     seq: u64,
     key: Key,
-    env: Envelope,
+    /// Taken out (not copied) when its transaction commits or rolls back.
+    env: Option<Envelope>,
 }
 
 /// A commit being dequeued.
@@ -154,7 +159,7 @@ pub struct Sequencer {
     ring_len: usize,
     ring: VecDeque<Slot>,
     next_seq: u64,
-    partials: HashMap<Key, Partial>,
+    partials: Partials,
     /// Journal → offset read through (where a restarted reader reads from).
     offsets: BTreeMap<Arc<str>, u64>,
     emit: Option<Emit>,
@@ -167,7 +172,7 @@ impl Sequencer {
             ring_len: ring_len.max(1),
             ring: VecDeque::new(),
             next_seq: 0,
-            partials: HashMap::new(),
+            partials: Partials::default(),
             offsets: BTreeMap::new(),
             emit: None,
         }
@@ -234,7 +239,7 @@ impl Sequencer {
 
     /// Sets where `journal` is read from (before reading it).
     pub fn set_offset(&mut self, journal: &str, offset: u64) {
-        self.offsets.insert(journal.into(), offset);
+        set_offset(&mut self.offsets, journal, offset);
     }
 
     /// Whether a commit is being dequeued (`queue` must wait for it).
@@ -265,116 +270,54 @@ impl Sequencer {
             return QueueOutcome::OutsideCommit;
         }
         let key: Key = (env.journal.clone(), env.producer());
-        let partial = self
-            .partials
-            .entry(key.clone())
-            .or_insert_with(|| Partial::settled(Clock(clock.0 - 1)));
-
-        let flags = env.flags();
-        let outcome = match flags {
-            Flags::CONTINUE_TXN => {
-                if clock <= partial.min_clock {
-                    QueueOutcome::ContinueAlreadyAcked
-                } else if clock <= partial.max_clock {
-                    QueueOutcome::ContinueTxnClockLarger
-                } else if partial.begin.is_none() {
-                    QueueOutcome::ContinueBeginSpan
-                } else {
-                    QueueOutcome::ContinueExtendSpan
-                }
-            }
-            Flags::ACK_TXN => {
-                if clock <= partial.min_clock {
-                    // Below it: the producer went back to an older
-                    // checkpoint; follow it (at-least-once until it catches up).
-                    QueueOutcome::AckRollback
-                } else {
-                    match partial.begin {
-                        None => QueueOutcome::AckEmpty,
-                        Some(b) => match partial.ring.front() {
-                            Some(&seq) if ring_env(&self.ring, seq).begin == b => {
-                                QueueOutcome::AckCommitRing
-                            }
-                            _ => QueueOutcome::AckCommitReplay,
-                        },
-                    }
-                }
-            }
-            // OUTSIDE_TXN, and flags this client does not know, which are
-            // taken as outside any transaction.
-            _ => {
-                if clock <= partial.min_clock {
-                    QueueOutcome::OutsideAlreadyAcked
-                } else {
-                    QueueOutcome::OutsideCommit
-                }
-            }
-        };
-
-        let journal = env.journal.clone();
+        if !self.partials.contains_key(&key) {
+            self.partials
+                .insert(key.clone(), Partial::settled(Clock(clock.0 - 1)));
+        }
+        let partial = self.partials.get_mut(&key).expect("inserted above");
+        let outcome = outcome_of(&env, partial, &self.ring);
         match outcome {
             QueueOutcome::OutsideAlreadyAcked
             | QueueOutcome::ContinueAlreadyAcked
             | QueueOutcome::ContinueTxnClockLarger => {
-                self.offsets.insert(journal, env.end);
+                set_offset(&mut self.offsets, &env.journal, env.end);
             }
             QueueOutcome::ContinueBeginSpan | QueueOutcome::ContinueExtendSpan => {
-                let partial = self.partials.get_mut(&key).expect("inserted above");
                 if outcome == QueueOutcome::ContinueBeginSpan {
                     partial.begin = Some(env.begin);
                 }
                 partial.max_clock = clock;
                 partial.ring.push_back(self.next_seq);
-                let end = env.end;
+                set_offset(&mut self.offsets, &env.journal, env.end);
                 self.ring.push_back(Slot {
                     seq: self.next_seq,
                     key,
-                    env,
+                    env: Some(env),
                 });
                 self.next_seq += 1;
-                self.offsets.insert(journal, end);
             }
             QueueOutcome::AckRollback => {
-                *self.partials.get_mut(&key).expect("inserted above") = Partial::settled(clock);
-                self.offsets.insert(journal, env.end);
+                *partial = Partial::settled(clock);
+                set_offset(&mut self.offsets, &env.journal, env.end);
             }
             QueueOutcome::OutsideCommit
             | QueueOutcome::AckEmpty
             | QueueOutcome::AckCommitRing
             | QueueOutcome::AckCommitReplay => {
-                let partial = self.partials.get_mut(&key).expect("inserted above");
-                let mut queued = VecDeque::new();
-                let mut replay = None;
-                if outcome == QueueOutcome::OutsideCommit {
-                    // A transaction left open is rolled back by a message
-                    // outside any (the producer mixed the two).
-                    partial.ring.clear();
-                } else {
-                    if outcome == QueueOutcome::AckCommitReplay {
-                        let first_in_ring =
-                            partial.ring.front().map(|&s| ring_env(&self.ring, s).begin);
-                        let b = partial.begin.expect("a replay has a begin");
-                        replay = Some((b, first_in_ring.unwrap_or(env.begin)));
-                    }
-                    let ring_first = self.ring.front().map_or(0, |s| s.seq);
-                    for seq in partial.ring.drain(..) {
-                        queued.push_back(self.ring[(seq - ring_first) as usize].env.clone());
-                    }
-                }
+                let (queued, replay) = take_pending(outcome, &env, partial, &mut self.ring);
                 partial.begin = Some(env.begin);
                 partial.max_clock = clock;
                 let last = partial.min_clock;
-                let end = env.end;
-                queued.push_back(env);
                 self.emit = Some(Emit {
                     key: Some(key),
                     max_clock: clock,
                     last,
                     replay,
+                    journal: env.journal.clone(),
+                    end: env.end,
                     queued,
-                    journal,
-                    end,
                 });
+                self.emit.as_mut().expect("set above").queued.push_back(env);
             }
         }
         outcome
@@ -383,6 +326,9 @@ impl Sequencer {
     fn evict_oldest(&mut self) {
         while self.ring.len() >= self.ring_len {
             let slot = self.ring.pop_front().expect("ring is not empty");
+            if slot.env.is_none() {
+                continue; // delivered or rolled back already
+            }
             if let Some(p) = self.partials.get_mut(&slot.key) {
                 if p.ring.front() == Some(&slot.seq) {
                     p.ring.pop_front();
@@ -461,7 +407,7 @@ impl Sequencer {
         }
         if emit.queued.is_empty() {
             let emit = self.emit.take().expect("emitting");
-            self.offsets.insert(emit.journal, emit.end);
+            set_offset(&mut self.offsets, &emit.journal, emit.end);
             if let Some(key) = emit.key {
                 *self.partials.get_mut(&key).expect("emitting producer") =
                     Partial::settled(emit.last);
@@ -474,7 +420,82 @@ impl Sequencer {
 /// The envelope of a ring sequence number still in the ring.
 fn ring_env(ring: &VecDeque<Slot>, seq: u64) -> &Envelope {
     let first = ring.front().expect("a pending seq is in the ring").seq;
-    &ring[(seq - first) as usize].env
+    ring[(seq - first) as usize]
+        .env
+        .as_ref()
+        .expect("a pending message is in its slot")
+}
+
+/// Where `journal` is read through: updated in place, without a new key
+/// for a journal already known.
+fn set_offset(offsets: &mut BTreeMap<Arc<str>, u64>, journal: &str, offset: u64) {
+    match offsets.get_mut(journal) {
+        Some(o) => *o = offset,
+        None => {
+            offsets.insert(journal.into(), offset);
+        }
+    }
+}
+
+/// What `env` is to its producer's state (see [`QueueOutcome`]).
+fn outcome_of(env: &Envelope, partial: &Partial, ring: &VecDeque<Slot>) -> QueueOutcome {
+    let clock = env.clock();
+    match env.flags() {
+        Flags::CONTINUE_TXN => {
+            if clock <= partial.min_clock {
+                QueueOutcome::ContinueAlreadyAcked
+            } else if clock <= partial.max_clock {
+                QueueOutcome::ContinueTxnClockLarger
+            } else if partial.begin.is_none() {
+                QueueOutcome::ContinueBeginSpan
+            } else {
+                QueueOutcome::ContinueExtendSpan
+            }
+        }
+        // At or below the last acknowledgement: the producer went back to
+        // an older checkpoint; follow it (at-least-once until it catches up).
+        Flags::ACK_TXN if clock <= partial.min_clock => QueueOutcome::AckRollback,
+        Flags::ACK_TXN => match partial.begin {
+            None => QueueOutcome::AckEmpty,
+            Some(b) => match partial.ring.front() {
+                Some(&seq) if ring_env(ring, seq).begin == b => QueueOutcome::AckCommitRing,
+                _ => QueueOutcome::AckCommitReplay,
+            },
+        },
+        // OUTSIDE_TXN, and flags this client does not know, which are
+        // taken as outside any transaction.
+        _ if clock <= partial.min_clock => QueueOutcome::OutsideAlreadyAcked,
+        _ => QueueOutcome::OutsideCommit,
+    }
+}
+
+/// The pending messages a commit delivers, moved out of the ring, and the
+/// journal range to replay before them when the first ones left the ring.
+/// A message outside any transaction rolls an open one back instead (the
+/// producer mixed the two).
+fn take_pending(
+    outcome: QueueOutcome,
+    env: &Envelope,
+    partial: &mut Partial,
+    ring: &mut VecDeque<Slot>,
+) -> (VecDeque<Envelope>, Option<(u64, u64)>) {
+    if outcome == QueueOutcome::OutsideCommit {
+        partial.ring.clear();
+        return (VecDeque::new(), None);
+    }
+    let mut replay = None;
+    if outcome == QueueOutcome::AckCommitReplay {
+        let first_in_ring = partial.ring.front().map(|&s| ring_env(ring, s).begin);
+        let b = partial.begin.expect("a replay has a begin");
+        replay = Some((b, first_in_ring.unwrap_or(env.begin)));
+    }
+    let ring_first = ring.front().map_or(0, |s| s.seq);
+    let mut queued = VecDeque::with_capacity(partial.ring.len() + 1);
+    for seq in partial.ring.drain(..) {
+        let slot = &mut ring[(seq - ring_first) as usize];
+        queued.push_back(slot.env.take().expect("a pending message is in its slot"));
+    }
+    (queued, replay)
 }
 
 #[cfg(test)]
