@@ -923,7 +923,7 @@ async fn accept_until_stopped(
                 failures += 1;
                 let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
                 // One line per 10 s, not one per attempt.
-                if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                if warned.is_none_or(|t| crate::clock::elapsed(t) >= Duration::from_secs(10)) {
                     if out_of_fds {
                         tracing::warn!(
                             error = %e,
@@ -1175,7 +1175,7 @@ mod tests {
         let started = crate::clock::now();
         let e = super::bind_listener(addr).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
-        assert!(started.elapsed() >= super::BIND_RETRY_FOR);
+        assert!(crate::clock::elapsed(started) >= super::BIND_RETRY_FOR);
     }
 
     /// A shard's ring defers its task work to the shard's next wait. Wake-ups

@@ -47,7 +47,7 @@ impl Repeated {
         if self
             .last
             .get()
-            .is_some_and(|t| t.elapsed() < REPEAT_WARN_INTERVAL)
+            .is_some_and(|t| crate::clock::elapsed(t) < REPEAT_WARN_INTERVAL)
         {
             self.held.set(self.held.get() + 1);
             return None;

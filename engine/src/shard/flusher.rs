@@ -255,7 +255,7 @@ impl Shard {
     /// stage, write and acknowledge.
     fn warn_slow_turn(journals: usize, at: [Instant; 5]) {
         let [started, prepared, staged_at, written, acked] = at;
-        if started.elapsed() >= SLOW_TURN {
+        if crate::clock::elapsed(started) >= SLOW_TURN {
             let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
             tracing::warn!(
                 journals,

@@ -128,7 +128,7 @@ impl Shard {
             spools = recovery.spools,
             hashed_bytes = recovery.hashed,
             spools_read_whole = !recovery.same_boot,
-            elapsed_ms = started.elapsed().as_millis() as u64,
+            elapsed_ms = crate::clock::elapsed(started).as_millis() as u64,
             "recovered"
         );
         Ok(())
