@@ -15,6 +15,7 @@ pub mod check;
 pub mod clock;
 pub mod cluster;
 pub mod conn;
+mod error;
 pub mod fetch;
 pub mod hasher;
 pub mod journal;
@@ -27,6 +28,8 @@ pub mod shard;
 pub mod spares;
 pub mod specs;
 pub mod topology;
+
+pub use error::{ConfigError, EngineError};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -152,20 +155,6 @@ impl ServeConfig {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("{0}: {1}")]
-    Io(PathBuf, #[source] std::io::Error),
-    #[error(transparent)]
-    Storage(#[from] rotary_storage::StorageError),
-    #[error("configuration: {0}")]
-    Config(String),
-    #[error("corrupt data: {0}")]
-    Corrupt(String),
-    #[error("cannot listen on {0}: {1}")]
-    Listen(SocketAddr, #[source] std::io::Error),
-}
-
 /// How long a clean shutdown waits for appends to commit and uploads to finish.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(45);
 /// How long a clean stop waits for its last answers to be written out to
@@ -239,7 +228,7 @@ pub fn confine_to_cores(config: &ServeConfig) -> Result<(), EngineError> {
     cores.dedup();
     if !config.cpus.is_empty() && cores.iter().all(|&c| c < online) {
         sys::confine_current_thread(&cores)
-            .map_err(|e| EngineError::Config(format!("--cpus {cores:?}: {e}")))?;
+            .map_err(|source| ConfigError::Confine { cores, source })?;
     }
     Ok(())
 }
@@ -301,10 +290,7 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, EngineError> {
     // SAFETY: flock on a descriptor we own.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {
-        return Err(EngineError::Config(format!(
-            "data directory {} is in use by another rotary process",
-            dir.display()
-        )));
+        return Err(ConfigError::DataDirInUse(dir.to_path_buf()).into());
     }
     Ok(f)
 }
@@ -320,13 +306,15 @@ fn check_shard_count(dir: &std::path::Path, shards: usize) -> Result<bool, Engin
     match std::fs::read(&path) {
         Ok(bytes) => {
             let v: serde_json::Value = serde_json::from_slice(&bytes)
-                .map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?;
+                .map_err(|e| EngineError::corrupt(&path, format!("{}: {e}", path.display())))?;
             let had = v["shards"].as_u64().unwrap_or(0) as usize;
             if had != shards {
-                return Err(EngineError::Config(format!(
-                    "data directory {} was created with {had} shards; start with --cores {had} (asked for {shards})",
-                    dir.display()
-                )));
+                return Err(ConfigError::ShardCount {
+                    dir: dir.to_path_buf(),
+                    had,
+                    asked: shards,
+                }
+                .into());
             }
             Ok(true)
         }
@@ -450,10 +438,7 @@ impl Broker {
 /// process.
 fn open_data_dir(dir: &std::path::Path) -> Result<std::fs::File, EngineError> {
     if dir.exists() && !dir.is_dir() {
-        return Err(EngineError::Config(format!(
-            "data directory {}: not a directory",
-            dir.display()
-        )));
+        return Err(ConfigError::NotADirectory(dir.to_path_buf()).into());
     }
     std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(dir.to_path_buf(), e))?;
     lock_data_dir(dir)
@@ -486,10 +471,7 @@ impl CoreLayout {
         // before it gets here) still names cores by the machine's numbers.
         let online = sys::online_cpus().max(ncpu);
         if let Some(c) = config.cpus.iter().find(|&&c| c >= online) {
-            return Err(EngineError::Config(format!(
-                "--cpus: core {c} does not exist here (cores 0 to {})",
-                online - 1
-            )));
+            return Err(ConfigError::NoSuchCore { core: *c, online }.into());
         }
         let core_of = |n: usize| {
             if config.cpus.is_empty() {
@@ -517,9 +499,11 @@ impl CoreLayout {
             config.iowq_cpus.clone()
         };
         if shards > metrics::SHARDS_MAX {
-            return Err(EngineError::Config(format!(
-                "--cores {shards}: at most 256 shards"
-            )));
+            return Err(ConfigError::TooManyShards {
+                asked: shards,
+                max: metrics::SHARDS_MAX,
+            }
+            .into());
         }
         Ok(CoreLayout { shard, hash, spare })
     }
@@ -567,12 +551,16 @@ fn open_membership(
         }
         None => None,
     };
-    let cluster_view = match &config.cluster {
-        Some((path, me)) => {
-            Some(topology::load_cluster_file(path, me).map_err(EngineError::Config)?)
-        }
-        None => None,
-    };
+    let cluster_view =
+        match &config.cluster {
+            Some((path, me)) => Some(topology::load_cluster_file(path, me).map_err(|why| {
+                ConfigError::ClusterFile {
+                    path: path.clone(),
+                    why,
+                }
+            })?),
+            None => None,
+        };
     if cluster_view.is_none() {
         // No peers to learn journals from.
         specs.mark_caught_up();
@@ -593,7 +581,10 @@ fn bind_listeners(
         let port = listen
             .port()
             .checked_add(n as u16)
-            .ok_or_else(|| EngineError::Config("port range overflows".into()))?;
+            .ok_or(ConfigError::PortRange {
+                port: listen.port(),
+                shards,
+            })?;
         addr.set_port(if listen.port() == 0 { 0 } else { port });
         let l = bind_listener(addr).map_err(|e| EngineError::Listen(addr, e))?;
         endpoints.push(l.local_addr().map_err(|e| EngineError::Listen(addr, e))?);
@@ -651,7 +642,7 @@ fn shard_config(
     } else {
         Some(
             hasher::Hasher::start(n as u32, hash_cores.clone(), config.hash_backlog_bytes)
-                .map_err(|e| EngineError::Io(config.data_dir.clone(), e))?,
+                .map_err(|e| EngineError::Thread("hasher", e))?,
         )
     };
     Ok(shard::ShardConfig {
@@ -718,12 +709,10 @@ fn start_shards(
         std::thread::Builder::new()
             .name(format!("rotary-shard-{n}"))
             .spawn(move || run_shard(ctx))
-            .map_err(|e| EngineError::Io(config.data_dir.clone(), e))?;
+            .map_err(|e| EngineError::Thread("shard", e))?;
     }
     for _ in 0..shards {
-        ready_rx
-            .recv()
-            .map_err(|_| EngineError::Config("a shard thread died while starting".into()))??;
+        ready_rx.recv().map_err(|_| EngineError::ShardDied)??;
     }
     Ok((stops, done_rx))
 }
