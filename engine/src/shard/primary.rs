@@ -602,9 +602,7 @@ impl Shard {
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }
-        jm.head = jm.head.max(to);
-        jm.local_head = jm.local_head.max(to);
-        jm.staged_head = jm.local_head;
+        jm.take_over_to(to);
         // The registers go with the furthest history (fencing must not
         // step back).
         jm.registers = their_registers.clone();

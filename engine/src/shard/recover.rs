@@ -431,9 +431,7 @@ impl Shard {
                 head = head.max(st.end);
             }
         }
-        j.head = head;
-        j.local_head = head;
-        j.staged_head = head;
+        j.set_heads(head);
         j.staged_registers = j.registers.clone();
         j.local_registers = j.registers.clone();
         j.first_sync_pending = j.fragments.is_empty() && j.spool.is_none() && chosen.is_none();
@@ -473,9 +471,7 @@ impl Shard {
             "a new journal's directory holds files; it continues after them"
         );
         j.fragments = listing.fragments;
-        j.head = head;
-        j.local_head = head;
-        j.staged_head = head;
+        j.set_heads(head);
         j.first_sync_pending = j.fragments.is_empty() && state.is_none();
     }
 }
