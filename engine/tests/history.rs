@@ -3,6 +3,7 @@
 //! offsets (proxied and as locations), refuses appends until the head is
 //! reset, and a clean shutdown uploads the open spool.
 #![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
+#![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
 mod common;
 
