@@ -283,7 +283,7 @@ impl Active {
         let Some(waiting) = waiting else {
             return false;
         };
-        let held = self.started.elapsed();
+        let held = crate::clock::elapsed(self.started);
         let min_rate = match max_rate {
             0 => APPEND_MIN_RATE,
             r => APPEND_MIN_RATE.min(r / 2),
@@ -291,7 +291,7 @@ impl Active {
         !self.op.complete.get()
             && self.op.replica.is_none()
             && held > APPEND_BLOCKING_TIMEOUT
-            && waiting.last_activity.get().elapsed() > APPEND_BLOCKING_TIMEOUT
+            && crate::clock::elapsed(waiting.last_activity.get()) > APPEND_BLOCKING_TIMEOUT
             && (self.sha.hashed() as f64) < min_rate as f64 * held.as_secs_f64()
     }
 }

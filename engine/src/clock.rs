@@ -1,7 +1,7 @@
 //! The engine's clock: [`rotary_proto::clock`], through which every engine
-//! call site reads time (`clock::now()`, `clock::wall()`), never
-//! `Instant::now()` or `SystemTime::now()` itself (`clippy.toml` forbids
-//! them).
+//! call site reads time (`clock::now()`, `clock::wall()`,
+//! `clock::elapsed(t)`), never `Instant::now()`, `SystemTime::now()` or
+//! `Instant::elapsed()` itself (`clippy.toml` forbids them).
 //!
 //! The clock is injected per shard, at the thread: `ServeConfig::clock`
 //! goes into each `ShardConfig`, and the thread that runs a shard installs
@@ -14,7 +14,9 @@
 //! (`TokenBucket::admit`) take their time as an argument. Threads other than
 //! the shards' (reaper, cluster control, hashers) read the real clock.
 
-pub use rotary_proto::clock::{install, now, unix_nanos, wall, Clock, Installed};
+pub use rotary_proto::clock::{
+    elapsed, install, now, unix_nanos, wall, wall_elapsed, Clock, Installed,
+};
 
 #[cfg(test)]
 mod tests {

@@ -8,6 +8,9 @@
 //! nothing on the data path takes a lock. Journal specs are shared behind a
 //! lock because they change rarely and never on the data path.
 
+// Functions stay short enough to hold in mind (threshold in clippy.toml).
+#![warn(clippy::too_many_lines)]
+
 pub mod allocator;
 pub mod append;
 pub mod budget;
@@ -15,6 +18,7 @@ pub mod check;
 pub mod clock;
 pub mod cluster;
 pub mod conn;
+mod error;
 pub mod fetch;
 pub mod hasher;
 pub mod journal;
@@ -27,6 +31,8 @@ pub mod shard;
 pub mod spares;
 pub mod specs;
 pub mod topology;
+
+pub use error::{ConfigError, EngineError};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -152,20 +158,6 @@ impl ServeConfig {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("{0}: {1}")]
-    Io(PathBuf, #[source] std::io::Error),
-    #[error(transparent)]
-    Storage(#[from] rotary_storage::StorageError),
-    #[error("configuration: {0}")]
-    Config(String),
-    #[error("corrupt data: {0}")]
-    Corrupt(String),
-    #[error("cannot listen on {0}: {1}")]
-    Listen(SocketAddr, #[source] std::io::Error),
-}
-
 /// How long a clean shutdown waits for appends to commit and uploads to finish.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(45);
 /// How long a clean stop waits for its last answers to be written out to
@@ -239,7 +231,7 @@ pub fn confine_to_cores(config: &ServeConfig) -> Result<(), EngineError> {
     cores.dedup();
     if !config.cpus.is_empty() && cores.iter().all(|&c| c < online) {
         sys::confine_current_thread(&cores)
-            .map_err(|e| EngineError::Config(format!("--cpus {cores:?}: {e}")))?;
+            .map_err(|source| ConfigError::Confine { cores, source })?;
     }
     Ok(())
 }
@@ -301,10 +293,7 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, EngineError> {
     // SAFETY: flock on a descriptor we own.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {
-        return Err(EngineError::Config(format!(
-            "data directory {} is in use by another rotary process",
-            dir.display()
-        )));
+        return Err(ConfigError::DataDirInUse(dir.to_path_buf()).into());
     }
     Ok(f)
 }
@@ -320,13 +309,15 @@ fn check_shard_count(dir: &std::path::Path, shards: usize) -> Result<bool, Engin
     match std::fs::read(&path) {
         Ok(bytes) => {
             let v: serde_json::Value = serde_json::from_slice(&bytes)
-                .map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?;
+                .map_err(|e| EngineError::corrupt(&path, format!("{}: {e}", path.display())))?;
             let had = v["shards"].as_u64().unwrap_or(0) as usize;
             if had != shards {
-                return Err(EngineError::Config(format!(
-                    "data directory {} was created with {had} shards; start with --cores {had} (asked for {shards})",
-                    dir.display()
-                )));
+                return Err(ConfigError::ShardCount {
+                    dir: dir.to_path_buf(),
+                    had,
+                    asked: shards,
+                }
+                .into());
             }
             Ok(true)
         }
@@ -366,96 +357,12 @@ impl Broker {
         // hard limit allows, not the soft default of 1024.
         sys::raise_open_files_limit();
         let dir = &config.data_dir;
-        if dir.exists() && !dir.is_dir() {
-            return Err(EngineError::Config(format!(
-                "data directory {}: not a directory",
-                dir.display()
-            )));
-        }
-        std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(dir.clone(), e))?;
-        let lock = lock_data_dir(dir)?;
-        let ncpu = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-        let shards = match (config.cores, config.cpus.len()) {
-            (0, 0) => ncpu,
-            (0, n) => n,
-            (n, _) => n,
-        };
-        // A process confined to some cores (`serve --cpus` confines itself
-        // before it gets here) still names cores by the machine's numbers.
-        let online = sys::online_cpus().max(ncpu);
-        if let Some(c) = config.cpus.iter().find(|&&c| c >= online) {
-            return Err(EngineError::Config(format!(
-                "--cpus: core {c} does not exist here (cores 0 to {})",
-                online - 1
-            )));
-        }
-        let core_of = |n: usize| {
-            if config.cpus.is_empty() {
-                n % ncpu
-            } else {
-                config.cpus[n % config.cpus.len()]
-            }
-        };
-        let used: HashSet<usize> = (0..shards).map(core_of).collect();
-        // A broker given cores keeps its io-wq workers among them too.
-        let own: Vec<usize> = if config.cpus.is_empty() {
-            (0..ncpu).collect()
-        } else {
-            config.cpus.clone()
-        };
-        // Each shard's hasher runs on the broker's other cores.
-        let hash_cores = |n: usize| -> Vec<usize> {
-            let mine = core_of(n);
-            own.iter().copied().filter(|&c| c != mine).collect()
-        };
-        let hash_cores: Vec<Vec<usize>> = (0..shards).map(hash_cores).collect();
-        let spare: Vec<usize> = if config.iowq_cpus.is_empty() {
-            own.into_iter().filter(|c| !used.contains(c)).collect()
-        } else {
-            config.iowq_cpus.clone()
-        };
-        if shards > metrics::SHARDS_MAX {
-            return Err(EngineError::Config(format!(
-                "--cores {shards}: at most 256 shards"
-            )));
-        }
+        let lock = open_data_dir(dir)?;
+        let cores = CoreLayout::plan(&config)?;
+        let shards = cores.shard.len();
         let recorded = check_shard_count(dir, shards)?;
-        match rotary_storage::spool::free_bytes_at(dir) {
-            Ok(free) if free <= config.disk_reserve_bytes => tracing::warn!(
-                free,
-                reserve = config.disk_reserve_bytes,
-                "the data dir's file system has no space above --disk-reserve: appends answer STORAGE_FULL until space returns"
-            ),
-            _ => {}
-        }
-        // A broker of a cluster on etcd mirrors etcd's specs in a file of
-        // its own: revisions there are etcd's, not comparable with a single
-        // node's or a cluster file's.
-        let specs_file = if config.etcd.is_some() {
-            ETCD_SPECS_FILE
-        } else {
-            "specs.json"
-        };
-        let specs = Arc::new(specs::SpecStore::open(dir.join(specs_file))?);
-        let mut etcd = match config.etcd.clone() {
-            Some(c) => {
-                cluster::retire_local_journals(dir)?;
-                Some(cluster::Cluster::connect(c, shards as u32, specs.clone())?)
-            }
-            None => None,
-        };
-        let cluster_view = match &config.cluster {
-            Some((path, me)) => {
-                Some(topology::load_cluster_file(path, me).map_err(EngineError::Config)?)
-            }
-            None => None,
-        };
-        if cluster_view.is_none() {
-            // No peers to learn journals from.
-            specs.mark_caught_up();
-        }
+        warn_if_no_space_above_reserve(dir, config.disk_reserve_bytes);
+        let (specs, mut etcd, cluster_view) = open_membership(&config, shards)?;
         let listen = match &cluster_view {
             Some(v) => v.me().expect("checked by load").endpoint,
             None => config.listen,
@@ -468,116 +375,34 @@ impl Broker {
         check::start();
         let metrics = Arc::new(metrics::Metrics::default());
         // Bind every listener first so that a busy port fails the start.
-        let mut listeners = Vec::new();
-        let mut endpoints = Vec::new();
-        for n in 0..shards {
-            let mut addr = listen;
-            let port = listen
-                .port()
-                .checked_add(n as u16)
-                .ok_or_else(|| EngineError::Config("port range overflows".into()))?;
-            addr.set_port(if listen.port() == 0 { 0 } else { port });
-            let l = bind_listener(addr).map_err(|e| EngineError::Listen(addr, e))?;
-            endpoints.push(l.local_addr().map_err(|e| EngineError::Listen(addr, e))?);
-            listeners.push(l);
-        }
+        let (listeners, endpoints) = bind_listeners(listen, shards)?;
         if !recorded {
             record_shard_count(dir, shards)?;
         }
-        let topology = match cluster_view {
-            _ if etcd.is_some() => {
-                let c = etcd.as_ref().expect("etcd");
-                let t = topology::Topology::new(c.view.clone());
-                t.mark_peers_asked();
-                t.set_control(c.handle.clone());
-                t
-            }
-            Some(v) => {
-                let t = topology::Topology::remember_in(v, dir.join(CLUSTER_VIEWS_FILE));
-                let (path, me) = config.cluster.clone().expect("cluster view from a file");
-                topology::watch_cluster_file(t.clone(), path, me);
-                t
-            }
-            None => topology::Topology::new(topology::ClusterView::single(endpoints[0])),
+        let topology = start_topology(&config, etcd.as_ref(), cluster_view, endpoints[0]);
+        let parts = SharedParts {
+            specs,
+            metrics,
+            uploader,
+            topology,
+            endpoints,
         };
-        let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EngineError>>(shards);
-        let (done_tx, done_rx) = crossbeam_channel::bounded::<u32>(shards);
-        let mut stops = Vec::new();
-        for (n, listener) in listeners.into_iter().enumerate() {
-            let (stop_tx, stop_rx) = async_channel::bounded::<()>(1);
-            stops.push(stop_tx);
-            let ctx = ShardContext {
-                core: core_of(n),
-                spare: spare.clone(),
-                shard: shard::ShardConfig {
-                    index: n as u32,
-                    shards: shards as u32,
-                    data_dir: dir.clone(),
-                    specs: specs.clone(),
-                    metrics: metrics.clone(),
-                    endpoints: endpoints.clone(),
-                    disk_reserve_bytes: config.disk_reserve_bytes,
-                    uploader: uploader.clone(),
-                    // The budget and the cache are the broker's; each shard
-                    // holds an equal share.
-                    spool_budget_bytes: config.spool_budget_bytes / shards as u64,
-                    append_queue_bytes: config.append_queue_bytes / shards as u64,
-                    local_cache_bytes: config.local_cache_bytes / shards as u64,
-                    sizing: config.spool_sizing,
-                    topology: topology.clone(),
-                    commit_log_compact_bytes: config.commit_log_compact_bytes,
-                    spec_sync_interval: config.spec_sync_interval,
-                    peer_silence: config.peer_silence,
-                    replica_ack_timeout: config.replica_ack_timeout,
-                    ack_poll: config.ack_poll,
-                    clock: config.clock.clone(),
-                    // With one core there is nowhere else to hash.
-                    hasher: if hash_cores[n].is_empty() {
-                        None
-                    } else {
-                        Some(
-                            hasher::Hasher::start(
-                                n as u32,
-                                hash_cores[n].clone(),
-                                config.hash_backlog_bytes,
-                            )
-                            .map_err(|e| EngineError::Io(dir.clone(), e))?,
-                        )
-                    },
-                },
-                ring_entries: config.ring_entries,
-                slice: config.shard_slice,
-                shutdown_upload_timeout: config.shutdown_upload_timeout,
-                listener,
-                stop: stop_rx,
-                ready: ready_tx.clone(),
-                done: done_tx.clone(),
-            };
-            std::thread::Builder::new()
-                .name(format!("rotary-shard-{n}"))
-                .spawn(move || run_shard(ctx))
-                .map_err(|e| EngineError::Io(dir.clone(), e))?;
-        }
-        for _ in 0..shards {
-            ready_rx
-                .recv()
-                .map_err(|_| EngineError::Config("a shard thread died while starting".into()))??;
-        }
+        let (stops, done) = start_shards(&config, &cores, &parts, listeners)?;
         if let Some(c) = etcd.as_mut() {
-            c.announce(topology.clone())?;
+            c.announce(parts.topology.clone())?;
             tracing::info!(id = %config.etcd.as_ref().map_or("", |e| e.id.as_str()), "joined the cluster in etcd");
         }
-        tracing::info!(shards, endpoint = %endpoints[0], data = %dir.display(), "rotary is serving");
+        tracing::info!(shards, endpoint = %parts.endpoints[0], data = %dir.display(), "rotary is serving");
         Ok(Broker {
             stops,
-            done: done_rx,
+            done,
             _lock: lock,
-            endpoints,
+            endpoints: parts.endpoints,
             etcd,
             observed: Observed {
-                metrics,
-                uploader,
-                specs,
+                metrics: parts.metrics,
+                uploader: parts.uploader,
+                specs: parts.specs,
                 data_dir: dir.clone(),
                 shards,
             },
@@ -610,6 +435,289 @@ impl Broker {
             c.stop();
         }
     }
+}
+
+/// Creates the data directory if it is missing and locks it for this
+/// process.
+fn open_data_dir(dir: &std::path::Path) -> Result<std::fs::File, EngineError> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(ConfigError::NotADirectory(dir.to_path_buf()).into());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| EngineError::Io(dir.to_path_buf(), e))?;
+    lock_data_dir(dir)
+}
+
+/// The cores a broker's threads run on.
+struct CoreLayout {
+    /// Shard n's core, for each of the broker's shards.
+    shard: Vec<usize>,
+    /// Shard n's hasher's cores: the broker's other cores.
+    hash: Vec<Vec<usize>>,
+    /// Where the rings' io-wq workers run: `iowq_cpus`, else the broker's
+    /// cores that host no shard.
+    spare: Vec<usize>,
+}
+
+impl CoreLayout {
+    /// Counts the shards and places them, their hashers and their io-wq
+    /// workers on the broker's cores (`cores`, `cpus`, `iowq_cpus`).
+    fn plan(config: &ServeConfig) -> Result<CoreLayout, EngineError> {
+        let ncpu = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let shards = match (config.cores, config.cpus.len()) {
+            (0, 0) => ncpu,
+            (0, n) => n,
+            (n, _) => n,
+        };
+        // A process confined to some cores (`serve --cpus` confines itself
+        // before it gets here) still names cores by the machine's numbers.
+        let online = sys::online_cpus().max(ncpu);
+        if let Some(c) = config.cpus.iter().find(|&&c| c >= online) {
+            return Err(ConfigError::NoSuchCore { core: *c, online }.into());
+        }
+        let core_of = |n: usize| {
+            if config.cpus.is_empty() {
+                n % ncpu
+            } else {
+                config.cpus[n % config.cpus.len()]
+            }
+        };
+        let shard: Vec<usize> = (0..shards).map(core_of).collect();
+        let used: HashSet<usize> = shard.iter().copied().collect();
+        // A broker given cores keeps its io-wq workers among them too.
+        let own: Vec<usize> = if config.cpus.is_empty() {
+            (0..ncpu).collect()
+        } else {
+            config.cpus.clone()
+        };
+        // Each shard's hasher runs on the broker's other cores.
+        let hash = shard
+            .iter()
+            .map(|&mine| own.iter().copied().filter(|&c| c != mine).collect())
+            .collect();
+        let spare: Vec<usize> = if config.iowq_cpus.is_empty() {
+            own.into_iter().filter(|c| !used.contains(c)).collect()
+        } else {
+            config.iowq_cpus.clone()
+        };
+        if shards > metrics::SHARDS_MAX {
+            return Err(ConfigError::TooManyShards {
+                asked: shards,
+                max: metrics::SHARDS_MAX,
+            }
+            .into());
+        }
+        Ok(CoreLayout { shard, hash, spare })
+    }
+}
+
+fn warn_if_no_space_above_reserve(dir: &std::path::Path, reserve_bytes: u64) {
+    match rotary_storage::spool::free_bytes_at(dir) {
+        Ok(free) if free <= reserve_bytes => tracing::warn!(
+            free,
+            reserve = reserve_bytes,
+            "the data dir's file system has no space above --disk-reserve: appends answer STORAGE_FULL until space returns"
+        ),
+        _ => {}
+    }
+}
+
+/// Opens the broker's specs and, in a cluster, its session with etcd or
+/// its view from the cluster file.
+#[allow(clippy::type_complexity)]
+fn open_membership(
+    config: &ServeConfig,
+    shards: usize,
+) -> Result<
+    (
+        Arc<specs::SpecStore>,
+        Option<cluster::Cluster>,
+        Option<topology::ClusterView>,
+    ),
+    EngineError,
+> {
+    let dir = &config.data_dir;
+    // A broker of a cluster on etcd mirrors etcd's specs in a file of
+    // its own: revisions there are etcd's, not comparable with a single
+    // node's or a cluster file's.
+    let specs_file = if config.etcd.is_some() {
+        ETCD_SPECS_FILE
+    } else {
+        "specs.json"
+    };
+    let specs = Arc::new(specs::SpecStore::open(dir.join(specs_file))?);
+    let etcd = match config.etcd.clone() {
+        Some(c) => {
+            cluster::retire_local_journals(dir)?;
+            Some(cluster::Cluster::connect(c, shards as u32, specs.clone())?)
+        }
+        None => None,
+    };
+    let cluster_view =
+        match &config.cluster {
+            Some((path, me)) => Some(topology::load_cluster_file(path, me).map_err(|why| {
+                ConfigError::ClusterFile {
+                    path: path.clone(),
+                    why,
+                }
+            })?),
+            None => None,
+        };
+    if cluster_view.is_none() {
+        // No peers to learn journals from.
+        specs.mark_caught_up();
+    }
+    Ok((specs, etcd, cluster_view))
+}
+
+/// Binds shard n's listener on `listen`'s port + n (any free port for
+/// each when `listen`'s is 0), answering the listeners and their addresses.
+fn bind_listeners(
+    listen: SocketAddr,
+    shards: usize,
+) -> Result<(Vec<std::net::TcpListener>, Vec<SocketAddr>), EngineError> {
+    let mut listeners = Vec::new();
+    let mut endpoints = Vec::new();
+    for n in 0..shards {
+        let mut addr = listen;
+        let port = listen
+            .port()
+            .checked_add(n as u16)
+            .ok_or(ConfigError::PortRange {
+                port: listen.port(),
+                shards,
+            })?;
+        addr.set_port(if listen.port() == 0 { 0 } else { port });
+        let l = bind_listener(addr).map_err(|e| EngineError::Listen(addr, e))?;
+        endpoints.push(l.local_addr().map_err(|e| EngineError::Listen(addr, e))?);
+        listeners.push(l);
+    }
+    Ok((listeners, endpoints))
+}
+
+/// The broker's view of its cluster: etcd's, the cluster file's (watched
+/// for changes), or a cluster of this broker alone.
+fn start_topology(
+    config: &ServeConfig,
+    etcd: Option<&cluster::Cluster>,
+    cluster_view: Option<topology::ClusterView>,
+    endpoint: SocketAddr,
+) -> Arc<topology::Topology> {
+    if let Some(c) = etcd {
+        let t = topology::Topology::new(c.view.clone());
+        t.mark_peers_asked();
+        t.set_control(c.handle.clone());
+        return t;
+    }
+    match cluster_view {
+        Some(v) => {
+            let t = topology::Topology::remember_in(v, config.data_dir.join(CLUSTER_VIEWS_FILE));
+            let (path, me) = config.cluster.clone().expect("cluster view from a file");
+            topology::watch_cluster_file(t.clone(), path, me);
+            t
+        }
+        None => topology::Topology::new(topology::ClusterView::single(endpoint)),
+    }
+}
+
+/// What every shard of a broker shares.
+struct SharedParts {
+    specs: Arc<specs::SpecStore>,
+    metrics: Arc<metrics::Metrics>,
+    uploader: rotary_uploader::Uploader,
+    topology: Arc<topology::Topology>,
+    endpoints: Vec<SocketAddr>,
+}
+
+/// Shard n's configuration.
+fn shard_config(
+    config: &ServeConfig,
+    cores: &CoreLayout,
+    parts: &SharedParts,
+    n: usize,
+) -> Result<shard::ShardConfig, EngineError> {
+    let shards = cores.shard.len();
+    let hash_cores = &cores.hash[n];
+    // With one core there is nowhere else to hash.
+    let hasher = if hash_cores.is_empty() {
+        None
+    } else {
+        Some(
+            hasher::Hasher::start(n as u32, hash_cores.clone(), config.hash_backlog_bytes)
+                .map_err(|e| EngineError::Thread("hasher", e))?,
+        )
+    };
+    Ok(shard::ShardConfig {
+        index: n as u32,
+        shards: shards as u32,
+        data_dir: config.data_dir.clone(),
+        specs: parts.specs.clone(),
+        metrics: parts.metrics.clone(),
+        endpoints: parts.endpoints.clone(),
+        disk_reserve_bytes: config.disk_reserve_bytes,
+        uploader: parts.uploader.clone(),
+        // The budget and the cache are the broker's; each shard
+        // holds an equal share.
+        spool_budget_bytes: config.spool_budget_bytes / shards as u64,
+        append_queue_bytes: config.append_queue_bytes / shards as u64,
+        local_cache_bytes: config.local_cache_bytes / shards as u64,
+        sizing: config.spool_sizing,
+        topology: parts.topology.clone(),
+        commit_log_compact_bytes: config.commit_log_compact_bytes,
+        spec_sync_interval: config.spec_sync_interval,
+        peer_silence: config.peer_silence,
+        replica_ack_timeout: config.replica_ack_timeout,
+        ack_poll: config.ack_poll,
+        clock: config.clock.clone(),
+        hasher,
+    })
+}
+
+/// Starts a thread per shard and waits until every shard has recovered its
+/// journals and listens. Answers the shards' stop signals and the channel
+/// on which each reports having stopped.
+#[allow(clippy::type_complexity)]
+fn start_shards(
+    config: &ServeConfig,
+    cores: &CoreLayout,
+    parts: &SharedParts,
+    listeners: Vec<std::net::TcpListener>,
+) -> Result<
+    (
+        Vec<async_channel::Sender<()>>,
+        crossbeam_channel::Receiver<u32>,
+    ),
+    EngineError,
+> {
+    let shards = cores.shard.len();
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EngineError>>(shards);
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<u32>(shards);
+    let mut stops = Vec::new();
+    for (n, listener) in listeners.into_iter().enumerate() {
+        let (stop_tx, stop_rx) = async_channel::bounded::<()>(1);
+        stops.push(stop_tx);
+        let ctx = ShardContext {
+            core: cores.shard[n],
+            spare: cores.spare.clone(),
+            shard: shard_config(config, cores, parts, n)?,
+            ring_entries: config.ring_entries,
+            slice: config.shard_slice,
+            shutdown_upload_timeout: config.shutdown_upload_timeout,
+            listener,
+            stop: stop_rx,
+            ready: ready_tx.clone(),
+            done: done_tx.clone(),
+        };
+        std::thread::Builder::new()
+            .name(format!("rotary-shard-{n}"))
+            .spawn(move || run_shard(ctx))
+            .map_err(|e| EngineError::Thread("shard", e))?;
+    }
+    for _ in 0..shards {
+        ready_rx.recv().map_err(|_| EngineError::ShardDied)??;
+    }
+    Ok((stops, done_rx))
 }
 
 /// How long a start waits for its ports to come free: a broker that just
@@ -699,33 +807,7 @@ fn run_shard(ctx: ShardContext) {
             return;
         }
     };
-    {
-        use std::os::fd::AsRawFd;
-        // Cores that host no shard (counted by the broker before any thread
-        // was pinned: a pinned thread sees only its own core), or the cores
-        // the operator chose (`iowq_cpus`). Moving io-wq
-        // work onto another shard's core would trade a stall for a
-        // cross-core wake-up on every punted write, so with no spare core
-        // the workers stay with their shard.
-        let spare = &ctx.spare;
-        if spare.is_empty() {
-            tracing::debug!(
-                core = ctx.core,
-                "no core without a shard; io-wq workers stay on the shard's core"
-            );
-        } else {
-            match sys::set_iowq_affinity(rt.as_raw_fd(), spare) {
-                Ok(()) => tracing::debug!(
-                    core = ctx.core,
-                    ?spare,
-                    "io-wq workers kept on the chosen cores"
-                ),
-                Err(e) => {
-                    tracing::info!(error = %e, "io-wq affinity not set; punted work may run on the shard's core")
-                }
-            }
-        }
-    }
+    place_iowq_workers(&rt, ctx.core, &ctx.spare);
     if !ctx.slice.is_zero() {
         match sys::set_time_slice(ctx.slice) {
             Ok(()) => tracing::debug!(core = ctx.core, slice = ?ctx.slice, "shard time slice set"),
@@ -734,92 +816,128 @@ fn run_shard(ctx: ShardContext) {
             }
         }
     }
-    rt.block_on(async move {
-        let index = ctx.shard.index;
-        let endpoint = ctx.shard.endpoints[index as usize];
-        let shard = match shard::Shard::open(ctx.shard).await {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = ctx.ready.send(Err(e));
-                return;
-            }
-        };
-        let listener = match ctx
-            .listener
-            .set_nonblocking(true)
-            .and_then(|_| compio::net::TcpListener::from_std(ctx.listener))
-        {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = ctx.ready.send(Err(EngineError::Listen(endpoint, e)));
-                return;
-            }
-        };
-        shard.start_background();
-        let _ = ctx.ready.send(Ok(()));
-        // Out of file descriptors, a connection would wait in the listen
-        // backlog and its client would hang. One descriptor is kept spare
-        // to accept such a connection and close it at once: its client sees
-        // the close and can retry.
-        let mut spare = std::fs::File::open("/dev/null").ok();
-        let mut shed = false;
-        let mut warned: Option<std::time::Instant> = None;
-        let mut failures = 0u64;
-        loop {
-            let accept = std::pin::pin!(listener.accept());
-            let stop = std::pin::pin!(ctx.stop.recv());
-            match futures_util::future::select(accept, stop).await {
-                futures_util::future::Either::Left((Ok((stream, _)), _)) => {
-                    if shed {
-                        drop(stream);
-                        shed = false;
-                        spare = std::fs::File::open("/dev/null").ok();
-                        continue;
-                    }
-                    compio::runtime::spawn(conn::serve(shard.clone(), stream)).detach();
+    rt.block_on(serve_shard(ctx));
+}
+
+/// Keeps the io-wq workers of a shard's ring on `spare`: cores that host
+/// no shard (counted by the broker before any thread was pinned: a pinned
+/// thread sees only its own core), or the cores the operator chose
+/// (`iowq_cpus`). Moving io-wq work onto another shard's core would trade a
+/// stall for a cross-core wake-up on every punted write, so with no spare
+/// core the workers stay with their shard.
+fn place_iowq_workers(rt: &compio::runtime::Runtime, core: usize, spare: &[usize]) {
+    use std::os::fd::AsRawFd;
+    if spare.is_empty() {
+        tracing::debug!(
+            core,
+            "no core without a shard; io-wq workers stay on the shard's core"
+        );
+        return;
+    }
+    match sys::set_iowq_affinity(rt.as_raw_fd(), spare) {
+        Ok(()) => tracing::debug!(core, ?spare, "io-wq workers kept on the chosen cores"),
+        Err(e) => {
+            tracing::info!(error = %e, "io-wq affinity not set; punted work may run on the shard's core")
+        }
+    }
+}
+
+/// Opens the shard, reports it ready, serves its connections until told to
+/// stop, then drains it.
+async fn serve_shard(ctx: ShardContext) {
+    let index = ctx.shard.index;
+    let endpoint = ctx.shard.endpoints[index as usize];
+    let shard = match shard::Shard::open(ctx.shard).await {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ctx.ready.send(Err(e));
+            return;
+        }
+    };
+    let listener = match ctx
+        .listener
+        .set_nonblocking(true)
+        .and_then(|_| compio::net::TcpListener::from_std(ctx.listener))
+    {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = ctx.ready.send(Err(EngineError::Listen(endpoint, e)));
+            return;
+        }
+    };
+    shard.start_background();
+    let _ = ctx.ready.send(Ok(()));
+    accept_until_stopped(&shard, &listener, &ctx.stop).await;
+    shard.begin_shutdown();
+    shard.drained().await;
+    // The answers of the stop (appends rolled back, reads ended) and
+    // of the last turns reach their clients before the process exits.
+    shard.answers_sent(SHUTDOWN_ANSWERS_WAIT).await;
+    // Hand every open spool to its store before exiting, so a clean
+    // stop-and-wipe loses nothing.
+    if !shard.flush_to_stores(ctx.shutdown_upload_timeout).await {
+        tracing::warn!(
+            shard = index,
+            "some fragments were not uploaded before shutdown; they stay on local disk"
+        );
+    }
+    let _ = ctx.done.send(index);
+}
+
+/// Accepts connections and serves each on its own task until `stop`.
+async fn accept_until_stopped(
+    shard: &std::rc::Rc<shard::Shard>,
+    listener: &compio::net::TcpListener,
+    stop: &async_channel::Receiver<()>,
+) {
+    // Out of file descriptors, a connection would wait in the listen
+    // backlog and its client would hang. One descriptor is kept spare
+    // to accept such a connection and close it at once: its client sees
+    // the close and can retry.
+    let mut spare = std::fs::File::open("/dev/null").ok();
+    let mut shed = false;
+    let mut warned: Option<std::time::Instant> = None;
+    let mut failures = 0u64;
+    loop {
+        let accept = std::pin::pin!(listener.accept());
+        let stopped = std::pin::pin!(stop.recv());
+        match futures_util::future::select(accept, stopped).await {
+            futures_util::future::Either::Left((Ok((stream, _)), _)) => {
+                if shed {
+                    drop(stream);
+                    shed = false;
+                    spare = std::fs::File::open("/dev/null").ok();
+                    continue;
                 }
-                futures_util::future::Either::Left((Err(e), _)) => {
-                    failures += 1;
-                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-                    // One line per 10 s, not one per attempt.
-                    if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-                        if out_of_fds {
-                            tracing::warn!(
-                                error = %e,
-                                failures,
-                                "out of file descriptors: connections are closed unserved until some are free (raise `ulimit -n`)"
-                            );
-                        } else {
-                            tracing::warn!(error = %e, failures, "accept failed");
-                        }
-                        warned = Some(crate::clock::now());
-                        failures = 0;
-                    }
-                    if out_of_fds && spare.is_some() {
-                        spare = None;
-                        shed = true;
+                compio::runtime::spawn(conn::serve(shard.clone(), stream)).detach();
+            }
+            futures_util::future::Either::Left((Err(e), _)) => {
+                failures += 1;
+                let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                // One line per 10 s, not one per attempt.
+                if warned.is_none_or(|t| crate::clock::elapsed(t) >= Duration::from_secs(10)) {
+                    if out_of_fds {
+                        tracing::warn!(
+                            error = %e,
+                            failures,
+                            "out of file descriptors: connections are closed unserved until some are free (raise `ulimit -n`)"
+                        );
                     } else {
-                        compio::time::sleep(Duration::from_millis(10)).await;
+                        tracing::warn!(error = %e, failures, "accept failed");
                     }
+                    warned = Some(crate::clock::now());
+                    failures = 0;
                 }
-                futures_util::future::Either::Right(_) => break,
+                if out_of_fds && spare.is_some() {
+                    spare = None;
+                    shed = true;
+                } else {
+                    compio::time::sleep(Duration::from_millis(10)).await;
+                }
             }
+            futures_util::future::Either::Right(_) => break,
         }
-        shard.begin_shutdown();
-        shard.drained().await;
-        // The answers of the stop (appends rolled back, reads ended) and
-        // of the last turns reach their clients before the process exits.
-        shard.answers_sent(SHUTDOWN_ANSWERS_WAIT).await;
-        // Hand every open spool to its store before exiting, so a clean
-        // stop-and-wipe loses nothing.
-        if !shard.flush_to_stores(ctx.shutdown_upload_timeout).await {
-            tracing::warn!(
-                shard = index,
-                "some fragments were not uploaded before shutdown; they stay on local disk"
-            );
-        }
-        let _ = ctx.done.send(index);
-    });
+    }
 }
 
 /// Ring control the runtime lacks.
@@ -1049,7 +1167,7 @@ mod tests {
         let started = crate::clock::now();
         let e = super::bind_listener(addr).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
-        assert!(started.elapsed() >= super::BIND_RETRY_FOR);
+        assert!(crate::clock::elapsed(started) >= super::BIND_RETRY_FOR);
     }
 
     /// A shard's ring defers its task work to the shard's next wait. Wake-ups

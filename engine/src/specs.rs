@@ -316,30 +316,38 @@ fn replay_logs(
 ) -> Result<(), EngineError> {
     let chain: Vec<&(u64, PathBuf)> = logs.iter().filter(|(g, _)| *g >= named).collect();
     if chain.first().map(|(g, _)| *g) != Some(named) {
-        return Err(EngineError::Corrupt(format!(
+        let why = format!(
             "{} names the change log {}, which is missing",
             path.display(),
             log_path(path, named).display()
-        )));
+        );
+        return Err(EngineError::corrupt(path, why));
     }
     if let Some(gap) = chain.windows(2).find(|w| w[1].0 != w[0].0 + 1) {
-        return Err(EngineError::Corrupt(format!(
+        let why = format!(
             "the change log {} follows {}, but the one between them is missing",
             gap[1].1.display(),
             gap[0].1.display()
-        )));
+        );
+        return Err(EngineError::corrupt(&gap[1].1, why));
     }
     for (i, (_, log_path)) in chain.iter().enumerate() {
         let (changes, len, file_len) = read_log(log_path).map_err(|e| match e {
-            LogError::Missing => EngineError::Corrupt(format!(
-                "the change log {} went missing while it was read",
-                log_path.display()
-            )),
+            LogError::Missing => EngineError::corrupt(
+                log_path,
+                format!(
+                    "the change log {} went missing while it was read",
+                    log_path.display()
+                ),
+            ),
             LogError::Io(e) => EngineError::Io(log_path.clone(), e),
-            LogError::Damaged(at) => EngineError::Corrupt(format!(
-                "{}: the record at byte {at} is damaged, and records follow it",
-                log_path.display()
-            )),
+            LogError::Damaged(at) => EngineError::corrupt(
+                log_path,
+                format!(
+                    "{}: the record at byte {at} is damaged, and records follow it",
+                    log_path.display()
+                ),
+            ),
         })?;
         for change in &changes {
             apply(state, change, None);
@@ -368,7 +376,8 @@ impl SpecStore {
     pub fn open(path: PathBuf) -> Result<SpecStore, EngineError> {
         // The snapshot is replaced whole by a rename: one that does not
         // parse was damaged.
-        let bad = |e: serde_json::Error| EngineError::Corrupt(format!("{}: {e}", path.display()));
+        let bad =
+            |e: serde_json::Error| EngineError::corrupt(&path, format!("{}: {e}", path.display()));
         let logs = logs_beside(&path)?;
         let (disk, snapshot_len) = match std::fs::read(&path) {
             Ok(bytes) => {
@@ -390,11 +399,12 @@ impl SpecStore {
         let file_was_missing = disk.is_none() && logs.is_empty();
         if disk.is_none() {
             if let Some((_, log)) = logs.first() {
-                return Err(EngineError::Corrupt(format!(
+                let why = format!(
                     "{} is missing, but its change log {} is there",
                     path.display(),
                     log.display()
-                )));
+                );
+                return Err(EngineError::corrupt(path, why));
             }
         }
         let disk = disk.unwrap_or_default();
@@ -1487,7 +1497,7 @@ mod tests {
         let kept = std::fs::read(&middle).unwrap();
         std::fs::remove_file(&middle).unwrap();
         match SpecStore::open(path.clone()) {
-            Err(EngineError::Corrupt(why)) => {
+            Err(EngineError::Corrupt { why, .. }) => {
                 assert!(why.contains("the one between them is missing"), "{why}")
             }
             Err(e) => panic!("not corrupt: {e}"),
@@ -1560,7 +1570,7 @@ mod tests {
         }
         let kept = std::fs::read(&log).unwrap();
         let corrupt = |s: Result<SpecStore, EngineError>| match s {
-            Err(EngineError::Corrupt(why)) => why,
+            Err(EngineError::Corrupt { why, .. }) => why,
             Err(e) => panic!("not corrupt: {e}"),
             Ok(_) => panic!("opened"),
         };

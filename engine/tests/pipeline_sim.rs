@@ -27,6 +27,7 @@
 //! head, leaving a gap), so "the primary's byte at offset o" is fixed once
 //! proposed. A failing seed replays with `ROTARY_SIM_SEED=n`, which also
 //! prints every event of the run; `ROTARY_SIM_SEEDS=n` runs n seeds.
+#![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::replica::{check_proposal, ReplicaTrack, Verdict};
@@ -342,6 +343,16 @@ struct Proposal {
 }
 
 /// An append of the batch being staged.
+/// What a batch staged: where it ends, the fragment's SHA-1 and registers
+/// after it, its bytes and appends.
+struct Batch {
+    head: u64,
+    sha: Sha1,
+    registers: LabelSet,
+    bytes: Vec<u8>,
+    staged: Vec<Staged>,
+}
+
 struct Staged {
     seq: u64,
     begin: u64,
@@ -483,6 +494,31 @@ impl Primary {
             appends.push((seq, d, 0));
         }
         let mut packets = Vec::new();
+        let b = self.stage(step, appends, &mut packets, st, trace);
+        if let Some((d, sent)) = next {
+            self.open_next(step, d, sent, b.head, &mut packets, st, trace);
+        }
+        if fail {
+            self.fail_batch(step, b.staged, &mut packets, st, trace);
+            return packets;
+        }
+        self.propose(step, b.staged, &mut packets, st, trace);
+        self.journal.extend_from_slice(&b.bytes);
+        self.frag_sha = b.sha;
+        self.registers = b.registers;
+        packets
+    }
+
+    /// The content of each of `appends` (from its record `sent` on), and a
+    /// rollback right after one abandoned or refused: the batch staged.
+    fn stage(
+        &mut self,
+        step: usize,
+        appends: Vec<(u64, Draft, usize)>,
+        packets: &mut Vec<Packet>,
+        st: &mut Stats,
+        trace: bool,
+    ) -> Batch {
         let mut head = self.head();
         let mut sha = self.frag_sha.clone();
         let mut registers = self.registers.clone();
@@ -529,45 +565,85 @@ impl Primary {
                 draft: d,
             });
         }
-        if let Some((d, sent)) = next {
-            let seq = self.take_seq();
-            st.appends += 1;
-            st.opened_early += 1;
-            for i in 0..sent {
-                packets.push(self.content(seq, head, &d, i));
-            }
-            if trace {
-                eprintln!(
-                    "step {step}: append {seq} opened at {head}, {sent} of {} records sent",
-                    d.cuts.len()
-                );
-            }
-            self.open = Some(Open {
-                seq,
-                begin: head,
-                draft: d,
-                sent,
-            });
+        Batch {
+            head,
+            sha,
+            registers,
+            bytes,
+            staged,
         }
-        if fail {
-            st.failed_batches += 1;
-            let open = self.open.take().map(|o| (o.seq, o.draft));
-            let failed: Vec<(u64, Draft)> = staged
-                .into_iter()
-                .map(|s| (s.seq, s.draft))
-                .chain(open)
-                .collect();
-            if trace {
-                let seqs: Vec<u64> = failed.iter().map(|f| f.0).collect();
-                eprintln!("step {step}: batch fails; rolling back {seqs:?}");
-            }
-            st.rolled_back += failed.len() as u64;
-            for (seq, d) in failed {
-                packets.push(self.rollback(seq));
-                self.rolled_back.push(Draft { abort: false, ..d });
-            }
-            return packets;
+    }
+
+    /// Opens `d` at `head` with its first `sent` content records: it stays
+    /// open past the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn open_next(
+        &mut self,
+        step: usize,
+        d: Draft,
+        sent: usize,
+        head: u64,
+        packets: &mut Vec<Packet>,
+        st: &mut Stats,
+        trace: bool,
+    ) {
+        let seq = self.take_seq();
+        st.appends += 1;
+        st.opened_early += 1;
+        for i in 0..sent {
+            packets.push(self.content(seq, head, &d, i));
         }
+        if trace {
+            eprintln!(
+                "step {step}: append {seq} opened at {head}, {sent} of {} records sent",
+                d.cuts.len()
+            );
+        }
+        self.open = Some(Open {
+            seq,
+            begin: head,
+            draft: d,
+            sent,
+        });
+    }
+
+    /// The batch failed: each staged append and the open one are rolled
+    /// back, first to last.
+    fn fail_batch(
+        &mut self,
+        step: usize,
+        staged: Vec<Staged>,
+        packets: &mut Vec<Packet>,
+        st: &mut Stats,
+        trace: bool,
+    ) {
+        st.failed_batches += 1;
+        let open = self.open.take().map(|o| (o.seq, o.draft));
+        let failed: Vec<(u64, Draft)> = staged
+            .into_iter()
+            .map(|s| (s.seq, s.draft))
+            .chain(open)
+            .collect();
+        if trace {
+            let seqs: Vec<u64> = failed.iter().map(|f| f.0).collect();
+            eprintln!("step {step}: batch fails; rolling back {seqs:?}");
+        }
+        st.rolled_back += failed.len() as u64;
+        for (seq, d) in failed {
+            packets.push(self.rollback(seq));
+            self.rolled_back.push(Draft { abort: false, ..d });
+        }
+    }
+
+    /// The proposals of the staged appends, oldest first.
+    fn propose(
+        &mut self,
+        step: usize,
+        staged: Vec<Staged>,
+        packets: &mut Vec<Packet>,
+        st: &mut Stats,
+        trace: bool,
+    ) {
         for s in staged {
             packets.push(encode(
                 &Record::Commit {
@@ -598,10 +674,6 @@ impl Primary {
             );
             self.pending.insert(s.seq, step);
         }
-        self.journal.extend_from_slice(&bytes);
-        self.frag_sha = sha;
-        self.registers = registers;
-        packets
     }
 
     /// Before a SYNC: the open append is rolled back.
@@ -791,140 +863,171 @@ impl Replica {
             );
         }
         match *rec {
-            Record::Content {
-                seq, offset, bytes, ..
-            } => match self.track.on_content(seq, offset, bytes.len() as u64) {
-                Verdict::Start { seq: s, begin } => {
-                    assert_eq!((s, begin), (seq, offset));
-                    assert_eq!(
-                        begin,
-                        self.staged_end(),
-                        "append {seq} starts away from the end of the staged appends"
-                    );
-                    let newest = self.pending.last().map_or(self.last_seq, |p| p.seq);
-                    assert!(
-                        seq > newest,
-                        "append {seq} starts after append {newest} (committed, SYNCed or pending)"
-                    );
-                    self.pending.push(Pending {
-                        seq,
-                        begin,
-                        bytes: bytes.to_vec(),
-                        corrupt: pk.corrupt,
-                    });
-                    st.max_pending = st.max_pending.max(self.pending.len() as u64);
-                }
-                Verdict::Continue { seq: s } => {
-                    assert_eq!(s, seq);
-                    assert_eq!(
-                        offset,
-                        self.staged_end(),
-                        "content of {seq} continues away from the staged end"
-                    );
-                    let last = self.pending.last_mut().expect("an append is open");
-                    assert_eq!(last.seq, seq, "content of {seq} goes to the newest append");
-                    last.bytes.extend_from_slice(bytes);
-                    last.corrupt |= pk.corrupt;
-                }
-                v @ Verdict::Refuse { .. } => self.refused(v, false, st, trace),
-                v => panic!("content record of {seq} gave {v:?}"),
-            },
-            Record::Commit {
-                seq,
-                begin,
-                end,
-                fragment_sha1,
-                ref registers,
-                ..
-            } => match self.track.on_commit(seq, begin, end) {
-                Verdict::Commit {
-                    seq: s,
-                    begin: b,
-                    end: e,
-                } => {
-                    assert_eq!((s, b, e), (seq, begin, end));
-                    let front = self.pending.first().expect("a commit of a pending append");
-                    assert_eq!(
-                        (front.seq, front.begin),
-                        (seq, self.head),
-                        "append {seq} commits the oldest pending append, at the head"
-                    );
-                    let staged_end = front.begin + front.bytes.len() as u64;
-                    let corrupt = front.corrupt;
-                    let mut sha = self.frag_sha.clone();
-                    sha.update(&front.bytes);
-                    let staged_sha: [u8; 20] = sha.clone().finalize().into();
-                    let checked = if self.skip_check {
-                        Ok(())
-                    } else {
-                        check_proposal(staged_end, &staged_sha, end, &fragment_sha1)
-                    };
-                    match checked {
-                        Ok(()) => {
-                            let front = self.pending.remove(0);
-                            self.commit(seq, front, sha, registers, p, st, trace)
-                        }
-                        Err(msg) => {
-                            if trace {
-                                eprintln!("  replica: proposal {seq} mismatch: {msg}");
-                            }
-                            self.track.diverged();
-                            st.mismatches += 1;
-                            if corrupt {
-                                st.corruption_caught += 1;
-                            }
-                            self.pending.clear();
-                            self.ack(seq, Status::PROPOSAL_MISMATCH, msg);
-                        }
-                    }
-                }
-                Verdict::CommitEmpty { seq: s, at } => {
-                    assert_eq!((s, at, at), (seq, begin, end));
-                    assert_eq!(
-                        at, self.head,
-                        "append {seq} without content is not at the head"
-                    );
-                    self.commit_empty(seq, at, p, st, trace);
-                }
-                v @ Verdict::Refuse { .. } => self.refused(v, stale, st, trace),
-                v => panic!("commit record of {seq} gave {v:?}"),
-            },
-            Record::Rollback { seq, .. } => match self.track.on_rollback(seq) {
-                Verdict::Rollback { seqs, to } => {
-                    let at = self
-                        .pending
-                        .iter()
-                        .position(|p| p.seq == seq)
-                        .expect("a rollback of a pending append");
-                    let dropped: Vec<u64> = self.pending[at..].iter().map(|p| p.seq).collect();
-                    assert_eq!(
-                        seqs, dropped,
-                        "rollback of {seq} drops it and every later append"
-                    );
-                    assert_eq!(
-                        to, self.pending[at].begin,
-                        "rollback of {seq} to where it began"
-                    );
-                    if trace {
-                        eprintln!("  replica: rollback {seqs:?} to {to}");
-                    }
-                    self.pending.truncate(at);
-                    st.rollbacks_applied += 1;
-                    st.rollbacks_dropping_several += (seqs.len() > 1) as u64;
-                    st.rollbacks_keeping_older += (at > 0) as u64;
-                }
-                Verdict::Ignore => assert!(
-                    self.pending.iter().all(|p| p.seq != seq),
-                    "rollback of pending append {seq} ignored"
-                ),
-                v => panic!("rollback record of {seq} gave {v:?}"),
-            },
+            Record::Content { .. } => self.apply_content(rec, pk, st, trace),
+            Record::Commit { .. } => self.apply_commit(rec, stale, p, st, trace),
+            Record::Rollback { seq, .. } => self.apply_rollback(seq, st, trace),
         }
         assert_eq!(
             self.track.pending(),
             self.pending.iter().map(|p| p.seq).collect::<Vec<_>>(),
             "the track's pending appends are those the replica staged"
         );
+    }
+
+    /// A content record: it starts an append or continues the newest one.
+    fn apply_content(&mut self, rec: &Record, pk: &Packet, st: &mut Stats, trace: bool) {
+        let Record::Content {
+            seq, offset, bytes, ..
+        } = *rec
+        else {
+            unreachable!("a content record")
+        };
+        match self.track.on_content(seq, offset, bytes.len() as u64) {
+            Verdict::Start { seq: s, begin } => {
+                assert_eq!((s, begin), (seq, offset));
+                assert_eq!(
+                    begin,
+                    self.staged_end(),
+                    "append {seq} starts away from the end of the staged appends"
+                );
+                let newest = self.pending.last().map_or(self.last_seq, |p| p.seq);
+                assert!(
+                    seq > newest,
+                    "append {seq} starts after append {newest} (committed, SYNCed or pending)"
+                );
+                self.pending.push(Pending {
+                    seq,
+                    begin,
+                    bytes: bytes.to_vec(),
+                    corrupt: pk.corrupt,
+                });
+                st.max_pending = st.max_pending.max(self.pending.len() as u64);
+            }
+            Verdict::Continue { seq: s } => {
+                assert_eq!(s, seq);
+                assert_eq!(
+                    offset,
+                    self.staged_end(),
+                    "content of {seq} continues away from the staged end"
+                );
+                let last = self.pending.last_mut().expect("an append is open");
+                assert_eq!(last.seq, seq, "content of {seq} goes to the newest append");
+                last.bytes.extend_from_slice(bytes);
+                last.corrupt |= pk.corrupt;
+            }
+            v @ Verdict::Refuse { .. } => self.refused(v, false, st, trace),
+            v => panic!("content record of {seq} gave {v:?}"),
+        }
+    }
+
+    /// A commit record: the oldest pending append commits if its bytes
+    /// match the proposal, or the replica diverges.
+    fn apply_commit(
+        &mut self,
+        rec: &Record,
+        stale: bool,
+        p: &Primary,
+        st: &mut Stats,
+        trace: bool,
+    ) {
+        let Record::Commit {
+            seq,
+            begin,
+            end,
+            fragment_sha1,
+            ref registers,
+            ..
+        } = *rec
+        else {
+            unreachable!("a commit record")
+        };
+        match self.track.on_commit(seq, begin, end) {
+            Verdict::Commit {
+                seq: s,
+                begin: b,
+                end: e,
+            } => {
+                assert_eq!((s, b, e), (seq, begin, end));
+                let front = self.pending.first().expect("a commit of a pending append");
+                assert_eq!(
+                    (front.seq, front.begin),
+                    (seq, self.head),
+                    "append {seq} commits the oldest pending append, at the head"
+                );
+                let staged_end = front.begin + front.bytes.len() as u64;
+                let corrupt = front.corrupt;
+                let mut sha = self.frag_sha.clone();
+                sha.update(&front.bytes);
+                let staged_sha: [u8; 20] = sha.clone().finalize().into();
+                let checked = if self.skip_check {
+                    Ok(())
+                } else {
+                    check_proposal(staged_end, &staged_sha, end, &fragment_sha1)
+                };
+                match checked {
+                    Ok(()) => {
+                        let front = self.pending.remove(0);
+                        self.commit(seq, front, sha, registers, p, st, trace)
+                    }
+                    Err(msg) => {
+                        if trace {
+                            eprintln!("  replica: proposal {seq} mismatch: {msg}");
+                        }
+                        self.track.diverged();
+                        st.mismatches += 1;
+                        if corrupt {
+                            st.corruption_caught += 1;
+                        }
+                        self.pending.clear();
+                        self.ack(seq, Status::PROPOSAL_MISMATCH, msg);
+                    }
+                }
+            }
+            Verdict::CommitEmpty { seq: s, at } => {
+                assert_eq!((s, at, at), (seq, begin, end));
+                assert_eq!(
+                    at, self.head,
+                    "append {seq} without content is not at the head"
+                );
+                self.commit_empty(seq, at, p, st, trace);
+            }
+            v @ Verdict::Refuse { .. } => self.refused(v, stale, st, trace),
+            v => panic!("commit record of {seq} gave {v:?}"),
+        }
+    }
+
+    /// A rollback record: the append and every later one are dropped.
+    fn apply_rollback(&mut self, seq: u64, st: &mut Stats, trace: bool) {
+        match self.track.on_rollback(seq) {
+            Verdict::Rollback { seqs, to } => {
+                let at = self
+                    .pending
+                    .iter()
+                    .position(|p| p.seq == seq)
+                    .expect("a rollback of a pending append");
+                let dropped: Vec<u64> = self.pending[at..].iter().map(|p| p.seq).collect();
+                assert_eq!(
+                    seqs, dropped,
+                    "rollback of {seq} drops it and every later append"
+                );
+                assert_eq!(
+                    to, self.pending[at].begin,
+                    "rollback of {seq} to where it began"
+                );
+                if trace {
+                    eprintln!("  replica: rollback {seqs:?} to {to}");
+                }
+                self.pending.truncate(at);
+                st.rollbacks_applied += 1;
+                st.rollbacks_dropping_several += (seqs.len() > 1) as u64;
+                st.rollbacks_keeping_older += (at > 0) as u64;
+            }
+            Verdict::Ignore => assert!(
+                self.pending.iter().all(|p| p.seq != seq),
+                "rollback of pending append {seq} ignored"
+            ),
+            v => panic!("rollback record of {seq} gave {v:?}"),
+        }
     }
 
     /// What the state machine let through must be exactly what the primary

@@ -6,6 +6,7 @@
 //! One test in this binary: [`reaper::flush`] elsewhere would make the
 //! reaper free everything at once.
 #![allow(clippy::disallowed_methods)] // Tests time real servers and processes.
+#![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
 use rotary_engine::reaper::{self, FREE_STEP};
 use std::path::Path;

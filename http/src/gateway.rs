@@ -225,7 +225,7 @@ async fn put(
             b
         });
     }
-    let started = std::time::Instant::now();
+    let started = rotary_engine::clock::now();
     let body = LimitedBody::new(req.into_body(), limit, state.config.timeout);
     let append = AppendRequest {
         journal,
@@ -240,7 +240,9 @@ async fn put(
     };
     match result {
         Ok(reply) => {
-            state.http.observe_put(started.elapsed());
+            state
+                .http
+                .observe_put(rotary_engine::clock::elapsed(started));
             let mut r = Response::new(Body::empty());
             *r.status_mut() = StatusCode::NO_CONTENT;
             header(&mut r, COMMIT_BEGIN, reply.begin);

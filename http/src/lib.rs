@@ -14,7 +14,6 @@
 //! at once), [`HttpConfig::body_limit_bytes`] per PUT (413 beyond), and
 //! [`HttpConfig::timeout`] for a request's headers to arrive and between
 //! the pieces of its body (a slow-loris client is cut off).
-#![allow(clippy::disallowed_methods)] // The HTTP gateway runs on tokio's real time; outside the engine's clock.
 
 mod body;
 mod exporter;
@@ -206,9 +205,11 @@ async fn accept_loop(listener: tokio::net::TcpListener, state: Arc<State>) {
         let (stream, _peer) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
-                if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                if warned
+                    .is_none_or(|t| rotary_engine::clock::elapsed(t) >= Duration::from_secs(10))
+                {
                     tracing::warn!(error = %e, "HTTP accept failed");
-                    warned = Some(std::time::Instant::now());
+                    warned = Some(rotary_engine::clock::now());
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;

@@ -1957,7 +1957,7 @@ mod tests {
             .await
             .expect("the silent broker is given up on well before 10 s")
             .unwrap_err();
-        let waited = started.elapsed();
+        let waited = rotary_proto::clock::elapsed(started);
         let ClientError::Io { source, .. } = &err else {
             panic!("want an I/O error, got {err:?}");
         };

@@ -17,12 +17,13 @@
 //! function takes its time as an argument (`TokenBucket::admit`) and is
 //! driven by passing `clock.now()`.
 //!
-//! `clippy.toml` disallows `Instant::now` and `SystemTime::now`; this module
-//! is the one place allowed to call them.
+//! `clippy.toml` disallows `Instant::now`, `SystemTime::now` and their
+//! `elapsed` methods (which read the real clock); this module is the one
+//! place allowed to call them. Use [`elapsed`] and [`wall_elapsed`].
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime, SystemTimeError};
 
 /// The real clocks, or a manual clock shared by its clones.
 #[derive(Clone, Default)]
@@ -72,6 +73,12 @@ impl Clock {
         }
     }
 
+    /// How long ago `since` is on this clock: zero if `since` is later,
+    /// as `Instant::elapsed` answers on the real clock.
+    pub fn elapsed(&self, since: Instant) -> Duration {
+        self.now().saturating_duration_since(since)
+    }
+
     /// Moves a manual clock (and every clone of it) forward by `by`, both
     /// its monotonic and its wall time.
     ///
@@ -110,6 +117,19 @@ pub fn now() -> Instant {
 /// The wall-clock time of the calling thread's clock.
 pub fn wall() -> SystemTime {
     THREAD.with(|c| c.borrow().wall())
+}
+
+/// How long ago `since` is on the calling thread's clock: zero if `since`
+/// is later. What `Instant::elapsed` answers, but on the installed clock
+/// (`clippy.toml` disallows `Instant::elapsed`).
+pub fn elapsed(since: Instant) -> Duration {
+    now().saturating_duration_since(since)
+}
+
+/// How long ago `since` is on the calling thread's wall clock, or the error
+/// `SystemTime::elapsed` answers when `since` is later.
+pub fn wall_elapsed(since: SystemTime) -> Result<Duration, SystemTimeError> {
+    wall().duration_since(since)
 }
 
 /// Nanoseconds since the Unix epoch on the calling thread's wall clock (zero
@@ -177,6 +197,21 @@ mod tests {
         }
         // The real clock is back: it does not stand still at the manual time.
         assert_ne!(now(), t0 + Duration::from_secs(3));
+    }
+
+    #[test]
+    fn elapsed_reads_the_installed_clock() {
+        let clock = Clock::manual();
+        let (t0, w0) = (clock.now(), clock.wall());
+        let _g = install(clock.clone());
+        assert_eq!(elapsed(t0), Duration::ZERO);
+        clock.advance(Duration::from_millis(250));
+        assert_eq!(elapsed(t0), Duration::from_millis(250));
+        assert_eq!(clock.elapsed(t0), Duration::from_millis(250));
+        assert_eq!(wall_elapsed(w0).unwrap(), Duration::from_millis(250));
+        // A time in the clock's future is zero ago, not a panic.
+        assert_eq!(elapsed(t0 + Duration::from_secs(1)), Duration::ZERO);
+        assert!(wall_elapsed(w0 + Duration::from_secs(1)).is_err());
     }
 
     #[test]

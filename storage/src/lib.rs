@@ -58,11 +58,13 @@ impl StorageError {
         }
     }
 
-    /// Whether the failed operation may succeed if tried again later.
+    /// Whether the failed operation may succeed if tried again later: a
+    /// full disk may get space back, but a device that failed the I/O
+    /// ([`io_is_retryable`]) or bytes that are corrupt stay so.
     pub fn is_retryable(&self) -> bool {
         match self {
             StorageError::Full { .. } => true,
-            StorageError::Io { .. } => true,
+            StorageError::Io { source, .. } => io_is_retryable(source),
             StorageError::Corrupt { .. } => false,
         }
     }
@@ -70,6 +72,20 @@ impl StorageError {
     pub fn is_full(&self) -> bool {
         matches!(self, StorageError::Full { .. })
     }
+}
+
+/// Whether an I/O error of the local disk may go away if the call is made
+/// again. Not when the device or the file system failed or refuses writes
+/// for good: `EIO` (a dying disk, or writeback that was lost), `ENXIO` and
+/// `ENODEV` (the device is gone), `EROFS` (remounted read-only, as file
+/// systems do after errors), `EUCLEAN` (the file system is corrupt).
+/// Anything else (a full disk, a lack of memory or descriptors, an
+/// interrupted call) may pass.
+pub fn io_is_retryable(e: &std::io::Error) -> bool {
+    !matches!(
+        e.raw_os_error(),
+        Some(libc::EIO | libc::ENXIO | libc::ENODEV | libc::EROFS | libc::EUCLEAN)
+    )
 }
 
 /// fsync of a directory, so renames and creations in it are durable.
@@ -97,6 +113,38 @@ fn figures(need: u64, free: u64, reserve: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A full disk may free up; a device that failed the I/O does not
+    /// heal, and corrupt bytes stay corrupt.
+    #[test]
+    fn eio_and_corruption_are_not_retryable_a_full_disk_is() {
+        let at = Path::new("/d/spool");
+        let io = |errno| StorageError::io(at, std::io::Error::from_raw_os_error(errno));
+        for errno in [
+            libc::EIO,
+            libc::ENXIO,
+            libc::ENODEV,
+            libc::EROFS,
+            libc::EUCLEAN,
+        ] {
+            let e = io(errno);
+            assert!(!e.is_full(), "{e}");
+            assert!(!e.is_retryable(), "{e}");
+        }
+        for errno in [libc::ENOSPC, libc::EDQUOT] {
+            let e = io(errno);
+            assert!(e.is_full() && e.is_retryable(), "{e}");
+        }
+        for errno in [libc::EINTR, libc::EAGAIN, libc::ENOMEM, libc::EMFILE] {
+            let e = io(errno);
+            assert!(!e.is_full() && e.is_retryable(), "{e}");
+        }
+        let corrupt = StorageError::Corrupt {
+            path: at.into(),
+            why: "bad".into(),
+        };
+        assert!(!corrupt.is_retryable());
+    }
 
     /// A write the device refused says so, without figures nobody measured.
     #[test]

@@ -454,7 +454,8 @@ async fn run_job(shared: &Shared, job: UploadJob) {
             metrics
                 .upload_stored_bytes
                 .fetch_add(fragment.size, Ordering::Relaxed);
-            let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let micros = u64::try_from(rotary_proto::clock::elapsed(started).as_micros())
+                .unwrap_or(u64::MAX);
             metrics.upload_micros.fetch_add(micros, Ordering::Relaxed);
             Ok(fragment)
         }
@@ -692,7 +693,7 @@ pub fn remove_stale_staging(dir: &std::path::Path, age: Duration) -> usize {
         let stale = meta
             .modified()
             .ok()
-            .and_then(|t| t.elapsed().ok())
+            .and_then(|t| rotary_proto::clock::wall_elapsed(t).ok())
             .is_some_and(|e| e >= age);
         if meta.is_file() && stale {
             let path = entry.path();

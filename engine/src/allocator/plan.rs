@@ -114,6 +114,29 @@ struct Planner<'a> {
 
 impl<'a> Planner<'a> {
     fn new(s: &'a Snapshot) -> Planner<'a> {
+        let (mut mems, zones_usable) = Self::members(s);
+        let (curs, jours) = Self::join(s, &mut mems);
+        // Fair shares: the copies wanted (or as many as fit), spread in
+        // proportion to capacity, rounded up.
+        let demand: u64 = jours.iter().filter_map(|j| j.item).map(|(r, _)| r).sum();
+        let capacity: u64 = mems.iter().map(|m| m.capacity).sum();
+        let placed = demand.min(capacity);
+        if capacity > 0 {
+            for m in &mut mems {
+                m.share = (m.capacity * placed).div_ceil(capacity).min(m.capacity);
+            }
+        }
+        Planner {
+            mems,
+            curs,
+            jours,
+            zones_usable,
+        }
+    }
+
+    /// The members in key order (so by zone), their zones numbered, and how
+    /// many zones have a member that takes journals.
+    fn members(s: &'a Snapshot) -> (Vec<Mem<'a>>, u64) {
         let mut mems = Vec::with_capacity(s.members.len());
         let mut zone = 0u32;
         let mut last_zone: Option<&str> = None;
@@ -143,11 +166,16 @@ impl<'a> Planner<'a> {
                 lease: m.lease,
             });
         }
+        (mems, zones_usable)
+    }
+
+    /// Joins items with their assignments (both in journal order): the flat
+    /// list of current assignments and the journals with their ranges in
+    /// it, counting what each member holds.
+    fn join(s: &'a Snapshot, mems: &mut [Mem<'a>]) -> (Vec<Cur<'a>>, Vec<Jour<'a>>) {
         let member_keys: Vec<&MemberKey> = s.members.keys().collect();
         let index =
             |k: &MemberKey| -> Option<u32> { member_keys.binary_search(&k).ok().map(|i| i as u32) };
-
-        // Join items with their assignments (both in journal order).
         let mut curs: Vec<Cur<'a>> = Vec::with_capacity(s.assignments.len());
         let mut jours: Vec<Jour<'a>> = Vec::with_capacity(s.items.len());
         let mut items = s.items.iter().peekable();
@@ -184,32 +212,7 @@ impl<'a> Planner<'a> {
                 asg.next();
             }
             let end = curs.len();
-            let flags: Vec<(bool, bool)> = {
-                let keys = curs[start..end].iter().map(|c| c.key);
-                curs[start..end]
-                    .iter()
-                    .map(|c| match &c.a.route {
-                        None => (false, false),
-                        Some(r) => (route_matches(r, keys.clone()), r.contains(&c.key.member)),
-                    })
-                    .collect()
-            };
-            let mut seen: Vec<u32> = Vec::new();
-            for (i, (consistent, synced)) in (start..end).zip(flags) {
-                curs[i].consistent = consistent;
-                curs[i].synced = synced;
-                if let Some(m) = curs[i].member {
-                    let mem = &mut mems[m as usize];
-                    mem.held += 1;
-                    if curs[i].key.slot == 0 {
-                        mem.primaries += 1;
-                    }
-                    if item.is_some() && mem.capacity > 0 && !seen.contains(&m) {
-                        seen.push(m);
-                        curs[i].usable = true;
-                    }
-                }
-            }
+            Self::mark(&mut curs[start..end], mems, item.is_some());
             jours.push(Jour {
                 name,
                 item,
@@ -217,22 +220,36 @@ impl<'a> Planner<'a> {
                 want: Vec::new(),
             });
         }
+        (curs, jours)
+    }
 
-        // Fair shares: the copies wanted (or as many as fit), spread in
-        // proportion to capacity, rounded up.
-        let demand: u64 = jours.iter().filter_map(|j| j.item).map(|(r, _)| r).sum();
-        let capacity: u64 = mems.iter().map(|m| m.capacity).sum();
-        let placed = demand.min(capacity);
-        if capacity > 0 {
-            for m in &mut mems {
-                m.share = (m.capacity * placed).div_ceil(capacity).min(m.capacity);
+    /// Marks one journal's current assignments consistent, synced and
+    /// usable, and counts them for their members.
+    fn mark(curs: &mut [Cur<'a>], mems: &mut [Mem<'a>], exists: bool) {
+        let flags: Vec<(bool, bool)> = {
+            let keys = curs.iter().map(|c| c.key);
+            curs.iter()
+                .map(|c| match &c.a.route {
+                    None => (false, false),
+                    Some(r) => (route_matches(r, keys.clone()), r.contains(&c.key.member)),
+                })
+                .collect()
+        };
+        let mut seen: Vec<u32> = Vec::new();
+        for (c, (consistent, synced)) in curs.iter_mut().zip(flags) {
+            c.consistent = consistent;
+            c.synced = synced;
+            if let Some(m) = c.member {
+                let mem = &mut mems[m as usize];
+                mem.held += 1;
+                if c.key.slot == 0 {
+                    mem.primaries += 1;
+                }
+                if exists && mem.capacity > 0 && !seen.contains(&m) {
+                    seen.push(m);
+                    c.usable = true;
+                }
             }
-        }
-        Planner {
-            mems,
-            curs,
-            jours,
-            zones_usable,
         }
     }
 
@@ -456,134 +473,173 @@ impl<'a> Planner<'a> {
             };
             let mut want = std::mem::take(&mut self.jours[j].want);
             want.sort_unstable();
-            let curs = &self.curs[start..end];
-
-            // Additions, at slots above every current one, in key order;
-            // only to members under their limit counting what they hold now.
-            let mut next_slot = curs.iter().map(|c| c.key.slot + 1).max().unwrap_or(0);
-            let mut added = 0;
-            for &m in &want {
-                if curs.iter().any(|c| c.usable && c.member == Some(m)) {
-                    continue;
-                }
-                let slot = next_slot;
-                next_slot += 1;
-                let mem = &mut self.mems[m as usize];
-                if mem.held >= mem.limit {
-                    continue;
-                }
-                mem.held += 1;
-                if slot == 0 {
-                    mem.primaries += 1;
-                }
-                added += 1;
-                out.push(Change::Add {
-                    key: AssignmentKey {
-                        journal: self.jours[j].name.to_string(),
-                        member: mem.key.clone(),
-                        slot,
-                    },
-                    member_mod_revision: mem.mod_revision,
-                    lease: mem.lease,
-                });
-            }
-
-            // Removals, most loaded member first, while `r` consistent
-            // copies remain.
-            let ratio = |c: &Cur| -> (u64, u64) {
-                match c.member {
-                    Some(m) if self.mems[m as usize].limit > 0 => {
-                        let mem = &self.mems[m as usize];
-                        (mem.held, mem.limit)
-                    }
-                    _ => (1, 0),
-                }
-            };
-            let mut remove: Vec<usize> = (0..curs.len())
-                .filter(|&i| {
-                    let c = &curs[i];
-                    !(c.usable && want.binary_search(&c.member.expect("usable")).is_ok())
-                })
-                .collect();
-            remove.sort_by(|&a, &b| {
-                let (na, da) = ratio(&curs[a]);
-                let (nb, db) = ratio(&curs[b]);
-                // Decreasing na/da (a zero limit is infinitely loaded).
-                (nb * da).cmp(&(na * db)).then(a.cmp(&b))
-            });
-            let mut consistent = curs.iter().filter(|c| c.consistent).count() as u64;
-            let mut removed = vec![false; curs.len()];
-            for &i in &remove {
-                if consistent < r || (curs[i].consistent && consistent == r) {
-                    continue;
-                }
-                if curs[i].consistent {
-                    consistent -= 1;
-                }
-                removed[i] = true;
-            }
+            let added = self.add(j, &want, &mut out);
             let first_removal = out.len();
-            let keep: Vec<(AssignmentKey, i64)> = curs
-                .iter()
-                .zip(&removed)
-                .filter(|(_, &gone)| !gone)
-                .map(|(c, _)| (c.key.clone(), c.a.mod_revision))
-                .collect();
-            for (i, c) in curs.iter().enumerate() {
-                if !removed[i] {
-                    continue;
-                }
-                if let Some(m) = c.member {
-                    let mem = &mut self.mems[m as usize];
-                    if c.key.slot == 0 {
-                        mem.primaries -= 1;
-                    }
-                }
-                out.push(Change::Remove {
-                    key: c.key.clone(),
-                    mod_revision: c.a.mod_revision,
-                    item_mod_revision: item_rev,
-                    keep: if out.len() == first_removal {
-                        keep.clone()
-                    } else {
-                        Vec::new()
-                    },
-                });
-            }
+            let removed = self.remove(j, r, item_rev, &want, &mut out);
             let removals = out.len() - first_removal;
-
-            // What stays, by slot. With no primary left, promote one.
+            // What stays, by slot.
+            let curs = &self.curs[start..end];
             let mut stay: Vec<usize> = (0..curs.len()).filter(|&i| !removed[i]).collect();
             stay.sort_by_key(|&i| (curs[i].key.slot, i));
-            let mut promoted = false;
-            if let Some(&first) = stay.first() {
-                if curs[first].key.slot != 0 {
-                    let best = stay
-                        .iter()
-                        .copied()
-                        .min_by(|&a, &b| self.promotion_order(&curs[a], &curs[b]))
-                        .expect("not empty");
-                    let c = &curs[best];
-                    if let Some(m) = c.member {
-                        self.mems[m as usize].primaries += 1;
-                    }
-                    out.push(self.reslot(c, 0));
-                    promoted = true;
-                }
-            }
+            let promoted = self.promote(j, &stay, &mut out);
             if added == 0 && removals == 0 && !promoted {
-                // Pack one replica into the lowest free slot.
-                if let Some((k, &i)) = stay
-                    .iter()
-                    .enumerate()
-                    .skip(1)
-                    .find(|&(k, &i)| curs[i].key.slot != k as u32)
-                {
-                    out.push(self.reslot(&curs[i], k as u32));
-                }
+                self.pack(j, &stay, &mut out);
             }
         }
         out
+    }
+
+    /// Additions of journal `j`'s wanted members (`want`, sorted), at slots
+    /// above every current one, in key order; only to members under their
+    /// limit counting what they hold now. Answers how many were added.
+    fn add(&mut self, j: usize, want: &[u32], out: &mut Vec<Change>) -> usize {
+        let (start, end) = self.jours[j].cur;
+        let curs = &self.curs[start..end];
+        let mut next_slot = curs.iter().map(|c| c.key.slot + 1).max().unwrap_or(0);
+        let mut added = 0;
+        for &m in want {
+            if curs.iter().any(|c| c.usable && c.member == Some(m)) {
+                continue;
+            }
+            let slot = next_slot;
+            next_slot += 1;
+            let mem = &mut self.mems[m as usize];
+            if mem.held >= mem.limit {
+                continue;
+            }
+            mem.held += 1;
+            if slot == 0 {
+                mem.primaries += 1;
+            }
+            added += 1;
+            out.push(Change::Add {
+                key: AssignmentKey {
+                    journal: self.jours[j].name.to_string(),
+                    member: mem.key.clone(),
+                    slot,
+                },
+                member_mod_revision: mem.mod_revision,
+                lease: mem.lease,
+            });
+        }
+        added
+    }
+
+    /// Removals of journal `j`'s assignments that are not wanted, most
+    /// loaded member first, while `r` consistent copies remain. The first
+    /// removal carries the assignments that stay. Answers, per current
+    /// assignment, whether it goes.
+    fn remove(
+        &mut self,
+        j: usize,
+        r: u64,
+        item_rev: i64,
+        want: &[u32],
+        out: &mut Vec<Change>,
+    ) -> Vec<bool> {
+        let (start, end) = self.jours[j].cur;
+        let curs = &self.curs[start..end];
+        let ratio = |c: &Cur| -> (u64, u64) {
+            match c.member {
+                Some(m) if self.mems[m as usize].limit > 0 => {
+                    let mem = &self.mems[m as usize];
+                    (mem.held, mem.limit)
+                }
+                _ => (1, 0),
+            }
+        };
+        let mut remove: Vec<usize> = (0..curs.len())
+            .filter(|&i| {
+                let c = &curs[i];
+                !(c.usable && want.binary_search(&c.member.expect("usable")).is_ok())
+            })
+            .collect();
+        remove.sort_by(|&a, &b| {
+            let (na, da) = ratio(&curs[a]);
+            let (nb, db) = ratio(&curs[b]);
+            // Decreasing na/da (a zero limit is infinitely loaded).
+            (nb * da).cmp(&(na * db)).then(a.cmp(&b))
+        });
+        let mut consistent = curs.iter().filter(|c| c.consistent).count() as u64;
+        let mut removed = vec![false; curs.len()];
+        for &i in &remove {
+            if consistent < r || (curs[i].consistent && consistent == r) {
+                continue;
+            }
+            if curs[i].consistent {
+                consistent -= 1;
+            }
+            removed[i] = true;
+        }
+        let first_removal = out.len();
+        let keep: Vec<(AssignmentKey, i64)> = curs
+            .iter()
+            .zip(&removed)
+            .filter(|(_, &gone)| !gone)
+            .map(|(c, _)| (c.key.clone(), c.a.mod_revision))
+            .collect();
+        for (i, c) in curs.iter().enumerate() {
+            if !removed[i] {
+                continue;
+            }
+            if let Some(m) = c.member {
+                let mem = &mut self.mems[m as usize];
+                if c.key.slot == 0 {
+                    mem.primaries -= 1;
+                }
+            }
+            out.push(Change::Remove {
+                key: c.key.clone(),
+                mod_revision: c.a.mod_revision,
+                item_mod_revision: item_rev,
+                keep: if out.len() == first_removal {
+                    keep.clone()
+                } else {
+                    Vec::new()
+                },
+            });
+        }
+        removed
+    }
+
+    /// With no primary among journal `j`'s assignments that stay (`stay`,
+    /// indices into its current ones by slot), promotes one. Answers
+    /// whether it did.
+    fn promote(&mut self, j: usize, stay: &[usize], out: &mut Vec<Change>) -> bool {
+        let (start, end) = self.jours[j].cur;
+        let curs = &self.curs[start..end];
+        let Some(&first) = stay.first() else {
+            return false;
+        };
+        if curs[first].key.slot == 0 {
+            return false;
+        }
+        let best = stay
+            .iter()
+            .copied()
+            .min_by(|&a, &b| self.promotion_order(&curs[a], &curs[b]))
+            .expect("not empty");
+        let c = &curs[best];
+        if let Some(m) = c.member {
+            self.mems[m as usize].primaries += 1;
+        }
+        out.push(self.reslot(c, 0));
+        true
+    }
+
+    /// Packs one of journal `j`'s replicas that stay (`stay`, by slot) into
+    /// the lowest free slot.
+    fn pack(&self, j: usize, stay: &[usize], out: &mut Vec<Change>) {
+        let (start, end) = self.jours[j].cur;
+        let curs = &self.curs[start..end];
+        if let Some((k, &i)) = stay
+            .iter()
+            .enumerate()
+            .skip(1)
+            .find(|&(k, &i)| curs[i].key.slot != k as u32)
+        {
+            out.push(self.reslot(&curs[i], k as u32));
+        }
     }
 
     /// Which of two assignments to promote first: a consistent one, then one

@@ -141,11 +141,11 @@ impl Cluster {
                         .await;
                 });
             })
-            .map_err(|e| crate::EngineError::Config(format!("control thread: {e}")))?;
+            .map_err(|e| crate::EngineError::Thread("etcd control", e))?;
         let view = ready_rx
             .recv()
-            .map_err(|_| crate::EngineError::Config("the control thread died".into()))?
-            .map_err(|e| crate::EngineError::Config(format!("etcd: {e}")))?;
+            .map_err(|_| control::ControlError::Gone)?
+            .map_err(control::ControlError::Etcd)?;
         Ok(Cluster {
             handle: control::ControlHandle::new(requests_tx, fence),
             view,
@@ -162,11 +162,9 @@ impl Cluster {
     ) -> Result<(), crate::EngineError> {
         let go = self.go.take().expect("announced once");
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let gone = || crate::EngineError::Config("the control thread died".into());
-        go.send((topology, tx)).map_err(|_| gone())?;
-        rx.recv()
-            .map_err(|_| gone())?
-            .map_err(|e| crate::EngineError::Config(e.to_string()))
+        go.send((topology, tx))
+            .map_err(|_| control::ControlError::Gone)?;
+        Ok(rx.recv().map_err(|_| control::ControlError::Gone)??)
     }
 
     /// Marks this member exiting and waits, up to `timeout`, until the

@@ -145,7 +145,7 @@ pub(super) async fn watch(peer: SocketAddr, client: Rc<Outbox>, relay: Relay, si
         if probe.is_some_and(|p| heard >= p) {
             probe = None;
         }
-        let quiet = heard.elapsed();
+        let quiet = crate::clock::elapsed(heard);
         if quiet < silence {
             continue;
         }
@@ -157,7 +157,7 @@ pub(super) async fn watch(peer: SocketAddr, client: Rc<Outbox>, relay: Relay, si
                 relay.out.raw(&ping);
                 continue;
             }
-            Some(p) if p.elapsed() < silence => continue,
+            Some(p) if crate::clock::elapsed(p) < silence => continue,
             Some(_) => {}
         }
         relay.watch.abandoned.set(true);

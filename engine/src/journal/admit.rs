@@ -173,7 +173,7 @@ mod tests {
         }
         let mut jm = Journal::new(spec, PathBuf::from("/nonexistent"));
         jm.index_loaded = true;
-        jm.staged_head = 100;
+        jm.set_staged_head(100);
         jm
     }
 

@@ -47,7 +47,7 @@ impl Repeated {
         if self
             .last
             .get()
-            .is_some_and(|t| t.elapsed() < REPEAT_WARN_INTERVAL)
+            .is_some_and(|t| crate::clock::elapsed(t) < REPEAT_WARN_INTERVAL)
         {
             self.held.set(self.held.get() + 1);
             return None;
@@ -121,11 +121,16 @@ pub struct Journal {
     /// wait, and `committed` is notified when it ends.
     pub spool_out: bool,
     /// Write head visible to readers: committed here and on every replica.
+    /// The heads keep `head <= local_head <= staged_head`; they are
+    /// written only through the setters below (`set_heads`,
+    /// `set_staged_head`, `commit_local_to`, `publish_to`, `take_over_to`),
+    /// which assert that order, in release builds too.
     pub head: u64,
     pub registers: LabelSet,
     /// Answered to appenders. Beyond `head` only while a batch answered
     /// from the commit log (see `Shard::answer_early`) waits for its spool
-    /// write; readers of those bytes wait for it too.
+    /// write; readers of those bytes wait for it too. Only grows, through
+    /// [`Self::answered_to`], never past `staged_head` when it does.
     pub answered: u64,
     /// Committed here (in the commit log); replicas may not have acked yet.
     pub local_head: u64,
@@ -288,6 +293,78 @@ impl Journal {
         }
     }
 
+    /// What is visible to readers was committed here, and what is committed
+    /// here was staged. A programmer's error if not: asserted wherever a
+    /// head changes.
+    fn assert_heads(&self) {
+        assert!(
+            self.head <= self.local_head && self.local_head <= self.staged_head,
+            "journal {}: heads out of order: head {} local_head {} staged_head {}",
+            self.name,
+            self.head,
+            self.local_head,
+            self.staged_head
+        );
+    }
+
+    /// Sets every head to `offset`: a journal recovered from its files, its
+    /// head reset, or a replica synced to its primary's head.
+    pub fn set_heads(&mut self, offset: u64) {
+        self.head = offset;
+        self.local_head = offset;
+        self.staged_head = offset;
+        self.assert_heads();
+    }
+
+    /// The staged appends now end at `end`: an append was staged, or the
+    /// staging of uncommitted appends was undone back to where one began
+    /// (never below what is committed here).
+    pub fn set_staged_head(&mut self, end: u64) {
+        self.staged_head = end;
+        self.assert_heads();
+    }
+
+    /// The commit log holds the staged appends up to `end`: committed here,
+    /// if not yet on every replica. Commits only move forward.
+    pub fn commit_local_to(&mut self, end: u64) {
+        assert!(
+            end >= self.local_head,
+            "journal {}: commit to {end} behind local_head {}",
+            self.name,
+            self.local_head
+        );
+        self.local_head = end;
+        self.assert_heads();
+    }
+
+    /// Readers may see up to `end` (if not further already): committed
+    /// here and on every replica.
+    pub fn publish_to(&mut self, end: u64) {
+        self.head = self.head.max(end);
+        self.assert_heads();
+    }
+
+    /// The journal's history up to `to` was taken over from earlier
+    /// brokers: visible and committed up to there at least, with nothing
+    /// staged beyond what is committed.
+    pub fn take_over_to(&mut self, to: u64) {
+        self.head = self.head.max(to);
+        self.local_head = self.local_head.max(to);
+        self.staged_head = self.local_head;
+        self.assert_heads();
+    }
+
+    /// Appenders were answered up to `end`, which was staged.
+    pub fn answered_to(&mut self, end: u64) {
+        assert!(
+            end <= self.staged_head,
+            "journal {}: answered to {end} beyond staged_head {}",
+            self.name,
+            self.staged_head
+        );
+        self.answered = self.answered.max(end);
+    }
+
     /// The spool is back (or sealed into `fragments`): reads that waited
     /// for it go on.
     pub fn spool_back(&mut self) {
@@ -343,6 +420,66 @@ pub fn flush_boundary_crossed(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn journal() -> Journal {
+        Journal::new(JournalSpec::new("a/b"), PathBuf::from("/nonexistent"))
+    }
+
+    /// The heads move as appends stage, commit and publish, and keep their
+    /// order through each step.
+    #[test]
+    fn heads_move_in_order() {
+        let mut j = journal();
+        j.set_heads(100);
+        j.set_staged_head(150);
+        j.set_staged_head(180);
+        j.answered_to(150);
+        j.commit_local_to(150);
+        j.publish_to(150);
+        // Undone back to the commit point, no further.
+        j.set_staged_head(150);
+        assert_eq!((j.head, j.local_head, j.staged_head), (150, 150, 150));
+        // A takeover of history up to 400 commits it here and stages nothing beyond.
+        j.set_staged_head(200);
+        j.take_over_to(400);
+        assert_eq!((j.head, j.local_head, j.staged_head), (400, 400, 400));
+        assert_eq!(j.answered, 150);
+    }
+
+    #[test]
+    #[should_panic(expected = "heads out of order")]
+    fn unstaging_below_the_commit_point_is_refused() {
+        let mut j = journal();
+        j.set_heads(100);
+        j.set_staged_head(150);
+        j.commit_local_to(150);
+        j.set_staged_head(120);
+    }
+
+    #[test]
+    #[should_panic(expected = "heads out of order")]
+    fn publishing_what_is_not_committed_is_refused() {
+        let mut j = journal();
+        j.set_staged_head(50);
+        j.publish_to(10);
+    }
+
+    #[test]
+    #[should_panic(expected = "behind local_head")]
+    fn a_commit_never_moves_back() {
+        let mut j = journal();
+        j.set_staged_head(50);
+        j.commit_local_to(50);
+        j.commit_local_to(40);
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond staged_head")]
+    fn answers_never_run_ahead_of_staging() {
+        let mut j = journal();
+        j.set_staged_head(50);
+        j.answered_to(60);
+    }
 
     #[test]
     fn flush_boundaries_are_utc_multiples() {

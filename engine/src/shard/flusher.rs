@@ -255,7 +255,7 @@ impl Shard {
     /// stage, write and acknowledge.
     fn warn_slow_turn(journals: usize, at: [Instant; 5]) {
         let [started, prepared, staged_at, written, acked] = at;
-        if started.elapsed() >= SLOW_TURN {
+        if crate::clock::elapsed(started) >= SLOW_TURN {
             let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
             tracing::warn!(
                 journals,
@@ -561,7 +561,7 @@ impl Shard {
         }
         self.count_appends(&jm.staged, false);
         jm.staged.iter().for_each(answer_ok);
-        jm.answered = jm.answered.max(last);
+        jm.answered_to(last);
         None
     }
 
@@ -646,7 +646,7 @@ impl Shard {
                     jm.queue.pop_front();
                 }
                 jm.tail.truncate(start.offset);
-                jm.staged_head = start.offset;
+                jm.set_staged_head(start.offset);
                 if let Some(spool) = jm.spool.as_mut() {
                     spool.rewind(start);
                 }
@@ -930,7 +930,7 @@ impl Shard {
         let staged = std::mem::take(&mut jm.staged);
         let last = staged.last().expect("non-empty");
         jm.spool.as_mut().expect("spool").commit(last.point.clone());
-        jm.local_head = last.end;
+        jm.commit_local_to(last.end);
         jm.local_registers = last.registers.clone();
         if jm.spool_since.is_none() {
             jm.spool_since = Some(crate::clock::wall());
@@ -972,7 +972,7 @@ impl Shard {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let Some(last) = staged.last() else { return };
-        jm.head = jm.head.max(last.end);
+        jm.publish_to(last.end);
         jm.registers = last.registers.clone();
         for s in &staged {
             if let Some(f) = failure {

@@ -639,9 +639,7 @@ impl Shard {
             }
             self.states.borrow_mut().insert(jm.name.clone(), st);
         }
-        jm.head = head;
-        jm.local_head = head;
-        jm.staged_head = head;
+        jm.set_heads(head);
         let body =
             serde_json::to_vec(&serde_json::json!({ "journal": jm.name, "write_head": head }))
                 .expect("json");

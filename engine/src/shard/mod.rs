@@ -607,7 +607,7 @@ fn abandon_active(jm: &mut Journal) -> Option<Active> {
         spool.rewind(a.start.clone());
     }
     send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-    jm.staged_head = jm.local_head;
+    jm.set_staged_head(jm.local_head);
     jm.staged_registers = jm.local_registers.clone();
     Some(a)
 }

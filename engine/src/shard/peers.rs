@@ -39,7 +39,7 @@ impl Shard {
                 }
             }
             waiting = still;
-            if waiting.is_empty() || started.elapsed() >= GIVE_UP {
+            if waiting.is_empty() || crate::clock::elapsed(started) >= GIVE_UP {
                 break;
             }
             compio::time::sleep(pause).await;

@@ -170,7 +170,7 @@ impl Shard {
             metrics::add(&self.metrics.ack_polls, 1);
             metrics::add(
                 &self.metrics.ack_poll_micros,
-                began.elapsed().as_micros() as u64,
+                crate::clock::elapsed(began).as_micros() as u64,
             );
         }
     }
@@ -181,7 +181,7 @@ impl Shard {
         if let Some(a) = &jm.active {
             // Bytes that arrived and wait (for the rate, or for
             // room) are no client's idleness.
-            if a.op.last_activity.get().elapsed() > APPEND_IDLE_TIMEOUT
+            if crate::clock::elapsed(a.op.last_activity.get()) > APPEND_IDLE_TIMEOUT
                 && !a.op.complete.get()
                 && a.op.chunks.borrow().is_empty()
             {
@@ -212,10 +212,10 @@ impl Shard {
                 let every = jm.spec.fragment.refresh_interval;
                 !jm.listing
                     && jm.last_listing.is_none_or(|t| {
-                        t.elapsed() >= every
+                        crate::clock::elapsed(t) >= every
                             || (!jm.index_loaded
                                 && !jm.index_forgotten
-                                && t.elapsed() >= std::time::Duration::from_secs(1))
+                                && crate::clock::elapsed(t) >= std::time::Duration::from_secs(1))
                     })
             } else {
                 false
@@ -318,7 +318,7 @@ impl Shard {
                 && jm.active.is_none()
                 && jm.inflight == 0
                 && !jm.syncing
-                && (now || jm.last_append.elapsed() >= PULSE_IDLE);
+                && (now || crate::clock::elapsed(jm.last_append) >= PULSE_IDLE);
             if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
                 return;
             }
@@ -493,7 +493,7 @@ impl Shard {
         for m in sources {
             let silent_since = self.silent_sources.borrow().get(&m.id).copied();
             if silent_since.is_some_and(|at| {
-                at.elapsed() < self.replica_ack_timeout * SILENT_SOURCE_PASSED_OVER
+                crate::clock::elapsed(at) < self.replica_ack_timeout * SILENT_SOURCE_PASSED_OVER
             }) {
                 metrics::add(&self.metrics.takeover_sources_passed_over, 1);
                 tracing::debug!(journal = %name, broker = %m.id, "a broker of one of the journal's earlier routes did not answer moments ago; taking the journal over without its bytes");
@@ -607,9 +607,7 @@ impl Shard {
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }
-        jm.head = jm.head.max(to);
-        jm.local_head = jm.local_head.max(to);
-        jm.staged_head = jm.local_head;
+        jm.take_over_to(to);
         // The registers go with the furthest history (fencing must not
         // step back).
         jm.registers = their_registers.clone();
@@ -633,7 +631,9 @@ impl Shard {
         // lacks (`catch_up_specs`) before it looks for the brokers a
         // journal left; that takes one ack timeout at most.
         let started = crate::clock::now();
-        while !self.topology.peers_asked() && started.elapsed() < self.replica_ack_timeout {
+        while !self.topology.peers_asked()
+            && crate::clock::elapsed(started) < self.replica_ack_timeout
+        {
             compio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         let since = j.borrow().takeover_version;

@@ -37,16 +37,18 @@ impl Shard {
             .map_err(|e| crate::EngineError::Io(log_path.clone(), e))?;
         if !has_log {
             if let Some(file) = first_journal_file(&dir)? {
-                return Err(crate::EngineError::Corrupt(format!(
+                let why = format!(
                     "{} is missing, but the shard holds journal files, such as {}",
                     log_path.display(),
                     file.display()
-                )));
+                );
+                return Err(crate::EngineError::corrupt(log_path, why));
             }
         }
         let (log, replayed) = CommitLog::open(&dir).await.map_err(|e| match e {
             StorageError::Corrupt { path, why } => {
-                crate::EngineError::Corrupt(format!("{}: {why}", path.display()))
+                let why = format!("{}: {why}", path.display());
+                crate::EngineError::corrupt(path, why)
             }
             e => e.into(),
         })?;
@@ -61,11 +63,12 @@ impl Shard {
                     .map(|file| format!("it holds journal files, such as {}", file.display())),
             };
             if let Some(found) = found {
-                return Err(crate::EngineError::Corrupt(format!(
+                let why = format!(
                     "{} is missing, but {} is no new shard: {found}",
                     specs.path().display(),
                     dir.display()
-                )));
+                );
+                return Err(crate::EngineError::corrupt(specs.path(), why));
             }
         }
         Ok((log, replayed))
@@ -128,7 +131,7 @@ impl Shard {
             spools = recovery.spools,
             hashed_bytes = recovery.hashed,
             spools_read_whole = !recovery.same_boot,
-            elapsed_ms = started.elapsed().as_millis() as u64,
+            elapsed_ms = crate::clock::elapsed(started).as_millis() as u64,
             "recovered"
         );
         Ok(())
@@ -307,10 +310,11 @@ impl Shard {
             // the bytes on disk: only possible after power loss in
             // `replicated` mode (the log reached the disk, the data
             // did not), or damage to the file.
-            return Err(crate::EngineError::Corrupt(format!(
+            let why = format!(
                 "{}: SHA-1 of committed spool bytes matches neither of the commit log's last two records",
                 path.display()
-            )));
+            );
+            return Err(crate::EngineError::corrupt(path, why));
         }
         match (use_spool, found) {
             (true, Some((s, _))) => {
@@ -427,9 +431,7 @@ impl Shard {
                 head = head.max(st.end);
             }
         }
-        j.head = head;
-        j.local_head = head;
-        j.staged_head = head;
+        j.set_heads(head);
         j.staged_registers = j.registers.clone();
         j.local_registers = j.registers.clone();
         j.first_sync_pending = j.fragments.is_empty() && j.spool.is_none() && chosen.is_none();
@@ -469,9 +471,7 @@ impl Shard {
             "a new journal's directory holds files; it continues after them"
         );
         j.fragments = listing.fragments;
-        j.head = head;
-        j.local_head = head;
-        j.staged_head = head;
+        j.set_heads(head);
         j.first_sync_pending = j.fragments.is_empty() && state.is_none();
     }
 }

@@ -62,9 +62,7 @@ impl Shard {
             {
                 let mut jm = j.borrow_mut();
                 let h = w.req.head;
-                jm.head = h;
-                jm.local_head = h;
-                jm.staged_head = h;
+                jm.set_heads(h);
                 jm.registers = w.req.registers.clone();
                 jm.local_registers = w.req.registers.clone();
                 jm.staged_registers = w.req.registers.clone();
@@ -133,7 +131,7 @@ impl Shard {
             jm.queue.pop_front();
         }
         jm.tail.truncate(start.offset);
-        jm.staged_head = start.offset;
+        jm.set_staged_head(start.offset);
         if let Some(spool) = jm.spool.as_mut() {
             spool.rewind(start);
         }

@@ -226,7 +226,7 @@ impl Shard {
         if a.op.replica.is_some() {
             // Committed when its proposal comes (`commit_awaiting`);
             // the next append's content is staged meanwhile.
-            jm.staged_head = end;
+            jm.set_staged_head(end);
             jm.awaiting.push_back(crate::append::Awaiting {
                 op: a.op,
                 start: a.start,
@@ -274,7 +274,7 @@ impl Shard {
             a.op.reply_error(Status::BAD_REQUEST, &r, &msg);
             return;
         }
-        jm.staged_head = end;
+        jm.set_staged_head(end);
         jm.staged_registers = registers.clone();
         jm.staged.push(Staged {
             op: a.op,
@@ -412,7 +412,7 @@ impl Shard {
         }
         let head = jm.local_head;
         jm.tail.truncate(head);
-        jm.staged_head = head;
+        jm.set_staged_head(head);
         jm.staged_registers = jm.local_registers.clone();
     }
 
