@@ -224,6 +224,29 @@ impl Tally {
     }
 }
 
+/// `n` transactions as the publisher frames them, per journal: what the
+/// plain phase appends (their send times are written afresh as it goes).
+fn echo_batches(n: usize, start: Instant) -> anyhow::Result<Vec<Vec<Vec<u8>>>> {
+    let echo = ProducerId::random();
+    let mut clock = Clock(0);
+    let mut batches = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut frames: Vec<Vec<u8>> = (0..JOURNALS)
+            .map(|_| Vec::with_capacity(TXN_MESSAGES / JOURNALS * (MESSAGE_LEN + 32)))
+            .collect();
+        for i in 0..TXN_MESSAGES {
+            clock.update(Clock::wall());
+            let u = Uuid::build(echo, clock.tick(), Flags::CONTINUE_TXN);
+            Framing::Fixed.encode(u, &content(start), &mut frames[i % JOURNALS])?;
+        }
+        for f in frames.iter_mut() {
+            Framing::Fixed.encode_ack(Uuid::build(echo, clock.tick(), Flags::ACK_TXN), f);
+        }
+        batches.push(frames);
+    }
+    Ok(batches)
+}
+
 async fn phases(
     endpoint: String,
     duration: Duration,
@@ -266,32 +289,22 @@ async fn phases(
     let mut publisher = Publisher::new(client.clone(), PublisherOptions::default());
     let mut published = 0u64;
     let first_ns = now_ns(start);
-    // The same bytes for phase 2: each transaction's frames per journal.
-    let mut batches: Vec<Vec<Vec<u8>>> = Vec::new();
-    let echo = ProducerId::random();
-    let mut echo_clock = Clock(0);
     while start.elapsed() < duration {
-        let mut frames: Vec<Vec<u8>> = (0..JOURNALS)
-            .map(|_| Vec::with_capacity(TXN_MESSAGES / JOURNALS * (MESSAGE_LEN + 32)))
-            .collect();
         for i in 0..TXN_MESSAGES {
-            let j = i % JOURNALS;
             let c = content(start);
-            publisher.publish_uncommitted(&msg_names[j], &c).await?;
-            echo_clock.update(Clock::wall());
-            let u = Uuid::build(echo, echo_clock.tick(), Flags::CONTINUE_TXN);
-            Framing::Fixed.encode(u, &c, &mut frames[j])?;
+            publisher
+                .publish_uncommitted(&msg_names[i % JOURNALS], &c)
+                .await?;
         }
         publisher.commit().await?;
-        for f in frames.iter_mut() {
-            Framing::Fixed.encode_ack(Uuid::build(echo, echo_clock.tick(), Flags::ACK_TXN), f);
-        }
-        batches.push(frames);
         published += TXN_MESSAGES as u64;
     }
     tally.wait_for(published).await?;
     reader.abort();
     let messages = tally.phase(first_ns);
+    // The same bytes for phase 2, made outside either measurement: each
+    // transaction's frames per journal, acknowledgements included.
+    let batches = echo_batches(published as usize / TXN_MESSAGES, start)?;
 
     // Phase 2: plain appends of the same bytes, plain readers.
     eprintln!("messages: plain appends of the same bytes");

@@ -271,7 +271,10 @@ impl Publisher {
         }
         if flags == Flags::OUTSIDE_TXN {
             state.committed = Some(clock);
-        } else if self.txn.insert(journal.to_string()) && state.committed.is_none() {
+        } else if !self.txn.contains(journal)
+            && self.txn.insert(journal.to_string())
+            && state.committed.is_none()
+        {
             // Readers that never saw this producer here take the clock
             // before its first message as its last acknowledgement.
             state.committed = Some(Clock(clock.0 - 1));
