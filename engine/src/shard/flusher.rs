@@ -136,7 +136,7 @@ impl Shard {
         }
         let acked = crate::clock::now();
         self.compact_log().await;
-        Self::warn_slow_turn(ready.len(), [started, prepared, staged_at, written, acked]);
+        self.warn_slow_turn(ready.len(), [started, prepared, staged_at, written, acked]);
         // Replica journals with a SYNC waiting go around again once their
         // queued appends are through.
         for j in &ready {
@@ -250,12 +250,13 @@ impl Shard {
         }
     }
 
-    /// Warns of a turn that took [`SLOW_TURN`] or longer, with the time
+    /// Counts and warns of a turn that took [`SLOW_TURN`] or longer, with the time
     /// each of its steps took: `at` are the ends of started, prepare,
     /// stage, write and acknowledge.
-    fn warn_slow_turn(journals: usize, at: [Instant; 5]) {
+    fn warn_slow_turn(&self, journals: usize, at: [Instant; 5]) {
         let [started, prepared, staged_at, written, acked] = at;
         if started.elapsed() >= SLOW_TURN {
+            metrics::add(&self.metrics.slow_turns, 1);
             let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
             tracing::warn!(
                 journals,
@@ -559,7 +560,7 @@ impl Shard {
         if jm.staged_with_replicas {
             return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
         }
-        self.count_appends(&jm.staged, false);
+        self.count_appends(&jm.staged, false, jm.spec.durability);
         jm.staged.iter().for_each(answer_ok);
         jm.answered = jm.answered.max(last);
         None
@@ -942,12 +943,22 @@ impl Shard {
     /// `failure` when a replica did not acknowledge (they stay committed
     /// here, like appends whose reply was lost).
     pub(super) fn publish(&self, j: &JournalRef, staged: Vec<Staged>, failure: Option<&Failure>) {
-        self.count_appends(&staged, failure.is_some());
+        let durability = j.borrow().spec.durability;
+        self.count_appends(&staged, failure.is_some(), durability);
+        if failure.is_some_and(|f| f.status == Status::REPLICATION_FAILED) {
+            // Not the pulses (internal, their outbox closed).
+            let answered = staged
+                .iter()
+                .filter(|s| !s.op.finished.get() && !s.op.outbox.is_closed())
+                .count();
+            metrics::add(&self.metrics.replication_failed, answered as u64);
+        }
         self.publish_counted(j, staged, failure);
     }
 
-    /// Counts a batch's appends (and their bytes) as succeeded or failed.
-    pub(super) fn count_appends(&self, staged: &[Staged], failed: bool) {
+    /// Counts a batch's appends (and their bytes) as succeeded or failed,
+    /// and the latency of the succeeded ones that came from clients.
+    pub(super) fn count_appends(&self, staged: &[Staged], failed: bool, durability: Durability) {
         // Pulses (internal, their outbox closed) are not client appends.
         let counted = staged
             .iter()
@@ -956,6 +967,19 @@ impl Shard {
         if failed {
             metrics::add(&self.metrics.append_failures, counted);
         } else {
+            let class = metrics::durability_class(durability);
+            let now = crate::clock::now();
+            // A replica's copy is acknowledged to its primary, whose own
+            // append (the client's) is the one measured.
+            for s in staged
+                .iter()
+                .filter(|s| !s.op.outbox.is_closed() && s.op.replica.is_none())
+            {
+                let micros = now.saturating_duration_since(s.op.arrived).as_micros();
+                self.metrics
+                    .append_latency
+                    .observe(class, u64::try_from(micros).unwrap_or(u64::MAX));
+            }
             let bytes = staged.iter().map(|s| s.end - s.begin).sum();
             metrics::add(&self.metrics.appends, counted);
             metrics::add(&self.metrics.append_bytes, bytes);
