@@ -136,7 +136,11 @@ impl Shard {
         }
         let acked = crate::clock::now();
         self.compact_log().await;
-        self.warn_slow_turn(ready.len(), [started, prepared, staged_at, written, acked]);
+        note_slow_turn(
+            &self.metrics,
+            ready.len(),
+            [started, prepared, staged_at, written, acked],
+        );
         // Replica journals with a SYNC waiting go around again once their
         // queued appends are through.
         for j in &ready {
@@ -247,26 +251,6 @@ impl Shard {
                 }
             }
             *self.log.borrow_mut() = Some(log);
-        }
-    }
-
-    /// Counts and warns of a turn that took [`SLOW_TURN`] or longer, with the time
-    /// each of its steps took: `at` are the ends of started, prepare,
-    /// stage, write and acknowledge.
-    fn warn_slow_turn(&self, journals: usize, at: [Instant; 5]) {
-        let [started, prepared, staged_at, written, acked] = at;
-        if started.elapsed() >= SLOW_TURN {
-            metrics::add(&self.metrics.slow_turns, 1);
-            let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
-            tracing::warn!(
-                journals,
-                prepare_ms = %ms(started, prepared),
-                stage_ms = %ms(prepared, staged_at),
-                write_ms = %ms(staged_at, written),
-                ack_ms = %ms(written, acked),
-                compact_ms = %ms(acked, crate::clock::now()),
-                "slow turn: the shard's appends waited this long"
-            );
         }
     }
 
@@ -1011,5 +995,54 @@ impl Shard {
             answer_ok(s);
         }
         jm.committed.notify(usize::MAX);
+    }
+}
+
+/// Counts and warns of a turn that took [`SLOW_TURN`] or longer, with the
+/// time each of its steps took: `at` are the ends of started, prepare,
+/// stage, write and acknowledge. True if it was slow.
+fn note_slow_turn(metrics: &Metrics, journals: usize, at: [Instant; 5]) -> bool {
+    let [started, prepared, staged_at, written, acked] = at;
+    let now = crate::clock::now();
+    if now.saturating_duration_since(started) < SLOW_TURN {
+        return false;
+    }
+    metrics::add(&metrics.slow_turns, 1);
+    let ms = |from: Instant, to: Instant| {
+        format!(
+            "{:.1}",
+            to.saturating_duration_since(from).as_secs_f64() * 1e3
+        )
+    };
+    tracing::warn!(
+        journals,
+        prepare_ms = %ms(started, prepared),
+        stage_ms = %ms(prepared, staged_at),
+        write_ms = %ms(staged_at, written),
+        ack_ms = %ms(written, acked),
+        compact_ms = %ms(acked, now),
+        "slow turn: the shard's appends waited this long"
+    );
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A turn of [`SLOW_TURN`] or longer is counted, a shorter one not.
+    #[test]
+    fn turns_from_the_threshold_on_are_counted_slow() {
+        let clock = crate::clock::Clock::manual();
+        let _installed = crate::clock::install(clock.clone());
+        let m = Metrics::default();
+        let started = crate::clock::now();
+        let at = [started; 5];
+        clock.advance(SLOW_TURN - std::time::Duration::from_millis(1));
+        assert!(!note_slow_turn(&m, 1, at));
+        assert_eq!(m.slow_turns.load(std::sync::atomic::Ordering::Relaxed), 0);
+        clock.advance(std::time::Duration::from_millis(1));
+        assert!(note_slow_turn(&m, 1, at));
+        assert_eq!(m.slow_turns.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 }
