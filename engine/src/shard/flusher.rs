@@ -930,10 +930,9 @@ impl Shard {
         let durability = j.borrow().spec.durability;
         self.count_appends(&staged, failure.is_some(), durability);
         if failure.is_some_and(|f| f.status == Status::REPLICATION_FAILED) {
-            // Not the pulses (internal, their outbox closed).
             let answered = staged
                 .iter()
-                .filter(|s| !s.op.finished.get() && !s.op.outbox.is_closed())
+                .filter(|s| !s.op.finished.get() && is_client_append(&s.op))
                 .count();
             metrics::add(&self.metrics.replication_failed, answered as u64);
         }
@@ -955,10 +954,7 @@ impl Shard {
             let now = crate::clock::now();
             // A replica's copy is acknowledged to its primary, whose own
             // append (the client's) is the one measured.
-            for s in staged
-                .iter()
-                .filter(|s| !s.op.outbox.is_closed() && s.op.replica.is_none())
-            {
+            for s in staged.iter().filter(|s| is_client_append(&s.op)) {
                 let micros = now.saturating_duration_since(s.op.arrived).as_micros();
                 self.metrics
                     .append_latency
@@ -996,6 +992,13 @@ impl Shard {
         }
         jm.committed.notify(usize::MAX);
     }
+}
+
+/// Whether an append is a client's: not a pulse (internal, its outbox
+/// closed), nor a replica's copy of its primary's append (answered to the
+/// primary, which answers the client).
+pub(super) fn is_client_append(op: &AppendOp) -> bool {
+    !op.outbox.is_closed() && op.replica.is_none()
 }
 
 /// Counts and warns of a turn that took [`SLOW_TURN`] or longer, with the

@@ -390,7 +390,13 @@ impl Shard {
             ..Default::default()
         };
         if status == Status::REPLICATION_FAILED {
-            let failed = jm.staged.len() + usize::from(jm.active.is_some());
+            let failed = jm
+                .staged
+                .iter()
+                .map(|s| &s.op)
+                .chain(jm.active.as_ref().map(|a| &a.op))
+                .filter(|op| super::flusher::is_client_append(op))
+                .count();
             metrics::add(&self.metrics.replication_failed, failed as u64);
         }
         for s in jm.staged.drain(..) {
@@ -429,7 +435,11 @@ impl Shard {
             ..Default::default()
         };
         if status == Status::REPLICATION_FAILED {
-            let answered = jm.queue.iter().filter(|op| !op.outbox.is_closed()).count();
+            let answered = jm
+                .queue
+                .iter()
+                .filter(|op| super::flusher::is_client_append(op))
+                .count();
             metrics::add(&self.metrics.replication_failed, answered as u64);
         }
         for op in jm.queue.drain(..) {
