@@ -850,9 +850,24 @@ fn store_latencies_and_readiness_wait_for_the_first_listing() {
     );
     assert_eq!(sum_of(&s, "rotary_journals_unlisted"), 0.0);
 
-    // The store goes away and the broker restarts: it serves, but is not
-    // ready while the journal's store cannot be listed.
+    // The store goes away: the upload of the next fragment fails, counted.
+    rt.block_on(append_listed(&client, name, b"not yet stored"));
     store.moto().stop();
+    rt.block_on(client.seal(name)).unwrap();
+    wait_metric(
+        &http,
+        "upload errors",
+        |s| (sum_with(s, "rotary_store_upload_errors_total", &label) >= 1.0) as u8 as f64,
+        1.0,
+    );
+    let (_, s) = scrape(&http);
+    assert_eq!(
+        sum_with(&s, "rotary_store_upload_seconds_count", &label),
+        1.0
+    );
+
+    // The broker restarts: it serves, but is not ready while the journal's
+    // store cannot be listed.
     broker.restart();
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
