@@ -559,6 +559,39 @@ fn samples(text: &str) -> HashMap<String, f64> {
         .collect()
 }
 
+/// The sum of `name`'s series whose labels include `label` (`k="v"`).
+fn sum_with(samples: &HashMap<String, f64>, name: &str, label: &str) -> f64 {
+    samples
+        .iter()
+        .filter(|(k, _)| k.starts_with(&format!("{name}{{")) && k.contains(label))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// Scrapes `/metrics` (classic text format) and parses its samples.
+fn scrape(http: &str) -> (String, HashMap<String, f64>) {
+    let m = request(http, "GET", "/metrics");
+    assert_eq!(m.status, 200);
+    let text = String::from_utf8(m.body).unwrap();
+    let s = samples(&text);
+    (text, s)
+}
+
+/// Scrapes until `value` of the samples is `want`, for up to 30 s (gauges
+/// measured once a second, a read woken by its closed connection).
+fn wait_metric(http: &str, what: &str, value: impl Fn(&HashMap<String, f64>) -> f64, want: f64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, s) = scrape(http);
+        let got = value(&s);
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} is {got}, not {want}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn sum_of(samples: &HashMap<String, f64>, name: &str) -> f64 {
     samples
         .iter()
@@ -604,7 +637,11 @@ fn metrics_pass_promtool_and_cover_stats() {
             | "shards"
             | "specs"
             | "append_queued_bytes"
-            | "tail_cache_bytes" => format!("rotary_{key}"),
+            | "tail_cache_bytes"
+            | "tailing_readers"
+            | "spool_bytes"
+            | "replica_lag_bytes"
+            | "journals_unlisted" => format!("rotary_{key}"),
             _ => format!("rotary_{key}_total"),
         };
         assert!(
@@ -629,6 +666,23 @@ fn metrics_pass_promtool_and_cover_stats() {
         9.0
     );
     assert_eq!(s["rotary_http_put_seconds_count"], 9.0);
+    // Each append's latency, by its journal's durability (the default).
+    assert_eq!(
+        sum_with(
+            &s,
+            "rotary_append_latency_seconds_count",
+            "durability=\"replicated\""
+        ),
+        9.0
+    );
+    assert_eq!(
+        sum_with(
+            &s,
+            "rotary_append_latency_seconds_count",
+            "durability=\"fsync\""
+        ),
+        0.0
+    );
     assert_eq!(s["rotary_ready"], 1.0);
     assert!(s["rotary_disk_free_bytes"] > 0.0);
     // Only the selected journals have series of their own.
@@ -654,6 +708,196 @@ fn metrics_pass_promtool_and_cover_stats() {
     assert!(raw.contains("application/openmetrics-text"), "{raw}");
     assert!(raw.contains("# TYPE rotary_appends counter"));
     assert!(raw.contains("# EOF"));
+}
+
+/// The append latency histogram counts every append once, by its
+/// journal's durability; a blocking GET at the write head is a tailing
+/// reader until its client goes; spool bytes count what the journals hold
+/// on disk. The exposition with those series passes promtool.
+#[test]
+fn append_latency_tailing_readers_and_spool_bytes_move() {
+    let rt = runtime();
+    let (broker, http) = broker_with_http(&[]);
+    let client = rt.block_on(broker.client());
+    let (replicated, fsync) = ("e2e/http/lat-replicated", "e2e/http/lat-fsync");
+    rt.block_on(journal(&client, replicated));
+    rt.block_on(create_journal(&client, fsync, |s| {
+        s.durability = rotary_net::spec::Durability::Fsync;
+    }));
+    let count = "rotary_append_latency_seconds_count";
+    let (_, s) = scrape(&http);
+    assert_eq!(sum_with(&s, count, "durability=\"replicated\""), 0.0);
+    assert_eq!(sum_with(&s, count, "durability=\"fsync\""), 0.0);
+
+    for _ in 0..4 {
+        assert_eq!(
+            put(&http, &format!("/{replicated}"), b"0123456789").status,
+            204
+        );
+    }
+    for _ in 0..2 {
+        assert_eq!(put(&http, &format!("/{fsync}"), b"0123456789").status, 204);
+    }
+    let (text, s) = scrape(&http);
+    let (ok, out) = promtool_check(text.as_bytes());
+    assert!(ok, "promtool check metrics: {out}");
+    assert!(text.contains("# TYPE rotary_append_latency_seconds histogram"));
+    for (durability, n) in [("replicated", 4.0), ("fsync", 2.0)] {
+        let label = format!("durability=\"{durability}\"");
+        assert_eq!(sum_with(&s, count, &label), n, "{durability}");
+        let inf: f64 = s
+            .iter()
+            .filter(|(k, _)| {
+                k.starts_with("rotary_append_latency_seconds_bucket{le=\"+Inf\"")
+                    && k.contains(&label)
+            })
+            .map(|(_, v)| v)
+            .sum();
+        assert_eq!(inf, n, "{durability}");
+        assert!(sum_with(&s, "rotary_append_latency_seconds_sum", &label) > 0.0);
+    }
+    // What the journals hold on disk, measured at the shards' next tick.
+    wait_metric(
+        &http,
+        "spool bytes",
+        |s| sum_of(s, "rotary_spool_bytes"),
+        60.0,
+    );
+
+    // A blocking read at the write head is a tailing reader while it waits.
+    let mut sock = TcpStream::connect(&http).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        sock,
+        "GET /{replicated}?offset=-1&block=true HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = BufReader::new(sock);
+    let (status, _) = read_head(&mut r).unwrap();
+    assert_eq!(status, 206);
+    let tailing = |s: &HashMap<String, f64>| sum_of(s, "rotary_tailing_readers");
+    wait_metric(&http, "tailing readers", tailing, 1.0);
+    drop(r);
+    wait_metric(&http, "tailing readers", tailing, 0.0);
+}
+
+/// Appends to a journal with stores, retrying while its stores are not
+/// yet listed (a retryable refusal).
+async fn append_listed(client: &Client, journal: &str, bytes: &[u8]) {
+    let req = AppendRequest {
+        journal: journal.to_string(),
+        ..Default::default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match client.append(&req, bytes.to_vec()).await {
+            Ok(_) => return,
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("append to {journal}: {e}"),
+        }
+    }
+}
+
+/// Uploads and listings of an S3 store (a real one, moto) are timed by
+/// store; a restarted broker whose journal's store cannot be reached is not
+/// ready, and counts the failed listings, until the store answers and is
+/// listed.
+#[test]
+fn store_latencies_and_readiness_wait_for_the_first_listing() {
+    let rt = runtime();
+    let mut store = common::store::TestStore::s3("http-e2e/");
+    let port = free_port_range(1);
+    let http = format!("127.0.0.1:{port}");
+    let mut broker = Broker::start_with(
+        CORES_DEFAULT,
+        BrokerOpts {
+            args: vec!["--http".into(), http.clone()],
+            env: store.broker_env(),
+            ..Default::default()
+        },
+    );
+    wait_http_ready(&http);
+    let client = rt.block_on(broker.client());
+    let name = "e2e/http/stored";
+    rt.block_on(create_journal(&client, name, |s| {
+        s.fragment.stores = vec![store.url()];
+        s.fragment.refresh_interval = Duration::from_secs(1);
+    }));
+    rt.block_on(append_listed(&client, name, b"to the store"));
+    rt.block_on(client.seal(name)).unwrap();
+    let label = format!("store=\"s3://{}/\"", common::store::BUCKET);
+    wait_metric(
+        &http,
+        "uploads timed",
+        |s| sum_with(s, "rotary_store_upload_seconds_count", &label),
+        1.0,
+    );
+    let (text, s) = scrape(&http);
+    let (ok, out) = promtool_check(text.as_bytes());
+    assert!(ok, "promtool check metrics: {out}");
+    assert!(sum_with(&s, "rotary_store_listing_seconds_count", &label) >= 1.0);
+    assert!(sum_with(&s, "rotary_store_upload_seconds_sum", &label) > 0.0);
+    assert_eq!(
+        sum_with(&s, "rotary_store_upload_errors_total", &label),
+        0.0
+    );
+    assert_eq!(
+        sum_with(&s, "rotary_store_listing_errors_total", &label),
+        0.0
+    );
+    assert_eq!(sum_of(&s, "rotary_journals_unlisted"), 0.0);
+
+    // The store goes away: the upload of the next fragment fails, counted.
+    rt.block_on(append_listed(&client, name, b"not yet stored"));
+    store.moto().stop();
+    rt.block_on(client.seal(name)).unwrap();
+    wait_metric(
+        &http,
+        "upload errors",
+        |s| (sum_with(s, "rotary_store_upload_errors_total", &label) >= 1.0) as u8 as f64,
+        1.0,
+    );
+    let (_, s) = scrape(&http);
+    assert_eq!(
+        sum_with(&s, "rotary_store_upload_seconds_count", &label),
+        1.0
+    );
+
+    // The broker restarts: it serves, but is not ready while the journal's
+    // store cannot be listed.
+    broker.restart();
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        // Not ready throughout: first for the gateway's connection, then
+        // for the listing.
+        let a = request(&http, "GET", "/readyz");
+        assert_eq!(a.status, 503, "{a:?}");
+        if body_line(&a).contains("not yet listed") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{a:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_metric(
+        &http,
+        "listings failed",
+        |s| (sum_with(s, "rotary_store_listing_errors_total", &label) >= 2.0) as u8 as f64,
+        1.0,
+    );
+    let (_, s) = scrape(&http);
+    assert_eq!(sum_of(&s, "rotary_journals_unlisted"), 1.0);
+    assert_eq!(s["rotary_ready"], 0.0);
+    assert_eq!(request(&http, "GET", "/readyz").status, 503);
+
+    // Once the store answers, the next listing makes the broker ready.
+    store.moto().start_again();
+    wait_http_ready(&http);
+    let (_, s) = scrape(&http);
+    assert_eq!(sum_of(&s, "rotary_journals_unlisted"), 0.0);
+    assert_eq!(s["rotary_ready"], 1.0);
 }
 
 /// A stopped child process, killed by PID when dropped.

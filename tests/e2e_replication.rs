@@ -1708,6 +1708,9 @@ async fn a_replica_that_leaves_the_route_answers_its_primary_at_once_body(cluste
     }
     let client = cluster.brokers[primary].client().await;
     let before = append_retrying(&client, J, b"before;").await;
+    let failed_before = client.stats().await.unwrap()["replication_failed"]
+        .as_u64()
+        .unwrap();
 
     // Part of an append, streamed on to both replicas.
     let mut s = raw_connect(&cluster.brokers[primary].endpoint());
@@ -1754,6 +1757,11 @@ async fn a_replica_that_leaves_the_route_answers_its_primary_at_once_body(cluste
         message.contains(&format!("replica {left_id} answered WRONG_ROUTE")),
         "{message}"
     );
+    // The primary counts the answer.
+    let failed = client.stats().await.unwrap()["replication_failed"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(failed - failed_before, 1);
 
     // The views agree again: appends go on, and every member holds them.
     cluster.write_own_file(left, &[0, 1, 2]);
@@ -1831,6 +1839,9 @@ async fn a_stopped_replica_holds_up_only_its_own_journals_body(cluster: &mut Clu
         "the append to {} did not wait for its replica",
         slow.0
     );
+    // The primary measures the stopped replica's lag (once a second): the
+    // held append, committed here and not acknowledged.
+    wait_replica_lag(&client, b"held;".len() as u64).await;
 
     continue_process(stopped);
     let r = held
@@ -1838,10 +1849,26 @@ async fn a_stopped_replica_holds_up_only_its_own_journals_body(cluster: &mut Clu
         .unwrap()
         .expect("the held append, once its replica runs");
     assert_eq!(r.sha1, sha1(b"held;"));
+    wait_replica_lag(&client, 0).await;
     for m in &slow.1 {
         let c = cluster.by_id(m).pinned().await;
         let (got, _) = read_local(&c, &slow.0, r.begin, Some(r.end)).await.unwrap();
         assert_eq!(got, b"held;", "{m}");
+    }
+}
+
+/// Waits until the broker's STATS report a replica lag of `bytes`.
+async fn wait_replica_lag(client: &Client, bytes: u64) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let lag = client.stats().await.unwrap()["replica_lag_bytes"]
+            .as_u64()
+            .unwrap();
+        if lag == bytes {
+            return;
+        }
+        assert!(Instant::now() < deadline, "replica lag {lag}, not {bytes}");
+        tokio::time::sleep(POLL).await;
     }
 }
 

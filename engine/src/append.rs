@@ -127,6 +127,8 @@ pub struct AppendOp {
     /// The reply was sent (the connection discards later chunks).
     pub finished: Cell<bool>,
     pub last_activity: Cell<Instant>,
+    /// When its first frame arrived (the append latency's start).
+    pub arrived: Instant,
     /// Bytes queued in `chunks`, charged to the connection's budget.
     pub budget: Rc<crate::budget::Budget>,
     /// Set when this append is a replica's copy of a primary's append.

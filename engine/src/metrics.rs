@@ -99,6 +99,99 @@ impl Counter {
     pub fn slot(&self, slot: usize) -> u64 {
         self.slots.at(slot, self.index).load(Ordering::Relaxed)
     }
+
+    /// Sets the calling thread's slot to `v`, leaving the other shards'
+    /// alone: a gauge that each shard measures of its own journals.
+    pub fn set_own(&self, v: u64) {
+        self.slots
+            .at(thread_slot(), self.index)
+            .store(v, Ordering::Relaxed);
+    }
+}
+
+/// Buckets of [`LatencyHistogram`] with an upper bound: 50 µs, doubling up
+/// to about 3.3 s. Beyond the last one, the `+Inf` bucket.
+pub const LATENCY_BUCKETS: usize = 17;
+/// Upper bounds of the latency buckets, in microseconds.
+pub const LATENCY_BOUNDS_MICROS: [u64; LATENCY_BUCKETS] = {
+    let mut b = [0; LATENCY_BUCKETS];
+    let mut i = 0;
+    while i < LATENCY_BUCKETS {
+        b[i] = 50 << i;
+        i += 1;
+    }
+    b
+};
+const _: () = assert!(LATENCY_BOUNDS_MICROS[LATENCY_BUCKETS - 1] == 3_276_800);
+
+/// The append latency histogram's classes: a journal's durability.
+pub const DURABILITIES: [&str; 2] = ["replicated", "fsync"];
+
+/// The class of `d` in [`DURABILITIES`].
+pub fn durability_class(d: rotary_net::spec::Durability) -> usize {
+    match d {
+        rotary_net::spec::Durability::Replicated => 0,
+        rotary_net::spec::Durability::Fsync => 1,
+    }
+}
+
+/// Counters of one class in a row: the buckets, `+Inf`, then the sum.
+const CLASS_COUNTERS: usize = LATENCY_BUCKETS + 2;
+
+/// A latency histogram per shard and per class, of fixed buckets
+/// ([`LATENCY_BOUNDS_MICROS`]): an observation adds to one bucket and to
+/// the sum, in the calling thread's slots (as [`Counter`] does), without a
+/// lock or an allocation.
+pub struct LatencyHistogram {
+    slots: Slots,
+    classes: usize,
+}
+
+/// One shard's histogram of one class, as read by an exporter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HistogramSnapshot {
+    /// Observations per bucket (not cumulative), the last one `+Inf`.
+    pub buckets: [u64; LATENCY_BUCKETS + 1],
+    pub sum_micros: u64,
+}
+
+impl HistogramSnapshot {
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+}
+
+impl LatencyHistogram {
+    pub fn new(classes: usize) -> Self {
+        LatencyHistogram {
+            slots: Slots::new(classes * CLASS_COUNTERS),
+            classes,
+        }
+    }
+
+    /// Counts one observation of `micros` in `class`.
+    pub fn observe(&self, class: usize, micros: u64) {
+        assert!(class < self.classes, "histogram class {class} out of range");
+        let slot = thread_slot();
+        let bucket = LATENCY_BOUNDS_MICROS.partition_point(|&upper| upper < micros);
+        let base = class * CLASS_COUNTERS;
+        self.slots
+            .at(slot, base + bucket)
+            .fetch_add(1, Ordering::Relaxed);
+        self.slots
+            .at(slot, base + CLASS_COUNTERS - 1)
+            .fetch_add(micros, Ordering::Relaxed);
+    }
+
+    /// What shard `slot` (or [`OTHER_SLOT`]) observed in `class`.
+    pub fn slot(&self, slot: usize, class: usize) -> HistogramSnapshot {
+        let base = class * CLASS_COUNTERS;
+        let load = |i: usize| self.slots.at(slot, base + i).load(Ordering::Relaxed);
+        HistogramSnapshot {
+            buckets: std::array::from_fn(load),
+            sum_micros: load(CLASS_COUNTERS - 1),
+        }
+    }
 }
 
 /// Whether a counter only grows (a Prometheus counter) or also falls.
@@ -120,6 +213,10 @@ macro_rules! counters {
     ($($(#[doc = $doc:literal])* $kind:ident $name:ident),* $(,)?) => {
         pub struct Metrics {
             $($(#[doc = $doc])* pub $name: Counter,)*
+            /// Latency of appends, from their arrival at the broker to
+            /// their acknowledgement, by the journal's durability
+            /// ([`DURABILITIES`]).
+            pub append_latency: LatencyHistogram,
         }
 
         impl Default for Metrics {
@@ -132,6 +229,7 @@ macro_rules! counters {
                         slots: slots.clone(),
                         index: index.next().expect("unbounded"),
                     },)*
+                    append_latency: LatencyHistogram::new(DURABILITIES.len()),
                 }
             }
         }
@@ -262,6 +360,22 @@ counters!(
     Counter ack_polls,
     /// Microseconds a primary's shard spent polling for replicas' acks.
     Counter ack_poll_micros,
+    /// Reads blocked at their journal's write head, waiting for appends.
+    Gauge tailing_readers,
+    /// Bytes of journals held on local disk: open spools and sealed
+    /// fragments (uploaded or not), measured once a second.
+    Gauge spool_bytes,
+    /// Bytes that the slowest replica of any of the shard's journals has
+    /// yet to acknowledge (the largest over its journals), measured once
+    /// a second.
+    Gauge replica_lag_bytes,
+    /// Appends answered REPLICATION_FAILED.
+    Counter replication_failed,
+    /// Flusher turns that took longer than the slow-turn threshold (50 ms).
+    Counter slow_turns,
+    /// Journals with stores whose stores this broker has yet to list once
+    /// (readiness waits for none), measured once a second.
+    Gauge journals_unlisted,
 );
 
 pub fn add(c: &Counter, n: u64) {
@@ -271,6 +385,23 @@ pub fn add(c: &Counter, n: u64) {
 /// Lowers a gauge.
 pub fn sub(c: &Counter, n: u64) {
     c.fetch_sub(n, Ordering::Relaxed);
+}
+
+/// A gauge raised by one while this is held, lowered when it is dropped
+/// (also when the future holding it is).
+pub struct GaugeHeld<'a>(&'a Counter);
+
+impl<'a> GaugeHeld<'a> {
+    pub fn raise(c: &'a Counter) -> Self {
+        add(c, 1);
+        GaugeHeld(c)
+    }
+}
+
+impl Drop for GaugeHeld<'_> {
+    fn drop(&mut self) {
+        sub(self.0, 1);
+    }
 }
 
 #[cfg(test)]
@@ -340,6 +471,58 @@ mod tests {
             .filter(|(x, _)| x.kind == Kind::Gauge)
             .map(|(x, _)| x.name)
             .collect();
-        assert_eq!(gauges, vec!["append_queued_bytes", "tail_cache_bytes"]);
+        assert_eq!(
+            gauges,
+            vec![
+                "append_queued_bytes",
+                "tail_cache_bytes",
+                "tailing_readers",
+                "spool_bytes",
+                "replica_lag_bytes",
+                "journals_unlisted"
+            ]
+        );
+    }
+
+    /// An observation lands in the first bucket whose bound holds it, in
+    /// the observing shard's slot, per class.
+    #[test]
+    fn latency_lands_in_its_bucket_and_slot() {
+        let m = Arc::new(Metrics::default());
+        let m2 = m.clone();
+        std::thread::spawn(move || {
+            set_thread_shard(2);
+            m2.append_latency.observe(1, 50); // on the first bound
+            m2.append_latency.observe(1, 51); // just past it
+            m2.append_latency.observe(1, 10_000_000); // past the last
+        })
+        .join()
+        .unwrap();
+        m.append_latency.observe(0, 0);
+        let s = m.append_latency.slot(2, 1);
+        assert_eq!(s.count(), 3);
+        assert_eq!(s.sum_micros, 50 + 51 + 10_000_000);
+        assert_eq!(s.buckets[0], 1);
+        assert_eq!(s.buckets[1], 1);
+        assert_eq!(s.buckets[LATENCY_BUCKETS], 1);
+        assert_eq!(m.append_latency.slot(2, 0).count(), 0);
+        assert_eq!(m.append_latency.slot(OTHER_SLOT, 0).buckets[0], 1);
+    }
+
+    /// A shard's own gauge leaves the other shards' values alone.
+    #[test]
+    fn set_own_sets_only_the_callers_slot() {
+        let m = Arc::new(Metrics::default());
+        let m2 = m.clone();
+        std::thread::spawn(move || {
+            set_thread_shard(0);
+            m2.spool_bytes.set_own(40);
+        })
+        .join()
+        .unwrap();
+        m.spool_bytes.set_own(2);
+        m.spool_bytes.set_own(3);
+        assert_eq!(m.spool_bytes.slot(0), 40);
+        assert_eq!(m.spool_bytes.load(Ordering::Relaxed), 43);
     }
 }

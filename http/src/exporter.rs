@@ -5,8 +5,11 @@
 //! - every STATS counter, per shard (label `shard`; work done off the
 //!   shards' threads, if any, under `shard="other"`): `sum by` the label
 //!   gives STATS's broker-wide value;
+//! - the append latency histogram, per shard and durability;
 //! - the uploader's counters (uploads, bytes, failures, latency, queue),
-//!   the spec count and digest, disk free and each shard's commit log size;
+//!   and per store (label `store`: an S3 store's bucket, a file store's
+//!   directory) upload and listing latency histograms and error counts;
+//! - the spec count and digest, disk free and each shard's commit log size;
 //! - the gateway's own: requests by method and status, PUT latency,
 //!   bytes streamed to GETs;
 //! - with `--metrics-journals SELECTOR`, each selected journal's write head.
@@ -105,12 +108,11 @@ fn gauge(
 
 impl Collector for BrokerCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let ready = self.state.ready.load(Ordering::Acquire)
-            && !self.state.stopping.load(Ordering::Acquire);
+        let ready = crate::readiness(&self.state).is_ok();
         gauge(
             &mut encoder,
             "rotary_ready",
-            "1 once the broker recovered its journals and serves, 0 before and while it stops",
+            "1 once the broker recovered its journals, serves and listed every journal's stores once (as /readyz), 0 before and while it stops",
             ready as i64,
         )?;
         gauge(
@@ -153,6 +155,8 @@ impl Collector for BrokerCollector {
                 }
             }
         }
+        append_latency(&mut encoder, o)?;
+        stores(&mut encoder, &o.uploader)?;
         let u = o.uploader.metrics();
         let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         for (name, help, v) in [
@@ -263,6 +267,113 @@ impl Collector for BrokerCollector {
         }
         Ok(())
     }
+}
+
+/// A histogram's buckets for `encode_histogram`: upper bounds in seconds
+/// (the last one `+Inf`) and counts, not cumulative.
+fn buckets_of(bounds_micros: &[u64], counts: &[u64]) -> Vec<(f64, u64)> {
+    assert_eq!(bounds_micros.len() + 1, counts.len());
+    bounds_micros
+        .iter()
+        .map(|&b| b as f64 / 1e6)
+        .chain(std::iter::once(f64::MAX))
+        .zip(counts.iter().copied())
+        .collect()
+}
+
+/// `rotary_append_latency_seconds`, per shard and durability.
+fn append_latency(
+    encoder: &mut DescriptorEncoder,
+    o: &rotary_engine::Observed,
+) -> Result<(), std::fmt::Error> {
+    use rotary_engine::metrics::{DURABILITIES, LATENCY_BOUNDS_MICROS, OTHER_SLOT};
+    let h = &o.metrics.append_latency;
+    let mut family = encoder.encode_descriptor(
+        "rotary_append_latency_seconds",
+        "Latency of appends acknowledged OK, from their arrival at the broker to their acknowledgement, by the journal's durability",
+        None,
+        MetricType::Histogram,
+    )?;
+    for (class, durability) in DURABILITIES.iter().enumerate() {
+        let other = h.slot(OTHER_SLOT, class);
+        let slots = (0..o.shards)
+            .map(|s| (s.to_string(), h.slot(s, class)))
+            .chain((other.count() != 0).then(|| ("other".to_string(), other)));
+        for (shard, snap) in slots {
+            let labels = [("shard", shard), ("durability", durability.to_string())];
+            family
+                .encode_family(&labels)?
+                .encode_histogram::<NoLabelSet>(
+                    snap.sum_micros as f64 / 1e6,
+                    snap.count(),
+                    &buckets_of(&LATENCY_BOUNDS_MICROS, &snap.buckets),
+                    None,
+                )?;
+        }
+    }
+    Ok(())
+}
+
+/// Each store's upload and listing latencies and errors, by store label.
+fn stores(
+    encoder: &mut DescriptorEncoder,
+    uploader: &rotary_uploader::Uploader,
+) -> Result<(), std::fmt::Error> {
+    use rotary_uploader::stats::{Histogram as StoreHistogram, StoreStats, STORE_BOUNDS_MICROS};
+    let stores = uploader.stores_stats().snapshot();
+    if stores.is_empty() {
+        return Ok(());
+    }
+    type Pick = fn(&StoreStats) -> &StoreHistogram;
+    let histograms: [(&str, &str, Pick); 2] = [
+        (
+            "rotary_store_upload_seconds",
+            "Latency of uploads that wrote a fragment to the store, attempts and verification included",
+            |s| &s.uploads,
+        ),
+        (
+            "rotary_store_listing_seconds",
+            "Duration of listings of a journal's fragments in the store, failed ones included",
+            |s| &s.listings,
+        ),
+    ];
+    for (name, help, pick) in histograms {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+        for (store, s) in &stores {
+            let (counts, sum_micros) = pick(s).snapshot();
+            family
+                .encode_family(&[("store", store.clone())])?
+                .encode_histogram::<NoLabelSet>(
+                    sum_micros as f64 / 1e6,
+                    counts.iter().sum(),
+                    &buckets_of(&STORE_BOUNDS_MICROS, &counts),
+                    None,
+                )?;
+        }
+    }
+    type Count = fn(&StoreStats) -> &std::sync::atomic::AtomicU64;
+    let counters: [(&str, &str, Count); 2] = [
+        (
+            "rotary_store_upload_errors",
+            "Upload attempts to the store that failed (retried or not)",
+            |s| &s.upload_errors,
+        ),
+        (
+            "rotary_store_listing_errors",
+            "Listings of a journal's fragments in the store that failed",
+            |s| &s.listing_errors,
+        ),
+    ];
+    for (name, help, pick) in counters {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (store, s) in &stores {
+            let v = pick(s).load(Ordering::Relaxed);
+            family
+                .encode_family(&[("store", store.clone())])?
+                .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
+        }
+    }
+    Ok(())
 }
 
 /// Doc comments as help text: one line, without the final period that the

@@ -98,6 +98,8 @@ pub(crate) struct State {
     pub backend: OnceLock<Backend>,
     /// Recovery finished, listeners up, gateway client connected.
     pub ready: AtomicBool,
+    /// Every journal's stores were listed once: see [`readiness`].
+    pub listed: AtomicBool,
     /// A stop was asked for: not ready any more.
     pub stopping: AtomicBool,
     pub open_connections: AtomicI64,
@@ -135,6 +137,7 @@ impl HttpServer {
             config,
             backend: OnceLock::new(),
             ready: AtomicBool::new(false),
+            listed: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             open_connections: AtomicI64::new(0),
             http: exporter::HttpMetrics::default(),
@@ -267,15 +270,40 @@ async fn route(state: Arc<State>, req: Request<hyper::body::Incoming>) -> Respon
 }
 
 fn readyz(state: &State) -> Response<Body> {
+    match readiness(state) {
+        Ok(()) => text(StatusCode::OK, "ready"),
+        Err(why) => text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}")),
+    }
+}
+
+/// Whether the broker is ready, else why not: it recovered its journals,
+/// listens, and has listed the stores of every journal with stores once
+/// since it started (after which journals created later, whose first
+/// listing is quick to come, do not make it unready again).
+pub(crate) fn readiness(state: &State) -> Result<(), String> {
     if state.stopping.load(Ordering::Acquire) {
-        text(StatusCode::SERVICE_UNAVAILABLE, "not ready: stopping")
-    } else if state.ready.load(Ordering::Acquire) {
-        text(StatusCode::OK, "ready")
-    } else {
-        text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: recovering journals",
-        )
+        return Err("stopping".into());
+    }
+    let backend = state.backend.get();
+    let (true, Some(backend)) = (state.ready.load(Ordering::Acquire), backend) else {
+        return Err("recovering journals".into());
+    };
+    if state.listed.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    match backend
+        .observed
+        .metrics
+        .journals_unlisted
+        .load(Ordering::Relaxed)
+    {
+        0 => {
+            state.listed.store(true, Ordering::Release);
+            Ok(())
+        }
+        n => Err(format!(
+            "the stores of {n} journal(s) are not yet listed (see rotary_journals_unlisted)"
+        )),
     }
 }
 

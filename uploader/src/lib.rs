@@ -25,6 +25,7 @@ mod codec;
 mod put;
 pub use rotary_proto::fragment_name as name;
 mod read;
+pub mod stats;
 pub mod store;
 
 use object_store::ObjectStoreExt;
@@ -149,6 +150,7 @@ pub(crate) struct Shared {
     /// Built stores by URL as written.
     stores: Mutex<HashMap<String, Arc<Store>>>,
     metrics: UploadMetrics,
+    stores_stats: stats::StoresStats,
     /// One permit per upload thread: bounds concurrent jobs.
     permits: Arc<tokio::sync::Semaphore>,
 }
@@ -238,6 +240,7 @@ impl Uploader {
         let shared = Arc::new(Shared {
             stores: Mutex::new(HashMap::new()),
             metrics: UploadMetrics::default(),
+            stores_stats: stats::StoresStats::default(),
             permits: Arc::new(tokio::sync::Semaphore::new(threads)),
         });
         let (jobs, queue) = crossbeam_channel::bounded(queue_max);
@@ -280,6 +283,11 @@ impl Uploader {
         &self.inner.shared.metrics
     }
 
+    /// Upload and listing figures of each store used so far.
+    pub fn stores_stats(&self) -> &stats::StoresStats {
+        &self.inner.shared.stores_stats
+    }
+
     /// Blocks the calling thread until no upload is queued or running (each
     /// started job has sent its [`UploadDone`]), or `timeout` passes; true
     /// if idle. For shutdown and tests: never call it on a shard's executor.
@@ -314,8 +322,19 @@ impl Uploader {
     ) -> Result<Vec<StoredFragment>, StoreError> {
         let shared = self.inner.shared.clone();
         let (store, journal) = (store.to_string(), journal.to_string());
-        self.request(async move { list_journal(&shared, &store, &journal).await })
-            .await
+        self.request(async move {
+            let started = rotary_proto::clock::now();
+            let listed = list_journal(&shared, &store, &journal).await;
+            let stats = shared.stores_stats.of(&store);
+            stats
+                .listings
+                .observe(rotary_proto::clock::elapsed(started));
+            if listed.is_err() {
+                stats.listing_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            listed
+        })
+        .await
     }
 
     /// Streams `[from, fragment.end)` of a fragment, decompressed and
@@ -442,6 +461,7 @@ async fn run_job(shared: &Shared, job: UploadJob) {
     let started = rotary_proto::clock::now();
     let done = job.done.clone();
     let (journal, begin, end, sha1) = (job.journal.clone(), job.begin, job.end, job.sha1);
+    let store = job.store.clone();
     let result = upload(shared, job).await;
     let metrics = &shared.metrics;
     let local_checked = matches!(result, Ok(Uploaded::Written(_)));
@@ -454,9 +474,10 @@ async fn run_job(shared: &Shared, job: UploadJob) {
             metrics
                 .upload_stored_bytes
                 .fetch_add(fragment.size, Ordering::Relaxed);
-            let micros = u64::try_from(rotary_proto::clock::elapsed(started).as_micros())
-                .unwrap_or(u64::MAX);
+            let took = rotary_proto::clock::elapsed(started);
+            let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
             metrics.upload_micros.fetch_add(micros, Ordering::Relaxed);
+            shared.stores_stats.of(&store).uploads.observe(took);
             Ok(fragment)
         }
         Ok(Uploaded::Existing(fragment)) => {
@@ -503,6 +524,13 @@ async fn upload(shared: &Shared, job: UploadJob) -> Result<Uploaded, StoreError>
     let mut attempt = 0;
     loop {
         let result = upload_attempt(&store, &job, &key, &mut overwrite).await;
+        if result.is_err() {
+            shared
+                .stores_stats
+                .of(&job.store)
+                .upload_errors
+                .fetch_add(1, Ordering::Relaxed);
+        }
         match result {
             Err(e) if e.is_retryable() && attempt + 1 < UPLOAD_ATTEMPTS_MAX => {
                 tracing::debug!(store = %job.store, %key, attempt, error = %e, "upload attempt failed; retrying");

@@ -49,6 +49,15 @@ const BUCKET_LEN_MIN: usize = 3;
 const BUCKET_LEN_MAX: usize = 63;
 
 impl StoreUrl {
+    /// The store as metrics name it: scheme and bucket of an S3 store
+    /// (without prefix or query), the directory of a file store.
+    pub fn label(&self) -> String {
+        match &self.kind {
+            Kind::File { dir } => format!("file://{}", dir.display()),
+            Kind::S3 { bucket, .. } => format!("s3://{bucket}/"),
+        }
+    }
+
     pub fn parse(url: &str) -> Result<StoreUrl, StoreError> {
         let bad = |why: &str| StoreError::BadUrl {
             url: url.to_string(),

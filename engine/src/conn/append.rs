@@ -143,6 +143,7 @@ impl Conn {
             aborted: Cell::new(None),
             finished: Cell::new(false),
             last_activity: Cell::new(crate::clock::now()),
+            arrived: crate::clock::now(),
             budget: self.budget.clone(),
             replica: None,
         });

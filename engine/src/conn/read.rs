@@ -7,24 +7,10 @@ impl Conn {
         let id = frame.request_id;
         let req = match ReadRequest::decode(frame.meta) {
             Ok(r) => r,
-            Err(e) => {
-                return self.outbox.error(
-                    Op::READ_DONE,
-                    e.status(),
-                    id,
-                    &self.refusal_meta(),
-                    &e.to_string(),
-                )
-            }
+            Err(e) => return self.refuse_read(id, e.status(), &e.to_string()),
         };
         if let Err(e) = validate_journal_name(&req.journal) {
-            return self.outbox.error(
-                Op::READ_DONE,
-                Status::BAD_REQUEST,
-                id,
-                &self.refusal_meta(),
-                &e.to_string(),
-            );
+            return self.refuse_read(id, Status::BAD_REQUEST, &e.to_string());
         }
         let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
         if owner != self.shard.index {
@@ -35,30 +21,20 @@ impl Conn {
         }
         if !self.shard.await_revision(req.route_revision).await {
             let msg = self.shard.behind_message(req.route_revision);
-            return self.outbox.error(
-                Op::READ_DONE,
-                Status::WRONG_ROUTE,
-                id,
-                &self.refusal_meta(),
-                &msg,
-            );
+            return self.refuse_read(id, Status::WRONG_ROUTE, &msg);
         }
         let Some(j) = self.shard.journal(&req.journal) else {
             let (status, msg) = self.shard.unknown_journal(&req.journal);
-            return self
-                .outbox
-                .error(Op::READ_DONE, status, id, &self.refusal_meta(), &msg);
+            return self.refuse_read(id, status, &msg);
         };
         let role = self.shard.role(&j.borrow().spec);
         // A broker taking the journal over copies what this one holds.
         let takeover = frame.flags & flag::TAKEOVER != 0;
         if let (Role::Outside(route), false) = (role, takeover) {
             let Some(primary) = route.primary() else {
-                return self.outbox.error(
-                    Op::READ_DONE,
-                    Status::NO_JOURNAL_PRIMARY_BROKER,
+                return self.refuse_read(
                     id,
-                    &self.refusal_meta(),
+                    Status::NO_JOURNAL_PRIMARY_BROKER,
                     "the journal's route is empty",
                 );
             };
@@ -70,13 +46,7 @@ impl Conn {
                     route.ids(),
                     primary.id
                 );
-                return self.outbox.error(
-                    Op::READ_DONE,
-                    Status::NOT_JOURNAL_BROKER,
-                    id,
-                    &self.refusal_meta(),
-                    &msg,
-                );
+                return self.refuse_read(id, Status::NOT_JOURNAL_BROKER, &msg);
             }
             self.forward_read(id, addr);
             metrics::add(&self.shard.metrics.proxied_requests, 1);
@@ -90,11 +60,9 @@ impl Conn {
         if self.reads.borrow().contains_key(&id) {
             // A second read under one id could not be told apart, nor
             // cancelled.
-            return self.outbox.error(
-                Op::READ_DONE,
-                Status::BAD_REQUEST,
+            return self.refuse_read(
                 id,
-                &self.refusal_meta(),
+                Status::BAD_REQUEST,
                 "request id already in use by an open read",
             );
         }
@@ -109,6 +77,12 @@ impl Conn {
             reads.borrow_mut().remove(&id);
         })
         .detach();
+    }
+
+    /// Refuses read `id` with `status`.
+    fn refuse_read(&self, id: u64, status: Status, message: &str) {
+        self.outbox
+            .error(Op::READ_DONE, status, id, &self.refusal_meta(), message);
     }
 
     /// READ_DONE's metadata of a refused read: no offsets, and the etcd

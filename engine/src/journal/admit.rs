@@ -191,6 +191,7 @@ mod tests {
             aborted: Cell::new(None),
             finished: Cell::new(false),
             last_activity: Cell::new(crate::clock::now()),
+            arrived: crate::clock::now(),
             budget: Rc::new(crate::budget::Budget::default()),
             replica: replica.then(|| ReplicaOp {
                 sink: crate::append::AckSink::new(outbox),

@@ -136,7 +136,11 @@ impl Shard {
         }
         let acked = crate::clock::now();
         self.compact_log().await;
-        Self::warn_slow_turn(ready.len(), [started, prepared, staged_at, written, acked]);
+        note_slow_turn(
+            &self.metrics,
+            ready.len(),
+            [started, prepared, staged_at, written, acked],
+        );
         // Replica journals with a SYNC waiting go around again once their
         // queued appends are through.
         for j in &ready {
@@ -247,25 +251,6 @@ impl Shard {
                 }
             }
             *self.log.borrow_mut() = Some(log);
-        }
-    }
-
-    /// Warns of a turn that took [`SLOW_TURN`] or longer, with the time
-    /// each of its steps took: `at` are the ends of started, prepare,
-    /// stage, write and acknowledge.
-    fn warn_slow_turn(journals: usize, at: [Instant; 5]) {
-        let [started, prepared, staged_at, written, acked] = at;
-        if crate::clock::elapsed(started) >= SLOW_TURN {
-            let ms = |from: Instant, to: Instant| format!("{:.1}", (to - from).as_secs_f64() * 1e3);
-            tracing::warn!(
-                journals,
-                prepare_ms = %ms(started, prepared),
-                stage_ms = %ms(prepared, staged_at),
-                write_ms = %ms(staged_at, written),
-                ack_ms = %ms(written, acked),
-                compact_ms = %ms(acked, crate::clock::now()),
-                "slow turn: the shard's appends waited this long"
-            );
         }
     }
 
@@ -559,7 +544,7 @@ impl Shard {
         if jm.staged_with_replicas {
             return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
         }
-        self.count_appends(&jm.staged, false);
+        self.count_appends(&jm.staged, false, jm.spec.durability);
         jm.staged.iter().for_each(answer_ok);
         jm.answered_to(last);
         None
@@ -942,12 +927,21 @@ impl Shard {
     /// `failure` when a replica did not acknowledge (they stay committed
     /// here, like appends whose reply was lost).
     pub(super) fn publish(&self, j: &JournalRef, staged: Vec<Staged>, failure: Option<&Failure>) {
-        self.count_appends(&staged, failure.is_some());
+        let durability = j.borrow().spec.durability;
+        self.count_appends(&staged, failure.is_some(), durability);
+        if failure.is_some_and(|f| f.status == Status::REPLICATION_FAILED) {
+            let answered = staged
+                .iter()
+                .filter(|s| !s.op.finished.get() && is_client_append(&s.op))
+                .count();
+            metrics::add(&self.metrics.replication_failed, answered as u64);
+        }
         self.publish_counted(j, staged, failure);
     }
 
-    /// Counts a batch's appends (and their bytes) as succeeded or failed.
-    pub(super) fn count_appends(&self, staged: &[Staged], failed: bool) {
+    /// Counts a batch's appends (and their bytes) as succeeded or failed,
+    /// and the latency of the succeeded ones that came from clients.
+    pub(super) fn count_appends(&self, staged: &[Staged], failed: bool, durability: Durability) {
         // Pulses (internal, their outbox closed) are not client appends.
         let counted = staged
             .iter()
@@ -956,6 +950,16 @@ impl Shard {
         if failed {
             metrics::add(&self.metrics.append_failures, counted);
         } else {
+            let class = metrics::durability_class(durability);
+            let now = crate::clock::now();
+            // A replica's copy is acknowledged to its primary, whose own
+            // append (the client's) is the one measured.
+            for s in staged.iter().filter(|s| is_client_append(&s.op)) {
+                let micros = now.saturating_duration_since(s.op.arrived).as_micros();
+                self.metrics
+                    .append_latency
+                    .observe(class, u64::try_from(micros).unwrap_or(u64::MAX));
+            }
             let bytes = staged.iter().map(|s| s.end - s.begin).sum();
             metrics::add(&self.metrics.appends, counted);
             metrics::add(&self.metrics.append_bytes, bytes);
@@ -987,5 +991,61 @@ impl Shard {
             answer_ok(s);
         }
         jm.committed.notify(usize::MAX);
+    }
+}
+
+/// Whether an append is a client's: not a pulse (internal, its outbox
+/// closed), nor a replica's copy of its primary's append (answered to the
+/// primary, which answers the client).
+pub(super) fn is_client_append(op: &AppendOp) -> bool {
+    !op.outbox.is_closed() && op.replica.is_none()
+}
+
+/// Counts and warns of a turn that took [`SLOW_TURN`] or longer, with the
+/// time each of its steps took: `at` are the ends of started, prepare,
+/// stage, write and acknowledge. True if it was slow.
+fn note_slow_turn(metrics: &Metrics, journals: usize, at: [Instant; 5]) -> bool {
+    let [started, prepared, staged_at, written, acked] = at;
+    let now = crate::clock::now();
+    if now.saturating_duration_since(started) < SLOW_TURN {
+        return false;
+    }
+    metrics::add(&metrics.slow_turns, 1);
+    let ms = |from: Instant, to: Instant| {
+        format!(
+            "{:.1}",
+            to.saturating_duration_since(from).as_secs_f64() * 1e3
+        )
+    };
+    tracing::warn!(
+        journals,
+        prepare_ms = %ms(started, prepared),
+        stage_ms = %ms(prepared, staged_at),
+        write_ms = %ms(staged_at, written),
+        ack_ms = %ms(written, acked),
+        compact_ms = %ms(acked, now),
+        "slow turn: the shard's appends waited this long"
+    );
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A turn of [`SLOW_TURN`] or longer is counted, a shorter one not.
+    #[test]
+    fn turns_from_the_threshold_on_are_counted_slow() {
+        let clock = crate::clock::Clock::manual();
+        let _installed = crate::clock::install(clock.clone());
+        let m = Metrics::default();
+        let started = crate::clock::now();
+        let at = [started; 5];
+        clock.advance(SLOW_TURN - std::time::Duration::from_millis(1));
+        assert!(!note_slow_turn(&m, 1, at));
+        assert_eq!(m.slow_turns.load(std::sync::atomic::Ordering::Relaxed), 0);
+        clock.advance(std::time::Duration::from_millis(1));
+        assert!(note_slow_turn(&m, 1, at));
+        assert_eq!(m.slow_turns.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 }

@@ -145,6 +145,31 @@ impl Shard {
         self.unuploaded_bytes.set(total);
     }
 
+    /// Sets the shard's gauges that measure its journals as a whole: bytes
+    /// on local disk, the largest replica lag, and journals whose stores
+    /// are yet to be listed once. Walks every journal, so it runs once a
+    /// tick (and as the shard starts), like [`Shard::recount_unuploaded`].
+    pub(super) fn measure_journals(&self) {
+        let (mut on_disk, mut lag_max, mut unlisted) = (0u64, 0u64, 0u64);
+        for j in self.journals.borrow().values() {
+            let jm = j.borrow();
+            on_disk += jm.fragments.iter().map(|f| f.end - f.begin).sum::<u64>();
+            on_disk += jm
+                .spool
+                .as_ref()
+                .map_or(0, |s| s.committed().saturating_sub(s.begin()));
+            // Committed here, not yet published: the acks of its replicas
+            // are awaited.
+            lag_max = lag_max.max(jm.local_head.saturating_sub(jm.head));
+            if jm.has_stores() && !jm.index_loaded && !jm.index_forgotten && !jm.deleted {
+                unlisted += 1;
+            }
+        }
+        self.metrics.spool_bytes.set_own(on_disk);
+        self.metrics.replica_lag_bytes.set_own(lag_max);
+        self.metrics.journals_unlisted.set_own(unlisted);
+    }
+
     /// Drops the oldest uploaded local fragments once the local copies of
     /// uploaded fragments exceed the cache budget.
     pub(super) fn evict_cache(&self) {

@@ -47,6 +47,7 @@ impl Shard {
             }
         }
         self.recount_unuploaded();
+        self.measure_journals();
     }
 
     /// Asks the flusher to seal a journal's spool and reply on `outbox`.

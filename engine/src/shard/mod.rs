@@ -177,8 +177,11 @@ pub const ROUTE_REVISION_WAIT: std::time::Duration = std::time::Duration::from_s
 /// How often that wait looks at the view again.
 const ROUTE_REVISION_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
-/// A turn that takes this long is logged with the time of each phase.
+/// A turn that takes this long is logged with the time of each phase and
+/// counted in `slow_turns`.
 const SLOW_TURN: std::time::Duration = std::time::Duration::from_millis(50);
+// `slow_turns`' help text and docs/OPERATIONS.md name the threshold.
+const _: () = assert!(SLOW_TURN.as_millis() == 50);
 /// How long a broker of a journal's earlier route that did not answer a
 /// takeover SYNC in time is passed over by the takeovers of other journals,
 /// in replica ack timeouts.

@@ -304,6 +304,7 @@ impl Shard {
             self.refresh_history(&j, role.as_ref());
         }
         self.recount_unuploaded();
+        self.measure_journals();
     }
 
     /// Sends an empty append through an idle replicated journal, so that a
@@ -338,6 +339,7 @@ impl Shard {
             aborted: Cell::new(None),
             finished: Cell::new(false),
             last_activity: Cell::new(crate::clock::now()),
+            arrived: crate::clock::now(),
             budget: Rc::new(crate::budget::Budget::default()),
             replica: None,
         });

@@ -763,7 +763,9 @@ impl ReadCall<'_> {
         }
         // While readers wait, appends keep their bytes in memory.
         j.borrow_mut().waiting_readers += 1;
+        let tailing = metrics::GaugeHeld::raise(&self.shard.metrics.tailing_readers);
         wakeup.await;
+        drop(tailing);
         j.borrow_mut().waiting_readers -= 1;
         ReadStep::At(offset)
     }

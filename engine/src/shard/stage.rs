@@ -389,6 +389,16 @@ impl Shard {
             registers: jm.registers.clone(),
             ..Default::default()
         };
+        if status == Status::REPLICATION_FAILED {
+            let failed = jm
+                .staged
+                .iter()
+                .map(|s| &s.op)
+                .chain(jm.active.as_ref().map(|a| &a.op))
+                .filter(|op| super::flusher::is_client_append(op))
+                .count();
+            metrics::add(&self.metrics.replication_failed, failed as u64);
+        }
         for s in jm.staged.drain(..) {
             send_rollback(jm.repl.as_ref(), &jm.name, s.seq);
             s.op.reply_error(status, &reply, msg);
@@ -424,6 +434,14 @@ impl Shard {
             registers: jm.registers.clone(),
             ..Default::default()
         };
+        if status == Status::REPLICATION_FAILED {
+            let answered = jm
+                .queue
+                .iter()
+                .filter(|op| super::flusher::is_client_append(op))
+                .count();
+            metrics::add(&self.metrics.replication_failed, answered as u64);
+        }
         for op in jm.queue.drain(..) {
             op.reply_error(status, &reply, msg);
             drop_budget(&op);
