@@ -21,8 +21,11 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-/// Envelopes decoded but not yet taken by the reader, over all journals.
-pub const ENVELOPES_BUFFERED_MAX: usize = 4096;
+/// Batches of envelopes decoded but not yet taken by the reader, over all
+/// journals: each holds the messages of one piece of a journal read (at
+/// most a read frame's bytes), sent together so that a message costs no
+/// channel send of its own.
+pub const BATCHES_BUFFERED_MAX: usize = 32;
 const RETRY_PAUSE_MIN: Duration = Duration::from_millis(50);
 const RETRY_PAUSE_MAX: Duration = Duration::from_secs(1);
 
@@ -72,7 +75,9 @@ impl Default for ReaderOptions {
 }
 
 enum Fetched {
-    Envelope { env: Envelope, skipped_bytes: u64 },
+    /// Envelopes in journal order, each with the bytes its journal had
+    /// skipped as damaged frames once it was decoded.
+    Envelopes(Vec<(Envelope, u64)>),
     Failed(MessageError),
 }
 
@@ -96,6 +101,8 @@ pub struct Reader {
     framings: BTreeMap<Arc<str>, Framing>,
     skipped: BTreeMap<Arc<str>, u64>,
     rx: mpsc::Receiver<Fetched>,
+    /// The rest of the batch last received.
+    fetched: std::collections::VecDeque<(Envelope, u64)>,
     tasks: Vec<JoinHandle<()>>,
     replay: Option<Replay>,
     /// Replays read on their own connections: a journal's read stalled
@@ -158,7 +165,7 @@ impl Reader {
             Some(cp) => Sequencer::from_checkpoint(cp, options.ring_len)?,
             None => Sequencer::new(options.ring_len),
         };
-        let (tx, rx) = mpsc::channel(ENVELOPES_BUFFERED_MAX);
+        let (tx, rx) = mpsc::channel(BATCHES_BUFFERED_MAX);
         let mut tasks = Vec::new();
         for (journal, framing) in &framings {
             let offset = seq.offset(journal).unwrap_or(options.offset);
@@ -180,6 +187,7 @@ impl Reader {
             skipped: framings.keys().map(|j| (j.clone(), 0)).collect(),
             framings,
             rx,
+            fetched: std::collections::VecDeque::new(),
             tasks,
             replay: None,
             replay_client: None,
@@ -227,25 +235,27 @@ impl Reader {
                 });
                 continue;
             }
-            match self.rx.recv().await? {
-                Fetched::Envelope { env, skipped_bytes } => {
-                    match self.skipped.get_mut(&*env.journal) {
-                        Some(s) => *s = skipped_bytes,
-                        None => {
-                            self.skipped.insert(env.journal.clone(), skipped_bytes);
-                        }
-                    }
-                    match self.mode {
-                        ReadMode::Uncommitted => {
-                            self.seq.set_offset(&env.journal, env.end);
-                            return Some(Ok(env));
-                        }
-                        ReadMode::Committed => {
-                            self.seq.queue(env);
-                        }
-                    }
+            if self.fetched.is_empty() {
+                match self.rx.recv().await? {
+                    Fetched::Envelopes(batch) => self.fetched = batch.into(),
+                    Fetched::Failed(e) => return Some(Err(e)),
                 }
-                Fetched::Failed(e) => return Some(Err(e)),
+            }
+            let (env, skipped_bytes) = self.fetched.pop_front()?;
+            match self.skipped.get_mut(&*env.journal) {
+                Some(s) => *s = skipped_bytes,
+                None => {
+                    self.skipped.insert(env.journal.clone(), skipped_bytes);
+                }
+            }
+            match self.mode {
+                ReadMode::Uncommitted => {
+                    self.seq.set_offset(&env.journal, env.end);
+                    return Some(Ok(env));
+                }
+                ReadMode::Committed => {
+                    self.seq.queue(env);
+                }
             }
         }
     }
@@ -380,15 +390,12 @@ async fn read_loop(
                     Some(Ok(ReadEvent::Data { offset, content })) => {
                         retry.progress();
                         decoder.push(offset, &content);
+                        let mut batch = Vec::new();
                         while let Some(env) = decoder.next_envelope() {
-                            let skipped_bytes = decoder.skipped_bytes();
-                            if tx
-                                .send(Fetched::Envelope { env, skipped_bytes })
-                                .await
-                                .is_err()
-                            {
-                                return; // the reader is gone
-                            }
+                            batch.push((env, decoder.skipped_bytes()));
+                        }
+                        if !batch.is_empty() && tx.send(Fetched::Envelopes(batch)).await.is_err() {
+                            return; // the reader is gone
                         }
                     }
                     Some(Ok(ReadEvent::Done(done))) => {
