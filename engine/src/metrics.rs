@@ -262,6 +262,14 @@ counters!(
     Counter appends,
     /// Bytes of committed appends.
     Counter append_bytes,
+    /// Appends committed to journals of durability `replicated`.
+    Counter appends_replicated,
+    /// Their bytes.
+    Counter append_bytes_replicated,
+    /// Appends committed to journals of durability `fsync`.
+    Counter appends_fsync,
+    /// Their bytes.
+    Counter append_bytes_fsync,
     /// Appends that failed after they began (rolled back).
     Counter append_failures,
     /// Batches of appends written to spools.

@@ -79,6 +79,10 @@ impl BodyError {
 
 /// A request body read with a limit on its size and on the time between
 /// its frames.
+/// Bytes of a refused body read and dropped at most (see
+/// [`LimitedBody::drain`]); a longer body is cut off by a close.
+pub const DRAIN_BYTES_MAX: u64 = 256 << 10;
+
 pub struct LimitedBody {
     body: Incoming,
     limit: u64,
@@ -144,8 +148,31 @@ impl LimitedBody {
         }
     }
 
+    /// After a refusal (a body over the limit): reads and drops what is
+    /// left of the body, up to [`DRAIN_BYTES_MAX`] more and as long as it
+    /// keeps coming, so that the answer is not lost to a reset. A client
+    /// still sending when the server closes its socket with bytes unread
+    /// gets a TCP reset, which may discard the answer before it reads it.
+    pub async fn drain(&mut self) {
+        let mut left = DRAIN_BYTES_MAX;
+        loop {
+            let frame = std::future::poll_fn(|cx| Pin::new(&mut self.body).poll_frame(cx));
+            let next = tokio::time::timeout(self.idle, frame).await;
+            match next {
+                Ok(Some(Ok(frame))) => {
+                    let n = frame.data_ref().map_or(0, |d| d.len() as u64);
+                    if n > left {
+                        return;
+                    }
+                    left -= n;
+                }
+                _ => return,
+            }
+        }
+    }
+
     /// Reads the whole body.
-    pub async fn collect(mut self) -> Result<Bytes, BodyError> {
+    pub async fn collect(&mut self) -> Result<Bytes, BodyError> {
         let mut all = bytes::BytesMut::new();
         while let Some(chunk) = std::future::poll_fn(|cx| self.poll_chunk(cx)).await {
             let chunk = chunk?;

@@ -220,13 +220,15 @@ async fn put(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if let Some(n) = length.filter(|&n| n > limit) {
-        return body_error(&BodyError::TooLarge(limit)).map(|b| {
-            let _ = n;
-            b
-        });
+        if n <= crate::body::DRAIN_BYTES_MAX {
+            LimitedBody::new(req.into_body(), n, state.config.timeout)
+                .drain()
+                .await;
+        }
+        return body_error(&BodyError::TooLarge(limit));
     }
     let started = rotary_engine::clock::now();
-    let body = LimitedBody::new(req.into_body(), limit, state.config.timeout);
+    let mut body = LimitedBody::new(req.into_body(), limit, state.config.timeout);
     let append = AppendRequest {
         journal,
         ..AppendRequest::default()
@@ -234,10 +236,20 @@ async fn put(
     let result = match length {
         Some(n) if n <= WHOLE_BODY_BYTES_MAX => match body.collect().await {
             Ok(bytes) => client.append(&append, bytes).await,
-            Err(e) => return body_error(&e),
+            Err(e) => {
+                if matches!(e, BodyError::TooLarge(_)) {
+                    body.drain().await;
+                }
+                return body_error(&e);
+            }
         },
-        _ => client.append_stream(&append, body).await,
+        _ => client.append_stream(&append, &mut body).await,
     };
+    if let Err(ClientError::Content(io)) = &result {
+        if matches!(BodyError::from_io(io), Some(BodyError::TooLarge(_))) {
+            body.drain().await;
+        }
+    }
     match result {
         Ok(reply) => {
             state

@@ -963,6 +963,18 @@ impl Shard {
             let bytes = staged.iter().map(|s| s.end - s.begin).sum();
             metrics::add(&self.metrics.appends, counted);
             metrics::add(&self.metrics.append_bytes, bytes);
+            let (n, b) = match durability {
+                Durability::Replicated => (
+                    &self.metrics.appends_replicated,
+                    &self.metrics.append_bytes_replicated,
+                ),
+                Durability::Fsync => (
+                    &self.metrics.appends_fsync,
+                    &self.metrics.append_bytes_fsync,
+                ),
+            };
+            metrics::add(n, counted);
+            metrics::add(b, bytes);
         }
     }
 
