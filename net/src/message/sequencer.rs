@@ -120,6 +120,11 @@ struct Emit {
     /// `None` for a message without a clock (not tracked per producer).
     key: Option<Key>,
     max_clock: Clock,
+    /// Where the last message delivered so far begins: the producer's
+    /// `begin` in a checkpoint taken now (its `min_clock` is `last`).
+    /// `None` before the first; the producer's state is written once, when
+    /// the commit is through.
+    delivered_begin: Option<u64>,
     /// Largest clock delivered so far (starts at the last acknowledgement).
     last: Clock,
     /// Range to replay before `queued`: `[begin, end)`.
@@ -214,11 +219,22 @@ impl Sequencer {
         let mut producers: Vec<ProducerState> = self
             .partials
             .iter()
-            .map(|((j, p), s)| ProducerState {
-                journal: j.to_string(),
-                producer: p.to_hex(),
-                last_ack: s.min_clock.0,
-                begin: s.begin,
+            .map(|(key, s)| {
+                let (last_ack, begin) = match &self.emit {
+                    Some(Emit {
+                        key: Some(k),
+                        last,
+                        delivered_begin: Some(b),
+                        ..
+                    }) if k == key => (last.0, Some(*b)),
+                    _ => (s.min_clock.0, s.begin),
+                };
+                ProducerState {
+                    journal: key.0.to_string(),
+                    producer: key.1.to_hex(),
+                    last_ack,
+                    begin,
+                }
             })
             .collect();
         producers.sort_by(|a, b| (&a.journal, &a.producer).cmp(&(&b.journal, &b.producer)));
@@ -262,6 +278,7 @@ impl Sequencer {
                 key: None,
                 max_clock: Clock(0),
                 last: Clock(0),
+                delivered_begin: None,
                 replay: None,
                 journal: env.journal.clone(),
                 end: env.end,
@@ -312,6 +329,7 @@ impl Sequencer {
                     key: Some(key),
                     max_clock: clock,
                     last,
+                    delivered_begin: None,
                     replay,
                     journal: env.journal.clone(),
                     end: env.end,
@@ -370,9 +388,7 @@ impl Sequencer {
             return Ok(None);
         }
         emit.last = clock;
-        let partial = self.partials.get_mut(key).expect("emitting producer");
-        partial.min_clock = clock;
-        partial.begin = Some(env.begin);
+        emit.delivered_begin = Some(env.begin);
         Ok(Some(env))
     }
 
@@ -397,11 +413,7 @@ impl Sequencer {
                 continue; // a duplicate, or beyond the acknowledged clock
             }
             emit.last = clock;
-            if let Some(key) = &emit.key {
-                let partial = self.partials.get_mut(key).expect("emitting producer");
-                partial.min_clock = clock;
-                partial.begin = Some(env.begin);
-            }
+            emit.delivered_begin = Some(env.begin);
             out = Some(env);
             break;
         }
