@@ -113,15 +113,8 @@ impl Counter {
 /// to about 3.3 s. Beyond the last one, the `+Inf` bucket.
 pub const LATENCY_BUCKETS: usize = 17;
 /// Upper bounds of the latency buckets, in microseconds.
-pub const LATENCY_BOUNDS_MICROS: [u64; LATENCY_BUCKETS] = {
-    let mut b = [0; LATENCY_BUCKETS];
-    let mut i = 0;
-    while i < LATENCY_BUCKETS {
-        b[i] = 50 << i;
-        i += 1;
-    }
-    b
-};
+pub const LATENCY_BOUNDS_MICROS: [u64; LATENCY_BUCKETS] =
+    rotary_uploader::stats::doubling_bounds(50);
 const _: () = assert!(LATENCY_BOUNDS_MICROS[LATENCY_BUCKETS - 1] == 3_276_800);
 
 /// The append latency histogram's classes: a journal's durability.

@@ -26,15 +26,18 @@ pub const INVALID_STORE: &str = "invalid";
 /// the last one, the `+Inf` bucket.
 pub const STORE_BUCKETS: usize = 17;
 /// Upper bounds of the buckets, in microseconds.
-pub const STORE_BOUNDS_MICROS: [u64; STORE_BUCKETS] = {
-    let mut b = [0; STORE_BUCKETS];
+pub const STORE_BOUNDS_MICROS: [u64; STORE_BUCKETS] = doubling_bounds(1000);
+
+/// `N` histogram bucket bounds from `first`, each twice the one before.
+pub const fn doubling_bounds<const N: usize>(first: u64) -> [u64; N] {
+    let mut b = [0; N];
     let mut i = 0;
-    while i < STORE_BUCKETS {
-        b[i] = 1000 << i;
+    while i < N {
+        b[i] = first << i;
         i += 1;
     }
     b
-};
+}
 const _: () = assert!(STORE_BOUNDS_MICROS[STORE_BUCKETS - 1] == 65_536_000);
 
 /// A latency histogram of fixed buckets, of relaxed atomics.
