@@ -1044,10 +1044,10 @@ impl Client {
         } else {
             0
         };
-        let meta = encode_append_meta(req)?;
+        check_append_meta(req)?;
         let r = async {
             let (conn, revision) = self.journal_conn(&req.journal).await?;
-            let meta = with_route_revision(req, meta, revision);
+            let meta = Bytes::from(req.encode_at(revision));
             let (tx, mut rx) = oneshot::channel();
             let id = conn.register(Waiter::Once(tx))?;
             let mut guard = AppendGuard::new(&conn, id);
@@ -1098,10 +1098,10 @@ impl Client {
     where
         R: AsyncRead + Unpin,
     {
-        let meta = encode_append_meta(req)?;
+        check_append_meta(req)?;
         let r = async {
             let (conn, revision) = self.journal_conn(&req.journal).await?;
-            let meta = with_route_revision(req, meta, revision);
+            let meta = Bytes::from(req.encode_at(revision));
             let (tx, mut rx) = oneshot::channel();
             let id = conn.register(Waiter::Once(tx))?;
             let mut guard = AppendGuard::new(&conn, id);
@@ -1246,22 +1246,9 @@ fn check_name_len(journal: &str) -> Result<(), ClientError> {
     Ok(())
 }
 
-/// APPEND metadata carrying the revision of the route it is sent on, when
-/// that is later than the one the request names (`meta` as encoded from
-/// `req`).
-fn with_route_revision(req: &AppendRequest, meta: Bytes, revision: u64) -> Bytes {
-    if revision <= req.route_revision {
-        return meta;
-    }
-    let req = AppendRequest {
-        route_revision: revision,
-        ..req.clone()
-    };
-    req.encode().into()
-}
-
-/// APPEND metadata, refusing requests whose metadata would not fit a frame.
-fn encode_append_meta(req: &AppendRequest) -> Result<Bytes, ClientError> {
+/// Refuses an append whose metadata would not fit a frame, with room for
+/// the route revision it may be sent with.
+fn check_append_meta(req: &AppendRequest) -> Result<(), ClientError> {
     check_name_len(&req.journal)?;
     wire::check_offset(req.expect_offset).map_err(ClientError::Offset)?;
     let sets = [
@@ -1270,7 +1257,8 @@ fn encode_append_meta(req: &AppendRequest) -> Result<Bytes, ClientError> {
         &req.union_registers,
         &req.subtract_registers,
     ];
-    let mut len = std::mem::size_of::<wire::AppendFixed>() + 2 + req.journal.len();
+    let revision = std::mem::size_of::<u64>();
+    let mut len = std::mem::size_of::<wire::AppendFixed>() + 2 + req.journal.len() + revision;
     for set in sets {
         len += 2 + set
             .iter()
@@ -1286,7 +1274,7 @@ fn encode_append_meta(req: &AppendRequest) -> Result<Bytes, ClientError> {
             ),
         }));
     }
-    Ok(req.encode().into())
+    Ok(())
 }
 
 /// Reads up to [`APPEND_CHUNK_LEN`] bytes: waits for the first byte, then
@@ -1650,20 +1638,20 @@ mod tests {
             journal: "a/b/c".into(),
             ..Default::default()
         };
-        assert!(encode_append_meta(&req).is_ok());
+        assert!(check_append_meta(&req).is_ok());
         for i in 0..100 {
             req.union_registers
                 .add(format!("k{i}"), "v".repeat(1000))
                 .unwrap();
         }
         assert!(matches!(
-            encode_append_meta(&req),
+            check_append_meta(&req),
             Err(ClientError::Invalid(_))
         ));
         req.union_registers = Default::default();
         req.journal = "x".repeat(600);
         assert!(matches!(
-            encode_append_meta(&req),
+            check_append_meta(&req),
             Err(ClientError::Invalid(_))
         ));
     }
@@ -1675,10 +1663,10 @@ mod tests {
             expect_offset: Some(wire::OFFSET_MAX),
             ..Default::default()
         };
-        assert!(encode_append_meta(&req).is_ok());
+        assert!(check_append_meta(&req).is_ok());
         for offset in [wire::OFFSET_MAX + 1, u64::MAX] {
             req.expect_offset = Some(offset);
-            let err = encode_append_meta(&req).unwrap_err();
+            let err = check_append_meta(&req).unwrap_err();
             assert!(
                 matches!(err, ClientError::Offset(WireError::OffsetTooLarge(o)) if o == offset),
                 "{err}"

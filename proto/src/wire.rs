@@ -22,8 +22,9 @@ pub const HEADER_LEN: usize = 24;
 /// Largest metadata section, in bytes.
 pub const META_LEN_MAX: usize = u16::MAX as usize;
 /// Largest encoded register set: an APPEND_REPLY's metadata (48 fixed
-/// bytes plus the registers) must fit in [`META_LEN_MAX`].
-pub const REGISTERS_ENCODED_LEN_MAX: usize = META_LEN_MAX - 48;
+/// bytes, the registers, and 8 for a route revision) must fit in
+/// [`META_LEN_MAX`].
+pub const REGISTERS_ENCODED_LEN_MAX: usize = META_LEN_MAX - 48 - 8;
 /// Largest payload a frame may carry by default (content chunks, read data).
 pub const PAYLOAD_LEN_MAX: usize = 16 << 20;
 /// Largest `body_len` accepted by default.
@@ -582,6 +583,16 @@ impl AppendRequest {
     ///
     /// If `expect_offset` exceeds [`OFFSET_MAX`] (see [`check_offset`]).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_at(self.route_revision)
+    }
+
+    /// The request as it goes on a route read at `route_revision`: the
+    /// later of it and the request's own.
+    ///
+    /// # Panics
+    ///
+    /// As [`AppendRequest::encode`].
+    pub fn encode_at(&self, route_revision: u64) -> Vec<u8> {
         let mut w = MetaWriter::new();
         w.fixed(&AppendFixed {
             expect_offset: I64::new(offset_to_wire(self.expect_offset)),
@@ -591,7 +602,7 @@ impl AppendRequest {
         .labels(&self.check_registers.exclude)
         .labels(&self.union_registers)
         .labels(&self.subtract_registers)
-        .revision(self.route_revision);
+        .revision(route_revision.max(self.route_revision));
         w.finish()
     }
 
