@@ -408,7 +408,9 @@ impl Shard {
 
     /// The current cluster view.
     pub fn view(&self) -> Arc<ClusterView> {
-        self.views().current
+        // Only the current view: not a copy of the earlier ones, on every
+        // request.
+        self.fresh_views().current.clone()
     }
 
     /// Where views come from (and, in a cluster on etcd, the control thread).
@@ -422,7 +424,8 @@ impl Shard {
     /// the control thread's watch, so a broker behind by a moment catches
     /// up within milliseconds; one cut off from etcd does not.
     pub async fn await_revision(&self, revision: u64) -> bool {
-        if self.view().revision() >= revision {
+        // Most requests name none (a single node, a cluster file).
+        if revision == 0 || self.view().revision() >= revision {
             return true;
         }
         let started = crate::clock::now();
@@ -452,12 +455,17 @@ impl Shard {
 
     /// The current view and the ones before it.
     pub fn views(&self) -> crate::topology::Views {
+        self.fresh_views().clone()
+    }
+
+    /// The shard's copy of the views, brought up to the topology's version.
+    fn fresh_views(&self) -> std::cell::RefMut<'_, crate::topology::Views> {
         let v = self.topology.version();
         let mut cur = self.view.borrow_mut();
         if cur.version != v {
             *cur = self.topology.views();
         }
-        cur.clone()
+        cur
     }
 
     /// The journal's place on this broker.
