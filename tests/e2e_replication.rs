@@ -4080,3 +4080,83 @@ async fn primaries_poll_for_acks_unless_told_not_to_body(cluster: &mut Cluster) 
     assert_eq!(polls[1], 0, "b2 runs with --ack-poll 0");
     assert_eq!(polls[2], 0, "b3 proposed nothing");
 }
+
+// ---------------------------------------------------------------------------
+// A primary's connection holds a bounded count of open replicated appends.
+
+/// A primary (here a test speaking the protocol, its broker killed) that
+/// leaves more than 65,536 replicated appends open on one connection,
+/// content sent and no proposal, is sent an ERROR of TOO_MANY_REQUESTS and
+/// the connection is closed (PROTOCOL.md §14.2); the replica committed
+/// none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_past_the_open_replicated_appends_is_closed() {
+    let mut cluster = Cluster::start(2, CORES);
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_primary_past_the_open_replicated_appends_is_closed_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_primary_past_the_open_replicated_appends_is_closed_body(cluster: &mut Cluster) {
+    const OPEN: u64 = 65_536;
+    let j = "repl/open-ops";
+    cluster.apply(&[spec(j, 2)]).await;
+    let route = agreed_route(cluster, j).await;
+    let listed = cluster.brokers[0].client().await.list("").await.unwrap();
+    let info = listed.iter().find(|i| i.spec.name == j).expect("listed");
+    let (spec, revision) = (info.spec.clone(), info.revision);
+    cluster.by_id_mut(&route.members[0].id).kill9();
+    let replica = cluster.by_id(&route.members[1].id);
+    let endpoint = replica.endpoint();
+    let sync = serde_json::to_vec(&rotary_net::repl::SyncRequest {
+        seq: 1,
+        journal: j.into(),
+        spec,
+        revision,
+        route: ids(&route),
+        route_revision: 0,
+        head: 0,
+        registers: LabelSet::default(),
+    })
+    .unwrap();
+    tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        s.write_all(&frame(Op::SYNC, 0, 1, &[], &sync)).unwrap();
+        let f = read_raw_frame(&mut s).unwrap().expect("the SYNC's ack");
+        let acks = rotary_net::repl::decode_acks(&f.payload).expect("acks");
+        assert_eq!((acks[0].seq, acks[0].status), (1, Status::OK), "{acks:?}");
+        // One content record per append, none proposed: 65,537 in all.
+        let mut seq = 2;
+        while seq < OPEN + 3 {
+            let mut w = rotary_net::wire::MetaWriter::new();
+            for _ in 0..4096.min(OPEN + 3 - seq) {
+                rotary_net::repl::Record::Content {
+                    seq,
+                    journal: j,
+                    offset: seq - 2,
+                    bytes: b"x",
+                }
+                .encode(&mut w);
+                seq += 1;
+            }
+            s.write_all(&frame(Op::REPLICATE, 0, 0, &[], &w.into_payload()))
+                .unwrap();
+        }
+        let f = read_raw_frame(&mut s).unwrap().expect("an ERROR");
+        assert_eq!(
+            (f.op, f.status),
+            (Op::ERROR, Status::TOO_MANY_REQUESTS as u16),
+            "{f:?}: {}",
+            String::from_utf8_lossy(&f.payload)
+        );
+        assert!(
+            String::from_utf8_lossy(&f.payload).contains("65536 replicated appends"),
+            "{f:?}"
+        );
+        assert!(read_raw_frame(&mut s).unwrap().is_none(), "closed");
+    });
+    assert_eq!(local_head(replica, j).await, 0, "nothing was committed");
+}

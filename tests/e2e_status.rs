@@ -1801,3 +1801,175 @@ async fn a_full_disk_refuses_spec_changes_until_it_has_space() {
         Status::JOURNAL_NOT_FOUND
     );
 }
+
+/// A raw frame, expected to be the reply `op` to request `id` with
+/// `status`.
+fn expect_reply(s: &mut std::net::TcpStream, op: Op, id: u64, status: Status) -> RawFrame {
+    let f = read_raw_frame(s).unwrap().expect("a reply");
+    assert_eq!(
+        (f.op, f.request_id, f.status),
+        (op, id, status as u16),
+        "{f:?}: {}",
+        String::from_utf8_lossy(&f.payload)
+    );
+    f
+}
+
+/// A connection holds at most 1,024 streamed appends open (PROTOCOL.md
+/// §11): the next is refused TOO_MANY_REQUESTS and its chunks dropped,
+/// while those open go on; once they end, streams are taken again. So too
+/// through a shard that forwards the journal's appends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_holds_a_bounded_count_of_streamed_appends() {
+    for cores in [1, 2] {
+        let broker = Broker::start_with_cores(cores);
+        let client = broker.client().await;
+        let j = "e2e/status/open-appends";
+        create_journal(&client, j, |_| {}).await;
+        let owner = rotary_net::shard_of(j, cores as u32) as usize;
+        let endpoint = broker.shard_endpoint((owner + 1) % cores);
+        tokio::task::block_in_place(|| streamed_appends_past_the_limit(&endpoint, j));
+        let (bytes, _) = read_range(&client, j, 0, None).await.unwrap();
+        assert_eq!(bytes, b"abcd", "on {cores} cores");
+    }
+}
+
+fn streamed_appends_past_the_limit(endpoint: &str, j: &str) {
+    const OPEN: u64 = 1024;
+    let mut s = raw_connect(endpoint);
+    let meta = req(j).encode();
+    // Append 1 holds the journal; 2..=1024 queue behind it.
+    for id in 1..=OPEN {
+        s.write_all(&frame(Op::APPEND, flag::MORE, id, &meta, b"a"))
+            .unwrap();
+    }
+    ping_on(&mut s, 9000);
+    s.write_all(&frame(Op::APPEND, flag::MORE, 5000, &meta, b"x"))
+        .unwrap();
+    let f = expect_reply(&mut s, Op::APPEND_REPLY, 5000, Status::TOO_MANY_REQUESTS);
+    assert!(
+        String::from_utf8_lossy(&f.payload).contains("1024 streamed appends open"),
+        "{f:?}"
+    );
+    // The refused append's last chunk is dropped without a reply.
+    s.write_all(&frame(Op::APPEND_CHUNK, 0, 5000, &[], b"zzz"))
+        .unwrap();
+    s.write_all(&frame(Op::APPEND_CHUNK, 0, 1, &[], b"b"))
+        .unwrap();
+    expect_reply(&mut s, Op::APPEND_REPLY, 1, Status::OK);
+    for id in 2..=OPEN {
+        s.write_all(&frame(Op::APPEND_CHUNK, flag::ABORT, id, &[], b""))
+            .unwrap();
+    }
+    let mut cancelled = std::collections::BTreeSet::new();
+    for _ in 2..=OPEN {
+        let f = read_raw_frame(&mut s).unwrap().expect("a reply");
+        assert_eq!(
+            (f.op, f.status),
+            (Op::APPEND_REPLY, Status::CANCELLED as u16),
+            "{f:?}"
+        );
+        cancelled.insert(f.request_id);
+    }
+    assert_eq!(cancelled, (2..=OPEN).collect());
+    // Room again.
+    s.write_all(&frame(Op::APPEND, flag::MORE, 6000, &meta, b"c"))
+        .unwrap();
+    s.write_all(&frame(Op::APPEND_CHUNK, 0, 6000, &[], b"d"))
+        .unwrap();
+    expect_reply(&mut s, Op::APPEND_REPLY, 6000, Status::OK);
+}
+
+/// A client that leaves more than 1,024 refused streamed appends
+/// unfinished (PROTOCOL.md §6.3, §11) is sent an ERROR of
+/// TOO_MANY_REQUESTS and its connection is closed; below that, finishing
+/// one makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_streams_left_unfinished_close_the_connection_past_the_limit() {
+    let broker = Broker::start_with_cores(1);
+    let endpoint = broker.endpoint();
+    tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        let meta = req("e2e/status/never-created").encode();
+        let refused = |s: &mut std::net::TcpStream, id: u64| {
+            s.write_all(&frame(Op::APPEND, flag::MORE, id, &meta, b"a"))
+                .unwrap();
+            expect_reply(s, Op::APPEND_REPLY, id, Status::JOURNAL_NOT_FOUND);
+        };
+        for id in 1..=1024 {
+            refused(&mut s, id);
+        }
+        // Append 1 ends: its id leaves the discarded ones.
+        s.write_all(&frame(Op::APPEND_CHUNK, 0, 1, &[], b""))
+            .unwrap();
+        refused(&mut s, 1025);
+        ping_on(&mut s, 9000);
+        refused(&mut s, 1026);
+        let f = expect_reply(&mut s, Op::ERROR, 0, Status::TOO_MANY_REQUESTS);
+        assert!(
+            String::from_utf8_lossy(&f.payload).contains("1024 refused streamed appends"),
+            "{f:?}"
+        );
+        assert!(
+            read_raw_frame(&mut s).unwrap().is_none(),
+            "the connection is closed"
+        );
+    });
+    assert!(raw_ping(&endpoint), "the broker serves other connections");
+}
+
+/// A connection holds at most 4,096 reads open on a shard (PROTOCOL.md
+/// §7, §11): the next READ is refused TOO_MANY_REQUESTS; a cancelled one
+/// makes room, and those open go on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_holds_a_bounded_count_of_reads() {
+    const OPEN: u64 = 4096;
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let j = "e2e/status/open-reads";
+    create_journal(&client, j, |_| {}).await;
+    client.append(&req(j), b"abc".to_vec()).await.unwrap();
+    let endpoint = broker.endpoint();
+    let read_at = |offset: u64| {
+        ReadRequest {
+            journal: j.into(),
+            offset: Some(offset),
+            end_offset: None,
+            route_revision: 0,
+        }
+        .encode()
+    };
+    let mut s = tokio::task::block_in_place(|| {
+        let mut s = raw_connect(&endpoint);
+        for id in 1..=OPEN {
+            s.write_all(&frame(Op::READ, flag::BLOCK, id, &read_at(3), &[]))
+                .unwrap();
+        }
+        ping_on(&mut s, 9000);
+        s.write_all(&frame(Op::READ, flag::BLOCK, 5000, &read_at(0), &[]))
+            .unwrap();
+        let f = expect_reply(&mut s, Op::READ_DONE, 5000, Status::TOO_MANY_REQUESTS);
+        assert!(
+            String::from_utf8_lossy(&f.payload).contains("4096 reads open"),
+            "{f:?}"
+        );
+        s.write_all(&frame(Op::CANCEL, 0, 1, &[], &[])).unwrap();
+        expect_reply(&mut s, Op::READ_DONE, 1, Status::CANCELLED);
+        s.write_all(&frame(Op::READ, flag::BLOCK, 5001, &read_at(0), &[]))
+            .unwrap();
+        let f = expect_reply(&mut s, Op::READ_DATA, 5001, Status::OK);
+        assert_eq!(f.payload, b"abc");
+        s
+    });
+    client.append(&req(j), b"d".to_vec()).await.unwrap();
+    tokio::task::block_in_place(|| {
+        let mut served = std::collections::BTreeSet::new();
+        for _ in 2..=OPEN + 1 {
+            let f = read_raw_frame(&mut s).unwrap().expect("READ_DATA");
+            assert_eq!((f.op, &f.payload[..]), (Op::READ_DATA, &b"d"[..]), "{f:?}");
+            served.insert(f.request_id);
+        }
+        let want: std::collections::BTreeSet<u64> = (2..=OPEN).chain([5001]).collect();
+        assert_eq!(served, want, "every open read is served the new byte");
+    });
+}

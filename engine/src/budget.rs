@@ -13,6 +13,26 @@ use std::sync::Arc;
 /// reading from it.
 pub const CONN_APPEND_QUEUE_BYTES_MAX: usize = 64 << 20;
 
+/// Streamed appends (first chunk sent, last not yet) one connection may
+/// hold open at once, on this shard or forwarded from it: the APPEND past
+/// it is refused `TOO_MANY_REQUESTS` (PROTOCOL.md §6.3).
+pub const CONN_OPEN_APPENDS_MAX: usize = 1024;
+
+/// Refused streamed appends whose remaining chunks a connection is still
+/// dropping. A client that leaves more than this many unfinished is sent
+/// an `ERROR` of `TOO_MANY_REQUESTS` and its connection is closed.
+pub const CONN_DISCARDS_MAX: usize = 1024;
+
+/// Reads one connection may hold open at once on a shard: the READ past
+/// it is refused `TOO_MANY_REQUESTS` (PROTOCOL.md §7).
+pub const CONN_OPEN_READS_MAX: usize = 4096;
+
+/// Replicated appends a primary's connection may hold open at once (their
+/// content arrived, their proposal not yet). A primary past it is sent an
+/// `ERROR` of `TOO_MANY_REQUESTS` and the connection is closed; it fails
+/// those appends `REPLICATION_FAILED` and synchronizes again (§14).
+pub const CONN_REPLICATED_APPENDS_MAX: usize = 65_536;
+
 /// A connection holding at least this much queued append content stops
 /// reading while its shard's [`QueueBudget`] is spent. Below it, it reads
 /// on: it may be streaming the append its journal waits for.

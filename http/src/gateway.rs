@@ -50,6 +50,7 @@ pub fn http_status(status: Status) -> StatusCode {
         Status::OFFSET_NOT_YET_AVAILABLE => StatusCode::RANGE_NOT_SATISFIABLE,
         Status::BAD_REQUEST => StatusCode::BAD_REQUEST,
         Status::FRAME_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+        Status::TOO_MANY_REQUESTS => StatusCode::TOO_MANY_REQUESTS,
         s if s.is_retryable() => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
@@ -465,6 +466,10 @@ mod tests {
             assert_eq!(http_status(s), StatusCode::INTERNAL_SERVER_ERROR, "{s}");
         }
         assert_eq!(http_status(Status::BAD_REQUEST), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            http_status(Status::TOO_MANY_REQUESTS),
+            StatusCode::TOO_MANY_REQUESTS
+        );
     }
 
     #[test]

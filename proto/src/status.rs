@@ -100,6 +100,10 @@ statuses! {
     /// is unreachable or failed). The append may have committed, as after a
     /// broken connection; it is never partly visible.
     REPLICATION_FAILED = 73, retry = true;
+    /// The connection holds as many open requests of the kind as it may
+    /// (streamed appends, reads, replicated appends); finish or cancel some
+    /// first, or use another connection.
+    TOO_MANY_REQUESTS = 74, retry = true;
 }
 
 impl std::fmt::Display for Status {

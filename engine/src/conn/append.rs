@@ -19,7 +19,7 @@ impl Conn {
     pub(super) fn refuse_append(&mut self, frame: &Frame<'_>, status: Status, msg: &str) {
         self.append_error(frame.request_id, status, msg);
         if frame.flags & flag::MORE != 0 {
-            self.discard.insert(frame.request_id);
+            self.discard_rest(frame.request_id);
         }
     }
 
@@ -57,6 +57,25 @@ impl Conn {
         );
     }
 
+    /// Refuses an APPEND whose request id an open append uses, or that
+    /// would open a stream past [`CONN_OPEN_APPENDS_MAX`]; true if it did.
+    fn refused_by_connection(&mut self, frame: &Frame<'_>) -> bool {
+        let id = frame.request_id;
+        if self.appends.contains_key(&id) || self.forwarded.contains_key(&id) {
+            self.refuse_reused_id(frame);
+            return true;
+        }
+        let streams = self.appends.len() + self.forwarded.len();
+        if frame.flags & flag::MORE != 0 && streams >= CONN_OPEN_APPENDS_MAX {
+            let msg = format!(
+                "the connection holds {streams} streamed appends open, the most it may; finish one first"
+            );
+            self.refuse_append(frame, Status::TOO_MANY_REQUESTS, &msg);
+            return true;
+        }
+        false
+    }
+
     pub(super) async fn append(&mut self, frame: Frame<'_>, body: Body<'_>) {
         let id = frame.request_id;
         let raw = body.raw();
@@ -67,8 +86,8 @@ impl Conn {
         if let Err(e) = validate_journal_name(&req.journal) {
             return self.refuse_append(&frame, Status::BAD_REQUEST, &e.to_string());
         }
-        if self.appends.contains_key(&id) || self.forwarded.contains_key(&id) {
-            return self.refuse_reused_id(&frame);
+        if self.refused_by_connection(&frame) {
+            return;
         }
         let owner = rotary_net::shard_of(&req.journal, self.shard.shards);
         if owner != self.shard.index {
@@ -191,7 +210,7 @@ impl Conn {
         // A refused chunk ends its append here; the rest of it is dropped.
         let ends = !more || misshapen.is_some();
         if more && misshapen.is_some() {
-            self.discard.insert(id);
+            self.discard_rest(id);
         }
         if let Some(&addr) = self.forwarded.get(&id) {
             if ends {
@@ -218,7 +237,7 @@ impl Conn {
             });
             self.append_error(id, status, &msg);
             if more {
-                self.discard.insert(id);
+                self.discard_rest(id);
             }
             return;
         };

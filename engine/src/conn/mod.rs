@@ -10,7 +10,10 @@ mod relay;
 mod replica;
 
 use crate::append::{AbortReason, AckSink, AppendOp, Chunk, Proposal, ReplicaOp, SyncWaiter};
-use crate::budget::{Budget, CONN_APPEND_QUEUE_BYTES_MAX};
+use crate::budget::{
+    Budget, CONN_APPEND_QUEUE_BYTES_MAX, CONN_DISCARDS_MAX, CONN_OPEN_APPENDS_MAX,
+    CONN_OPEN_READS_MAX, CONN_REPLICATED_APPENDS_MAX,
+};
 use crate::metrics;
 use crate::outbox::{self, Outbox, OUTBOX_REQUESTS_PAUSE_BYTES};
 use crate::replica::Verdict;
@@ -73,8 +76,15 @@ struct Conn {
     /// Replicated appends open on this connection (it comes from a
     /// primary), by the primary's sequence number.
     repl_ops: HashMap<u64, (Rc<AppendOp>, JournalRef)>,
+    /// Of `repl_ops`, each journal's newest (by the journal's address):
+    /// the one whose content may still grow. A new one's start ends it.
+    repl_newest: HashMap<usize, Rc<AppendOp>>,
     /// Where this connection's replica acks gather.
     sink: Option<Rc<AckSink>>,
+    /// Set when the client ran past a limit that leaves no answer but
+    /// closing: the connection is closed with this message once the frame
+    /// in hand is handled.
+    overrun: Option<String>,
 }
 
 pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
@@ -98,7 +108,9 @@ pub async fn serve(shard: Rc<Shard>, stream: TcpStream) {
         forwarded_reads_prune_at: FORWARDED_READS_PRUNE_AT,
         relays: HashMap::new(),
         repl_ops: HashMap::new(),
+        repl_newest: HashMap::new(),
         sink: None,
+        overrun: None,
     };
     conn.run(rd).await;
     conn.close();
@@ -233,8 +245,35 @@ impl Conn {
         .await
     }
 
-    /// Handles one frame; false closes the connection.
+    /// Handles one frame; false closes the connection, with an `ERROR`
+    /// frame first if the client ran past a limit.
     async fn handle(&mut self, frame: Frame<'_>, body: Body<'_>) -> bool {
+        let keep = self.dispatch(frame, body).await;
+        match self.overrun.take() {
+            Some(msg) => {
+                self.outbox
+                    .error(Op::ERROR, Status::TOO_MANY_REQUESTS, 0, &[], &msg);
+                false
+            }
+            None => keep,
+        }
+    }
+
+    /// Remembers to drop the remaining chunks of refused streamed append
+    /// `id`, unless the connection already drops [`CONN_DISCARDS_MAX`]
+    /// appends' chunks: then it is to be closed.
+    fn discard_rest(&mut self, id: u64) {
+        if self.discard.len() >= CONN_DISCARDS_MAX && !self.discard.contains(&id) {
+            self.overrun = Some(format!(
+                "the connection left {CONN_DISCARDS_MAX} refused streamed appends unfinished; it is closed"
+            ));
+            return;
+        }
+        self.discard.insert(id);
+    }
+
+    /// Handles one frame; false closes the connection.
+    async fn dispatch(&mut self, frame: Frame<'_>, body: Body<'_>) -> bool {
         let id = frame.request_id;
         // A large frame comes in a buffer of its own, and its payload with
         // it, not in `frame` (see the read loop).
@@ -322,6 +361,7 @@ impl Conn {
     }
 
     fn close(&mut self) {
+        self.repl_newest.clear();
         for (_, (op, j)) in self.appends.drain().chain(self.repl_ops.drain()) {
             op.aborted.set(Some(AbortReason::Closed));
             self.shard.mark_ready(&j);

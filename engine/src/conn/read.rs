@@ -66,6 +66,13 @@ impl Conn {
                 "request id already in use by an open read",
             );
         }
+        let open = self.reads.borrow().len();
+        if open >= CONN_OPEN_READS_MAX {
+            let msg = format!(
+                "the connection holds {open} reads open on this shard, the most it may; cancel one first"
+            );
+            return self.refuse_read(id, Status::TOO_MANY_REQUESTS, &msg);
+        }
         let cancel = Rc::new(Cancel::default());
         self.reads.borrow_mut().insert(id, cancel.clone());
         let reads = self.reads.clone();

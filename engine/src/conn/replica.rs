@@ -60,6 +60,9 @@ impl Conn {
                 }
             };
             self.on_verdict(verdict, rec, &j, &sink, frame);
+            if self.overrun.is_some() {
+                break;
+            }
         }
         true
     }
@@ -76,15 +79,21 @@ impl Conn {
         let name = rec.journal();
         match verdict {
             Verdict::Start { seq, begin } => {
-                // The journal's earlier appends have all their content.
-                for (op, oj) in self.repl_ops.values() {
-                    if Rc::ptr_eq(oj, j) {
-                        if let Some(r) = &op.replica {
-                            r.content_done.set(true);
-                        }
-                    }
+                if self.repl_ops.len() >= CONN_REPLICATED_APPENDS_MAX {
+                    self.overrun = Some(format!(
+                        "the primary holds {CONN_REPLICATED_APPENDS_MAX} replicated appends open on this connection, the most it may; it is closed"
+                    ));
+                    return;
                 }
                 let op = self.replica_op(j, sink, seq, begin);
+                // The journal's earlier appends have all their content:
+                // only the newest of them could still have been taking it.
+                let key = Rc::as_ptr(j) as usize;
+                if let Some(earlier) = self.repl_newest.insert(key, op.clone()) {
+                    if let Some(r) = &earlier.replica {
+                        r.content_done.set(true);
+                    }
+                }
                 if let repl::Record::Content { bytes, .. } = &rec {
                     self.push_bytes(&op, bytes, frame);
                 }
@@ -118,6 +127,7 @@ impl Conn {
                 let Some((op, _)) = self.repl_ops.remove(&seq) else {
                     return;
                 };
+                self.forget_newest(j, &op);
                 if let Some(r) = &op.replica {
                     *r.proposal.borrow_mut() = Some(proposal);
                 }
@@ -128,6 +138,7 @@ impl Conn {
             Verdict::Rollback { seqs, .. } => {
                 for seq in seqs {
                     if let Some((op, j)) = self.repl_ops.remove(&seq) {
+                        self.forget_newest(&j, &op);
                         op.aborted.set(Some(AbortReason::Closed));
                         self.shard.mark_ready(&j);
                     }
@@ -212,8 +223,22 @@ impl Conn {
             }));
     }
 
+    /// Forgets `op` as its journal's newest open replicated append, if it
+    /// is that.
+    fn forget_newest(&mut self, j: &JournalRef, op: &Rc<AppendOp>) {
+        let key = Rc::as_ptr(j) as usize;
+        if self
+            .repl_newest
+            .get(&key)
+            .is_some_and(|n| Rc::ptr_eq(n, op))
+        {
+            self.repl_newest.remove(&key);
+        }
+    }
+
     /// Drops this connection's open replicated appends of a journal.
     pub(super) fn abort_replica_ops(&mut self, j: &JournalRef) {
+        self.repl_newest.remove(&(Rc::as_ptr(j) as usize));
         let seqs: Vec<u64> = self
             .repl_ops
             .iter()
