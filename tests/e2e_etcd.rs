@@ -274,6 +274,10 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     let killed_at = Instant::now();
     let i = c.index(&primary);
     c.brokers[i].kill9();
+    // A read opened at once, while the route still names the dead primary
+    // (its lease has not expired), cannot be sent there; it is sent again
+    // until the route has moved.
+    first_byte(&c.client(WRITER_RETRY).await, journal).await;
     let second = c.assigned(journal, 3).await;
     assert_ne!(second.route.primary, primary);
     wait_for_ack_after(&load.times, killed_at).await;
@@ -345,6 +349,26 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
         retired.is_dir(),
         "its earlier journal data is kept aside in {retired:?}"
     );
+}
+
+/// Reads the journal's first byte with a plain read (not a direct one).
+async fn first_byte(client: &Client, journal: &str) {
+    let req = rotary_net::wire::ReadRequest {
+        journal: journal.into(),
+        offset: Some(0),
+        end_offset: Some(1),
+        route_revision: 0,
+    };
+    let mut stream = client
+        .read(&req, false, false)
+        .await
+        .unwrap_or_else(|e| panic!("a read of {journal} opened: {e}"));
+    match stream.next().await {
+        Some(Ok(rotary_net::client::ReadEvent::Data { offset, content })) => {
+            assert_eq!((offset, content.len()), (0, 1));
+        }
+        other => panic!("the first byte of {journal}: {other:?}"),
+    }
 }
 
 /// The first offset a member's own copy holds (0 unless it joined later),

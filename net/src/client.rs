@@ -1174,8 +1174,33 @@ impl Client {
         self.inner.http.get_or_init(fetch::http_agent).clone()
     }
 
-    /// Starts a read with any flags (see [`ReadOptions`]).
+    /// Starts a read with any flags (see [`ReadOptions`]). A read that
+    /// cannot be sent (its broker is down, the route is being looked up
+    /// again) is tried again while the journal's route moves, for up to
+    /// [`ClientOptions::retry_for`]. Once sent, the stream's events are
+    /// the broker's: a refusal arrives as its `READ_DONE`, and a
+    /// connection lost mid-stream ends it. [`Client::read_direct`]
+    /// follows a failover by itself, also mid-stream.
     pub async fn read_with(
+        &self,
+        req: &ReadRequest,
+        options: ReadOptions,
+    ) -> Result<ReadStream, ClientError> {
+        let give_up = tokio::time::Instant::now() + self.inner.options.retry_for;
+        let mut pause = RETRY_PAUSE_MIN;
+        loop {
+            match self.read_once(req, options).await {
+                Err(e) if is_failover(&e) && tokio::time::Instant::now() + pause < give_up => {
+                    self.forget_route(&req.journal);
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn read_once(
         &self,
         req: &ReadRequest,
         options: ReadOptions,
