@@ -29,6 +29,9 @@ pub const SPAWN_ATTEMPTS_MAX: u32 = 10;
 pub const LOG_LINES_ON_PANIC: usize = 400;
 /// How long the whole cluster may take to agree on a journal after APPLY.
 pub const APPLY_SETTLE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long [`Cluster::apply`] waits at most for each running broker to
+/// have learned its peers' specs and views (LIST without PARTIAL).
+pub const CATCH_UP_WAIT: Duration = Duration::from_secs(5);
 
 pub static ONE_CLUSTER_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -401,6 +404,13 @@ impl Cluster {
             .unwrap_or_else(|e| panic!("apply through {}: {e}", first.id));
         assert_eq!(applied, specs.len() as u64, "applied through {}", first.id);
         let deadline = Instant::now() + APPLY_SETTLE_TIMEOUT;
+        // A broker that just started learns its peers' cluster views, and a
+        // view learned moves its topology on: the journals it leads
+        // synchronize again, failing an append streaming at that moment
+        // (REPLICATION_FAILED). Tests start writing once that is over, or
+        // once it has had a while (a peer that is down holds it up for a
+        // minute).
+        let caught_up_by = Instant::now() + CATCH_UP_WAIT;
         for &i in &self.listed {
             let b = &self.brokers[i];
             if !b.is_running() {
@@ -408,10 +418,12 @@ impl Cluster {
             }
             let client = b.client().await;
             loop {
-                let list = client
-                    .list("")
+                let listing = client
+                    .listing("")
                     .await
                     .unwrap_or_else(|e| panic!("list on {}: {e}", b.id));
+                let learning = listing.partial && Instant::now() < caught_up_by;
+                let list = listing.journals;
                 // A journal the cluster can hold is listed with its whole
                 // route; one it cannot (too few brokers) just listed.
                 let settled = |s: &JournalSpec| {
@@ -426,7 +438,7 @@ impl Cluster {
                     .filter(|s| !settled(s))
                     .map(|s| s.name.as_str())
                     .collect();
-                if missing.is_empty() {
+                if missing.is_empty() && !learning {
                     break;
                 }
                 assert!(
