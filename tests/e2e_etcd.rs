@@ -6,7 +6,7 @@
 mod common;
 
 use common::etcd_cluster::EtcdCluster;
-use common::{parse_records, read_range, record, run_cli, sha1, status_of, Found};
+use common::{parse_records, read_range, record, run_cli, sha1, status_of};
 use rotary_net::client::Client;
 use rotary_net::wire::AppendRequest;
 use rotary_net::Status;
@@ -102,7 +102,7 @@ impl Load {
 struct Tail {
     /// Stop once this many bytes are read (`u64::MAX` until known).
     until: Arc<std::sync::atomic::AtomicU64>,
-    task: tokio::task::JoinHandle<Result<Vec<u8>, String>>,
+    task: tokio::task::JoinHandle<Result<Spans, String>>,
 }
 
 impl Tail {
@@ -118,8 +118,8 @@ impl Tail {
         let stop = until.clone();
         let task = tokio::spawn(async move {
             let mut read = client.read_direct(&req, true);
-            let mut got = Vec::new();
-            while (got.len() as u64) < stop.load(Relaxed) {
+            let mut got = Spans::default();
+            while got.end() < stop.load(Relaxed) {
                 let tick = tokio::time::sleep(Duration::from_millis(100));
                 let ev = tokio::select! {
                     ev = read.next() => ev,
@@ -127,10 +127,7 @@ impl Tail {
                 };
                 match ev {
                     Some(Ok(rotary_net::client::ReadEvent::Data { offset, content })) => {
-                        if offset != got.len() as u64 {
-                            return Err(format!("data at {offset} after {} bytes", got.len()));
-                        }
-                        got.extend_from_slice(&content);
+                        got.push(offset, &content)?
                     }
                     other => return Err(format!("the tailing read ended: {other:?}")),
                 }
@@ -140,14 +137,107 @@ impl Tail {
         Tail { until, task }
     }
 
-    /// The bytes read, once `head` of them are.
-    async fn finish(self, head: u64) -> Vec<u8> {
+    /// What was read, once it reached `head`.
+    async fn finish(self, head: u64) -> Spans {
         self.until.store(head, std::sync::atomic::Ordering::Relaxed);
         let got = tokio::time::timeout(Duration::from_secs(60), self.task)
             .await
             .expect("the tailing reader reaches the head")
             .expect("reader task");
         got.unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// A journal as one reader was given it: spans of bytes in offset order.
+/// A copy lacks a span where its primary synchronized it past an append
+/// whose outcome the primary could not learn (answered REPLICATION_FAILED,
+/// never acknowledged); a read skips it (PROTOCOL.md §7), and so a span
+/// ends there.
+#[derive(Debug, Default)]
+struct Spans(Vec<(u64, Vec<u8>)>);
+
+impl Spans {
+    /// Takes bytes read at `offset`: they continue the last span or, past
+    /// its end, begin a new one.
+    fn push(&mut self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        let end = self.end();
+        match self.0.last_mut() {
+            Some((_, last)) if offset == end => last.extend_from_slice(bytes),
+            _ if offset < end => return Err(format!("data at {offset} before {end}")),
+            _ => self.0.push((offset, bytes.to_vec())),
+        }
+        Ok(())
+    }
+
+    fn end(&self) -> u64 {
+        self.0.last().map_or(0, |(o, b)| o + b.len() as u64)
+    }
+
+    /// Every acknowledged record that begins at `from` or later is held,
+    /// at the offsets its ack gave.
+    fn check_acked(&self, what: &str, acked: &BTreeMap<(u32, u32), (u64, u64)>, from: u64) {
+        let mut at: BTreeMap<(u32, u32), Vec<(u64, u64)>> = BTreeMap::new();
+        for (offset, bytes) in &self.0 {
+            let found = parse_records(bytes, *offset).unwrap_or_else(|e| panic!("{what}: {e}"));
+            for f in found {
+                at.entry((f.writer, f.seq))
+                    .or_default()
+                    .push((f.begin, f.end));
+            }
+        }
+        for (key, offsets) in acked.iter().filter(|(_, (b, _))| *b >= from) {
+            let places = at.get(key).map(Vec::as_slice).unwrap_or_default();
+            assert!(
+                places.contains(offsets),
+                "{what}: acknowledged record {key:?} at {offsets:?} is not held (found at {places:?}; spans {:?})",
+                self.0.iter().map(|(o, b)| (*o, *o + b.len() as u64)).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    /// Holds the same bytes as `other` wherever both hold bytes.
+    fn check_agrees(&self, what: &str, other: &Spans) {
+        for (a, ab) in &self.0 {
+            for (b, bb) in &other.0 {
+                let begin = (*a).max(*b);
+                let end = (a + ab.len() as u64).min(b + bb.len() as u64);
+                if begin < end {
+                    let mine = &ab[(begin - a) as usize..(end - a) as usize];
+                    let theirs = &bb[(begin - b) as usize..(end - b) as usize];
+                    assert!(mine == theirs, "{what}: bytes [{begin}, {end}) differ");
+                }
+            }
+        }
+    }
+}
+
+/// `[from, to)` of `journal` as broker `endpoint` holds it.
+async fn held_spans(endpoint: &str, journal: &str, from: u64, to: u64) -> Spans {
+    let client = Client::connect_pinned(endpoint)
+        .await
+        .expect("connect pinned");
+    let req = rotary_net::wire::ReadRequest {
+        journal: journal.into(),
+        offset: Some(from),
+        end_offset: Some(to),
+        route_revision: 0,
+    };
+    let mut stream = client
+        .read(&req, false, false)
+        .await
+        .unwrap_or_else(|e| panic!("pinned read of {journal} at {endpoint}: {e}"));
+    let mut spans = Spans::default();
+    loop {
+        match stream.next().await {
+            Some(Ok(rotary_net::client::ReadEvent::Data { offset, content })) => spans
+                .push(offset, &content)
+                .unwrap_or_else(|e| panic!("{endpoint}: {e}")),
+            Some(Ok(rotary_net::client::ReadEvent::Done(done))) => {
+                assert_eq!(done.status, Status::OK, "{endpoint}: {done:?}");
+                return spans;
+            }
+            other => panic!("pinned read of {journal} at {endpoint}: {other:?}"),
+        }
     }
 }
 
@@ -161,26 +251,6 @@ async fn pinned_copy(endpoint: &str, journal: &str, from: u64, to: u64) -> Vec<u
         .unwrap_or_else(|e| panic!("pinned read of {journal} at {endpoint}: {e}"));
     assert_eq!(done.status, Status::OK, "{endpoint}: {done:?}");
     bytes
-}
-
-/// Checks that every acknowledged record is in `bytes` (the journal from
-/// offset 0) at the offsets its ack gave, once.
-fn check_acked(bytes: &[u8], acked: &BTreeMap<(u32, u32), (u64, u64)>) {
-    let found: Vec<Found> = parse_records(bytes, 0).unwrap_or_else(|e| panic!("{e}"));
-    let at: BTreeMap<(u32, u32), Vec<(u64, u64)>> =
-        found.iter().fold(BTreeMap::new(), |mut m, f| {
-            m.entry((f.writer, f.seq))
-                .or_default()
-                .push((f.begin, f.end));
-            m
-        });
-    for (key, offsets) in acked {
-        let places = at.get(key).map(Vec::as_slice).unwrap_or_default();
-        assert!(
-            places.contains(offsets),
-            "acknowledged record {key:?} at {offsets:?} is not in the journal (found at {places:?})"
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -309,30 +379,22 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     // The journal has every acknowledged record, and each live member's
     // copy agrees with the primary's over what both hold.
     let last = c.assigned(journal, 3).await;
-    let all = common::read_all(&client, journal).await;
-    check_acked(&all, &acked);
+    let head = common::write_head(&client, journal).await;
+    let primary = &c.brokers[c.index(&last.route.primary)];
+    let all = held_spans(&primary.endpoint(), journal, 0, head).await;
+    all.check_acked("the primary", &acked, 0);
     // The reader that tailed the journal throughout followed it from
     // broker to broker and read every byte once, in order.
-    let tailed = tail.finish(all.len() as u64).await;
-    assert_eq!(
-        sha1(&tailed),
-        sha1(&all),
-        "the tailing reader's bytes differ"
-    );
-    let primary = &c.brokers[c.index(&last.route.primary)];
-    let head = all.len() as u64;
-    let whole = pinned_copy(&primary.endpoint(), journal, 0, head).await;
-    assert_eq!(sha1(&whole), sha1(&all));
+    let tailed = tail.finish(all.end()).await;
+    tailed.check_acked("the tailing reader", &acked, 0);
+    tailed.check_agrees("the tailing reader", &all);
     for id in &last.route.members {
         let b = &c.brokers[c.index(id)];
         // A replica added after the kills holds the bytes from its join on.
         let from = member_first_offset(&b.endpoint(), journal).await;
-        let copy = pinned_copy(&b.endpoint(), journal, from, head).await;
-        assert_eq!(
-            sha1(&copy),
-            sha1(&all[from as usize..]),
-            "{id}'s copy from {from} differs"
-        );
+        let copy = held_spans(&b.endpoint(), journal, from, head).await;
+        copy.check_acked(id, &acked, from);
+        copy.check_agrees(id, &all);
     }
     // The first primary came back as a new member: it serves none of the
     // bytes it held before (they were moved aside), only what it holds as
@@ -421,28 +483,26 @@ async fn client_of(c: &EtcdCluster, at: &[usize], retry: Duration) -> Client {
         .unwrap_or_else(|e| panic!("connect to {endpoints:?}: {e}"))
 }
 
-/// Every acknowledged record is in `journal`, and each member of its
-/// route holds the same bytes as the journal (from the offset it joined
-/// at on); returns the journal's bytes.
+/// Every acknowledged record is in `journal` and on each member of its
+/// route (from the offset it joined at on), and the members agree with
+/// the primary wherever both hold bytes; returns the primary's bytes.
 async fn check_journal_and_members(
     c: &EtcdCluster,
     client: &Client,
     journal: &str,
     route: &rotary_net::client::JournalInfo,
     acked: &BTreeMap<(u32, u32), (u64, u64)>,
-) -> Vec<u8> {
-    let all = common::read_all(client, journal).await;
-    check_acked(&all, acked);
-    let head = all.len() as u64;
+) -> Spans {
+    let head = common::write_head(client, journal).await;
+    let primary = &c.brokers[c.index(&route.route.primary)];
+    let all = held_spans(&primary.endpoint(), journal, 0, head).await;
+    all.check_acked("the primary", acked, 0);
     for id in &route.route.members {
         let b = &c.brokers[c.index(id)];
         let from = member_first_offset(&b.endpoint(), journal).await;
-        let copy = pinned_copy(&b.endpoint(), journal, from, head).await;
-        assert_eq!(
-            sha1(&copy),
-            sha1(&all[from as usize..]),
-            "{id}'s copy from {from} differs"
-        );
+        let copy = held_spans(&b.endpoint(), journal, from, head).await;
+        copy.check_acked(id, acked, from);
+        copy.check_agrees(id, &all);
     }
     all
 }
@@ -659,11 +719,13 @@ async fn a_primary_paused_past_its_lease_acknowledges_nothing_after() {
     assert!(failed.is_empty(), "appends failed: {failed:#?}");
     let last = c.assigned(journal, 3).await;
     let all = check_journal_and_members(&c, &client, journal, &last, &acked).await;
-    let found = parse_records(&all, 0).unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        found.iter().all(|f| f.writer != 99),
-        "the refused append is in the journal"
-    );
+    for (offset, bytes) in &all.0 {
+        let found = parse_records(bytes, *offset).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            found.iter().all(|f| f.writer != 99),
+            "the refused append is in the journal"
+        );
+    }
     // If it is not the primary again, it still refuses appends.
     if last.route.primary != paused_id {
         let r = pinned
