@@ -1018,13 +1018,31 @@ impl Client {
         options: AppendOptions,
     ) -> Result<AppendReply, ClientError> {
         let content: Bytes = content.into();
+        self.retrying_failover(&req.journal, || {
+            self.append_once(req, content.clone(), options)
+        })
+        .await
+    }
+
+    /// Runs `attempt` again while it fails for a reason a moving route
+    /// explains ([`is_failover`]), looking the journal's route up again
+    /// each time, for up to [`ClientOptions::retry_for`]; pauses from
+    /// 50 ms doubling up to 500 ms.
+    async fn retrying_failover<T, F, Fut>(
+        &self,
+        journal: &str,
+        mut attempt: F,
+    ) -> Result<T, ClientError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
         let give_up = tokio::time::Instant::now() + self.inner.options.retry_for;
         let mut pause = RETRY_PAUSE_MIN;
         loop {
-            let r = self.append_once(req, content.clone(), options).await;
-            match r {
+            match attempt().await {
                 Err(e) if is_failover(&e) && tokio::time::Instant::now() + pause < give_up => {
-                    self.forget_route(&req.journal);
+                    self.forget_route(journal);
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(RETRY_PAUSE_MAX);
                 }
@@ -1186,18 +1204,8 @@ impl Client {
         req: &ReadRequest,
         options: ReadOptions,
     ) -> Result<ReadStream, ClientError> {
-        let give_up = tokio::time::Instant::now() + self.inner.options.retry_for;
-        let mut pause = RETRY_PAUSE_MIN;
-        loop {
-            match self.read_once(req, options).await {
-                Err(e) if is_failover(&e) && tokio::time::Instant::now() + pause < give_up => {
-                    self.forget_route(&req.journal);
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
-                }
-                r => return r,
-            }
-        }
+        self.retrying_failover(&req.journal, || self.read_once(req, options))
+            .await
     }
 
     async fn read_once(
