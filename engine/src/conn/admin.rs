@@ -558,7 +558,7 @@ async fn answer_fragments(
         let listen = j.borrow().committed.listen();
         let (listed, failed) = {
             let jm = j.borrow();
-            (jm.index_loaded, jm.index_error.clone())
+            (jm.index.loaded, jm.index.error.clone())
         };
         if listed {
             break;

@@ -489,7 +489,7 @@ impl Shard {
             let jm = j.borrow();
             let last = jm.staged.last().expect("non-empty");
             let spool = jm.spool.as_ref().expect("spool");
-            if last.end == spool.committed() && last.registers == jm.local_registers {
+            if last.end == spool.committed() && last.registers == *jm.heads.local_registers() {
                 continue;
             }
             let st = JournalState {
@@ -561,7 +561,7 @@ impl Shard {
             spool_begin: spool.begin(),
             end: spool.committed(),
             sha1: spool.committed_sha1(),
-            registers: jm.local_registers.clone(),
+            registers: jm.heads.local_registers().clone(),
             mid: Some(spool.committed_midstate()),
         };
         if let Some(log) = self.log.borrow_mut().as_mut() {
@@ -619,7 +619,7 @@ impl Shard {
             {
                 let start = jm.awaiting[i].start.clone();
                 let r = AppendReply {
-                    write_head: jm.head,
+                    write_head: jm.heads.head(),
                     ..Default::default()
                 };
                 for w in jm.awaiting.drain(i..) {
@@ -650,8 +650,8 @@ impl Shard {
             if aborted {
                 let a = abandon_active(&mut jm).expect("checked");
                 let reply = AppendReply {
-                    write_head: jm.head,
-                    registers: jm.registers.clone(),
+                    write_head: jm.heads.head(),
+                    registers: jm.heads.registers().clone(),
                     ..Default::default()
                 };
                 a.op.end_aborted(&reply);
@@ -740,7 +740,11 @@ impl Shard {
         if needs_spool {
             let (dir, head, length) = {
                 let jm = j.borrow();
-                (jm.dir.clone(), jm.local_head, jm.spec.fragment.length)
+                (
+                    jm.dir.clone(),
+                    jm.heads.local_head(),
+                    jm.spec.fragment.length,
+                )
             };
             let created = match std::fs::create_dir_all(&dir) {
                 Ok(()) => self.create_spool(&dir, head, length).await,
@@ -774,7 +778,7 @@ impl Shard {
         }
         let reset = {
             let jm = j.borrow();
-            !jm.reset_waiters.is_empty() && jm.active.is_none() && jm.staged.is_empty()
+            !jm.index.reset_waiters.is_empty() && jm.active.is_none() && jm.staged.is_empty()
         };
         if reset {
             self.reset_head(j).await;
@@ -854,7 +858,7 @@ impl Shard {
                     // The spool file stays where it was; recovery or the
                     // next seal picks it up. Reopen it to keep appending.
                     tracing::error!(path = %path.display(), error = %e, "seal failed");
-                    let end = j.borrow().head;
+                    let end = j.borrow().heads.head();
                     if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
                         j.borrow_mut().spool = Some(s);
                     }
@@ -916,7 +920,7 @@ impl Shard {
         let last = staged.last().expect("non-empty");
         jm.spool.as_mut().expect("spool").commit(last.point.clone());
         jm.commit_local_to(last.end);
-        jm.local_registers = last.registers.clone();
+        jm.heads.set_local_registers(last.registers.clone());
         if jm.spool_since.is_none() {
             jm.spool_since = Some(crate::clock::wall());
         }
@@ -989,12 +993,12 @@ impl Shard {
         let jm = &mut *jm;
         let Some(last) = staged.last() else { return };
         jm.publish_to(last.end);
-        jm.registers = last.registers.clone();
+        jm.heads.publish_registers(last.registers.clone());
         for s in &staged {
             if let Some(f) = failure {
                 let reply = AppendReply {
-                    write_head: jm.head,
-                    registers: jm.registers.clone(),
+                    write_head: jm.heads.head(),
+                    registers: jm.heads.registers().clone(),
                     ..Default::default()
                 };
                 s.op.reply_error(f.status, &reply, &f.message);

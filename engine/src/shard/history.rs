@@ -72,7 +72,7 @@ impl Shard {
                     // A file found at start is then known to hold its
                     // bytes: its first read need not hash it again.
                     f.verified |= done.local_checked;
-                    jm.insert_remote(stored);
+                    jm.index.insert_remote(stored);
                     *self.store_error.borrow_mut() = None;
                     if let Some(store) = jm.spec.fragment.stores.first() {
                         if self.shared_failures.worked(SharedWork::Upload, store) {
@@ -160,8 +160,8 @@ impl Shard {
                 .map_or(0, |s| s.committed().saturating_sub(s.begin()));
             // Committed here, not yet published: the acks of its replicas
             // are awaited.
-            lag_max = lag_max.max(jm.local_head.saturating_sub(jm.head));
-            if jm.has_stores() && !jm.index_loaded && !jm.index_forgotten && !jm.deleted {
+            lag_max = lag_max.max(jm.heads.local_head().saturating_sub(jm.heads.head()));
+            if jm.has_stores() && !jm.index.loaded && !jm.index.forgotten && !jm.deleted {
                 unlisted += 1;
             }
         }
@@ -223,10 +223,10 @@ impl Shard {
     pub fn hurry_first_listing(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
-            if jm.index_loaded || jm.listing || jm.listing_hurried || !jm.has_stores() {
+            if jm.index.loaded || jm.index.listing || jm.index.listing_hurried || !jm.has_stores() {
                 return;
             }
-            jm.listing_hurried = true;
+            jm.index.listing_hurried = true;
         }
         metrics::add(&self.metrics.listings_hurried, 1);
         self.start_listing(j, true);
@@ -310,7 +310,7 @@ impl Shard {
             let Some(next) = next else { break };
             // Not queued any more: its listing was started
             // meanwhile (hurried, or by the tick).
-            if std::mem::take(&mut next.borrow_mut().listing_queued) {
+            if std::mem::take(&mut next.borrow_mut().index.listing_queued) {
                 self.refresh_listing(&next);
             }
             if self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
@@ -322,10 +322,10 @@ impl Shard {
     pub(super) fn start_listing(&self, j: &JournalRef, hurried: bool) {
         if !hurried && self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
             let mut jm = j.borrow_mut();
-            if !jm.listing && !jm.listing_queued && jm.has_stores() {
-                jm.listing_queued = true;
+            if !jm.index.listing && !jm.index.listing_queued && jm.has_stores() {
+                jm.index.listing_queued = true;
                 let mut waiting = self.listings_waiting.borrow_mut();
-                if jm.index_loaded {
+                if jm.index.loaded {
                     waiting.push_back(j.clone());
                 } else {
                     waiting.push_front(j.clone());
@@ -335,8 +335,8 @@ impl Shard {
         }
         let (stores, name) = {
             let mut jm = j.borrow_mut();
-            jm.listing_queued = false;
-            if jm.listing || !jm.has_stores() || jm.deleted {
+            jm.index.listing_queued = false;
+            if jm.index.listing || !jm.has_stores() || jm.deleted {
                 return;
             }
             // A journal deleted and created again lists its stores only once
@@ -344,7 +344,7 @@ impl Shard {
             // new journal would start at 0 and an old fragment land beside
             // its own. Listed after, it holds the old history (appends
             // answer INDEX_HAS_GREATER_OFFSET until a reset-head).
-            if !jm.index_loaded
+            if !jm.index.loaded
                 && self
                     .uploads_in_flight
                     .borrow()
@@ -359,13 +359,13 @@ impl Shard {
             {
                 return;
             }
-            jm.listing = true;
+            jm.index.listing = true;
             (jm.spec.fragment.stores.clone(), jm.name.clone())
         };
         self.listings_in_flight
             .set(self.listings_in_flight.get() + 1);
         metrics::add(&self.metrics.listings, 1);
-        let mark = j.borrow().listing_mark();
+        let mark = j.borrow().index.listing_mark();
         let uploader = self.uploader.clone();
         let j = j.clone();
         let me = self.me.borrow().clone();
@@ -387,17 +387,17 @@ impl Shard {
             }
             {
                 let mut jm = j.borrow_mut();
-                jm.listing = false;
-                jm.index_forgotten = false;
-                jm.last_listing = Some(crate::clock::now());
+                jm.index.listing = false;
+                jm.index.forgotten = false;
+                jm.index.last_listing = Some(crate::clock::now());
                 match err {
                     None => {
                         jm.set_listing(all, mark);
-                        jm.index_loaded = true;
-                        jm.index_error = None;
+                        jm.index.loaded = true;
+                        jm.index.error = None;
                     }
                     Some((_, e)) => {
-                        jm.index_error = Some(e);
+                        jm.index.error = Some(e);
                         // Reads waiting for a first listing get its error.
                         jm.committed.notify(usize::MAX);
                     }
@@ -412,7 +412,10 @@ impl Shard {
 
     /// Asks the flusher to move the write head to the end of the index.
     pub fn request_reset_head(&self, j: &JournalRef, outbox: Rc<Outbox>, request_id: u64) {
-        j.borrow_mut().reset_waiters.push((outbox, request_id));
+        j.borrow_mut()
+            .index
+            .reset_waiters
+            .push((outbox, request_id));
         self.mark_ready(j);
     }
 
@@ -514,7 +517,7 @@ impl Shard {
                 // Reads of this shard's journals go around it at once; other
                 // shards find it gone when they next list or read it.
                 if let Some(j) = self.journals.borrow().get(&f.journal) {
-                    j.borrow_mut().drop_remote(&f, false);
+                    j.borrow_mut().index.drop_remote(&f, false);
                 }
             }
             out.push(serde_json::json!({
@@ -617,14 +620,14 @@ impl Shard {
     pub(super) async fn reset_head(&self, j: &JournalRef) {
         let (loaded, error) = {
             let jm = j.borrow();
-            (jm.index_loaded, jm.index_error.clone())
+            (jm.index.loaded, jm.index.error.clone())
         };
         if !loaded {
             let msg = format!(
                 "fragment index not yet listed: {}",
                 error.unwrap_or_else(|| "listing in progress".into())
             );
-            for (outbox, id) in j.borrow_mut().reset_waiters.drain(..) {
+            for (outbox, id) in j.borrow_mut().index.reset_waiters.drain(..) {
                 outbox.error(
                     Op::ADMIN_REPLY,
                     Status::FRAGMENT_STORE_UNHEALTHY,
@@ -640,8 +643,8 @@ impl Shard {
         }
         let mut jm = j.borrow_mut();
         let local_end = jm.fragments.iter().map(|f| f.end).max().unwrap_or(0);
-        let head = jm.head.max(jm.remote_end()).max(local_end);
-        if head > jm.head {
+        let head = jm.heads.head().max(jm.index.remote_end()).max(local_end);
+        if head > jm.heads.head() {
             // Recorded, so that a restart before the next append keeps the
             // new head: an empty spool beginning there (recovery starts a
             // journal at least at its last record's end).
@@ -649,7 +652,7 @@ impl Shard {
                 spool_begin: head,
                 end: head,
                 sha1: Sha1::new().finalize(),
-                registers: jm.local_registers.clone(),
+                registers: jm.heads.local_registers().clone(),
                 mid: Some(Midstate::of(head, &Sha1::new())),
             };
             if let Some(log) = self.log.borrow_mut().as_mut() {
@@ -657,7 +660,7 @@ impl Shard {
             }
             if let Err(e) = self.write_log() {
                 let msg = format!("recording the new write head: {e}");
-                for (outbox, id) in jm.reset_waiters.drain(..) {
+                for (outbox, id) in jm.index.reset_waiters.drain(..) {
                     outbox.error(Op::ADMIN_REPLY, storage_status(&e), id, &[], &msg);
                 }
                 return;
@@ -668,7 +671,7 @@ impl Shard {
         let body =
             serde_json::to_vec(&serde_json::json!({ "journal": jm.name, "write_head": head }))
                 .expect("json");
-        for (outbox, id) in jm.reset_waiters.drain(..) {
+        for (outbox, id) in jm.index.reset_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
         jm.committed.notify(usize::MAX);

@@ -393,9 +393,7 @@ impl Shard {
         j.first_sync_pending = true;
         let state = self.states.borrow().get(&name).cloned();
         if let Some(st) = &state {
-            j.registers = st.registers.clone();
-            j.staged_registers = st.registers.clone();
-            j.local_registers = st.registers.clone();
+            j.heads.set_registers(st.registers.clone());
         }
         self.adopt_files(&mut j, state.as_ref());
         map.insert(name, Rc::new(RefCell::new(j)));
@@ -618,8 +616,7 @@ fn abandon_active(jm: &mut Journal) -> Option<Active> {
         spool.rewind(a.start.clone());
     }
     send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-    jm.set_staged_head(jm.local_head);
-    jm.staged_registers = jm.local_registers.clone();
+    jm.unstage();
     Some(a)
 }
 

@@ -210,11 +210,11 @@ impl Shard {
             if jm.has_stores() {
                 self.queue_uploads(&mut jm);
                 let every = jm.spec.fragment.refresh_interval;
-                !jm.listing
-                    && jm.last_listing.is_none_or(|t| {
+                !jm.index.listing
+                    && jm.index.last_listing.is_none_or(|t| {
                         crate::clock::elapsed(t) >= every
-                            || (!jm.index_loaded
-                                && !jm.index_forgotten
+                            || (!jm.index.loaded
+                                && !jm.index.forgotten
                                 && crate::clock::elapsed(t) >= std::time::Duration::from_secs(1))
                     })
             } else {
@@ -358,8 +358,8 @@ impl Shard {
             // An open append's content went over pipelines being replaced.
             if let Some(a) = abandon_active(jm) {
                 let reply = AppendReply {
-                    write_head: jm.head,
-                    registers: jm.registers.clone(),
+                    write_head: jm.heads.head(),
+                    registers: jm.heads.registers().clone(),
                     ..Default::default()
                 };
                 a.op.reply_error(
@@ -580,7 +580,11 @@ impl Shard {
         let (dir, durable, from) = {
             let jm = j.borrow();
             // What a listed store holds need not be copied.
-            let listed = if jm.index_loaded { jm.remote_end() } else { 0 };
+            let listed = if jm.index.loaded {
+                jm.index.remote_end()
+            } else {
+                0
+            };
             (
                 jm.dir.clone(),
                 jm.spec.durability == Durability::Fsync,
@@ -612,9 +616,7 @@ impl Shard {
         jm.take_over_to(to);
         // The registers go with the furthest history (fencing must not
         // step back).
-        jm.registers = their_registers.clone();
-        jm.local_registers = their_registers.clone();
-        jm.staged_registers = their_registers;
+        jm.heads.set_registers(their_registers);
         Ok(())
     }
 
@@ -645,8 +647,8 @@ impl Shard {
                 let jm = j.borrow();
                 (
                     jm.spec.clone(),
-                    jm.local_head,
-                    jm.local_registers.clone(),
+                    jm.heads.local_head(),
+                    jm.heads.local_registers().clone(),
                     jm.name.clone(),
                 )
             };

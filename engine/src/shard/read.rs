@@ -47,7 +47,7 @@ pub(super) async fn settle_answered(j: &JournalRef) {
     loop {
         let l = {
             let jm = j.borrow();
-            if jm.deleted || jm.head >= jm.answered {
+            if jm.deleted || jm.heads.head() >= jm.heads.answered() {
                 return;
             }
             jm.committed.listen()
@@ -111,7 +111,7 @@ impl Shard {
             cancel,
         };
         if call.j.borrow().spec.flags == JournalFlags::WriteOnly {
-            let head = call.j.borrow().head;
+            let head = call.j.borrow().heads.head();
             return call.done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
         if !call.wait_listed().await || !call.wait_synced().await {
@@ -322,16 +322,16 @@ impl Shard {
             .collect();
         // The index is sorted by begin: take a page's worth from `from`,
         // and the rest of the last begin's fragments.
-        let first = jm.remote.partition_point(|r| r.begin < from);
-        let mut last = (first + limit).min(jm.remote.len());
-        while last < jm.remote.len()
+        let first = jm.index.remote().partition_point(|r| r.begin < from);
+        let mut last = (first + limit).min(jm.index.remote().len());
+        while last < jm.index.remote().len()
             && last > first
-            && jm.remote[last].begin == jm.remote[last - 1].begin
+            && jm.index.remote()[last].begin == jm.index.remote()[last - 1].begin
         {
             last += 1;
         }
-        let remote_left = last < jm.remote.len();
-        for r in &jm.remote[first..last] {
+        let remote_left = last < jm.index.remote().len();
+        for r in &jm.index.remote()[first..last] {
             out.push((
                 r.begin,
                 true,
@@ -382,7 +382,7 @@ impl Shard {
     }
 
     pub fn registers_of(&self, j: &JournalRef) -> LabelSet {
-        j.borrow().registers.clone()
+        j.borrow().heads.registers().clone()
     }
 }
 
@@ -429,7 +429,7 @@ impl ReadCall<'_> {
 
     /// [`ReadCall::done`] at the journal's write head, then [`ReadStep::Ended`].
     fn done_at_head(&self, status: Status, offset: u64, msg: &str) -> ReadStep {
-        let head = self.j.borrow().head;
+        let head = self.j.borrow().heads.head();
         self.done(status, offset, head, msg);
         ReadStep::Ended
     }
@@ -472,12 +472,12 @@ impl ReadCall<'_> {
         loop {
             let (listed, failed) = {
                 let jm = self.j.borrow();
-                (jm.index_loaded, jm.index_error.clone())
+                (jm.index.loaded, jm.index.error.clone())
             };
             if listed {
                 return true;
             }
-            let head = self.j.borrow().head;
+            let head = self.j.borrow().heads.head();
             if let Some(e) = failed {
                 self.done(
                     Status::FRAGMENT_STORE_UNHEALTHY,
@@ -490,7 +490,7 @@ impl ReadCall<'_> {
             let wakeup = self.wakeup();
             {
                 let jm = self.j.borrow();
-                if jm.index_loaded || jm.index_error.is_some() {
+                if jm.index.loaded || jm.index.error.is_some() {
                     continue;
                 }
             }
@@ -534,7 +534,7 @@ impl ReadCall<'_> {
                     .filter(|(at, _)| crate::clock::now() < *at && !jm.syncing)
                     .map(|(_, f)| f.clone())
             };
-            let head = j.borrow().head;
+            let head = j.borrow().heads.head();
             if let Some(f) = failed {
                 let msg = if takeover {
                     format!(
@@ -588,7 +588,7 @@ impl ReadCall<'_> {
         };
         let (located, head, deleted) = {
             let jm = j.borrow();
-            (jm.locate(offset), jm.head, jm.deleted)
+            (jm.locate(offset), jm.heads.head(), jm.deleted)
         };
         if deleted {
             self.done(
@@ -712,7 +712,7 @@ impl ReadCall<'_> {
             let limit = self
                 .req
                 .end_offset
-                .map_or(jm.head, |e| e.min(jm.head))
+                .map_or(jm.heads.head(), |e| e.min(jm.heads.head()))
                 .min(offset + READ_CHUNK_BYTES as u64);
             jm.tail.get(offset, limit).map(|bytes| {
                 self.send(offset, bytes);
@@ -738,7 +738,7 @@ impl ReadCall<'_> {
         }
         let answered_ahead = {
             let jm = j.borrow();
-            offset < jm.answered && jm.head < jm.answered
+            offset < jm.heads.answered() && jm.heads.head() < jm.heads.answered()
         };
         if !self.block() && answered_ahead {
             settle_answered(j).await;
@@ -828,12 +828,12 @@ impl ReadCall<'_> {
                     // it are the client's to discard).
                     Some((StoreError::Corrupt { .. }, _)) => {
                         tracing::warn!(journal = %jm.name, key = %frag.key, error = %msg, "a store fragment is corrupt; left out of the index");
-                        jm.drop_remote(&frag, true);
+                        jm.index.drop_remote(&frag, true);
                     }
                     // Gone from the store (pruned) before a byte
                     // of it was sent: read on around it.
                     Some((StoreError::NotFound { .. }, reached)) => {
-                        jm.drop_remote(&frag, false);
+                        jm.index.drop_remote(&frag, false);
                         if reached == offset {
                             return ReadStep::At(offset);
                         }

@@ -414,7 +414,7 @@ impl Shard {
             None => (candidates.first().map(|st| (*st).clone()), false),
         };
         if let Some(st) = &chosen {
-            j.registers = st.registers.clone();
+            j.heads.set_registers(st.registers.clone());
             if !use_spool {
                 // Its bytes are all in sealed fragments, which may since
                 // have left the local cache for the store: the head is at
@@ -432,8 +432,6 @@ impl Shard {
             }
         }
         j.set_heads(head);
-        j.staged_registers = j.registers.clone();
-        j.local_registers = j.registers.clone();
         j.first_sync_pending = j.fragments.is_empty() && j.spool.is_none() && chosen.is_none();
         Ok((j, chosen))
     }

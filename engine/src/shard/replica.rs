@@ -22,13 +22,13 @@ impl Shard {
             };
             let view = self.view();
             let route = view.route(&w.req.journal, w.req.spec.replication);
-            let head = j.borrow().local_head;
+            let head = j.borrow().heads.local_head();
             let answer = |status: Status, message: String, head: u64| {
                 let body = SyncReply {
                     head,
                     route: route.ids(),
                     route_revision: view.revision(),
-                    registers: j.borrow().local_registers.clone(),
+                    registers: j.borrow().heads.local_registers().clone(),
                     message,
                 };
                 w.sink
@@ -63,9 +63,7 @@ impl Shard {
                 let mut jm = j.borrow_mut();
                 let h = w.req.head;
                 jm.set_heads(h);
-                jm.registers = w.req.registers.clone();
-                jm.local_registers = w.req.registers.clone();
-                jm.staged_registers = w.req.registers.clone();
+                jm.heads.set_registers(w.req.registers.clone());
                 jm.replica = Some(
                     crate::replica::ReplicaTrack::synced_at(h, w.req.seq).with_stream(w.sink.id),
                 );
@@ -95,14 +93,14 @@ impl Shard {
                 &proposal.fragment_sha1,
             ) {
                 let r = AppendReply {
-                    write_head: jm.head,
+                    write_head: jm.heads.head(),
                     ..Default::default()
                 };
                 w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, &msg);
                 self.drop_replica_tail(jm, w.start, &msg);
                 return;
             }
-            jm.staged_registers = proposal.registers.clone();
+            jm.heads.set_staged_registers(proposal.registers.clone());
             jm.staged.push(Staged {
                 op: w.op,
                 begin: w.start.offset,
@@ -119,7 +117,7 @@ impl Shard {
     /// to `start`; the journal needs a SYNC before it takes more.
     pub(super) fn drop_replica_tail(&self, jm: &mut Journal, start: CommitPoint, msg: &str) {
         let r = AppendReply {
-            write_head: jm.head,
+            write_head: jm.heads.head(),
             ..Default::default()
         };
         for w in jm.awaiting.drain(..) {

@@ -107,8 +107,8 @@ impl Shard {
         jm.spool.as_mut().expect("checked").rewind(a.start);
         send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
         let r = AppendReply {
-            write_head: jm.staged_head,
-            registers: jm.staged_registers.clone(),
+            write_head: jm.heads.staged_head(),
+            registers: jm.heads.staged_registers().clone(),
             ..Default::default()
         };
         a.op.reply_error(storage_status(e), &r, &e.to_string());
@@ -239,8 +239,8 @@ impl Shard {
             && (!a.op.req.union_registers.is_empty() || !a.op.req.subtract_registers.is_empty())
         {
             let r = AppendReply {
-                write_head: jm.staged_head,
-                registers: jm.staged_registers.clone(),
+                write_head: jm.heads.staged_head(),
+                registers: jm.heads.staged_registers().clone(),
                 ..Default::default()
             };
             a.op.reply_error(
@@ -251,7 +251,7 @@ impl Shard {
             send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
             return;
         }
-        let mut registers = jm.staged_registers.clone();
+        let mut registers = jm.heads.staged_registers().clone();
         if begin != end {
             registers.union(&a.op.req.union_registers);
             registers.subtract(&a.op.req.subtract_registers);
@@ -262,8 +262,8 @@ impl Shard {
             spool.rewind(a.start);
             send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
             let r = AppendReply {
-                write_head: jm.staged_head,
-                registers: jm.staged_registers.clone(),
+                write_head: jm.heads.staged_head(),
+                registers: jm.heads.staged_registers().clone(),
                 ..Default::default()
             };
             let msg = format!(
@@ -275,7 +275,7 @@ impl Shard {
             return;
         }
         jm.set_staged_head(end);
-        jm.staged_registers = registers.clone();
+        jm.heads.set_staged_registers(registers.clone());
         jm.staged.push(Staged {
             op: a.op,
             begin,
@@ -312,7 +312,7 @@ impl Shard {
             Admission::Drop => {
                 jm.queue.pop_front();
                 let reply = AppendReply {
-                    write_head: jm.staged_head,
+                    write_head: jm.heads.staged_head(),
                     ..Default::default()
                 };
                 op.end_aborted(&reply);
@@ -331,8 +331,8 @@ impl Shard {
                 }
                 jm.queue.pop_front();
                 let r = AppendReply {
-                    write_head: jm.staged_head,
-                    registers: jm.staged_registers.clone(),
+                    write_head: jm.heads.staged_head(),
+                    registers: jm.heads.staged_registers().clone(),
                     ..Default::default()
                 };
                 op.reply_error(status, &r, &message);
@@ -385,8 +385,8 @@ impl Shard {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let reply = AppendReply {
-            write_head: jm.head,
-            registers: jm.registers.clone(),
+            write_head: jm.heads.head(),
+            registers: jm.heads.registers().clone(),
             ..Default::default()
         };
         if status == Status::REPLICATION_FAILED {
@@ -420,18 +420,17 @@ impl Shard {
         if let Some(spool) = jm.spool.as_mut() {
             spool.rollback();
         }
-        let head = jm.local_head;
+        let head = jm.heads.local_head();
         jm.tail.truncate(head);
-        jm.set_staged_head(head);
-        jm.staged_registers = jm.local_registers.clone();
+        jm.unstage();
     }
 
     /// Fails every queued append of a journal (its spool cannot be used).
     pub(super) fn fail_queue(&self, j: &JournalRef, status: Status, msg: &str) {
         let mut jm = j.borrow_mut();
         let reply = AppendReply {
-            write_head: jm.head,
-            registers: jm.registers.clone(),
+            write_head: jm.heads.head(),
+            registers: jm.heads.registers().clone(),
             ..Default::default()
         };
         if status == Status::REPLICATION_FAILED {
