@@ -299,7 +299,7 @@ impl Journal {
     /// Readers waiting for bytes are woken: the index may now hold them.
     pub fn set_listing(&mut self, listed: Vec<StoredFragment>, mark: u64) {
         self.index.set_listing(listed, mark, &mut self.fragments);
-        self.committed.notify(usize::MAX);
+        self.readers.committed.notify(usize::MAX);
     }
 
     /// Where `offset` can be read (see [`Index::locate`]).

@@ -5,12 +5,14 @@ mod admit;
 mod heads;
 mod index;
 mod rate;
+mod readers;
 mod tail;
 
 pub use admit::{admit, Admission, AdmitRole, AdmitShard};
 pub use heads::Heads;
 pub use index::{FileRef, Index, Located};
 pub use rate::TokenBucket;
+pub use readers::Readers;
 pub use tail::{
     tail_window, TailCache, TAIL_CACHE_BYTES, TAIL_CACHE_MIN_BYTES, TAIL_CACHE_SHARD_BYTES,
 };
@@ -18,7 +20,6 @@ pub use tail::{
 use crate::append::{Active, AppendOp, Awaiting, InFlight, PrimaryRepl, Staged, SyncWaiter};
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
-use event_listener::Event;
 use rotary_net::spec::JournalSpec;
 use rotary_storage::fragment::LocalFragment;
 use rotary_storage::spool::Spool;
@@ -165,8 +166,6 @@ pub struct Journal {
     pub active: Option<Active>,
     /// Appends staged in the batch being built or written.
     pub staged: Vec<Staged>,
-    /// Wakes readers waiting at the head.
-    pub committed: Event,
     pub seal_requested: bool,
     pub seal_waiters: Vec<(Rc<Outbox>, u64)>,
     /// When the open spool took its first commit.
@@ -177,11 +176,8 @@ pub struct Journal {
     pub deleted: bool,
     /// The stores' fragment index and its listings.
     pub index: Index,
-    /// The newest staged bytes, kept while readers wait at the head so
-    /// that tailing readers are served from memory, not the spool file.
-    pub tail: TailCache,
-    /// Blocking readers waiting for the next commit.
-    pub waiting_readers: usize,
+    /// Readers waiting at the head, and what is kept for them.
+    pub readers: Readers,
     /// Reads of a local file (fragment or spool) in flight: while any is,
     /// no fragment file of the journal is reused as a spare spool.
     pub reads_in_flight: usize,
@@ -216,14 +212,12 @@ impl Journal {
             queue: VecDeque::new(),
             active: None,
             staged: Vec::new(),
-            committed: Event::new(),
             seal_requested: false,
             seal_waiters: Vec::new(),
             spool_since: None,
             deleted: false,
             index: Index::default(),
-            tail: TailCache::default(),
-            waiting_readers: 0,
+            readers: Readers::default(),
             reads_in_flight: 0,
         }
     }
@@ -275,7 +269,7 @@ impl Journal {
     /// for it go on.
     pub fn spool_back(&mut self) {
         self.spool_out = false;
-        self.committed.notify(usize::MAX);
+        self.readers.committed.notify(usize::MAX);
     }
 
     pub fn has_stores(&self) -> bool {

@@ -630,7 +630,7 @@ impl Shard {
                     drop_budget(&a.op);
                     jm.queue.pop_front();
                 }
-                jm.tail.truncate(start.offset);
+                jm.readers.tail.truncate(start.offset);
                 jm.set_staged_head(start.offset);
                 if let Some(spool) = jm.spool.as_mut() {
                     spool.rewind(start);
@@ -1006,7 +1006,7 @@ impl Shard {
             }
             answer_ok(s);
         }
-        jm.committed.notify(usize::MAX);
+        jm.readers.committed.notify(usize::MAX);
     }
 }
 

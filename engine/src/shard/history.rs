@@ -399,7 +399,7 @@ impl Shard {
                     Some((_, e)) => {
                         jm.index.error = Some(e);
                         // Reads waiting for a first listing get its error.
-                        jm.committed.notify(usize::MAX);
+                        jm.readers.committed.notify(usize::MAX);
                     }
                 }
             }
@@ -552,7 +552,7 @@ impl Shard {
             if let Some(a) = j.active.take() {
                 a.op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
             }
-            j.committed.notify(usize::MAX);
+            j.readers.committed.notify(usize::MAX);
             let root = self.dir.join("journals").join(name);
             // Renamed first, so that a journal of the same name can be
             // created again at once; the reaper deletes the rest.
@@ -674,6 +674,6 @@ impl Shard {
         for (outbox, id) in jm.index.reset_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
-        jm.committed.notify(usize::MAX);
+        jm.readers.committed.notify(usize::MAX);
     }
 }

@@ -611,7 +611,7 @@ fn answer_ok(s: &Staged) {
 /// between batches (nothing staged in this turn but the open append).
 fn abandon_active(jm: &mut Journal) -> Option<Active> {
     let a = jm.active.take()?;
-    jm.tail.truncate(a.start.offset);
+    jm.readers.tail.truncate(a.start.offset);
     if let Some(spool) = jm.spool.as_mut() {
         spool.rewind(a.start.clone());
     }

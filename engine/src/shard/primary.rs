@@ -429,7 +429,7 @@ impl Shard {
                     }
                 }
                 // Reads waiting for the first SYNC get its outcome.
-                jm.committed.notify(usize::MAX);
+                jm.readers.committed.notify(usize::MAX);
             }
             me.mark_ready(&j);
         })

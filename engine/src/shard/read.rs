@@ -50,7 +50,7 @@ pub(super) async fn settle_answered(j: &JournalRef) {
             if jm.deleted || jm.heads.head() >= jm.heads.answered() {
                 return;
             }
-            jm.committed.listen()
+            jm.readers.committed.listen()
         };
         // The turn publishes the batch as soon as its write completes.
         l.await;
@@ -67,7 +67,7 @@ pub(super) fn read_wakeup(
     outbox: &Outbox,
     stopping: &Event,
 ) -> impl std::future::Future<Output = ()> {
-    let commit = j.borrow().committed.listen();
+    let commit = j.borrow().readers.committed.listen();
     let cancelled = cancel.event.listen();
     // Not `drained`, which fires after every write of the connection's
     // outbox: a tailing reader would wake once more for each chunk it sent.
@@ -714,7 +714,7 @@ impl ReadCall<'_> {
                 .end_offset
                 .map_or(jm.heads.head(), |e| e.min(jm.heads.head()))
                 .min(offset + READ_CHUNK_BYTES as u64);
-            jm.tail.get(offset, limit).map(|bytes| {
+            jm.readers.tail.get(offset, limit).map(|bytes| {
                 self.send(offset, bytes);
                 bytes.len() as u64
             })
@@ -762,11 +762,11 @@ impl ReadCall<'_> {
             return ReadStep::At(offset);
         }
         // While readers wait, appends keep their bytes in memory.
-        j.borrow_mut().waiting_readers += 1;
+        j.borrow_mut().readers.waiting += 1;
         let tailing = metrics::GaugeHeld::raise(&self.shard.metrics.tailing_readers);
         wakeup.await;
         drop(tailing);
-        j.borrow_mut().waiting_readers -= 1;
+        j.borrow_mut().readers.waiting -= 1;
         ReadStep::At(offset)
     }
 

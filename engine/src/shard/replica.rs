@@ -67,7 +67,7 @@ impl Shard {
                 jm.replica = Some(
                     crate::replica::ReplicaTrack::synced_at(h, w.req.seq).with_stream(w.sink.id),
                 );
-                jm.committed.notify(usize::MAX);
+                jm.readers.committed.notify(usize::MAX);
             }
             metrics::add(&self.metrics.syncs, 1);
             answer(Status::OK, String::new(), w.req.head);
@@ -128,7 +128,7 @@ impl Shard {
             drop_budget(&a.op);
             jm.queue.pop_front();
         }
-        jm.tail.truncate(start.offset);
+        jm.readers.tail.truncate(start.offset);
         jm.set_staged_head(start.offset);
         if let Some(spool) = jm.spool.as_mut() {
             spool.rewind(start);

@@ -103,7 +103,7 @@ impl Shard {
             self.spares.borrow_mut().release();
         }
         let a = jm.active.take().expect("active");
-        jm.tail.truncate(a.start.offset);
+        jm.readers.tail.truncate(a.start.offset);
         jm.spool.as_mut().expect("checked").rewind(a.start);
         send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
         let r = AppendReply {
@@ -200,9 +200,9 @@ impl Shard {
                     p.push(&rec);
                 }
             }
-            if jm.waiting_readers > 0 {
+            if jm.readers.waiting > 0 {
                 let window = crate::journal::tail_window(self.journals.borrow().len());
-                jm.tail.push(at, &bytes[..n], window, &self.metrics);
+                jm.readers.tail.push(at, &bytes[..n], window, &self.metrics);
             }
             a.chunk_pos += n;
             if n < admitted.len() {
@@ -258,7 +258,7 @@ impl Shard {
         }
         if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
             // Replies carry the registers; they must stay encodable.
-            jm.tail.truncate(a.start.offset);
+            jm.readers.tail.truncate(a.start.offset);
             spool.rewind(a.start);
             send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
             let r = AppendReply {
@@ -421,7 +421,7 @@ impl Shard {
             spool.rollback();
         }
         let head = jm.heads.local_head();
-        jm.tail.truncate(head);
+        jm.readers.tail.truncate(head);
         jm.unstage();
     }
 
