@@ -4,6 +4,7 @@
 mod admit;
 mod heads;
 mod index;
+mod queue;
 mod rate;
 mod readers;
 mod tail;
@@ -11,13 +12,14 @@ mod tail;
 pub use admit::{admit, Admission, AdmitRole, AdmitShard};
 pub use heads::Heads;
 pub use index::{FileRef, Index, Located};
+pub use queue::AppendQueue;
 pub use rate::TokenBucket;
 pub use readers::Readers;
 pub use tail::{
     tail_window, TailCache, TAIL_CACHE_BYTES, TAIL_CACHE_MIN_BYTES, TAIL_CACHE_SHARD_BYTES,
 };
 
-use crate::append::{Active, AppendOp, Awaiting, InFlight, PrimaryRepl, Staged, SyncWaiter};
+use crate::append::{Awaiting, InFlight, PrimaryRepl, SyncWaiter};
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
 use rotary_net::spec::JournalSpec;
@@ -152,28 +154,19 @@ pub struct Journal {
     pub proposed: VecDeque<InFlight>,
     /// Primary: the journal's acker task is running.
     pub acking: bool,
-    /// Primary: this turn's staged appends went to replicas.
-    pub staged_with_replicas: bool,
     /// Replica: the position in the primary's stream.
     pub replica: Option<crate::replica::ReplicaTrack>,
     /// Replica: appends staged whole, oldest first, awaiting proposals.
     pub awaiting: VecDeque<Awaiting>,
     /// Replica: SYNCs waiting to be applied by the flusher.
     pub sync_waiters: Vec<SyncWaiter>,
-    /// When the last append was queued (primaries pulse idle journals).
-    pub last_append: Instant,
-    pub queue: VecDeque<Rc<AppendOp>>,
-    pub active: Option<Active>,
-    /// Appends staged in the batch being built or written.
-    pub staged: Vec<Staged>,
     pub seal_requested: bool,
     pub seal_waiters: Vec<(Rc<Outbox>, u64)>,
     /// When the open spool took its first commit.
     pub spool_since: Option<SystemTime>,
-    pub rate: TokenBucket,
-    /// A timer will ready the journal when its rate admits more bytes.
-    pub rate_timer: bool,
     pub deleted: bool,
+    /// The appends waiting their turn, and the one being staged.
+    pub queue: AppendQueue,
     /// The stores' fragment index and its listings.
     pub index: Index,
     /// Readers waiting at the head, and what is kept for them.
@@ -187,8 +180,7 @@ impl Journal {
     pub fn new(spec: JournalSpec, dir: PathBuf) -> Journal {
         Journal {
             name: spec.name.clone(),
-            rate: TokenBucket::new(spec.max_append_rate),
-            rate_timer: false,
+            queue: AppendQueue::new(spec.max_append_rate),
             spec,
             dir,
             fragments: Vec::new(),
@@ -204,14 +196,9 @@ impl Journal {
             inflight: 0,
             proposed: VecDeque::new(),
             acking: false,
-            staged_with_replicas: false,
             replica: None,
             awaiting: VecDeque::new(),
             sync_waiters: Vec::new(),
-            last_append: crate::clock::now(),
-            queue: VecDeque::new(),
-            active: None,
-            staged: Vec::new(),
             seal_requested: false,
             seal_waiters: Vec::new(),
             spool_since: None,

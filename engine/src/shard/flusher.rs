@@ -17,8 +17,11 @@ pub(super) struct Held {
 impl Held {
     fn swap_back(&mut self) {
         let mut jm = self.j.borrow_mut();
-        std::mem::swap(&mut jm.staged, &mut self.other);
-        std::mem::swap(&mut jm.staged_with_replicas, &mut self.other_with_replicas);
+        std::mem::swap(&mut jm.queue.staged, &mut self.other);
+        std::mem::swap(
+            &mut jm.queue.staged_with_replicas,
+            &mut self.other_with_replicas,
+        );
     }
 }
 
@@ -82,7 +85,7 @@ impl Shard {
         // against the spool's SHA-1 and falls back to the record before it.
         let committing: Vec<JournalRef> = ready
             .iter()
-            .filter(|j| !j.borrow().staged.is_empty())
+            .filter(|j| !j.borrow().queue.staged.is_empty())
             .cloned()
             .collect();
         let early = self.record_commits(&committing);
@@ -118,20 +121,20 @@ impl Shard {
         // Journals that failed may have a record in the log naming bytes
         // that are not on disk: the log restates what they hold.
         for j in &committing {
-            if j.borrow().staged.is_empty() {
+            if j.borrow().queue.staged.is_empty() {
                 self.restate(j);
             }
         }
         let committing: Vec<JournalRef> = committing
             .into_iter()
-            .filter(|j| !j.borrow().staged.is_empty())
+            .filter(|j| !j.borrow().queue.staged.is_empty())
             .collect();
         self.commit_batches(&committing, &early, early_waits);
         self.flush_pipelines();
         // What was staged during the writes is the next turn's batch.
         for h in held {
-            h.j.borrow_mut().staged.extend(h.other);
-            h.j.borrow_mut().staged_with_replicas = h.other_with_replicas;
+            h.j.borrow_mut().queue.staged.extend(h.other);
+            h.j.borrow_mut().queue.staged_with_replicas = h.other_with_replicas;
             again.push(h.j);
         }
         let acked = crate::clock::now();
@@ -183,7 +186,7 @@ impl Shard {
         for j in committing {
             let (staged_with_replicas, repl_now) = {
                 let jm = j.borrow();
-                (jm.staged_with_replicas, jm.repl.is_some())
+                (jm.queue.staged_with_replicas, jm.repl.is_some())
             };
             if !staged_with_replicas {
                 if is_early(j) {
@@ -270,7 +273,7 @@ impl Shard {
         let fail_batch = |j: &JournalRef, status: Status, msg: &str, held: &mut Vec<Held>| {
             if let Some(i) = held.iter().position(|h| Rc::ptr_eq(&h.j, j)) {
                 let h = held.swap_remove(i);
-                j.borrow_mut().staged.extend(h.other);
+                j.borrow_mut().queue.staged.extend(h.other);
             }
             self.fail_batch(j, status, msg);
         };
@@ -319,7 +322,7 @@ impl Shard {
             for j in committing {
                 // Batches answered early had their records written; only
                 // the fdatasync for `fsync` journals failed.
-                if !j.borrow().staged.is_empty() && !is_early(j) {
+                if !j.borrow().queue.staged.is_empty() && !is_early(j) {
                     fail_batch(j, status, &e.to_string(), held);
                 }
             }
@@ -332,7 +335,7 @@ impl Shard {
         let mut writing = Vec::new();
         for j in ready {
             let mut jm = j.borrow_mut();
-            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
+            let fsync = jm.spec.durability == Durability::Fsync && !jm.queue.staged.is_empty();
             let Some(spool) = jm.spool.as_mut() else {
                 continue;
             };
@@ -429,10 +432,11 @@ impl Shard {
                     !jm.deleted
                         && jm.spool.as_ref().is_some_and(|s| s.room() > 0)
                         && jm
+                            .queue
                             .active
                             .as_ref()
                             .map(|a| &a.op)
-                            .or(jm.queue.front())
+                            .or(jm.queue.waiting.front())
                             .is_some_and(|op| !op.chunks.borrow().is_empty())
                 };
                 if !has_bytes {
@@ -442,8 +446,8 @@ impl Shard {
                     let mut jm = j.borrow_mut();
                     held.push(Held {
                         j: j.clone(),
-                        other: std::mem::take(&mut jm.staged),
-                        other_with_replicas: jm.staged_with_replicas,
+                        other: std::mem::take(&mut jm.queue.staged),
+                        other_with_replicas: jm.queue.staged_with_replicas,
                     });
                 }
                 let before = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
@@ -476,7 +480,7 @@ impl Shard {
             .iter()
             .map(|j| {
                 let jm = j.borrow();
-                let end = jm.staged.last().expect("non-empty").end;
+                let end = jm.queue.staged.last().expect("non-empty").end;
                 end.saturating_sub(jm.spool.as_ref().expect("spool").written())
             })
             .sum();
@@ -487,7 +491,7 @@ impl Shard {
         };
         for j in committing {
             let jm = j.borrow();
-            let last = jm.staged.last().expect("non-empty");
+            let last = jm.queue.staged.last().expect("non-empty");
             let spool = jm.spool.as_ref().expect("spool");
             if last.end == spool.committed() && last.registers == *jm.heads.local_registers() {
                 continue;
@@ -540,12 +544,12 @@ impl Shard {
     /// replicas, and the waits for their acks are returned.
     pub(super) fn answer_early(&self, j: &JournalRef) -> Option<Vec<Wait>> {
         let mut jm = j.borrow_mut();
-        let last = jm.staged.last().expect("non-empty").end;
-        if jm.staged_with_replicas {
-            return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
+        let last = jm.queue.staged.last().expect("non-empty").end;
+        if jm.queue.staged_with_replicas {
+            return jm.repl.is_some().then(|| propose(&jm, &jm.queue.staged));
         }
-        self.count_appends(&jm.staged, false, jm.spec.durability);
-        jm.staged.iter().for_each(answer_ok);
+        self.count_appends(&jm.queue.staged, false, jm.spec.durability);
+        jm.queue.staged.iter().for_each(answer_ok);
         jm.answered_to(last);
         None
     }
@@ -581,7 +585,11 @@ impl Shard {
         {
             let mut jm = j.borrow_mut();
             let replica_ops = !jm.awaiting.is_empty()
-                || jm.active.as_ref().is_some_and(|a| a.op.replica.is_some());
+                || jm
+                    .queue
+                    .active
+                    .as_ref()
+                    .is_some_and(|a| a.op.replica.is_some());
             let left = replica_ops && !matches!(self.role(&jm.spec), Role::Replica(_));
             if left {
                 // Whatever the old primary sends next is refused until a
@@ -593,8 +601,9 @@ impl Shard {
             if !jm.sync_waiters.is_empty() || left {
                 let open = jm
                     .queue
+                    .waiting
                     .iter()
-                    .chain(jm.active.as_ref().map(|a| &a.op))
+                    .chain(jm.queue.active.as_ref().map(|a| &a.op))
                     .chain(jm.awaiting.iter().map(|w| &w.op))
                     .filter(|op| op.replica.is_some() && (left || !op.complete.get()));
                 for op in open {
@@ -625,10 +634,10 @@ impl Shard {
                 for w in jm.awaiting.drain(i..) {
                     w.op.end_aborted(&r);
                 }
-                if let Some(a) = jm.active.take() {
+                if let Some(a) = jm.queue.active.take() {
                     a.op.end_aborted(&r);
                     drop_budget(&a.op);
-                    jm.queue.pop_front();
+                    jm.queue.waiting.pop_front();
                 }
                 jm.readers.tail.truncate(start.offset);
                 jm.set_staged_head(start.offset);
@@ -644,6 +653,7 @@ impl Shard {
         {
             let mut jm = j.borrow_mut();
             let aborted = jm
+                .queue
                 .active
                 .as_ref()
                 .is_some_and(|a| a.op.aborted.get().is_some());
@@ -735,7 +745,7 @@ impl Shard {
     async fn open_spool(&self, j: &JournalRef) {
         let needs_spool = {
             let jm = j.borrow();
-            jm.spool.is_none() && !jm.queue.is_empty()
+            jm.spool.is_none() && !jm.queue.waiting.is_empty()
         };
         if needs_spool {
             let (dir, head, length) = {
@@ -778,14 +788,16 @@ impl Shard {
         }
         let reset = {
             let jm = j.borrow();
-            !jm.index.reset_waiters.is_empty() && jm.active.is_none() && jm.staged.is_empty()
+            !jm.index.reset_waiters.is_empty()
+                && jm.queue.active.is_none()
+                && jm.queue.staged.is_empty()
         };
         if reset {
             self.reset_head(j).await;
         }
         let wants_seal = {
             let jm = j.borrow();
-            let idle = jm.active.is_none() && jm.staged.is_empty() && jm.inflight == 0;
+            let idle = jm.queue.active.is_none() && jm.queue.staged.is_empty() && jm.inflight == 0;
             // Replicas seal when their primary says so (SYNC), and a
             // primary not while replicas have yet to ack. A broker the
             // journal was routed away from seals what it holds, so that it
@@ -916,7 +928,7 @@ impl Shard {
     pub(super) fn commit_local(&self, j: &JournalRef) -> Vec<Staged> {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
-        let staged = std::mem::take(&mut jm.staged);
+        let staged = std::mem::take(&mut jm.queue.staged);
         let last = staged.last().expect("non-empty");
         jm.spool.as_mut().expect("spool").commit(last.point.clone());
         jm.commit_local_to(last.end);

@@ -242,7 +242,7 @@ impl Shard {
         let j = j.clone();
         compio::runtime::spawn(async move {
             compio::time::sleep(wait).await;
-            j.borrow_mut().rate_timer = false;
+            j.borrow_mut().queue.rate_timer = false;
             if let Some(shard) = me.upgrade() {
                 shard.mark_ready(&j);
             }
@@ -546,10 +546,10 @@ impl Shard {
             let mut j = j.borrow_mut();
             j.deleted = true;
             let reply = AppendReply::default();
-            for op in j.queue.drain(..) {
+            for op in j.queue.waiting.drain(..) {
                 op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
             }
-            if let Some(a) = j.active.take() {
+            if let Some(a) = j.queue.active.take() {
                 a.op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
             }
             j.readers.committed.notify(usize::MAX);

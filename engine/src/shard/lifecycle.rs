@@ -86,7 +86,12 @@ impl Shard {
             let mut streaming = false;
             {
                 let jm = j.borrow();
-                for op in jm.queue.iter().chain(jm.active.as_ref().map(|a| &a.op)) {
+                for op in jm
+                    .queue
+                    .waiting
+                    .iter()
+                    .chain(jm.queue.active.as_ref().map(|a| &a.op))
+                {
                     if op.replica.is_none() && !op.complete.get() && op.aborted.get().is_none() {
                         op.aborted.set(Some(AbortReason::ShuttingDown));
                         streaming = true;

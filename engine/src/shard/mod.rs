@@ -375,7 +375,7 @@ impl Shard {
     fn take_spec(&self, map: &mut HashMap<String, JournalRef>, spec: rotary_net::JournalSpec) {
         if let Some(j) = map.get(&spec.name) {
             let mut j = j.borrow_mut();
-            j.rate.set_rate(spec.max_append_rate);
+            j.queue.rate.set_rate(spec.max_append_rate);
             let gained_stores = !j.has_stores() && !spec.fragment.stores.is_empty();
             j.spec = spec;
             if gained_stores {
@@ -610,7 +610,7 @@ fn answer_ok(s: &Staged) {
 /// replicas'): the next append begins where the last commit ended. Only
 /// between batches (nothing staged in this turn but the open append).
 fn abandon_active(jm: &mut Journal) -> Option<Active> {
-    let a = jm.active.take()?;
+    let a = jm.queue.active.take()?;
     jm.readers.tail.truncate(a.start.offset);
     if let Some(spool) = jm.spool.as_mut() {
         spool.rewind(a.start.clone());

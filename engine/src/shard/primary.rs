@@ -178,7 +178,7 @@ impl Shard {
     /// Ends a streamed append that went idle, or that holds up the append
     /// behind it at too slow a rate. True: one was aborted.
     fn time_out_active(jm: &Journal) -> bool {
-        if let Some(a) = &jm.active {
+        if let Some(a) = &jm.queue.active {
             // Bytes that arrived and wait (for the rate, or for
             // room) are no client's idleness.
             if crate::clock::elapsed(a.op.last_activity.get()) > APPEND_IDLE_TIMEOUT
@@ -189,10 +189,11 @@ impl Shard {
                 return true;
             } else if a.holds_up(
                 jm.queue
+                    .waiting
                     .iter()
                     .find(|w| !Rc::ptr_eq(w, &a.op))
                     .map(|w| &**w),
-                jm.rate.rate(),
+                jm.queue.rate.rate(),
             ) {
                 a.op.aborted.set(Some(AbortReason::TooSlow));
                 return true;
@@ -315,15 +316,15 @@ impl Shard {
     pub(super) fn pulse(&self, j: &JournalRef, route: &Route, now: bool) {
         {
             let mut jm = j.borrow_mut();
-            let idle = jm.queue.is_empty()
-                && jm.active.is_none()
+            let idle = jm.queue.waiting.is_empty()
+                && jm.queue.active.is_none()
                 && jm.inflight == 0
                 && !jm.syncing
-                && (now || crate::clock::elapsed(jm.last_append) >= PULSE_IDLE);
+                && (now || crate::clock::elapsed(jm.queue.last_append) >= PULSE_IDLE);
             if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
                 return;
             }
-            jm.last_append = crate::clock::now();
+            jm.queue.last_append = crate::clock::now();
         }
         let outbox = Rc::new(Outbox::new());
         outbox.close();
@@ -368,10 +369,10 @@ impl Shard {
                     "the journal's replication pipeline broke during the append; it was rolled back",
                 );
                 drop_budget(&a.op);
-                jm.queue.pop_front();
+                jm.queue.waiting.pop_front();
                 metrics::add(&self.metrics.append_failures, 1);
             }
-            if jm.inflight > 0 || !jm.staged.is_empty() {
+            if jm.inflight > 0 || !jm.queue.staged.is_empty() {
                 // The acker marks the journal ready when they are answered.
                 return;
             }

@@ -11,9 +11,9 @@ impl Shard {
             let w = {
                 let mut jm = j.borrow_mut();
                 if jm.sync_waiters.is_empty()
-                    || jm.active.is_some()
-                    || !jm.queue.is_empty()
-                    || !jm.staged.is_empty()
+                    || jm.queue.active.is_some()
+                    || !jm.queue.waiting.is_empty()
+                    || !jm.queue.staged.is_empty()
                     || !jm.awaiting.is_empty()
                 {
                     return;
@@ -101,7 +101,7 @@ impl Shard {
                 return;
             }
             jm.heads.set_staged_registers(proposal.registers.clone());
-            jm.staged.push(Staged {
+            jm.queue.staged.push(Staged {
                 op: w.op,
                 begin: w.start.offset,
                 end: w.end.offset,
@@ -123,10 +123,10 @@ impl Shard {
         for w in jm.awaiting.drain(..) {
             w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
         }
-        if let Some(a) = jm.active.take() {
+        if let Some(a) = jm.queue.active.take() {
             a.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
             drop_budget(&a.op);
-            jm.queue.pop_front();
+            jm.queue.waiting.pop_front();
         }
         jm.readers.tail.truncate(start.offset);
         jm.set_staged_head(start.offset);

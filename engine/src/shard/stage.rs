@@ -6,7 +6,7 @@ use crate::journal::{admit, Admission, AdmitRole, AdmitShard};
 impl Shard {
     /// Enqueues an append; the flusher picks it up.
     pub fn submit_append(&self, j: &JournalRef, op: Rc<crate::append::AppendOp>) {
-        j.borrow_mut().queue.push_back(op);
+        j.borrow_mut().queue.waiting.push_back(op);
         self.mark_ready(j);
     }
 
@@ -31,14 +31,14 @@ impl Shard {
             // turn's prepare starts it. One under way marks the journal
             // ready when it ends, and so does the acker for batches in
             // flight.
-            return !jm.syncing && jm.inflight == 0 && !jm.queue.is_empty();
+            return !jm.syncing && jm.inflight == 0 && !jm.queue.waiting.is_empty();
         }
         if replicated && jm.inflight >= INFLIGHT_BATCHES_MAX {
             // Replicas catch up first (the acker marks the journal ready).
             return false;
         }
-        if jm.staged.is_empty() {
-            jm.staged_with_replicas = jm.repl.is_some();
+        if jm.queue.staged.is_empty() {
+            jm.queue.staged_with_replicas = jm.repl.is_some();
         }
         if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
             // Seal waiters on a journal without a spool get their answer.
@@ -53,8 +53,8 @@ impl Shard {
             return false;
         }
         loop {
-            if jm.active.is_none() {
-                let Some(op) = jm.queue.front().cloned() else {
+            if jm.queue.active.is_none() {
+                let Some(op) = jm.queue.waiting.front().cloned() else {
                     return false;
                 };
                 let is_replica_op = op.replica.is_some();
@@ -67,10 +67,10 @@ impl Shard {
                 let seq = if is_replica_op {
                     op.request_id
                 } else {
-                    jm.last_append = crate::clock::now();
+                    jm.queue.last_append = crate::clock::now();
                     self.seq()
                 };
-                jm.active = Some(Active {
+                jm.queue.active = Some(Active {
                     _streaming: crate::budget::Streaming::new(op.budget.clone()),
                     op,
                     start,
@@ -83,7 +83,7 @@ impl Shard {
             if let Some(again) = self.stage_arrived(j, jm) {
                 return again;
             }
-            let a = jm.active.as_ref().expect("active");
+            let a = jm.queue.active.as_ref().expect("active");
             let content_done = a.op.replica.as_ref().is_some_and(|r| r.content_done.get());
             if (!a.op.complete.get() && !content_done) || !a.op.chunks.borrow().is_empty() {
                 return false;
@@ -102,7 +102,7 @@ impl Shard {
             // Spare spools must never be why an append fails.
             self.spares.borrow_mut().release();
         }
-        let a = jm.active.take().expect("active");
+        let a = jm.queue.active.take().expect("active");
         jm.readers.tail.truncate(a.start.offset);
         jm.spool.as_mut().expect("checked").rewind(a.start);
         send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
@@ -114,9 +114,9 @@ impl Shard {
         a.op.reply_error(storage_status(e), &r, &e.to_string());
         drop_budget(&a.op);
         metrics::add(&self.metrics.append_failures, 1);
-        jm.queue.pop_front();
+        jm.queue.waiting.pop_front();
         // A rewind past written bytes needs a tail reload.
-        !jm.queue.is_empty()
+        !jm.queue.waiting.is_empty()
     }
 
     /// Stages what has arrived of the journal's open append, at most its
@@ -124,7 +124,7 @@ impl Shard {
     /// journal stops here for this turn (a full buffer: again); None when
     /// every chunk that arrived is staged.
     fn stage_arrived(&self, j: &JournalRef, jm: &mut Journal) -> Option<bool> {
-        let a = jm.active.as_mut().expect("set above");
+        let a = jm.queue.active.as_mut().expect("set above");
         let spool = jm.spool.as_mut().expect("checked");
         // Stage what has arrived.
         loop {
@@ -160,13 +160,13 @@ impl Shard {
             // holds the client back) while its connection goes on
             // serving. A replica's were admitted by its primary.
             let admitted = if client {
-                match jm.rate.admit(bytes.len() as u64, crate::clock::now()) {
+                match jm.queue.rate.admit(bytes.len() as u64, crate::clock::now()) {
                     Ok(n) => &bytes[..n as usize],
                     Err(wait) => {
                         drop(chunks);
                         metrics::add(&self.metrics.rate_waits, 1);
-                        if !jm.rate_timer {
-                            jm.rate_timer = true;
+                        if !jm.queue.rate_timer {
+                            jm.queue.rate_timer = true;
                             self.ready_after(j, wait);
                         }
                         return Some(false);
@@ -187,7 +187,7 @@ impl Shard {
                 }
             };
             if client && n < admitted.len() {
-                jm.rate.give_back((admitted.len() - n) as u64);
+                jm.queue.rate.give_back((admitted.len() - n) as u64);
             }
             if let Some(r) = &jm.repl {
                 let rec = Record::Content {
@@ -217,8 +217,8 @@ impl Shard {
     /// replica's awaits its proposal, a client's joins the batch (or is
     /// refused if its registers would not do).
     fn finish_whole(&self, jm: &mut Journal) {
-        let a = jm.active.take().expect("active");
-        jm.queue.pop_front();
+        let a = jm.queue.active.take().expect("active");
+        jm.queue.waiting.pop_front();
         let spool = jm.spool.as_mut().expect("checked");
         let point = spool.commit_point();
         let begin = a.start.offset;
@@ -276,7 +276,7 @@ impl Shard {
         }
         jm.set_staged_head(end);
         jm.heads.set_staged_registers(registers.clone());
-        jm.staged.push(Staged {
+        jm.queue.staged.push(Staged {
             op: a.op,
             begin,
             end,
@@ -310,7 +310,7 @@ impl Shard {
         match decision {
             Admission::Stage => Front::Stage,
             Admission::Drop => {
-                jm.queue.pop_front();
+                jm.queue.waiting.pop_front();
                 let reply = AppendReply {
                     write_head: jm.heads.staged_head(),
                     ..Default::default()
@@ -329,7 +329,7 @@ impl Shard {
                         t.diverged();
                     }
                 }
-                jm.queue.pop_front();
+                jm.queue.waiting.pop_front();
                 let r = AppendReply {
                     write_head: jm.heads.staged_head(),
                     registers: jm.heads.staged_registers().clone(),
@@ -391,24 +391,25 @@ impl Shard {
         };
         if status == Status::REPLICATION_FAILED {
             let failed = jm
+                .queue
                 .staged
                 .iter()
                 .map(|s| &s.op)
-                .chain(jm.active.as_ref().map(|a| &a.op))
+                .chain(jm.queue.active.as_ref().map(|a| &a.op))
                 .filter(|op| super::flusher::is_client_append(op))
                 .count();
             metrics::add(&self.metrics.replication_failed, failed as u64);
         }
-        for s in jm.staged.drain(..) {
+        for s in jm.queue.staged.drain(..) {
             send_rollback(jm.repl.as_ref(), &jm.name, s.seq);
             s.op.reply_error(status, &reply, msg);
             metrics::add(&self.metrics.append_failures, 1);
         }
-        if let Some(a) = jm.active.take() {
+        if let Some(a) = jm.queue.active.take() {
             send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
             a.op.reply_error(status, &reply, msg);
             drop_budget(&a.op);
-            jm.queue.pop_front();
+            jm.queue.waiting.pop_front();
             metrics::add(&self.metrics.append_failures, 1);
         }
         for w in jm.awaiting.drain(..) {
@@ -436,17 +437,18 @@ impl Shard {
         if status == Status::REPLICATION_FAILED {
             let answered = jm
                 .queue
+                .waiting
                 .iter()
                 .filter(|op| super::flusher::is_client_append(op))
                 .count();
             metrics::add(&self.metrics.replication_failed, answered as u64);
         }
-        for op in jm.queue.drain(..) {
+        for op in jm.queue.waiting.drain(..) {
             op.reply_error(status, &reply, msg);
             drop_budget(&op);
             metrics::add(&self.metrics.append_failures, 1);
         }
-        jm.active = None;
+        jm.queue.active = None;
     }
 }
 
