@@ -4,6 +4,7 @@
 mod admit;
 mod heads;
 mod index;
+mod primary;
 mod queue;
 mod rate;
 mod readers;
@@ -12,6 +13,7 @@ mod tail;
 pub use admit::{admit, Admission, AdmitRole, AdmitShard};
 pub use heads::Heads;
 pub use index::{FileRef, Index, Located};
+pub use primary::PrimaryState;
 pub use queue::AppendQueue;
 pub use rate::TokenBucket;
 pub use readers::Readers;
@@ -19,7 +21,7 @@ pub use tail::{
     tail_window, TailCache, TAIL_CACHE_BYTES, TAIL_CACHE_MIN_BYTES, TAIL_CACHE_SHARD_BYTES,
 };
 
-use crate::append::{Awaiting, InFlight, PrimaryRepl, SyncWaiter};
+use crate::append::{Awaiting, SyncWaiter};
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
 use rotary_net::spec::JournalSpec;
@@ -127,33 +129,6 @@ pub struct Journal {
     pub spool_out: bool,
     /// The heads and registers: staged, committed here, visible.
     pub heads: Heads,
-    /// Primary: the agreed replica pipelines (None: SYNC needed).
-    pub repl: Option<PrimaryRepl>,
-    /// Primary: a SYNC is under way.
-    pub syncing: bool,
-    /// The broker started with none of the journal's data (no fragment,
-    /// spool or commit record): as its primary it knows its head only
-    /// after its first SYNC, so reads wait for that (see `Shard::read`).
-    pub first_sync_pending: bool,
-    /// The topology version at which this broker, as the journal's
-    /// primary, last asked the brokers of its earlier routes for bytes beyond
-    /// its head (see `Shard::takeover_sources`); 0: not yet. Appends and
-    /// reads wait for that.
-    pub takeover_version: u64,
-    /// The cluster view changed since the shard's tick last looked at the
-    /// journal's route: if this broker became its primary, the tick takes
-    /// it over then rather than at its first request (see `Shard::tick`).
-    pub route_check: bool,
-    /// Primary: after a failed SYNC, when to try again, and why it failed.
-    pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
-    /// Primary: committed batches awaiting replica acks (those in
-    /// `proposed`, and the one the journal's acker waits on).
-    pub inflight: usize,
-    /// Primary: batches proposed and not yet taken by the journal's
-    /// acker, oldest first.
-    pub proposed: VecDeque<InFlight>,
-    /// Primary: the journal's acker task is running.
-    pub acking: bool,
     /// Replica: the position in the primary's stream.
     pub replica: Option<crate::replica::ReplicaTrack>,
     /// Replica: appends staged whole, oldest first, awaiting proposals.
@@ -165,6 +140,8 @@ pub struct Journal {
     /// When the open spool took its first commit.
     pub spool_since: Option<SystemTime>,
     pub deleted: bool,
+    /// What the journal's primary keeps: its replicas and batches in flight.
+    pub primary: PrimaryState,
     /// The appends waiting their turn, and the one being staged.
     pub queue: AppendQueue,
     /// The stores' fragment index and its listings.
@@ -187,15 +164,6 @@ impl Journal {
             spool: None,
             spool_out: false,
             heads: Heads::default(),
-            repl: None,
-            syncing: false,
-            sync_retry: None,
-            first_sync_pending: false,
-            takeover_version: 0,
-            route_check: false,
-            inflight: 0,
-            proposed: VecDeque::new(),
-            acking: false,
             replica: None,
             awaiting: VecDeque::new(),
             sync_waiters: Vec::new(),
@@ -203,6 +171,7 @@ impl Journal {
             seal_waiters: Vec::new(),
             spool_since: None,
             deleted: false,
+            primary: PrimaryState::default(),
             index: Index::default(),
             readers: Readers::default(),
             reads_in_flight: 0,

@@ -186,7 +186,7 @@ impl Shard {
         for j in committing {
             let (staged_with_replicas, repl_now) = {
                 let jm = j.borrow();
-                (jm.queue.staged_with_replicas, jm.repl.is_some())
+                (jm.queue.staged_with_replicas, jm.primary.repl.is_some())
             };
             if !staged_with_replicas {
                 if is_early(j) {
@@ -214,9 +214,9 @@ impl Shard {
             let staged = self.commit_local(j);
             let mut jm = j.borrow_mut();
             let waits = early.unwrap_or_else(|| propose(&jm, &staged));
-            jm.inflight += 1;
-            jm.proposed.push_back(InFlight { staged, waits });
-            let start_acker = !std::mem::replace(&mut jm.acking, true);
+            jm.primary.inflight += 1;
+            jm.primary.proposed.push_back(InFlight { staged, waits });
+            let start_acker = !std::mem::replace(&mut jm.primary.acking, true);
             drop(jm);
             self.proposals.set(self.proposals.get() + 1);
             self.proposed.notify(usize::MAX);
@@ -546,7 +546,11 @@ impl Shard {
         let mut jm = j.borrow_mut();
         let last = jm.queue.staged.last().expect("non-empty").end;
         if jm.queue.staged_with_replicas {
-            return jm.repl.is_some().then(|| propose(&jm, &jm.queue.staged));
+            return jm
+                .primary
+                .repl
+                .is_some()
+                .then(|| propose(&jm, &jm.queue.staged));
         }
         self.count_appends(&jm.queue.staged, false, jm.spec.durability);
         jm.queue.staged.iter().for_each(answer_ok);
@@ -697,7 +701,7 @@ impl Shard {
                 // same list of members), so the replicas are asked again.
                 let version = self.topology.version();
                 let ready = !takeover
-                    && j.borrow().repl.as_ref().is_some_and(|r| {
+                    && j.borrow().primary.repl.as_ref().is_some_and(|r| {
                         r.members == route.ids() && r.version == version && r.is_live()
                     });
                 if !ready {
@@ -705,11 +709,11 @@ impl Shard {
                     return false;
                 }
             }
-            Role::Primary(_) => j.borrow_mut().repl = None,
+            Role::Primary(_) => j.borrow_mut().primary.repl = None,
             Role::Replica(_) | Role::Outside(_) => {
                 // No longer the primary: what it synchronized as one is
                 // stale (its batches in flight keep their own pipelines).
-                j.borrow_mut().repl = None;
+                j.borrow_mut().primary.repl = None;
             }
         }
         true
@@ -797,7 +801,8 @@ impl Shard {
         }
         let wants_seal = {
             let jm = j.borrow();
-            let idle = jm.queue.active.is_none() && jm.queue.staged.is_empty() && jm.inflight == 0;
+            let idle =
+                jm.queue.active.is_none() && jm.queue.staged.is_empty() && jm.primary.inflight == 0;
             // Replicas seal when their primary says so (SYNC), and a
             // primary not while replicas have yet to ack. A broker the
             // journal was routed away from seals what it holds, so that it
@@ -883,7 +888,7 @@ impl Shard {
         jm.seal_requested = false;
         jm.spool_since = None;
         // Replicas must start their next spool where this one ended.
-        jm.repl = None;
+        jm.primary.repl = None;
         let json = match &sealed {
             Some(f) => fragment_json(f, jm.has_stores()),
             None => serde_json::Value::Null,

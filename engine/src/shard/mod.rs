@@ -390,7 +390,7 @@ impl Shard {
         let name = spec.name.clone();
         let mut j = Journal::new(spec, dir);
         j.init_index();
-        j.first_sync_pending = true;
+        j.primary.first_sync_pending = true;
         let state = self.states.borrow().get(&name).cloned();
         if let Some(st) = &state {
             j.heads.set_registers(st.registers.clone());
@@ -615,7 +615,7 @@ fn abandon_active(jm: &mut Journal) -> Option<Active> {
     if let Some(spool) = jm.spool.as_mut() {
         spool.rewind(a.start.clone());
     }
-    send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+    send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
     jm.unstage();
     Some(a)
 }

@@ -6,7 +6,7 @@ use super::*;
 /// Proposes a journal's batch to each of its replicas: the commit record
 /// of every staged append. Returns what to wait for.
 pub(super) fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
-    let repl = jm.repl.as_ref().expect("proposed with replicas");
+    let repl = jm.primary.repl.as_ref().expect("proposed with replicas");
     let mut waits = Vec::new();
     for (p, epoch) in &repl.pipelines {
         for s in staged {
@@ -63,13 +63,13 @@ impl Shard {
     /// journal's earlier routes for bytes beyond its head (see
     /// [`Shard::takeover_sources`]). With none to ask, it is settled here.
     pub(super) fn takeover_due(&self, j: &JournalRef, route: &Route) -> bool {
-        let since = j.borrow().takeover_version;
+        let since = j.borrow().primary.takeover_version;
         if since == self.topology.version() {
             return false;
         }
         let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         if sources.is_empty() {
-            j.borrow_mut().takeover_version = version;
+            j.borrow_mut().primary.takeover_version = version;
         }
         !sources.is_empty()
     }
@@ -80,9 +80,9 @@ impl Shard {
     /// routed through it, not every journal of the shard.
     pub(super) async fn acker(self: Rc<Self>, j: JournalRef) {
         loop {
-            let next = j.borrow_mut().proposed.pop_front();
+            let next = j.borrow_mut().primary.proposed.pop_front();
             let Some(f) = next else {
-                j.borrow_mut().acking = false;
+                j.borrow_mut().primary.acking = false;
                 self.awaiting_acks.set(self.awaiting_acks.get() - 1);
                 return;
             };
@@ -135,9 +135,9 @@ impl Shard {
             self.publish(&j, f.staged, failure.as_ref());
             {
                 let mut jm = j.borrow_mut();
-                jm.inflight -= 1;
+                jm.primary.inflight -= 1;
                 if failure.is_some() {
-                    jm.repl = None;
+                    jm.primary.repl = None;
                 }
             }
             self.mark_ready(&j);
@@ -257,7 +257,7 @@ impl Shard {
                 let was_primary = before
                     .route(&jm.spec.name, jm.spec.replication)
                     .is_primary(&current.me);
-                jm.route_check |= !was_primary;
+                jm.primary.route_check |= !was_primary;
             }
             // Working out a route costs more than the rest of a quiet
             // journal's tick: it is needed only for a journal holding bytes,
@@ -266,7 +266,7 @@ impl Shard {
             let holds_bytes = j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty());
             // At most so many takeovers begin in a tick; the other
             // journals keep their check for the next.
-            let check = j.borrow().route_check && takeovers < TICK_TAKEOVERS_MAX;
+            let check = j.borrow().primary.route_check && takeovers < TICK_TAKEOVERS_MAX;
             let role = {
                 let jm = j.borrow();
                 (holds_bytes || jm.spec.replication > 1 || check).then(|| self.role(&jm.spec))
@@ -280,7 +280,7 @@ impl Shard {
                         takeovers += 1;
                         due = true
                     }
-                    _ => j.borrow_mut().route_check = false,
+                    _ => j.borrow_mut().primary.route_check = false,
                 }
             }
             {
@@ -318,8 +318,8 @@ impl Shard {
             let mut jm = j.borrow_mut();
             let idle = jm.queue.waiting.is_empty()
                 && jm.queue.active.is_none()
-                && jm.inflight == 0
-                && !jm.syncing
+                && jm.primary.inflight == 0
+                && !jm.primary.syncing
                 && (now || crate::clock::elapsed(jm.queue.last_append) >= PULSE_IDLE);
             if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
                 return;
@@ -353,7 +353,7 @@ impl Shard {
         {
             let mut jm = j.borrow_mut();
             let jm = &mut *jm;
-            if jm.syncing {
+            if jm.primary.syncing {
                 return;
             }
             // An open append's content went over pipelines being replaced.
@@ -372,13 +372,13 @@ impl Shard {
                 jm.queue.waiting.pop_front();
                 metrics::add(&self.metrics.append_failures, 1);
             }
-            if jm.inflight > 0 || !jm.queue.staged.is_empty() {
+            if jm.primary.inflight > 0 || !jm.queue.staged.is_empty() {
                 // The acker marks the journal ready when they are answered.
                 return;
             }
-            jm.repl = None;
+            jm.primary.repl = None;
         }
-        let retry = j.borrow().sync_retry.clone();
+        let retry = j.borrow().primary.sync_retry.clone();
         if let Some((at, f)) = retry {
             if crate::clock::now() < at {
                 // The last SYNC failed moments ago: answer with its cause.
@@ -392,7 +392,7 @@ impl Shard {
         if route.members.len() > 1 && j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
             self.seal(j).await;
         }
-        j.borrow_mut().syncing = true;
+        j.borrow_mut().primary.syncing = true;
         let Some(me) = self.me.borrow().upgrade() else {
             return;
         };
@@ -404,7 +404,7 @@ impl Shard {
             let replicas = replicas.join(",");
             {
                 let mut jm = j.borrow_mut();
-                jm.syncing = false;
+                jm.primary.syncing = false;
                 match res {
                     Ok(repl) => {
                         metrics::add(&me.metrics.syncs, 1);
@@ -413,9 +413,9 @@ impl Shard {
                         if let Some(control) = me.topology.control() {
                             control.synced(&jm.name, route.ids());
                         }
-                        jm.repl = Some(repl);
-                        jm.sync_retry = None;
-                        jm.first_sync_pending = false;
+                        jm.primary.repl = Some(repl);
+                        jm.primary.sync_retry = None;
+                        jm.primary.first_sync_pending = false;
                         if me.shared_failures.worked(SharedWork::Sync, &replicas) {
                             tracing::info!(replicas, journal = %jm.name, "replicas synchronized again");
                         }
@@ -426,7 +426,7 @@ impl Shard {
                         } else {
                             tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
                         }
-                        jm.sync_retry = Some((crate::clock::now() + SYNC_RETRY, f));
+                        jm.primary.sync_retry = Some((crate::clock::now() + SYNC_RETRY, f));
                     }
                 }
                 // Reads waiting for the first SYNC get its outcome.
@@ -641,7 +641,7 @@ impl Shard {
         {
             compio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        let since = j.borrow().takeover_version;
+        let since = j.borrow().primary.takeover_version;
         let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         for _ in 0..3 {
             let (spec, head, registers, name) = {
@@ -676,7 +676,7 @@ impl Shard {
             self.ask_sources(&sources, &name, head, &request, &mut ahead)
                 .await?;
             if ahead.is_empty() {
-                j.borrow_mut().takeover_version = version;
+                j.borrow_mut().primary.takeover_version = version;
                 return Ok(PrimaryRepl {
                     members: route.ids(),
                     pipelines,

@@ -518,7 +518,7 @@ impl ReadCall<'_> {
             let (route, takeover) = match role {
                 Role::Primary(r) if r.is_complete() => {
                     let takeover = self.shard.takeover_due(j, &r);
-                    let first = j.borrow().first_sync_pending && r.members.len() > 1;
+                    let first = j.borrow().primary.first_sync_pending && r.members.len() > 1;
                     if !takeover && !first {
                         return true;
                     }
@@ -529,9 +529,10 @@ impl ReadCall<'_> {
             let failed = {
                 let jm = j.borrow();
                 // A failure stands until its retry is due.
-                jm.sync_retry
+                jm.primary
+                    .sync_retry
                     .as_ref()
-                    .filter(|(at, _)| crate::clock::now() < *at && !jm.syncing)
+                    .filter(|(at, _)| crate::clock::now() < *at && !jm.primary.syncing)
                     .map(|(_, f)| f.clone())
             };
             let head = j.borrow().heads.head();

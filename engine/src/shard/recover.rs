@@ -432,7 +432,8 @@ impl Shard {
             }
         }
         j.set_heads(head);
-        j.first_sync_pending = j.fragments.is_empty() && j.spool.is_none() && chosen.is_none();
+        j.primary.first_sync_pending =
+            j.fragments.is_empty() && j.spool.is_none() && chosen.is_none();
         Ok((j, chosen))
     }
 
@@ -470,6 +471,6 @@ impl Shard {
         );
         j.fragments = listing.fragments;
         j.set_heads(head);
-        j.first_sync_pending = j.fragments.is_empty() && state.is_none();
+        j.primary.first_sync_pending = j.fragments.is_empty() && state.is_none();
     }
 }

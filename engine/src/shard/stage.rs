@@ -26,19 +26,19 @@ impl Shard {
         let jm = &mut *jm;
         let role = self.role(&jm.spec);
         let replicated = matches!(&role, Role::Primary(r) if r.members.len() > 1);
-        if replicated && jm.repl.is_none() {
+        if replicated && jm.primary.repl.is_none() {
             // A SYNC is due (say, the spool was just sealed): the next
             // turn's prepare starts it. One under way marks the journal
             // ready when it ends, and so does the acker for batches in
             // flight.
-            return !jm.syncing && jm.inflight == 0 && !jm.queue.waiting.is_empty();
+            return !jm.primary.syncing && jm.primary.inflight == 0 && !jm.queue.waiting.is_empty();
         }
-        if replicated && jm.inflight >= INFLIGHT_BATCHES_MAX {
+        if replicated && jm.primary.inflight >= INFLIGHT_BATCHES_MAX {
             // Replicas catch up first (the acker marks the journal ready).
             return false;
         }
         if jm.queue.staged.is_empty() {
-            jm.queue.staged_with_replicas = jm.repl.is_some();
+            jm.queue.staged_with_replicas = jm.primary.repl.is_some();
         }
         if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
             // Seal waiters on a journal without a spool get their answer.
@@ -105,7 +105,7 @@ impl Shard {
         let a = jm.queue.active.take().expect("active");
         jm.readers.tail.truncate(a.start.offset);
         jm.spool.as_mut().expect("checked").rewind(a.start);
-        send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+        send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
         let r = AppendReply {
             write_head: jm.heads.staged_head(),
             registers: jm.heads.staged_registers().clone(),
@@ -189,7 +189,7 @@ impl Shard {
             if client && n < admitted.len() {
                 jm.queue.rate.give_back((admitted.len() - n) as u64);
             }
-            if let Some(r) = &jm.repl {
+            if let Some(r) = &jm.primary.repl {
                 let rec = Record::Content {
                     seq: a.seq,
                     journal: &jm.name,
@@ -248,7 +248,7 @@ impl Shard {
                 &r,
                 "an empty append cannot change registers",
             );
-            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
             return;
         }
         let mut registers = jm.heads.staged_registers().clone();
@@ -260,7 +260,7 @@ impl Shard {
             // Replies carry the registers; they must stay encodable.
             jm.readers.tail.truncate(a.start.offset);
             spool.rewind(a.start);
-            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
             let r = AppendReply {
                 write_head: jm.heads.staged_head(),
                 registers: jm.heads.staged_registers().clone(),
@@ -300,7 +300,7 @@ impl Shard {
                     Role::Replica(_) => AdmitRole::Replica,
                     _ => AdmitRole::Other,
                 },
-                inflight: jm.inflight,
+                inflight: jm.primary.inflight,
                 unuploaded_bytes: self.unuploaded_bytes.get(),
                 spool_budget_bytes: self.spool_budget_bytes,
                 store_error: store_error.as_deref(),
@@ -401,12 +401,12 @@ impl Shard {
             metrics::add(&self.metrics.replication_failed, failed as u64);
         }
         for s in jm.queue.staged.drain(..) {
-            send_rollback(jm.repl.as_ref(), &jm.name, s.seq);
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, s.seq);
             s.op.reply_error(status, &reply, msg);
             metrics::add(&self.metrics.append_failures, 1);
         }
         if let Some(a) = jm.queue.active.take() {
-            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
             a.op.reply_error(status, &reply, msg);
             drop_budget(&a.op);
             jm.queue.waiting.pop_front();
