@@ -166,6 +166,7 @@ mod tests {
     use crate::append::{AbortReason, ReplicaOp};
     use rotary_net::spec::LabelSelector;
     use rotary_net::wire::AppendRequest;
+    use std::collections::VecDeque;
 
     fn journal(stores: bool) -> Journal {
         let mut spec = JournalSpec::new("a/b");

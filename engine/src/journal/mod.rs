@@ -8,6 +8,7 @@ mod primary;
 mod queue;
 mod rate;
 mod readers;
+mod replica;
 mod tail;
 
 pub use admit::{admit, Admission, AdmitRole, AdmitShard};
@@ -17,11 +18,11 @@ pub use primary::PrimaryState;
 pub use queue::AppendQueue;
 pub use rate::TokenBucket;
 pub use readers::Readers;
+pub use replica::ReplicaState;
 pub use tail::{
     tail_window, TailCache, TAIL_CACHE_BYTES, TAIL_CACHE_MIN_BYTES, TAIL_CACHE_SHARD_BYTES,
 };
 
-use crate::append::{Awaiting, SyncWaiter};
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
 use rotary_net::spec::JournalSpec;
@@ -29,7 +30,7 @@ use rotary_storage::fragment::LocalFragment;
 use rotary_storage::spool::Spool;
 use rotary_uploader::StoredFragment;
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -129,17 +130,13 @@ pub struct Journal {
     pub spool_out: bool,
     /// The heads and registers: staged, committed here, visible.
     pub heads: Heads,
-    /// Replica: the position in the primary's stream.
-    pub replica: Option<crate::replica::ReplicaTrack>,
-    /// Replica: appends staged whole, oldest first, awaiting proposals.
-    pub awaiting: VecDeque<Awaiting>,
-    /// Replica: SYNCs waiting to be applied by the flusher.
-    pub sync_waiters: Vec<SyncWaiter>,
     pub seal_requested: bool,
     pub seal_waiters: Vec<(Rc<Outbox>, u64)>,
     /// When the open spool took its first commit.
     pub spool_since: Option<SystemTime>,
     pub deleted: bool,
+    /// What the journal keeps as a replica of its primary's stream.
+    pub replica: ReplicaState,
     /// What the journal's primary keeps: its replicas and batches in flight.
     pub primary: PrimaryState,
     /// The appends waiting their turn, and the one being staged.
@@ -164,13 +161,11 @@ impl Journal {
             spool: None,
             spool_out: false,
             heads: Heads::default(),
-            replica: None,
-            awaiting: VecDeque::new(),
-            sync_waiters: Vec::new(),
             seal_requested: false,
             seal_waiters: Vec::new(),
             spool_since: None,
             deleted: false,
+            replica: ReplicaState::default(),
             primary: PrimaryState::default(),
             index: Index::default(),
             readers: Readers::default(),

@@ -147,7 +147,7 @@ impl Shard {
         // Replica journals with a SYNC waiting go around again once their
         // queued appends are through.
         for j in &ready {
-            if !j.borrow().sync_waiters.is_empty() {
+            if !j.borrow().replica.sync_waiters.is_empty() {
                 again.push(j.clone());
             }
         }
@@ -588,7 +588,7 @@ impl Shard {
     fn supersede_replica_appends(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
-            let replica_ops = !jm.awaiting.is_empty()
+            let replica_ops = !jm.replica.awaiting.is_empty()
                 || jm
                     .queue
                     .active
@@ -598,17 +598,17 @@ impl Shard {
             if left {
                 // Whatever the old primary sends next is refused until a
                 // primary synchronizes the journal again.
-                if let Some(t) = jm.replica.as_mut() {
+                if let Some(t) = jm.replica.track.as_mut() {
                     t.diverged();
                 }
             }
-            if !jm.sync_waiters.is_empty() || left {
+            if !jm.replica.sync_waiters.is_empty() || left {
                 let open = jm
                     .queue
                     .waiting
                     .iter()
                     .chain(jm.queue.active.as_ref().map(|a| &a.op))
-                    .chain(jm.awaiting.iter().map(|w| &w.op))
+                    .chain(jm.replica.awaiting.iter().map(|w| &w.op))
                     .filter(|op| op.replica.is_some() && (left || !op.complete.get()));
                 for op in open {
                     if op.aborted.get().is_none() {
@@ -626,16 +626,17 @@ impl Shard {
             let mut jm = j.borrow_mut();
             let jm = &mut *jm;
             if let Some(i) = jm
+                .replica
                 .awaiting
                 .iter()
                 .position(|w| w.op.aborted.get().is_some())
             {
-                let start = jm.awaiting[i].start.clone();
+                let start = jm.replica.awaiting[i].start.clone();
                 let r = AppendReply {
                     write_head: jm.heads.head(),
                     ..Default::default()
                 };
-                for w in jm.awaiting.drain(i..) {
+                for w in jm.replica.awaiting.drain(i..) {
                     w.op.end_aborted(&r);
                 }
                 if let Some(a) = jm.queue.active.take() {

@@ -10,15 +10,15 @@ impl Shard {
         loop {
             let w = {
                 let mut jm = j.borrow_mut();
-                if jm.sync_waiters.is_empty()
+                if jm.replica.sync_waiters.is_empty()
                     || jm.queue.active.is_some()
                     || !jm.queue.waiting.is_empty()
                     || !jm.queue.staged.is_empty()
-                    || !jm.awaiting.is_empty()
+                    || !jm.replica.awaiting.is_empty()
                 {
                     return;
                 }
-                jm.sync_waiters.remove(0)
+                jm.replica.sync_waiters.remove(0)
             };
             let view = self.view();
             let route = view.route(&w.req.journal, w.req.spec.replication);
@@ -64,7 +64,7 @@ impl Shard {
                 let h = w.req.head;
                 jm.set_heads(h);
                 jm.heads.set_registers(w.req.registers.clone());
-                jm.replica = Some(
+                jm.replica.track = Some(
                     crate::replica::ReplicaTrack::synced_at(h, w.req.seq).with_stream(w.sink.id),
                 );
                 jm.readers.committed.notify(usize::MAX);
@@ -78,13 +78,13 @@ impl Shard {
     /// from awaiting to this turn's batch, each checked against the bytes
     /// staged for it. A mismatch drops it and everything staged after it.
     pub(super) fn commit_awaiting(&self, jm: &mut Journal) {
-        while let Some(front) = jm.awaiting.front() {
+        while let Some(front) = jm.replica.awaiting.front() {
             let proposal = match &front.op.replica {
                 Some(r) => r.proposal.borrow().clone(),
                 None => None,
             };
             let Some(proposal) = proposal else { break };
-            let w = jm.awaiting.pop_front().expect("front");
+            let w = jm.replica.awaiting.pop_front().expect("front");
             let staged_sha = w.end.sha.clone().finalize();
             if let Err(msg) = crate::replica::check_proposal(
                 w.end.offset,
@@ -120,7 +120,7 @@ impl Shard {
             write_head: jm.heads.head(),
             ..Default::default()
         };
-        for w in jm.awaiting.drain(..) {
+        for w in jm.replica.awaiting.drain(..) {
             w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
         }
         if let Some(a) = jm.queue.active.take() {
@@ -133,7 +133,7 @@ impl Shard {
         if let Some(spool) = jm.spool.as_mut() {
             spool.rewind(start);
         }
-        if let Some(t) = jm.replica.as_mut() {
+        if let Some(t) = jm.replica.track.as_mut() {
             t.diverged();
         }
     }

@@ -15,7 +15,7 @@ impl Shard {
     pub(super) fn stage(&self, j: &JournalRef) -> bool {
         let again = self.stage_queue(j);
         let mut jm = j.borrow_mut();
-        if !jm.awaiting.is_empty() {
+        if !jm.replica.awaiting.is_empty() {
             self.commit_awaiting(&mut jm);
         }
         again
@@ -227,7 +227,7 @@ impl Shard {
             // Committed when its proposal comes (`commit_awaiting`);
             // the next append's content is staged meanwhile.
             jm.set_staged_head(end);
-            jm.awaiting.push_back(crate::append::Awaiting {
+            jm.replica.awaiting.push_back(crate::append::Awaiting {
                 op: a.op,
                 start: a.start,
                 end: point,
@@ -325,7 +325,7 @@ impl Shard {
                 diverged,
             } => {
                 if diverged {
-                    if let Some(t) = jm.replica.as_mut() {
+                    if let Some(t) = jm.replica.track.as_mut() {
                         t.diverged();
                     }
                 }
@@ -412,10 +412,10 @@ impl Shard {
             jm.queue.waiting.pop_front();
             metrics::add(&self.metrics.append_failures, 1);
         }
-        for w in jm.awaiting.drain(..) {
+        for w in jm.replica.awaiting.drain(..) {
             w.op.reply_error(status, &reply, msg);
         }
-        if let Some(t) = jm.replica.as_mut() {
+        if let Some(t) = jm.replica.track.as_mut() {
             t.diverged();
         }
         if let Some(spool) = jm.spool.as_mut() {
