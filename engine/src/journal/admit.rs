@@ -74,8 +74,12 @@ pub fn admit(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
         );
     }
     if !is_replica_op {
-        let spooled = jm.spool.as_ref().map_or(0, |s| s.staged() - s.begin());
-        if spooled >= jm.spec.fragment.length || jm.seal_requested {
+        let spooled = jm
+            .files
+            .spool
+            .as_ref()
+            .map_or(0, |s| s.staged() - s.begin());
+        if spooled >= jm.spec.fragment.length || jm.files.seal_requested {
             return Admission::Seal {
                 again: shard.inflight == 0,
             };
@@ -276,7 +280,7 @@ mod tests {
     #[test]
     fn a_seal_comes_first_once_requested_or_the_fragment_is_full() {
         let mut j = journal(false);
-        j.seal_requested = true;
+        j.files.seal_requested = true;
         assert_eq!(
             admit(&j, &op(false), &primary()),
             Admission::Seal { again: true }

@@ -289,8 +289,8 @@ impl Journal {
     /// Lets the stores' index go (see [`Index::forget`]), unless the
     /// broker holds any of the journal's bytes.
     pub fn forget_index(&mut self) -> bool {
-        let holds_bytes =
-            !self.fragments.is_empty() || self.spool.as_ref().is_some_and(|s| !s.is_empty());
+        let holds_bytes = !self.files.fragments.is_empty()
+            || self.files.spool.as_ref().is_some_and(|s| !s.is_empty());
         let has_stores = self.has_stores();
         self.index.forget(holds_bytes, has_stores)
     }
@@ -298,7 +298,8 @@ impl Journal {
     /// Merges a fresh listing into the index (see [`Index::set_listing`]).
     /// Readers waiting for bytes are woken: the index may now hold them.
     pub fn set_listing(&mut self, listed: Vec<StoredFragment>, mark: u64) {
-        self.index.set_listing(listed, mark, &mut self.fragments);
+        self.index
+            .set_listing(listed, mark, &mut self.files.fragments);
         self.readers.committed.notify(usize::MAX);
     }
 
@@ -306,8 +307,8 @@ impl Journal {
     pub fn locate(&self, offset: u64) -> Option<Located> {
         self.index.locate(
             offset,
-            &self.fragments,
-            self.spool.as_ref(),
+            &self.files.fragments,
+            self.files.spool.as_ref(),
             self.heads.head(),
         )
     }

@@ -1,7 +1,9 @@
 //! A journal's shard-local state: its spool, sealed local fragments, write
-//! head, registers and the queue of appends waiting their turn.
+//! head, registers and the queue of appends waiting their turn, in structs
+//! by the room of the shard that writes them.
 
 mod admit;
+mod files;
 mod heads;
 mod index;
 mod primary;
@@ -12,6 +14,7 @@ mod replica;
 mod tail;
 
 pub use admit::{admit, Admission, AdmitRole, AdmitShard};
+pub use files::Files;
 pub use heads::Heads;
 pub use index::{FileRef, Index, Located};
 pub use primary::PrimaryState;
@@ -116,38 +119,33 @@ impl SharedFailures {
     }
 }
 
+/// One journal's shard-local state, touched by its shard's thread only.
+///
+/// It is a few structs, each written by one room of the shard (its doc
+/// comment says which, and which rooms only read it), so that a change to
+/// one can be traced to the code that makes it. Cross-group operations
+/// (locating an offset, merging a listing, the head setters that name the
+/// journal in their assertions) are methods of `Journal` itself.
 pub struct Journal {
     pub name: String,
     pub spec: JournalSpec,
-    pub dir: PathBuf,
-    /// Sealed local fragments, by begin.
-    pub fragments: Vec<LocalFragment>,
-    pub spool: Option<Spool>,
-    /// The spool is out of `spool` while an operation on it awaits (a seal,
-    /// or a reload of its tail): its bytes are in no file a read can
-    /// locate until it is back, or sealed into `fragments`. Reads of them
-    /// wait, and `committed` is notified when it ends.
-    pub spool_out: bool,
+    /// The journal was deleted: set once, by `Shard::delete_journal`
+    /// (`shard/history.rs`), as it leaves the shard's journals.
+    pub deleted: bool,
+    /// The journal's files on this broker: its spool and sealed fragments.
+    pub files: Files,
     /// The heads and registers: staged, committed here, visible.
     pub heads: Heads,
-    pub seal_requested: bool,
-    pub seal_waiters: Vec<(Rc<Outbox>, u64)>,
-    /// When the open spool took its first commit.
-    pub spool_since: Option<SystemTime>,
-    pub deleted: bool,
-    /// What the journal keeps as a replica of its primary's stream.
-    pub replica: ReplicaState,
-    /// What the journal's primary keeps: its replicas and batches in flight.
-    pub primary: PrimaryState,
     /// The appends waiting their turn, and the one being staged.
     pub queue: AppendQueue,
-    /// The stores' fragment index and its listings.
-    pub index: Index,
+    /// What the journal's primary keeps: its replicas and batches in flight.
+    pub primary: PrimaryState,
+    /// What the journal keeps as a replica of its primary's stream.
+    pub replica: ReplicaState,
     /// Readers waiting at the head, and what is kept for them.
     pub readers: Readers,
-    /// Reads of a local file (fragment or spool) in flight: while any is,
-    /// no fragment file of the journal is reused as a spare spool.
-    pub reads_in_flight: usize,
+    /// The stores' fragment index and its listings.
+    pub index: Index,
 }
 
 impl Journal {
@@ -156,20 +154,13 @@ impl Journal {
             name: spec.name.clone(),
             queue: AppendQueue::new(spec.max_append_rate),
             spec,
-            dir,
-            fragments: Vec::new(),
-            spool: None,
-            spool_out: false,
-            heads: Heads::default(),
-            seal_requested: false,
-            seal_waiters: Vec::new(),
-            spool_since: None,
             deleted: false,
-            replica: ReplicaState::default(),
+            files: Files::new(dir),
+            heads: Heads::default(),
             primary: PrimaryState::default(),
-            index: Index::default(),
+            replica: ReplicaState::default(),
             readers: Readers::default(),
-            reads_in_flight: 0,
+            index: Index::default(),
         }
     }
 
@@ -219,7 +210,7 @@ impl Journal {
     /// The spool is back (or sealed into `fragments`): reads that waited
     /// for it go on.
     pub fn spool_back(&mut self) {
-        self.spool_out = false;
+        self.files.spool_out = false;
         self.readers.committed.notify(usize::MAX);
     }
 
@@ -230,22 +221,32 @@ impl Journal {
     /// The end of readable history: the write head, or further when the
     /// stores or local fragments hold more (before a head reset).
     pub fn read_head(&self) -> u64 {
-        let local = self.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        let local = self
+            .files
+            .fragments
+            .iter()
+            .map(|f| f.end)
+            .max()
+            .unwrap_or(0);
         self.heads.head().max(self.index.remote_end()).max(local)
     }
 
     /// Whether the open spool should seal before the next append starts.
     pub fn wants_seal(&self, now: SystemTime) -> bool {
-        let Some(spool) = &self.spool else {
+        let Some(spool) = &self.files.spool else {
             return false;
         };
         if spool.is_empty() {
-            return self.seal_requested;
+            return self.files.seal_requested;
         }
-        if self.seal_requested || spool.len() >= self.spec.fragment.length {
+        if self.files.seal_requested || spool.len() >= self.spec.fragment.length {
             return true;
         }
-        flush_boundary_crossed(self.spool_since, self.spec.fragment.flush_interval, now)
+        flush_boundary_crossed(
+            self.files.spool_since,
+            self.spec.fragment.flush_interval,
+            now,
+        )
     }
 }
 
@@ -397,18 +398,18 @@ mod tests {
     #[test]
     fn the_index_prefers_this_brokers_bytes_and_forgets_corrupt_objects() {
         let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
-        j.fragments.push(local(0, 8, 2));
+        j.files.fragments.push(local(0, 8, 2));
         for listed in [
             vec![object(0, 8, 1), object(0, 8, 2)],
             vec![object(0, 8, 2), object(0, 8, 1)],
         ] {
             j.set_listing(listed, j.index.listing_mark());
             assert_eq!(shas(&j), [(0, 8, 2)]);
-            assert!(j.fragments[0].uploaded);
+            assert!(j.files.fragments[0].uploaded);
         }
         // Without a local copy, an upload this broker confirmed wins over
         // an object listed before it.
-        j.fragments.clear();
+        j.files.fragments.clear();
         j.set_listing(vec![object(8, 16, 1)], j.index.listing_mark());
         j.index.insert_remote(object(8, 16, 3));
         assert_eq!(shas(&j), [(8, 16, 3)]);
@@ -446,11 +447,11 @@ mod tests {
         j.index.listing = true;
         assert!(!j.forget_index(), "a listing is under way");
         j.index.listing = false;
-        j.fragments.push(local(16, 24, 3));
+        j.files.fragments.push(local(16, 24, 3));
         assert!(!j.forget_index(), "a local fragment is still to upload");
         assert!(j.index.loaded);
         assert_eq!(j.index.remote_end(), 16);
-        j.fragments.clear();
+        j.files.fragments.clear();
         assert!(j.forget_index());
         assert!(!j.index.loaded && j.index.forgotten && j.index.last_listing.is_some());
         assert!(j.index.remote().is_empty());
@@ -536,7 +537,7 @@ mod tests {
     fn a_damaged_local_fragment_is_read_from_the_store_or_refused() {
         let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
         for (begin, end) in [(0, 8), (8, 16)] {
-            j.fragments.push(LocalFragment {
+            j.files.fragments.push(LocalFragment {
                 begin,
                 end,
                 sha1: [2; 20],
@@ -549,7 +550,7 @@ mod tests {
                 sealed_at: SystemTime::UNIX_EPOCH,
             });
         }
-        j.fragments[0].corrupt = Some("bytes hash to 00".into());
+        j.files.fragments[0].corrupt = Some("bytes hash to 00".into());
         let located = |j: &Journal, at: u64| {
             let l = j.locate(at).expect("located");
             let file = match l.file {
@@ -567,12 +568,12 @@ mod tests {
         );
         assert_eq!(located(&j, 8), ("local /nonexistent/8".into(), 8, 0, 16));
         // Found on disk and not checked yet: the read checks it first.
-        j.fragments[1].verified = false;
+        j.files.fragments[1].verified = false;
         assert_eq!(
             located(&j, 9),
             ("unchecked /nonexistent/8".into(), 9, 1, 16)
         );
-        j.fragments[1].verified = true;
+        j.files.fragments[1].verified = true;
         j.set_listing(vec![object(0, 8, 2)], j.index.listing_mark());
         assert_eq!(located(&j, 3), ("store 0-8".into(), 3, 3, 8));
     }

@@ -281,6 +281,7 @@ impl Shard {
         for (j, res, w, synced) in results {
             let path = j
                 .borrow()
+                .files
                 .spool
                 .as_ref()
                 .map(|s| s.path().to_path_buf())
@@ -288,6 +289,7 @@ impl Shard {
             if let Some(w) = w {
                 metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
                 j.borrow_mut()
+                    .files
                     .spool
                     .as_mut()
                     .expect("spool written")
@@ -336,7 +338,7 @@ impl Shard {
         for j in ready {
             let mut jm = j.borrow_mut();
             let fsync = jm.spec.durability == Durability::Fsync && !jm.queue.staged.is_empty();
-            let Some(spool) = jm.spool.as_mut() else {
+            let Some(spool) = jm.files.spool.as_mut() else {
                 continue;
             };
             let file = spool.file().clone();
@@ -430,7 +432,7 @@ impl Shard {
                 let has_bytes = {
                     let jm = j.borrow();
                     !jm.deleted
-                        && jm.spool.as_ref().is_some_and(|s| s.room() > 0)
+                        && jm.files.spool.as_ref().is_some_and(|s| s.room() > 0)
                         && jm
                             .queue
                             .active
@@ -450,9 +452,9 @@ impl Shard {
                         other_with_replicas: jm.queue.staged_with_replicas,
                     });
                 }
-                let before = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                let before = j.borrow().files.spool.as_ref().map_or(0, |s| s.staged());
                 self.stage_queue(j);
-                let after = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                let after = j.borrow().files.spool.as_ref().map_or(0, |s| s.staged());
                 metrics::add(&self.metrics.prestaged_bytes, after.saturating_sub(before));
                 staged = true;
             }
@@ -481,7 +483,7 @@ impl Shard {
             .map(|j| {
                 let jm = j.borrow();
                 let end = jm.queue.staged.last().expect("non-empty").end;
-                end.saturating_sub(jm.spool.as_ref().expect("spool").written())
+                end.saturating_sub(jm.files.spool.as_ref().expect("spool").written())
             })
             .sum();
         let carry_max = if new_bytes <= INLINE_TURN_BYTES_MAX {
@@ -492,7 +494,7 @@ impl Shard {
         for j in committing {
             let jm = j.borrow();
             let last = jm.queue.staged.last().expect("non-empty");
-            let spool = jm.spool.as_ref().expect("spool");
+            let spool = jm.files.spool.as_ref().expect("spool");
             if last.end == spool.committed() && last.registers == *jm.heads.local_registers() {
                 continue;
             }
@@ -564,7 +566,7 @@ impl Shard {
     /// state must not run ahead of the spool.
     pub(super) fn restate(&self, j: &JournalRef) {
         let jm = j.borrow();
-        let Some(spool) = &jm.spool else { return };
+        let Some(spool) = &jm.files.spool else { return };
         let st = JournalState {
             spool_begin: spool.begin(),
             end: spool.committed(),
@@ -646,7 +648,7 @@ impl Shard {
                 }
                 jm.readers.tail.truncate(start.offset);
                 jm.set_staged_head(start.offset);
-                if let Some(spool) = jm.spool.as_mut() {
+                if let Some(spool) = jm.files.spool.as_mut() {
                     spool.rewind(start);
                 }
             }
@@ -725,16 +727,17 @@ impl Shard {
     async fn reload_tail(&self, j: &JournalRef) -> bool {
         let needs_tail = j
             .borrow()
+            .files
             .spool
             .as_ref()
             .is_some_and(|s| !s.can_stage() && !s.write_in_flight());
         if needs_tail {
-            let mut spool = j.borrow_mut().spool.take().expect("checked");
-            j.borrow_mut().spool_out = true;
+            let mut spool = j.borrow_mut().files.spool.take().expect("checked");
+            j.borrow_mut().files.spool_out = true;
             let res = spool.load_tail().await;
             {
                 let mut jm = j.borrow_mut();
-                jm.spool = Some(spool);
+                jm.files.spool = Some(spool);
                 jm.spool_back();
             }
             if let Err(e) = res {
@@ -750,13 +753,13 @@ impl Shard {
     async fn open_spool(&self, j: &JournalRef) {
         let needs_spool = {
             let jm = j.borrow();
-            jm.spool.is_none() && !jm.queue.waiting.is_empty()
+            jm.files.spool.is_none() && !jm.queue.waiting.is_empty()
         };
         if needs_spool {
             let (dir, head, length) = {
                 let jm = j.borrow();
                 (
-                    jm.dir.clone(),
+                    jm.files.dir.clone(),
                     jm.heads.local_head(),
                     jm.spec.fragment.length,
                 )
@@ -766,7 +769,7 @@ impl Shard {
                 Err(e) => Err(StorageError::io(&dir, e)),
             };
             match created {
-                Ok(spool) => j.borrow_mut().spool = Some(spool),
+                Ok(spool) => j.borrow_mut().files.spool = Some(spool),
                 Err(e) => {
                     if e.is_full() {
                         metrics::add(&self.metrics.storage_full, 1);
@@ -810,7 +813,7 @@ impl Shard {
             // can be uploaded: the new members may never have had it.
             idle && match role {
                 Role::Primary(_) => jm.wants_seal(crate::clock::wall()),
-                Role::Outside(_) => jm.spool.as_ref().is_some_and(|s| !s.is_empty()),
+                Role::Outside(_) => jm.files.spool.as_ref().is_some_and(|s| !s.is_empty()),
                 Role::Replica(_) => false,
             }
         };
@@ -848,7 +851,7 @@ impl Shard {
         let (spool, durable) = {
             let mut jm = j.borrow_mut();
             let durable = jm.spec.durability == Durability::Fsync;
-            (jm.spool.take(), durable)
+            (jm.files.spool.take(), durable)
         };
         let spool = match spool {
             Some(s) if s.is_empty() => {
@@ -869,7 +872,7 @@ impl Shard {
         if let Some(spool) = spool {
             let path = spool.path().to_path_buf();
             let begin = spool.begin();
-            j.borrow_mut().spool_out = true;
+            j.borrow_mut().files.spool_out = true;
             match spool.seal(durable).await {
                 Ok(frag) => sealed = frag,
                 Err(e) => {
@@ -878,7 +881,7 @@ impl Shard {
                     tracing::error!(path = %path.display(), error = %e, "seal failed");
                     let end = j.borrow().heads.head();
                     if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
-                        j.borrow_mut().spool = Some(s);
+                        j.borrow_mut().files.spool = Some(s);
                     }
                     j.borrow_mut().spool_back();
                     return;
@@ -886,8 +889,8 @@ impl Shard {
             }
         }
         let mut jm = j.borrow_mut();
-        jm.seal_requested = false;
-        jm.spool_since = None;
+        jm.files.seal_requested = false;
+        jm.files.spool_since = None;
         // Replicas must start their next spool where this one ended.
         jm.primary.repl = None;
         let json = match &sealed {
@@ -906,19 +909,19 @@ impl Shard {
             // (tailing readers finish it); older ones are opened per read.
             // Else every fragment of a journal with small fragments holds a
             // descriptor, and tens of thousands exhaust the process's.
-            if let Some(prev) = jm.fragments.last_mut() {
+            if let Some(prev) = jm.files.fragments.last_mut() {
                 prev.file = None;
             }
-            jm.fragments.push(f);
+            jm.files.fragments.push(f);
         }
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }
-        if jm.spool_out {
+        if jm.files.spool_out {
             jm.spool_back();
         }
         let body = serde_json::to_vec(&serde_json::json!({ "sealed": json })).expect("json");
-        for (outbox, id) in jm.seal_waiters.drain(..) {
+        for (outbox, id) in jm.files.seal_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
     }
@@ -936,11 +939,15 @@ impl Shard {
         let jm = &mut *jm;
         let staged = std::mem::take(&mut jm.queue.staged);
         let last = staged.last().expect("non-empty");
-        jm.spool.as_mut().expect("spool").commit(last.point.clone());
+        jm.files
+            .spool
+            .as_mut()
+            .expect("spool")
+            .commit(last.point.clone());
         jm.commit_local_to(last.end);
         jm.heads.set_local_registers(last.registers.clone());
-        if jm.spool_since.is_none() {
-            jm.spool_since = Some(crate::clock::wall());
+        if jm.files.spool_since.is_none() {
+            jm.files.spool_since = Some(crate::clock::wall());
         }
         staged
     }

@@ -19,6 +19,7 @@ impl Shard {
         let codec = jm.spec.fragment.compression_codec;
         let name = jm.name.clone();
         for f in jm
+            .files
             .fragments
             .iter_mut()
             .filter(|f| !f.uploaded && !f.uploading)
@@ -59,6 +60,7 @@ impl Shard {
             // The SHA-1 tells a fragment from one of the same span of a
             // deleted journal of the same name, whose upload may end late.
             let Some(f) = jm
+                .files
                 .fragments
                 .iter_mut()
                 .find(|f| f.begin == done.begin && f.end == done.end && f.sha1 == done.sha1)
@@ -131,6 +133,7 @@ impl Shard {
                 continue;
             }
             let waiting: u64 = jm
+                .files
                 .fragments
                 .iter()
                 .filter(|f| !f.uploaded)
@@ -153,8 +156,14 @@ impl Shard {
         let (mut on_disk, mut lag_max, mut unlisted) = (0u64, 0u64, 0u64);
         for j in self.journals.borrow().values() {
             let jm = j.borrow();
-            on_disk += jm.fragments.iter().map(|f| f.end - f.begin).sum::<u64>();
             on_disk += jm
+                .files
+                .fragments
+                .iter()
+                .map(|f| f.end - f.begin)
+                .sum::<u64>();
+            on_disk += jm
+                .files
                 .spool
                 .as_ref()
                 .map_or(0, |s| s.committed().saturating_sub(s.begin()));
@@ -176,7 +185,7 @@ impl Shard {
         let mut cached: Vec<(SystemTime, u64, JournalRef, u64)> = Vec::new();
         let mut total = 0;
         for j in self.journals.borrow().values() {
-            for f in j.borrow().fragments.iter().filter(|f| f.uploaded) {
+            for f in j.borrow().files.fragments.iter().filter(|f| f.uploaded) {
                 total += f.end - f.begin;
                 cached.push((f.sealed_at, f.end - f.begin, j.clone(), f.begin));
             }
@@ -191,11 +200,12 @@ impl Shard {
             }
             let mut jm = j.borrow_mut();
             if let Some(at) = jm
+                .files
                 .fragments
                 .iter()
                 .position(|f| f.begin == begin && f.uploaded)
             {
-                let f = jm.fragments.remove(at);
+                let f = jm.files.fragments.remove(at);
                 self.retire_fragment(&jm, f);
                 total -= len;
             }
@@ -290,10 +300,10 @@ impl Shard {
         let mut jm = j.borrow_mut();
         if !self.is_primary(&jm.spec) {
             // A replica's copies are dropped once the store holds them.
-            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.fragments)
+            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.files.fragments)
                 .into_iter()
                 .partition(|f| f.uploaded);
-            jm.fragments = kept;
+            jm.files.fragments = kept;
             for f in gone {
                 self.retire_fragment(&jm, f);
             }
@@ -352,6 +362,7 @@ impl Shard {
                     .any(|(n, begin, end, sha1)| {
                         *n == jm.name
                             && !jm
+                                .files
                                 .fragments
                                 .iter()
                                 .any(|f| f.begin == *begin && f.end == *end && f.sha1 == *sha1)
@@ -437,10 +448,10 @@ impl Shard {
                 let jm = j.borrow();
                 jm.has_stores()
                     && self.uploads(&jm.spec)
-                    && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
+                    && jm.files.spool.as_ref().is_some_and(|s| !s.is_empty())
             };
             if wants {
-                j.borrow_mut().seal_requested = true;
+                j.borrow_mut().files.seal_requested = true;
                 self.mark_ready(j);
             }
         }
@@ -450,7 +461,7 @@ impl Shard {
                 let jm = j.borrow();
                 jm.has_stores()
                     && self.uploads(&jm.spec)
-                    && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
+                    && (jm.files.seal_requested || jm.files.fragments.iter().any(|f| !f.uploaded))
             });
             if !pending {
                 return true;
@@ -602,7 +613,7 @@ impl Shard {
     /// deleted by the reaper: freed a step at a time unless something
     /// may still read it.
     pub(super) fn retire_fragment(&self, jm: &Journal, f: LocalFragment) {
-        let unread = !f.uploading && jm.reads_in_flight == 0;
+        let unread = !f.uploading && jm.files.reads_in_flight == 0;
         let idle = unread && f.uploaded && f.corrupt.is_none();
         let len = f.end - f.begin;
         drop(f.file);
@@ -638,11 +649,11 @@ impl Shard {
             }
             return;
         }
-        if j.borrow().spool.is_some() {
+        if j.borrow().files.spool.is_some() {
             self.seal(j).await;
         }
         let mut jm = j.borrow_mut();
-        let local_end = jm.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        let local_end = jm.files.fragments.iter().map(|f| f.end).max().unwrap_or(0);
         let head = jm.heads.head().max(jm.index.remote_end()).max(local_end);
         if head > jm.heads.head() {
             // Recorded, so that a restart before the next append keeps the

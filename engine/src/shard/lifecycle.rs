@@ -54,8 +54,8 @@ impl Shard {
     pub fn request_seal(&self, j: &JournalRef, outbox: Rc<Outbox>, request_id: u64) {
         {
             let mut jm = j.borrow_mut();
-            jm.seal_requested = true;
-            jm.seal_waiters.push((outbox, request_id));
+            jm.files.seal_requested = true;
+            jm.files.seal_waiters.push((outbox, request_id));
         }
         self.mark_ready(j);
     }

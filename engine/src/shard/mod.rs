@@ -612,7 +612,7 @@ fn answer_ok(s: &Staged) {
 fn abandon_active(jm: &mut Journal) -> Option<Active> {
     let a = jm.queue.active.take()?;
     jm.readers.tail.truncate(a.start.offset);
-    if let Some(spool) = jm.spool.as_mut() {
+    if let Some(spool) = jm.files.spool.as_mut() {
         spool.rewind(a.start.clone());
     }
     send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);

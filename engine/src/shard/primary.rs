@@ -263,7 +263,12 @@ impl Shard {
             // journal's tick: it is needed only for a journal holding bytes,
             // with replicas to pulse, or whose route may have changed, of
             // tens of thousands on a shard.
-            let holds_bytes = j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty());
+            let holds_bytes = j
+                .borrow()
+                .files
+                .spool
+                .as_ref()
+                .is_some_and(|s| !s.is_empty());
             // At most so many takeovers begin in a tick; the other
             // journals keep their check for the next.
             let check = j.borrow().primary.route_check && takeovers < TICK_TAKEOVERS_MAX;
@@ -389,7 +394,13 @@ impl Shard {
         // A fresh spool at the head on every member. (A primary without
         // replicas, asking only its earlier routes' brokers, keeps its spool
         // unless they are ahead of it.)
-        if route.members.len() > 1 && j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+        if route.members.len() > 1
+            && j.borrow()
+                .files
+                .spool
+                .as_ref()
+                .is_some_and(|s| !s.is_empty())
+        {
             self.seal(j).await;
         }
         j.borrow_mut().primary.syncing = true;
@@ -564,16 +575,21 @@ impl Shard {
         tracing::warn!(journal = %name, from = head, to, broker = %ahead[0].2.id, "a broker is ahead; copying the journal's bytes from it and rolling forward");
         // Sealed first, if bytes are open in it (a primary without
         // replicas keeps its spool through a SYNC).
-        if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+        if j.borrow()
+            .files
+            .spool
+            .as_ref()
+            .is_some_and(|s| !s.is_empty())
+        {
             self.seal(j).await;
-            if j.borrow().spool.is_some() {
+            if j.borrow().files.spool.is_some() {
                 return Err(Failure::new(
                     Status::IO_ERROR,
                     "sealing the primary's spool before copying failed",
                 ));
             }
         }
-        let spool = j.borrow_mut().spool.take();
+        let spool = j.borrow_mut().files.spool.take();
         if let Some(spool) = spool {
             // Empty: the SYNC started by sealing.
             let _ = spool.seal(false).await;
@@ -587,7 +603,7 @@ impl Shard {
                 0
             };
             (
-                jm.dir.clone(),
+                jm.files.dir.clone(),
                 jm.spec.durability == Durability::Fsync,
                 head.max(listed).min(to),
             )
@@ -609,8 +625,8 @@ impl Shard {
             self.unuploaded_bytes
                 .set(self.unuploaded_bytes.get() + held);
         }
-        jm.fragments.extend(copied);
-        jm.fragments.sort_by_key(|f| (f.begin, f.end));
+        jm.files.fragments.extend(copied);
+        jm.files.fragments.sort_by_key(|f| (f.begin, f.end));
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }

@@ -26,7 +26,7 @@ pub(super) struct ReadPin(JournalRef);
 
 impl ReadPin {
     fn new(j: &JournalRef) -> ReadPin {
-        j.borrow_mut().reads_in_flight += 1;
+        j.borrow_mut().files.reads_in_flight += 1;
         ReadPin(j.clone())
     }
 }
@@ -36,7 +36,7 @@ impl Drop for ReadPin {
         // Should the journal be borrowed here, the count stays up: that
         // only stops its files from being reused, never the other way.
         if let Ok(mut jm) = self.0.try_borrow_mut() {
-            jm.reads_in_flight -= 1;
+            jm.files.reads_in_flight -= 1;
         }
     }
 }
@@ -156,6 +156,7 @@ impl Shard {
         }
         let Some((begin, end, sha1)) = j
             .borrow()
+            .files
             .fragments
             .iter()
             .find(|f| f.path == path && !f.verified)
@@ -173,7 +174,7 @@ impl Shard {
         event.notify(usize::MAX);
         let mut jm = j.borrow_mut();
         let name = jm.name.clone();
-        let Some(f) = jm.fragments.iter_mut().find(|f| f.path == path) else {
+        let Some(f) = jm.files.fragments.iter_mut().find(|f| f.path == path) else {
             return Ok(());
         };
         match res {
@@ -315,6 +316,7 @@ impl Shard {
         let jm = j.borrow();
         let limit = limit.max(1);
         let mut out: Vec<(u64, bool, serde_json::Value)> = jm
+            .files
             .fragments
             .iter()
             .filter(|f| f.begin >= from)
@@ -350,6 +352,7 @@ impl Shard {
             ));
         }
         if let Some(spool) = jm
+            .files
             .spool
             .as_ref()
             .filter(|s| !s.is_empty() && s.begin() >= from)
@@ -652,7 +655,7 @@ impl ReadCall<'_> {
                 // now (the store).
                 Err(e)
                     if e.kind() == std::io::ErrorKind::NotFound
-                        && !j.borrow().fragments.iter().any(|f| f.path == path) =>
+                        && !j.borrow().files.fragments.iter().any(|f| f.path == path) =>
                 {
                     return ReadStep::At(offset)
                 }
@@ -728,11 +731,11 @@ impl ReadCall<'_> {
     /// that does not block.
     async fn wait_for_bytes(&self, offset: u64, head: u64) -> ReadStep {
         let j = &self.j;
-        if j.borrow().spool_out {
+        if j.borrow().files.spool_out {
             // Its spool is being sealed, or its tail reloaded: the
             // bytes are back in a file when that is done.
             let wakeup = self.wakeup();
-            if j.borrow().spool_out && self.stopped().is_none() && !self.outbox.is_closed() {
+            if j.borrow().files.spool_out && self.stopped().is_none() && !self.outbox.is_closed() {
                 wakeup.await;
             }
             return ReadStep::At(offset);

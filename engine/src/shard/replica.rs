@@ -48,10 +48,10 @@ impl Shard {
                 answer(Status::PROPOSAL_MISMATCH, msg, head);
                 continue;
             }
-            if j.borrow().spool.is_some() {
+            if j.borrow().files.spool.is_some() {
                 self.seal(j).await;
             }
-            if j.borrow().spool.is_some() {
+            if j.borrow().files.spool.is_some() {
                 answer(
                     Status::IO_ERROR,
                     "sealing the replica's spool failed".into(),
@@ -130,7 +130,7 @@ impl Shard {
         }
         jm.readers.tail.truncate(start.offset);
         jm.set_staged_head(start.offset);
-        if let Some(spool) = jm.spool.as_mut() {
+        if let Some(spool) = jm.files.spool.as_mut() {
             spool.rewind(start);
         }
         if let Some(t) = jm.replica.track.as_mut() {

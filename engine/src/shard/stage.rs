@@ -40,15 +40,15 @@ impl Shard {
         if jm.queue.staged.is_empty() {
             jm.queue.staged_with_replicas = jm.primary.repl.is_some();
         }
-        if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
+        if jm.files.spool.as_ref().is_none_or(|s| !s.can_stage()) {
             // Seal waiters on a journal without a spool get their answer.
-            if jm.spool.is_none() && !jm.seal_waiters.is_empty() {
+            if jm.files.spool.is_none() && !jm.files.seal_waiters.is_empty() {
                 let body =
                     serde_json::to_vec(&serde_json::json!({ "sealed": null })).expect("json");
-                for (outbox, id) in jm.seal_waiters.drain(..) {
+                for (outbox, id) in jm.files.seal_waiters.drain(..) {
                     outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
                 }
-                jm.seal_requested = false;
+                jm.files.seal_requested = false;
             }
             return false;
         }
@@ -63,7 +63,7 @@ impl Shard {
                     Front::Passed => continue,
                     Front::Wait { again } => return again,
                 }
-                let start = jm.spool.as_ref().expect("checked").commit_point();
+                let start = jm.files.spool.as_ref().expect("checked").commit_point();
                 let seq = if is_replica_op {
                     op.request_id
                 } else {
@@ -104,7 +104,7 @@ impl Shard {
         }
         let a = jm.queue.active.take().expect("active");
         jm.readers.tail.truncate(a.start.offset);
-        jm.spool.as_mut().expect("checked").rewind(a.start);
+        jm.files.spool.as_mut().expect("checked").rewind(a.start);
         send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
         let r = AppendReply {
             write_head: jm.heads.staged_head(),
@@ -125,7 +125,7 @@ impl Shard {
     /// every chunk that arrived is staged.
     fn stage_arrived(&self, j: &JournalRef, jm: &mut Journal) -> Option<bool> {
         let a = jm.queue.active.as_mut().expect("set above");
-        let spool = jm.spool.as_mut().expect("checked");
+        let spool = jm.files.spool.as_mut().expect("checked");
         // Stage what has arrived.
         loop {
             let mut chunks = a.op.chunks.borrow_mut();
@@ -219,7 +219,7 @@ impl Shard {
     fn finish_whole(&self, jm: &mut Journal) {
         let a = jm.queue.active.take().expect("active");
         jm.queue.waiting.pop_front();
-        let spool = jm.spool.as_mut().expect("checked");
+        let spool = jm.files.spool.as_mut().expect("checked");
         let point = spool.commit_point();
         let begin = a.start.offset;
         let end = point.offset;
@@ -418,7 +418,7 @@ impl Shard {
         if let Some(t) = jm.replica.track.as_mut() {
             t.diverged();
         }
-        if let Some(spool) = jm.spool.as_mut() {
+        if let Some(spool) = jm.files.spool.as_mut() {
             spool.rollback();
         }
         let head = jm.heads.local_head();
