@@ -6,13 +6,14 @@ use super::*;
 /// The fragments the journal's stores hold, as listed and as this
 /// broker's uploads confirmed them, and the state of its listings.
 ///
-/// Written by the shard's history tasks only (`shard/history.rs`: store
-/// listings, upload results, prune and reset-head), and through its
-/// methods: `set_listing`, `insert_remote`, `drop_remote` and `forget`.
-/// Reads (`shard/read.rs`) drop an object they find gone or corrupt
-/// through `drop_remote`; the tick (`shard/primary.rs`) lets the index go
-/// through `forget`. Admission (`journal/admit.rs`), reads, the tick and
-/// admin requests read it.
+/// Written by the shard's history tasks (`shard/history.rs`: store
+/// listings, upload results, prune and reset-head): the fragments through
+/// `set_listing`, `insert_remote` and `drop_remote`, the listing state
+/// directly. Elsewhere only recovery sets it up (`init`), a read
+/// (`shard/read.rs`) drops an object it finds gone or corrupt
+/// (`drop_remote`), and the tick (`shard/primary.rs`) lets the index go
+/// (`forget`). Admission (`journal/admit.rs`), reads, the tick and admin
+/// requests read it.
 #[derive(Default)]
 pub struct Index {
     /// Fragments listed from the journal's stores, by begin.
