@@ -555,10 +555,10 @@ async fn answer_fragments(
 ) {
     let deadline = crate::clock::now() + FRAGMENTS_LISTING_WAIT;
     loop {
-        let listen = j.borrow().committed.listen();
+        let listen = j.borrow().readers.committed.listen();
         let (listed, failed) = {
             let jm = j.borrow();
-            (jm.index_loaded, jm.index_error.clone())
+            (jm.index.loaded, jm.index.error.clone())
         };
         if listed {
             break;

@@ -35,7 +35,7 @@ impl Conn {
             };
             let verdict = {
                 let mut jm = j.borrow_mut();
-                let t = jm.replica.get_or_insert_with(Default::default);
+                let t = jm.replica.track.get_or_insert_with(Default::default);
                 if !t.takes_stream(sink.id) {
                     // Another primary's stream synchronized the journal:
                     // this one's records (a deposed primary's, still in
@@ -337,7 +337,10 @@ impl Conn {
             return refuse(Status::JOURNAL_NOT_FOUND, "journal vanished".into());
         };
         self.abort_replica_ops(&j);
-        j.borrow_mut().sync_waiters.push(SyncWaiter { sink, req });
+        j.borrow_mut()
+            .replica
+            .sync_waiters
+            .push(SyncWaiter { sink, req });
         self.shard.mark_ready(&j);
     }
 }

@@ -74,8 +74,12 @@ pub fn admit(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
         );
     }
     if !is_replica_op {
-        let spooled = jm.spool.as_ref().map_or(0, |s| s.staged() - s.begin());
-        if spooled >= jm.spec.fragment.length || jm.seal_requested {
+        let spooled = jm
+            .files
+            .spool
+            .as_ref()
+            .map_or(0, |s| s.staged() - s.begin());
+        if spooled >= jm.spec.fragment.length || jm.files.seal_requested {
             return Admission::Seal {
                 again: shard.inflight == 0,
             };
@@ -88,10 +92,10 @@ pub fn admit(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
     }
     let req = &op.req;
     if let Some(expect) = req.expect_offset {
-        if expect != jm.staged_head {
+        if expect != jm.heads.staged_head() {
             let message = format!(
                 "expected offset {expect} but the write head is {}",
-                jm.staged_head
+                jm.heads.staged_head()
             );
             if is_replica_op {
                 return Admission::Refuse {
@@ -103,10 +107,11 @@ pub fn admit(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
             return refuse(Status::WRONG_APPEND_OFFSET, message);
         }
     }
-    if !req.check_registers.is_empty() && !req.check_registers.matches(&jm.staged_registers) {
+    if !req.check_registers.is_empty() && !req.check_registers.matches(jm.heads.staged_registers())
+    {
         let message = format!(
             "registers {{{}}} do not match selector {{{}}}",
-            jm.staged_registers,
+            jm.heads.staged_registers(),
             req.check_registers.to_text()
         );
         return refuse(Status::REGISTER_MISMATCH, message);
@@ -117,12 +122,12 @@ pub fn admit(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
 /// The rules of a client's append to a journal with stores: its index is
 /// listed, ends within the write head, and uploads keep up.
 fn admit_stores(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
-    if !jm.index_loaded {
-        return Some(match &jm.index_error {
+    if !jm.index.loaded {
+        return Some(match &jm.index.error {
             // Wait for the first listing: the store may hold offsets
             // beyond the local head.
             None => Admission::AwaitListing {
-                hurry: !jm.listing && !jm.listing_hurried,
+                hurry: !jm.index.listing && !jm.index.listing_hurried,
             },
             Some(e) => refuse(
                 Status::FRAGMENT_STORE_UNHEALTHY,
@@ -130,11 +135,11 @@ fn admit_stores(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
             ),
         });
     }
-    let remote_end = jm.remote_end();
-    if remote_end > jm.staged_head {
+    let remote_end = jm.index.remote_end();
+    if remote_end > jm.heads.staged_head() {
         let message = format!(
             "the fragment index ends at {remote_end}, beyond the write head {}; run `rotary journals reset-head {}`",
-            jm.staged_head, jm.name
+            jm.heads.staged_head(), jm.name
         );
         return Some(refuse(Status::INDEX_HAS_GREATER_OFFSET, message));
     }
@@ -165,6 +170,7 @@ mod tests {
     use crate::append::{AbortReason, ReplicaOp};
     use rotary_net::spec::LabelSelector;
     use rotary_net::wire::AppendRequest;
+    use std::collections::VecDeque;
 
     fn journal(stores: bool) -> Journal {
         let mut spec = JournalSpec::new("a/b");
@@ -172,7 +178,7 @@ mod tests {
             spec.fragment.stores = vec!["file:///tmp/store/".into()];
         }
         let mut jm = Journal::new(spec, PathBuf::from("/nonexistent"));
-        jm.index_loaded = true;
+        jm.index.loaded = true;
         jm.set_staged_head(100);
         jm
     }
@@ -274,7 +280,7 @@ mod tests {
     #[test]
     fn a_seal_comes_first_once_requested_or_the_fragment_is_full() {
         let mut j = journal(false);
-        j.seal_requested = true;
+        j.files.seal_requested = true;
         assert_eq!(
             admit(&j, &op(false), &primary()),
             Admission::Seal { again: true }
@@ -304,17 +310,17 @@ mod tests {
     #[test]
     fn a_journal_with_stores_waits_for_its_first_listing() {
         let mut j = journal(true);
-        j.index_loaded = false;
+        j.index.loaded = false;
         assert_eq!(
             admit(&j, &op(false), &primary()),
             Admission::AwaitListing { hurry: true }
         );
-        j.listing = true;
+        j.index.listing = true;
         assert_eq!(
             admit(&j, &op(false), &primary()),
             Admission::AwaitListing { hurry: false }
         );
-        j.index_error = Some("store down".into());
+        j.index.error = Some("store down".into());
         assert_eq!(
             status(admit(&j, &op(false), &primary())),
             (Status::FRAGMENT_STORE_UNHEALTHY, false)
@@ -324,7 +330,7 @@ mod tests {
     #[test]
     fn an_index_beyond_the_head_refuses_until_reset() {
         let mut j = journal(true);
-        j.insert_remote(rotary_uploader::StoredFragment {
+        j.index.insert_remote(rotary_uploader::StoredFragment {
             journal: "a/b".into(),
             begin: 100,
             end: 200,
@@ -393,7 +399,9 @@ mod tests {
             (Status::REGISTER_MISMATCH, false)
         );
         let mut j = journal(false);
-        j.staged_registers = LabelSet::from_pairs([("owner", "me")]).unwrap();
+        j.heads.set_staged_registers(
+            rotary_net::spec::LabelSet::from_pairs([("owner", "me")]).unwrap(),
+        );
         assert_eq!(admit(&j, &a, &primary()), Admission::Stage);
     }
 }

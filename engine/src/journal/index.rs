@@ -3,10 +3,65 @@
 
 use super::*;
 
-impl Journal {
+/// The fragments the journal's stores hold, as listed and as this
+/// broker's uploads confirmed them, and the state of its listings.
+///
+/// Written by the shard's history tasks (`shard/history.rs`: store
+/// listings, upload results, prune and reset-head): the fragments through
+/// `set_listing`, `insert_remote` and `drop_remote`, the listing state
+/// directly. Elsewhere only recovery sets it up (`init`), a read
+/// (`shard/read.rs`) drops an object it finds gone or corrupt
+/// (`drop_remote`), and the tick (`shard/primary.rs`) lets the index go
+/// (`forget`). Admission (`journal/admit.rs`), reads, the tick and admin
+/// requests read it.
+#[derive(Default)]
+pub struct Index {
+    /// Fragments listed from the journal's stores, by begin.
+    remote: Vec<StoredFragment>,
+    /// For each fragment of `remote`, the furthest end of it and those
+    /// before it: [`Self::locate`] stops looking back where no earlier
+    /// fragment reaches the offset.
+    remote_reach: Vec<u64>,
+    /// Objects found not to hold the bytes their names say (store, key):
+    /// left out of every listing.
+    corrupt: std::collections::HashSet<(String, String)>,
+    /// Fragments this broker's uploads confirmed, with the count of
+    /// confirmations so far: a listing that started before a confirmation
+    /// must not drop it (the local copy may already be gone).
+    confirmed: Vec<(u64, StoredFragment)>,
+    confirmations: u64,
+    /// A listing of every store succeeded at least once (always true for
+    /// journals without stores). Appends wait for it: the store may hold
+    /// offsets beyond the local head.
+    pub(crate) loaded: bool,
+    /// The last listing error, for operators and refusals.
+    pub(crate) error: Option<String>,
+    pub(crate) last_listing: Option<Instant>,
+    /// The index was let go (see [`Self::forget`]): the tick lists
+    /// the journal again only once `refresh_interval` has passed, not
+    /// every second as for a first listing.
+    pub(crate) forgotten: bool,
+    pub(crate) listing: bool,
+    /// Waiting in the shard's queue of listings (see
+    /// `Shard::refresh_listing`).
+    pub(crate) listing_queued: bool,
+    /// A request waits for the first listing, which was started ahead of
+    /// the queue (see `Shard::hurry_first_listing`).
+    pub(crate) listing_hurried: bool,
+    /// Requests to move the write head to the end of the index, answered
+    /// by `Shard::reset_head` (the flusher calls it).
+    pub(crate) reset_waiters: Vec<(Rc<Outbox>, u64)>,
+}
+
+impl Index {
     /// A journal without stores has its whole index locally.
-    pub fn init_index(&mut self) {
-        self.index_loaded = !self.has_stores();
+    pub fn init(&mut self, has_stores: bool) {
+        self.loaded = !has_stores;
+    }
+
+    /// The fragments listed from the stores, by begin.
+    pub fn remote(&self) -> &[StoredFragment] {
+        &self.remote
     }
 
     /// Lets the stores' index go, as a broker outside the journal's route
@@ -16,17 +71,16 @@ impl Journal {
     /// has at a start: a request that needs the index (an append once the
     /// route holds this broker again, FRAGMENTS) waits for a fresh listing,
     /// so nothing uploaded meanwhile by its members is missed. Refused
-    /// (false) while the broker holds any of the journal's bytes: those
-    /// are dropped or uploaded by the listings it still makes.
-    pub fn forget_index(&mut self) -> bool {
-        let holds_bytes =
-            !self.fragments.is_empty() || self.spool.as_ref().is_some_and(|s| !s.is_empty());
-        if holds_bytes || self.listing || !self.has_stores() {
+    /// (false) while the broker holds any of the journal's bytes
+    /// (`holds_bytes`): those are dropped or uploaded by the listings it
+    /// still makes.
+    pub fn forget(&mut self, holds_bytes: bool, has_stores: bool) -> bool {
+        if holds_bytes || self.listing || !has_stores {
             return false;
         }
-        self.index_loaded = false;
-        self.index_error = None;
-        self.index_forgotten = true;
+        self.loaded = false;
+        self.error = None;
+        self.forgotten = true;
         self.listing_hurried = false;
         self.last_listing = Some(crate::clock::now());
         self.remote = Vec::new();
@@ -34,7 +88,6 @@ impl Journal {
         self.remote_changed();
         true
     }
-
     /// End of the furthest fragment the stores hold.
     pub fn remote_end(&self) -> u64 {
         self.remote_reach.last().copied().unwrap_or(0)
@@ -55,7 +108,7 @@ impl Journal {
     /// Adds a fragment this broker uploaded. Another object of the same
     /// span but other bytes (a deleted journal's of the same name) gives
     /// way to it: these are the bytes this broker committed.
-    pub(super) fn add_remote(&mut self, f: StoredFragment) {
+    fn add_remote(&mut self, f: StoredFragment) {
         let at = self.remote.partition_point(|r| r.begin < f.begin);
         if let Some(r) = self.remote[at..]
             .iter_mut()
@@ -86,7 +139,7 @@ impl Journal {
 
     /// The end offset every append checks is kept, not recomputed: the
     /// index may hold thousands of fragments.
-    pub(super) fn remote_changed(&mut self) {
+    fn remote_changed(&mut self) {
         let mut reach = 0;
         self.remote_reach.clear();
         self.remote_reach.extend(self.remote.iter().map(|f| {
@@ -99,19 +152,24 @@ impl Journal {
     /// was known from the stores, so objects removed from a store leave the
     /// log (local copies still serve their spans). Uploads confirmed after
     /// the listing started (`mark`, from [`Self::listing_mark`]) stay.
-    /// Readers waiting for bytes are woken: the index may now hold them.
-    pub fn set_listing(&mut self, mut listed: Vec<StoredFragment>, mark: u64) {
+    /// Local `fragments` the listing shows uploaded are marked so.
+    pub fn set_listing(
+        &mut self,
+        mut listed: Vec<StoredFragment>,
+        mark: u64,
+        fragments: &mut [LocalFragment],
+    ) {
         listed.retain(|f| !self.corrupt.contains(&(f.store.clone(), f.key.clone())));
         // Of two objects of one span, the one holding the bytes of a local
         // fragment comes first and stays.
         let local = |f: &StoredFragment| {
-            self.fragments
+            fragments
                 .iter()
                 .any(|l| l.begin == f.begin && l.end == f.end && l.sha1 == f.sha1)
         };
         listed.sort_by_key(|f| (f.begin, std::cmp::Reverse(f.end), !local(f)));
         listed.dedup_by(|b, a| a.begin == b.begin && a.end == b.end);
-        for f in &mut self.fragments {
+        for f in fragments.iter_mut() {
             if !f.uploaded
                 && listed
                     .iter()
@@ -126,13 +184,20 @@ impl Journal {
             self.add_remote(f);
         }
         self.remote_changed();
-        self.committed.notify(usize::MAX);
     }
 
     /// Where `offset` can be read: local files first (sealed fragments,
     /// then the spool), then the stores, preferring the larger fragment.
     /// An offset in a gap of history resolves to the next span's start.
-    pub fn locate(&self, offset: u64) -> Option<Located> {
+    /// `fragments`, `spool` and `head` are the journal's local files and
+    /// the head readers may see.
+    pub fn locate(
+        &self,
+        offset: u64,
+        fragments: &[LocalFragment],
+        spool: Option<&Spool>,
+        head: u64,
+    ) -> Option<Located> {
         // Of the stores' fragments holding `at`, the one reaching furthest
         // (the last in the index of those reaching equally far). The index
         // is sorted by begin, and a journal's history may be hundreds of
@@ -159,7 +224,7 @@ impl Journal {
             })
         };
         let local = |at: u64| -> Option<Located> {
-            for f in &self.fragments {
+            for f in fragments {
                 if f.begin <= at && at < f.end {
                     if let Some(why) = &f.corrupt {
                         // A store's copy, if there is one; else the read
@@ -186,10 +251,10 @@ impl Journal {
                     });
                 }
             }
-            let spool = self.spool.as_ref()?;
+            let spool = spool?;
             // Bytes committed here but not yet acknowledged by every
             // replica are not readable.
-            let end = spool.committed().min(self.head);
+            let end = spool.committed().min(head);
             (spool.begin() <= at && at < end).then(|| Located {
                 file: FileRef::Open(spool.file().clone()),
                 offset: at,
@@ -204,20 +269,49 @@ impl Journal {
         let next_remote = self
             .remote
             .get(self.remote.partition_point(|f| f.begin <= offset));
-        let next = self
-            .fragments
+        let next = fragments
             .iter()
             .map(|f| f.begin)
             .chain(next_remote.map(|f| f.begin))
-            .chain(
-                self.spool
-                    .as_ref()
-                    .filter(|s| !s.is_empty())
-                    .map(|s| s.begin()),
-            )
+            .chain(spool.filter(|s| !s.is_empty()).map(|s| s.begin()))
             .filter(|&b| b > offset)
             .min()?;
         local(next).or_else(|| remote(next))
+    }
+}
+
+impl Journal {
+    /// A journal without stores has its whole index locally.
+    pub fn init_index(&mut self) {
+        let has_stores = self.has_stores();
+        self.index.init(has_stores);
+    }
+
+    /// Lets the stores' index go (see [`Index::forget`]), unless the
+    /// broker holds any of the journal's bytes.
+    pub fn forget_index(&mut self) -> bool {
+        let holds_bytes = !self.files.fragments.is_empty()
+            || self.files.spool.as_ref().is_some_and(|s| !s.is_empty());
+        let has_stores = self.has_stores();
+        self.index.forget(holds_bytes, has_stores)
+    }
+
+    /// Merges a fresh listing into the index (see [`Index::set_listing`]).
+    /// Readers waiting for bytes are woken: the index may now hold them.
+    pub fn set_listing(&mut self, listed: Vec<StoredFragment>, mark: u64) {
+        self.index
+            .set_listing(listed, mark, &mut self.files.fragments);
+        self.readers.committed.notify(usize::MAX);
+    }
+
+    /// Where `offset` can be read (see [`Index::locate`]).
+    pub fn locate(&self, offset: u64) -> Option<Located> {
+        self.index.locate(
+            offset,
+            &self.files.fragments,
+            self.files.spool.as_ref(),
+            self.heads.head(),
+        )
     }
 }
 

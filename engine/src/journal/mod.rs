@@ -1,28 +1,39 @@
 //! A journal's shard-local state: its spool, sealed local fragments, write
-//! head, registers and the queue of appends waiting their turn.
+//! head, registers and the queue of appends waiting their turn, in structs
+//! by the room of the shard that writes them.
 
 mod admit;
+mod files;
+mod heads;
 mod index;
+mod primary;
+mod queue;
 mod rate;
+mod readers;
+mod replica;
 mod tail;
 
 pub use admit::{admit, Admission, AdmitRole, AdmitShard};
-pub use index::{FileRef, Located};
+pub use files::Files;
+pub use heads::Heads;
+pub use index::{FileRef, Index, Located};
+pub use primary::PrimaryState;
+pub use queue::AppendQueue;
 pub use rate::TokenBucket;
+pub use readers::Readers;
+pub use replica::ReplicaState;
 pub use tail::{
     tail_window, TailCache, TAIL_CACHE_BYTES, TAIL_CACHE_MIN_BYTES, TAIL_CACHE_SHARD_BYTES,
 };
 
-use crate::append::{Active, AppendOp, Awaiting, InFlight, PrimaryRepl, Staged, SyncWaiter};
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
-use event_listener::Event;
-use rotary_net::spec::{JournalSpec, LabelSet};
+use rotary_net::spec::JournalSpec;
 use rotary_storage::fragment::LocalFragment;
 use rotary_storage::spool::Spool;
 use rotary_uploader::StoredFragment;
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -108,268 +119,99 @@ impl SharedFailures {
     }
 }
 
+/// One journal's shard-local state, touched by its shard's thread only.
+///
+/// It is a few structs, each written by one room of the shard (its doc
+/// comment says which, and which rooms only read it), so that a change to
+/// one can be traced to the code that makes it. Cross-group operations
+/// (locating an offset, merging a listing, the head setters that name the
+/// journal in their assertions) are methods of `Journal` itself.
 pub struct Journal {
     pub name: String,
     pub spec: JournalSpec,
-    pub dir: PathBuf,
-    /// Sealed local fragments, by begin.
-    pub fragments: Vec<LocalFragment>,
-    pub spool: Option<Spool>,
-    /// The spool is out of `spool` while an operation on it awaits (a seal,
-    /// or a reload of its tail): its bytes are in no file a read can
-    /// locate until it is back, or sealed into `fragments`. Reads of them
-    /// wait, and `committed` is notified when it ends.
-    pub spool_out: bool,
-    /// Write head visible to readers: committed here and on every replica.
-    /// The heads keep `head <= local_head <= staged_head`; they are
-    /// written only through the setters below (`set_heads`,
-    /// `set_staged_head`, `commit_local_to`, `publish_to`, `take_over_to`),
-    /// which assert that order, in release builds too.
-    pub head: u64,
-    pub registers: LabelSet,
-    /// Answered to appenders. Beyond `head` only while a batch answered
-    /// from the commit log (see `Shard::answer_early`) waits for its spool
-    /// write; readers of those bytes wait for it too. Only grows, through
-    /// [`Self::answered_to`], never past `staged_head` when it does.
-    pub answered: u64,
-    /// Committed here (in the commit log); replicas may not have acked yet.
-    pub local_head: u64,
-    pub local_registers: LabelSet,
-    /// Primary: the agreed replica pipelines (None: SYNC needed).
-    pub repl: Option<PrimaryRepl>,
-    /// Primary: a SYNC is under way.
-    pub syncing: bool,
-    /// The broker started with none of the journal's data (no fragment,
-    /// spool or commit record): as its primary it knows its head only
-    /// after its first SYNC, so reads wait for that (see `Shard::read`).
-    pub first_sync_pending: bool,
-    /// The topology version at which this broker, as the journal's
-    /// primary, last asked the brokers of its earlier routes for bytes beyond
-    /// its head (see `Shard::takeover_sources`); 0: not yet. Appends and
-    /// reads wait for that.
-    pub takeover_version: u64,
-    /// The cluster view changed since the shard's tick last looked at the
-    /// journal's route: if this broker became its primary, the tick takes
-    /// it over then rather than at its first request (see `Shard::tick`).
-    pub route_check: bool,
-    /// Primary: after a failed SYNC, when to try again, and why it failed.
-    pub sync_retry: Option<(Instant, crate::pipeline::Failure)>,
-    /// Primary: committed batches awaiting replica acks (those in
-    /// `proposed`, and the one the journal's acker waits on).
-    pub inflight: usize,
-    /// Primary: batches proposed and not yet taken by the journal's
-    /// acker, oldest first.
-    pub proposed: VecDeque<InFlight>,
-    /// Primary: the journal's acker task is running.
-    pub acking: bool,
-    /// Primary: this turn's staged appends went to replicas.
-    pub staged_with_replicas: bool,
-    /// Replica: the position in the primary's stream.
-    pub replica: Option<crate::replica::ReplicaTrack>,
-    /// Replica: appends staged whole, oldest first, awaiting proposals.
-    pub awaiting: VecDeque<Awaiting>,
-    /// Replica: SYNCs waiting to be applied by the flusher.
-    pub sync_waiters: Vec<SyncWaiter>,
-    /// When the last append was queued (primaries pulse idle journals).
-    pub last_append: Instant,
-    pub queue: VecDeque<Rc<AppendOp>>,
-    pub active: Option<Active>,
-    /// Appends staged in the batch being built or written.
-    pub staged: Vec<Staged>,
-    /// Head and registers as of the last staged append.
-    pub staged_head: u64,
-    pub staged_registers: LabelSet,
-    /// Wakes readers waiting at the head.
-    pub committed: Event,
-    pub seal_requested: bool,
-    pub seal_waiters: Vec<(Rc<Outbox>, u64)>,
-    /// When the open spool took its first commit.
-    pub spool_since: Option<SystemTime>,
-    pub rate: TokenBucket,
-    /// A timer will ready the journal when its rate admits more bytes.
-    pub rate_timer: bool,
+    /// The journal was deleted: set once, by `Shard::delete_journal`
+    /// (`shard/history.rs`), as it leaves the shard's journals.
     pub deleted: bool,
-    /// Fragments listed from the journal's stores, by begin. Changed only
-    /// through `set_listing`, `insert_remote`, `drop_remote` and
-    /// `forget_index`.
-    pub remote: Vec<StoredFragment>,
-    /// For each fragment of `remote`, the furthest end of it and those
-    /// before it: [`Self::locate`] stops looking back where no earlier
-    /// fragment reaches the offset.
-    remote_reach: Vec<u64>,
-    /// Objects found not to hold the bytes their names say (store, key):
-    /// left out of every listing.
-    corrupt: std::collections::HashSet<(String, String)>,
-    /// Fragments this broker's uploads confirmed, with the count of
-    /// confirmations so far: a listing that started before a confirmation
-    /// must not drop it (the local copy may already be gone).
-    confirmed: Vec<(u64, StoredFragment)>,
-    confirmations: u64,
-    /// A listing of every store succeeded at least once (always true for
-    /// journals without stores). Appends wait for it: the store may hold
-    /// offsets beyond the local head.
-    pub index_loaded: bool,
-    /// The last listing error, for operators and refusals.
-    pub index_error: Option<String>,
-    pub last_listing: Option<Instant>,
-    /// The index was let go (see [`Self::forget_index`]): the tick lists
-    /// the journal again only once `refresh_interval` has passed, not
-    /// every second as for a first listing.
-    pub index_forgotten: bool,
-    pub listing: bool,
-    /// Waiting in the shard's queue of listings (see
-    /// `Shard::refresh_listing`).
-    pub listing_queued: bool,
-    /// A request waits for the first listing, which was started ahead of
-    /// the queue (see `Shard::hurry_first_listing`).
-    pub listing_hurried: bool,
-    pub reset_waiters: Vec<(Rc<Outbox>, u64)>,
-    /// The newest staged bytes, kept while readers wait at the head so
-    /// that tailing readers are served from memory, not the spool file.
-    pub tail: TailCache,
-    /// Blocking readers waiting for the next commit.
-    pub waiting_readers: usize,
-    /// Reads of a local file (fragment or spool) in flight: while any is,
-    /// no fragment file of the journal is reused as a spare spool.
-    pub reads_in_flight: usize,
+    /// The journal's files on this broker: its spool and sealed fragments.
+    pub files: Files,
+    /// The heads and registers: staged, committed here, visible.
+    pub heads: Heads,
+    /// The appends waiting their turn, and the one being staged.
+    pub queue: AppendQueue,
+    /// What the journal's primary keeps: its replicas and batches in flight.
+    pub primary: PrimaryState,
+    /// What the journal keeps as a replica of its primary's stream.
+    pub replica: ReplicaState,
+    /// Readers waiting at the head, and what is kept for them.
+    pub readers: Readers,
+    /// The stores' fragment index and its listings.
+    pub index: Index,
 }
 
 impl Journal {
     pub fn new(spec: JournalSpec, dir: PathBuf) -> Journal {
         Journal {
             name: spec.name.clone(),
-            rate: TokenBucket::new(spec.max_append_rate),
-            rate_timer: false,
+            queue: AppendQueue::new(spec.max_append_rate),
             spec,
-            dir,
-            fragments: Vec::new(),
-            spool: None,
-            spool_out: false,
-            head: 0,
-            registers: LabelSet::new(),
-            answered: 0,
-            local_head: 0,
-            local_registers: LabelSet::new(),
-            repl: None,
-            syncing: false,
-            sync_retry: None,
-            first_sync_pending: false,
-            takeover_version: 0,
-            route_check: false,
-            inflight: 0,
-            proposed: VecDeque::new(),
-            acking: false,
-            staged_with_replicas: false,
-            replica: None,
-            awaiting: VecDeque::new(),
-            sync_waiters: Vec::new(),
-            last_append: crate::clock::now(),
-            queue: VecDeque::new(),
-            active: None,
-            staged: Vec::new(),
-            staged_head: 0,
-            staged_registers: LabelSet::new(),
-            committed: Event::new(),
-            seal_requested: false,
-            seal_waiters: Vec::new(),
-            spool_since: None,
             deleted: false,
-            remote: Vec::new(),
-            corrupt: std::collections::HashSet::new(),
-            remote_reach: Vec::new(),
-            index_loaded: false,
-            index_error: None,
-            last_listing: None,
-            index_forgotten: false,
-            listing_queued: false,
-            listing_hurried: false,
-            listing: false,
-            confirmed: Vec::new(),
-            confirmations: 0,
-            reset_waiters: Vec::new(),
-            tail: TailCache::default(),
-            waiting_readers: 0,
-            reads_in_flight: 0,
+            files: Files::new(dir),
+            heads: Heads::default(),
+            primary: PrimaryState::default(),
+            replica: ReplicaState::default(),
+            readers: Readers::default(),
+            index: Index::default(),
         }
-    }
-
-    /// What is visible to readers was committed here, and what is committed
-    /// here was staged. A programmer's error if not: asserted wherever a
-    /// head changes.
-    fn assert_heads(&self) {
-        assert!(
-            self.head <= self.local_head && self.local_head <= self.staged_head,
-            "journal {}: heads out of order: head {} local_head {} staged_head {}",
-            self.name,
-            self.head,
-            self.local_head,
-            self.staged_head
-        );
     }
 
     /// Sets every head to `offset`: a journal recovered from its files, its
     /// head reset, or a replica synced to its primary's head.
     pub fn set_heads(&mut self, offset: u64) {
-        self.head = offset;
-        self.local_head = offset;
-        self.staged_head = offset;
-        self.assert_heads();
+        self.heads.set_heads(offset, &self.name);
     }
 
     /// The staged appends now end at `end`: an append was staged, or the
     /// staging of uncommitted appends was undone back to where one began
     /// (never below what is committed here).
     pub fn set_staged_head(&mut self, end: u64) {
-        self.staged_head = end;
-        self.assert_heads();
+        self.heads.set_staged_head(end, &self.name);
+    }
+
+    /// Undoes the staging of uncommitted appends: the staged head and
+    /// registers go back to those committed here.
+    pub fn unstage(&mut self) {
+        self.heads.unstage(&self.name);
     }
 
     /// The commit log holds the staged appends up to `end`: committed here,
     /// if not yet on every replica. Commits only move forward.
     pub fn commit_local_to(&mut self, end: u64) {
-        assert!(
-            end >= self.local_head,
-            "journal {}: commit to {end} behind local_head {}",
-            self.name,
-            self.local_head
-        );
-        self.local_head = end;
-        self.assert_heads();
+        self.heads.commit_local_to(end, &self.name);
     }
 
     /// Readers may see up to `end` (if not further already): committed
     /// here and on every replica.
     pub fn publish_to(&mut self, end: u64) {
-        self.head = self.head.max(end);
-        self.assert_heads();
+        self.heads.publish_to(end, &self.name);
     }
 
     /// The journal's history up to `to` was taken over from earlier
     /// brokers: visible and committed up to there at least, with nothing
     /// staged beyond what is committed.
     pub fn take_over_to(&mut self, to: u64) {
-        self.head = self.head.max(to);
-        self.local_head = self.local_head.max(to);
-        self.staged_head = self.local_head;
-        self.assert_heads();
+        self.heads.take_over_to(to, &self.name);
     }
 
     /// Appenders were answered up to `end`, which was staged.
     pub fn answered_to(&mut self, end: u64) {
-        assert!(
-            end <= self.staged_head,
-            "journal {}: answered to {end} beyond staged_head {}",
-            self.name,
-            self.staged_head
-        );
-        self.answered = self.answered.max(end);
+        self.heads.answered_to(end, &self.name);
     }
 
     /// The spool is back (or sealed into `fragments`): reads that waited
     /// for it go on.
     pub fn spool_back(&mut self) {
-        self.spool_out = false;
-        self.committed.notify(usize::MAX);
+        self.files.spool_out = false;
+        self.readers.committed.notify(usize::MAX);
     }
 
     pub fn has_stores(&self) -> bool {
@@ -379,22 +221,32 @@ impl Journal {
     /// The end of readable history: the write head, or further when the
     /// stores or local fragments hold more (before a head reset).
     pub fn read_head(&self) -> u64 {
-        let local = self.fragments.iter().map(|f| f.end).max().unwrap_or(0);
-        self.head.max(self.remote_end()).max(local)
+        let local = self
+            .files
+            .fragments
+            .iter()
+            .map(|f| f.end)
+            .max()
+            .unwrap_or(0);
+        self.heads.head().max(self.index.remote_end()).max(local)
     }
 
     /// Whether the open spool should seal before the next append starts.
     pub fn wants_seal(&self, now: SystemTime) -> bool {
-        let Some(spool) = &self.spool else {
+        let Some(spool) = &self.files.spool else {
             return false;
         };
         if spool.is_empty() {
-            return self.seal_requested;
+            return self.files.seal_requested;
         }
-        if self.seal_requested || spool.len() >= self.spec.fragment.length {
+        if self.files.seal_requested || spool.len() >= self.spec.fragment.length {
             return true;
         }
-        flush_boundary_crossed(self.spool_since, self.spec.fragment.flush_interval, now)
+        flush_boundary_crossed(
+            self.files.spool_since,
+            self.spec.fragment.flush_interval,
+            now,
+        )
     }
 }
 
@@ -438,12 +290,18 @@ mod tests {
         j.publish_to(150);
         // Undone back to the commit point, no further.
         j.set_staged_head(150);
-        assert_eq!((j.head, j.local_head, j.staged_head), (150, 150, 150));
+        assert_eq!(
+            (j.heads.head(), j.heads.local_head(), j.heads.staged_head()),
+            (150, 150, 150)
+        );
         // A takeover of history up to 400 commits it here and stages nothing beyond.
         j.set_staged_head(200);
         j.take_over_to(400);
-        assert_eq!((j.head, j.local_head, j.staged_head), (400, 400, 400));
-        assert_eq!(j.answered, 150);
+        assert_eq!(
+            (j.heads.head(), j.heads.local_head(), j.heads.staged_head()),
+            (400, 400, 400)
+        );
+        assert_eq!(j.heads.answered(), 150);
     }
 
     #[test]
@@ -527,7 +385,8 @@ mod tests {
     }
 
     fn shas(j: &Journal) -> Vec<(u64, u64, u8)> {
-        j.remote
+        j.index
+            .remote()
             .iter()
             .map(|r| (r.begin, r.end, r.sha1[0]))
             .collect()
@@ -539,32 +398,32 @@ mod tests {
     #[test]
     fn the_index_prefers_this_brokers_bytes_and_forgets_corrupt_objects() {
         let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
-        j.fragments.push(local(0, 8, 2));
+        j.files.fragments.push(local(0, 8, 2));
         for listed in [
             vec![object(0, 8, 1), object(0, 8, 2)],
             vec![object(0, 8, 2), object(0, 8, 1)],
         ] {
-            j.set_listing(listed, j.listing_mark());
+            j.set_listing(listed, j.index.listing_mark());
             assert_eq!(shas(&j), [(0, 8, 2)]);
-            assert!(j.fragments[0].uploaded);
+            assert!(j.files.fragments[0].uploaded);
         }
         // Without a local copy, an upload this broker confirmed wins over
         // an object listed before it.
-        j.fragments.clear();
-        j.set_listing(vec![object(8, 16, 1)], j.listing_mark());
-        j.insert_remote(object(8, 16, 3));
+        j.files.fragments.clear();
+        j.set_listing(vec![object(8, 16, 1)], j.index.listing_mark());
+        j.index.insert_remote(object(8, 16, 3));
         assert_eq!(shas(&j), [(8, 16, 3)]);
         // A corrupt object leaves the index for good; a pruned one comes
         // back if a store lists it again.
         let bad = object(8, 16, 3);
-        j.drop_remote(&bad, true);
+        j.index.drop_remote(&bad, true);
         let gone = object(16, 24, 4);
-        j.set_listing(vec![bad.clone(), gone.clone()], j.listing_mark());
+        j.set_listing(vec![bad.clone(), gone.clone()], j.index.listing_mark());
         assert_eq!(shas(&j), [(16, 24, 4)]);
-        j.drop_remote(&gone, false);
-        assert!(j.remote.is_empty());
-        assert_eq!(j.remote_end(), 0);
-        j.set_listing(vec![bad, gone], j.listing_mark());
+        j.index.drop_remote(&gone, false);
+        assert!(j.index.remote().is_empty());
+        assert_eq!(j.index.remote_end(), 0);
+        j.set_listing(vec![bad, gone], j.index.listing_mark());
         assert_eq!(shas(&j), [(16, 24, 4)]);
     }
 
@@ -580,25 +439,31 @@ mod tests {
         spec.fragment.stores = vec!["file:///s/".into()];
         j.spec = spec;
         j.init_index();
-        j.set_listing(vec![object(0, 8, 1), object(8, 16, 2)], j.listing_mark());
-        j.index_loaded = true;
-        j.listing = true;
+        j.set_listing(
+            vec![object(0, 8, 1), object(8, 16, 2)],
+            j.index.listing_mark(),
+        );
+        j.index.loaded = true;
+        j.index.listing = true;
         assert!(!j.forget_index(), "a listing is under way");
-        j.listing = false;
-        j.fragments.push(local(16, 24, 3));
+        j.index.listing = false;
+        j.files.fragments.push(local(16, 24, 3));
         assert!(!j.forget_index(), "a local fragment is still to upload");
-        assert!(j.index_loaded);
-        assert_eq!(j.remote_end(), 16);
-        j.fragments.clear();
+        assert!(j.index.loaded);
+        assert_eq!(j.index.remote_end(), 16);
+        j.files.fragments.clear();
         assert!(j.forget_index());
-        assert!(!j.index_loaded && j.index_forgotten && j.last_listing.is_some());
-        assert!(j.remote.is_empty());
-        assert_eq!(j.remote_end(), 0);
+        assert!(!j.index.loaded && j.index.forgotten && j.index.last_listing.is_some());
+        assert!(j.index.remote().is_empty());
+        assert_eq!(j.index.remote_end(), 0);
         assert_eq!(j.read_head(), 0);
         // The next listing brings it back whole.
-        j.set_listing(vec![object(0, 8, 1), object(8, 16, 2)], j.listing_mark());
+        j.set_listing(
+            vec![object(0, 8, 1), object(8, 16, 2)],
+            j.index.listing_mark(),
+        );
         assert_eq!(shas(&j), [(0, 8, 1), (8, 16, 2)]);
-        assert_eq!(j.remote_end(), 16);
+        assert_eq!(j.index.remote_end(), 16);
     }
 
     /// Reads find, of the stores' fragments holding an offset, the one
@@ -617,18 +482,19 @@ mod tests {
             let listed: Vec<_> = (0..rng.gen_range(1..300))
                 .map(|_| random(&mut rng))
                 .collect();
-            j.set_listing(listed, j.listing_mark());
+            j.set_listing(listed, j.index.listing_mark());
             for _ in 0..20 {
-                j.insert_remote(random(&mut rng));
+                j.index.insert_remote(random(&mut rng));
             }
             for _ in 0..10 {
-                let i = rng.gen_range(0..j.remote.len());
-                let f = j.remote[i].clone();
-                j.drop_remote(&f, false);
+                let i = rng.gen_range(0..j.index.remote().len());
+                let f = j.index.remote()[i].clone();
+                j.index.drop_remote(&f, false);
             }
             let want = |at: u64| -> Option<(String, u64)> {
                 let holding = |at: u64| {
-                    j.remote
+                    j.index
+                        .remote()
                         .iter()
                         .filter(|f| f.begin <= at && at < f.end)
                         .max_by_key(|f| f.end)
@@ -636,16 +502,22 @@ mod tests {
                 match holding(at) {
                     Some(f) => Some((f.key.clone(), at)),
                     None => {
-                        let next = j.remote.iter().map(|f| f.begin).filter(|&b| b > at).min()?;
+                        let next = j
+                            .index
+                            .remote()
+                            .iter()
+                            .map(|f| f.begin)
+                            .filter(|&b| b > at)
+                            .min()?;
                         holding(next).map(|f| (f.key.clone(), next))
                     }
                 }
             };
             assert_eq!(
-                j.remote_end(),
-                j.remote.iter().map(|f| f.end).max().unwrap_or(0)
+                j.index.remote_end(),
+                j.index.remote().iter().map(|f| f.end).max().unwrap_or(0)
             );
-            for at in 0..j.remote_end() + 2 {
+            for at in 0..j.index.remote_end() + 2 {
                 let got = j.locate(at).map(|l| match l.file {
                     FileRef::Remote(f) => {
                         assert_eq!(l.file_pos, l.offset - f.begin);
@@ -665,7 +537,7 @@ mod tests {
     fn a_damaged_local_fragment_is_read_from_the_store_or_refused() {
         let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
         for (begin, end) in [(0, 8), (8, 16)] {
-            j.fragments.push(LocalFragment {
+            j.files.fragments.push(LocalFragment {
                 begin,
                 end,
                 sha1: [2; 20],
@@ -678,7 +550,7 @@ mod tests {
                 sealed_at: SystemTime::UNIX_EPOCH,
             });
         }
-        j.fragments[0].corrupt = Some("bytes hash to 00".into());
+        j.files.fragments[0].corrupt = Some("bytes hash to 00".into());
         let located = |j: &Journal, at: u64| {
             let l = j.locate(at).expect("located");
             let file = match l.file {
@@ -696,13 +568,13 @@ mod tests {
         );
         assert_eq!(located(&j, 8), ("local /nonexistent/8".into(), 8, 0, 16));
         // Found on disk and not checked yet: the read checks it first.
-        j.fragments[1].verified = false;
+        j.files.fragments[1].verified = false;
         assert_eq!(
             located(&j, 9),
             ("unchecked /nonexistent/8".into(), 9, 1, 16)
         );
-        j.fragments[1].verified = true;
-        j.set_listing(vec![object(0, 8, 2)], j.listing_mark());
+        j.files.fragments[1].verified = true;
+        j.set_listing(vec![object(0, 8, 2)], j.index.listing_mark());
         assert_eq!(located(&j, 3), ("store 0-8".into(), 3, 3, 8));
     }
 
@@ -844,16 +716,16 @@ mod tests {
     }
 
     fn spans(j: &Journal) -> Vec<(u64, u64)> {
-        j.remote.iter().map(|f| (f.begin, f.end)).collect()
+        j.index.remote().iter().map(|f| (f.begin, f.end)).collect()
     }
 
     #[test]
     fn a_listing_keeps_uploads_confirmed_after_it_started() {
         let mut j = Journal::new(JournalSpec::new("a/b"), PathBuf::from("/nonexistent"));
-        j.insert_remote(stored(0, 10));
-        let mark = j.listing_mark();
+        j.index.insert_remote(stored(0, 10));
+        let mark = j.index.listing_mark();
         // Confirmed while the listing runs; the listing does not show it.
-        j.insert_remote(stored(10, 20));
+        j.index.insert_remote(stored(10, 20));
         j.set_listing(vec![stored(0, 10)], mark);
         assert_eq!(spans(&j), [(0, 10), (10, 20)]);
         assert_eq!(j.read_head(), 20);
@@ -861,17 +733,17 @@ mod tests {
 
         // A later listing is the truth: an object gone from the store
         // leaves the index, whatever was confirmed before it started.
-        let mark = j.listing_mark();
+        let mark = j.index.listing_mark();
         j.set_listing(vec![stored(10, 20)], mark);
         assert_eq!(spans(&j), [(10, 20)]);
-        let mark = j.listing_mark();
+        let mark = j.index.listing_mark();
         j.set_listing(Vec::new(), mark);
         assert!(spans(&j).is_empty());
 
         // A fragment dropped for bad bytes is not brought back either.
-        let mark = j.listing_mark();
-        j.insert_remote(stored(20, 30));
-        j.drop_remote(&stored(20, 30), true);
+        let mark = j.index.listing_mark();
+        j.index.insert_remote(stored(20, 30));
+        j.index.drop_remote(&stored(20, 30), true);
         j.set_listing(Vec::new(), mark);
         assert!(spans(&j).is_empty());
     }

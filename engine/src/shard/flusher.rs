@@ -17,8 +17,11 @@ pub(super) struct Held {
 impl Held {
     fn swap_back(&mut self) {
         let mut jm = self.j.borrow_mut();
-        std::mem::swap(&mut jm.staged, &mut self.other);
-        std::mem::swap(&mut jm.staged_with_replicas, &mut self.other_with_replicas);
+        std::mem::swap(&mut jm.queue.staged, &mut self.other);
+        std::mem::swap(
+            &mut jm.queue.staged_with_replicas,
+            &mut self.other_with_replicas,
+        );
     }
 }
 
@@ -82,7 +85,7 @@ impl Shard {
         // against the spool's SHA-1 and falls back to the record before it.
         let committing: Vec<JournalRef> = ready
             .iter()
-            .filter(|j| !j.borrow().staged.is_empty())
+            .filter(|j| !j.borrow().queue.staged.is_empty())
             .cloned()
             .collect();
         let early = self.record_commits(&committing);
@@ -118,20 +121,20 @@ impl Shard {
         // Journals that failed may have a record in the log naming bytes
         // that are not on disk: the log restates what they hold.
         for j in &committing {
-            if j.borrow().staged.is_empty() {
+            if j.borrow().queue.staged.is_empty() {
                 self.restate(j);
             }
         }
         let committing: Vec<JournalRef> = committing
             .into_iter()
-            .filter(|j| !j.borrow().staged.is_empty())
+            .filter(|j| !j.borrow().queue.staged.is_empty())
             .collect();
         self.commit_batches(&committing, &early, early_waits);
         self.flush_pipelines();
         // What was staged during the writes is the next turn's batch.
         for h in held {
-            h.j.borrow_mut().staged.extend(h.other);
-            h.j.borrow_mut().staged_with_replicas = h.other_with_replicas;
+            h.j.borrow_mut().queue.staged.extend(h.other);
+            h.j.borrow_mut().queue.staged_with_replicas = h.other_with_replicas;
             again.push(h.j);
         }
         let acked = crate::clock::now();
@@ -144,7 +147,7 @@ impl Shard {
         // Replica journals with a SYNC waiting go around again once their
         // queued appends are through.
         for j in &ready {
-            if !j.borrow().sync_waiters.is_empty() {
+            if !j.borrow().replica.sync_waiters.is_empty() {
                 again.push(j.clone());
             }
         }
@@ -183,7 +186,7 @@ impl Shard {
         for j in committing {
             let (staged_with_replicas, repl_now) = {
                 let jm = j.borrow();
-                (jm.staged_with_replicas, jm.repl.is_some())
+                (jm.queue.staged_with_replicas, jm.primary.repl.is_some())
             };
             if !staged_with_replicas {
                 if is_early(j) {
@@ -211,9 +214,9 @@ impl Shard {
             let staged = self.commit_local(j);
             let mut jm = j.borrow_mut();
             let waits = early.unwrap_or_else(|| propose(&jm, &staged));
-            jm.inflight += 1;
-            jm.proposed.push_back(InFlight { staged, waits });
-            let start_acker = !std::mem::replace(&mut jm.acking, true);
+            jm.primary.inflight += 1;
+            jm.primary.proposed.push_back(InFlight { staged, waits });
+            let start_acker = !std::mem::replace(&mut jm.primary.acking, true);
             drop(jm);
             self.proposals.set(self.proposals.get() + 1);
             self.proposed.notify(usize::MAX);
@@ -270,7 +273,7 @@ impl Shard {
         let fail_batch = |j: &JournalRef, status: Status, msg: &str, held: &mut Vec<Held>| {
             if let Some(i) = held.iter().position(|h| Rc::ptr_eq(&h.j, j)) {
                 let h = held.swap_remove(i);
-                j.borrow_mut().staged.extend(h.other);
+                j.borrow_mut().queue.staged.extend(h.other);
             }
             self.fail_batch(j, status, msg);
         };
@@ -278,6 +281,7 @@ impl Shard {
         for (j, res, w, synced) in results {
             let path = j
                 .borrow()
+                .files
                 .spool
                 .as_ref()
                 .map(|s| s.path().to_path_buf())
@@ -285,6 +289,7 @@ impl Shard {
             if let Some(w) = w {
                 metrics::add(&self.metrics.batch_write_bytes, w.bytes() as u64);
                 j.borrow_mut()
+                    .files
                     .spool
                     .as_mut()
                     .expect("spool written")
@@ -319,7 +324,7 @@ impl Shard {
             for j in committing {
                 // Batches answered early had their records written; only
                 // the fdatasync for `fsync` journals failed.
-                if !j.borrow().staged.is_empty() && !is_early(j) {
+                if !j.borrow().queue.staged.is_empty() && !is_early(j) {
                     fail_batch(j, status, &e.to_string(), held);
                 }
             }
@@ -332,8 +337,8 @@ impl Shard {
         let mut writing = Vec::new();
         for j in ready {
             let mut jm = j.borrow_mut();
-            let fsync = jm.spec.durability == Durability::Fsync && !jm.staged.is_empty();
-            let Some(spool) = jm.spool.as_mut() else {
+            let fsync = jm.spec.durability == Durability::Fsync && !jm.queue.staged.is_empty();
+            let Some(spool) = jm.files.spool.as_mut() else {
                 continue;
             };
             let file = spool.file().clone();
@@ -427,12 +432,13 @@ impl Shard {
                 let has_bytes = {
                     let jm = j.borrow();
                     !jm.deleted
-                        && jm.spool.as_ref().is_some_and(|s| s.room() > 0)
+                        && jm.files.spool.as_ref().is_some_and(|s| s.room() > 0)
                         && jm
+                            .queue
                             .active
                             .as_ref()
                             .map(|a| &a.op)
-                            .or(jm.queue.front())
+                            .or(jm.queue.waiting.front())
                             .is_some_and(|op| !op.chunks.borrow().is_empty())
                 };
                 if !has_bytes {
@@ -442,13 +448,13 @@ impl Shard {
                     let mut jm = j.borrow_mut();
                     held.push(Held {
                         j: j.clone(),
-                        other: std::mem::take(&mut jm.staged),
-                        other_with_replicas: jm.staged_with_replicas,
+                        other: std::mem::take(&mut jm.queue.staged),
+                        other_with_replicas: jm.queue.staged_with_replicas,
                     });
                 }
-                let before = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                let before = j.borrow().files.spool.as_ref().map_or(0, |s| s.staged());
                 self.stage_queue(j);
-                let after = j.borrow().spool.as_ref().map_or(0, |s| s.staged());
+                let after = j.borrow().files.spool.as_ref().map_or(0, |s| s.staged());
                 metrics::add(&self.metrics.prestaged_bytes, after.saturating_sub(before));
                 staged = true;
             }
@@ -476,8 +482,8 @@ impl Shard {
             .iter()
             .map(|j| {
                 let jm = j.borrow();
-                let end = jm.staged.last().expect("non-empty").end;
-                end.saturating_sub(jm.spool.as_ref().expect("spool").written())
+                let end = jm.queue.staged.last().expect("non-empty").end;
+                end.saturating_sub(jm.files.spool.as_ref().expect("spool").written())
             })
             .sum();
         let carry_max = if new_bytes <= INLINE_TURN_BYTES_MAX {
@@ -487,9 +493,9 @@ impl Shard {
         };
         for j in committing {
             let jm = j.borrow();
-            let last = jm.staged.last().expect("non-empty");
-            let spool = jm.spool.as_ref().expect("spool");
-            if last.end == spool.committed() && last.registers == jm.local_registers {
+            let last = jm.queue.staged.last().expect("non-empty");
+            let spool = jm.files.spool.as_ref().expect("spool");
+            if last.end == spool.committed() && last.registers == *jm.heads.local_registers() {
                 continue;
             }
             let st = JournalState {
@@ -540,12 +546,16 @@ impl Shard {
     /// replicas, and the waits for their acks are returned.
     pub(super) fn answer_early(&self, j: &JournalRef) -> Option<Vec<Wait>> {
         let mut jm = j.borrow_mut();
-        let last = jm.staged.last().expect("non-empty").end;
-        if jm.staged_with_replicas {
-            return jm.repl.is_some().then(|| propose(&jm, &jm.staged));
+        let last = jm.queue.staged.last().expect("non-empty").end;
+        if jm.queue.staged_with_replicas {
+            return jm
+                .primary
+                .repl
+                .is_some()
+                .then(|| propose(&jm, &jm.queue.staged));
         }
-        self.count_appends(&jm.staged, false, jm.spec.durability);
-        jm.staged.iter().for_each(answer_ok);
+        self.count_appends(&jm.queue.staged, false, jm.spec.durability);
+        jm.queue.staged.iter().for_each(answer_ok);
         jm.answered_to(last);
         None
     }
@@ -556,12 +566,12 @@ impl Shard {
     /// state must not run ahead of the spool.
     pub(super) fn restate(&self, j: &JournalRef) {
         let jm = j.borrow();
-        let Some(spool) = &jm.spool else { return };
+        let Some(spool) = &jm.files.spool else { return };
         let st = JournalState {
             spool_begin: spool.begin(),
             end: spool.committed(),
             sha1: spool.committed_sha1(),
-            registers: jm.local_registers.clone(),
+            registers: jm.heads.local_registers().clone(),
             mid: Some(spool.committed_midstate()),
         };
         if let Some(log) = self.log.borrow_mut().as_mut() {
@@ -580,22 +590,27 @@ impl Shard {
     fn supersede_replica_appends(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
-            let replica_ops = !jm.awaiting.is_empty()
-                || jm.active.as_ref().is_some_and(|a| a.op.replica.is_some());
+            let replica_ops = !jm.replica.awaiting.is_empty()
+                || jm
+                    .queue
+                    .active
+                    .as_ref()
+                    .is_some_and(|a| a.op.replica.is_some());
             let left = replica_ops && !matches!(self.role(&jm.spec), Role::Replica(_));
             if left {
                 // Whatever the old primary sends next is refused until a
                 // primary synchronizes the journal again.
-                if let Some(t) = jm.replica.as_mut() {
+                if let Some(t) = jm.replica.track.as_mut() {
                     t.diverged();
                 }
             }
-            if !jm.sync_waiters.is_empty() || left {
+            if !jm.replica.sync_waiters.is_empty() || left {
                 let open = jm
                     .queue
+                    .waiting
                     .iter()
-                    .chain(jm.active.as_ref().map(|a| &a.op))
-                    .chain(jm.awaiting.iter().map(|w| &w.op))
+                    .chain(jm.queue.active.as_ref().map(|a| &a.op))
+                    .chain(jm.replica.awaiting.iter().map(|w| &w.op))
                     .filter(|op| op.replica.is_some() && (left || !op.complete.get()));
                 for op in open {
                     if op.aborted.get().is_none() {
@@ -613,26 +628,27 @@ impl Shard {
             let mut jm = j.borrow_mut();
             let jm = &mut *jm;
             if let Some(i) = jm
+                .replica
                 .awaiting
                 .iter()
                 .position(|w| w.op.aborted.get().is_some())
             {
-                let start = jm.awaiting[i].start.clone();
+                let start = jm.replica.awaiting[i].start.clone();
                 let r = AppendReply {
-                    write_head: jm.head,
+                    write_head: jm.heads.head(),
                     ..Default::default()
                 };
-                for w in jm.awaiting.drain(i..) {
+                for w in jm.replica.awaiting.drain(i..) {
                     w.op.end_aborted(&r);
                 }
-                if let Some(a) = jm.active.take() {
+                if let Some(a) = jm.queue.active.take() {
                     a.op.end_aborted(&r);
                     drop_budget(&a.op);
-                    jm.queue.pop_front();
+                    jm.queue.waiting.pop_front();
                 }
-                jm.tail.truncate(start.offset);
+                jm.readers.tail.truncate(start.offset);
                 jm.set_staged_head(start.offset);
-                if let Some(spool) = jm.spool.as_mut() {
+                if let Some(spool) = jm.files.spool.as_mut() {
                     spool.rewind(start);
                 }
             }
@@ -644,14 +660,15 @@ impl Shard {
         {
             let mut jm = j.borrow_mut();
             let aborted = jm
+                .queue
                 .active
                 .as_ref()
                 .is_some_and(|a| a.op.aborted.get().is_some());
             if aborted {
                 let a = abandon_active(&mut jm).expect("checked");
                 let reply = AppendReply {
-                    write_head: jm.head,
-                    registers: jm.registers.clone(),
+                    write_head: jm.heads.head(),
+                    registers: jm.heads.registers().clone(),
                     ..Default::default()
                 };
                 a.op.end_aborted(&reply);
@@ -687,7 +704,7 @@ impl Shard {
                 // same list of members), so the replicas are asked again.
                 let version = self.topology.version();
                 let ready = !takeover
-                    && j.borrow().repl.as_ref().is_some_and(|r| {
+                    && j.borrow().primary.repl.as_ref().is_some_and(|r| {
                         r.members == route.ids() && r.version == version && r.is_live()
                     });
                 if !ready {
@@ -695,11 +712,11 @@ impl Shard {
                     return false;
                 }
             }
-            Role::Primary(_) => j.borrow_mut().repl = None,
+            Role::Primary(_) => j.borrow_mut().primary.repl = None,
             Role::Replica(_) | Role::Outside(_) => {
                 // No longer the primary: what it synchronized as one is
                 // stale (its batches in flight keep their own pipelines).
-                j.borrow_mut().repl = None;
+                j.borrow_mut().primary.repl = None;
             }
         }
         true
@@ -710,16 +727,17 @@ impl Shard {
     async fn reload_tail(&self, j: &JournalRef) -> bool {
         let needs_tail = j
             .borrow()
+            .files
             .spool
             .as_ref()
             .is_some_and(|s| !s.can_stage() && !s.write_in_flight());
         if needs_tail {
-            let mut spool = j.borrow_mut().spool.take().expect("checked");
-            j.borrow_mut().spool_out = true;
+            let mut spool = j.borrow_mut().files.spool.take().expect("checked");
+            j.borrow_mut().files.spool_out = true;
             let res = spool.load_tail().await;
             {
                 let mut jm = j.borrow_mut();
-                jm.spool = Some(spool);
+                jm.files.spool = Some(spool);
                 jm.spool_back();
             }
             if let Err(e) = res {
@@ -735,19 +753,23 @@ impl Shard {
     async fn open_spool(&self, j: &JournalRef) {
         let needs_spool = {
             let jm = j.borrow();
-            jm.spool.is_none() && !jm.queue.is_empty()
+            jm.files.spool.is_none() && !jm.queue.waiting.is_empty()
         };
         if needs_spool {
             let (dir, head, length) = {
                 let jm = j.borrow();
-                (jm.dir.clone(), jm.local_head, jm.spec.fragment.length)
+                (
+                    jm.files.dir.clone(),
+                    jm.heads.local_head(),
+                    jm.spec.fragment.length,
+                )
             };
             let created = match std::fs::create_dir_all(&dir) {
                 Ok(()) => self.create_spool(&dir, head, length).await,
                 Err(e) => Err(StorageError::io(&dir, e)),
             };
             match created {
-                Ok(spool) => j.borrow_mut().spool = Some(spool),
+                Ok(spool) => j.borrow_mut().files.spool = Some(spool),
                 Err(e) => {
                     if e.is_full() {
                         metrics::add(&self.metrics.storage_full, 1);
@@ -774,21 +796,24 @@ impl Shard {
         }
         let reset = {
             let jm = j.borrow();
-            !jm.reset_waiters.is_empty() && jm.active.is_none() && jm.staged.is_empty()
+            !jm.index.reset_waiters.is_empty()
+                && jm.queue.active.is_none()
+                && jm.queue.staged.is_empty()
         };
         if reset {
             self.reset_head(j).await;
         }
         let wants_seal = {
             let jm = j.borrow();
-            let idle = jm.active.is_none() && jm.staged.is_empty() && jm.inflight == 0;
+            let idle =
+                jm.queue.active.is_none() && jm.queue.staged.is_empty() && jm.primary.inflight == 0;
             // Replicas seal when their primary says so (SYNC), and a
             // primary not while replicas have yet to ack. A broker the
             // journal was routed away from seals what it holds, so that it
             // can be uploaded: the new members may never have had it.
             idle && match role {
                 Role::Primary(_) => jm.wants_seal(crate::clock::wall()),
-                Role::Outside(_) => jm.spool.as_ref().is_some_and(|s| !s.is_empty()),
+                Role::Outside(_) => jm.files.spool.as_ref().is_some_and(|s| !s.is_empty()),
                 Role::Replica(_) => false,
             }
         };
@@ -826,7 +851,7 @@ impl Shard {
         let (spool, durable) = {
             let mut jm = j.borrow_mut();
             let durable = jm.spec.durability == Durability::Fsync;
-            (jm.spool.take(), durable)
+            (jm.files.spool.take(), durable)
         };
         let spool = match spool {
             Some(s) if s.is_empty() => {
@@ -847,16 +872,16 @@ impl Shard {
         if let Some(spool) = spool {
             let path = spool.path().to_path_buf();
             let begin = spool.begin();
-            j.borrow_mut().spool_out = true;
+            j.borrow_mut().files.spool_out = true;
             match spool.seal(durable).await {
                 Ok(frag) => sealed = frag,
                 Err(e) => {
                     // The spool file stays where it was; recovery or the
                     // next seal picks it up. Reopen it to keep appending.
                     tracing::error!(path = %path.display(), error = %e, "seal failed");
-                    let end = j.borrow().head;
+                    let end = j.borrow().heads.head();
                     if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
-                        j.borrow_mut().spool = Some(s);
+                        j.borrow_mut().files.spool = Some(s);
                     }
                     j.borrow_mut().spool_back();
                     return;
@@ -864,10 +889,10 @@ impl Shard {
             }
         }
         let mut jm = j.borrow_mut();
-        jm.seal_requested = false;
-        jm.spool_since = None;
+        jm.files.seal_requested = false;
+        jm.files.spool_since = None;
         // Replicas must start their next spool where this one ended.
-        jm.repl = None;
+        jm.primary.repl = None;
         let json = match &sealed {
             Some(f) => fragment_json(f, jm.has_stores()),
             None => serde_json::Value::Null,
@@ -884,19 +909,19 @@ impl Shard {
             // (tailing readers finish it); older ones are opened per read.
             // Else every fragment of a journal with small fragments holds a
             // descriptor, and tens of thousands exhaust the process's.
-            if let Some(prev) = jm.fragments.last_mut() {
+            if let Some(prev) = jm.files.fragments.last_mut() {
                 prev.file = None;
             }
-            jm.fragments.push(f);
+            jm.files.fragments.push(f);
         }
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }
-        if jm.spool_out {
+        if jm.files.spool_out {
             jm.spool_back();
         }
         let body = serde_json::to_vec(&serde_json::json!({ "sealed": json })).expect("json");
-        for (outbox, id) in jm.seal_waiters.drain(..) {
+        for (outbox, id) in jm.files.seal_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
     }
@@ -912,13 +937,17 @@ impl Shard {
     pub(super) fn commit_local(&self, j: &JournalRef) -> Vec<Staged> {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
-        let staged = std::mem::take(&mut jm.staged);
+        let staged = std::mem::take(&mut jm.queue.staged);
         let last = staged.last().expect("non-empty");
-        jm.spool.as_mut().expect("spool").commit(last.point.clone());
+        jm.files
+            .spool
+            .as_mut()
+            .expect("spool")
+            .commit(last.point.clone());
         jm.commit_local_to(last.end);
-        jm.local_registers = last.registers.clone();
-        if jm.spool_since.is_none() {
-            jm.spool_since = Some(crate::clock::wall());
+        jm.heads.set_local_registers(last.registers.clone());
+        if jm.files.spool_since.is_none() {
+            jm.files.spool_since = Some(crate::clock::wall());
         }
         staged
     }
@@ -989,12 +1018,12 @@ impl Shard {
         let jm = &mut *jm;
         let Some(last) = staged.last() else { return };
         jm.publish_to(last.end);
-        jm.registers = last.registers.clone();
+        jm.heads.publish_registers(last.registers.clone());
         for s in &staged {
             if let Some(f) = failure {
                 let reply = AppendReply {
-                    write_head: jm.head,
-                    registers: jm.registers.clone(),
+                    write_head: jm.heads.head(),
+                    registers: jm.heads.registers().clone(),
                     ..Default::default()
                 };
                 s.op.reply_error(f.status, &reply, &f.message);
@@ -1002,7 +1031,7 @@ impl Shard {
             }
             answer_ok(s);
         }
-        jm.committed.notify(usize::MAX);
+        jm.readers.committed.notify(usize::MAX);
     }
 }
 

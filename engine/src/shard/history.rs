@@ -19,6 +19,7 @@ impl Shard {
         let codec = jm.spec.fragment.compression_codec;
         let name = jm.name.clone();
         for f in jm
+            .files
             .fragments
             .iter_mut()
             .filter(|f| !f.uploaded && !f.uploading)
@@ -59,6 +60,7 @@ impl Shard {
             // The SHA-1 tells a fragment from one of the same span of a
             // deleted journal of the same name, whose upload may end late.
             let Some(f) = jm
+                .files
                 .fragments
                 .iter_mut()
                 .find(|f| f.begin == done.begin && f.end == done.end && f.sha1 == done.sha1)
@@ -72,7 +74,7 @@ impl Shard {
                     // A file found at start is then known to hold its
                     // bytes: its first read need not hash it again.
                     f.verified |= done.local_checked;
-                    jm.insert_remote(stored);
+                    jm.index.insert_remote(stored);
                     *self.store_error.borrow_mut() = None;
                     if let Some(store) = jm.spec.fragment.stores.first() {
                         if self.shared_failures.worked(SharedWork::Upload, store) {
@@ -131,6 +133,7 @@ impl Shard {
                 continue;
             }
             let waiting: u64 = jm
+                .files
                 .fragments
                 .iter()
                 .filter(|f| !f.uploaded)
@@ -153,15 +156,21 @@ impl Shard {
         let (mut on_disk, mut lag_max, mut unlisted) = (0u64, 0u64, 0u64);
         for j in self.journals.borrow().values() {
             let jm = j.borrow();
-            on_disk += jm.fragments.iter().map(|f| f.end - f.begin).sum::<u64>();
             on_disk += jm
+                .files
+                .fragments
+                .iter()
+                .map(|f| f.end - f.begin)
+                .sum::<u64>();
+            on_disk += jm
+                .files
                 .spool
                 .as_ref()
                 .map_or(0, |s| s.committed().saturating_sub(s.begin()));
             // Committed here, not yet published: the acks of its replicas
             // are awaited.
-            lag_max = lag_max.max(jm.local_head.saturating_sub(jm.head));
-            if jm.has_stores() && !jm.index_loaded && !jm.index_forgotten && !jm.deleted {
+            lag_max = lag_max.max(jm.heads.local_head().saturating_sub(jm.heads.head()));
+            if jm.has_stores() && !jm.index.loaded && !jm.index.forgotten && !jm.deleted {
                 unlisted += 1;
             }
         }
@@ -176,7 +185,7 @@ impl Shard {
         let mut cached: Vec<(SystemTime, u64, JournalRef, u64)> = Vec::new();
         let mut total = 0;
         for j in self.journals.borrow().values() {
-            for f in j.borrow().fragments.iter().filter(|f| f.uploaded) {
+            for f in j.borrow().files.fragments.iter().filter(|f| f.uploaded) {
                 total += f.end - f.begin;
                 cached.push((f.sealed_at, f.end - f.begin, j.clone(), f.begin));
             }
@@ -191,11 +200,12 @@ impl Shard {
             }
             let mut jm = j.borrow_mut();
             if let Some(at) = jm
+                .files
                 .fragments
                 .iter()
                 .position(|f| f.begin == begin && f.uploaded)
             {
-                let f = jm.fragments.remove(at);
+                let f = jm.files.fragments.remove(at);
                 self.retire_fragment(&jm, f);
                 total -= len;
             }
@@ -223,10 +233,10 @@ impl Shard {
     pub fn hurry_first_listing(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
-            if jm.index_loaded || jm.listing || jm.listing_hurried || !jm.has_stores() {
+            if jm.index.loaded || jm.index.listing || jm.index.listing_hurried || !jm.has_stores() {
                 return;
             }
-            jm.listing_hurried = true;
+            jm.index.listing_hurried = true;
         }
         metrics::add(&self.metrics.listings_hurried, 1);
         self.start_listing(j, true);
@@ -242,7 +252,7 @@ impl Shard {
         let j = j.clone();
         compio::runtime::spawn(async move {
             compio::time::sleep(wait).await;
-            j.borrow_mut().rate_timer = false;
+            j.borrow_mut().queue.rate_timer = false;
             if let Some(shard) = me.upgrade() {
                 shard.mark_ready(&j);
             }
@@ -290,10 +300,10 @@ impl Shard {
         let mut jm = j.borrow_mut();
         if !self.is_primary(&jm.spec) {
             // A replica's copies are dropped once the store holds them.
-            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.fragments)
+            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.files.fragments)
                 .into_iter()
                 .partition(|f| f.uploaded);
-            jm.fragments = kept;
+            jm.files.fragments = kept;
             for f in gone {
                 self.retire_fragment(&jm, f);
             }
@@ -310,7 +320,7 @@ impl Shard {
             let Some(next) = next else { break };
             // Not queued any more: its listing was started
             // meanwhile (hurried, or by the tick).
-            if std::mem::take(&mut next.borrow_mut().listing_queued) {
+            if std::mem::take(&mut next.borrow_mut().index.listing_queued) {
                 self.refresh_listing(&next);
             }
             if self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
@@ -322,10 +332,10 @@ impl Shard {
     pub(super) fn start_listing(&self, j: &JournalRef, hurried: bool) {
         if !hurried && self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
             let mut jm = j.borrow_mut();
-            if !jm.listing && !jm.listing_queued && jm.has_stores() {
-                jm.listing_queued = true;
+            if !jm.index.listing && !jm.index.listing_queued && jm.has_stores() {
+                jm.index.listing_queued = true;
                 let mut waiting = self.listings_waiting.borrow_mut();
-                if jm.index_loaded {
+                if jm.index.loaded {
                     waiting.push_back(j.clone());
                 } else {
                     waiting.push_front(j.clone());
@@ -335,8 +345,8 @@ impl Shard {
         }
         let (stores, name) = {
             let mut jm = j.borrow_mut();
-            jm.listing_queued = false;
-            if jm.listing || !jm.has_stores() || jm.deleted {
+            jm.index.listing_queued = false;
+            if jm.index.listing || !jm.has_stores() || jm.deleted {
                 return;
             }
             // A journal deleted and created again lists its stores only once
@@ -344,7 +354,7 @@ impl Shard {
             // new journal would start at 0 and an old fragment land beside
             // its own. Listed after, it holds the old history (appends
             // answer INDEX_HAS_GREATER_OFFSET until a reset-head).
-            if !jm.index_loaded
+            if !jm.index.loaded
                 && self
                     .uploads_in_flight
                     .borrow()
@@ -352,6 +362,7 @@ impl Shard {
                     .any(|(n, begin, end, sha1)| {
                         *n == jm.name
                             && !jm
+                                .files
                                 .fragments
                                 .iter()
                                 .any(|f| f.begin == *begin && f.end == *end && f.sha1 == *sha1)
@@ -359,13 +370,13 @@ impl Shard {
             {
                 return;
             }
-            jm.listing = true;
+            jm.index.listing = true;
             (jm.spec.fragment.stores.clone(), jm.name.clone())
         };
         self.listings_in_flight
             .set(self.listings_in_flight.get() + 1);
         metrics::add(&self.metrics.listings, 1);
-        let mark = j.borrow().listing_mark();
+        let mark = j.borrow().index.listing_mark();
         let uploader = self.uploader.clone();
         let j = j.clone();
         let me = self.me.borrow().clone();
@@ -387,19 +398,19 @@ impl Shard {
             }
             {
                 let mut jm = j.borrow_mut();
-                jm.listing = false;
-                jm.index_forgotten = false;
-                jm.last_listing = Some(crate::clock::now());
+                jm.index.listing = false;
+                jm.index.forgotten = false;
+                jm.index.last_listing = Some(crate::clock::now());
                 match err {
                     None => {
                         jm.set_listing(all, mark);
-                        jm.index_loaded = true;
-                        jm.index_error = None;
+                        jm.index.loaded = true;
+                        jm.index.error = None;
                     }
                     Some((_, e)) => {
-                        jm.index_error = Some(e);
+                        jm.index.error = Some(e);
                         // Reads waiting for a first listing get its error.
-                        jm.committed.notify(usize::MAX);
+                        jm.readers.committed.notify(usize::MAX);
                     }
                 }
             }
@@ -412,7 +423,10 @@ impl Shard {
 
     /// Asks the flusher to move the write head to the end of the index.
     pub fn request_reset_head(&self, j: &JournalRef, outbox: Rc<Outbox>, request_id: u64) {
-        j.borrow_mut().reset_waiters.push((outbox, request_id));
+        j.borrow_mut()
+            .index
+            .reset_waiters
+            .push((outbox, request_id));
         self.mark_ready(j);
     }
 
@@ -434,10 +448,10 @@ impl Shard {
                 let jm = j.borrow();
                 jm.has_stores()
                     && self.uploads(&jm.spec)
-                    && jm.spool.as_ref().is_some_and(|s| !s.is_empty())
+                    && jm.files.spool.as_ref().is_some_and(|s| !s.is_empty())
             };
             if wants {
-                j.borrow_mut().seal_requested = true;
+                j.borrow_mut().files.seal_requested = true;
                 self.mark_ready(j);
             }
         }
@@ -447,7 +461,7 @@ impl Shard {
                 let jm = j.borrow();
                 jm.has_stores()
                     && self.uploads(&jm.spec)
-                    && (jm.seal_requested || jm.fragments.iter().any(|f| !f.uploaded))
+                    && (jm.files.seal_requested || jm.files.fragments.iter().any(|f| !f.uploaded))
             });
             if !pending {
                 return true;
@@ -514,7 +528,7 @@ impl Shard {
                 // Reads of this shard's journals go around it at once; other
                 // shards find it gone when they next list or read it.
                 if let Some(j) = self.journals.borrow().get(&f.journal) {
-                    j.borrow_mut().drop_remote(&f, false);
+                    j.borrow_mut().index.drop_remote(&f, false);
                 }
             }
             out.push(serde_json::json!({
@@ -543,13 +557,13 @@ impl Shard {
             let mut j = j.borrow_mut();
             j.deleted = true;
             let reply = AppendReply::default();
-            for op in j.queue.drain(..) {
+            for op in j.queue.waiting.drain(..) {
                 op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
             }
-            if let Some(a) = j.active.take() {
+            if let Some(a) = j.queue.active.take() {
                 a.op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
             }
-            j.committed.notify(usize::MAX);
+            j.readers.committed.notify(usize::MAX);
             let root = self.dir.join("journals").join(name);
             // Renamed first, so that a journal of the same name can be
             // created again at once; the reaper deletes the rest.
@@ -599,7 +613,7 @@ impl Shard {
     /// deleted by the reaper: freed a step at a time unless something
     /// may still read it.
     pub(super) fn retire_fragment(&self, jm: &Journal, f: LocalFragment) {
-        let unread = !f.uploading && jm.reads_in_flight == 0;
+        let unread = !f.uploading && jm.files.reads_in_flight == 0;
         let idle = unread && f.uploaded && f.corrupt.is_none();
         let len = f.end - f.begin;
         drop(f.file);
@@ -617,14 +631,14 @@ impl Shard {
     pub(super) async fn reset_head(&self, j: &JournalRef) {
         let (loaded, error) = {
             let jm = j.borrow();
-            (jm.index_loaded, jm.index_error.clone())
+            (jm.index.loaded, jm.index.error.clone())
         };
         if !loaded {
             let msg = format!(
                 "fragment index not yet listed: {}",
                 error.unwrap_or_else(|| "listing in progress".into())
             );
-            for (outbox, id) in j.borrow_mut().reset_waiters.drain(..) {
+            for (outbox, id) in j.borrow_mut().index.reset_waiters.drain(..) {
                 outbox.error(
                     Op::ADMIN_REPLY,
                     Status::FRAGMENT_STORE_UNHEALTHY,
@@ -635,13 +649,13 @@ impl Shard {
             }
             return;
         }
-        if j.borrow().spool.is_some() {
+        if j.borrow().files.spool.is_some() {
             self.seal(j).await;
         }
         let mut jm = j.borrow_mut();
-        let local_end = jm.fragments.iter().map(|f| f.end).max().unwrap_or(0);
-        let head = jm.head.max(jm.remote_end()).max(local_end);
-        if head > jm.head {
+        let local_end = jm.files.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        let head = jm.heads.head().max(jm.index.remote_end()).max(local_end);
+        if head > jm.heads.head() {
             // Recorded, so that a restart before the next append keeps the
             // new head: an empty spool beginning there (recovery starts a
             // journal at least at its last record's end).
@@ -649,7 +663,7 @@ impl Shard {
                 spool_begin: head,
                 end: head,
                 sha1: Sha1::new().finalize(),
-                registers: jm.local_registers.clone(),
+                registers: jm.heads.local_registers().clone(),
                 mid: Some(Midstate::of(head, &Sha1::new())),
             };
             if let Some(log) = self.log.borrow_mut().as_mut() {
@@ -657,7 +671,7 @@ impl Shard {
             }
             if let Err(e) = self.write_log() {
                 let msg = format!("recording the new write head: {e}");
-                for (outbox, id) in jm.reset_waiters.drain(..) {
+                for (outbox, id) in jm.index.reset_waiters.drain(..) {
                     outbox.error(Op::ADMIN_REPLY, storage_status(&e), id, &[], &msg);
                 }
                 return;
@@ -668,9 +682,9 @@ impl Shard {
         let body =
             serde_json::to_vec(&serde_json::json!({ "journal": jm.name, "write_head": head }))
                 .expect("json");
-        for (outbox, id) in jm.reset_waiters.drain(..) {
+        for (outbox, id) in jm.index.reset_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
-        jm.committed.notify(usize::MAX);
+        jm.readers.committed.notify(usize::MAX);
     }
 }

@@ -54,8 +54,8 @@ impl Shard {
     pub fn request_seal(&self, j: &JournalRef, outbox: Rc<Outbox>, request_id: u64) {
         {
             let mut jm = j.borrow_mut();
-            jm.seal_requested = true;
-            jm.seal_waiters.push((outbox, request_id));
+            jm.files.seal_requested = true;
+            jm.files.seal_waiters.push((outbox, request_id));
         }
         self.mark_ready(j);
     }
@@ -86,7 +86,12 @@ impl Shard {
             let mut streaming = false;
             {
                 let jm = j.borrow();
-                for op in jm.queue.iter().chain(jm.active.as_ref().map(|a| &a.op)) {
+                for op in jm
+                    .queue
+                    .waiting
+                    .iter()
+                    .chain(jm.queue.active.as_ref().map(|a| &a.op))
+                {
                     if op.replica.is_none() && !op.complete.get() && op.aborted.get().is_none() {
                         op.aborted.set(Some(AbortReason::ShuttingDown));
                         streaming = true;

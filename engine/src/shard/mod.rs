@@ -375,7 +375,7 @@ impl Shard {
     fn take_spec(&self, map: &mut HashMap<String, JournalRef>, spec: rotary_net::JournalSpec) {
         if let Some(j) = map.get(&spec.name) {
             let mut j = j.borrow_mut();
-            j.rate.set_rate(spec.max_append_rate);
+            j.queue.rate.set_rate(spec.max_append_rate);
             let gained_stores = !j.has_stores() && !spec.fragment.stores.is_empty();
             j.spec = spec;
             if gained_stores {
@@ -390,12 +390,10 @@ impl Shard {
         let name = spec.name.clone();
         let mut j = Journal::new(spec, dir);
         j.init_index();
-        j.first_sync_pending = true;
+        j.primary.first_sync_pending = true;
         let state = self.states.borrow().get(&name).cloned();
         if let Some(st) = &state {
-            j.registers = st.registers.clone();
-            j.staged_registers = st.registers.clone();
-            j.local_registers = st.registers.clone();
+            j.heads.set_registers(st.registers.clone());
         }
         self.adopt_files(&mut j, state.as_ref());
         map.insert(name, Rc::new(RefCell::new(j)));
@@ -612,14 +610,13 @@ fn answer_ok(s: &Staged) {
 /// replicas'): the next append begins where the last commit ended. Only
 /// between batches (nothing staged in this turn but the open append).
 fn abandon_active(jm: &mut Journal) -> Option<Active> {
-    let a = jm.active.take()?;
-    jm.tail.truncate(a.start.offset);
-    if let Some(spool) = jm.spool.as_mut() {
+    let a = jm.queue.active.take()?;
+    jm.readers.tail.truncate(a.start.offset);
+    if let Some(spool) = jm.files.spool.as_mut() {
         spool.rewind(a.start.clone());
     }
-    send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
-    jm.set_staged_head(jm.local_head);
-    jm.staged_registers = jm.local_registers.clone();
+    send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
+    jm.unstage();
     Some(a)
 }
 

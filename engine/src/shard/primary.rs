@@ -6,7 +6,7 @@ use super::*;
 /// Proposes a journal's batch to each of its replicas: the commit record
 /// of every staged append. Returns what to wait for.
 pub(super) fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
-    let repl = jm.repl.as_ref().expect("proposed with replicas");
+    let repl = jm.primary.repl.as_ref().expect("proposed with replicas");
     let mut waits = Vec::new();
     for (p, epoch) in &repl.pipelines {
         for s in staged {
@@ -63,13 +63,13 @@ impl Shard {
     /// journal's earlier routes for bytes beyond its head (see
     /// [`Shard::takeover_sources`]). With none to ask, it is settled here.
     pub(super) fn takeover_due(&self, j: &JournalRef, route: &Route) -> bool {
-        let since = j.borrow().takeover_version;
+        let since = j.borrow().primary.takeover_version;
         if since == self.topology.version() {
             return false;
         }
         let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         if sources.is_empty() {
-            j.borrow_mut().takeover_version = version;
+            j.borrow_mut().primary.takeover_version = version;
         }
         !sources.is_empty()
     }
@@ -80,9 +80,9 @@ impl Shard {
     /// routed through it, not every journal of the shard.
     pub(super) async fn acker(self: Rc<Self>, j: JournalRef) {
         loop {
-            let next = j.borrow_mut().proposed.pop_front();
+            let next = j.borrow_mut().primary.proposed.pop_front();
             let Some(f) = next else {
-                j.borrow_mut().acking = false;
+                j.borrow_mut().primary.acking = false;
                 self.awaiting_acks.set(self.awaiting_acks.get() - 1);
                 return;
             };
@@ -135,9 +135,9 @@ impl Shard {
             self.publish(&j, f.staged, failure.as_ref());
             {
                 let mut jm = j.borrow_mut();
-                jm.inflight -= 1;
+                jm.primary.inflight -= 1;
                 if failure.is_some() {
-                    jm.repl = None;
+                    jm.primary.repl = None;
                 }
             }
             self.mark_ready(&j);
@@ -178,7 +178,7 @@ impl Shard {
     /// Ends a streamed append that went idle, or that holds up the append
     /// behind it at too slow a rate. True: one was aborted.
     fn time_out_active(jm: &Journal) -> bool {
-        if let Some(a) = &jm.active {
+        if let Some(a) = &jm.queue.active {
             // Bytes that arrived and wait (for the rate, or for
             // room) are no client's idleness.
             if crate::clock::elapsed(a.op.last_activity.get()) > APPEND_IDLE_TIMEOUT
@@ -189,10 +189,11 @@ impl Shard {
                 return true;
             } else if a.holds_up(
                 jm.queue
+                    .waiting
                     .iter()
                     .find(|w| !Rc::ptr_eq(w, &a.op))
                     .map(|w| &**w),
-                jm.rate.rate(),
+                jm.queue.rate.rate(),
             ) {
                 a.op.aborted.set(Some(AbortReason::TooSlow));
                 return true;
@@ -210,11 +211,11 @@ impl Shard {
             if jm.has_stores() {
                 self.queue_uploads(&mut jm);
                 let every = jm.spec.fragment.refresh_interval;
-                !jm.listing
-                    && jm.last_listing.is_none_or(|t| {
+                !jm.index.listing
+                    && jm.index.last_listing.is_none_or(|t| {
                         crate::clock::elapsed(t) >= every
-                            || (!jm.index_loaded
-                                && !jm.index_forgotten
+                            || (!jm.index.loaded
+                                && !jm.index.forgotten
                                 && crate::clock::elapsed(t) >= std::time::Duration::from_secs(1))
                     })
             } else {
@@ -256,16 +257,21 @@ impl Shard {
                 let was_primary = before
                     .route(&jm.spec.name, jm.spec.replication)
                     .is_primary(&current.me);
-                jm.route_check |= !was_primary;
+                jm.primary.route_check |= !was_primary;
             }
             // Working out a route costs more than the rest of a quiet
             // journal's tick: it is needed only for a journal holding bytes,
             // with replicas to pulse, or whose route may have changed, of
             // tens of thousands on a shard.
-            let holds_bytes = j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty());
+            let holds_bytes = j
+                .borrow()
+                .files
+                .spool
+                .as_ref()
+                .is_some_and(|s| !s.is_empty());
             // At most so many takeovers begin in a tick; the other
             // journals keep their check for the next.
-            let check = j.borrow().route_check && takeovers < TICK_TAKEOVERS_MAX;
+            let check = j.borrow().primary.route_check && takeovers < TICK_TAKEOVERS_MAX;
             let role = {
                 let jm = j.borrow();
                 (holds_bytes || jm.spec.replication > 1 || check).then(|| self.role(&jm.spec))
@@ -279,7 +285,7 @@ impl Shard {
                         takeovers += 1;
                         due = true
                     }
-                    _ => j.borrow_mut().route_check = false,
+                    _ => j.borrow_mut().primary.route_check = false,
                 }
             }
             {
@@ -315,15 +321,15 @@ impl Shard {
     pub(super) fn pulse(&self, j: &JournalRef, route: &Route, now: bool) {
         {
             let mut jm = j.borrow_mut();
-            let idle = jm.queue.is_empty()
-                && jm.active.is_none()
-                && jm.inflight == 0
-                && !jm.syncing
-                && (now || crate::clock::elapsed(jm.last_append) >= PULSE_IDLE);
+            let idle = jm.queue.waiting.is_empty()
+                && jm.queue.active.is_none()
+                && jm.primary.inflight == 0
+                && !jm.primary.syncing
+                && (now || crate::clock::elapsed(jm.queue.last_append) >= PULSE_IDLE);
             if route.members.len() < 2 || !route.is_complete() || !idle || jm.deleted {
                 return;
             }
-            jm.last_append = crate::clock::now();
+            jm.queue.last_append = crate::clock::now();
         }
         let outbox = Rc::new(Outbox::new());
         outbox.close();
@@ -352,14 +358,14 @@ impl Shard {
         {
             let mut jm = j.borrow_mut();
             let jm = &mut *jm;
-            if jm.syncing {
+            if jm.primary.syncing {
                 return;
             }
             // An open append's content went over pipelines being replaced.
             if let Some(a) = abandon_active(jm) {
                 let reply = AppendReply {
-                    write_head: jm.head,
-                    registers: jm.registers.clone(),
+                    write_head: jm.heads.head(),
+                    registers: jm.heads.registers().clone(),
                     ..Default::default()
                 };
                 a.op.reply_error(
@@ -368,16 +374,16 @@ impl Shard {
                     "the journal's replication pipeline broke during the append; it was rolled back",
                 );
                 drop_budget(&a.op);
-                jm.queue.pop_front();
+                jm.queue.waiting.pop_front();
                 metrics::add(&self.metrics.append_failures, 1);
             }
-            if jm.inflight > 0 || !jm.staged.is_empty() {
+            if jm.primary.inflight > 0 || !jm.queue.staged.is_empty() {
                 // The acker marks the journal ready when they are answered.
                 return;
             }
-            jm.repl = None;
+            jm.primary.repl = None;
         }
-        let retry = j.borrow().sync_retry.clone();
+        let retry = j.borrow().primary.sync_retry.clone();
         if let Some((at, f)) = retry {
             if crate::clock::now() < at {
                 // The last SYNC failed moments ago: answer with its cause.
@@ -388,10 +394,16 @@ impl Shard {
         // A fresh spool at the head on every member. (A primary without
         // replicas, asking only its earlier routes' brokers, keeps its spool
         // unless they are ahead of it.)
-        if route.members.len() > 1 && j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+        if route.members.len() > 1
+            && j.borrow()
+                .files
+                .spool
+                .as_ref()
+                .is_some_and(|s| !s.is_empty())
+        {
             self.seal(j).await;
         }
-        j.borrow_mut().syncing = true;
+        j.borrow_mut().primary.syncing = true;
         let Some(me) = self.me.borrow().upgrade() else {
             return;
         };
@@ -403,7 +415,7 @@ impl Shard {
             let replicas = replicas.join(",");
             {
                 let mut jm = j.borrow_mut();
-                jm.syncing = false;
+                jm.primary.syncing = false;
                 match res {
                     Ok(repl) => {
                         metrics::add(&me.metrics.syncs, 1);
@@ -412,9 +424,9 @@ impl Shard {
                         if let Some(control) = me.topology.control() {
                             control.synced(&jm.name, route.ids());
                         }
-                        jm.repl = Some(repl);
-                        jm.sync_retry = None;
-                        jm.first_sync_pending = false;
+                        jm.primary.repl = Some(repl);
+                        jm.primary.sync_retry = None;
+                        jm.primary.first_sync_pending = false;
                         if me.shared_failures.worked(SharedWork::Sync, &replicas) {
                             tracing::info!(replicas, journal = %jm.name, "replicas synchronized again");
                         }
@@ -425,11 +437,11 @@ impl Shard {
                         } else {
                             tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
                         }
-                        jm.sync_retry = Some((crate::clock::now() + SYNC_RETRY, f));
+                        jm.primary.sync_retry = Some((crate::clock::now() + SYNC_RETRY, f));
                     }
                 }
                 // Reads waiting for the first SYNC get its outcome.
-                jm.committed.notify(usize::MAX);
+                jm.readers.committed.notify(usize::MAX);
             }
             me.mark_ready(&j);
         })
@@ -563,16 +575,21 @@ impl Shard {
         tracing::warn!(journal = %name, from = head, to, broker = %ahead[0].2.id, "a broker is ahead; copying the journal's bytes from it and rolling forward");
         // Sealed first, if bytes are open in it (a primary without
         // replicas keeps its spool through a SYNC).
-        if j.borrow().spool.as_ref().is_some_and(|s| !s.is_empty()) {
+        if j.borrow()
+            .files
+            .spool
+            .as_ref()
+            .is_some_and(|s| !s.is_empty())
+        {
             self.seal(j).await;
-            if j.borrow().spool.is_some() {
+            if j.borrow().files.spool.is_some() {
                 return Err(Failure::new(
                     Status::IO_ERROR,
                     "sealing the primary's spool before copying failed",
                 ));
             }
         }
-        let spool = j.borrow_mut().spool.take();
+        let spool = j.borrow_mut().files.spool.take();
         if let Some(spool) = spool {
             // Empty: the SYNC started by sealing.
             let _ = spool.seal(false).await;
@@ -580,9 +597,13 @@ impl Shard {
         let (dir, durable, from) = {
             let jm = j.borrow();
             // What a listed store holds need not be copied.
-            let listed = if jm.index_loaded { jm.remote_end() } else { 0 };
+            let listed = if jm.index.loaded {
+                jm.index.remote_end()
+            } else {
+                0
+            };
             (
-                jm.dir.clone(),
+                jm.files.dir.clone(),
                 jm.spec.durability == Durability::Fsync,
                 head.max(listed).min(to),
             )
@@ -604,17 +625,15 @@ impl Shard {
             self.unuploaded_bytes
                 .set(self.unuploaded_bytes.get() + held);
         }
-        jm.fragments.extend(copied);
-        jm.fragments.sort_by_key(|f| (f.begin, f.end));
+        jm.files.fragments.extend(copied);
+        jm.files.fragments.sort_by_key(|f| (f.begin, f.end));
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }
         jm.take_over_to(to);
         // The registers go with the furthest history (fencing must not
         // step back).
-        jm.registers = their_registers.clone();
-        jm.local_registers = their_registers.clone();
-        jm.staged_registers = their_registers;
+        jm.heads.set_registers(their_registers);
         Ok(())
     }
 
@@ -638,15 +657,15 @@ impl Shard {
         {
             compio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        let since = j.borrow().takeover_version;
+        let since = j.borrow().primary.takeover_version;
         let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         for _ in 0..3 {
             let (spec, head, registers, name) = {
                 let jm = j.borrow();
                 (
                     jm.spec.clone(),
-                    jm.local_head,
-                    jm.local_registers.clone(),
+                    jm.heads.local_head(),
+                    jm.heads.local_registers().clone(),
                     jm.name.clone(),
                 )
             };
@@ -673,7 +692,7 @@ impl Shard {
             self.ask_sources(&sources, &name, head, &request, &mut ahead)
                 .await?;
             if ahead.is_empty() {
-                j.borrow_mut().takeover_version = version;
+                j.borrow_mut().primary.takeover_version = version;
                 return Ok(PrimaryRepl {
                     members: route.ids(),
                     pipelines,

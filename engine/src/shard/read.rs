@@ -26,7 +26,7 @@ pub(super) struct ReadPin(JournalRef);
 
 impl ReadPin {
     fn new(j: &JournalRef) -> ReadPin {
-        j.borrow_mut().reads_in_flight += 1;
+        j.borrow_mut().files.reads_in_flight += 1;
         ReadPin(j.clone())
     }
 }
@@ -36,7 +36,7 @@ impl Drop for ReadPin {
         // Should the journal be borrowed here, the count stays up: that
         // only stops its files from being reused, never the other way.
         if let Ok(mut jm) = self.0.try_borrow_mut() {
-            jm.reads_in_flight -= 1;
+            jm.files.reads_in_flight -= 1;
         }
     }
 }
@@ -47,10 +47,10 @@ pub(super) async fn settle_answered(j: &JournalRef) {
     loop {
         let l = {
             let jm = j.borrow();
-            if jm.deleted || jm.head >= jm.answered {
+            if jm.deleted || jm.heads.head() >= jm.heads.answered() {
                 return;
             }
-            jm.committed.listen()
+            jm.readers.committed.listen()
         };
         // The turn publishes the batch as soon as its write completes.
         l.await;
@@ -67,7 +67,7 @@ pub(super) fn read_wakeup(
     outbox: &Outbox,
     stopping: &Event,
 ) -> impl std::future::Future<Output = ()> {
-    let commit = j.borrow().committed.listen();
+    let commit = j.borrow().readers.committed.listen();
     let cancelled = cancel.event.listen();
     // Not `drained`, which fires after every write of the connection's
     // outbox: a tailing reader would wake once more for each chunk it sent.
@@ -111,7 +111,7 @@ impl Shard {
             cancel,
         };
         if call.j.borrow().spec.flags == JournalFlags::WriteOnly {
-            let head = call.j.borrow().head;
+            let head = call.j.borrow().heads.head();
             return call.done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
         if !call.wait_listed().await || !call.wait_synced().await {
@@ -156,6 +156,7 @@ impl Shard {
         }
         let Some((begin, end, sha1)) = j
             .borrow()
+            .files
             .fragments
             .iter()
             .find(|f| f.path == path && !f.verified)
@@ -173,7 +174,7 @@ impl Shard {
         event.notify(usize::MAX);
         let mut jm = j.borrow_mut();
         let name = jm.name.clone();
-        let Some(f) = jm.fragments.iter_mut().find(|f| f.path == path) else {
+        let Some(f) = jm.files.fragments.iter_mut().find(|f| f.path == path) else {
             return Ok(());
         };
         match res {
@@ -315,6 +316,7 @@ impl Shard {
         let jm = j.borrow();
         let limit = limit.max(1);
         let mut out: Vec<(u64, bool, serde_json::Value)> = jm
+            .files
             .fragments
             .iter()
             .filter(|f| f.begin >= from)
@@ -322,16 +324,16 @@ impl Shard {
             .collect();
         // The index is sorted by begin: take a page's worth from `from`,
         // and the rest of the last begin's fragments.
-        let first = jm.remote.partition_point(|r| r.begin < from);
-        let mut last = (first + limit).min(jm.remote.len());
-        while last < jm.remote.len()
+        let first = jm.index.remote().partition_point(|r| r.begin < from);
+        let mut last = (first + limit).min(jm.index.remote().len());
+        while last < jm.index.remote().len()
             && last > first
-            && jm.remote[last].begin == jm.remote[last - 1].begin
+            && jm.index.remote()[last].begin == jm.index.remote()[last - 1].begin
         {
             last += 1;
         }
-        let remote_left = last < jm.remote.len();
-        for r in &jm.remote[first..last] {
+        let remote_left = last < jm.index.remote().len();
+        for r in &jm.index.remote()[first..last] {
             out.push((
                 r.begin,
                 true,
@@ -350,6 +352,7 @@ impl Shard {
             ));
         }
         if let Some(spool) = jm
+            .files
             .spool
             .as_ref()
             .filter(|s| !s.is_empty() && s.begin() >= from)
@@ -382,7 +385,7 @@ impl Shard {
     }
 
     pub fn registers_of(&self, j: &JournalRef) -> LabelSet {
-        j.borrow().registers.clone()
+        j.borrow().heads.registers().clone()
     }
 }
 
@@ -429,7 +432,7 @@ impl ReadCall<'_> {
 
     /// [`ReadCall::done`] at the journal's write head, then [`ReadStep::Ended`].
     fn done_at_head(&self, status: Status, offset: u64, msg: &str) -> ReadStep {
-        let head = self.j.borrow().head;
+        let head = self.j.borrow().heads.head();
         self.done(status, offset, head, msg);
         ReadStep::Ended
     }
@@ -472,12 +475,12 @@ impl ReadCall<'_> {
         loop {
             let (listed, failed) = {
                 let jm = self.j.borrow();
-                (jm.index_loaded, jm.index_error.clone())
+                (jm.index.loaded, jm.index.error.clone())
             };
             if listed {
                 return true;
             }
-            let head = self.j.borrow().head;
+            let head = self.j.borrow().heads.head();
             if let Some(e) = failed {
                 self.done(
                     Status::FRAGMENT_STORE_UNHEALTHY,
@@ -490,7 +493,7 @@ impl ReadCall<'_> {
             let wakeup = self.wakeup();
             {
                 let jm = self.j.borrow();
-                if jm.index_loaded || jm.index_error.is_some() {
+                if jm.index.loaded || jm.index.error.is_some() {
                     continue;
                 }
             }
@@ -518,7 +521,7 @@ impl ReadCall<'_> {
             let (route, takeover) = match role {
                 Role::Primary(r) if r.is_complete() => {
                     let takeover = self.shard.takeover_due(j, &r);
-                    let first = j.borrow().first_sync_pending && r.members.len() > 1;
+                    let first = j.borrow().primary.first_sync_pending && r.members.len() > 1;
                     if !takeover && !first {
                         return true;
                     }
@@ -529,12 +532,13 @@ impl ReadCall<'_> {
             let failed = {
                 let jm = j.borrow();
                 // A failure stands until its retry is due.
-                jm.sync_retry
+                jm.primary
+                    .sync_retry
                     .as_ref()
-                    .filter(|(at, _)| crate::clock::now() < *at && !jm.syncing)
+                    .filter(|(at, _)| crate::clock::now() < *at && !jm.primary.syncing)
                     .map(|(_, f)| f.clone())
             };
-            let head = j.borrow().head;
+            let head = j.borrow().heads.head();
             if let Some(f) = failed {
                 let msg = if takeover {
                     format!(
@@ -588,7 +592,7 @@ impl ReadCall<'_> {
         };
         let (located, head, deleted) = {
             let jm = j.borrow();
-            (jm.locate(offset), jm.head, jm.deleted)
+            (jm.locate(offset), jm.heads.head(), jm.deleted)
         };
         if deleted {
             self.done(
@@ -651,7 +655,7 @@ impl ReadCall<'_> {
                 // now (the store).
                 Err(e)
                     if e.kind() == std::io::ErrorKind::NotFound
-                        && !j.borrow().fragments.iter().any(|f| f.path == path) =>
+                        && !j.borrow().files.fragments.iter().any(|f| f.path == path) =>
                 {
                     return ReadStep::At(offset)
                 }
@@ -712,9 +716,9 @@ impl ReadCall<'_> {
             let limit = self
                 .req
                 .end_offset
-                .map_or(jm.head, |e| e.min(jm.head))
+                .map_or(jm.heads.head(), |e| e.min(jm.heads.head()))
                 .min(offset + READ_CHUNK_BYTES as u64);
-            jm.tail.get(offset, limit).map(|bytes| {
+            jm.readers.tail.get(offset, limit).map(|bytes| {
                 self.send(offset, bytes);
                 bytes.len() as u64
             })
@@ -727,18 +731,18 @@ impl ReadCall<'_> {
     /// that does not block.
     async fn wait_for_bytes(&self, offset: u64, head: u64) -> ReadStep {
         let j = &self.j;
-        if j.borrow().spool_out {
+        if j.borrow().files.spool_out {
             // Its spool is being sealed, or its tail reloaded: the
             // bytes are back in a file when that is done.
             let wakeup = self.wakeup();
-            if j.borrow().spool_out && self.stopped().is_none() && !self.outbox.is_closed() {
+            if j.borrow().files.spool_out && self.stopped().is_none() && !self.outbox.is_closed() {
                 wakeup.await;
             }
             return ReadStep::At(offset);
         }
         let answered_ahead = {
             let jm = j.borrow();
-            offset < jm.answered && jm.head < jm.answered
+            offset < jm.heads.answered() && jm.heads.head() < jm.heads.answered()
         };
         if !self.block() && answered_ahead {
             settle_answered(j).await;
@@ -762,11 +766,11 @@ impl ReadCall<'_> {
             return ReadStep::At(offset);
         }
         // While readers wait, appends keep their bytes in memory.
-        j.borrow_mut().waiting_readers += 1;
+        j.borrow_mut().readers.waiting += 1;
         let tailing = metrics::GaugeHeld::raise(&self.shard.metrics.tailing_readers);
         wakeup.await;
         drop(tailing);
-        j.borrow_mut().waiting_readers -= 1;
+        j.borrow_mut().readers.waiting -= 1;
         ReadStep::At(offset)
     }
 
@@ -828,12 +832,12 @@ impl ReadCall<'_> {
                     // it are the client's to discard).
                     Some((StoreError::Corrupt { .. }, _)) => {
                         tracing::warn!(journal = %jm.name, key = %frag.key, error = %msg, "a store fragment is corrupt; left out of the index");
-                        jm.drop_remote(&frag, true);
+                        jm.index.drop_remote(&frag, true);
                     }
                     // Gone from the store (pruned) before a byte
                     // of it was sent: read on around it.
                     Some((StoreError::NotFound { .. }, reached)) => {
-                        jm.drop_remote(&frag, false);
+                        jm.index.drop_remote(&frag, false);
                         if reached == offset {
                             return ReadStep::At(offset);
                         }

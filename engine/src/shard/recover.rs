@@ -319,8 +319,8 @@ impl Shard {
         match (use_spool, found) {
             (true, Some((s, _))) => {
                 *head = s.committed();
-                j.spool_since = Some(crate::clock::wall());
-                j.spool = Some(s);
+                j.files.spool_since = Some(crate::clock::wall());
+                j.files.spool = Some(s);
             }
             _ if candidates[chosen_at..].iter().any(|st| in_spool(st)) => {
                 // The record that stands does not commit into this
@@ -355,12 +355,12 @@ impl Shard {
         let mut j = Journal::new(spec, dir.clone());
         j.init_index();
         let listing = list_dir(&dir).map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
-        j.fragments = listing.fragments;
+        j.files.fragments = listing.fragments;
         for path in &listing.partial {
             tracing::warn!(path = %path.display(), "removing an unfinished copy from a replica");
             let _ = std::fs::remove_file(path);
         }
-        let mut head = j.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        let mut head = j.files.fragments.iter().map(|f| f.end).max().unwrap_or(0);
         let candidates: Vec<&JournalState> = replayed
             .map(|r| r.candidates().collect())
             .unwrap_or_default();
@@ -382,7 +382,7 @@ impl Shard {
             None => spools.pop(),
         };
         for (begin, path) in spools {
-            if j.fragments.iter().any(|f| f.begin == begin) {
+            if j.files.fragments.iter().any(|f| f.begin == begin) {
                 // A leftover of a seal interrupted after its rename target
                 // was written: its bytes are in that fragment.
                 tracing::warn!(path = %path.display(), "removing stale spool");
@@ -414,7 +414,7 @@ impl Shard {
             None => (candidates.first().map(|st| (*st).clone()), false),
         };
         if let Some(st) = &chosen {
-            j.registers = st.registers.clone();
+            j.heads.set_registers(st.registers.clone());
             if !use_spool {
                 // Its bytes are all in sealed fragments, which may since
                 // have left the local cache for the store: the head is at
@@ -432,9 +432,8 @@ impl Shard {
             }
         }
         j.set_heads(head);
-        j.staged_registers = j.registers.clone();
-        j.local_registers = j.registers.clone();
-        j.first_sync_pending = j.fragments.is_empty() && j.spool.is_none() && chosen.is_none();
+        j.primary.first_sync_pending =
+            j.files.fragments.is_empty() && j.files.spool.is_none() && chosen.is_none();
         Ok((j, chosen))
     }
 
@@ -446,10 +445,10 @@ impl Shard {
     /// record, giving out none of their offsets again. A spool stays where
     /// it is: a restart passes over one the commit log does not name.
     pub(super) fn adopt_files(&self, j: &mut Journal, state: Option<&JournalState>) {
-        let listing = match list_dir(&j.dir) {
+        let listing = match list_dir(&j.files.dir) {
             Ok(listing) => listing,
             Err(e) => {
-                tracing::warn!(dir = %j.dir.display(), error = %e, "listing a new journal's directory");
+                tracing::warn!(dir = %j.files.dir.display(), error = %e, "listing a new journal's directory");
                 return;
             }
         };
@@ -470,8 +469,8 @@ impl Shard {
             head,
             "a new journal's directory holds files; it continues after them"
         );
-        j.fragments = listing.fragments;
+        j.files.fragments = listing.fragments;
         j.set_heads(head);
-        j.first_sync_pending = j.fragments.is_empty() && state.is_none();
+        j.primary.first_sync_pending = j.files.fragments.is_empty() && state.is_none();
     }
 }

@@ -10,25 +10,25 @@ impl Shard {
         loop {
             let w = {
                 let mut jm = j.borrow_mut();
-                if jm.sync_waiters.is_empty()
-                    || jm.active.is_some()
-                    || !jm.queue.is_empty()
-                    || !jm.staged.is_empty()
-                    || !jm.awaiting.is_empty()
+                if jm.replica.sync_waiters.is_empty()
+                    || jm.queue.active.is_some()
+                    || !jm.queue.waiting.is_empty()
+                    || !jm.queue.staged.is_empty()
+                    || !jm.replica.awaiting.is_empty()
                 {
                     return;
                 }
-                jm.sync_waiters.remove(0)
+                jm.replica.sync_waiters.remove(0)
             };
             let view = self.view();
             let route = view.route(&w.req.journal, w.req.spec.replication);
-            let head = j.borrow().local_head;
+            let head = j.borrow().heads.local_head();
             let answer = |status: Status, message: String, head: u64| {
                 let body = SyncReply {
                     head,
                     route: route.ids(),
                     route_revision: view.revision(),
-                    registers: j.borrow().local_registers.clone(),
+                    registers: j.borrow().heads.local_registers().clone(),
                     message,
                 };
                 w.sink
@@ -48,10 +48,10 @@ impl Shard {
                 answer(Status::PROPOSAL_MISMATCH, msg, head);
                 continue;
             }
-            if j.borrow().spool.is_some() {
+            if j.borrow().files.spool.is_some() {
                 self.seal(j).await;
             }
-            if j.borrow().spool.is_some() {
+            if j.borrow().files.spool.is_some() {
                 answer(
                     Status::IO_ERROR,
                     "sealing the replica's spool failed".into(),
@@ -63,13 +63,11 @@ impl Shard {
                 let mut jm = j.borrow_mut();
                 let h = w.req.head;
                 jm.set_heads(h);
-                jm.registers = w.req.registers.clone();
-                jm.local_registers = w.req.registers.clone();
-                jm.staged_registers = w.req.registers.clone();
-                jm.replica = Some(
+                jm.heads.set_registers(w.req.registers.clone());
+                jm.replica.track = Some(
                     crate::replica::ReplicaTrack::synced_at(h, w.req.seq).with_stream(w.sink.id),
                 );
-                jm.committed.notify(usize::MAX);
+                jm.readers.committed.notify(usize::MAX);
             }
             metrics::add(&self.metrics.syncs, 1);
             answer(Status::OK, String::new(), w.req.head);
@@ -80,13 +78,13 @@ impl Shard {
     /// from awaiting to this turn's batch, each checked against the bytes
     /// staged for it. A mismatch drops it and everything staged after it.
     pub(super) fn commit_awaiting(&self, jm: &mut Journal) {
-        while let Some(front) = jm.awaiting.front() {
+        while let Some(front) = jm.replica.awaiting.front() {
             let proposal = match &front.op.replica {
                 Some(r) => r.proposal.borrow().clone(),
                 None => None,
             };
             let Some(proposal) = proposal else { break };
-            let w = jm.awaiting.pop_front().expect("front");
+            let w = jm.replica.awaiting.pop_front().expect("front");
             let staged_sha = w.end.sha.clone().finalize();
             if let Err(msg) = crate::replica::check_proposal(
                 w.end.offset,
@@ -95,15 +93,15 @@ impl Shard {
                 &proposal.fragment_sha1,
             ) {
                 let r = AppendReply {
-                    write_head: jm.head,
+                    write_head: jm.heads.head(),
                     ..Default::default()
                 };
                 w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, &msg);
                 self.drop_replica_tail(jm, w.start, &msg);
                 return;
             }
-            jm.staged_registers = proposal.registers.clone();
-            jm.staged.push(Staged {
+            jm.heads.set_staged_registers(proposal.registers.clone());
+            jm.queue.staged.push(Staged {
                 op: w.op,
                 begin: w.start.offset,
                 end: w.end.offset,
@@ -119,23 +117,23 @@ impl Shard {
     /// to `start`; the journal needs a SYNC before it takes more.
     pub(super) fn drop_replica_tail(&self, jm: &mut Journal, start: CommitPoint, msg: &str) {
         let r = AppendReply {
-            write_head: jm.head,
+            write_head: jm.heads.head(),
             ..Default::default()
         };
-        for w in jm.awaiting.drain(..) {
+        for w in jm.replica.awaiting.drain(..) {
             w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
         }
-        if let Some(a) = jm.active.take() {
+        if let Some(a) = jm.queue.active.take() {
             a.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
             drop_budget(&a.op);
-            jm.queue.pop_front();
+            jm.queue.waiting.pop_front();
         }
-        jm.tail.truncate(start.offset);
+        jm.readers.tail.truncate(start.offset);
         jm.set_staged_head(start.offset);
-        if let Some(spool) = jm.spool.as_mut() {
+        if let Some(spool) = jm.files.spool.as_mut() {
             spool.rewind(start);
         }
-        if let Some(t) = jm.replica.as_mut() {
+        if let Some(t) = jm.replica.track.as_mut() {
             t.diverged();
         }
     }

@@ -6,7 +6,7 @@ use crate::journal::{admit, Admission, AdmitRole, AdmitShard};
 impl Shard {
     /// Enqueues an append; the flusher picks it up.
     pub fn submit_append(&self, j: &JournalRef, op: Rc<crate::append::AppendOp>) {
-        j.borrow_mut().queue.push_back(op);
+        j.borrow_mut().queue.waiting.push_back(op);
         self.mark_ready(j);
     }
 
@@ -15,7 +15,7 @@ impl Shard {
     pub(super) fn stage(&self, j: &JournalRef) -> bool {
         let again = self.stage_queue(j);
         let mut jm = j.borrow_mut();
-        if !jm.awaiting.is_empty() {
+        if !jm.replica.awaiting.is_empty() {
             self.commit_awaiting(&mut jm);
         }
         again
@@ -26,35 +26,35 @@ impl Shard {
         let jm = &mut *jm;
         let role = self.role(&jm.spec);
         let replicated = matches!(&role, Role::Primary(r) if r.members.len() > 1);
-        if replicated && jm.repl.is_none() {
+        if replicated && jm.primary.repl.is_none() {
             // A SYNC is due (say, the spool was just sealed): the next
             // turn's prepare starts it. One under way marks the journal
             // ready when it ends, and so does the acker for batches in
             // flight.
-            return !jm.syncing && jm.inflight == 0 && !jm.queue.is_empty();
+            return !jm.primary.syncing && jm.primary.inflight == 0 && !jm.queue.waiting.is_empty();
         }
-        if replicated && jm.inflight >= INFLIGHT_BATCHES_MAX {
+        if replicated && jm.primary.inflight >= INFLIGHT_BATCHES_MAX {
             // Replicas catch up first (the acker marks the journal ready).
             return false;
         }
-        if jm.staged.is_empty() {
-            jm.staged_with_replicas = jm.repl.is_some();
+        if jm.queue.staged.is_empty() {
+            jm.queue.staged_with_replicas = jm.primary.repl.is_some();
         }
-        if jm.spool.as_ref().is_none_or(|s| !s.can_stage()) {
+        if jm.files.spool.as_ref().is_none_or(|s| !s.can_stage()) {
             // Seal waiters on a journal without a spool get their answer.
-            if jm.spool.is_none() && !jm.seal_waiters.is_empty() {
+            if jm.files.spool.is_none() && !jm.files.seal_waiters.is_empty() {
                 let body =
                     serde_json::to_vec(&serde_json::json!({ "sealed": null })).expect("json");
-                for (outbox, id) in jm.seal_waiters.drain(..) {
+                for (outbox, id) in jm.files.seal_waiters.drain(..) {
                     outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
                 }
-                jm.seal_requested = false;
+                jm.files.seal_requested = false;
             }
             return false;
         }
         loop {
-            if jm.active.is_none() {
-                let Some(op) = jm.queue.front().cloned() else {
+            if jm.queue.active.is_none() {
+                let Some(op) = jm.queue.waiting.front().cloned() else {
                     return false;
                 };
                 let is_replica_op = op.replica.is_some();
@@ -63,14 +63,14 @@ impl Shard {
                     Front::Passed => continue,
                     Front::Wait { again } => return again,
                 }
-                let start = jm.spool.as_ref().expect("checked").commit_point();
+                let start = jm.files.spool.as_ref().expect("checked").commit_point();
                 let seq = if is_replica_op {
                     op.request_id
                 } else {
-                    jm.last_append = crate::clock::now();
+                    jm.queue.last_append = crate::clock::now();
                     self.seq()
                 };
-                jm.active = Some(Active {
+                jm.queue.active = Some(Active {
                     _streaming: crate::budget::Streaming::new(op.budget.clone()),
                     op,
                     start,
@@ -83,7 +83,7 @@ impl Shard {
             if let Some(again) = self.stage_arrived(j, jm) {
                 return again;
             }
-            let a = jm.active.as_ref().expect("active");
+            let a = jm.queue.active.as_ref().expect("active");
             let content_done = a.op.replica.as_ref().is_some_and(|r| r.content_done.get());
             if (!a.op.complete.get() && !content_done) || !a.op.chunks.borrow().is_empty() {
                 return false;
@@ -102,21 +102,21 @@ impl Shard {
             // Spare spools must never be why an append fails.
             self.spares.borrow_mut().release();
         }
-        let a = jm.active.take().expect("active");
-        jm.tail.truncate(a.start.offset);
-        jm.spool.as_mut().expect("checked").rewind(a.start);
-        send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+        let a = jm.queue.active.take().expect("active");
+        jm.readers.tail.truncate(a.start.offset);
+        jm.files.spool.as_mut().expect("checked").rewind(a.start);
+        send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
         let r = AppendReply {
-            write_head: jm.staged_head,
-            registers: jm.staged_registers.clone(),
+            write_head: jm.heads.staged_head(),
+            registers: jm.heads.staged_registers().clone(),
             ..Default::default()
         };
         a.op.reply_error(storage_status(e), &r, &e.to_string());
         drop_budget(&a.op);
         metrics::add(&self.metrics.append_failures, 1);
-        jm.queue.pop_front();
+        jm.queue.waiting.pop_front();
         // A rewind past written bytes needs a tail reload.
-        !jm.queue.is_empty()
+        !jm.queue.waiting.is_empty()
     }
 
     /// Stages what has arrived of the journal's open append, at most its
@@ -124,8 +124,8 @@ impl Shard {
     /// journal stops here for this turn (a full buffer: again); None when
     /// every chunk that arrived is staged.
     fn stage_arrived(&self, j: &JournalRef, jm: &mut Journal) -> Option<bool> {
-        let a = jm.active.as_mut().expect("set above");
-        let spool = jm.spool.as_mut().expect("checked");
+        let a = jm.queue.active.as_mut().expect("set above");
+        let spool = jm.files.spool.as_mut().expect("checked");
         // Stage what has arrived.
         loop {
             let mut chunks = a.op.chunks.borrow_mut();
@@ -160,13 +160,13 @@ impl Shard {
             // holds the client back) while its connection goes on
             // serving. A replica's were admitted by its primary.
             let admitted = if client {
-                match jm.rate.admit(bytes.len() as u64, crate::clock::now()) {
+                match jm.queue.rate.admit(bytes.len() as u64, crate::clock::now()) {
                     Ok(n) => &bytes[..n as usize],
                     Err(wait) => {
                         drop(chunks);
                         metrics::add(&self.metrics.rate_waits, 1);
-                        if !jm.rate_timer {
-                            jm.rate_timer = true;
+                        if !jm.queue.rate_timer {
+                            jm.queue.rate_timer = true;
                             self.ready_after(j, wait);
                         }
                         return Some(false);
@@ -187,9 +187,9 @@ impl Shard {
                 }
             };
             if client && n < admitted.len() {
-                jm.rate.give_back((admitted.len() - n) as u64);
+                jm.queue.rate.give_back((admitted.len() - n) as u64);
             }
-            if let Some(r) = &jm.repl {
+            if let Some(r) = &jm.primary.repl {
                 let rec = Record::Content {
                     seq: a.seq,
                     journal: &jm.name,
@@ -200,9 +200,9 @@ impl Shard {
                     p.push(&rec);
                 }
             }
-            if jm.waiting_readers > 0 {
+            if jm.readers.waiting > 0 {
                 let window = crate::journal::tail_window(self.journals.borrow().len());
-                jm.tail.push(at, &bytes[..n], window, &self.metrics);
+                jm.readers.tail.push(at, &bytes[..n], window, &self.metrics);
             }
             a.chunk_pos += n;
             if n < admitted.len() {
@@ -217,9 +217,9 @@ impl Shard {
     /// replica's awaits its proposal, a client's joins the batch (or is
     /// refused if its registers would not do).
     fn finish_whole(&self, jm: &mut Journal) {
-        let a = jm.active.take().expect("active");
-        jm.queue.pop_front();
-        let spool = jm.spool.as_mut().expect("checked");
+        let a = jm.queue.active.take().expect("active");
+        jm.queue.waiting.pop_front();
+        let spool = jm.files.spool.as_mut().expect("checked");
         let point = spool.commit_point();
         let begin = a.start.offset;
         let end = point.offset;
@@ -227,7 +227,7 @@ impl Shard {
             // Committed when its proposal comes (`commit_awaiting`);
             // the next append's content is staged meanwhile.
             jm.set_staged_head(end);
-            jm.awaiting.push_back(crate::append::Awaiting {
+            jm.replica.awaiting.push_back(crate::append::Awaiting {
                 op: a.op,
                 start: a.start,
                 end: point,
@@ -239,8 +239,8 @@ impl Shard {
             && (!a.op.req.union_registers.is_empty() || !a.op.req.subtract_registers.is_empty())
         {
             let r = AppendReply {
-                write_head: jm.staged_head,
-                registers: jm.staged_registers.clone(),
+                write_head: jm.heads.staged_head(),
+                registers: jm.heads.staged_registers().clone(),
                 ..Default::default()
             };
             a.op.reply_error(
@@ -248,22 +248,22 @@ impl Shard {
                 &r,
                 "an empty append cannot change registers",
             );
-            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
             return;
         }
-        let mut registers = jm.staged_registers.clone();
+        let mut registers = jm.heads.staged_registers().clone();
         if begin != end {
             registers.union(&a.op.req.union_registers);
             registers.subtract(&a.op.req.subtract_registers);
         }
         if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
             // Replies carry the registers; they must stay encodable.
-            jm.tail.truncate(a.start.offset);
+            jm.readers.tail.truncate(a.start.offset);
             spool.rewind(a.start);
-            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
             let r = AppendReply {
-                write_head: jm.staged_head,
-                registers: jm.staged_registers.clone(),
+                write_head: jm.heads.staged_head(),
+                registers: jm.heads.staged_registers().clone(),
                 ..Default::default()
             };
             let msg = format!(
@@ -275,8 +275,8 @@ impl Shard {
             return;
         }
         jm.set_staged_head(end);
-        jm.staged_registers = registers.clone();
-        jm.staged.push(Staged {
+        jm.heads.set_staged_registers(registers.clone());
+        jm.queue.staged.push(Staged {
             op: a.op,
             begin,
             end,
@@ -300,7 +300,7 @@ impl Shard {
                     Role::Replica(_) => AdmitRole::Replica,
                     _ => AdmitRole::Other,
                 },
-                inflight: jm.inflight,
+                inflight: jm.primary.inflight,
                 unuploaded_bytes: self.unuploaded_bytes.get(),
                 spool_budget_bytes: self.spool_budget_bytes,
                 store_error: store_error.as_deref(),
@@ -310,9 +310,9 @@ impl Shard {
         match decision {
             Admission::Stage => Front::Stage,
             Admission::Drop => {
-                jm.queue.pop_front();
+                jm.queue.waiting.pop_front();
                 let reply = AppendReply {
-                    write_head: jm.staged_head,
+                    write_head: jm.heads.staged_head(),
                     ..Default::default()
                 };
                 op.end_aborted(&reply);
@@ -325,14 +325,14 @@ impl Shard {
                 diverged,
             } => {
                 if diverged {
-                    if let Some(t) = jm.replica.as_mut() {
+                    if let Some(t) = jm.replica.track.as_mut() {
                         t.diverged();
                     }
                 }
-                jm.queue.pop_front();
+                jm.queue.waiting.pop_front();
                 let r = AppendReply {
-                    write_head: jm.staged_head,
-                    registers: jm.staged_registers.clone(),
+                    write_head: jm.heads.staged_head(),
+                    registers: jm.heads.staged_registers().clone(),
                     ..Default::default()
                 };
                 op.reply_error(status, &r, &message);
@@ -385,69 +385,70 @@ impl Shard {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let reply = AppendReply {
-            write_head: jm.head,
-            registers: jm.registers.clone(),
+            write_head: jm.heads.head(),
+            registers: jm.heads.registers().clone(),
             ..Default::default()
         };
         if status == Status::REPLICATION_FAILED {
             let failed = jm
+                .queue
                 .staged
                 .iter()
                 .map(|s| &s.op)
-                .chain(jm.active.as_ref().map(|a| &a.op))
+                .chain(jm.queue.active.as_ref().map(|a| &a.op))
                 .filter(|op| super::flusher::is_client_append(op))
                 .count();
             metrics::add(&self.metrics.replication_failed, failed as u64);
         }
-        for s in jm.staged.drain(..) {
-            send_rollback(jm.repl.as_ref(), &jm.name, s.seq);
+        for s in jm.queue.staged.drain(..) {
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, s.seq);
             s.op.reply_error(status, &reply, msg);
             metrics::add(&self.metrics.append_failures, 1);
         }
-        if let Some(a) = jm.active.take() {
-            send_rollback(jm.repl.as_ref(), &jm.name, a.seq);
+        if let Some(a) = jm.queue.active.take() {
+            send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
             a.op.reply_error(status, &reply, msg);
             drop_budget(&a.op);
-            jm.queue.pop_front();
+            jm.queue.waiting.pop_front();
             metrics::add(&self.metrics.append_failures, 1);
         }
-        for w in jm.awaiting.drain(..) {
+        for w in jm.replica.awaiting.drain(..) {
             w.op.reply_error(status, &reply, msg);
         }
-        if let Some(t) = jm.replica.as_mut() {
+        if let Some(t) = jm.replica.track.as_mut() {
             t.diverged();
         }
-        if let Some(spool) = jm.spool.as_mut() {
+        if let Some(spool) = jm.files.spool.as_mut() {
             spool.rollback();
         }
-        let head = jm.local_head;
-        jm.tail.truncate(head);
-        jm.set_staged_head(head);
-        jm.staged_registers = jm.local_registers.clone();
+        let head = jm.heads.local_head();
+        jm.readers.tail.truncate(head);
+        jm.unstage();
     }
 
     /// Fails every queued append of a journal (its spool cannot be used).
     pub(super) fn fail_queue(&self, j: &JournalRef, status: Status, msg: &str) {
         let mut jm = j.borrow_mut();
         let reply = AppendReply {
-            write_head: jm.head,
-            registers: jm.registers.clone(),
+            write_head: jm.heads.head(),
+            registers: jm.heads.registers().clone(),
             ..Default::default()
         };
         if status == Status::REPLICATION_FAILED {
             let answered = jm
                 .queue
+                .waiting
                 .iter()
                 .filter(|op| super::flusher::is_client_append(op))
                 .count();
             metrics::add(&self.metrics.replication_failed, answered as u64);
         }
-        for op in jm.queue.drain(..) {
+        for op in jm.queue.waiting.drain(..) {
             op.reply_error(status, &reply, msg);
             drop_budget(&op);
             metrics::add(&self.metrics.append_failures, 1);
         }
-        jm.active = None;
+        jm.queue.active = None;
     }
 }
 

@@ -1,0 +1,57 @@
+//! A journal's files on this broker: its open spool and sealed local
+//! fragments, and the seals asked of them.
+
+use crate::outbox::Outbox;
+use rotary_storage::fragment::LocalFragment;
+use rotary_storage::spool::Spool;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::SystemTime;
+
+/// The journal's local files.
+///
+/// Written by the flusher: staging writes appends into the spool and
+/// answers seal requests when nothing is left to seal (`shard/stage.rs`);
+/// its turn commits, rolls back, seals and reloads the spool, and adds
+/// the sealed fragment (`shard/flusher.rs`, with the rollbacks of
+/// `shard/replica.rs` and `shard/mod.rs`). Recovery (`shard/recover.rs`)
+/// finds the files, and a takeover (`shard/primary.rs`) adds what it
+/// copied from earlier brokers. Of the fragments, the history room
+/// (`shard/history.rs`) marks them uploaded, prunes and lets them go, and
+/// asks for seals (as do admin requests, `shard/lifecycle.rs`); a read
+/// (`shard/read.rs`) marks one it finds damaged. `reads_in_flight` is
+/// written by reads only.
+pub struct Files {
+    pub(crate) dir: PathBuf,
+    /// Sealed local fragments, by begin.
+    pub(crate) fragments: Vec<LocalFragment>,
+    pub(crate) spool: Option<Spool>,
+    /// The spool is out of `spool` while an operation on it awaits (a seal,
+    /// or a reload of its tail): its bytes are in no file a read can
+    /// locate until it is back, or sealed into `fragments`. Reads of them
+    /// wait, and `committed` is notified when it ends.
+    pub(crate) spool_out: bool,
+    /// When the open spool took its first commit.
+    pub(crate) spool_since: Option<SystemTime>,
+    /// Reads of a local file (fragment or spool) in flight: while any is,
+    /// no fragment file of the journal is reused as a spare spool.
+    pub(crate) reads_in_flight: usize,
+    pub(crate) seal_requested: bool,
+    pub(crate) seal_waiters: Vec<(Rc<Outbox>, u64)>,
+}
+
+impl Files {
+    /// No files yet, in `dir`.
+    pub fn new(dir: PathBuf) -> Files {
+        Files {
+            dir,
+            fragments: Vec::new(),
+            spool: None,
+            spool_out: false,
+            spool_since: None,
+            reads_in_flight: 0,
+            seal_requested: false,
+            seal_waiters: Vec::new(),
+        }
+    }
+}
