@@ -67,6 +67,40 @@ impl Conn {
         true
     }
 
+    /// Opens the replicated append `seq` that a record starts at `begin`,
+    /// unless the connection holds [`CONN_REPLICATED_APPENDS_MAX`] open:
+    /// then it is to be closed.
+    fn start_replica_op(
+        &mut self,
+        seq: u64,
+        begin: u64,
+        rec: &repl::Record<'_>,
+        j: &JournalRef,
+        sink: &Rc<AckSink>,
+        frame: Option<&Arc<Vec<u8>>>,
+    ) {
+        if self.repl_ops.len() >= CONN_REPLICATED_APPENDS_MAX {
+            self.overrun = Some(format!(
+                "the primary holds {CONN_REPLICATED_APPENDS_MAX} replicated appends open on this connection, the most it may; it is closed"
+            ));
+            return;
+        }
+        let op = self.replica_op(j, sink, seq, begin);
+        // The journal's earlier appends have all their content: only the
+        // newest of them could still have been taking it.
+        let key = Rc::as_ptr(j) as usize;
+        if let Some(earlier) = self.repl_newest.insert(key, op.clone()) {
+            if let Some(r) = &earlier.replica {
+                r.content_done.set(true);
+            }
+        }
+        if let repl::Record::Content { bytes, .. } = rec {
+            self.push_bytes(&op, bytes, frame);
+        }
+        self.repl_ops.insert(seq, (op.clone(), j.clone()));
+        self.shard.submit_append(j, op);
+    }
+
     /// Acts on the replica's verdict on one record of a REPLICATE.
     fn on_verdict(
         &mut self,
@@ -79,26 +113,7 @@ impl Conn {
         let name = rec.journal();
         match verdict {
             Verdict::Start { seq, begin } => {
-                if self.repl_ops.len() >= CONN_REPLICATED_APPENDS_MAX {
-                    self.overrun = Some(format!(
-                        "the primary holds {CONN_REPLICATED_APPENDS_MAX} replicated appends open on this connection, the most it may; it is closed"
-                    ));
-                    return;
-                }
-                let op = self.replica_op(j, sink, seq, begin);
-                // The journal's earlier appends have all their content:
-                // only the newest of them could still have been taking it.
-                let key = Rc::as_ptr(j) as usize;
-                if let Some(earlier) = self.repl_newest.insert(key, op.clone()) {
-                    if let Some(r) = &earlier.replica {
-                        r.content_done.set(true);
-                    }
-                }
-                if let repl::Record::Content { bytes, .. } = &rec {
-                    self.push_bytes(&op, bytes, frame);
-                }
-                self.repl_ops.insert(seq, (op.clone(), j.clone()));
-                self.shard.submit_append(j, op);
+                self.start_replica_op(seq, begin, &rec, j, sink, frame)
             }
             Verdict::Continue { seq } => {
                 if let Some((op, _)) = self.repl_ops.get(&seq).cloned() {
