@@ -4085,7 +4085,7 @@ async fn primaries_poll_for_acks_unless_told_not_to_body(cluster: &mut Cluster) 
 // A primary's connection holds a bounded count of open replicated appends.
 
 /// A primary (here a test speaking the protocol, its broker killed) that
-/// leaves more than 65,536 replicated appends open on one connection,
+/// leaves more than 262,144 replicated appends open on one connection,
 /// content sent and no proposal, is sent an ERROR of TOO_MANY_REQUESTS and
 /// the connection is closed (PROTOCOL.md §14.2); the replica committed
 /// none of it.
@@ -4101,7 +4101,7 @@ async fn a_primary_past_the_open_replicated_appends_is_closed() {
 }
 
 async fn a_primary_past_the_open_replicated_appends_is_closed_body(cluster: &mut Cluster) {
-    const OPEN: u64 = 65_536;
+    const OPEN: u64 = 262_144;
     let j = "repl/open-ops";
     cluster.apply(&[spec(j, 2)]).await;
     let route = agreed_route(cluster, j).await;
@@ -4128,7 +4128,7 @@ async fn a_primary_past_the_open_replicated_appends_is_closed_body(cluster: &mut
         let f = read_raw_frame(&mut s).unwrap().expect("the SYNC's ack");
         let acks = rotary_net::repl::decode_acks(&f.payload).expect("acks");
         assert_eq!((acks[0].seq, acks[0].status), (1, Status::OK), "{acks:?}");
-        // One content record per append, none proposed: 65,537 in all.
+        // One content record per append, none proposed: 262,145 in all.
         let mut seq = 2;
         while seq < OPEN + 3 {
             let mut w = rotary_net::wire::MetaWriter::new();
@@ -4153,7 +4153,7 @@ async fn a_primary_past_the_open_replicated_appends_is_closed_body(cluster: &mut
             String::from_utf8_lossy(&f.payload)
         );
         assert!(
-            String::from_utf8_lossy(&f.payload).contains("65536 replicated appends"),
+            String::from_utf8_lossy(&f.payload).contains("262144 replicated appends"),
             "{f:?}"
         );
         assert!(read_raw_frame(&mut s).unwrap().is_none(), "closed");

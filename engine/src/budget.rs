@@ -30,8 +30,10 @@ pub const CONN_OPEN_READS_MAX: usize = 4096;
 /// Replicated appends a primary's connection may hold open at once (their
 /// content arrived, their proposal not yet). A primary past it is sent an
 /// `ERROR` of `TOO_MANY_REQUESTS` and the connection is closed; it fails
-/// those appends `REPLICATION_FAILED` and synchronizes again (§14).
-pub const CONN_REPLICATED_APPENDS_MAX: usize = 65_536;
+/// those appends `REPLICATION_FAILED` and synchronizes again (§14). Far
+/// above what one turn of a primary's flusher stages over all the
+/// journals a pipeline carries: a bound on a broken peer, not on load.
+pub const CONN_REPLICATED_APPENDS_MAX: usize = 262_144;
 
 /// A connection holding at least this much queued append content stops
 /// reading while its shard's [`QueueBudget`] is spent. Below it, it reads
