@@ -4160,3 +4160,68 @@ async fn a_primary_past_the_open_replicated_appends_is_closed_body(cluster: &mut
     });
     assert_eq!(local_head(replica, j).await, 0, "nothing was committed");
 }
+
+// ---------------------------------------------------------------------------
+// A replica behind its primary at a SYNC copies what it missed.
+
+/// A replica stopped while its primary commits an append misses it: the
+/// primary answers REPLICATION_FAILED once the replica does not
+/// acknowledge in time, and keeps what it committed. The replica, killed
+/// while stopped and started again on its disk, is behind its primary when
+/// the next append synchronizes it: it copies the span it missed from the
+/// primary, and its own copy is then the primary's byte for byte, with no
+/// span a read of it skips.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_behind_its_primary_copies_what_it_missed() {
+    let mut cluster =
+        tokio::task::block_in_place(|| start_with_ack_timeout(2, STOPPED_ACK_TIMEOUT, false));
+    let done = tokio::time::timeout(
+        TEST_LIMIT,
+        a_replica_behind_its_primary_copies_what_it_missed_body(&mut cluster),
+    )
+    .await;
+    cluster.finished(done, TEST_LIMIT);
+}
+
+async fn a_replica_behind_its_primary_copies_what_it_missed_body(cluster: &mut Cluster) {
+    let j = "repl/fill-at-sync";
+    cluster.apply(&[spec(j, 2)]).await;
+    let route = agreed_route(cluster, j).await;
+    let primary = cluster.index(&route.members[0].id);
+    let replica = cluster.index(&route.members[1].id);
+    let client = cluster.brokers[primary].pinned().await;
+    append_retrying(&client, j, &record(1, 0, 1000)).await;
+
+    let pid = cluster.brokers[replica].pid().expect("replica running");
+    tokio::task::block_in_place(|| stop_process(pid));
+    let missed = client.append(&req(j), record(1, 1, 2000)).await;
+    assert_eq!(status_of(missed), Status::REPLICATION_FAILED);
+    tokio::task::block_in_place(|| {
+        cluster.brokers[replica].kill9();
+        cluster.brokers[replica].start();
+    });
+    append_retrying(&client, j, &record(1, 2, 1500)).await;
+
+    let p = &cluster.brokers[primary];
+    let r = &cluster.brokers[replica];
+    let head = local_head(p, j).await;
+    let p_copy = local_copy(p, j).await;
+    assert_eq!(p_copy.len() as u64, head);
+    let found = parse_records(&p_copy, 0).unwrap_or_else(|e| panic!("primary: {e}"));
+    assert!(
+        found.iter().any(|f| (f.writer, f.seq) == (1, 1)),
+        "the primary kept the append it could not get acknowledged: {found:?}"
+    );
+    assert_eq!(local_head(r, j).await, head, "the replica's head");
+    let r_copy = local_copy(r, j).await;
+    assert_eq!(
+        hex_sha1(&r_copy),
+        hex_sha1(&p_copy),
+        "the replica's copy differs from the primary's"
+    );
+    assert!(
+        r.log().contains("copied the appends this replica missed"),
+        "the replica filled its copy from the primary:\n{}",
+        r.log()
+    );
+}

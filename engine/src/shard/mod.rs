@@ -168,6 +168,11 @@ const PEER_LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30
 /// Most store listings a shard runs at once ([`Shard::refresh_listing`]).
 const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 
+/// The most a replica copies from its primary at a SYNC to fill the
+/// appends it missed (see `Shard::fill_from_primary`); one further behind
+/// starts at the primary's head and reads what lies before from the store.
+const SYNC_FILL_BYTES_MAX: u64 = 64 << 20;
+
 /// Batches of one journal proposed to replicas and not yet acknowledged.
 const INFLIGHT_BATCHES_MAX: usize = 16;
 /// How long a primary waits before retrying a failed SYNC.

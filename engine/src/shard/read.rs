@@ -114,7 +114,12 @@ impl Shard {
             let head = call.j.borrow().heads.head();
             return call.done(Status::NOT_ALLOWED, 0, head, "journal is write-only");
         }
-        if !call.wait_listed().await || !call.wait_synced().await {
+        // A TAKEOVER read copies this broker's own bytes for another (a
+        // new primary, or a replica filling what it missed): it does not
+        // wait for this broker's own SYNC, which may be waiting for the
+        // very broker that asks.
+        let takeover = call.flags & rotary_net::wire::flag::TAKEOVER != 0;
+        if !call.wait_listed().await || (!takeover && !call.wait_synced().await) {
             return;
         }
         // Appends already answered are readable, and count in the write

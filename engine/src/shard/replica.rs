@@ -59,6 +59,7 @@ impl Shard {
                 );
                 continue;
             }
+            self.fill_from_primary(j, &route, head, w.req.head).await;
             {
                 let mut jm = j.borrow_mut();
                 let h = w.req.head;
@@ -71,6 +72,50 @@ impl Shard {
             }
             metrics::add(&self.metrics.syncs, 1);
             answer(Status::OK, String::new(), w.req.head);
+        }
+    }
+
+    /// Copies `[head, to)` from the journal's primary before a SYNC moves
+    /// this replica's head to `to`: appends it missed that the primary
+    /// committed (answered `REPLICATION_FAILED` while this replica did not
+    /// acknowledge them, their outcome unknown to their clients). Without
+    /// it this copy would lack their span, and reads here would skip it
+    /// while the primary serves it. A replica that held nothing of the
+    /// journal (a member just added), or that is more than
+    /// [`SYNC_FILL_BYTES_MAX`] behind, starts at `to` as before: what lies
+    /// before is read from the store. A copy that fails leaves the span
+    /// out, as before.
+    async fn fill_from_primary(&self, j: &JournalRef, route: &Route, head: u64, to: u64) {
+        let held = head > 0 || !j.borrow().files.fragments.is_empty();
+        if !held || to <= head || to - head > SYNC_FILL_BYTES_MAX {
+            return;
+        }
+        let Some(primary) = route.primary() else {
+            return;
+        };
+        let (name, dir, durable) = {
+            let jm = j.borrow();
+            let durable = jm.spec.durability == Durability::Fsync;
+            (jm.name.clone(), jm.files.dir.clone(), durable)
+        };
+        let addr = self.member_endpoint(primary, &name);
+        let sources = [(to, addr)];
+        let copied = crate::fetch::copy_from_each(&sources, &name, head, to, &dir, durable);
+        match copied.await {
+            Ok(copied) => {
+                let got: u64 = copied.iter().map(|f| f.end - f.begin).sum();
+                metrics::add(&self.metrics.copied_bytes, got);
+                tracing::info!(journal = %name, from = head, to, copied = got, "copied the appends this replica missed from its primary");
+                let mut jm = j.borrow_mut();
+                if jm.has_stores() {
+                    self.unuploaded_bytes.set(self.unuploaded_bytes.get() + got);
+                }
+                jm.files.fragments.extend(copied);
+                jm.files.fragments.sort_by_key(|f| (f.begin, f.end));
+            }
+            Err(e) => {
+                tracing::warn!(journal = %name, from = head, to, error = %e, "could not copy the appends this replica missed from its primary; reads here skip them");
+            }
         }
     }
 
