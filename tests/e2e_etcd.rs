@@ -195,6 +195,17 @@ impl Spans {
         }
     }
 
+    /// One span, without a hole: a replica that missed appends its
+    /// primary committed copied them when it was synchronized again.
+    fn check_whole(&self, what: &str) {
+        let spans: Vec<(u64, u64)> = self
+            .0
+            .iter()
+            .map(|(o, b)| (*o, *o + b.len() as u64))
+            .collect();
+        assert!(spans.len() <= 1, "{what}'s copy has holes: {spans:?}");
+    }
+
     /// Holds the same bytes as `other` wherever both hold bytes.
     fn check_agrees(&self, what: &str, other: &Spans) {
         for (a, ab) in &self.0 {
@@ -383,6 +394,7 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
     let primary = &c.brokers[c.index(&last.route.primary)];
     let all = held_spans(&primary.endpoint(), journal, 0, head).await;
     all.check_acked("the primary", &acked, 0);
+    all.check_whole("the primary");
     // The reader that tailed the journal throughout followed it from
     // broker to broker and read every byte once, in order.
     let tailed = tail.finish(all.end()).await;
@@ -395,6 +407,7 @@ async fn a_killed_primary_and_then_a_replica_lose_no_acknowledged_append() {
         let copy = held_spans(&b.endpoint(), journal, from, head).await;
         copy.check_acked(id, &acked, from);
         copy.check_agrees(id, &all);
+        copy.check_whole(id);
     }
     // The first primary came back as a new member: it serves none of the
     // bytes it held before (they were moved aside), only what it holds as
@@ -497,12 +510,14 @@ async fn check_journal_and_members(
     let primary = &c.brokers[c.index(&route.route.primary)];
     let all = held_spans(&primary.endpoint(), journal, 0, head).await;
     all.check_acked("the primary", acked, 0);
+    all.check_whole("the primary");
     for id in &route.route.members {
         let b = &c.brokers[c.index(id)];
         let from = member_first_offset(&b.endpoint(), journal).await;
         let copy = held_spans(&b.endpoint(), journal, from, head).await;
         copy.check_acked(id, acked, from);
         copy.check_agrees(id, &all);
+        copy.check_whole(id);
     }
     all
 }
