@@ -220,9 +220,12 @@ struct ServeArgs {
     /// the shards' cores when the spare cores are busy with other work.
     #[arg(long = "iowq-cpus", value_name = "LIST", value_parser = parse_cpus)]
     iowq_cpus: Option<CpuList>,
-    /// Static cluster file (YAML `brokers: [{id, zone, endpoint}]`); the
-    /// broker listens on its own endpoint from it and re-reads it when it
-    /// changes or on SIGHUP. Needs --id; excludes --listen.
+    /// A cluster without etcd, to try one out: a YAML file of `brokers:
+    /// [{id, zone, endpoint}]` and `journals:` (specs, as `journals apply`
+    /// takes them). The broker listens on its own endpoint from it and
+    /// re-reads it when it changes or on SIGHUP; APPLY and DELETE are
+    /// refused. Nothing notices a dead broker: use --etcd for failover.
+    /// Needs --id; excludes --listen.
     #[arg(
         long = "cluster",
         value_name = "FILE",
@@ -268,11 +271,6 @@ struct ServeArgs {
     /// may hold.
     #[arg(long = "journal-limit", value_name = "N", default_value_t = rotary_engine::cluster::JOURNAL_LIMIT_DEFAULT, requires = "etcd")]
     journal_limit: u32,
-    /// With --cluster: how often the broker compares its journal specs with
-    /// each peer's and takes newer ones (changes and deletions it missed),
-    /// besides once at start. A duration such as 30s or 5m; 0 = only at start.
-    #[arg(long = "spec-sync-interval", value_name = "DURATION", value_parser = parse_spec_sync, default_value = "1m")]
-    spec_sync_interval: std::time::Duration,
     /// How long a broker or shard that a request was forwarded or proxied
     /// to may send nothing while the request waits, before it is PINGed;
     /// after as long again with nothing, the request is answered IO_ERROR.
@@ -374,10 +372,6 @@ fn parse_peer_wait(s: &str) -> Result<std::time::Duration, String> {
         d if d < std::time::Duration::from_millis(100) => Err("must be at least 100ms".to_string()),
         d => Ok(d),
     }
-}
-
-fn parse_spec_sync(s: &str) -> Result<std::time::Duration, String> {
-    rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())
 }
 
 /// Cores given to `--cpus`.
@@ -865,7 +859,6 @@ fn serve(args: ServeArgs) -> CmdResult {
     };
     config.cpus = args.cpus.map(|c| c.0).unwrap_or_default();
     config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
-    config.spec_sync_interval = args.spec_sync_interval;
     config.peer_silence = args.peer_silence;
     config.shard_slice = args.shard_slice;
     config.ack_poll = args.ack_poll;
@@ -1365,14 +1358,7 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             LabelSelector::parse(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
-            let listing = client.listing(&selector).await?;
-            if listing.partial {
-                eprintln!(
-                    "warning: the broker has not heard from every peer since it started; \
-                     journals it has not learned of yet are missing from this list"
-                );
-            }
-            let list = listing.journals;
+            let list = client.list(&selector).await?;
             match output {
                 ListFormat::Json => print_json(&list),
                 ListFormat::Yaml => print_text(&revised_yaml(list)?),

@@ -293,6 +293,35 @@ async fn journals_are_assigned_across_zones_and_replicated() {
         let copy = pinned_copy(&b.endpoint(), "etcd/assigned", 0, expect.len() as u64).await;
         assert_eq!(sha1(&copy), sha1(&expect), "{id}'s copy differs");
     }
+    // Deleted in etcd, the journal goes from every member, files and all.
+    for id in &info.route.members {
+        assert!(
+            c.brokers[c.index(id)].holds_files_of("etcd/assigned"),
+            "{id}"
+        );
+    }
+    client.delete("etcd/assigned").await.expect("delete");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for b in &c.brokers {
+        while b.holds_files_of("etcd/assigned") {
+            assert!(
+                Instant::now() < deadline,
+                "{} keeps the files of a deleted journal",
+                b.id
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let req = AppendRequest {
+        journal: "etcd/assigned".into(),
+        ..AppendRequest::default()
+    };
+    let refused = c
+        .client(Duration::ZERO)
+        .await
+        .append(&req, &b"late"[..])
+        .await;
+    assert_eq!(status_of(refused), Status::JOURNAL_NOT_FOUND);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -423,8 +423,8 @@ fn admin(endpoint: &str, op: Op, flags: u8, meta: &[u8], payload: &[u8]) -> (u16
     (f.status, String::from_utf8_lossy(&f.payload).into_owned())
 }
 
-/// LIST answers in pages, by name after a cursor, with tombstones among
-/// the journals when asked; a bad page request is refused.
+/// LIST answers in pages, by name after a cursor, without the journals
+/// deleted; a bad page request is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn journal_lists_come_in_pages() {
     let broker = Broker::start();
@@ -448,10 +448,7 @@ async fn journal_lists_come_in_pages() {
         let entries: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
         let names = entries
             .iter()
-            .map(|e| match e["deleted"].as_str() {
-                Some(gone) => format!("deleted {gone}"),
-                None => e["spec"]["name"].as_str().unwrap().to_string(),
-            })
+            .map(|e| e["spec"]["name"].as_str().unwrap().to_string())
             .collect();
         (names, f.flags)
     };
@@ -472,15 +469,6 @@ async fn journal_lists_come_in_pages() {
             0
         )
     );
-    assert_eq!(
-        page(
-            serde_json::json!({"selector": sel, "limit": 3, "after": "e2e/pages/j-2", "deleted": true})
-        ),
-        (
-            names(&["deleted e2e/pages/j-3", "e2e/pages/j-4", "e2e/pages/j-5"]),
-            flag::NEXT_PAGE
-        )
-    );
     // The cursor need not be a journal's name.
     assert_eq!(
         page(serde_json::json!({"after": "e2e/pages/j-55"})),
@@ -497,6 +485,7 @@ async fn journal_lists_come_in_pages() {
         (Op::LIST, serde_json::json!({"limit": max + 1})),
         (Op::LIST, serde_json::json!({"limit": "ten"})),
         (Op::LIST, serde_json::json!({"after": 7})),
+        (Op::LIST, serde_json::json!({"deleted": true})),
         (Op::PRUNE, serde_json::json!({"after": "e2e/pages/j-2"})),
         (Op::PRUNE, serde_json::json!({"limit": 3})),
     ] {
@@ -515,9 +504,8 @@ async fn spec_revisions_order_changes_and_deletions() {
     let ok = Status::OK as u16;
     let name = "e2e/status/revised";
     let spec = |app: &str| serde_json::json!({"name": name, "labels": {"app": app}, "fragment": {"compression_codec": "none"}});
-    let listed = |endpoint: &str, deleted: bool| -> serde_json::Value {
-        let body = serde_json::json!({ "selector": "", "deleted": deleted }).to_string();
-        let (status, body) = admin(endpoint, Op::LIST, 0, &[], body.as_bytes());
+    let listed = |endpoint: &str| -> serde_json::Value {
+        let (status, body) = admin(endpoint, Op::LIST, 0, &[], b"{}");
         assert_eq!(status, Status::OK as u16, "{body}");
         serde_json::from_str(&body).unwrap()
     };
@@ -551,79 +539,52 @@ async fn spec_revisions_order_changes_and_deletions() {
     let r1 = serde_json::from_str::<serde_json::Value>(&body).unwrap()["revision"]
         .as_u64()
         .expect("a revision");
-    assert_eq!(listed(&endpoint, false)[0]["revision"], r1);
+    assert_eq!(listed(&endpoint)[0]["revision"], r1);
 
-    // A peer's older change is ignored; a later one is taken.
-    let from_peer = |app: &str, revision: u64| {
-        serde_json::json!({ "revision": revision, "specs": [spec(app)] }).to_string()
-    };
-    let peer_apply = |endpoint: &str, app: &str, revision: u64| {
-        admin(
-            endpoint,
-            Op::APPLY,
-            flag::LOCAL,
-            &[],
-            from_peer(app, revision).as_bytes(),
-        )
-    };
-    let (status, body) = admin(
-        &endpoint,
-        Op::APPLY,
-        0,
-        &[],
-        from_peer("v0", r1 - 1).as_bytes(),
-    );
-    assert_eq!(
-        status,
-        Status::BAD_REQUEST as u16,
-        "revisions only from peers (LOCAL): {body}"
-    );
-    let (status, body) = peer_apply(&endpoint, "v0", r1 - 1);
+    // Each change takes the next revision.
+    let payload2 = serde_json::json!([spec("v2")]).to_string();
+    let (status, body) = admin(&endpoint, Op::APPLY, 0, &[], payload2.as_bytes());
     assert_eq!(status, ok, "{body}");
-    assert!(body.contains("\"applied\":0"), "{body}");
-    let l = listed(&endpoint, false);
-    assert_eq!(
-        (
-            l[0]["spec"]["labels"]["app"].as_str(),
-            l[0]["revision"].as_u64()
-        ),
-        (Some("v1"), Some(r1))
-    );
-    let (status, body) = peer_apply(&endpoint, "v2", r1 + 10);
-    assert_eq!(status, ok, "{body}");
-    assert_eq!(listed(&endpoint, false)[0]["spec"]["labels"]["app"], "v2");
+    let r2 = listed(&endpoint)[0]["revision"].as_u64().unwrap();
+    assert_eq!(r2, r1 + 1);
+    // Brokers no longer forward changes to each other: the flag that
+    // marked a forwarded change, and LIST's deletions, are unknown.
+    let mut with_flag = frame(Op::APPLY, 0, 9, &[], payload.as_bytes());
+    with_flag[7] = 1;
+    let mut conn = raw_connect(&endpoint);
+    conn.write_all(&with_flag).unwrap();
+    let f = read_raw_frame(&mut conn).unwrap().expect("a reply");
+    assert_eq!(f.status, Status::BAD_REQUEST as u16, "{f:?}");
+    let body = serde_json::json!({ "selector": "", "deleted": true }).to_string();
+    let (status, text) = admin(&endpoint, Op::LIST, 0, &[], body.as_bytes());
+    assert_eq!(status, Status::BAD_REQUEST as u16, "{text}");
+    assert_eq!(listed(&endpoint)[0]["revision"], r2);
 
-    // A deletion older than the spec leaves it; a client's DELETE takes a
-    // revision after every one seen and leaves a tombstone.
+    // DELETE takes no payload; then it removes the journal, and nothing
+    // of it is listed.
     let meta = wire::encode_name(name);
-    let older = serde_json::json!({ "revision": r1 + 5 }).to_string();
-    let (status, body) = admin(&endpoint, Op::DELETE, 0, &meta, older.as_bytes());
+    let with_payload = serde_json::json!({ "revision": r2 + 5 }).to_string();
+    let (status, body) = admin(&endpoint, Op::DELETE, 0, &meta, with_payload.as_bytes());
     assert_eq!(status, Status::BAD_REQUEST as u16, "{body}");
-    let (status, body) = admin(&endpoint, Op::DELETE, flag::LOCAL, &meta, older.as_bytes());
-    assert_eq!(status, Status::JOURNAL_NOT_FOUND as u16, "{body}");
-    assert_eq!(listed(&endpoint, false).as_array().unwrap().len(), 1);
+    assert_eq!(listed(&endpoint).as_array().unwrap().len(), 1);
     let (status, body) = admin(&endpoint, Op::DELETE, 0, &meta, &[]);
     assert_eq!(status, ok, "{body}");
-    assert_eq!(listed(&endpoint, false), serde_json::json!([]));
-    let tombstones = listed(&endpoint, true);
-    assert_eq!(tombstones[0]["deleted"], name);
-    let gone_at = tombstones[0]["revision"].as_u64().unwrap();
-    assert!(gone_at > r1 + 10, "{tombstones}");
+    assert_eq!(listed(&endpoint), serde_json::json!([]));
+    let (status, body) = admin(&endpoint, Op::DELETE, 0, &meta, &[]);
+    assert_eq!(status, Status::JOURNAL_NOT_FOUND as u16, "{body}");
 
-    // The tombstone survives a restart and still stops an older spec.
+    // After a restart the journal is still gone, and creating it again
+    // takes a revision after the deletion's (r2 + 1): never one issued
+    // before.
     broker.restart();
     broker.client().await;
     let endpoint = broker.endpoint();
-    assert_eq!(listed(&endpoint, true), tombstones);
-    let (status, body) = peer_apply(&endpoint, "v3", gone_at - 1);
-    assert_eq!(status, ok, "{body}");
-    assert_eq!(listed(&endpoint, false), serde_json::json!([]));
-    // A later APPLY creates the journal again and clears the tombstone.
+    assert_eq!(listed(&endpoint), serde_json::json!([]));
     let (status, body) = admin(&endpoint, Op::APPLY, 0, &[], payload.as_bytes());
     assert_eq!(status, ok, "{body}");
-    let l = listed(&endpoint, true);
+    let l = listed(&endpoint);
     assert_eq!(l.as_array().unwrap().len(), 1, "{l}");
-    assert!(l[0]["revision"].as_u64().unwrap() > gone_at);
+    assert_eq!(l[0]["revision"].as_u64().unwrap(), r2 + 2);
 }
 
 /// A LIST page ends before its reply outgrows a frame's payload, however
@@ -683,13 +644,12 @@ async fn list_pages_fit_in_a_frame() {
     assert_eq!(client.list("").await.unwrap().len(), 20);
 }
 
-/// A revision beyond any clock's (here u64::MAX) is refused wherever a
-/// peer may send one, LOCAL APPLY, LOCAL DELETE and SYNC, and changes
-/// nothing: later changes of specs still get revisions of their own, also
-/// after a restart. A SYNC to the journal's own primary, or for a journal
+/// A revision beyond any store's (here u64::MAX) is refused where a
+/// primary sends one, in a SYNC, and changes nothing: later changes of
+/// specs still get revisions of their own, also after a restart. A SYNC to the journal's own primary, or for a journal
 /// a broker neither holds nor is routed, is refused and changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn revisions_no_clock_could_make_and_stray_syncs_are_refused() {
+async fn revisions_no_store_could_make_and_stray_syncs_are_refused() {
     let mut broker = Broker::start();
     let client = broker.client().await;
     let endpoint = broker.endpoint();
@@ -703,20 +663,6 @@ async fn revisions_no_clock_could_make_and_stray_syncs_are_refused() {
     let before = listed(&endpoint);
     let huge = u64::MAX;
     let spec = serde_json::json!({"name": name, "flags": "read-only"});
-
-    let apply = serde_json::json!({ "revision": huge, "specs": [spec] }).to_string();
-    let (status, body) = admin(&endpoint, Op::APPLY, flag::LOCAL, &[], apply.as_bytes());
-    assert_eq!(status, Status::BAD_REQUEST as u16, "{body}");
-    assert!(body.contains("beyond the largest"), "{body}");
-    let delete = serde_json::json!({ "revision": huge }).to_string();
-    let (status, body) = admin(
-        &endpoint,
-        Op::DELETE,
-        flag::LOCAL,
-        &wire::encode_name("e2e/status/never"),
-        delete.as_bytes(),
-    );
-    assert_eq!(status, Status::BAD_REQUEST as u16, "{body}");
 
     // SYNC goes to the journal's shard; its answer is an ack in a
     // REPLICATE_ACK frame.

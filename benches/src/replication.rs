@@ -288,9 +288,26 @@ struct BrokerProc {
 /// The three brokers. Dropping it kills every one still running, by PID.
 struct Cluster {
     brokers: Vec<BrokerProc>,
+    /// The cluster file, and its list of brokers as first written.
+    file: PathBuf,
+    brokers_text: String,
 }
 
 impl Cluster {
+    /// Rewrites the cluster file with `specs` as its journals (written
+    /// beside it, then renamed over it, so no broker reads half a file).
+    fn add_journals(&self, specs: &[JournalSpec]) -> anyhow::Result<()> {
+        let yaml = serde_yaml::to_string(specs).context("specs to YAML")?;
+        let mut text = format!("{}journals:\n", self.brokers_text);
+        for line in yaml.lines() {
+            text.push_str(&format!("  {line}\n"));
+        }
+        let next = self.file.with_extension("yaml.next");
+        std::fs::write(&next, text).with_context(|| format!("writing {}", next.display()))?;
+        std::fs::rename(&next, &self.file)
+            .with_context(|| format!("renaming to {}", self.file.display()))
+    }
+
     /// Writes the cluster file and starts every broker (not yet ready).
     fn spawn(exe: &Path, dir: &Path) -> anyhow::Result<Cluster> {
         // Hold every port until the file is written, so no two are the same.
@@ -310,11 +327,13 @@ impl Cluster {
                 "  - {{id: {id}, zone: {zone}, endpoint: {endpoint}}}\n"
             ));
         }
-        std::fs::write(&file, text).with_context(|| format!("writing {}", file.display()))?;
+        std::fs::write(&file, &text).with_context(|| format!("writing {}", file.display()))?;
         drop(listeners);
 
         let mut cluster = Cluster {
             brokers: Vec::new(),
+            file: file.clone(),
+            brokers_text: text,
         };
         let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
         for (i, ((id, zone), endpoint)) in BROKERS.iter().zip(endpoints).enumerate() {
@@ -670,10 +689,7 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
             s
         })
         .collect();
-    client
-        .apply(&specs)
-        .await
-        .with_context(|| format!("creating the journals through {PRIMARY}"))?;
+    cluster.add_journals(&specs)?;
     settle(cluster, &specs).await?;
     let route1 = client.route(&rep1).await.context("ROUTE")?;
     let route3 = client.route(&rep3).await.context("ROUTE")?;

@@ -83,10 +83,6 @@ pub struct ServeConfig {
     /// every core has one. A core that is busy with other work delays every
     /// punted write by its scheduling latency.
     pub iowq_cpus: Vec<usize>,
-    /// In a cluster, how often shard 0 compares the broker's specs with
-    /// each peer's and takes newer ones, besides once at start; zero = only
-    /// at start.
-    pub spec_sync_interval: Duration,
     /// How long a peer (another broker, or another shard of this one) that
     /// a request was forwarded or proxied to may send nothing while the
     /// request waits, before it is sent a PING; after as long again with
@@ -145,7 +141,6 @@ impl ServeConfig {
             commit_log_compact_bytes: rotary_storage::wal::COMMIT_LOG_COMPACT_BYTES,
             cpus: Vec::new(),
             iowq_cpus: Vec::new(),
-            spec_sync_interval: Duration::from_secs(60),
             peer_silence: crate::conn::PEER_SILENCE_DEFAULT,
             replica_ack_timeout: crate::pipeline::ACK_TIMEOUT_DEFAULT,
             cluster: None,
@@ -165,10 +160,6 @@ const SHUTDOWN_DRAIN: Duration = Duration::from_secs(45);
 const SHUTDOWN_ANSWERS_WAIT: Duration = Duration::from_secs(2);
 /// Sealed fragments queued for upload across the broker.
 const UPLOAD_QUEUE_MAX: usize = 1024;
-
-/// The file in the data directory where a broker of a cluster keeps the
-/// cluster views it has known (see `topology::Topology::remember_in`).
-pub const CLUSTER_VIEWS_FILE: &str = "cluster-views.json";
 
 /// Parses a core list, `1`, `0,2`, `2-5` or a mix, as `--cpus` takes it.
 pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
@@ -379,7 +370,7 @@ impl Broker {
         if !recorded {
             record_shard_count(dir, shards)?;
         }
-        let topology = start_topology(&config, etcd.as_ref(), cluster_view, endpoints[0]);
+        let topology = start_topology(&config, &specs, etcd.as_ref(), cluster_view, endpoints[0]);
         let parts = SharedParts {
             specs,
             metrics,
@@ -554,20 +545,19 @@ fn open_membership(
         }
         None => None,
     };
-    let cluster_view =
-        match &config.cluster {
-            Some((path, me)) => Some(topology::load_cluster_file(path, me).map_err(|why| {
-                ConfigError::ClusterFile {
+    let cluster_view = match &config.cluster {
+        Some((path, me)) => {
+            let file =
+                topology::load_cluster_file(path, me).map_err(|why| ConfigError::ClusterFile {
                     path: path.clone(),
                     why,
-                }
-            })?),
-            None => None,
-        };
-    if cluster_view.is_none() {
-        // No peers to learn journals from.
-        specs.mark_caught_up();
-    }
+                })?;
+            // The file's journals, before any shard looks at the store.
+            topology::mirror_specs(&specs, file.specs);
+            Some(file.view)
+        }
+        None => None,
+    };
     Ok((specs, etcd, cluster_view))
 }
 
@@ -600,21 +590,21 @@ fn bind_listeners(
 /// for changes), or a cluster of this broker alone.
 fn start_topology(
     config: &ServeConfig,
+    specs: &Arc<specs::SpecStore>,
     etcd: Option<&cluster::Cluster>,
     cluster_view: Option<topology::ClusterView>,
     endpoint: SocketAddr,
 ) -> Arc<topology::Topology> {
     if let Some(c) = etcd {
         let t = topology::Topology::new(c.view.clone());
-        t.mark_peers_asked();
         t.set_control(c.handle.clone());
         return t;
     }
     match cluster_view {
         Some(v) => {
-            let t = topology::Topology::remember_in(v, config.data_dir.join(CLUSTER_VIEWS_FILE));
+            let t = topology::Topology::new(v);
             let (path, me) = config.cluster.clone().expect("cluster view from a file");
-            topology::watch_cluster_file(t.clone(), path, me);
+            topology::watch_cluster_file(t.clone(), specs.clone(), path, me);
             t
         }
         None => topology::Topology::new(topology::ClusterView::single(endpoint)),
@@ -665,7 +655,6 @@ fn shard_config(
         sizing: config.spool_sizing,
         topology: parts.topology.clone(),
         commit_log_compact_bytes: config.commit_log_compact_bytes,
-        spec_sync_interval: config.spec_sync_interval,
         peer_silence: config.peer_silence,
         replica_ack_timeout: config.replica_ack_timeout,
         ack_poll: config.ack_poll,

@@ -318,12 +318,6 @@ counters!(
     Counter recovery_hashed_bytes,
     /// Memory held by the tail caches of tailed journals.
     Gauge tail_cache_bytes,
-    /// Comparisons with a peer's specs that listed them all (the digests
-    /// differed).
-    Counter spec_syncs_full,
-    /// Comparisons with a peer's specs that found the same digest and
-    /// listed nothing.
-    Counter spec_syncs_unchanged,
     /// Listings of a journal's stores started (one LIST, or a page of them,
     /// per store).
     Counter listings,
@@ -345,8 +339,6 @@ counters!(
     /// SYNCs not sent to a broker of an earlier route because it had not
     /// answered another moments before.
     Counter takeover_sources_passed_over,
-    /// Cluster views learned from peers' STATS as the broker started.
-    Counter cluster_views_learned,
     /// Journal bytes a primary copied from replicas, or brokers a journal
     /// left, that were ahead of it.
     Counter copied_bytes,

@@ -386,57 +386,6 @@ fn frame_buffer() -> MetaWriter {
     w
 }
 
-/// Largest reply [`unary`] takes from a peer: a page of LIST is far
-/// smaller, but a broker of an earlier version answers every spec and
-/// tombstone at once, which outgrows the limit on requests
-/// ([`wire::BODY_LEN_MAX`]) at about 40,000 journals. As the client's
-/// limit on replies.
-const PEER_REPLY_BODY_LEN_MAX: u32 = rotary_net::client::REPLY_BODY_LEN_MAX;
-
-/// One request and its one reply over a fresh connection (admin fan-out
-/// to peers). Returns the reply's status, flags and payload.
-pub async fn unary(
-    addr: SocketAddr,
-    op: Op,
-    flags: u8,
-    meta: &[u8],
-    payload: &[u8],
-    timeout: Duration,
-) -> Result<(Status, u8, Vec<u8>), String> {
-    use compio::io::AsyncWriteExt;
-    let work = async {
-        let mut s = TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("{addr}: {e}"))?;
-        let mut out = Vec::new();
-        wire::encode_frame(&mut out, op, flags, Status::OK, 1, meta, payload);
-        let BufResult(res, _) = s.write_all(out).await;
-        res.map_err(|e| format!("{addr}: {e}"))?;
-        let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
-        loop {
-            if let Some((f, _)) =
-                wire::decode_frame(&buf, PEER_REPLY_BODY_LEN_MAX).map_err(|e| e.to_string())?
-            {
-                let status = Status::from_code(f.status).unwrap_or(Status::IO_ERROR);
-                return Ok((status, f.flags, f.payload.to_vec()));
-            }
-            if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(16 << 10);
-            }
-            let BufResult(res, b) = s.read(buf.uninit()).await;
-            buf = b.into_inner();
-            match res {
-                Ok(0) => return Err(format!("{addr}: connection closed")),
-                Err(e) => return Err(format!("{addr}: {e}")),
-                Ok(_) => {}
-            }
-        }
-    };
-    compio::time::timeout(timeout, work)
-        .await
-        .map_err(|_| format!("{addr}: no reply within {timeout:?}"))?
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,14 +16,14 @@
 //! short by a crash is a change that was never acknowledged and is left
 //! out.
 //!
-//! Every change has a revision: a hybrid clock, the wall clock in
-//! nanoseconds unless the store has already seen a later revision, in
-//! which case one more than that. The broker that takes a client's APPLY or
-//! DELETE picks the revision and sends it with the change to its peers, so
-//! every broker stores the same one. A deleted journal leaves a tombstone
-//! with its revision. Brokers that missed changes while they were down
-//! compare revisions with their peers' and take whatever is newer: a
-//! changed spec, or a deletion (see `Shard::catch_up_specs`).
+//! Every change has a revision. A single node's store counts them: each
+//! change made here takes one more than the highest revision the store
+//! holds (a store written when revisions were wall-clock nanoseconds goes
+//! on counting from there). A broker of a cluster on etcd mirrors etcd's
+//! items here at their etcd revisions, and one of a cluster file mirrors
+//! the file's journals; neither changes the store otherwise. A deletion
+//! removes the spec; its record in the change log carries its revision,
+//! and nothing of it stays in the store.
 
 use crate::EngineError;
 use rotary_net::spec::JournalSpec;
@@ -33,22 +33,15 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Tombstones are dropped once their revision is this old (by the wall
-/// clock the revisions mostly carry): a broker down for longer must not
-/// rejoin with its old data directory, or journals deleted meanwhile can
-/// come back from it.
-pub const TOMBSTONE_TTL: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
-
-/// The largest revision a change may carry. Revisions are nanoseconds of
-/// the wall clock (this one falls in 2262), and one past every revision a
-/// store has seen must still be a revision.
+/// The largest revision a change may carry (etcd's are `i64`), so that
+/// one past every revision a store has seen is still a revision.
 pub const REVISION_MAX: u64 = i64::MAX as u64;
 
-/// Refuses a revision sent by a peer (or anyone speaking for one) that no
-/// clock could have issued.
+/// Refuses a revision sent by a primary (or anyone speaking for one) that
+/// no store could have issued.
 pub fn check_revision(revision: u64) -> Result<u64, String> {
     if revision > REVISION_MAX {
         Err(format!(
@@ -59,12 +52,6 @@ pub fn check_revision(revision: u64) -> Result<u64, String> {
     }
 }
 
-fn now_nanos() -> u64 {
-    crate::clock::wall()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
 /// A spec and the revision that set it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Revised {
@@ -72,36 +59,17 @@ pub struct Revised {
     pub spec: JournalSpec,
 }
 
-/// A deleted journal's name and the revision of its deletion.
+/// A deletion: the journal's name and the revision it was deleted at.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Tombstone {
+pub struct Deletion {
     pub name: String,
     pub revision: u64,
-}
-
-/// One entry of [`SpecStore::page`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Entry {
-    Spec(Revised),
-    Deleted(Tombstone),
-}
-
-/// What [`SpecStore::delete_at`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Deleted {
-    /// The spec was removed.
-    Removed,
-    /// There was no spec (a tombstone is kept all the same).
-    Absent,
-    /// The spec is newer than the deletion and stays.
-    KeptNewer,
 }
 
 #[derive(Default)]
 struct State {
     /// Shared with the snapshot being written, if any.
     specs: BTreeMap<String, Arc<Revised>>,
-    tombstones: BTreeMap<String, u64>,
     /// The names each recent change touched, by the version it made,
     /// oldest first (see [`SpecStore::changes_since`]).
     changes: VecDeque<(u64, Vec<String>)>,
@@ -110,6 +78,10 @@ struct State {
     log: Option<ChangeLog>,
     /// Bytes of the snapshot last written or read.
     snapshot_len: u64,
+    /// The highest revision of any change taken, deletions included, so
+    /// that a revision is never issued twice, even after the spec that
+    /// carried it was deleted.
+    high: u64,
     /// The highest log generation on disk or written.
     generation: u64,
     /// Logs of earlier snapshots, removed with the first snapshot.
@@ -158,22 +130,23 @@ const LOG_BYTES_MIN: u64 = 1 << 20;
 
 /// The snapshot's shape. Before revisions it was a bare array of specs,
 /// which is still read (every spec at revision 0), and before change logs
-/// it named none.
+/// it named none. The deletions older snapshots list are not read.
 #[derive(Default, Deserialize)]
 struct OnDisk {
     specs: Vec<Revised>,
     #[serde(default)]
-    deleted: Vec<Tombstone>,
-    #[serde(default)]
     log: Option<u64>,
+    /// See `State::high` (missing in older snapshots).
+    #[serde(default)]
+    revision: u64,
 }
 
 /// The snapshot as written, borrowing the store's specs.
 #[derive(Serialize)]
 struct Snapshot<'a> {
     specs: Vec<&'a Revised>,
-    deleted: &'a [Tombstone],
     log: u64,
+    revision: u64,
 }
 
 impl Snapshot<'_> {
@@ -187,7 +160,7 @@ impl Snapshot<'_> {
 struct Job {
     generation: u64,
     specs: Vec<Arc<Revised>>,
-    deleted: Vec<Tombstone>,
+    revision: u64,
 }
 
 /// What became of a [`Job`]: the snapshot's length once it is in place.
@@ -202,7 +175,7 @@ struct Change {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     specs: Vec<Revised>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    deleted: Vec<Tombstone>,
+    deleted: Vec<Deletion>,
 }
 
 impl Change {
@@ -236,7 +209,7 @@ impl Change {
 
 /// What a name was before a change, to put it back if the change cannot
 /// be written.
-type Undo = Vec<(String, Option<Arc<Revised>>, Option<u64>)>;
+type Undo = Vec<(String, Option<Arc<Revised>>)>;
 
 struct ChangeLog {
     path: PathBuf,
@@ -280,10 +253,6 @@ pub struct SpecStore {
     /// Neither the snapshot nor a change log existed when the store was
     /// opened.
     file_was_missing: bool,
-    /// Every peer was asked for the changes made while this broker was
-    /// down (or the asking gave up): until then a journal this store lacks
-    /// may exist all the same.
-    caught_up: AtomicBool,
     /// [`CHANGED_NAMES_KEPT`], smaller in tests.
     changed_names_kept: usize,
     /// [`LOG_BYTES_MIN`], smaller in tests.
@@ -414,12 +383,8 @@ impl SpecStore {
                 .into_iter()
                 .map(|r| (r.spec.name.clone(), Arc::new(r)))
                 .collect(),
-            tombstones: disk
-                .deleted
-                .into_iter()
-                .map(|t| (t.name, t.revision))
-                .collect(),
             snapshot_len,
+            high: disk.revision,
             generation: logs.iter().map(|(g, _)| *g).max().unwrap_or(0),
             ..State::default()
         };
@@ -446,9 +411,7 @@ impl SpecStore {
             .specs
             .values()
             .map(|r| r.revision)
-            .chain(state.tombstones.values().copied())
-            .max()
-            .unwrap_or(0);
+            .fold(state.high, u64::max);
         // Started here, before any shard pins its thread, so that it runs
         // on any of the broker's cores.
         let (jobs, job) = crossbeam_channel::unbounded();
@@ -464,7 +427,6 @@ impl SpecStore {
             version: AtomicU64::new(1),
             clock: AtomicU64::new(newest),
             file_was_missing,
-            caught_up: AtomicBool::new(false),
             changed_names_kept: CHANGED_NAMES_KEPT,
             log_bytes_min: LOG_BYTES_MIN,
             jobs: Some(jobs),
@@ -479,20 +441,9 @@ impl SpecStore {
         self.file_was_missing
     }
 
-    /// Whether a journal missing here can be taken not to exist: the store
-    /// has heard from every peer since the broker started (at once for a
-    /// broker without peers).
-    pub fn is_caught_up(&self) -> bool {
-        self.caught_up.load(Ordering::Acquire)
-    }
-
     /// The highest revision this store has seen or issued.
     pub fn revision_seen(&self) -> u64 {
         self.clock.load(Ordering::Acquire)
-    }
-
-    pub fn mark_caught_up(&self) {
-        self.caught_up.store(true, Ordering::Release);
     }
 
     /// The snapshot's file.
@@ -504,22 +455,17 @@ impl SpecStore {
         self.version.load(Ordering::Acquire)
     }
 
-    /// A revision later than every one this store has seen.
+    /// A revision later than every one this store has seen: one more
+    /// (saturating: a store written before revisions were bounded may hold
+    /// a larger one).
     pub fn next_revision(&self) -> u64 {
-        let wall = now_nanos();
-        let mut seen = self.clock.load(Ordering::Acquire);
-        loop {
-            // Saturating: a store written before revisions were bounded may
-            // hold a larger one.
-            let next = wall.max(seen.saturating_add(1));
-            match self
-                .clock
-                .compare_exchange(seen, next, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return next,
-                Err(now) => seen = now,
-            }
-        }
+        let seen = self
+            .clock
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |seen| {
+                Some(seen.saturating_add(1))
+            })
+            .expect("always updates");
+        seen.saturating_add(1)
     }
 
     fn observe(&self, revision: u64) {
@@ -534,11 +480,6 @@ impl SpecStore {
         self.lock().specs.get(name).map(|r| Revised::clone(r))
     }
 
-    /// The revision of the journal's deletion, if it was deleted.
-    pub fn tombstone(&self, name: &str) -> Option<u64> {
-        self.lock().tombstones.get(name).copied()
-    }
-
     pub fn all(&self) -> Vec<JournalSpec> {
         self.lock().specs.values().map(|r| r.spec.clone()).collect()
     }
@@ -551,10 +492,6 @@ impl SpecStore {
             .collect()
     }
 
-    pub fn tombstones(&self) -> Vec<Tombstone> {
-        tombstones_of(&self.lock())
-    }
-
     /// How many specs the store holds, and a digest of their names and
     /// revisions: two stores with the same count and digest hold the same
     /// specs (a peer compares them before it lists every spec).
@@ -564,56 +501,34 @@ impl SpecStore {
     }
 
     /// A page of the store in name order, after the name `after` (`""`:
-    /// from the first): at most `limit` entries, the specs `matches`
-    /// takes and, with `deleted`, every tombstone among them. True if more
-    /// follow.
+    /// from the first): at most `limit` of the specs `matches` takes. True
+    /// if more follow.
     pub fn page(
         &self,
         after: &str,
         limit: usize,
         matches: impl Fn(&JournalSpec) -> bool,
-        deleted: bool,
-    ) -> (Vec<Entry>, bool) {
+    ) -> (Vec<Revised>, bool) {
         use std::ops::Bound;
         let state = self.lock();
         let range = (Bound::Excluded(after), Bound::Unbounded);
         let mut specs = state
             .specs
             .range::<str, _>(range)
-            .filter(|(_, r)| matches(&r.spec))
-            .peekable();
-        let mut gone = state
-            .tombstones
-            .range::<str, _>(range)
-            .filter(|_| deleted)
-            .peekable();
-        let mut page = Vec::new();
-        loop {
-            let spec_first = match (specs.peek(), gone.peek()) {
-                (None, None) => return (page, false),
-                (Some((a, _)), Some((b, _))) => a < b,
-                (first, _) => first.is_some(),
-            };
-            if page.len() == limit {
-                return (page, true);
-            }
-            page.push(if spec_first {
-                let (_, r) = specs.next().expect("peeked");
-                Entry::Spec(Revised::clone(r))
-            } else {
-                let (name, &revision) = gone.next().expect("peeked");
-                Entry::Deleted(Tombstone {
-                    name: name.clone(),
-                    revision,
-                })
-            });
-        }
+            .filter(|(_, r)| matches(&r.spec));
+        let page: Vec<Revised> = specs
+            .by_ref()
+            .take(limit)
+            .map(|(_, r)| Revised::clone(r))
+            .collect();
+        let more = page.len() == limit && specs.next().is_some();
+        (page, more)
     }
 
     /// Creates or replaces specs at `revision` (from
     /// [`SpecStore::next_revision`] for a client's change), all or none,
-    /// except those this store knows a later (or the same) revision of, as a
-    /// spec or as a deletion. Returns how many it took.
+    /// except those this store holds at a later (or the same) revision.
+    /// Returns how many it took.
     pub fn apply_at(&self, specs: Vec<JournalSpec>, revision: u64) -> Result<usize, EngineError> {
         let specs = specs
             .into_iter()
@@ -623,8 +538,8 @@ impl SpecStore {
     }
 
     /// As [`SpecStore::apply_at`], each spec at its own revision, in one
-    /// change of the store (a broker catching up with a peer may take tens
-    /// of thousands at once). Returns the names of those it took.
+    /// change of the store (a mirror of etcd may take tens of thousands at
+    /// once). Returns the names of those it took.
     pub fn apply_each(&self, specs: Vec<Revised>) -> Result<Vec<String>, EngineError> {
         if let Some(newest) = specs.iter().map(|r| r.revision).max() {
             self.observe(newest);
@@ -636,16 +551,12 @@ impl SpecStore {
         let specs: Vec<Revised> = specs
             .into_iter()
             .filter(|Revised { revision, spec }| {
-                let (known, gone) = match taken.get(&spec.name) {
-                    Some(&t) => (Some(t), None),
-                    None => (
-                        state.specs.get(&spec.name).map(|r| r.revision),
-                        state.tombstones.get(&spec.name).copied(),
-                    ),
+                let known = match taken.get(&spec.name) {
+                    Some(&t) => Some(t),
+                    None => state.specs.get(&spec.name).map(|r| r.revision),
                 };
-                let newer_known = known
-                    .is_some_and(|k| k > *revision || (k == *revision && k != 0))
-                    || gone.is_some_and(|g| g >= *revision);
+                let newer_known =
+                    known.is_some_and(|k| k > *revision || (k == *revision && k != 0));
                 if !newer_known {
                     taken.insert(spec.name.clone(), *revision);
                 }
@@ -663,33 +574,26 @@ impl SpecStore {
         Ok(names)
     }
 
-    /// Records deletions a peer knows of, each as of its revision, in one
-    /// change of the store: a tombstone for a journal absent here, or the
-    /// removal of a spec no newer than the deletion (as
-    /// [`SpecStore::delete_at`] does one at a time).
-    pub fn delete_each(&self, deletions: Vec<Tombstone>) -> Result<(), EngineError> {
-        if let Some(newest) = deletions.iter().map(|t| t.revision).max() {
+    /// Removes the specs of `deletions` in one change of the store, each
+    /// unless the store holds it at a later revision than its deletion's.
+    /// Returns the names of those it removed.
+    pub fn delete_each(&self, deletions: Vec<Deletion>) -> Result<Vec<String>, EngineError> {
+        if let Some(newest) = deletions.iter().map(|d| d.revision).max() {
             self.observe(newest);
         }
         let mut state = self.lock();
-        let mut taken: HashMap<String, u64> = HashMap::new();
-        let deleted: Vec<Tombstone> = deletions
+        let mut deleted: Vec<Deletion> = deletions
             .into_iter()
-            .filter(|Tombstone { name, revision }| {
-                let (known, gone) = match taken.get(name) {
-                    Some(&t) => (None, Some(t)),
-                    None => (
-                        state.specs.get(name).map(|r| r.revision),
-                        state.tombstones.get(name).copied(),
-                    ),
-                };
-                let newer_known = deletion_is_stale(known, gone, *revision);
-                if !newer_known {
-                    taken.insert(name.clone(), *revision);
-                }
-                !newer_known
+            .filter(|d| {
+                state
+                    .specs
+                    .get(&d.name)
+                    .is_some_and(|r| r.revision <= d.revision)
             })
             .collect();
+        deleted.sort_by(|a, b| a.name.cmp(&b.name));
+        deleted.dedup_by(|a, b| a.name == b.name);
+        let names: Vec<String> = deleted.iter().map(|d| d.name.clone()).collect();
         if !deleted.is_empty() {
             let change = Change {
                 deleted,
@@ -697,43 +601,24 @@ impl SpecStore {
             };
             self.commit(&mut state, change)?;
         }
-        Ok(())
+        Ok(names)
     }
 
-    /// Deletes a spec as of `revision`, leaving a tombstone, unless the
-    /// spec was set at a later revision.
-    pub fn delete_at(&self, name: &str, revision: u64) -> Result<Deleted, EngineError> {
-        self.observe(revision);
-        let mut state = self.lock();
-        let known = state.specs.get(name).map(|r| r.revision);
-        if deletion_is_stale(known, state.tombstones.get(name).copied(), revision) {
-            return Ok(if known.is_some() {
-                Deleted::KeptNewer
-            } else {
-                Deleted::Absent
-            });
-        }
-        let change = Change {
-            deleted: vec![Tombstone {
-                name: name.to_string(),
-                revision,
-            }],
-            ..Change::default()
-        };
-        self.commit(&mut state, change)?;
-        Ok(if known.is_some() {
-            Deleted::Removed
-        } else {
-            Deleted::Absent
-        })
+    /// Deletes a spec at the next revision; false if there was none.
+    pub fn delete(&self, name: &str) -> Result<bool, EngineError> {
+        let revision = self.next_revision();
+        let gone = self.delete_each(vec![Deletion {
+            name: name.to_string(),
+            revision,
+        }])?;
+        Ok(!gone.is_empty())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("spec lock")
     }
 
-    /// Makes `change` the store's: applies it, drops expired tombstones,
-    /// and writes it as a record of the change log (or, for the store's
+    /// Makes `change` the store's: applies it and writes it as a record of the change log (or, for the store's
     /// first change, as its first snapshot). If the write fails the change
     /// is undone and the store is as it was. A log that has outgrown the
     /// snapshot then starts the writing of a new one.
@@ -742,8 +627,6 @@ impl SpecStore {
         let record = change.record();
         let mut undo = Undo::new();
         apply(state, &change, Some(&mut undo));
-        let expired = now_nanos().saturating_sub(TOMBSTONE_TTL.as_nanos() as u64);
-        state.tombstones.retain(|_, revision| *revision >= expired);
         // A snapshot renamed into place whose directory could not be
         // synced holds the change all the same: it stays, and the caller
         // hears of the failure.
@@ -757,14 +640,10 @@ impl SpecStore {
                 .map(|synced| unsynced = synced.err()),
         };
         if let Err(e) = written {
-            for (name, spec, tombstone) in undo.into_iter().rev() {
+            for (name, spec) in undo.into_iter().rev() {
                 match spec {
                     Some(spec) => state.put_spec(spec),
                     None => state.remove_spec(&name),
-                };
-                match tombstone {
-                    Some(revision) => state.tombstones.insert(name, revision),
-                    None => state.tombstones.remove(&name),
                 };
             }
             return Err(e);
@@ -833,7 +712,7 @@ impl SpecStore {
         let job = Job {
             generation,
             specs: state.specs.values().cloned().collect(),
-            deleted: tombstones_of(state),
+            revision: state.high,
         };
         if jobs.send(job).is_err() {
             state.snapshotting = false;
@@ -850,11 +729,10 @@ impl SpecStore {
     ) -> Result<Result<(), EngineError>, EngineError> {
         let generation = state.generation + 1;
         let log_path = log_path(&self.path, generation);
-        let deleted = tombstones_of(state);
         let bytes = Snapshot {
             specs: state.specs.values().map(|r| &**r).collect(),
-            deleted: &deleted,
             log: generation,
+            revision: state.high,
         }
         .bytes();
         let file = File::create(&log_path).map_err(|e| EngineError::Io(log_path.clone(), e))?;
@@ -931,13 +809,6 @@ impl SpecStore {
     }
 }
 
-/// Whether a deletion at `revision` loses to what the store knows of the
-/// name (`known`: its spec's revision, `gone`: its tombstone's): a later
-/// spec, or, with no spec, a tombstone as late.
-fn deletion_is_stale(known: Option<u64>, gone: Option<u64>, revision: u64) -> bool {
-    known.is_some_and(|k| k > revision) || (known.is_none() && gone.is_some_and(|g| g >= revision))
-}
-
 /// The snapshot thread: writes each snapshot it is handed, then removes
 /// the change logs before the one it names. It yields its core to every
 /// other thread (a snapshot of 60,000 specs is tens of megabytes); the
@@ -951,8 +822,8 @@ fn write_snapshots(
     for job in jobs {
         let bytes = Snapshot {
             specs: job.specs.iter().map(|r| &**r).collect(),
-            deleted: &job.deleted,
             log: job.generation,
+            revision: job.revision,
         }
         .bytes();
         drop(job.specs);
@@ -1025,18 +896,18 @@ fn apply(state: &mut State, change: &Change, mut undo: Option<&mut Undo>) {
     let mut note = |state: &State, name: &str| {
         if let Some(undo) = undo.as_deref_mut() {
             let spec = state.specs.get(name).cloned();
-            undo.push((name.to_string(), spec, state.tombstones.get(name).copied()));
+            undo.push((name.to_string(), spec));
         }
     };
     for r in &change.specs {
+        state.high = state.high.max(r.revision);
         note(state, &r.spec.name);
-        state.tombstones.remove(&r.spec.name);
         state.put_spec(Arc::new(r.clone()));
     }
     for t in &change.deleted {
+        state.high = state.high.max(t.revision);
         note(state, &t.name);
         state.remove_spec(&t.name);
-        state.tombstones.insert(t.name.clone(), t.revision);
     }
 }
 
@@ -1110,17 +981,6 @@ fn read_log(path: &Path) -> Result<(Vec<Change>, u64, u64), LogError> {
     Ok((changes, at as u64, bytes.len() as u64))
 }
 
-fn tombstones_of(state: &State) -> Vec<Tombstone> {
-    state
-        .tombstones
-        .iter()
-        .map(|(name, &revision)| Tombstone {
-            name: name.clone(),
-            revision,
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1142,7 +1002,7 @@ mod tests {
         // A change that takes nothing is no change.
         s.apply_at(vec![spec("c/a", "old")], base()).unwrap();
         assert_eq!(s.version(), v1);
-        s.delete_at("c/b", base() + 2).unwrap();
+        del(&s, "c/b", base() + 2).unwrap();
         s.apply_at(vec![spec("c/a", "y")], base() + 3).unwrap();
         assert_eq!(
             s.changes_since(v1),
@@ -1161,10 +1021,17 @@ mod tests {
         );
     }
 
-    /// Revisions near now: older tombstones expire.
-    static NOW: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    /// Revisions of the changes the tests make.
     fn base() -> u64 {
-        *NOW.get_or_init(now_nanos)
+        1_000
+    }
+
+    /// Deletes `name` at `revision`.
+    fn del(s: &SpecStore, name: &str, revision: u64) -> Result<Vec<String>, EngineError> {
+        s.delete_each(vec![Deletion {
+            name: name.to_string(),
+            revision,
+        }])
     }
 
     fn spec(name: &str, app: &str) -> JournalSpec {
@@ -1202,57 +1069,74 @@ mod tests {
     }
 
     #[test]
-    fn a_deletion_leaves_a_tombstone_that_stops_older_specs() {
+    fn a_deletion_removes_the_spec_unless_it_is_newer() {
         let (_d, s) = store();
         s.apply_at(vec![spec("a/one", "v1")], base() + 10).unwrap();
+        let at = |name: &str, revision: u64| Deletion {
+            name: name.to_string(),
+            revision,
+        };
+        // A deletion older than the spec leaves it.
+        assert!(s
+            .delete_each(vec![at("a/one", base() + 5)])
+            .unwrap()
+            .is_empty());
+        assert!(s.get("a/one").is_some());
         assert_eq!(
-            s.delete_at("a/one", base() + 5).unwrap(),
-            Deleted::KeptNewer
+            s.delete_each(vec![at("a/one", base() + 20), at("a/two", base() + 20)])
+                .unwrap(),
+            vec!["a/one".to_string()]
         );
-        assert_eq!(s.delete_at("a/one", base() + 20).unwrap(), Deleted::Removed);
         assert_eq!(s.get("a/one"), None);
-        assert_eq!(s.tombstone("a/one"), Some(base() + 20));
-        // The spec as it was before the deletion does not come back...
+        // Nothing of it stays: any APPLY creates the journal again.
         assert_eq!(
-            s.apply_at(vec![spec("a/one", "v1")], base() + 10).unwrap(),
-            0
-        );
-        assert_eq!(s.get("a/one"), None);
-        // ...but a later APPLY creates the journal again.
-        assert_eq!(
-            s.apply_at(vec![spec("a/one", "v4")], base() + 40).unwrap(),
+            s.apply_at(vec![spec("a/one", "v4")], base() + 15).unwrap(),
             1
         );
-        assert_eq!(s.tombstone("a/one"), None);
-        assert_eq!(s.delete_at("a/two", base() + 50).unwrap(), Deleted::Absent);
-        assert_eq!(s.tombstone("a/two"), Some(base() + 50));
+        assert!(s.delete("a/one").unwrap());
+        assert!(!s.delete("a/one").unwrap());
+        assert!(s.next_revision() > base() + 20);
     }
 
     #[test]
-    fn revisions_and_tombstones_survive_a_restart() {
+    fn revisions_count_on_from_the_highest_seen() {
+        let (_d, s) = store();
+        assert_eq!(s.next_revision(), 1);
+        assert_eq!(s.next_revision(), 2);
+        // A store written when revisions were wall-clock nanoseconds.
+        let old = 1_765_000_000_000_000_000;
+        s.apply_at(vec![spec("a/one", "v1")], old).unwrap();
+        assert_eq!(s.next_revision(), old + 1);
+    }
+
+    #[test]
+    fn revisions_and_deletions_survive_a_restart() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("specs.json");
         {
             let s = SpecStore::open(path.clone()).unwrap();
             s.apply_at(vec![spec("a/one", "v1"), spec("a/two", "v1")], base() + 10)
                 .unwrap();
-            s.delete_at("a/two", base() + 11).unwrap();
+            assert!(s.delete("a/two").unwrap());
         }
-        let s = SpecStore::open(path).unwrap();
+        let s = SpecStore::open(path.clone()).unwrap();
         assert_eq!(s.get_revised("a/one").unwrap().revision, base() + 10);
-        assert_eq!(s.tombstone("a/two"), Some(base() + 11));
-        assert!(s.next_revision() > base() + 11);
-    }
-
-    #[test]
-    fn tombstones_expire() {
-        let (_d, s) = store();
-        let old = base() - TOMBSTONE_TTL.as_nanos() as u64 - 1;
-        s.apply_at(vec![spec("a/one", "v1")], old - 10).unwrap();
-        assert_eq!(s.delete_at("a/one", old).unwrap(), Deleted::Removed);
-        assert_eq!(s.tombstone("a/one"), None);
-        assert_eq!(s.delete_at("a/two", base()).unwrap(), Deleted::Absent);
-        assert_eq!(s.tombstone("a/two"), Some(base()));
+        assert_eq!(s.get("a/two"), None);
+        // The deletion's revision is not issued again, from the log...
+        assert!(s.delete("a/one").unwrap());
+        drop(s);
+        let s = SpecStore::open(path.clone()).unwrap();
+        assert_eq!(s.next_revision(), base() + 13);
+        // ...or from a snapshot written after it, which holds no spec.
+        s.apply_at(vec![spec("a/three", "v1")], base() + 20)
+            .unwrap();
+        assert!(s.delete("a/three").unwrap());
+        s.start_snapshot(&mut s.lock());
+        s.wait_for_snapshot();
+        drop(s);
+        let s = SpecStore::open(path).unwrap();
+        assert!(s.all().is_empty());
+        assert_eq!(s.next_revision(), base() + 22);
     }
 
     #[test]
@@ -1284,29 +1168,20 @@ mod tests {
     }
 
     #[test]
-    fn pages_go_in_name_order_with_tombstones_among_the_specs() {
+    fn pages_go_in_name_order() {
         let (_d, s) = store();
         let specs = ["pg/a", "pg/b", "pg/c", "pg/d", "pg/e"].map(|n| spec(n, "x"));
         s.apply_at(specs.to_vec(), base() + 1).unwrap();
         s.apply_at(vec![spec("pg/c", "other")], base() + 2).unwrap();
-        s.delete_at("pg/b", base() + 3).unwrap();
-        s.delete_at("pg/bb", base() + 4).unwrap();
-        let name = |e: &Entry| match e {
-            Entry::Spec(r) => format!("spec {}", r.spec.name),
-            Entry::Deleted(t) => format!("deleted {}", t.name),
-        };
-        let walk = |limit: usize, deleted: bool| {
+        assert!(s.delete("pg/b").unwrap());
+        let walk = |limit: usize| {
             let mut pages = Vec::new();
             let mut after = String::new();
             loop {
-                let (page, more) =
-                    s.page(&after, limit, |s| s.labels.to_text() == "app=x", deleted);
-                let names: Vec<String> = page.iter().map(name).collect();
-                if let Some(last) = page.last() {
-                    after = match last {
-                        Entry::Spec(r) => r.spec.name.clone(),
-                        Entry::Deleted(t) => t.name.clone(),
-                    };
+                let (page, more) = s.page(&after, limit, |s| s.labels.to_text() == "app=x");
+                let names: Vec<String> = page.iter().map(|r| r.spec.name.clone()).collect();
+                if let Some(last) = names.last() {
+                    after = last.clone();
                 }
                 pages.push(names);
                 if !more {
@@ -1314,31 +1189,11 @@ mod tests {
                 }
             }
         };
-        assert_eq!(
-            walk(2, true),
-            vec![
-                vec!["spec pg/a", "deleted pg/b"],
-                vec!["deleted pg/bb", "spec pg/d"],
-                vec!["spec pg/e"],
-            ]
-        );
-        assert_eq!(
-            walk(3, false),
-            vec![vec!["spec pg/a", "spec pg/d", "spec pg/e"]]
-        );
-        assert_eq!(walk(1, false).len(), 3);
-        // A page that ends with the last entry says no more follow.
-        assert_eq!(
-            walk(5, true),
-            vec![vec![
-                "spec pg/a",
-                "deleted pg/b",
-                "deleted pg/bb",
-                "spec pg/d",
-                "spec pg/e"
-            ]]
-        );
-        let (rest, more) = s.page("pg/e", 10, |_| true, true);
+        assert_eq!(walk(2), vec![vec!["pg/a", "pg/d"], vec!["pg/e"]]);
+        // A page that ends with the last spec says no more follow.
+        assert_eq!(walk(3), vec![vec!["pg/a", "pg/d", "pg/e"]]);
+        assert_eq!(walk(1).len(), 3);
+        let (rest, more) = s.page("pg/e", 10, |_| true);
         assert_eq!((rest.len(), more), (0, false));
     }
 
@@ -1375,7 +1230,7 @@ mod tests {
         );
         s.apply_at(vec![spec("lg/b", "v1"), spec("lg/c", "v1")], base() + 2)
             .unwrap();
-        s.delete_at("lg/a", base() + 3).unwrap();
+        assert!(s.delete("lg/a").unwrap());
         s.apply_at(vec![spec("lg/b", "v2")], base() + 4).unwrap();
         // Later changes leave the snapshot as it was and go to the log,
         // one line each.
@@ -1383,16 +1238,14 @@ mod tests {
         let log = std::fs::read(dir.path().join("specs.1.log")).unwrap();
         assert_eq!(log.iter().filter(|&&b| b == b'\n').count(), 3);
         let revised = s.all_revised();
-        let tombstones = s.tombstones();
         drop(s);
 
         let s = SpecStore::open(path).unwrap();
         assert!(!s.file_was_missing());
         assert_eq!(s.all_revised(), revised);
-        assert_eq!(s.tombstones(), tombstones);
         assert_eq!(names(&s), vec!["lg/b".to_string(), "lg/c".to_string()]);
         assert_eq!(s.get("lg/b").unwrap().labels, spec("lg/b", "v2").labels);
-        assert_eq!(s.tombstone("lg/a"), Some(base() + 3));
+        assert_eq!(s.get("lg/a"), None);
         assert!(s.next_revision() > base() + 4);
         // And the reopened store goes on appending to the same log.
         s.apply_at(vec![spec("lg/d", "v1")], base() + 5).unwrap();
@@ -1425,14 +1278,12 @@ mod tests {
     }
 
     /// Drops `s` and opens its directory again, which must hold the same
-    /// specs and tombstones.
+    /// specs.
     fn reopened(s: SpecStore, path: &Path) -> SpecStore {
         let revised = s.all_revised();
-        let tombstones = s.tombstones();
         drop(s);
         let s = SpecStore::open(path.to_path_buf()).unwrap();
         assert_eq!(s.all_revised(), revised);
-        assert_eq!(s.tombstones(), tombstones);
         s
     }
 
@@ -1467,7 +1318,7 @@ mod tests {
             assert_eq!(snapshot_at(&path), (Some(generation), 20));
             assert_eq!(logs_in(dir.path()), vec![format!("specs.{generation}.log")]);
         }
-        s.delete_at("f/007", revision).unwrap();
+        del(&s, "f/007", revision).unwrap();
         let s = reopened(s, &path);
         assert_eq!(s.all().len(), 19);
     }
@@ -1488,7 +1339,7 @@ mod tests {
         assert_eq!(snapshot_at(&path).0, Some(1));
         let logs = ["specs.1.log", "specs.2.log", "specs.3.log"].map(String::from);
         assert_eq!(logs_in(dir.path()), logs.to_vec());
-        s.delete_at("f/007", revision).unwrap();
+        del(&s, "f/007", revision).unwrap();
         // A start replays every log from the one the snapshot names.
         drop(reopened(s, &path));
 
@@ -1624,11 +1475,11 @@ mod tests {
         a.apply_at(vec![spec("dg/x", "v1"), spec("dg/y", "v1")], base() + 1)
             .unwrap();
         a.apply_at(vec![spec("dg/x", "v2")], base() + 2).unwrap();
-        a.delete_at("dg/y", base() + 3).unwrap();
+        del(&a, "dg/y", base() + 3).unwrap();
         a.apply_at(vec![spec("dg/z", "v1")], base() + 4).unwrap();
         // The same specs reached in another order, by other steps.
         b.apply_at(vec![spec("dg/z", "v1")], base() + 4).unwrap();
-        b.delete_at("dg/y", base() + 3).unwrap();
+        del(&b, "dg/y", base() + 3).unwrap();
         b.apply_at(vec![spec("dg/x", "v2")], base() + 2).unwrap();
         b.apply_at(vec![spec("dg/x", "v1")], base() + 1).unwrap();
         assert_eq!(a.digest(), b.digest());
@@ -1641,13 +1492,13 @@ mod tests {
         assert_eq!(a.digest(), b.digest());
         a.apply_at(vec![spec("dg/w", "v1")], base() + 6).unwrap();
         assert_ne!(a.digest(), b.digest());
-        a.delete_at("dg/w", base() + 7).unwrap();
+        del(&a, "dg/w", base() + 7).unwrap();
         assert_eq!(a.digest(), b.digest());
         // A change that cannot be written leaves the digest as it was.
         let before = b.digest();
         let real = log_to_dev_full(&b);
         assert!(b.apply_at(vec![spec("dg/x", "v3")], base() + 8).is_err());
-        assert!(b.delete_at("dg/z", base() + 8).is_err());
+        assert!(del(&b, "dg/z", base() + 8).is_err());
         assert_eq!(b.digest(), before);
         b.lock().log.as_mut().unwrap().file = real;
         // And a start computes the digest the changes kept.
@@ -1677,11 +1528,10 @@ mod tests {
         let real = log_to_dev_full(&s);
         let change = vec![spec("uu/a", "v2"), spec("uu/b", "v2")];
         assert!(s.apply_at(change.clone(), base() + 2).is_err());
-        assert!(s.delete_at("uu/a", base() + 3).is_err());
+        assert!(del(&s, "uu/a", base() + 3).is_err());
         assert_eq!(s.version(), version);
         assert_eq!(s.get("uu/a").unwrap().labels, spec("uu/a", "v1").labels);
         assert_eq!(s.get("uu/b"), None);
-        assert_eq!(s.tombstone("uu/a"), None);
         assert_eq!(s.changes_since(version), Some(vec![]));
         s.lock().log.as_mut().unwrap().file = real;
         // Space again: the same change is taken.

@@ -1,15 +1,18 @@
 //! Cluster membership and journal routes.
 //!
-//! A [`Topology`] hands shards immutable [`ClusterView`] snapshots. This
-//! module's source is a static cluster file, re-read when it changes; a
-//! broker without one is a cluster of itself. Routes are computed, not
-//! stored: every broker with the same view computes the same route for a
-//! journal, so no coordination is needed to agree on them.
+//! A [`Topology`] hands shards immutable [`ClusterView`] snapshots. A
+//! cluster on etcd sets them from its assignments (see `crate::cluster`);
+//! a broker without one is a cluster of itself. A cluster file is a thin
+//! way to try a cluster without etcd: it lists the brokers and the
+//! journals' specs, each broker re-reads its copy when it changes, and
+//! routes are computed, not stored: every broker with the same file
+//! computes the same route for a journal. Nothing in that mode notices a
+//! dead broker or moves its journals; see OPERATIONS for its limits.
 
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
@@ -48,6 +51,17 @@ impl Member {
 #[serde(deny_unknown_fields)]
 struct ClusterFile {
     brokers: Vec<Member>,
+    /// The journals' specs, as `journals apply` takes them.
+    #[serde(default)]
+    journals: Vec<rotary_net::spec::JournalSpec>,
+}
+
+/// What a cluster file says: the view it gives this broker, and the
+/// journals' specs.
+#[derive(Clone, Debug)]
+pub struct FromFile {
+    pub view: ClusterView,
+    pub specs: Vec<rotary_net::spec::JournalSpec>,
 }
 
 /// One consistent picture of the cluster.
@@ -238,47 +252,63 @@ impl ClusterView {
 }
 
 /// Parses a cluster file and checks that `me` is in it.
-pub fn load_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
-    let view = parse_cluster_file(path, me)?;
-    if view.me().is_none() {
+pub fn load_cluster_file(path: &Path, me: &str) -> Result<FromFile, String> {
+    let file = parse_cluster_file(path, me)?;
+    if file.view.me().is_none() {
         return Err(format!(
             "cluster file {}: no broker with id {me:?}",
             path.display()
         ));
     }
-    Ok(view)
+    Ok(file)
 }
 
 /// Parses a cluster file; `me` need not be in it (a broker removed from
 /// the cluster is in no route, and proxies every request to the members).
-fn parse_cluster_file(path: &Path, me: &str) -> Result<ClusterView, String> {
+fn parse_cluster_file(path: &Path, me: &str) -> Result<FromFile, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cluster file {}: {e}", path.display()))?;
     let file: ClusterFile =
         serde_yaml::from_str(&text).map_err(|e| format!("cluster file {}: {e}", path.display()))?;
+    let at = |e: String| format!("cluster file {}: {e}", path.display());
+    check_ids(&file.brokers).map_err(at)?;
+    check_ports(&file.brokers).map_err(at)?;
+    check_journals(&file.journals).map_err(at)?;
+    Ok(FromFile {
+        view: ClusterView {
+            me: me.to_string(),
+            brokers: file.brokers,
+            assigned: None,
+        },
+        specs: file.journals,
+    })
+}
+
+/// Checks that broker ids are allowed and distinct.
+fn check_ids(brokers: &[Member]) -> Result<(), String> {
     let mut seen = std::collections::HashSet::new();
-    for b in &file.brokers {
+    for b in brokers {
         if b.id.is_empty() || b.id == LOCAL_BROKER || b.id.contains(char::is_whitespace) {
-            return Err(format!(
-                "cluster file {}: broker id {:?} is not allowed",
-                path.display(),
-                b.id
-            ));
+            return Err(format!("broker id {:?} is not allowed", b.id));
         }
-        if !seen.insert(b.id.clone()) {
-            return Err(format!(
-                "cluster file {}: broker id {:?} appears twice",
-                path.display(),
-                b.id
-            ));
+        if !seen.insert(b.id.as_str()) {
+            return Err(format!("broker id {:?} appears twice", b.id));
         }
     }
-    check_ports(&file.brokers).map_err(|e| format!("cluster file {}: {e}", path.display()))?;
-    Ok(ClusterView {
-        me: me.to_string(),
-        brokers: file.brokers,
-        assigned: None,
-    })
+    Ok(())
+}
+
+/// Checks that each journal's spec is valid and named once.
+fn check_journals(specs: &[rotary_net::spec::JournalSpec]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    for spec in specs {
+        spec.validate()
+            .map_err(|e| format!("journal {:?}: {e}", spec.name))?;
+        if !seen.insert(spec.name.as_str()) {
+            return Err(format!("journal {:?} appears twice", spec.name));
+        }
+    }
+    Ok(())
 }
 
 /// Checks that each broker's shards have ports of their own: shard n of
@@ -327,13 +357,10 @@ pub struct Views {
     /// it was current at: at most [`HISTORY`]. A primary asks the brokers
     /// a journal was routed to in them, and is routed to no more, for
     /// bytes beyond its own head before it gives out offsets (see
-    /// `Shard::takeover_sources`). At a start, with version 0, they are the
-    /// views this broker remembers from before it stopped (see
-    /// [`Topology::remember_in`]) and the current one without this broker,
-    /// as if the broker had just joined the cluster (the usual reason a
-    /// journal's route gains a broker holding none of it). Views learned
-    /// from peers as the broker starts ([`Topology::learn`]) come first,
-    /// with the version at which they were learned.
+    /// `Shard::takeover_sources`). At a start, with version 0, the current
+    /// one without this broker, as if the broker had just joined the
+    /// cluster (the usual reason a journal's route gains a broker holding
+    /// none of it). Views are kept in memory only.
     pub earlier: Vec<(u64, Arc<ClusterView>)>,
 }
 
@@ -349,7 +376,7 @@ impl Views {
     }
 
     /// Every view, oldest first and the current one last, as lists of
-    /// brokers: what `cluster-views.json` holds and STATS shows.
+    /// brokers: what STATS shows.
     pub fn known(&self) -> Vec<&Vec<Member>> {
         let mut known: Vec<&Vec<Member>> = self.earlier.iter().map(|(_, v)| &v.brokers).collect();
         known.push(&self.current.brokers);
@@ -362,71 +389,26 @@ impl Views {
 pub struct Topology {
     views: RwLock<Views>,
     version: AtomicU64,
-    /// Where the views are written when they change.
-    memory: Option<PathBuf>,
-    /// Whether every peer has been asked once for the views it knows since
-    /// this broker started (see [`Topology::learn`]); takeovers wait for it.
-    peers_asked: AtomicBool,
     /// In a cluster on etcd, the way to its control thread.
     control: std::sync::OnceLock<crate::cluster::control::ControlHandle>,
 }
 
 impl Topology {
     pub fn new(view: ClusterView) -> Arc<Topology> {
-        Arc::new(Topology::starting(view, Vec::new(), None))
-    }
-
-    /// A topology that remembers its views in `path` (a file in the data
-    /// directory), and starts from what it remembered there. A file that
-    /// is missing or unreadable is no history: it is logged and replaced.
-    pub fn remember_in(view: ClusterView, path: PathBuf) -> Arc<Topology> {
-        let remembered = match std::fs::read(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            read => read.map_err(|e| e.to_string()).and_then(|bytes| {
-                serde_json::from_slice::<Vec<Vec<Member>>>(&bytes).map_err(|e| e.to_string())
-            }),
-        };
-        let remembered = remembered.unwrap_or_else(|e| {
-            tracing::warn!(file = %path.display(), error = %e, "the cluster views remembered are unreadable; starting without them");
-            Vec::new()
-        });
-        let remembered = remembered
-            .into_iter()
-            .map(|brokers| ClusterView {
-                me: view.me.clone(),
-                brokers,
-                assigned: None,
-            })
-            .collect();
-        let t = Topology::starting(view, remembered, Some(path));
-        t.write_memory();
-        Arc::new(t)
-    }
-
-    fn starting(
-        view: ClusterView,
-        remembered: Vec<ClusterView>,
-        memory: Option<PathBuf>,
-    ) -> Topology {
-        let mut earlier: Vec<(u64, Arc<ClusterView>)> = Vec::new();
-        for v in remembered.into_iter().chain([view.without_me()]) {
-            if v != view && !earlier.iter().any(|(_, e)| **e == v) {
-                earlier.push((0, Arc::new(v)));
-            }
+        let mut earlier = Vec::new();
+        let joined = view.without_me();
+        if joined != view {
+            earlier.push((0, Arc::new(joined)));
         }
-        let keep_from = earlier.len().saturating_sub(HISTORY);
-        earlier.drain(..keep_from);
-        Topology {
-            peers_asked: AtomicBool::new(view.is_single()),
+        Arc::new(Topology {
             views: RwLock::new(Views {
                 version: 1,
                 current: Arc::new(view),
                 earlier,
             }),
             version: AtomicU64::new(1),
-            memory,
             control: std::sync::OnceLock::new(),
-        }
+        })
     }
 
     /// Hands the shards the way to the control thread of a cluster on etcd.
@@ -458,104 +440,77 @@ impl Topology {
     /// Installs a new view if it differs; returns whether it did. The
     /// view it replaces joins the earlier ones.
     pub fn set(&self, view: ClusterView) -> bool {
-        {
-            let mut cur = self.views.write().unwrap_or_else(|p| p.into_inner());
-            if *cur.current == view {
-                return false;
-            }
-            let old = std::mem::replace(&mut cur.current, Arc::new(view));
-            let old_version = cur.version;
-            cur.earlier.push((old_version, old));
-            if cur.earlier.len() > HISTORY {
-                cur.earlier.remove(0);
-            }
-            cur.version += 1;
-            self.version.store(cur.version, Ordering::Release);
+        let mut cur = self.views.write().unwrap_or_else(|p| p.into_inner());
+        if *cur.current == view {
+            return false;
         }
-        self.write_memory();
+        let old = std::mem::replace(&mut cur.current, Arc::new(view));
+        let old_version = cur.version;
+        cur.earlier.push((old_version, old));
+        if cur.earlier.len() > HISTORY {
+            cur.earlier.remove(0);
+        }
+        cur.version += 1;
+        self.version.store(cur.version, Ordering::Release);
         true
     }
+}
 
-    /// Takes views a peer has known (its earlier ones and its current one,
-    /// as its STATS list them) as earlier views of this broker: a broker
-    /// that starts after a change, or for the first time, learns of the
-    /// brokers that journals left in it, which it never saw itself. Views
-    /// already known are skipped; the others go before this broker's own
-    /// (the first to be forgotten past [`HISTORY`]), at a new version, so
-    /// that journals taken over already ask about them too. Returns how
-    /// many were new.
-    pub fn learn(&self, views: Vec<Vec<Member>>) -> usize {
-        let learned = {
-            let mut cur = self.views.write().unwrap_or_else(|p| p.into_inner());
-            let mut new: Vec<(u64, Arc<ClusterView>)> = Vec::new();
-            for brokers in views {
-                let view = ClusterView {
-                    me: cur.current.me.clone(),
-                    brokers,
-                    assigned: None,
-                };
-                let known = view == *cur.current
-                    || cur.earlier.iter().any(|(_, e)| **e == view)
-                    || new.iter().any(|(_, e)| **e == view);
-                if !known {
-                    new.push((cur.version + 1, Arc::new(view)));
-                }
+/// Makes `specs` hold exactly the journals a cluster file lists: those
+/// new or changed are set at the store's next revision, those it no longer
+/// lists are deleted (their shards then delete the journals' files).
+pub fn mirror_specs(specs: &crate::specs::SpecStore, listed: Vec<rotary_net::spec::JournalSpec>) {
+    let names: std::collections::HashSet<String> = listed.iter().map(|s| s.name.clone()).collect();
+    let changed: Vec<rotary_net::spec::JournalSpec> = listed
+        .into_iter()
+        .filter(|s| specs.get(&s.name).as_ref() != Some(s))
+        .collect();
+    if !changed.is_empty() {
+        let revision = specs.next_revision();
+        match specs.apply_at(changed, revision) {
+            Ok(n) => tracing::info!(
+                journals = n,
+                revision,
+                "took journal specs from the cluster file"
+            ),
+            Err(e) => {
+                tracing::error!(error = %e, "could not record the cluster file's journal specs")
             }
-            let learned = new.len();
-            if learned > 0 {
-                new.append(&mut cur.earlier);
-                let keep_from = new.len().saturating_sub(HISTORY);
-                new.drain(..keep_from);
-                cur.earlier = new;
-                cur.version += 1;
-                self.version.store(cur.version, Ordering::Release);
-            }
-            learned
-        };
-        if learned > 0 {
-            self.write_memory();
         }
-        learned
     }
-
-    /// Records that every peer has been asked once for its views (whether
-    /// it answered or not).
-    pub fn mark_peers_asked(&self) {
-        self.peers_asked.store(true, Ordering::Release);
-    }
-
-    pub fn peers_asked(&self) -> bool {
-        self.peers_asked.load(Ordering::Acquire)
-    }
-
-    /// Writes the views this broker has known (with those it assumed at
-    /// its start), oldest first and the current one last, so that a
-    /// restart after a change made while it was down still asks the
-    /// brokers a journal left.
-    fn write_memory(&self) {
-        let Some(path) = &self.memory else {
-            return;
-        };
-        let result = serde_json::to_vec(&self.views().known())
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| {
-                let tmp = path.with_extension("tmp");
-                std::fs::write(&tmp, bytes)?;
-                std::fs::File::open(&tmp)?.sync_all()?;
-                std::fs::rename(&tmp, path)
-            });
-        if let Err(e) = result {
-            tracing::warn!(file = %path.display(), error = %e, "could not write the cluster views down; a restart may not know brokers that journals left");
+    let gone: Vec<crate::specs::Deletion> = specs
+        .all()
+        .into_iter()
+        .filter(|s| !names.contains(&s.name))
+        .map(|s| crate::specs::Deletion {
+            name: s.name,
+            revision: specs.next_revision(),
+        })
+        .collect();
+    if !gone.is_empty() {
+        match specs.delete_each(gone) {
+            Ok(names) => {
+                tracing::info!(journals = ?names, "deleted journals the cluster file no longer lists")
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "could not delete journals the cluster file no longer lists")
+            }
         }
     }
 }
 
 /// Re-reads the cluster file every second when it changed (its
-/// modification time, inode or size), and at once on SIGHUP. The first
-/// look, a second after the start, always reads it: the file may have
-/// changed between the start's own read and this watcher's. A file that
-/// fails to parse keeps the previous view (and is logged).
-pub fn watch_cluster_file(topology: Arc<Topology>, path: PathBuf, me: String) {
+/// modification time, inode or size), and at once on SIGHUP, and installs
+/// its brokers in `topology` and its journals in `specs`. The first look,
+/// a second after the start, always reads it: the file may have changed
+/// between the start's own read and this watcher's. A file that fails to
+/// parse keeps the previous view and specs (and is logged).
+pub fn watch_cluster_file(
+    topology: Arc<Topology>,
+    specs: Arc<crate::specs::SpecStore>,
+    path: PathBuf,
+    me: String,
+) {
     use std::os::unix::fs::MetadataExt;
     let hup = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let _ = signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone());
@@ -581,19 +536,25 @@ pub fn watch_cluster_file(topology: Arc<Topology>, path: PathBuf, me: String) {
             }
             seen = now;
             match parse_cluster_file(&path, &me) {
-                Ok(view) => {
-                    let listed = view.me().is_some();
-                    if topology.set(view) {
-                        tracing::info!(file = %path.display(), "cluster file changed; routes recomputed");
-                        if !listed {
-                            tracing::warn!(id = %me, "this broker is no longer in the cluster file: it is in no route and proxies every journal request");
-                        }
-                    }
-                }
+                Ok(file) => take_file(&topology, &specs, file, &path),
                 Err(e) => tracing::error!(error = %e, "keeping the previous cluster view"),
             }
         })
         .expect("spawn the cluster file watcher");
+}
+
+/// Installs what a cluster file says: its specs first, so that a journal
+/// new in both is known by the time its route is.
+fn take_file(topology: &Topology, specs: &crate::specs::SpecStore, file: FromFile, path: &Path) {
+    mirror_specs(specs, file.specs);
+    let listed = file.view.me().is_some();
+    let me = file.view.me.clone();
+    if topology.set(file.view) {
+        tracing::info!(file = %path.display(), "cluster file changed; routes recomputed");
+        if !listed {
+            tracing::warn!(id = %me, "this broker is no longer in the cluster file: it is in no route and proxies every journal request");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -660,96 +621,6 @@ mod tests {
         assert!(single.without_me().route("j", 1).members.is_empty());
     }
 
-    #[test]
-    fn views_are_remembered_across_a_start() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("views.json");
-        let t = Topology::remember_in(view(3, &["a"]), path.clone());
-        t.set(view(4, &["a"]));
-        drop(t);
-        // Started again with b4 gone from the file: the views it knew come
-        // first, then the current one without it, all as before version 1.
-        let t = Topology::remember_in(view(3, &["a"]), path.clone());
-        let v = t.views();
-        assert_eq!(ids(&v.current), ["b1", "b2", "b3"]);
-        let earlier: Vec<(u64, Vec<String>)> =
-            v.earlier.iter().map(|(n, e)| (*n, ids(e))).collect();
-        assert_eq!(
-            earlier,
-            [
-                (0, vec!["b2".into(), "b3".into()]),
-                (0, vec!["b1".into(), "b2".into(), "b3".into(), "b4".into()]),
-            ],
-            "the view at the first start equals the current one: left out"
-        );
-        // Each view remembered keeps this broker's own id.
-        assert!(v.earlier.iter().all(|(_, e)| e.me == "b1"));
-        // An unreadable file is no history, and is written afresh.
-        std::fs::write(&path, b"{not json").unwrap();
-        let t = Topology::remember_in(view(2, &["a"]), path.clone());
-        assert_eq!(t.views().earlier.len(), 1);
-        let kept: Vec<Vec<Member>> =
-            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(
-            kept.len(),
-            2,
-            "the assumed view before, and the current one"
-        );
-    }
-
-    #[test]
-    fn views_learned_from_a_peer_are_asked_about_by_every_journal() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("views.json");
-        // A first start: only the current view without this broker.
-        let t = Topology::remember_in(view(3, &["a"]), path.clone());
-        t.set(view(2, &["a"]));
-        let before = t.version();
-        // A peer knew b4 (and the views this broker knows already).
-        let peer = [view(4, &["a"]), view(3, &["a"]), view(2, &["a"])];
-        let peer = || peer.iter().map(|v| v.brokers.clone()).collect::<Vec<_>>();
-        assert_eq!(t.learn(peer()), 1, "only the view with b4 is new");
-        assert_eq!(t.learn(peer()), 0, "learned once");
-        let v = t.views();
-        assert_eq!(
-            v.version,
-            before + 1,
-            "a new version: settled journals ask again"
-        );
-        assert_eq!(ids(&v.current), ["b1", "b2"], "the current view stays");
-        assert_eq!(
-            ids(&v.earlier[0].1),
-            ["b1", "b2", "b3", "b4"],
-            "learned ones come first"
-        );
-        assert_eq!(v.earlier[0].0, v.version);
-        assert_eq!(v.earlier[0].1.me, "b1");
-        // A journal settled before the learning asks about it; one settled
-        // after, does not.
-        let asked: Vec<usize> = v.since(before).map(|e| e.brokers.len()).collect();
-        assert_eq!(asked, [4]);
-        assert_eq!(v.since(v.version).count(), 0);
-        // Remembered across a start.
-        drop(t);
-        let t = Topology::remember_in(view(2, &["a"]), path.clone());
-        assert!(t.views().earlier.iter().any(|(_, e)| e.brokers.len() == 4));
-        // Past HISTORY, the learned views are the first forgotten.
-        let many: Vec<Vec<Member>> = (5..5 + 2 * HISTORY)
-            .map(|n| view(n, &["a"]).brokers)
-            .collect();
-        t.learn(many);
-        let v = t.views();
-        assert_eq!(v.earlier.len(), HISTORY);
-        assert_eq!(
-            v.earlier
-                .iter()
-                .map(|(_, e)| e.brokers.len())
-                .collect::<Vec<_>>()[HISTORY - 4..],
-            [4, 2, 3, 1],
-            "this broker's own views are kept over the learned ones"
-        );
-    }
-
     /// A change made between the start's read of the file and the
     /// watcher's start is still seen, and so is a replacement of the file
     /// that keeps its modification time.
@@ -766,6 +637,8 @@ mod tests {
         let write = |ids: &[usize]| {
             let text: String = std::iter::once("brokers:\n".to_string())
                 .chain(ids.iter().map(|&i| line(i)))
+                .chain(std::iter::once("journals:\n".to_string()))
+                .chain(ids.iter().map(|&i| format!("  - {{name: ww/{i}}}\n")))
                 .collect();
             let tmp = dir.path().join("cluster.yaml.new");
             std::fs::write(&tmp, text).unwrap();
@@ -783,10 +656,21 @@ mod tests {
             }
         };
         write(&[1, 2]);
-        let t = Topology::new(load_cluster_file(&p, "b1").unwrap());
+        let t = Topology::new(load_cluster_file(&p, "b1").unwrap().view);
+        let specs_dir = tempfile::tempdir().unwrap();
+        let specs =
+            Arc::new(crate::specs::SpecStore::open(specs_dir.path().join("specs.json")).unwrap());
+        specs
+            .apply_at(vec![rotary_net::spec::JournalSpec::new("ww/9")], 1)
+            .unwrap();
         write(&[1, 2, 3]);
-        watch_cluster_file(t.clone(), p.clone(), "b1".into());
+        watch_cluster_file(t.clone(), specs.clone(), p.clone(), "b1".into());
         wait_for(&t, 3);
+        // The file's journals, and only those: the store's own is gone.
+        let names = |s: &crate::specs::SpecStore| -> Vec<String> {
+            s.all().into_iter().map(|s| s.name).collect()
+        };
+        assert_eq!(names(&specs), ["ww/1", "ww/2", "ww/3"]);
         let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
         write(&[1, 2, 3, 4]);
         std::fs::File::options()
@@ -796,6 +680,10 @@ mod tests {
             .set_modified(mtime)
             .unwrap();
         wait_for(&t, 4);
+        assert_eq!(names(&specs), ["ww/1", "ww/2", "ww/3", "ww/4"]);
+        write(&[1, 3]);
+        wait_for(&t, 2);
+        assert_eq!(names(&specs), ["ww/1", "ww/3"]);
     }
 
     #[test]
@@ -838,14 +726,14 @@ mod tests {
             "brokers:\n  - {id: b1, zone: a, endpoint: 127.0.0.1:7401}\n  - {id: b2, zone: b, endpoint: 127.0.0.1:7411}\n",
         )
         .unwrap();
-        let v = load_cluster_file(&p, "b2").unwrap();
+        let v = load_cluster_file(&p, "b2").unwrap().view;
         assert_eq!(v.brokers.len(), 2);
         assert_eq!(v.me().unwrap().endpoint.port(), 7411);
         assert!(load_cluster_file(&p, "b9")
             .unwrap_err()
             .contains("no broker"));
         // Re-read while running, a file without this broker leaves it in no route.
-        let gone = parse_cluster_file(&p, "b9").unwrap();
+        let gone = parse_cluster_file(&p, "b9").unwrap().view;
         assert!(gone.me().is_none());
         assert!(!gone.route("j", 2).contains("b9"));
         std::fs::write(
@@ -881,12 +769,38 @@ mod tests {
             "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, shards: 4}\n  - {id: b2, endpoint: 127.0.0.1:7405}\n  - {id: b3, endpoint: 127.0.0.2:7401}\n",
         )
         .unwrap();
-        assert_eq!(load_cluster_file(&p, "b1").unwrap().brokers.len(), 3);
+        assert_eq!(load_cluster_file(&p, "b1").unwrap().view.brokers.len(), 3);
         std::fs::write(
             &p,
             "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, port: 3}\n",
         )
         .unwrap();
         assert!(load_cluster_file(&p, "b1").is_err());
+        // Journals: valid specs, each named once.
+        let brokers = "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401}\n";
+        for (journals, why) in [
+            ("  - {name: aa/bb}\n  - {name: aa/bb}\n", "appears twice"),
+            ("  - {name: aa/bb, replication: 0}\n", "aa/bb"),
+            ("  - {name: \"aa bb\"}\n", "aa bb"),
+            ("  - {name: aa/bb, colour: red}\n", "colour"),
+        ] {
+            std::fs::write(&p, format!("{brokers}journals:\n{journals}")).unwrap();
+            let e = load_cluster_file(&p, "b1").unwrap_err();
+            assert!(e.contains(why), "{journals}: {e}");
+        }
+        std::fs::write(
+            &p,
+            format!(
+                "{brokers}journals:\n  - {{name: aa/bb, replication: 2}}\n  - {{name: aa/cc}}\n"
+            ),
+        )
+        .unwrap();
+        let file = load_cluster_file(&p, "b1").unwrap();
+        let named: Vec<(&str, u32)> = file
+            .specs
+            .iter()
+            .map(|s| (s.name.as_str(), s.replication))
+            .collect();
+        assert_eq!(named, [("aa/bb", 2), ("aa/cc", 1)]);
     }
 }

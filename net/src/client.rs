@@ -261,15 +261,6 @@ pub struct JournalInfo {
     pub route: JournalRoute,
 }
 
-/// A LIST answer.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Listing {
-    pub journals: Vec<JournalInfo>,
-    /// The broker has not heard every peer of its cluster since it started
-    /// (PROTOCOL §9.2): journals it has not learned of yet are missing.
-    pub partial: bool,
-}
-
 /// A page of a journal's fragments ([`Client::fragments_page`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FragmentPage {
@@ -819,41 +810,30 @@ impl Client {
     }
 
     /// Lists journals whose labels match `selector` (text form, e.g.
-    /// `app=orders,!retired`; empty lists all), sorted by name. A broker
-    /// that has only just started may not know every journal yet: see
-    /// [`Client::listing`], which says so.
-    pub async fn list(&self, selector: &str) -> Result<Vec<JournalInfo>, ClientError> {
-        Ok(self.listing(selector).await?.journals)
-    }
-
-    /// As [`Client::list`], and whether the list may be partial. The
+    /// `app=orders,!retired`; empty lists all), sorted by name. The
     /// broker answers in pages of at most [`wire::LIST_PAGE_MAX`]
     /// journals, each asked for after the last name of the one before: a
     /// journal created or deleted while the pages are read may be missing
     /// or listed all the same, as with any listing that is not one answer.
-    pub async fn listing(&self, selector: &str) -> Result<Listing, ClientError> {
+    pub async fn list(&self, selector: &str) -> Result<Vec<JournalInfo>, ClientError> {
         // Check the text here so a typo is an error, not an empty list.
         let _ = crate::spec::LabelSelector::parse(selector)?;
         let conn = self.bootstrap_conn().await?;
-        let mut listing = Listing {
-            journals: Vec::new(),
-            partial: false,
-        };
+        let mut journals = Vec::new();
         let mut after = String::new();
         loop {
-            let body = crate::wire::list_payload(selector, false, &after);
+            let body = crate::wire::list_payload(selector, &after);
             let reply = unary(&conn, Op::LIST, Bytes::new(), body.into()).await?;
-            listing.partial |= reply.flags & flag::PARTIAL != 0;
             let more = reply.flags & flag::NEXT_PAGE != 0;
             let page: Vec<JournalInfo> = admin_json(&conn, Op::LIST, reply)?;
             let next = match page.last() {
                 Some(last) if more => Some(last.spec.name.clone()),
                 _ => None,
             };
-            listing.journals.extend(page);
+            journals.extend(page);
             match next {
                 Some(next) => after = next,
-                None => return Ok(listing),
+                None => return Ok(journals),
             }
         }
     }

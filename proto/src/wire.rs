@@ -95,11 +95,11 @@ ops! {
     /// Asks which shard owns a journal; meta is the name.
     ROUTE = 0x05, flags = 0;
     /// Creates or changes journals; payload is a JSON array of specs.
-    APPLY = 0x10, flags = flag::LOCAL;
+    APPLY = 0x10, flags = 0;
     /// Lists journals; payload is JSON `{"selector": "..."}`.
     LIST = 0x11, flags = 0;
     /// Deletes a journal and its local fragments; meta is the name.
-    DELETE = 0x12, flags = flag::LOCAL;
+    DELETE = 0x12, flags = 0;
     /// Lists a journal's fragments; meta is the name.
     FRAGMENTS = 0x13, flags = 0;
     /// Seals a journal's open spool now; meta is the name.
@@ -134,7 +134,7 @@ ops! {
     /// the offset to resume at with the broker.
     READ_FRAGMENT = 0x85, flags = 0;
     /// Reply to ROUTE, APPLY, LIST, DELETE, FRAGMENTS, SEAL, STATS, MEMBERS, DRAIN: JSON payload.
-    ADMIN_REPLY = 0x90, flags = flag::PARTIAL | flag::NEXT_PAGE;
+    ADMIN_REPLY = 0x90, flags = flag::NEXT_PAGE;
     /// Reply to PING.
     PONG = 0x96, flags = 0;
     /// Broker to broker: outcomes of replicated appends and SYNCs, many per frame.
@@ -163,13 +163,8 @@ pub mod flag {
     /// receiver serves the bytes it holds itself even when it is outside
     /// the journal's route, and never proxies it.
     pub const TAKEOVER: u8 = 1 << 4;
-    /// APPLY, DELETE: on this broker only (do not forward to the cluster).
-    pub const LOCAL: u8 = 1 << 0;
-    /// ADMIN_REPLY to LIST: the broker has not heard every peer since it
-    /// started, so journals it has not learned of yet are missing.
-    pub const PARTIAL: u8 = 1 << 0;
-    /// ADMIN_REPLY to FRAGMENTS: fragments beginning after the page's last
-    /// one remain; ask again from its `begin` + 1.
+    /// ADMIN_REPLY to FRAGMENTS or LIST: entries after the page's last
+    /// one remain; ask again after it.
     pub const NEXT_PAGE: u8 = 1 << 1;
 }
 
@@ -181,12 +176,9 @@ pub const FRAGMENTS_PAGE_MAX: u32 = 1000;
 pub const LIST_PAGE_MAX: u32 = 1000;
 
 /// The payload of a LIST for the page after the name `after` (`""`: the
-/// first page), with tombstones among the journals if `deleted`.
-pub fn list_payload(selector: &str, deleted: bool, after: &str) -> Vec<u8> {
+/// first page).
+pub fn list_payload(selector: &str, after: &str) -> Vec<u8> {
     let mut body = serde_json::json!({ "selector": selector });
-    if deleted {
-        body["deleted"] = true.into();
-    }
     if !after.is_empty() {
         body["after"] = after.into();
     }
@@ -1060,22 +1052,26 @@ mod tests {
     }
 
     #[test]
-    fn an_admin_reply_may_say_it_is_partial_or_paged_and_nothing_else_may() {
+    fn an_admin_reply_may_say_it_is_paged_and_nothing_else_may() {
         let mut buf = Vec::new();
         encode_frame(
             &mut buf,
             Op::ADMIN_REPLY,
-            flag::PARTIAL,
+            flag::NEXT_PAGE,
             Status::OK,
             7,
             &[],
             b"[]",
         );
         let (f, _) = decode_frame(&buf, BODY_LEN_MAX).unwrap().unwrap();
-        assert_eq!((f.op, f.flags), (Op::ADMIN_REPLY, flag::PARTIAL));
-        buf[7] = flag::NEXT_PAGE;
-        let (f, _) = decode_frame(&buf, BODY_LEN_MAX).unwrap().unwrap();
-        assert_eq!(f.flags, flag::NEXT_PAGE);
+        assert_eq!((f.op, f.flags), (Op::ADMIN_REPLY, flag::NEXT_PAGE));
+        for other in [1 << 0, 1 << 2] {
+            buf[7] = other;
+            assert!(matches!(
+                decode_frame(&buf, BODY_LEN_MAX),
+                Err(WireError::UnknownFlags { .. })
+            ));
+        }
         buf[7] = 1 << 2;
         assert!(matches!(
             decode_frame(&buf, BODY_LEN_MAX),

@@ -1,8 +1,9 @@
 //! Several `rotary serve --cluster` processes on loopback sharing one
-//! cluster file. Each broker keeps its ports and its data directory for the
-//! whole test, so a broker killed with SIGKILL comes back as the same member
-//! (same id, same endpoint) with whatever its disk kept. The cluster file can
-//! be rewritten while the brokers run; they pick changes up by its mtime.
+//! cluster file, which lists the brokers and the journals' specs. Each
+//! broker keeps its ports and its data directory for the whole test, so a
+//! broker killed with SIGKILL comes back as the same member (same id, same
+//! endpoint) with whatever its disk kept. The cluster file can be rewritten
+//! while the brokers run; they pick changes up by its mtime.
 //!
 //! Only one cluster runs at a time in a test binary: three or more brokers
 //! plus the writers already more than fill the machine, and replication
@@ -29,9 +30,6 @@ pub const SPAWN_ATTEMPTS_MAX: u32 = 10;
 pub const LOG_LINES_ON_PANIC: usize = 400;
 /// How long the whole cluster may take to agree on a journal after APPLY.
 pub const APPLY_SETTLE_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long [`Cluster::apply`] waits at most for each running broker to
-/// have learned its peers' specs and views (LIST without PARTIAL).
-pub const CATCH_UP_WAIT: Duration = Duration::from_secs(5);
 
 pub static ONE_CLUSTER_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -232,6 +230,25 @@ impl ClusterBroker {
         Some(status)
     }
 
+    /// Whether the data directory holds a directory of `journal`'s files.
+    pub fn holds_files_of(&self, journal: &str) -> bool {
+        let mut dirs = vec![self.data.clone()];
+        while let Some(dir) = dirs.pop() {
+            if dir.ends_with(Path::new("journals").join(journal).join("@")) {
+                return true;
+            }
+            if let Ok(entries) = std::fs::read_dir(&dir) {
+                dirs.extend(
+                    entries
+                        .flatten()
+                        .filter(|e| e.path().is_dir())
+                        .map(|e| e.path()),
+                );
+            }
+        }
+        false
+    }
+
     /// A client that follows routes, bootstrapped at this broker.
     pub async fn client(&self) -> Client {
         Client::connect(&self.endpoint())
@@ -290,6 +307,11 @@ pub struct Cluster {
     pub file: PathBuf,
     /// Indexes of the brokers the cluster file lists now.
     listed: Vec<usize>,
+    /// The journals the cluster files list.
+    journals: Mutex<Vec<JournalSpec>>,
+    /// The brokers that read a file of their own, and the brokers each
+    /// one's file lists.
+    own_files: Vec<(usize, Vec<usize>)>,
     _one_at_a_time: MutexGuard<'static, ()>,
 }
 
@@ -320,6 +342,8 @@ impl Cluster {
             dir,
             file,
             listed: Vec::new(),
+            journals: Mutex::new(Vec::new()),
+            own_files: Vec::new(),
             _one_at_a_time: guard,
         };
         c.write_file(listed);
@@ -348,9 +372,11 @@ impl Cluster {
             .join(format!("cluster-{}.yaml", self.brokers[i].id));
         replace_file(&path, &self.file_text(listed));
         self.brokers[i].cluster_file = path;
+        self.own_files.retain(|(b, _)| *b != i);
+        self.own_files.push((i, listed.to_vec()));
     }
 
-    /// The YAML listing `listed`.
+    /// The YAML listing the brokers `listed` and the journals.
     pub fn file_text(&self, listed: &[usize]) -> String {
         let mut text = String::from("brokers:\n");
         for &i in listed {
@@ -362,7 +388,52 @@ impl Cluster {
                 b.endpoint()
             ));
         }
+        let journals = self.journals.lock().unwrap_or_else(|p| p.into_inner());
+        if !journals.is_empty() {
+            let yaml = serde_yaml::to_string(&*journals).expect("specs to YAML");
+            text.push_str("journals:\n");
+            for line in yaml.lines() {
+                text.push_str(&format!("  {line}\n"));
+            }
+        }
         text
+    }
+
+    /// Rewrites the shared cluster file, and every broker's own, with the
+    /// brokers each lists now and the current journals.
+    fn rewrite_files(&self) {
+        replace_file(&self.file, &self.file_text(&self.listed));
+        for (i, listed) in &self.own_files {
+            replace_file(&self.brokers[*i].cluster_file, &self.file_text(listed));
+        }
+    }
+
+    /// Removes the journal `name` from the cluster files, then waits until
+    /// no running listed broker lists it.
+    pub async fn delete(&self, name: &str) {
+        self.journals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|s| s.name != name);
+        self.rewrite_files();
+        let deadline = Instant::now() + APPLY_SETTLE_TIMEOUT;
+        for &i in &self.listed {
+            let b = &self.brokers[i];
+            if !b.is_running() {
+                continue;
+            }
+            let client = b.client().await;
+            while client
+                .list("")
+                .await
+                .expect("LIST")
+                .iter()
+                .any(|j| j.spec.name == name)
+            {
+                assert!(Instant::now() < deadline, "{} still lists {name}", b.id);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
     }
 
     pub fn listed(&self) -> &[usize] {
@@ -390,27 +461,19 @@ impl Cluster {
         &mut self.brokers[i]
     }
 
-    /// Applies `specs` through the first listed broker (which forwards them
-    /// to the others), then waits until every running listed broker lists
-    /// each journal, with a route of `replication` members where the
-    /// cluster file lists that many brokers.
+    /// Puts `specs` in the cluster files (replacing journals of the same
+    /// names), then waits until every running listed broker lists each
+    /// journal, with a route of `replication` members where the cluster
+    /// file lists that many brokers.
     pub async fn apply(&self, specs: &[JournalSpec]) {
-        let first = &self.brokers[self.listed[0]];
-        let applied = first
-            .client()
-            .await
-            .apply(specs)
-            .await
-            .unwrap_or_else(|e| panic!("apply through {}: {e}", first.id));
-        assert_eq!(applied, specs.len() as u64, "applied through {}", first.id);
+        {
+            let mut journals = self.journals.lock().unwrap_or_else(|p| p.into_inner());
+            journals.retain(|j| !specs.iter().any(|s| s.name == j.name));
+            journals.extend(specs.iter().cloned());
+            journals.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        self.rewrite_files();
         let deadline = Instant::now() + APPLY_SETTLE_TIMEOUT;
-        // A broker that just started learns its peers' cluster views, and a
-        // view learned moves its topology on: the journals it leads
-        // synchronize again, failing an append streaming at that moment
-        // (REPLICATION_FAILED). Tests start writing once that is over, or
-        // once it has had a while (a peer that is down holds it up for a
-        // minute).
-        let caught_up_by = Instant::now() + CATCH_UP_WAIT;
         for &i in &self.listed {
             let b = &self.brokers[i];
             if !b.is_running() {
@@ -418,12 +481,10 @@ impl Cluster {
             }
             let client = b.client().await;
             loop {
-                let listing = client
-                    .listing("")
+                let list = client
+                    .list("")
                     .await
                     .unwrap_or_else(|e| panic!("list on {}: {e}", b.id));
-                let learning = listing.partial && Instant::now() < caught_up_by;
-                let list = listing.journals;
                 // A journal the cluster can hold is listed with its whole
                 // route; one it cannot (too few brokers) just listed.
                 let settled = |s: &JournalSpec| {
@@ -438,7 +499,7 @@ impl Cluster {
                     .filter(|s| !settled(s))
                     .map(|s| s.name.as_str())
                     .collect();
-                if missing.is_empty() && !learning {
+                if missing.is_empty() {
                     break;
                 }
                 assert!(

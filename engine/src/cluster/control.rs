@@ -10,7 +10,7 @@ use super::fence::Fence;
 use super::state::{Keyspace, Kv, SpecChange};
 use super::EtcdConfig;
 use crate::allocator::MemberSpec;
-use crate::specs::{Revised, SpecStore, Tombstone};
+use crate::specs::{Deletion, Revised, SpecStore};
 use rotary_net::spec::JournalSpec;
 use std::sync::Arc;
 use std::time::Duration;
@@ -172,7 +172,7 @@ pub fn apply_spec_changes(specs: &SpecStore, changes: Vec<SpecChange>) {
                 revision: rev as u64,
                 spec,
             }),
-            SpecChange::Deleted(name, rev) => gone.push(Tombstone {
+            SpecChange::Deleted(name, rev) => gone.push(Deletion {
                 name,
                 revision: rev as u64,
             }),

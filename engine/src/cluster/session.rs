@@ -61,7 +61,6 @@ impl Session {
         let local: Vec<String> = specs.all().into_iter().map(|s| s.name).collect();
         let (keyspace, changes) = control::keyspace_from(&prefix, &kvs, rev, &local);
         control::apply_spec_changes(&specs, changes);
-        specs.mark_caught_up();
         tracing::info!(
             lease,
             revision = rev,

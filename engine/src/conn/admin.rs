@@ -1,21 +1,13 @@
 //! Admin requests: APPLY, LIST, PRUNE, DELETE, FRAGMENTS, SEAL, RESET_HEAD, ROUTE.
 
 use super::*;
-use crate::shard::delete_payload;
 
 /// One entry of LIST's answer (PROTOCOL §9.3).
 #[derive(serde::Serialize)]
-#[serde(untagged)]
-pub(super) enum ListedOut {
-    Spec {
-        spec: Box<JournalSpec>,
-        revision: u64,
-        route: ListedRoute,
-    },
-    Deleted {
-        deleted: String,
-        revision: u64,
-    },
+pub(super) struct ListedOut {
+    spec: Box<JournalSpec>,
+    revision: u64,
+    route: ListedRoute,
 }
 
 /// ROUTE's answer in short, for LIST.
@@ -45,13 +37,11 @@ pub(super) fn spec_write_status(e: &crate::EngineError) -> Status {
 }
 
 /// The JSON payload of LIST and PRUNE: `{"selector": "…", "dry_run": bool}`,
-/// and for LIST `"deleted"`, `"after"` and `"limit"`, every field optional,
-/// an empty payload meaning `{}`.
+/// and for LIST `"after"` and `"limit"`, every field optional, an empty
+/// payload meaning `{}`.
 pub(super) struct SelectorRequest {
     selector: LabelSelector,
     dry_run: bool,
-    /// LIST: also the tombstones of deleted journals.
-    deleted: bool,
     /// LIST: the page begins after this name.
     after: String,
     /// LIST: the most entries of the page.
@@ -68,8 +58,6 @@ impl SelectorRequest {
             #[serde(default)]
             dry_run: bool,
             #[serde(default)]
-            deleted: bool,
-            #[serde(default)]
             after: String,
             limit: Option<u32>,
         }
@@ -84,15 +72,12 @@ impl SelectorRequest {
         if limit == 0 || limit > max {
             return Err(format!("{what}: limit {limit} is outside 1..={max}"));
         }
-        if what != "list" && (raw.limit.is_some() || !raw.after.is_empty() || raw.deleted) {
-            return Err(format!(
-                "{what}: after, limit and deleted are fields of list"
-            ));
+        if what != "list" && (raw.limit.is_some() || !raw.after.is_empty()) {
+            return Err(format!("{what}: after and limit are fields of list"));
         }
         Ok(SelectorRequest {
             selector,
             dry_run: raw.dry_run,
-            deleted: raw.deleted,
             after: raw.after,
             limit: limit as usize,
         })
@@ -132,34 +117,16 @@ impl PageRequest {
     }
 }
 
-/// APPLY's payload: a JSON array of specs from a client, or, from a peer
-/// broker (flag LOCAL), `{"revision": N, "specs": [...]}` so that every
-/// broker stores the change at the same revision.
-pub(super) fn parse_apply(
-    payload: &[u8],
-    local: bool,
-) -> Result<(Vec<JournalSpec>, Option<u64>), String> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Revised {
-        revision: u64,
-        specs: Vec<JournalSpec>,
-    }
-    // serde's own message for `{...}` is "invalid type: map", even when
-    // the text is not JSON at all: say what is expected first.
-    let refuse =
-        |e: serde_json::Error| Err(format!("specs must be a JSON array of journal specs: {e}"));
+/// APPLY's payload: a JSON array of specs, each of which may carry the
+/// revision it expects (checked apart, see `check_expected_revisions`).
+pub(super) fn parse_apply(payload: &[u8]) -> Result<Vec<JournalSpec>, String> {
     match serde_json::from_slice::<Vec<JournalSpec>>(payload) {
-        Ok(specs) => Ok((specs, None)),
-        // Specs that carry the revision they expect (checked apart).
-        Err(_) if !local && super::etcd::parse_apply_revised(payload).is_ok() => {
-            let specs = super::etcd::parse_apply_revised(payload)?;
-            Ok((specs.into_iter().map(|(s, _)| s).collect(), None))
-        }
-        Err(e) if !local => refuse(e),
-        Err(e) => match serde_json::from_slice::<Revised>(payload) {
-            Ok(r) => Ok((r.specs, Some(crate::specs::check_revision(r.revision)?))),
-            Err(_) => refuse(e),
+        Ok(specs) => Ok(specs),
+        Err(e) => match super::etcd::parse_apply_revised(payload) {
+            Ok(specs) => Ok(specs.into_iter().map(|(s, _)| s).collect()),
+            // serde's own message for `{...}` is "invalid type: map", even
+            // when the text is not JSON at all: say what is expected first.
+            Err(_) => Err(format!("specs must be a JSON array of journal specs: {e}")),
         },
     }
 }
@@ -204,26 +171,6 @@ pub(super) fn check_store_dir(dir: &std::path::Path) -> Result<(), String> {
 /// Longest a FRAGMENTS request waits for its journal's first store listing.
 pub(super) const FRAGMENTS_LISTING_WAIT: Duration = Duration::from_secs(30);
 
-/// DELETE's payload: empty, or from a peer broker (flag LOCAL)
-/// `{"revision": N}`.
-pub(super) fn parse_revision(payload: &[u8], local: bool) -> Result<Option<u64>, String> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Revision {
-        revision: u64,
-    }
-    if payload.is_empty() {
-        return Ok(None);
-    }
-    if !local {
-        return Err("DELETE takes no payload".into());
-    }
-    let r = serde_json::from_slice::<Revision>(payload).map_err(|e| format!("delete: {e}"))?;
-    crate::specs::check_revision(r.revision)
-        .map(Some)
-        .map_err(|e| format!("delete: {e}"))
-}
-
 /// The JSON array of as many of `entries`, from the first, as fit in
 /// `limit` bytes, at least one; and how many that is. Each entry is
 /// serialized once.
@@ -260,78 +207,43 @@ impl Conn {
             .frame(Op::ADMIN_REPLY, Status::OK, id, &[], &bytes);
     }
 
-    pub(super) async fn apply(&self, id: u64, flags: u8, payload: &[u8]) {
+    pub(super) async fn apply(&self, id: u64, payload: &[u8]) {
         if let Some(control) = self.shard.topology().control() {
             return self.apply_in_etcd(control, id, payload).await;
         }
-        let local = flags & flag::LOCAL != 0;
-        let (specs, revision) = match parse_apply(payload, local) {
-            Ok(r) => r,
+        if let Some(why) = self.specs_from_file("APPLY") {
+            return self.admin_err(id, Status::NOT_ALLOWED, &why);
+        }
+        let specs = match parse_apply(payload) {
+            Ok(specs) => specs,
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         if let Err(e) = check_specs(&specs) {
             return self.admin_err(id, Status::BAD_REQUEST, &e);
         }
-        if let Err(e) = self.check_expected_revisions(payload, local) {
+        if let Err(e) = self.check_expected_revisions(payload) {
             return self.admin_err(id, Status::ETCD_TRANSACTION_FAILED, &e);
         }
-        let revision = revision.unwrap_or_else(|| self.shard.specs.next_revision());
-        let n = match self.shard.specs.apply_at(specs.clone(), revision) {
-            Ok(n) => n,
-            Err(e) => return self.admin_err(id, spec_write_status(&e), &e.to_string()),
-        };
-        let mut body = serde_json::json!({ "applied": n, "revision": revision });
-        if !local {
-            // Peers store the same revision.
-            let revised = serde_json::to_vec(&serde_json::json!({
-                "revision": revision,
-                "specs": specs,
-            }))
-            .expect("json");
-            if let Some(peers) = self.fan_out(Op::APPLY, &[], &revised).await {
-                body["peers"] = peers;
-            }
+        let revision = self.shard.specs.next_revision();
+        match self.shard.specs.apply_at(specs, revision) {
+            Ok(n) => self.admin_ok(
+                id,
+                &serde_json::json!({ "applied": n, "revision": revision }),
+            ),
+            Err(e) => self.admin_err(id, spec_write_status(&e), &e.to_string()),
         }
-        self.admin_ok(id, &body);
     }
 
-    /// Sends an admin request (with LOCAL) to every other broker of the
-    /// cluster; returns each one's outcome, or None without a cluster.
-    pub(super) async fn fan_out(
-        &self,
-        op: Op,
-        meta: &[u8],
-        payload: &[u8],
-    ) -> Option<serde_json::Value> {
+    /// In a cluster from a file, the refusal of a request that would
+    /// change specs: they are the file's.
+    fn specs_from_file(&self, what: &str) -> Option<String> {
         let view = self.shard.view();
-        if view.is_single() {
-            return None;
-        }
-        let calls = view.brokers.iter().filter(|m| m.id != view.me).map(|m| async move {
-            let res = crate::pipeline::unary(
-                m.endpoint,
-                op,
-                flag::LOCAL,
-                meta,
-                payload,
-                std::time::Duration::from_secs(5),
+        (!view.is_single()).then(|| {
+            format!(
+                "{what} is not allowed in a cluster from a file: its journal specs are the file's \
+                 `journals`; edit the file on every broker"
             )
-            .await;
-            let outcome = match res {
-                Ok((Status::OK, _, _)) => "ok".to_string(),
-                Ok((status, _, body)) => format!("{status}: {}", String::from_utf8_lossy(&body)),
-                Err(e) => e,
-            };
-            if outcome != "ok" {
-                tracing::warn!(peer = %m.id, ?op, outcome = %outcome, "a peer broker did not take the change");
-            }
-            (m.id.clone(), serde_json::Value::String(outcome))
-        });
-        let out: serde_json::Map<String, serde_json::Value> = futures_util::future::join_all(calls)
-            .await
-            .into_iter()
-            .collect();
-        Some(serde_json::Value::Object(out))
+        })
     }
 
     /// ROUTE, answered once this broker's view has reached the revision
@@ -389,46 +301,33 @@ impl Conn {
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         let sel = &req.selector;
-        let (page, more) = self.shard.specs.page(
-            &req.after,
-            req.limit,
-            |s| sel.matches(&s.labels),
-            req.deleted,
-        );
+        let (page, more) = self
+            .shard
+            .specs
+            .page(&req.after, req.limit, |s| sel.matches(&s.labels));
         let view = self.shard.view();
         let out: Vec<ListedOut> = page
             .into_iter()
-            .map(|entry| match entry {
-                crate::specs::Entry::Spec(r) => {
-                    let name = &r.spec.name;
-                    let shard = rotary_net::shard_of(name, self.shard.shards);
-                    let route = view.route(name, r.spec.replication);
-                    let endpoint = self.shard.primary_endpoint(&route, name);
-                    let members: Vec<String> = route.members.into_iter().map(|m| m.id).collect();
-                    ListedOut::Spec {
-                        route: ListedRoute {
-                            shard,
-                            endpoint: endpoint.to_string(),
-                            primary: members.first().cloned().unwrap_or_default(),
-                            members,
-                            etcd_revision: view.assigned.as_ref().map(|a| a.revision),
-                        },
-                        spec: Box::new(r.spec),
-                        revision: r.revision,
-                    }
+            .map(|r| {
+                let name = &r.spec.name;
+                let shard = rotary_net::shard_of(name, self.shard.shards);
+                let route = view.route(name, r.spec.replication);
+                let endpoint = self.shard.primary_endpoint(&route, name);
+                let members: Vec<String> = route.members.into_iter().map(|m| m.id).collect();
+                ListedOut {
+                    route: ListedRoute {
+                        shard,
+                        endpoint: endpoint.to_string(),
+                        primary: members.first().cloned().unwrap_or_default(),
+                        members,
+                        etcd_revision: view.assigned.as_ref().map(|a| a.revision),
+                    },
+                    spec: Box::new(r.spec),
+                    revision: r.revision,
                 }
-                crate::specs::Entry::Deleted(t) => ListedOut::Deleted {
-                    deleted: t.name,
-                    revision: t.revision,
-                },
             })
             .collect();
-        // A broker still learning its peers' specs lists what it knows, and
-        // says that journals may be missing.
         let mut flags = 0;
-        if !self.shard.specs.is_caught_up() {
-            flags |= flag::PARTIAL;
-        }
         // A page also ends before its reply would outgrow a frame (specs
         // may carry many labels); the next one starts after its last name.
         let (bytes, listed) = json_array_within(&out, wire::PAYLOAD_LEN_MAX);
@@ -450,8 +349,8 @@ impl Conn {
         }
     }
 
-    /// DELETE of journal `name`, here and (unless the request came from a
-    /// peer) on every peer broker.
+    /// DELETE of journal `name`: in etcd, or on a single node its spec and
+    /// its files here.
     async fn delete(&mut self, frame: &Frame<'_>, name: &str, not_found: &str) {
         let id = frame.request_id;
         if let Some(control) = self.shard.topology().control() {
@@ -460,31 +359,15 @@ impl Conn {
                 .delete_in_etcd(&control, id, name, frame.payload, not_found)
                 .await;
         }
-        let is_local = frame.flags & flag::LOCAL != 0;
-        let revision = match parse_revision(frame.payload, is_local) {
-            Ok(r) => r.unwrap_or_else(|| self.shard.specs.next_revision()),
-            Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
-        };
-        let local = self.shard.delete_journal(name, revision);
-        let peers = if !is_local {
-            let revised = delete_payload(revision);
-            self.fan_out(Op::DELETE, frame.meta, &revised).await
-        } else {
-            None
-        };
-        let peer_had = peers.as_ref().is_some_and(|p| {
-            p.as_object()
-                .is_some_and(|m| m.values().any(|v| v.as_str() == Some("ok")))
-        });
-        match local {
-            Ok(existed) if existed || peer_had => {
-                let mut body = serde_json::json!({ "deleted": name });
-                if let Some(p) = peers {
-                    body["peers"] = p;
-                }
-                self.admin_ok(id, &body)
-            }
-            Ok(_) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, not_found),
+        if let Some(why) = self.specs_from_file("DELETE") {
+            return self.admin_err(id, Status::NOT_ALLOWED, &why);
+        }
+        if !frame.payload.is_empty() {
+            return self.admin_err(id, Status::BAD_REQUEST, "DELETE takes no payload");
+        }
+        match self.shard.delete_journal(name) {
+            Ok(true) => self.admin_ok(id, &serde_json::json!({ "deleted": name })),
+            Ok(false) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, not_found),
             Err(e) => self.admin_err(id, spec_write_status(&e), &e.to_string()),
         }
     }

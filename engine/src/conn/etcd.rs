@@ -103,14 +103,7 @@ impl Conn {
     /// store's, so that list, edit, apply is as safe a round trip as in a
     /// cluster on etcd. (Two APPLYs racing on different shards may both
     /// pass; etcd's transactions have no such gap.)
-    pub(super) fn check_expected_revisions(
-        &self,
-        payload: &[u8],
-        local: bool,
-    ) -> Result<(), String> {
-        if local {
-            return Ok(());
-        }
+    pub(super) fn check_expected_revisions(&self, payload: &[u8]) -> Result<(), String> {
         let Ok(revised) = parse_apply_revised(payload) else {
             return Ok(());
         };

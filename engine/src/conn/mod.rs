@@ -307,7 +307,7 @@ impl Conn {
                 return self.replicate(payload, own.as_ref());
             }
             Op::SYNC => self.sync(frame.request_id, payload).await,
-            Op::APPLY => self.apply(id, frame.flags, payload).await,
+            Op::APPLY => self.apply(id, payload).await,
             Op::MEMBERS => self.members(id).await,
             Op::DRAIN => self.drain_member(id, payload).await,
             Op::LIST => self.list(id, payload),

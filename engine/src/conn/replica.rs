@@ -272,6 +272,28 @@ impl Conn {
     /// A replica whose watch has not reached the revision the primary read
     /// its route at waits for it first (bounded), so that the two compare
     /// routes of one revision; the stream's later frames wait behind it.
+    /// Why this broker's spec of a SYNC's journal is not the primary's,
+    /// if it is not.
+    fn spec_disagreement(&self, req: &rotary_net::repl::SyncRequest) -> Option<(Status, String)> {
+        match self.shard.specs.get_revised(&req.journal) {
+            Some(r) if r.spec == req.spec => None,
+            Some(r) => Some((
+                Status::WRONG_ROUTE,
+                format!(
+                    "journal {:?}: this broker's spec (revision {}) is not the primary's (revision {})",
+                    req.journal, r.revision, req.revision
+                ),
+            )),
+            None => Some((
+                Status::JOURNAL_NOT_FOUND,
+                format!(
+                    "journal {:?} has no spec here (the primary's is at revision {}): not taken yet, or deleted",
+                    req.journal, req.revision
+                ),
+            )),
+        }
+    }
+
     pub(super) async fn sync(&mut self, request_id: u64, payload: &[u8]) {
         let sink = self.sink();
         let req: rotary_net::repl::SyncRequest = match serde_json::from_slice(payload) {
@@ -323,30 +345,12 @@ impl Conn {
             let msg = crate::shard::route_disagreement(&view.me, &route, &req);
             return refuse(Status::WRONG_ROUTE, msg);
         }
-        // A replica that missed an APPLY learns the spec from its primary;
-        // one that saw the journal deleted after the primary's spec says so.
-        if self
-            .shard
-            .specs
-            .tombstone(&req.journal)
-            .is_some_and(|t| t >= req.revision)
-        {
-            return refuse(
-                Status::JOURNAL_NOT_FOUND,
-                format!(
-                    "journal {:?} was deleted after the primary's spec (revision {})",
-                    req.journal, req.revision
-                ),
-            );
-        }
-        if self.shard.specs.get(&req.journal).as_ref() != Some(&req.spec) {
-            if let Err(e) = self
-                .shard
-                .specs
-                .apply_at(vec![req.spec.clone()], req.revision)
-            {
-                return refuse(Status::IO_ERROR, e.to_string());
-            }
+        // Specs come to every broker from one source (etcd, or the
+        // cluster file): a replica whose spec differs from the primary's has
+        // not taken a change yet, or the primary has not, and the primary
+        // tries again.
+        if let Some(why) = self.spec_disagreement(&req) {
+            return refuse(why.0, why.1);
         }
         let Some(j) = self.shard.journal(&req.journal) else {
             return refuse(Status::JOURNAL_NOT_FOUND, "journal vanished".into());

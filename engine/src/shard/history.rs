@@ -544,15 +544,39 @@ impl Shard {
         Ok(out)
     }
 
-    /// Deletes a journal owned by this shard: its spec, its queued appends,
-    /// its local files. Returns false if it did not exist.
-    pub fn delete_journal(&self, name: &str, revision: u64) -> Result<bool, crate::EngineError> {
-        let existed = match self.specs.delete_at(name, revision)? {
-            crate::specs::Deleted::Removed => true,
-            crate::specs::Deleted::Absent => false,
-            // Created again after this deletion: nothing to do.
-            crate::specs::Deleted::KeptNewer => return Ok(false),
+    /// Deletes a journal owned by this shard (a single node's DELETE): its
+    /// spec, then the journal. Returns false if it did not exist.
+    pub fn delete_journal(&self, name: &str) -> Result<bool, crate::EngineError> {
+        let existed = self.specs.delete(name)?;
+        self.drop_journal(name);
+        Ok(existed)
+    }
+
+    /// Drops the journals of this shard whose specs were deleted since it
+    /// last looked, by a mirror of etcd or of a cluster file. From the
+    /// tick, where no journal is borrowed.
+    pub(super) fn drop_deleted_journals(&self) {
+        let version = self.specs.version();
+        let seen = self.drops_seen.replace(version);
+        if version == seen {
+            return;
+        }
+        let names: Vec<String> = match self.specs.changes_since(seen) {
+            Some(names) => names,
+            None => self.journals.borrow().keys().cloned().collect(),
         };
+        for name in names {
+            let held = self.journals.borrow().contains_key(&name);
+            if held && self.specs.get(&name).is_none() {
+                tracing::info!(journal = %name, "the journal's spec was deleted: deleting the journal");
+                self.drop_journal(&name);
+            }
+        }
+    }
+
+    /// Lets go of a journal whose spec is gone: refuses its queued
+    /// appends and removes its local files and its registers.
+    fn drop_journal(&self, name: &str) {
         if let Some(j) = self.journals.borrow_mut().remove(name) {
             let mut j = j.borrow_mut();
             j.deleted = true;
@@ -583,7 +607,6 @@ impl Shard {
             log.record_delete(name);
         }
         self.wake.notify(1);
-        Ok(existed)
     }
 
     /// Gives up the spare spools once the disk has less than

@@ -34,9 +34,6 @@ impl Shard {
             })
             .detach();
         }
-        if self.index == 0 && !self.view().is_single() && self.topology.control().is_none() {
-            compio::runtime::spawn(self.clone().catch_up_specs()).detach();
-        }
         let journals: Vec<JournalRef> = self.journals.borrow().values().cloned().collect();
         for j in journals {
             let mut jm = j.borrow_mut();

@@ -18,14 +18,12 @@
 mod flusher;
 mod history;
 mod lifecycle;
-mod peers;
 mod primary;
 mod read;
 mod recover;
 mod replica;
 mod stage;
 
-pub(crate) use peers::delete_payload;
 pub use read::Cancel;
 
 use crate::append::{
@@ -41,7 +39,7 @@ use crate::topology::{ClusterView, Member, Route, Topology};
 use event_listener::Event;
 use futures_util::future::join_all;
 use rotary_net::repl::Record;
-use rotary_net::spec::{Durability, JournalFlags, JournalSpec, LabelSet};
+use rotary_net::spec::{Durability, JournalFlags, LabelSet};
 use rotary_net::status::Status;
 use rotary_net::wire::{AppendReply, Op};
 use rotary_storage::fragment::{list_dir, LocalFragment};
@@ -76,6 +74,9 @@ pub struct Shard {
     pub disk_reserve_bytes: u64,
     journals: RefCell<HashMap<String, JournalRef>>,
     specs_seen: Cell<u64>,
+    /// The spec store's version when the tick last looked for journals
+    /// whose specs were deleted (see `Shard::drop_deleted_journals`).
+    drops_seen: Cell<u64>,
     log: RefCell<Option<CommitLog>>,
     /// Last committed state of every journal, as in the commit log.
     states: RefCell<HashMap<String, JournalState>>,
@@ -119,7 +120,6 @@ pub struct Shard {
     me: RefCell<std::rc::Weak<Shard>>,
     sizing: SpoolSizing,
     topology: Arc<Topology>,
-    spec_sync_interval: std::time::Duration,
     /// See `ServeConfig::peer_silence`.
     pub peer_silence: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
@@ -161,10 +161,6 @@ const _: () = assert!(INLINE_BYTES_MAX as usize <= rotary_storage::wal::RECORD_I
 /// that busy is bound by the CPU, which copying every byte into the log as
 /// well would only slow, and its write is shared by many appends.
 const INLINE_TURN_BYTES_MAX: u64 = 64 << 10;
-/// How long a peer may take to answer a page of the LIST of its specs
-/// (a broker of an earlier version answers every spec at once: about 400
-/// bytes a journal, 24 MB for 60,000).
-const PEER_LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Most store listings a shard runs at once ([`Shard::refresh_listing`]).
 const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 
@@ -225,7 +221,6 @@ pub struct ShardConfig {
     pub sizing: SpoolSizing,
     pub topology: Arc<Topology>,
     pub commit_log_compact_bytes: u64,
-    pub spec_sync_interval: std::time::Duration,
     pub peer_silence: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
     pub replica_ack_timeout: std::time::Duration,
@@ -241,16 +236,6 @@ pub struct ShardConfig {
 
 /// How long a presigned location handed to a direct reader stays valid.
 const LOCATION_TTL: std::time::Duration = std::time::Duration::from_secs(600);
-
-/// One entry of a peer's LIST answer with deletions: a spec or a
-/// tombstone, and its revision.
-#[derive(serde::Deserialize)]
-struct Listed {
-    spec: Option<JournalSpec>,
-    deleted: Option<String>,
-    #[serde(default)]
-    revision: u64,
-}
 
 /// Directories of deleted journals, until the reaper removes them, are
 /// `<shard dir>/<TRASH_PREFIX><unique>`.
@@ -319,21 +304,12 @@ fn storage_status(e: &StorageError) -> Status {
 
 impl Shard {
     /// What a client asking for a journal this broker does not know is
-    /// told: JOURNAL_NOT_FOUND, or while the broker is still learning the
-    /// specs its peers hold (it just started, perhaps on an empty data
-    /// directory), the retryable NO_JOURNAL_PRIMARY_BROKER.
+    /// told.
     pub fn unknown_journal(&self, name: &str) -> (Status, String) {
-        if self.specs.is_caught_up() {
-            (
-                Status::JOURNAL_NOT_FOUND,
-                format!("journal {name:?} does not exist"),
-            )
-        } else {
-            (
-                Status::NO_JOURNAL_PRIMARY_BROKER,
-                format!("journal {name:?} is not known here yet: this broker is still learning journal specs from its peers"),
-            )
-        }
+        (
+            Status::JOURNAL_NOT_FOUND,
+            format!("journal {name:?} does not exist"),
+        )
     }
 
     /// Refreshes specs if the store changed; returns the journal if it exists.

@@ -240,6 +240,7 @@ impl Shard {
         let now = crate::clock::wall();
         self.check_spares();
         self.take_spec_changes();
+        self.drop_deleted_journals();
         // After a change of the cluster file, a journal that this broker
         // became the primary of is taken over now (its bytes copied from
         // the brokers it left, while they still run) rather than at its
@@ -648,15 +649,6 @@ impl Shard {
         route: &Route,
     ) -> Result<PrimaryRepl, Failure> {
         use rotary_net::repl::SyncRequest;
-        // A broker that just started learns from its peers the views it
-        // lacks (`catch_up_specs`) before it looks for the brokers a
-        // journal left; that takes one ack timeout at most.
-        let started = crate::clock::now();
-        while !self.topology.peers_asked()
-            && crate::clock::elapsed(started) < self.replica_ack_timeout
-        {
-            compio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
         let since = j.borrow().primary.takeover_version;
         let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         for _ in 0..3 {
