@@ -408,6 +408,14 @@ impl Cluster {
         }
     }
 
+    /// The brokers the cluster file lists that are running.
+    fn running_listed(&self) -> impl Iterator<Item = &ClusterBroker> {
+        self.listed
+            .iter()
+            .map(|&i| &self.brokers[i])
+            .filter(|b| b.is_running())
+    }
+
     /// Removes the journal `name` from the cluster files, then waits until
     /// no running listed broker lists it.
     pub async fn delete(&self, name: &str) {
@@ -417,11 +425,7 @@ impl Cluster {
             .retain(|s| s.name != name);
         self.rewrite_files();
         let deadline = Instant::now() + APPLY_SETTLE_TIMEOUT;
-        for &i in &self.listed {
-            let b = &self.brokers[i];
-            if !b.is_running() {
-                continue;
-            }
+        for b in self.running_listed() {
             let client = b.client().await;
             while client
                 .list("")
@@ -474,11 +478,7 @@ impl Cluster {
         }
         self.rewrite_files();
         let deadline = Instant::now() + APPLY_SETTLE_TIMEOUT;
-        for &i in &self.listed {
-            let b = &self.brokers[i];
-            if !b.is_running() {
-                continue;
-            }
+        for b in self.running_listed() {
             let client = b.client().await;
             loop {
                 let list = client
