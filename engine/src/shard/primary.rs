@@ -556,6 +556,20 @@ impl Shard {
         Ok(())
     }
 
+    /// Takes fragments copied from another broker as the journal's own:
+    /// counted as copied and, for a journal with stores, against the spool
+    /// budget until uploaded. Returns their bytes.
+    pub(super) fn take_copied(&self, jm: &mut Journal, copied: Vec<LocalFragment>) -> u64 {
+        let got: u64 = copied.iter().map(|f| f.end - f.begin).sum();
+        metrics::add(&self.metrics.copied_bytes, got);
+        if jm.has_stores() {
+            self.unuploaded_bytes.set(self.unuploaded_bytes.get() + got);
+        }
+        jm.files.fragments.extend(copied);
+        jm.files.fragments.sort_by_key(|f| (f.begin, f.end));
+        got
+    }
+
     /// Copies the bytes the brokers `ahead` of this primary hold beyond
     /// `head`, and moves the journal's heads and registers past them.
     async fn roll_forward(
@@ -616,18 +630,11 @@ impl Shard {
         let copied = crate::fetch::copy_from_each(&sources, name, from, to, &dir, durable)
             .await
             .map_err(|e| Failure::new(Status::REPLICATION_FAILED, e))?;
-        let held: u64 = copied.iter().map(|f| f.end - f.begin).sum();
-        metrics::add(&self.metrics.copied_bytes, held);
+        let mut jm = j.borrow_mut();
+        let held = self.take_copied(&mut jm, copied);
         if held < to - from {
             tracing::warn!(journal = %name, from, to, copied = held, "the replicas ahead hold only part of the span; the rest is read from the store, if one holds it");
         }
-        let mut jm = j.borrow_mut();
-        if jm.has_stores() {
-            self.unuploaded_bytes
-                .set(self.unuploaded_bytes.get() + held);
-        }
-        jm.files.fragments.extend(copied);
-        jm.files.fragments.sort_by_key(|f| (f.begin, f.end));
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }

@@ -103,15 +103,8 @@ impl Shard {
         let copied = crate::fetch::copy_from_each(&sources, &name, head, to, &dir, durable);
         match copied.await {
             Ok(copied) => {
-                let got: u64 = copied.iter().map(|f| f.end - f.begin).sum();
-                metrics::add(&self.metrics.copied_bytes, got);
+                let got = self.take_copied(&mut j.borrow_mut(), copied);
                 tracing::info!(journal = %name, from = head, to, copied = got, "copied the appends this replica missed from its primary");
-                let mut jm = j.borrow_mut();
-                if jm.has_stores() {
-                    self.unuploaded_bytes.set(self.unuploaded_bytes.get() + got);
-                }
-                jm.files.fragments.extend(copied);
-                jm.files.fragments.sort_by_key(|f| (f.begin, f.end));
             }
             Err(e) => {
                 tracing::warn!(journal = %name, from = head, to, error = %e, "could not copy the appends this replica missed from its primary; reads here skip them");
