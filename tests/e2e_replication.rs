@@ -2713,10 +2713,23 @@ async fn a_journal_routed_away_is_taken_over_without_a_request_body(cluster: &mu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_broker_a_journal_left_is_waited_for_once() {
+    takeovers_past_a_stopped_broker(false).await;
+}
+
+/// As [`a_stopped_broker_a_journal_left_is_waited_for_once`], with b2
+/// keeping its data: its spools are open again at its start, and still no
+/// append is staged until the journal's takeover has asked b3 (or passed
+/// it over), so each goes on from b2's own head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_kept_its_data_takes_no_append_before_its_takeover() {
+    takeovers_past_a_stopped_broker(true).await;
+}
+
+async fn takeovers_past_a_stopped_broker(keep_data: bool) {
     let mut cluster = tokio::task::block_in_place(start_with_short_ack_timeout);
     let done = tokio::time::timeout(
         TEST_LIMIT,
-        a_stopped_broker_a_journal_left_is_waited_for_once_body(&mut cluster),
+        a_stopped_broker_a_journal_left_is_waited_for_once_body(&mut cluster, keep_data),
     )
     .await;
     if let Some(pid) = cluster.brokers[2].pid() {
@@ -2725,15 +2738,20 @@ async fn a_stopped_broker_a_journal_left_is_waited_for_once() {
     cluster.finished(done, TEST_LIMIT);
 }
 
-/// Journals of one replica written on b2 alone. b2 is killed and loses its
-/// data, and b3 is stopped (SIGSTOP) without exiting, so connections to it
+/// Journals of one replica written on b2 alone. b2 is killed (and, unless
+/// `keep_data`, loses its data), and b3 is stopped (SIGSTOP) without
+/// exiting, so connections to it
 /// open but nothing is answered; then b2 starts again. A broker that starts
 /// assumes it just joined its cluster, so it asks the other brokers for
 /// their heads of each journal it leads, at the journal's first request,
 /// one journal after another: it waits one ack timeout for b3 at the
 /// first, then passes b3 over for the others rather than wait for it again
-/// at each. b2's bytes are gone: the journals begin again at 0.
-async fn a_stopped_broker_a_journal_left_is_waited_for_once_body(cluster: &mut Cluster) {
+/// at each. Without its data b2's bytes are gone: the journals begin
+/// again at 0.
+async fn a_stopped_broker_a_journal_left_is_waited_for_once_body(
+    cluster: &mut Cluster,
+    keep_data: bool,
+) {
     // Names that b2, were it not in the cluster, would have on b3: those
     // b2 asks b3 about as it starts.
     let others = rotary_engine::topology::ClusterView {
@@ -2753,16 +2771,22 @@ async fn a_stopped_broker_a_journal_left_is_waited_for_once_body(cluster: &mut C
     };
     let left_to_b3 = |j: &str| others.route(j, 1).is_primary("b3");
     let (names, _) = open_on_b2_where(cluster, "repl/stopped-left", None, left_to_b3).await;
-    write_open(cluster, &names).await;
+    let written = write_open(cluster, &names).await;
     tokio::task::block_in_place(|| cluster.brokers[1].kill9());
-    std::fs::remove_dir_all(&cluster.brokers[1].data).unwrap();
+    if !keep_data {
+        std::fs::remove_dir_all(&cluster.brokers[1].data).unwrap();
+    }
     let b3 = cluster.brokers[2].pid().expect("b3 runs");
     tokio::task::block_in_place(|| stop_process(b3));
     tokio::task::block_in_place(|| cluster.brokers[1].start());
     let client = cluster.brokers[1].client().await;
-    for j in &names {
+    for (j, bytes) in names.iter().zip(&written) {
         let r = append_retrying(&client, j, b"after the start").await;
-        assert_eq!(r.begin, 0, "{j}: b2 lost its bytes, and b3 never had them");
+        let head = if keep_data { bytes.len() as u64 } else { 0 };
+        assert_eq!(
+            r.begin, head,
+            "{j}: b2's own head (b3 never had the journal)"
+        );
     }
     let stats = client.stats().await.unwrap();
     let counted = (

@@ -33,6 +33,13 @@ impl Shard {
             // flight.
             return !jm.primary.syncing && jm.primary.inflight == 0 && !jm.queue.waiting.is_empty();
         }
+        if matches!(&role, Role::Primary(_)) && jm.primary.syncing {
+            // A primary without replicas syncs only to take the journal
+            // over: the brokers of its earlier routes may hold bytes
+            // beyond its head, and nothing is staged at offsets they may
+            // have given out. The SYNC marks the journal ready when it ends.
+            return false;
+        }
         if replicated && jm.primary.inflight >= INFLIGHT_BATCHES_MAX {
             // Replicas catch up first (the acker marks the journal ready).
             return false;
