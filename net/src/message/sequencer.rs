@@ -402,6 +402,22 @@ impl Sequencer {
         self.offsets[j as usize] = Some(offset);
     }
 
+    /// Records that `env`'s journal has been read through `env`, as a
+    /// reader that does not sequence (read uncommitted) does per message.
+    pub fn read_through(&mut self, env: &Envelope) {
+        let j = self.journal_of(&env.journal);
+        self.offsets[j as usize] = Some(env.end);
+    }
+
+    /// The index of an envelope's journal, interned if new.
+    fn journal_of(&mut self, name: &Arc<str>) -> u32 {
+        let j = self.journals.index(name);
+        if j as usize == self.offsets.len() {
+            self.offsets.push(None);
+        }
+        j
+    }
+
     /// Whether a commit is being dequeued (`queue` must wait for it).
     pub fn is_dequeuing(&self) -> bool {
         self.emit.is_some()
@@ -415,10 +431,7 @@ impl Sequencer {
     pub fn queue(&mut self, env: Envelope) -> QueueOutcome {
         assert!(self.emit.is_none(), "committed messages remain to dequeue");
         self.evict_oldest();
-        let journal = self.journals.index(&env.journal);
-        if journal as usize == self.offsets.len() {
-            self.offsets.push(None);
-        }
+        let journal = self.journal_of(&env.journal);
         let clock = env.clock();
         if clock == Clock(0) {
             // No clock: committed at once, never deduplicated.
@@ -790,6 +803,23 @@ mod tests {
                 ("a/k", A.to_hex(), 6, None),
             ]
         );
+    }
+
+    #[test]
+    fn read_through_sets_offsets_by_any_allocation_of_the_name() {
+        let mut j = J::new("a/j");
+        let mut s = Sequencer::new(4);
+        s.set_offset("a/k", 7);
+        let env = j.c(A, 1);
+        s.read_through(&env);
+        assert_eq!(s.offset("a/j"), Some(10));
+        let mut env = j.c(A, 2);
+        env.journal = "a/j".into();
+        s.read_through(&env);
+        assert_eq!((s.offset("a/j"), s.offset("a/k")), (Some(20), Some(7)));
+        let cp = s.checkpoint();
+        let want = BTreeMap::from([("a/j".to_string(), 20), ("a/k".to_string(), 7)]);
+        assert_eq!((cp.offsets, cp.producers), (want, vec![]));
     }
 
     #[test]
