@@ -188,16 +188,11 @@ impl Ring {
         }
     }
 
-    /// Removes the oldest slot; `Some` with its producer and the chain's
-    /// next if it held a pending message, which was its producer's first.
-    ///
-    /// # Panics
-    ///
-    /// If the ring is empty.
-    fn pop_oldest(&mut self) -> Option<(u32, Option<u64>)> {
-        let slot = self.slots.pop_front().expect("ring is not empty");
-        self.first_seq += 1;
-        slot.env.map(|_| (slot.producer, slot.next))
+    /// Drops the `n` oldest slots, which hold no pending message.
+    fn drop_oldest(&mut self, n: u64) {
+        debug_assert!(self.slots.iter().take(n as usize).all(|s| s.env.is_none()));
+        self.slots.drain(..n as usize);
+        self.first_seq += n;
     }
 }
 
@@ -488,25 +483,31 @@ impl Sequencer {
     /// the ring's memory spans what is pending, not `ring_len` slots.
     fn evict_oldest(&mut self) {
         let bound = (self.ring.next_seq() + 1).saturating_sub(self.ring_len as u64);
-        while let Some(slot) = self.ring.slots.front() {
-            let seq = self.ring.first_seq;
+        let first_seq = self.ring.first_seq;
+        // Slots are looked at in place and dropped together: moving each
+        // out of the ring costs more than the rest of a message's queueing.
+        let mut gone = 0u64;
+        for slot in self.ring.slots.iter_mut() {
+            let seq = first_seq + gone;
             if seq >= bound && slot.env.is_some() {
                 break;
             }
-            let Some((p, next)) = self.ring.pop_oldest() else {
+            gone += 1;
+            if slot.env.take().is_none() {
                 continue; // delivered or rolled back already
-            };
-            let partial = &mut self.partials[p as usize];
+            }
+            let partial = &mut self.partials[slot.producer as usize];
             let chain = partial.pending.expect("a pending message is in a chain");
             assert_eq!(
                 chain.first, seq,
                 "the oldest pending message heads its chain"
             );
-            partial.pending = next.map(|n| Chain {
+            partial.pending = slot.next.map(|n| Chain {
                 first: n,
                 last: chain.last,
             });
         }
+        self.ring.drop_oldest(gone);
     }
 
     /// The range to replay before the current commit can be dequeued:
@@ -748,19 +749,20 @@ mod tests {
         assert_eq!((e.clock().0, next), (1, Some(2)));
         let (e, next) = ring.take(2);
         assert_eq!((e.clock().0, next), (2, Some(3)));
-        // The oldest slot was taken: it leaves the ring as no one's.
-        assert_eq!(ring.pop_oldest(), None);
-        // B's first is pending: it leaves the ring naming B and B's next.
-        assert_eq!(ring.pop_oldest(), Some((1, Some(4))));
+        // Dropping B's chain empties its slots, not A's.
+        ring.drop_chain(b);
+        let held: Vec<bool> = ring.slots.iter().map(|s| s.env.is_some()).collect();
+        assert_eq!(held, vec![false, false, false, true, false], "A's 3 alone");
+        assert_eq!(ring.slots[1].next, Some(4), "links stay for eviction");
+        ring.drop_oldest(3);
         assert_eq!(
             (ring.first_seq, ring.slots.len(), ring.next_seq()),
-            (2, 3, 5)
+            (3, 2, 5)
         );
-        // Dropping B's rest empties its slots, not A's.
-        ring.drop_chain(Some(Chain { first: 4, last: 4 }));
-        assert_eq!(ring.pop_oldest(), None, "A's 2, taken above");
-        assert_eq!(ring.pop_oldest(), Some((0, None)), "A's 3, still pending");
-        assert_eq!(ring.pop_oldest(), None, "B's 11, dropped");
+        assert_eq!(ring_env(&ring, 3), 3);
+        let (e, next) = ring.take(3);
+        assert_eq!((e.clock().0, next), (3, None));
+        ring.drop_oldest(2);
         assert_eq!(ring.slots.len(), 0);
     }
 
