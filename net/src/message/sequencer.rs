@@ -484,6 +484,11 @@ impl Sequencer {
     fn evict_oldest(&mut self) {
         let bound = (self.ring.next_seq() + 1).saturating_sub(self.ring_len as u64);
         let first_seq = self.ring.first_seq;
+        match self.ring.slots.front() {
+            Some(slot) if first_seq >= bound && slot.env.is_some() => return,
+            None => return,
+            Some(_) => {}
+        }
         // Slots are looked at in place and dropped together: moving each
         // out of the ring costs more than the rest of a message's queueing.
         let mut gone = 0u64;
