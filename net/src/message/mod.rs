@@ -20,6 +20,7 @@
 //! formats byte for byte.
 
 pub mod framing;
+mod intern;
 pub mod publisher;
 pub mod reader;
 pub mod sequencer;

@@ -250,7 +250,7 @@ impl Reader {
             }
             match self.mode {
                 ReadMode::Uncommitted => {
-                    self.seq.set_offset(&env.journal, env.end);
+                    self.seq.read_through(&env);
                     return Some(Ok(env));
                 }
                 ReadMode::Committed => {

@@ -18,16 +18,19 @@
 //! names and feeds it to [`Sequencer::replay`]. No producer holds up
 //! another: an acknowledgement delivers its transaction at once, whatever
 //! other producers have pending.
+//!
+//! Journals and producers are interned to small indices (one hash lookup
+//! per message at most, none while a producer's messages come in a run),
+//! and a producer's pending messages are a chain through the ring's slots:
+//! an envelope is moved into the ring once and out of it once, when it is
+//! delivered.
 
+use super::intern::{JournalIndex, ProducerIndex};
 use super::uuid::{Clock, Flags, ProducerId};
 use super::{Envelope, MessageError};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-
-/// Producers' states are looked up once per message: a fast hasher,
-/// seeded per process.
-type Partials = HashMap<Key, Partial, foldhash::fast::RandomState>;
 
 /// Pending messages a reader keeps unless told otherwise.
 pub const RING_LEN_DEFAULT: usize = 8192;
@@ -81,7 +84,13 @@ impl QueueOutcome {
     }
 }
 
-type Key = (Arc<str>, ProducerId);
+/// A chain of one producer's pending messages in the ring: the ring
+/// sequence numbers of its first and last; each slot names the next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Chain {
+    first: u64,
+    last: u64,
+}
 
 #[derive(Debug)]
 struct Partial {
@@ -91,8 +100,8 @@ struct Partial {
     max_clock: Clock,
     /// Offset of the open transaction's first pending message.
     begin: Option<u64>,
-    /// Ring sequence numbers of its pending messages still in the ring, in order.
-    ring: VecDeque<u64>,
+    /// Its pending messages still in the ring, in order.
+    pending: Option<Chain>,
 }
 
 impl Partial {
@@ -101,24 +110,98 @@ impl Partial {
             min_clock: clock,
             max_clock: clock,
             begin: None,
-            ring: VecDeque::new(),
+            pending: None,
         }
     }
 }
 
 #[derive(Debug)]
 struct Slot {
-    seq: u64,
-    key: Key,
-    /// Taken out (not copied) when its transaction commits or rolls back.
+    /// Index of the producer whose pending message this is.
+    producer: u32,
+    /// Ring sequence number of the producer's next pending message.
+    next: Option<u64>,
+    /// Taken out when its transaction commits or rolls back: a slot holds
+    /// an envelope exactly while it is in its producer's pending chain.
     env: Option<Envelope>,
+}
+
+/// Pending messages of all producers, oldest first, addressed by ring
+/// sequence numbers (which count every message ever pushed). The slots
+/// run from the oldest message still pending (or a little older) to the
+/// newest.
+#[derive(Debug, Default)]
+struct Ring {
+    slots: VecDeque<Slot>,
+    /// Sequence number of `slots[0]`.
+    first_seq: u64,
+}
+
+impl Ring {
+    fn next_seq(&self) -> u64 {
+        self.first_seq + self.slots.len() as u64
+    }
+
+    fn slot_mut(&mut self, seq: u64) -> &mut Slot {
+        &mut self.slots[(seq - self.first_seq) as usize]
+    }
+
+    /// The envelope of a pending message.
+    fn env(&self, seq: u64) -> &Envelope {
+        self.slots[(seq - self.first_seq) as usize]
+            .env
+            .as_ref()
+            .expect("a pending message is in its slot")
+    }
+
+    /// Appends `env` to the producer's chain `pending`.
+    fn push(&mut self, producer: u32, pending: &mut Option<Chain>, env: Envelope) {
+        let seq = self.next_seq();
+        let first = match *pending {
+            Some(chain) => {
+                self.slot_mut(chain.last).next = Some(seq);
+                chain.first
+            }
+            None => seq,
+        };
+        *pending = Some(Chain { first, last: seq });
+        self.slots.push_back(Slot {
+            producer,
+            next: None,
+            env: Some(env),
+        });
+    }
+
+    /// Takes the envelope at `seq` out of its slot, and the sequence number
+    /// of the chain's next.
+    fn take(&mut self, seq: u64) -> (Envelope, Option<u64>) {
+        let slot = self.slot_mut(seq);
+        let env = slot.env.take().expect("a pending message is in its slot");
+        (env, slot.next)
+    }
+
+    /// Drops a chain's envelopes (a rollback).
+    fn drop_chain(&mut self, chain: Option<Chain>) {
+        let mut at = chain.map(|c| c.first);
+        while let Some(seq) = at {
+            at = self.take(seq).1;
+        }
+    }
+
+    /// Drops the `n` oldest slots, which hold no pending message.
+    fn drop_oldest(&mut self, n: u64) {
+        debug_assert!(self.slots.iter().take(n as usize).all(|s| s.env.is_none()));
+        self.slots.drain(..n as usize);
+        self.first_seq += n;
+    }
 }
 
 /// A commit being dequeued.
 #[derive(Debug)]
 struct Emit {
-    /// `None` for a message without a clock (not tracked per producer).
-    key: Option<Key>,
+    /// Index of its producer; `None` for a message without a clock (not
+    /// tracked per producer).
+    producer: Option<u32>,
     max_clock: Clock,
     /// Where the last message delivered so far begins: the producer's
     /// `begin` in a checkpoint taken now (its `min_clock` is `last`).
@@ -127,14 +210,49 @@ struct Emit {
     delivered_begin: Option<u64>,
     /// Largest clock delivered so far (starts at the last acknowledgement).
     last: Clock,
-    /// Range to replay before `queued`: `[begin, end)`.
+    /// Range to replay before the chain: `[begin, end)`.
     replay: Option<(u64, u64)>,
-    /// The messages from the ring, then the committing envelope.
-    queued: VecDeque<Envelope>,
-    journal: Arc<str>,
+    /// The next of the pending messages (taken from the ring as they are
+    /// dequeued), then `committing`.
+    cursor: Option<u64>,
+    committing: Option<Envelope>,
+    journal: u32,
     /// Where the committing envelope ends: the journal's read-through
     /// offset once the commit is dequeued.
     end: u64,
+}
+
+impl Emit {
+    /// A message without a clock, delivered alone.
+    fn unclocked(journal: u32, env: Envelope) -> Emit {
+        Emit {
+            producer: None,
+            max_clock: Clock(0),
+            last: Clock(0),
+            delivered_begin: None,
+            replay: None,
+            cursor: None,
+            end: env.end,
+            committing: Some(env),
+            journal,
+        }
+    }
+
+    /// The next envelope of the commit, filtered or not.
+    fn next_queued(&mut self, ring: &mut Ring) -> Option<Envelope> {
+        match self.cursor {
+            Some(seq) => {
+                let (env, next) = ring.take(seq);
+                self.cursor = next;
+                Some(env)
+            }
+            None => self.committing.take(),
+        }
+    }
+
+    fn is_drained(&self) -> bool {
+        self.cursor.is_none() && self.committing.is_none()
+    }
 }
 
 /// A reader's position: where to read each journal from, and each
@@ -162,11 +280,14 @@ pub struct ProducerState {
 #[derive(Debug)]
 pub struct Sequencer {
     ring_len: usize,
-    ring: VecDeque<Slot>,
-    next_seq: u64,
-    partials: Partials,
-    /// Journal → offset read through (where a restarted reader reads from).
-    offsets: BTreeMap<Arc<str>, u64>,
+    ring: Ring,
+    journals: JournalIndex,
+    /// By journal index: the offset read through (where a restarted
+    /// reader reads from), once known.
+    offsets: Vec<Option<u64>>,
+    producers: ProducerIndex,
+    /// By producer index.
+    partials: Vec<Partial>,
     emit: Option<Emit>,
 }
 
@@ -175,10 +296,11 @@ impl Sequencer {
     pub fn new(ring_len: usize) -> Sequencer {
         Sequencer {
             ring_len: ring_len.max(1),
-            ring: VecDeque::new(),
-            next_seq: 0,
-            partials: Partials::default(),
-            offsets: BTreeMap::new(),
+            ring: Ring::default(),
+            journals: JournalIndex::default(),
+            offsets: Vec::new(),
+            producers: ProducerIndex::default(),
+            partials: Vec::new(),
             emit: None,
         }
     }
@@ -190,12 +312,11 @@ impl Sequencer {
     ) -> Result<Sequencer, MessageError> {
         let mut s = Sequencer::new(ring_len);
         for (j, &o) in &checkpoint.offsets {
-            s.offsets.insert(j.as_str().into(), o);
+            s.set_offset(j, o);
         }
         for p in &checkpoint.producers {
             let producer = super::uuid::ProducerId::from_hex(&p.producer)
                 .map_err(|e| MessageError::BadCheckpoint { why: e.to_string() })?;
-            let journal: Arc<str> = p.journal.as_str().into();
             if let (Some(b), Some(&o)) = (p.begin, checkpoint.offsets.get(&p.journal)) {
                 if b > o {
                     return Err(MessageError::BadCheckpoint {
@@ -206,56 +327,90 @@ impl Sequencer {
                     });
                 }
             }
+            let journal = s.journal(&p.journal);
             let mut partial = Partial::settled(Clock(p.last_ack));
             partial.begin = p.begin;
-            s.partials.insert((journal, producer), partial);
+            // A producer named twice takes its last state.
+            let i = s.producer(journal, producer, Partial::settled(Clock(0)));
+            s.partials[i as usize] = partial;
         }
         Ok(s)
+    }
+
+    /// The index of journal `name`, interned if new.
+    fn journal(&mut self, name: &str) -> u32 {
+        let i = self.journals.intern(name);
+        self.offsets.resize(self.journals.len(), None);
+        i
+    }
+
+    /// The index of `(journal, producer)`, in state `new` if it is new.
+    fn producer(&mut self, journal: u32, producer: ProducerId, new: Partial) -> u32 {
+        let (i, is_new) = self.producers.index(journal, producer);
+        if is_new {
+            self.partials.push(new);
+        }
+        debug_assert_eq!(self.partials.len(), self.producers.len());
+        i
     }
 
     /// The position to restore with [`Sequencer::from_checkpoint`]. Taken
     /// between `pop` calls, it counts every popped message as processed.
     pub fn checkpoint(&self) -> Checkpoint {
-        let mut producers: Vec<ProducerState> = self
-            .partials
-            .iter()
-            .map(|(key, s)| {
+        let mut producers: Vec<ProducerState> = (0u32..)
+            .zip(&self.partials)
+            .map(|(i, s)| {
                 let (last_ack, begin) = match &self.emit {
                     Some(Emit {
-                        key: Some(k),
+                        producer: Some(p),
                         last,
                         delivered_begin: Some(b),
                         ..
-                    }) if k == key => (last.0, Some(*b)),
+                    }) if *p == i => (last.0, Some(*b)),
                     _ => (s.min_clock.0, s.begin),
                 };
+                let (journal, producer) = self.producers.key(i);
                 ProducerState {
-                    journal: key.0.to_string(),
-                    producer: key.1.to_hex(),
+                    journal: self.journals.name(journal).to_string(),
+                    producer: producer.to_hex(),
                     last_ack,
                     begin,
                 }
             })
             .collect();
         producers.sort_by(|a, b| (&a.journal, &a.producer).cmp(&(&b.journal, &b.producer)));
-        Checkpoint {
-            offsets: self
-                .offsets
-                .iter()
-                .map(|(j, &o)| (j.to_string(), o))
-                .collect(),
-            producers,
-        }
+        let offsets = (0u32..)
+            .zip(&self.offsets)
+            .filter_map(|(j, o)| Some((self.journals.name(j).to_string(), (*o)?)))
+            .collect();
+        Checkpoint { offsets, producers }
     }
 
     /// The offset `journal` has been read through, if known.
     pub fn offset(&self, journal: &str) -> Option<u64> {
-        self.offsets.get(journal).copied()
+        self.offsets[self.journals.get(journal)? as usize]
     }
 
     /// Sets where `journal` is read from (before reading it).
     pub fn set_offset(&mut self, journal: &str, offset: u64) {
-        set_offset(&mut self.offsets, journal, offset);
+        let j = self.journal(journal);
+        self.offsets[j as usize] = Some(offset);
+    }
+
+    /// Records that `env`'s journal has been read through `env`, as a
+    /// reader that does not sequence (read uncommitted) does per message.
+    pub fn read_through(&mut self, env: &Envelope) {
+        let j = self.journal_of(&env.journal);
+        self.offsets[j as usize] = Some(env.end);
+    }
+
+    /// The index of an envelope's journal, interned if new.
+    fn journal_of(&mut self, name: &Arc<str>) -> u32 {
+        let j = self.journals.index(name);
+        if j as usize == self.offsets.len() {
+            self.offsets.push(None);
+        }
+        j
     }
 
     /// Whether a commit is being dequeued (`queue` must wait for it).
@@ -271,88 +426,93 @@ impl Sequencer {
     pub fn queue(&mut self, env: Envelope) -> QueueOutcome {
         assert!(self.emit.is_none(), "committed messages remain to dequeue");
         self.evict_oldest();
+        let journal = self.journal_of(&env.journal);
         let clock = env.clock();
         if clock == Clock(0) {
             // No clock: committed at once, never deduplicated.
-            self.emit = Some(Emit {
-                key: None,
-                max_clock: Clock(0),
-                last: Clock(0),
-                delivered_begin: None,
-                replay: None,
-                journal: env.journal.clone(),
-                end: env.end,
-                queued: VecDeque::from([env]),
-            });
+            self.emit = Some(Emit::unclocked(journal, env));
             return QueueOutcome::OutsideCommit;
         }
-        let key: Key = (env.journal.clone(), env.producer());
-        if !self.partials.contains_key(&key) {
-            self.partials
-                .insert(key.clone(), Partial::settled(Clock(clock.0 - 1)));
-        }
-        let partial = self.partials.get_mut(&key).expect("inserted above");
+        let p = self.producer(
+            journal,
+            env.producer(),
+            Partial::settled(Clock(clock.0 - 1)),
+        );
+        let partial = &mut self.partials[p as usize];
         let outcome = outcome_of(&env, partial, &self.ring);
         match outcome {
             QueueOutcome::OutsideAlreadyAcked
             | QueueOutcome::ContinueAlreadyAcked
             | QueueOutcome::ContinueTxnClockLarger => {
-                set_offset(&mut self.offsets, &env.journal, env.end);
+                self.offsets[journal as usize] = Some(env.end);
             }
             QueueOutcome::ContinueBeginSpan | QueueOutcome::ContinueExtendSpan => {
                 if outcome == QueueOutcome::ContinueBeginSpan {
                     partial.begin = Some(env.begin);
                 }
                 partial.max_clock = clock;
-                partial.ring.push_back(self.next_seq);
-                set_offset(&mut self.offsets, &env.journal, env.end);
-                self.ring.push_back(Slot {
-                    seq: self.next_seq,
-                    key,
-                    env: Some(env),
-                });
-                self.next_seq += 1;
+                self.offsets[journal as usize] = Some(env.end);
+                self.ring.push(p, &mut partial.pending, env);
             }
             QueueOutcome::AckRollback => {
+                self.ring.drop_chain(partial.pending);
                 *partial = Partial::settled(clock);
-                set_offset(&mut self.offsets, &env.journal, env.end);
+                self.offsets[journal as usize] = Some(env.end);
             }
             QueueOutcome::OutsideCommit
             | QueueOutcome::AckEmpty
             | QueueOutcome::AckCommitRing
             | QueueOutcome::AckCommitReplay => {
-                let (queued, replay) = take_pending(outcome, &env, partial, &mut self.ring);
-                partial.begin = Some(env.begin);
-                partial.max_clock = clock;
-                let last = partial.min_clock;
-                self.emit = Some(Emit {
-                    key: Some(key),
-                    max_clock: clock,
-                    last,
-                    delivered_begin: None,
-                    replay,
-                    journal: env.journal.clone(),
-                    end: env.end,
-                    queued,
-                });
-                self.emit.as_mut().expect("set above").queued.push_back(env);
+                self.emit = Some(begin_commit(
+                    outcome,
+                    p,
+                    journal,
+                    partial,
+                    &mut self.ring,
+                    env,
+                ));
             }
         }
         outcome
     }
 
+    /// Makes room for the message being queued: the ring holds the last
+    /// `ring_len - 1` messages pushed before it, and older pending messages
+    /// leave their producers' chains (their commit replays them). Slots no
+    /// longer pending are dropped as soon as they are the oldest, so that
+    /// the ring's memory spans what is pending, not `ring_len` slots.
     fn evict_oldest(&mut self) {
-        while self.ring.len() >= self.ring_len {
-            let slot = self.ring.pop_front().expect("ring is not empty");
-            if slot.env.is_none() {
+        let bound = (self.ring.next_seq() + 1).saturating_sub(self.ring_len as u64);
+        let first_seq = self.ring.first_seq;
+        match self.ring.slots.front() {
+            Some(slot) if first_seq >= bound && slot.env.is_some() => return,
+            None => return,
+            Some(_) => {}
+        }
+        // Slots are looked at in place and dropped together: moving each
+        // out of the ring costs more than the rest of a message's queueing.
+        let mut gone = 0u64;
+        for slot in self.ring.slots.iter_mut() {
+            let seq = first_seq + gone;
+            if seq >= bound && slot.env.is_some() {
+                break;
+            }
+            gone += 1;
+            if slot.env.take().is_none() {
                 continue; // delivered or rolled back already
             }
-            if let Some(p) = self.partials.get_mut(&slot.key) {
-                if p.ring.front() == Some(&slot.seq) {
-                    p.ring.pop_front();
-                }
-            }
+            let partial = &mut self.partials[slot.producer as usize];
+            let chain = partial.pending.expect("a pending message is in a chain");
+            assert_eq!(
+                chain.first, seq,
+                "the oldest pending message heads its chain"
+            );
+            partial.pending = slot.next.map(|n| Chain {
+                first: n,
+                last: chain.last,
+            });
         }
+        self.ring.drop_oldest(gone);
     }
 
     /// The range to replay before the current commit can be dequeued:
@@ -360,7 +520,7 @@ impl Sequencer {
     pub fn replay_range(&self) -> Option<(Arc<str>, u64, u64)> {
         let e = self.emit.as_ref()?;
         let (b, end) = e.replay?;
-        Some((e.journal.clone(), b, end))
+        Some((self.journals.name(e.journal).clone(), b, end))
     }
 
     /// Takes one envelope of the replayed range, in journal order. Returns
@@ -368,9 +528,10 @@ impl Sequencer {
     pub fn replay(&mut self, env: Envelope) -> Result<Option<Envelope>, MessageError> {
         let emit = self.emit.as_mut().expect("replay without a commit");
         let (b, end) = emit.replay.expect("replay without a replay range");
-        if env.journal != emit.journal || env.begin < b || env.end > end {
+        let journal = self.journals.name(emit.journal);
+        if env.journal != *journal || env.begin < b || env.end > end {
             return Err(MessageError::Replay {
-                journal: emit.journal.to_string(),
+                journal: journal.to_string(),
                 begin: b,
                 end,
                 why: format!(
@@ -379,8 +540,8 @@ impl Sequencer {
                 ),
             });
         }
-        let key = emit.key.as_ref().expect("a replay has a producer");
-        if env.producer() != key.1 {
+        let p = emit.producer.expect("a replay has a producer");
+        if env.producer() != self.producers.key(p).1 {
             return Ok(None);
         }
         let clock = env.clock();
@@ -407,9 +568,9 @@ impl Sequencer {
             return None;
         }
         let mut out = None;
-        while let Some(env) = emit.queued.pop_front() {
+        while let Some(env) = emit.next_queued(&mut self.ring) {
             let clock = env.clock();
-            if emit.key.is_some() && (clock <= emit.last || clock > emit.max_clock) {
+            if emit.producer.is_some() && (clock <= emit.last || clock > emit.max_clock) {
                 continue; // a duplicate, or beyond the acknowledged clock
             }
             emit.last = clock;
@@ -417,40 +578,19 @@ impl Sequencer {
             out = Some(env);
             break;
         }
-        if emit.queued.is_empty() {
+        if emit.is_drained() {
             let emit = self.emit.take().expect("emitting");
-            set_offset(&mut self.offsets, &emit.journal, emit.end);
-            if let Some(key) = emit.key {
-                *self.partials.get_mut(&key).expect("emitting producer") =
-                    Partial::settled(emit.last);
+            self.offsets[emit.journal as usize] = Some(emit.end);
+            if let Some(p) = emit.producer {
+                self.partials[p as usize] = Partial::settled(emit.last);
             }
         }
         out
     }
 }
 
-/// The envelope of a ring sequence number still in the ring.
-fn ring_env(ring: &VecDeque<Slot>, seq: u64) -> &Envelope {
-    let first = ring.front().expect("a pending seq is in the ring").seq;
-    ring[(seq - first) as usize]
-        .env
-        .as_ref()
-        .expect("a pending message is in its slot")
-}
-
-/// Where `journal` is read through: updated in place, without a new key
-/// for a journal already known.
-fn set_offset(offsets: &mut BTreeMap<Arc<str>, u64>, journal: &str, offset: u64) {
-    match offsets.get_mut(journal) {
-        Some(o) => *o = offset,
-        None => {
-            offsets.insert(journal.into(), offset);
-        }
-    }
-}
-
 /// What `env` is to its producer's state (see [`QueueOutcome`]).
-fn outcome_of(env: &Envelope, partial: &Partial, ring: &VecDeque<Slot>) -> QueueOutcome {
+fn outcome_of(env: &Envelope, partial: &Partial, ring: &Ring) -> QueueOutcome {
     let clock = env.clock();
     match env.flags() {
         Flags::CONTINUE_TXN => {
@@ -469,8 +609,8 @@ fn outcome_of(env: &Envelope, partial: &Partial, ring: &VecDeque<Slot>) -> Queue
         Flags::ACK_TXN if clock <= partial.min_clock => QueueOutcome::AckRollback,
         Flags::ACK_TXN => match partial.begin {
             None => QueueOutcome::AckEmpty,
-            Some(b) => match partial.ring.front() {
-                Some(&seq) if ring_env(ring, seq).begin == b => QueueOutcome::AckCommitRing,
+            Some(b) => match partial.pending {
+                Some(c) if ring.env(c.first).begin == b => QueueOutcome::AckCommitRing,
                 _ => QueueOutcome::AckCommitReplay,
             },
         },
@@ -481,33 +621,43 @@ fn outcome_of(env: &Envelope, partial: &Partial, ring: &VecDeque<Slot>) -> Queue
     }
 }
 
-/// The pending messages a commit delivers, moved out of the ring, and the
-/// journal range to replay before them when the first ones left the ring.
-/// A message outside any transaction rolls an open one back instead (the
-/// producer mixed the two).
-fn take_pending(
+/// The commit `env` makes: the producer's pending chain handed to it (or
+/// dropped, when a message outside any transaction rolls an open one back:
+/// the producer mixed the two), and the journal range to replay before the
+/// chain when its first messages left the ring.
+fn begin_commit(
     outcome: QueueOutcome,
-    env: &Envelope,
+    producer: u32,
+    journal: u32,
     partial: &mut Partial,
-    ring: &mut VecDeque<Slot>,
-) -> (VecDeque<Envelope>, Option<(u64, u64)>) {
-    if outcome == QueueOutcome::OutsideCommit {
-        partial.ring.clear();
-        return (VecDeque::new(), None);
-    }
+    ring: &mut Ring,
+    env: Envelope,
+) -> Emit {
+    let pending = partial.pending.take();
     let mut replay = None;
-    if outcome == QueueOutcome::AckCommitReplay {
-        let first_in_ring = partial.ring.front().map(|&s| ring_env(ring, s).begin);
+    let mut cursor = pending.map(|c| c.first);
+    if outcome == QueueOutcome::OutsideCommit {
+        ring.drop_chain(pending);
+        cursor = None;
+    } else if outcome == QueueOutcome::AckCommitReplay {
+        let first_in_ring = pending.map(|c| ring.env(c.first).begin);
         let b = partial.begin.expect("a replay has a begin");
         replay = Some((b, first_in_ring.unwrap_or(env.begin)));
     }
-    let ring_first = ring.front().map_or(0, |s| s.seq);
-    let mut queued = VecDeque::with_capacity(partial.ring.len() + 1);
-    for seq in partial.ring.drain(..) {
-        let slot = &mut ring[(seq - ring_first) as usize];
-        queued.push_back(slot.env.take().expect("a pending message is in its slot"));
+    let clock = env.clock();
+    partial.begin = Some(env.begin);
+    partial.max_clock = clock;
+    Emit {
+        producer: Some(producer),
+        max_clock: clock,
+        last: partial.min_clock,
+        delivered_begin: None,
+        replay,
+        cursor,
+        journal,
+        end: env.end,
+        committing: Some(env),
     }
-    (queued, replay)
 }
 
 #[cfg(test)]
@@ -580,6 +730,118 @@ mod tests {
         }
         assert!(!s.is_dequeuing());
         out
+    }
+
+    fn ring_env(ring: &Ring, seq: u64) -> u64 {
+        ring.env(seq).clock().0
+    }
+
+    #[test]
+    fn chains_link_each_producers_messages_through_the_ring() {
+        let mut j = J::new("a/j");
+        let mut ring = Ring::default();
+        let (mut a, mut b) = (None, None);
+        ring.push(0, &mut a, j.c(A, 1));
+        ring.push(1, &mut b, j.c(B, 10));
+        ring.push(0, &mut a, j.c(A, 2));
+        ring.push(0, &mut a, j.c(A, 3));
+        ring.push(1, &mut b, j.c(B, 11));
+        assert_eq!(a, Some(Chain { first: 0, last: 3 }));
+        assert_eq!(b, Some(Chain { first: 1, last: 4 }));
+        assert_eq!((ring_env(&ring, 2), ring_env(&ring, 4)), (2, 11));
+        // A's chain, followed from its first: 0 -> 2 -> 3.
+        let (e, next) = ring.take(0);
+        assert_eq!((e.clock().0, next), (1, Some(2)));
+        let (e, next) = ring.take(2);
+        assert_eq!((e.clock().0, next), (2, Some(3)));
+        // Dropping B's chain empties its slots, not A's.
+        ring.drop_chain(b);
+        let held: Vec<bool> = ring.slots.iter().map(|s| s.env.is_some()).collect();
+        assert_eq!(held, vec![false, false, false, true, false], "A's 3 alone");
+        assert_eq!(ring.slots[1].next, Some(4), "links stay for eviction");
+        ring.drop_oldest(3);
+        assert_eq!(
+            (ring.first_seq, ring.slots.len(), ring.next_seq()),
+            (3, 2, 5)
+        );
+        assert_eq!(ring_env(&ring, 3), 3);
+        let (e, next) = ring.take(3);
+        assert_eq!((e.clock().0, next), (3, None));
+        ring.drop_oldest(2);
+        assert_eq!(ring.slots.len(), 0);
+    }
+
+    #[test]
+    fn producers_of_two_journals_interleave_and_are_evicted_apart() {
+        let (mut j, mut k) = (J::new("a/j"), J::new("a/k"));
+        let mut s = Sequencer::new(5);
+        // A in both journals, and B in j, interleaved; each journal's
+        // envelopes come in fresh allocations of its name now and then.
+        assert_eq!(s.queue(j.c(A, 1)), QueueOutcome::ContinueBeginSpan);
+        assert_eq!(s.queue(k.c(A, 2)), QueueOutcome::ContinueBeginSpan);
+        assert_eq!(s.queue(j.c(B, 5)), QueueOutcome::ContinueBeginSpan);
+        let mut env = j.c(A, 3);
+        env.journal = "a/j".into();
+        assert_eq!(s.queue(env), QueueOutcome::ContinueExtendSpan);
+        assert_eq!(s.queue(k.c(A, 4)), QueueOutcome::ContinueExtendSpan);
+        // The ring of 5 gives up A1 of j: j's commit replays it, k's not.
+        assert_eq!(s.queue(k.ack(A, 6)), QueueOutcome::AckCommitRing);
+        assert_eq!(drain(&mut s, &k), vec![2, 4, 6]);
+        assert_eq!(s.queue(j.ack(B, 7)), QueueOutcome::AckCommitRing);
+        assert_eq!(drain(&mut s, &j), vec![5, 7]);
+        assert_eq!(s.queue(j.ack(A, 8)), QueueOutcome::AckCommitReplay);
+        assert_eq!(s.replay_range(), Some(("a/j".into(), 0, 20)));
+        assert_eq!(drain(&mut s, &j), vec![1, 3, 8]);
+        let cp = s.checkpoint();
+        assert_eq!(
+            cp.offsets,
+            BTreeMap::from([("a/j".to_string(), 50), ("a/k".to_string(), 30)])
+        );
+        let states: Vec<_> = cp
+            .producers
+            .iter()
+            .map(|p| (p.journal.as_str(), p.producer.clone(), p.last_ack, p.begin))
+            .collect();
+        assert_eq!(
+            states,
+            vec![
+                ("a/j", A.to_hex(), 8, None),
+                ("a/j", B.to_hex(), 7, None),
+                ("a/k", A.to_hex(), 6, None),
+            ]
+        );
+    }
+
+    #[test]
+    fn read_through_sets_offsets_by_any_allocation_of_the_name() {
+        let mut j = J::new("a/j");
+        let mut s = Sequencer::new(4);
+        s.set_offset("a/k", 7);
+        let env = j.c(A, 1);
+        s.read_through(&env);
+        assert_eq!(s.offset("a/j"), Some(10));
+        let mut env = j.c(A, 2);
+        env.journal = "a/j".into();
+        s.read_through(&env);
+        assert_eq!((s.offset("a/j"), s.offset("a/k")), (Some(20), Some(7)));
+        let cp = s.checkpoint();
+        let want = BTreeMap::from([("a/j".to_string(), 20), ("a/k".to_string(), 7)]);
+        assert_eq!((cp.offsets, cp.producers), (want, vec![]));
+    }
+
+    #[test]
+    fn a_rollback_empties_the_chain_and_later_spans_start_afresh() {
+        let mut j = J::new("a/j");
+        let mut s = Sequencer::new(3);
+        s.queue(j.c(A, 5));
+        s.queue(j.c(A, 6));
+        assert_eq!(s.queue(j.ack(A, 4)), QueueOutcome::AckRollback);
+        // The rolled-back slots are still counted by the ring; evicting
+        // them touches no producer's chain.
+        assert_eq!(s.queue(j.c(A, 5)), QueueOutcome::ContinueBeginSpan);
+        assert_eq!(s.queue(j.c(A, 7)), QueueOutcome::ContinueExtendSpan);
+        assert_eq!(s.queue(j.ack(A, 8)), QueueOutcome::AckCommitRing);
+        assert_eq!(drain(&mut s, &j), vec![5, 7, 8]);
     }
 
     #[test]

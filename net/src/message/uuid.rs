@@ -143,6 +143,11 @@ impl Clock {
     }
 }
 
+/// The UUID's bytes as one big-endian integer.
+fn v_of(u: &Uuid) -> u128 {
+    u128::from_be_bytes(u.0)
+}
+
 /// A message UUID (16 bytes, RFC 4122 byte order).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Uuid(pub [u8; 16]);
@@ -166,23 +171,29 @@ impl Uuid {
         Uuid(u)
     }
 
+    // The accessors read the UUID as one big-endian u128: taken byte by
+    // byte, the compiler splits the array into pieces, and every later
+    // move of a value holding it (an envelope) copies it piecewise, with
+    // loads stalled on the narrower stores before them.
+
     pub fn producer(&self) -> ProducerId {
+        let v = v_of(self) as u64;
         let mut id = [0u8; 6];
-        id.copy_from_slice(&self.0[10..16]);
+        id.copy_from_slice(&v.to_be_bytes()[2..]);
         ProducerId(id)
     }
 
     pub fn clock(&self) -> Clock {
-        let u = &self.0;
-        let mut t = u64::from(u32::from_be_bytes([u[0], u[1], u[2], u[3]])) << 4;
-        t |= u64::from(u16::from_be_bytes([u[4], u[5]])) << 36;
-        t |= u64::from(u16::from_be_bytes([u[6], u[7]]) & 0x0fff) << 52;
-        t |= u64::from(u[8] >> 2) & 0xf;
-        Clock(t)
+        let v = v_of(self);
+        let time_low = (v >> 96) as u64 & 0xffff_ffff;
+        let time_mid = (v >> 80) as u64 & 0xffff;
+        let time_hi = (v >> 64) as u64 & 0x0fff;
+        let counter = (v >> 58) as u64 & 0xf;
+        Clock(time_low << 4 | time_mid << 36 | time_hi << 52 | counter)
     }
 
     pub fn flags(&self) -> Flags {
-        Flags(u16::from_be_bytes([self.0[8], self.0[9]]) & FLAGS_MAX)
+        Flags((v_of(self) >> 48) as u16 & FLAGS_MAX)
     }
 
     /// The version nibble (1 for UUIDs built here).
