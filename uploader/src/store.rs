@@ -302,6 +302,9 @@ impl StoreError {
                 journal: key.to_string(),
                 why: e.to_string(),
             },
+            // The pool's runtime shut down under a request it had handed
+            // to a blocking task (a file store's reads and writes).
+            E::JoinError { source } if source.is_cancelled() => StoreError::Stopped,
             e => StoreError::Unavailable {
                 store: store.to_string(),
                 message: format!("{key}: {e}"),
@@ -591,6 +594,30 @@ mod tests {
             virtual_hosted("https://s3.example.com/", "bkt").unwrap(),
             "https://bkt.s3.example.com"
         );
+    }
+
+    /// A request cut off by the pool's shutdown is `Stopped`, not a store
+    /// that is unavailable; any other failed join is the store's.
+    #[test]
+    fn a_request_cancelled_by_the_shutdown_is_stopped() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let cancelled = rt.block_on(async {
+            let task = tokio::spawn(std::future::pending::<()>());
+            task.abort();
+            task.await.unwrap_err()
+        });
+        let panicked = rt.block_on(async {
+            tokio::spawn(async { panic!("in a task") })
+                .await
+                .unwrap_err()
+        });
+        let map = |source| {
+            StoreError::from_object_store("s", "k", object_store::Error::JoinError { source })
+        };
+        assert!(matches!(map(cancelled), StoreError::Stopped));
+        assert!(matches!(map(panicked), StoreError::Unavailable { .. }));
     }
 
     #[test]
