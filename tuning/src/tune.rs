@@ -650,10 +650,9 @@ fn fill_pattern(buf: &mut [u8]) {
     }
 }
 
-/// Calibrates the device under `data_dir` (created if missing) and returns
-/// the profile; does not save it (see [`Profile::save`]).
-pub fn run(data_dir: &Path, opts: &TuneOptions) -> Result<Profile, TuneError> {
-    let region = opts.region_bytes.max(REGION_BYTES_MIN) / BLOCK_BYTES_MAX * BLOCK_BYTES_MAX;
+/// Fails early when the data directory's file system has no room for the
+/// scratch region and the regions an extending write grows into.
+fn check_space(data_dir: &Path, region: u64) -> Result<(), TuneError> {
     fs::create_dir_all(data_dir).map_err(io_err(data_dir, "create directory"))?;
     let st = sys::statfs(data_dir).map_err(io_err(data_dir, "statfs"))?;
     let avail_bytes = st.blocks_avail.saturating_mul(st.block_size);
@@ -665,6 +664,71 @@ pub fn run(data_dir: &Path, opts: &TuneOptions) -> Result<Profile, TuneError> {
             need_bytes,
         });
     }
+    Ok(())
+}
+
+/// The overwrite region: allocated, then written once, so that the tests
+/// overwrite written blocks as spools do.
+fn prefill(
+    writer: &mut Writer,
+    file: &fs::File,
+    path: &Path,
+    region: u64,
+) -> Result<(), TuneError> {
+    match sys::fallocate(file, 0, region) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+            file.set_len(region).map_err(io_err(path, "truncate"))?
+        }
+        Err(e) => return Err(io_err(path, "fallocate")(e)),
+    }
+    let mut offsets = (0..region / PREFILL_BLOCK_BYTES).map(|i| i * PREFILL_BLOCK_BYTES);
+    writer
+        .run(
+            file,
+            PREFILL_BLOCK_BYTES as usize,
+            PREFILL_DEPTH,
+            &mut || offsets.next(),
+            &mut |_| {},
+        )
+        .map_err(io_err(path, "O_DIRECT write"))?;
+    file.sync_all().map_err(io_err(path, "fsync"))
+}
+
+/// Every write cell: both modes, each block size at each depth. Leaves the
+/// file at the region's length.
+fn measure_write_grid(
+    writer: &mut Writer,
+    scratch: &Scratch,
+    region: u64,
+    cell_time: Duration,
+    say: &dyn Fn(&str),
+) -> Result<Vec<WriteCell>, TuneError> {
+    let (file, path) = (&scratch.file, scratch.path.as_path());
+    let mut writes = Vec::new();
+    for mode in [WriteMode::Overwrite, WriteMode::Extend] {
+        for block_bytes in BLOCK_SIZES_BYTES {
+            for depth in DEPTHS {
+                if mode == WriteMode::Extend {
+                    file.set_len(region).map_err(io_err(path, "truncate"))?;
+                }
+                let cell =
+                    measure_writes(writer, file, mode, block_bytes, depth, region, cell_time)
+                        .map_err(io_err(path, "O_DIRECT write"))?;
+                say(&cell_line(&cell));
+                writes.push(cell);
+            }
+        }
+    }
+    file.set_len(region).map_err(io_err(path, "truncate"))?;
+    Ok(writes)
+}
+
+/// Calibrates the device under `data_dir` (created if missing) and returns
+/// the profile; does not save it (see [`Profile::save`]).
+pub fn run(data_dir: &Path, opts: &TuneOptions) -> Result<Profile, TuneError> {
+    let region = opts.region_bytes.max(REGION_BYTES_MIN) / BLOCK_BYTES_MAX * BLOCK_BYTES_MAX;
+    check_space(data_dir, region)?;
     let host = host_of(data_dir);
     let say = |line: &str| {
         if opts.progress {
@@ -694,51 +758,9 @@ pub fn run(data_dir: &Path, opts: &TuneOptions) -> Result<Profile, TuneError> {
         path.display(),
         bytes_text(region)
     ));
-    // The overwrite region: allocated, then written once, so that the tests
-    // overwrite written blocks as spools do.
-    match sys::fallocate(file, 0, region) {
-        Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-            file.set_len(region).map_err(io_err(path, "truncate"))?
-        }
-        Err(e) => return Err(io_err(path, "fallocate")(e)),
-    }
-    let mut offsets = (0..region / PREFILL_BLOCK_BYTES).map(|i| i * PREFILL_BLOCK_BYTES);
-    writer
-        .run(
-            file,
-            PREFILL_BLOCK_BYTES as usize,
-            PREFILL_DEPTH,
-            &mut || offsets.next(),
-            &mut |_| {},
-        )
-        .map_err(io_err(path, "O_DIRECT write"))?;
-    file.sync_all().map_err(io_err(path, "fsync"))?;
-
-    let mut writes = Vec::new();
+    prefill(&mut writer, file, path, region)?;
     say(WRITES_HEADER);
-    for mode in [WriteMode::Overwrite, WriteMode::Extend] {
-        for block_bytes in BLOCK_SIZES_BYTES {
-            for depth in DEPTHS {
-                if mode == WriteMode::Extend {
-                    file.set_len(region).map_err(io_err(path, "truncate"))?;
-                }
-                let cell = measure_writes(
-                    &mut writer,
-                    file,
-                    mode,
-                    block_bytes,
-                    depth,
-                    region,
-                    opts.cell_time,
-                )
-                .map_err(io_err(path, "O_DIRECT write"))?;
-                say(&cell_line(&cell));
-                writes.push(cell);
-            }
-        }
-    }
-    file.set_len(region).map_err(io_err(path, "truncate"))?;
+    let writes = measure_write_grid(&mut writer, &scratch, region, opts.cell_time, &say)?;
 
     let block = &mut writer.buf_mut()[..SMALL_IO_BYTES as usize];
     let fdatasync_4k = measure_fdatasync(file, block, region, opts.latency_time)
