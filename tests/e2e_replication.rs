@@ -3784,4 +3784,13 @@ async fn the_cluster_files_journals_body(cluster: &mut Cluster) {
     cluster.apply(&[spec(a, 3)]).await;
     let r = append_retrying(&client, a, b"again;").await;
     assert_eq!((r.begin, r.end), (0, 6), "{r:?}");
+    // Each broker counted its own revisions; the same specs still show
+    // the same digest everywhere.
+    let mut digests = Vec::new();
+    for broker in &cluster.brokers {
+        let stats = broker.client().await.stats().await.unwrap();
+        assert_eq!(stats["specs"], 2, "{}", broker.id);
+        digests.push(stats["specs_digest"].as_str().unwrap().to_string());
+    }
+    assert!(digests.iter().all(|d| *d == digests[0]), "{digests:?}");
 }

@@ -89,7 +89,7 @@ struct State {
     /// The snapshot thread is writing a snapshot.
     snapshotting: bool,
     /// The XOR of [`entry_digest`] over `specs`: equal in two stores that
-    /// hold the same specs at the same revisions.
+    /// hold the same specs, whatever their revisions.
     digest: u128,
 }
 
@@ -108,13 +108,16 @@ impl State {
     }
 }
 
-/// 128 bits of the SHA-1 of a spec's name and revision.
+/// 128 bits of the SHA-1 of a spec's name and its content (its JSON), not
+/// its revision: brokers count revisions on their own when their specs come
+/// from a cluster file, and must still show the same digest for the same
+/// specs.
 fn entry_digest(revised: &Revised) -> u128 {
     use sha1::Digest;
     let mut h = sha1::Sha1::new();
     h.update(revised.spec.name.as_bytes());
     h.update([0]);
-    h.update(revised.revision.to_le_bytes());
+    h.update(serde_json::to_vec(&revised.spec).expect("a spec serializes"));
     let sum = h.finalize();
     u128::from_le_bytes(sum[..16].try_into().expect("20 bytes"))
 }
@@ -493,8 +496,8 @@ impl SpecStore {
     }
 
     /// How many specs the store holds, and a digest of their names and
-    /// revisions: two stores with the same count and digest hold the same
-    /// specs (a peer compares them before it lists every spec).
+    /// contents: two stores with the same count and digest hold the same
+    /// specs, whatever revisions each counted.
     pub fn digest(&self) -> (usize, u128) {
         let state = self.lock();
         (state.specs.len(), state.digest)
@@ -1484,11 +1487,15 @@ mod tests {
         b.apply_at(vec![spec("dg/x", "v1")], base() + 1).unwrap();
         assert_eq!(a.digest(), b.digest());
         assert_eq!(a.digest().0, 2);
-        // A spec at another revision, or one more, makes them differ.
+        // The same spec at another revision leaves it (brokers reading one
+        // cluster file count revisions each on its own) ...
         b.apply_at(vec![spec("dg/z", "v1")], base() + 5).unwrap();
+        assert_eq!(a.digest(), b.digest());
+        // ... a spec whose content differs, or one more, changes it.
+        b.apply_at(vec![spec("dg/z", "v2")], base() + 6).unwrap();
         assert_eq!(a.digest().0, b.digest().0);
         assert_ne!(a.digest(), b.digest());
-        a.apply_at(vec![spec("dg/z", "v1")], base() + 5).unwrap();
+        a.apply_at(vec![spec("dg/z", "v2")], base() + 5).unwrap();
         assert_eq!(a.digest(), b.digest());
         a.apply_at(vec![spec("dg/w", "v1")], base() + 6).unwrap();
         assert_ne!(a.digest(), b.digest());
