@@ -166,9 +166,10 @@ impl Shard {
             // the rest wait in their chunk (and the connection's budget
             // holds the client back) while its connection goes on
             // serving. A replica's were admitted by its primary.
+            let now = crate::clock::now();
             let admitted = if client {
-                match jm.queue.rate.admit(bytes.len() as u64, crate::clock::now()) {
-                    Ok(n) => &bytes[..n as usize],
+                match jm.queue.rate.available(now) {
+                    Ok(n) => &bytes[..(bytes.len() as u64).min(n) as usize],
                     Err(wait) => {
                         drop(chunks);
                         metrics::add(&self.metrics.rate_waits, 1);
@@ -193,8 +194,8 @@ impl Shard {
                     n
                 }
             };
-            if client && n < admitted.len() {
-                jm.queue.rate.give_back((admitted.len() - n) as u64);
+            if client {
+                jm.queue.rate.take(n as u64, now);
             }
             if let Some(r) = &jm.primary.repl {
                 let rec = Record::Content {
