@@ -11,8 +11,9 @@
 //! field on `Shard`: time is read by the shard, the journals, the
 //! connections, the pipeline and the reaper, and threading one value
 //! through all of their signatures is a refactor of its own. Pure decisions
-//! (`TokenBucket::available`) take their time as an argument. Threads other
-//! than the shards' (reaper, cluster control, hashers) read the real clock.
+//! (`journal::admit`, `TokenBucket::available`) take their time as an
+//! argument. Threads other than the shards' (reaper, cluster control,
+//! hashers) read the real clock.
 
 pub use rotary_proto::clock::{
     elapsed, install, now, unix_nanos, wall, wall_elapsed, Clock, Installed,

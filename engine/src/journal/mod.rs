@@ -13,7 +13,7 @@ mod readers;
 mod replica;
 mod tail;
 
-pub use admit::{admit, Admission, AdmitRole, AdmitShard};
+pub use admit::{admit, Admission, AdmitRole, AdmitShard, Next};
 pub use files::Files;
 pub use heads::Heads;
 pub use index::{FileRef, Index, Located};
