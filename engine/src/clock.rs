@@ -11,8 +11,9 @@
 //! field on `Shard`: time is read by the shard, the journals, the
 //! connections, the pipeline and the reaper, and threading one value
 //! through all of their signatures is a refactor of its own. Pure decisions
-//! (`TokenBucket::admit`) take their time as an argument. Threads other than
-//! the shards' (reaper, cluster control, hashers) read the real clock.
+//! (`journal::admit`, `TokenBucket::available`) take their time as an
+//! argument. Threads other than the shards' (reaper, cluster control,
+//! hashers) read the real clock.
 
 pub use rotary_proto::clock::{
     elapsed, install, now, unix_nanos, wall, wall_elapsed, Clock, Installed,
@@ -32,19 +33,21 @@ mod tests {
         let clock = Clock::manual();
         let _installed = install(clock.clone());
         let mut bucket = TokenBucket::new(1000);
-        assert_eq!(bucket.admit(1000, now()), Ok(1000));
-        let wait = bucket.admit(1, now()).expect_err("the burst is spent");
+        assert_eq!(bucket.available(now()), Ok(1000));
+        bucket.take(1000, now());
+        let wait = bucket.available(now()).expect_err("the burst is spent");
         assert!(
             wait > Duration::ZERO && wait <= Duration::from_millis(1),
             "{wait:?}"
         );
-        // Time stands still: however often asked, nothing more is admitted.
-        assert!(bucket.admit(1, now()).is_err());
+        // Time stands still: however often asked, nothing more may go.
+        assert_eq!(bucket.available(now()), Err(wait));
         clock.advance(Duration::from_millis(500));
-        assert_eq!(bucket.admit(1000, now()), Ok(500));
-        assert!(bucket.admit(1, now()).is_err());
+        assert_eq!(bucket.available(now()), Ok(500));
+        bucket.take(500, now());
+        assert!(bucket.available(now()).is_err());
         clock.advance(Duration::from_secs(5));
         // Refill stops at one second's worth.
-        assert_eq!(bucket.admit(5000, now()), Ok(1000));
+        assert_eq!(bucket.available(now()), Ok(1000));
     }
 }

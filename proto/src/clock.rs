@@ -14,8 +14,8 @@
 //! pipeline and the reaper, and threading one value through all of them is a
 //! refactor of its own. A shard runs on one thread, so installing a clock on
 //! that thread drives all of its decisions; a decision that is a pure
-//! function takes its time as an argument (`TokenBucket::admit`) and is
-//! driven by passing `clock.now()`.
+//! function takes its time as an argument (the engine's `journal::admit`
+//! and `TokenBucket::available`) and is driven by passing `clock.now()`.
 //!
 //! `clippy.toml` disallows `Instant::now`, `SystemTime::now` and their
 //! `elapsed` methods (which read the real clock); this module is the one

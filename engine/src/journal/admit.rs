@@ -1,11 +1,17 @@
-//! Admission: whether the next append queued on a journal starts staging
-//! now, waits, or is refused. A pure function of the journal's state, the
-//! append and what its shard knows (its role, its upload backlog): the
-//! flusher acts on the answer (see `Shard::stage_queue`).
+//! Admission: whether a journal's appends stage now, wait, or are refused:
+//! the append at the front of its queue before it starts, and each chunk
+//! of the open append as it arrives. A pure function ([`admit`]) of the
+//! journal's state, what is asked about ([`Next`]), what its shard knows
+//! (its role, the batches in flight, its upload backlog) and the time; the
+//! flusher acts on the answer (see `Shard::stage_queue`) and charges the
+//! rate for what it staged.
 
 use super::*;
 use crate::append::AppendOp;
 use rotary_net::status::Status;
+
+/// Batches of one journal proposed to replicas and not yet acknowledged.
+pub const INFLIGHT_BATCHES_MAX: usize = 16;
 
 /// The shard's role for the journal, by its current route.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,6 +26,9 @@ pub enum AdmitRole {
 #[derive(Clone, Copy, Debug)]
 pub struct AdmitShard<'a> {
     pub role: AdmitRole,
+    /// A primary whose route names replicas: its appends wait for a SYNC
+    /// of them and for their acks.
+    pub replicated: bool,
     /// Replicated batches of the journal in flight to its replicas.
     pub inflight: usize,
     /// Sealed bytes of journals with stores not yet in their store, and
@@ -30,7 +39,20 @@ pub struct AdmitShard<'a> {
     pub store_error: Option<&'a str>,
 }
 
-/// What to do with the append at the front of the queue.
+/// What admission is asked about.
+#[derive(Clone, Copy)]
+pub enum Next<'a> {
+    /// The journal itself, before anything of it stages in a turn:
+    /// whether it stages at all (a primary's gates, which hold back an
+    /// open append as they hold back a new one).
+    Journal,
+    /// `op`, the first queued append, before it starts staging.
+    Append(&'a AppendOp),
+    /// The next `len` bytes that arrived of `op`, the open append.
+    Chunk { op: &'a AppendOp, len: u64 },
+}
+
+/// What to do with what was asked about.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Admission {
     /// Aborted or answered already: drop it without a reply.
@@ -47,12 +69,79 @@ pub enum Admission {
     Seal { again: bool },
     /// Wait for the journal's first store listing; `hurry` it.
     AwaitListing { hurry: bool },
-    /// Start staging it.
+    /// Wait until the journal's peers ready it: the acker, once replicas
+    /// acknowledged batches in flight, or the end of a SYNC. `again`: a
+    /// SYNC is due and none of that is under way to ready it, so stage
+    /// again in this turn (whose `prepare` starts the SYNC).
+    AwaitPeers { again: bool },
+    /// Wait until `until`, when the journal's rate lets a byte go again.
+    AwaitRate { until: Instant },
+    /// Go on: start staging the append (or, for [`Next::Journal`], the
+    /// journal's appends).
     Stage,
+    /// Stage this many of the chunk's bytes (at least one) now.
+    StageUpTo(u64),
 }
 
-/// Decides on `op`, the first queued append of `jm`.
-pub fn admit(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
+/// Decides on `next` of `jm` at `now`.
+pub fn admit(jm: &Journal, next: Next<'_>, shard: &AdmitShard<'_>, now: Instant) -> Admission {
+    if let Some(wait) = admit_primary(jm, shard) {
+        return wait;
+    }
+    match next {
+        Next::Journal => Admission::Stage,
+        Next::Append(op) => admit_append(jm, op, shard),
+        Next::Chunk { op, len } => admit_chunk(jm, op, len, now),
+    }
+}
+
+/// The gates of a primary, before any of its journal's bytes stage, new
+/// append or open: its replicas (or, taking the journal over, the brokers
+/// of its earlier routes) must be synchronized and keep up.
+fn admit_primary(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
+    if shard.role != AdmitRole::Primary {
+        return None;
+    }
+    let primary = &jm.primary;
+    if shard.replicated && primary.repl.is_none() {
+        // A SYNC is due (say, the spool was just sealed): the next turn's
+        // prepare starts it. One under way readies the journal when it
+        // ends, and so does the acker for batches in flight.
+        return Some(Admission::AwaitPeers {
+            again: !primary.syncing && shard.inflight == 0 && !jm.queue.waiting.is_empty(),
+        });
+    }
+    if primary.syncing {
+        // A primary without replicas syncs only to take the journal
+        // over: the brokers of its earlier routes may hold bytes beyond
+        // its head, and nothing is staged at offsets they may have given
+        // out. The SYNC readies the journal when it ends.
+        return Some(Admission::AwaitPeers { again: false });
+    }
+    if shard.replicated && shard.inflight >= INFLIGHT_BATCHES_MAX {
+        // Replicas catch up first (the acker readies the journal).
+        return Some(Admission::AwaitPeers { again: false });
+    }
+    None
+}
+
+/// The rules of the open append's next `len` bytes: a client's go at the
+/// journal's `max_append_rate`; the rest wait in their chunk (and the
+/// connection's budget holds the client back) while its connection goes
+/// on serving. A replica's were admitted by its primary.
+fn admit_chunk(jm: &Journal, op: &AppendOp, len: u64, now: Instant) -> Admission {
+    assert!(len > 0, "an empty chunk is not staged");
+    if op.replica.is_some() {
+        return Admission::StageUpTo(len);
+    }
+    match jm.queue.rate.available(now) {
+        Ok(n) => Admission::StageUpTo(len.min(n)),
+        Err(wait) => Admission::AwaitRate { until: now + wait },
+    }
+}
+
+/// The rules of `op`, the first queued append, before it starts staging.
+fn admit_append(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
     if op.aborted.get().is_some() || op.finished.get() {
         return Admission::Drop;
     }
@@ -167,7 +256,8 @@ fn refuse(status: Status, message: String) -> Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::append::{AbortReason, ReplicaOp};
+    use crate::append::{AbortReason, PrimaryRepl, ReplicaOp};
+    use crate::clock::{install, Clock};
     use rotary_net::spec::LabelSelector;
     use rotary_net::wire::AppendRequest;
     use std::collections::VecDeque;
@@ -210,11 +300,17 @@ mod tests {
     fn primary() -> AdmitShard<'static> {
         AdmitShard {
             role: AdmitRole::Primary,
+            replicated: false,
             inflight: 0,
             unuploaded_bytes: 0,
             spool_budget_bytes: 1 << 30,
             store_error: None,
         }
+    }
+
+    /// Admission of `op` as the first queued append of `jm`.
+    fn start(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
+        admit(jm, Next::Append(op), shard, crate::clock::now())
     }
 
     fn status(a: Admission) -> (Status, bool) {
@@ -229,7 +325,7 @@ mod tests {
     #[test]
     fn a_plain_append_on_the_primary_stages() {
         assert_eq!(
-            admit(&journal(false), &op(false), &primary()),
+            start(&journal(false), &op(false), &primary()),
             Admission::Stage
         );
         let replica = AdmitShard {
@@ -237,7 +333,7 @@ mod tests {
             ..primary()
         };
         assert_eq!(
-            admit(&journal(false), &op(true), &replica),
+            start(&journal(false), &op(true), &replica),
             Admission::Stage
         );
     }
@@ -246,10 +342,10 @@ mod tests {
     fn aborted_and_answered_appends_are_dropped() {
         let a = op(false);
         a.aborted.set(Some(AbortReason::Closed));
-        assert_eq!(admit(&journal(false), &a, &primary()), Admission::Drop);
+        assert_eq!(start(&journal(false), &a, &primary()), Admission::Drop);
         let b = op(false);
         b.finished.set(true);
-        assert_eq!(admit(&journal(false), &b, &primary()), Admission::Drop);
+        assert_eq!(start(&journal(false), &b, &primary()), Admission::Drop);
     }
 
     #[test]
@@ -264,15 +360,15 @@ mod tests {
         };
         let j = journal(false);
         assert_eq!(
-            status(admit(&j, &op(false), &replica)),
+            status(start(&j, &op(false), &replica)),
             (Status::NOT_JOURNAL_PRIMARY_BROKER, false)
         );
         assert_eq!(
-            status(admit(&j, &op(false), &other)),
+            status(start(&j, &op(false), &other)),
             (Status::NOT_JOURNAL_PRIMARY_BROKER, false)
         );
         assert_eq!(
-            status(admit(&j, &op(true), &primary())),
+            status(start(&j, &op(true), &primary())),
             (Status::WRONG_ROUTE, false)
         );
     }
@@ -282,7 +378,7 @@ mod tests {
         let mut j = journal(false);
         j.files.seal_requested = true;
         assert_eq!(
-            admit(&j, &op(false), &primary()),
+            start(&j, &op(false), &primary()),
             Admission::Seal { again: true }
         );
         let busy = AdmitShard {
@@ -290,7 +386,7 @@ mod tests {
             ..primary()
         };
         assert_eq!(
-            admit(&j, &op(false), &busy),
+            start(&j, &op(false), &busy),
             Admission::Seal { again: false }
         );
         // A replica's copy follows its primary, which rolls for it.
@@ -298,11 +394,11 @@ mod tests {
             role: AdmitRole::Replica,
             ..primary()
         };
-        assert_eq!(admit(&j, &op(true), &replica), Admission::Stage);
+        assert_eq!(start(&j, &op(true), &replica), Admission::Stage);
         let mut full = journal(false);
         full.spec.fragment.length = 0;
         assert_eq!(
-            admit(&full, &op(false), &primary()),
+            start(&full, &op(false), &primary()),
             Admission::Seal { again: true }
         );
     }
@@ -312,17 +408,17 @@ mod tests {
         let mut j = journal(true);
         j.index.loaded = false;
         assert_eq!(
-            admit(&j, &op(false), &primary()),
+            start(&j, &op(false), &primary()),
             Admission::AwaitListing { hurry: true }
         );
         j.index.listing = true;
         assert_eq!(
-            admit(&j, &op(false), &primary()),
+            start(&j, &op(false), &primary()),
             Admission::AwaitListing { hurry: false }
         );
         j.index.error = Some("store down".into());
         assert_eq!(
-            status(admit(&j, &op(false), &primary())),
+            status(start(&j, &op(false), &primary())),
             (Status::FRAGMENT_STORE_UNHEALTHY, false)
         );
     }
@@ -342,7 +438,7 @@ mod tests {
             mod_time: SystemTime::UNIX_EPOCH,
         });
         assert_eq!(
-            status(admit(&j, &op(false), &primary())),
+            status(start(&j, &op(false), &primary())),
             (Status::INDEX_HAS_GREATER_OFFSET, false)
         );
     }
@@ -355,7 +451,7 @@ mod tests {
             store_error: Some("access denied"),
             ..primary()
         };
-        match admit(&journal(true), &op(false), &spent) {
+        match start(&journal(true), &op(false), &spent) {
             Admission::Refuse {
                 status, message, ..
             } => {
@@ -365,7 +461,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Journals without stores do not wait on uploads.
-        assert_eq!(admit(&journal(false), &op(false), &spent), Admission::Stage);
+        assert_eq!(start(&journal(false), &op(false), &spent), Admission::Stage);
     }
 
     #[test]
@@ -373,11 +469,11 @@ mod tests {
         let mut a = op(false);
         a.req.expect_offset = Some(99);
         assert_eq!(
-            status(admit(&journal(false), &a, &primary())),
+            status(start(&journal(false), &a, &primary())),
             (Status::WRONG_APPEND_OFFSET, false)
         );
         a.req.expect_offset = Some(100);
-        assert_eq!(admit(&journal(false), &a, &primary()), Admission::Stage);
+        assert_eq!(start(&journal(false), &a, &primary()), Admission::Stage);
         let mut r = op(true);
         r.req.expect_offset = Some(101);
         let replica = AdmitShard {
@@ -385,7 +481,7 @@ mod tests {
             ..primary()
         };
         assert_eq!(
-            status(admit(&journal(false), &r, &replica)),
+            status(start(&journal(false), &r, &replica)),
             (Status::PROPOSAL_MISMATCH, true)
         );
     }
@@ -395,13 +491,225 @@ mod tests {
         let mut a = op(false);
         a.req.check_registers = LabelSelector::parse("owner=me").unwrap();
         assert_eq!(
-            status(admit(&journal(false), &a, &primary())),
+            status(start(&journal(false), &a, &primary())),
             (Status::REGISTER_MISMATCH, false)
         );
         let mut j = journal(false);
         j.heads.set_staged_registers(
             rotary_net::spec::LabelSet::from_pairs([("owner", "me")]).unwrap(),
         );
-        assert_eq!(admit(&j, &a, &primary()), Admission::Stage);
+        assert_eq!(start(&j, &a, &primary()), Admission::Stage);
+    }
+
+    /// A primary with replicas, synchronized with them.
+    fn replicated() -> (Journal, AdmitShard<'static>) {
+        let mut j = journal(false);
+        j.primary.repl = Some(PrimaryRepl {
+            members: vec!["a".into(), "b".into()],
+            pipelines: Vec::new(),
+            version: 1,
+        });
+        let shard = AdmitShard {
+            replicated: true,
+            ..primary()
+        };
+        (j, shard)
+    }
+
+    /// The answers to the journal itself, a new append and a chunk of
+    /// `len` bytes of an open one, all at `now`.
+    fn every_ask(
+        j: &Journal,
+        op: &AppendOp,
+        len: u64,
+        shard: &AdmitShard<'_>,
+        now: Instant,
+    ) -> [Admission; 3] {
+        [
+            admit(j, Next::Journal, shard, now),
+            admit(j, Next::Append(op), shard, now),
+            admit(j, Next::Chunk { op, len }, shard, now),
+        ]
+    }
+
+    #[test]
+    fn the_in_flight_limit_holds_new_and_open_appends_alike() {
+        let now = crate::clock::now();
+        let (j, shard) = replicated();
+        let a = op(false);
+        let at_limit = AdmitShard {
+            inflight: INFLIGHT_BATCHES_MAX,
+            ..shard
+        };
+        // The acker readies the journal once replicas catch up.
+        let wait = || Admission::AwaitPeers { again: false };
+        assert_eq!(
+            every_ask(&j, &a, 10, &at_limit, now),
+            [wait(), wait(), wait()]
+        );
+        let under = AdmitShard {
+            inflight: INFLIGHT_BATCHES_MAX - 1,
+            ..shard
+        };
+        assert_eq!(
+            every_ask(&j, &a, 10, &under, now),
+            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
+        );
+        // Without replicas nothing is in flight to wait for.
+        let alone = AdmitShard {
+            replicated: false,
+            ..at_limit
+        };
+        assert_eq!(
+            every_ask(&j, &a, 10, &alone, now),
+            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
+        );
+    }
+
+    #[test]
+    fn a_sync_due_holds_the_journal_until_it_is_made() {
+        let now = crate::clock::now();
+        let (mut j, shard) = replicated();
+        j.primary.repl = None;
+        let a = op(false);
+        // Nothing queued: nothing to stage again for.
+        assert_eq!(
+            admit(&j, Next::Journal, &shard, now),
+            Admission::AwaitPeers { again: false }
+        );
+        // Queued, with nothing under way to ready the journal: the next
+        // turn's prepare starts the SYNC.
+        j.queue.waiting.push_back(Rc::new(op(false)));
+        let due = || Admission::AwaitPeers { again: true };
+        assert_eq!(every_ask(&j, &a, 10, &shard, now), [due(), due(), due()]);
+        // A SYNC under way, or batches in flight, ready it themselves.
+        let held = || Admission::AwaitPeers { again: false };
+        let busy = AdmitShard {
+            inflight: 1,
+            ..shard
+        };
+        assert_eq!(every_ask(&j, &a, 10, &busy, now), [held(), held(), held()]);
+        j.primary.syncing = true;
+        assert_eq!(every_ask(&j, &a, 10, &shard, now), [held(), held(), held()]);
+        // A replica's copy is not held by its own primary state.
+        let replica = AdmitShard {
+            role: AdmitRole::Replica,
+            replicated: false,
+            ..shard
+        };
+        let r = op(true);
+        assert_eq!(
+            every_ask(&j, &r, 10, &replica, now),
+            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
+        );
+    }
+
+    #[test]
+    fn a_primary_taking_the_journal_over_stages_nothing_while_it_syncs() {
+        let now = crate::clock::now();
+        let mut j = journal(false);
+        let a = op(false);
+        j.primary.syncing = true;
+        let held = || Admission::AwaitPeers { again: false };
+        assert_eq!(
+            every_ask(&j, &a, 10, &primary(), now),
+            [held(), held(), held()]
+        );
+        j.primary.syncing = false;
+        assert_eq!(
+            every_ask(&j, &a, 10, &primary(), now),
+            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
+        );
+    }
+
+    #[test]
+    fn a_rate_limited_chunk_stages_what_the_bucket_allows_or_waits() {
+        let clock = Clock::manual();
+        let _installed = install(clock.clone());
+        let mut j = journal(false);
+        j.queue.rate.set_rate(1000);
+        let a = op(false);
+        let chunk = |j: &Journal, len| {
+            let next = Next::Chunk { op: &a, len };
+            admit(j, next, &primary(), clock.now())
+        };
+        assert_eq!(chunk(&j, 600), Admission::StageUpTo(600));
+        // Looking takes nothing: the flusher charges what it staged.
+        assert_eq!(chunk(&j, 600), Admission::StageUpTo(600));
+        j.queue.rate.take(600, clock.now());
+        assert_eq!(chunk(&j, 600), Admission::StageUpTo(400));
+        j.queue.rate.take(400, clock.now());
+        // Spent: the next byte may go a thousandth of a second later.
+        let Admission::AwaitRate { until } = chunk(&j, 600) else {
+            panic!("{:?}", chunk(&j, 600));
+        };
+        let wait = until - clock.now();
+        assert!(
+            wait >= Duration::from_nanos(999_999) && wait <= Duration::from_nanos(1_000_001),
+            "{wait:?}"
+        );
+        // Half way there, it still waits until then.
+        clock.advance(Duration::from_micros(500));
+        let Admission::AwaitRate { until: later } = chunk(&j, 600) else {
+            panic!("{:?}", chunk(&j, 600));
+        };
+        assert!(
+            later.max(until) - later.min(until) <= Duration::from_nanos(1),
+            "{later:?} {until:?}"
+        );
+        clock.advance(Duration::from_micros(500));
+        assert_eq!(chunk(&j, 600), Admission::StageUpTo(1));
+    }
+
+    #[test]
+    fn a_replicas_chunk_is_never_rate_limited() {
+        let clock = Clock::manual();
+        let _installed = install(clock.clone());
+        let mut j = journal(false);
+        j.queue.rate.set_rate(1000);
+        j.queue.rate.take(1000, clock.now());
+        let replica = AdmitShard {
+            role: AdmitRole::Replica,
+            ..primary()
+        };
+        let r = op(true);
+        let next = Next::Chunk { op: &r, len: 5000 };
+        assert_eq!(
+            admit(&j, next, &replica, clock.now()),
+            Admission::StageUpTo(5000)
+        );
+        // Its primary's client is.
+        let a = op(false);
+        let next = Next::Chunk { op: &a, len: 5000 };
+        assert!(matches!(
+            admit(&j, next, &primary(), clock.now()),
+            Admission::AwaitRate { .. }
+        ));
+    }
+
+    #[test]
+    fn the_bucket_refills_as_the_clock_advances() {
+        let clock = Clock::manual();
+        let _installed = install(clock.clone());
+        let mut j = journal(false);
+        j.queue.rate.set_rate(1000);
+        let a = op(false);
+        let chunk = |j: &Journal, len| {
+            let next = Next::Chunk { op: &a, len };
+            admit(j, next, &primary(), clock.now())
+        };
+        j.queue.rate.take(1000, clock.now());
+        // The clock standing still, however often asked, nothing refills.
+        assert!(matches!(chunk(&j, 600), Admission::AwaitRate { .. }));
+        assert!(matches!(chunk(&j, 600), Admission::AwaitRate { .. }));
+        clock.advance(Duration::from_millis(250));
+        assert_eq!(chunk(&j, 600), Admission::StageUpTo(250));
+        j.queue.rate.take(250, clock.now());
+        // An idle minute refills no more than one second's worth.
+        clock.advance(Duration::from_secs(60));
+        assert_eq!(chunk(&j, 5000), Admission::StageUpTo(1000));
+        // Unlimited, any chunk goes whole.
+        j.queue.rate.set_rate(0);
+        assert_eq!(chunk(&j, u64::MAX / 2), Admission::StageUpTo(u64::MAX / 2));
     }
 }

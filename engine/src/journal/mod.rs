@@ -13,7 +13,7 @@ mod readers;
 mod replica;
 mod tail;
 
-pub use admit::{admit, Admission, AdmitRole, AdmitShard};
+pub use admit::{admit, Admission, AdmitRole, AdmitShard, Next};
 pub use files::Files;
 pub use heads::Heads;
 pub use index::{FileRef, Index, Located};
@@ -753,18 +753,33 @@ mod tests {
         let now = crate::clock::now();
         let mut b = TokenBucket::new(1000);
         // One second of burst, then nothing until the bucket refills.
-        assert_eq!(b.admit(600, now), Ok(600));
-        assert_eq!(b.admit(600, now), Ok(400));
-        let wait = b.admit(600, now).unwrap_err();
+        assert_eq!(b.available(now), Ok(1000));
+        b.take(600, now);
+        assert_eq!(b.available(now), Ok(400));
+        b.take(400, now);
+        let wait = b.available(now).unwrap_err();
         assert!(
             wait >= Duration::from_micros(999) && wait <= Duration::from_micros(1001),
             "{wait:?}"
         );
         let later = now + Duration::from_millis(250);
-        assert_eq!(b.admit(600, later), Ok(250));
+        assert_eq!(b.available(later), Ok(250));
+        // Charging nothing moves no token.
+        b.take(0, later);
+        assert_eq!(b.available(later), Ok(250));
         // Idle time refills no more than one second's worth.
-        assert_eq!(b.admit(5000, later + Duration::from_secs(60)), Ok(1000));
+        assert_eq!(b.available(later + Duration::from_secs(60)), Ok(1000));
         let mut free = TokenBucket::new(0);
-        assert_eq!(free.admit(u64::MAX / 2, now), Ok(u64::MAX / 2));
+        assert_eq!(free.available(now), Ok(u64::MAX));
+        free.take(u64::MAX / 2, now);
+        assert_eq!(free.available(now), Ok(u64::MAX));
+    }
+
+    #[test]
+    #[should_panic(expected = "charged 2 bytes")]
+    fn token_bucket_charges_no_more_than_it_holds() {
+        let now = crate::clock::now();
+        let mut b = TokenBucket::new(1);
+        b.take(2, now);
     }
 }

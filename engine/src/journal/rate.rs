@@ -1,4 +1,7 @@
-//! The append rate limiter (`max_append_rate`).
+//! The append rate limiter (`max_append_rate`). Looking at the bucket
+//! ([`TokenBucket::available`]) changes nothing, so admission decides from
+//! it as a pure function; the flusher then charges the bytes it staged
+//! ([`TokenBucket::take`]), and only those.
 
 use super::*;
 
@@ -6,6 +9,7 @@ use super::*;
 /// unlimited.
 pub struct TokenBucket {
     rate: u64,
+    /// The tokens held at `last`, at most `rate`.
     tokens: f64,
     last: Instant,
 }
@@ -25,35 +29,44 @@ impl TokenBucket {
         }
     }
 
-    /// Returns bytes admitted but not used.
-    pub fn give_back(&mut self, n: u64) {
-        if self.rate != 0 {
-            self.tokens = (self.tokens + n as f64).min(self.rate as f64);
-        }
-    }
-
     /// Zero when unlimited.
     pub fn rate(&self) -> u64 {
         self.rate
     }
 
-    /// Takes as many of `n` bytes as may go now (all of them when
-    /// unlimited), at least one; or, if none may, says how long until one
-    /// may.
-    pub fn admit(&mut self, n: u64, now: Instant) -> Result<u64, Duration> {
+    /// How many bytes may go at `now` (`u64::MAX` when unlimited), at
+    /// least one; or, if none may, how long until one may. Changes nothing:
+    /// the bytes are charged by [`TokenBucket::take`] once staged.
+    pub fn available(&self, now: Instant) -> Result<u64, Duration> {
         if self.rate == 0 {
-            return Ok(n);
+            return Ok(u64::MAX);
         }
-        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        let tokens = self.tokens_at(now);
+        if tokens < 1.0 {
+            return Err(Duration::from_secs_f64((1.0 - tokens) / self.rate as f64));
+        }
+        Ok(tokens as u64)
+    }
+
+    /// Charges `n` bytes that went at `now`: no more than
+    /// [`TokenBucket::available`] allowed at `now` (or earlier).
+    pub fn take(&mut self, n: u64, now: Instant) {
+        if self.rate == 0 {
+            return;
+        }
+        let tokens = self.tokens_at(now);
+        assert!(
+            n as f64 <= tokens,
+            "charged {n} bytes with {tokens} tokens in the bucket"
+        );
+        self.tokens = tokens - n as f64;
         self.last = now;
-        self.tokens = (self.tokens + elapsed * self.rate as f64).min(self.rate as f64);
-        if self.tokens < 1.0 {
-            return Err(Duration::from_secs_f64(
-                (1.0 - self.tokens) / self.rate as f64,
-            ));
-        }
-        let take = n.min(self.tokens as u64);
-        self.tokens -= take as f64;
-        Ok(take)
+    }
+
+    /// The tokens at `now`: those held at `last` plus the refill since, up
+    /// to one second's worth in all.
+    fn tokens_at(&self, now: Instant) -> f64 {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        (self.tokens + elapsed * self.rate as f64).min(self.rate as f64)
     }
 }

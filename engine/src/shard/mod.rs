@@ -169,8 +169,6 @@ const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 /// starts at the primary's head and reads what lies before from the store.
 const SYNC_FILL_BYTES_MAX: u64 = 64 << 20;
 
-/// Batches of one journal proposed to replicas and not yet acknowledged.
-const INFLIGHT_BATCHES_MAX: usize = 16;
 /// How long a primary waits before retrying a failed SYNC.
 /// How long a broker waits for its etcd watch to reach the revision a
 /// request or a SYNC was routed at before it refuses with WRONG_ROUTE.

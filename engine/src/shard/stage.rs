@@ -1,7 +1,7 @@
 //! Staging queued appends into spools' write buffers.
 
 use super::*;
-use crate::journal::{admit, Admission, AdmitRole, AdmitShard};
+use crate::journal::{admit, Admission, AdmitRole, AdmitShard, Next};
 
 impl Shard {
     /// Enqueues an append; the flusher picks it up.
@@ -24,26 +24,17 @@ impl Shard {
     pub(super) fn stage_queue(&self, j: &JournalRef) -> bool {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
-        let role = self.role(&jm.spec);
-        let replicated = matches!(&role, Role::Primary(r) if r.members.len() > 1);
-        if replicated && jm.primary.repl.is_none() {
-            // A SYNC is due (say, the spool was just sealed): the next
-            // turn's prepare starts it. One under way marks the journal
-            // ready when it ends, and so does the acker for batches in
-            // flight.
-            return !jm.primary.syncing && jm.primary.inflight == 0 && !jm.queue.waiting.is_empty();
+        let store_error = self.store_error.borrow();
+        // Nothing staging changes moves these facts or the journal's gates
+        // within the call: asked once here, they hold for every append and
+        // chunk below.
+        let facts = self.admit_facts(jm, store_error.as_deref());
+        let now = crate::clock::now();
+        let gates = admit(jm, Next::Journal, &facts, now);
+        if let Some(again) = self.hold(j, jm, &gates, now) {
+            return again;
         }
-        if matches!(&role, Role::Primary(_)) && jm.primary.syncing {
-            // A primary without replicas syncs only to take the journal
-            // over: the brokers of its earlier routes may hold bytes
-            // beyond its head, and nothing is staged at offsets they may
-            // have given out. The SYNC marks the journal ready when it ends.
-            return false;
-        }
-        if replicated && jm.primary.inflight >= INFLIGHT_BATCHES_MAX {
-            // Replicas catch up first (the acker marks the journal ready).
-            return false;
-        }
+        assert!(gates == Admission::Stage, "{gates:?}");
         if jm.queue.staged.is_empty() {
             jm.queue.staged_with_replicas = jm.primary.repl.is_some();
         }
@@ -65,7 +56,7 @@ impl Shard {
                     return false;
                 };
                 let is_replica_op = op.replica.is_some();
-                match self.admission(j, jm, &op, &role) {
+                match self.admission(j, jm, &op, &facts, now) {
                     Front::Stage => {}
                     Front::Passed => continue,
                     Front::Wait { again } => return again,
@@ -87,7 +78,7 @@ impl Shard {
                     started: crate::clock::now(),
                 });
             }
-            if let Some(again) = self.stage_arrived(j, jm) {
+            if let Some(again) = self.stage_arrived(j, jm, &facts, now) {
                 return again;
             }
             let a = jm.queue.active.as_ref().expect("active");
@@ -127,30 +118,39 @@ impl Shard {
     }
 
     /// Stages what has arrived of the journal's open append, at most its
-    /// spool's buffer, its rate and its hasher allow. Some(again) when the
-    /// journal stops here for this turn (a full buffer: again); None when
-    /// every chunk that arrived is staged.
-    fn stage_arrived(&self, j: &JournalRef, jm: &mut Journal) -> Option<bool> {
-        let a = jm.queue.active.as_mut().expect("set above");
-        let spool = jm.files.spool.as_mut().expect("checked");
-        // Stage what has arrived.
+    /// spool's buffer, its admission (the rate) and its hasher allow.
+    /// Some(again) when the journal stops here for this turn (a full
+    /// buffer: again); None when every chunk that arrived is staged.
+    fn stage_arrived(
+        &self,
+        j: &JournalRef,
+        jm: &mut Journal,
+        facts: &AdmitShard<'_>,
+        now: Instant,
+    ) -> Option<bool> {
+        // Its own handle, so that admission can look at the whole journal
+        // while the append's chunks are borrowed.
+        let op = jm.queue.active.as_ref().expect("set above").op.clone();
+        // A replica's reply carries no SHA-1 of the append, and its bytes
+        // are not charged to the rate.
+        let client = op.replica.is_none();
         loop {
-            let mut chunks = a.op.chunks.borrow_mut();
+            let mut chunks = op.chunks.borrow_mut();
             let Some(chunk) = chunks.front() else { break };
+            let a = jm.queue.active.as_mut().expect("set above");
             let bytes = &chunk.bytes()[a.chunk_pos..];
             if bytes.is_empty() {
                 let c = chunks.pop_front().expect("front");
-                a.op.budget.release(c.range.len());
+                op.budget.release(c.range.len());
                 a.chunk_pos = 0;
                 continue;
             }
+            let spool = jm.files.spool.as_mut().expect("checked");
             if let Err(e) = spool.ensure_allocated(bytes.len() as u64, self.disk_reserve_bytes) {
                 drop(chunks);
                 return Some(self.fail_allocation(jm, &e));
             }
             let at = spool.staged();
-            // A replica's reply carries no SHA-1 of the append.
-            let client = a.op.replica.is_none();
             if let Some(h) = self.hasher.as_ref().filter(|_| client) {
                 let size = at - a.start.offset + bytes.len() as u64;
                 if self.offload_hash(h, &mut a.sha, size) && h.behind() {
@@ -162,26 +162,22 @@ impl Shard {
                     return Some(false);
                 }
             }
-            // A client's bytes go at the journal's `max_append_rate`;
-            // the rest wait in their chunk (and the connection's budget
-            // holds the client back) while its connection goes on
-            // serving. A replica's were admitted by its primary.
-            let admitted = if client {
-                match jm.queue.rate.admit(bytes.len() as u64, crate::clock::now()) {
-                    Ok(n) => &bytes[..n as usize],
-                    Err(wait) => {
-                        drop(chunks);
-                        metrics::add(&self.metrics.rate_waits, 1);
-                        if !jm.queue.rate_timer {
-                            jm.queue.rate_timer = true;
-                            self.ready_after(j, wait);
-                        }
-                        return Some(false);
-                    }
-                }
-            } else {
-                bytes
+            // A client's chunk is charged to the rate at the time it is
+            // staged; a replica's is never, and the call's time will do.
+            let now = if client { crate::clock::now() } else { now };
+            let next = Next::Chunk {
+                op: &op,
+                len: bytes.len() as u64,
             };
+            let admitted = match admit(jm, next, facts, now) {
+                Admission::StageUpTo(n) => &bytes[..n as usize],
+                wait => {
+                    drop(chunks);
+                    return Some(self.hold(j, jm, &wait, now).expect("a chunk waits"));
+                }
+            };
+            let a = jm.queue.active.as_mut().expect("set above");
+            let spool = jm.files.spool.as_mut().expect("checked");
             let n = match &mut a.sha {
                 AppendSha::Inline(_) if !client => spool.stage(admitted),
                 AppendSha::Inline(sha) => spool.stage_hashed(admitted, sha),
@@ -193,8 +189,8 @@ impl Shard {
                     n
                 }
             };
-            if client && n < admitted.len() {
-                jm.queue.rate.give_back((admitted.len() - n) as u64);
+            if client {
+                jm.queue.rate.take(n as u64, now);
             }
             if let Some(r) = &jm.primary.repl {
                 let rec = Record::Content {
@@ -294,26 +290,71 @@ impl Shard {
         });
     }
 
+    /// What the shard knows of `jm` for [`admit`]: its role by the
+    /// current route, its batches in flight and the shard's uploads.
+    fn admit_facts<'a>(&self, jm: &Journal, store_error: Option<&'a str>) -> AdmitShard<'a> {
+        let role = self.role(&jm.spec);
+        AdmitShard {
+            role: match role {
+                Role::Primary(_) => AdmitRole::Primary,
+                Role::Replica(_) => AdmitRole::Replica,
+                _ => AdmitRole::Other,
+            },
+            replicated: matches!(&role, Role::Primary(r) if r.members.len() > 1),
+            inflight: jm.primary.inflight,
+            unuploaded_bytes: self.unuploaded_bytes.get(),
+            spool_budget_bytes: self.spool_budget_bytes,
+            store_error,
+        }
+    }
+
+    /// Acts on an answer of [`admit`] that holds the journal back: Some
+    /// (whether to stage it again in this turn), or None if the answer is
+    /// not a wait.
+    fn hold(
+        &self,
+        j: &JournalRef,
+        jm: &mut Journal,
+        answer: &Admission,
+        now: Instant,
+    ) -> Option<bool> {
+        match *answer {
+            // A seal waits for this batch to commit and replicas to
+            // acknowledge what is in flight; peers ready the journal
+            // themselves (the acker, a SYNC's end).
+            Admission::Seal { again } | Admission::AwaitPeers { again } => Some(again),
+            Admission::AwaitListing { hurry } => {
+                if hurry {
+                    self.hurry_first_listing_soon(j);
+                }
+                Some(false)
+            }
+            Admission::AwaitRate { until } => {
+                metrics::add(&self.metrics.rate_waits, 1);
+                if !jm.queue.rate_timer {
+                    jm.queue.rate_timer = true;
+                    self.ready_after(j, until.saturating_duration_since(now));
+                }
+                Some(false)
+            }
+            _ => None,
+        }
+    }
+
     /// Acts on [`admit`]'s decision on `op`, the first queued append of
     /// `j`: drops or refuses it, or says whether it stages now.
-    fn admission(&self, j: &JournalRef, jm: &mut Journal, op: &Rc<AppendOp>, role: &Role) -> Front {
-        let store_error = self.store_error.borrow();
-        let decision = admit(
-            jm,
-            op,
-            &AdmitShard {
-                role: match role {
-                    Role::Primary(_) => AdmitRole::Primary,
-                    Role::Replica(_) => AdmitRole::Replica,
-                    _ => AdmitRole::Other,
-                },
-                inflight: jm.primary.inflight,
-                unuploaded_bytes: self.unuploaded_bytes.get(),
-                spool_budget_bytes: self.spool_budget_bytes,
-                store_error: store_error.as_deref(),
-            },
-        );
-        drop(store_error);
+    fn admission(
+        &self,
+        j: &JournalRef,
+        jm: &mut Journal,
+        op: &Rc<AppendOp>,
+        facts: &AdmitShard<'_>,
+        now: Instant,
+    ) -> Front {
+        let decision = admit(jm, Next::Append(op), facts, now);
+        if let Some(again) = self.hold(j, jm, &decision, now) {
+            return Front::Wait { again };
+        }
         match decision {
             Admission::Stage => Front::Stage,
             Admission::Drop => {
@@ -346,16 +387,7 @@ impl Shard {
                 drop_budget(op);
                 Front::Passed
             }
-            // Roll to a new fragment first, once this batch commits (and
-            // replicas have acknowledged what is in flight: the acker
-            // marks the journal ready then).
-            Admission::Seal { again } => Front::Wait { again },
-            Admission::AwaitListing { hurry } => {
-                if hurry {
-                    self.hurry_first_listing_soon(j);
-                }
-                Front::Wait { again: false }
-            }
+            other => unreachable!("a new append is not staged in part: {other:?}"),
         }
     }
 
