@@ -240,3 +240,54 @@ fn eio_on_the_commit_log_parks_the_shard() {
     assert!(stat(&mut c, "disk_failed_journals") >= 1);
     broker.shutdown();
 }
+
+/// An fdatasync of an `fsync` journal's spool, or a spool's growth, that
+/// fails with EIO parks the journal as a write does; other journals go on.
+#[test]
+fn eio_on_a_spool_sync_or_allocation_parks_the_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("/bad/");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let mut synced = JournalSpec::new("bad/synced");
+    synced.durability = rotary_net::spec::Durability::Fsync;
+    c.apply(&[
+        synced,
+        JournalSpec::new("bad/new"),
+        JournalSpec::new("ok/one"),
+    ]);
+    let (status, reply) = c.append(&req("bad/synced"), b"synced");
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.end, 6);
+
+    disk.arm(DiskOp::SpoolSync, libc::EIO, u32::MAX);
+    disk.arm(DiskOp::SpoolAllocate, libc::EIO, u32::MAX);
+    let (status, reply) = c.append(&req("bad/synced"), b"lost");
+    assert_eq!(status, Status::DISK_FAILED);
+    assert_eq!(reply.write_head, 6);
+    // The first append to a journal grows its new spool: refused.
+    let (status, reply) = c.append(&req("bad/new"), b"never");
+    assert_eq!(status, Status::DISK_FAILED);
+    assert_eq!(reply.write_head, 0);
+    let (syncs, allocations) = (
+        disk.asked(DiskOp::SpoolSync),
+        disk.asked(DiskOp::SpoolAllocate),
+    );
+    disk.disarm();
+    for name in ["bad/synced", "bad/new"] {
+        let (status, _) = c.append(&req(name), b"refused");
+        assert_eq!(status, Status::DISK_FAILED, "{name}");
+    }
+    assert_eq!(disk.asked(DiskOp::SpoolSync), syncs, "synced again");
+    assert_eq!(
+        disk.asked(DiskOp::SpoolAllocate),
+        allocations,
+        "grown again"
+    );
+    let (bytes, _) = c.read_all("bad/synced", 0);
+    assert_eq!(bytes, b"synced");
+    let (status, _) = c.append(&req("ok/one"), b"fine");
+    assert_eq!(status, Status::OK);
+    assert_eq!(stat(&mut c, "disk_failed_journals"), 2);
+    broker.shutdown();
+}
