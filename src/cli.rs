@@ -762,6 +762,9 @@ fn status_explanation(status: Status) -> &'static str {
         Status::FRAGMENT_STORE_UNHEALTHY => {
             "a fragment store of the journal cannot be reached or uploads are behind"
         }
+        Status::DISK_FAILED => {
+            "the broker's disk failed under the journal; append elsewhere, or after the disk is replaced"
+        }
         _ => "the broker refused the request",
     }
 }
@@ -1701,6 +1704,7 @@ mod tests {
         assert_eq!(status_exit_code(Status::WRONG_APPEND_OFFSET), EXIT_FAILED);
         assert_eq!(status_exit_code(Status::STORAGE_FULL), EXIT_RETRYABLE);
         assert_eq!(status_exit_code(Status::IO_ERROR), EXIT_RETRYABLE);
+        assert_eq!(status_exit_code(Status::DISK_FAILED), EXIT_FAILED);
     }
 
     #[test]

@@ -293,6 +293,10 @@ counters!(
     Counter spares_kept,
     /// Appends refused with STORAGE_FULL.
     Counter storage_full,
+    /// Journals parked because their disk failed for good (a final I/O
+    /// error: EIO, a read-only or corrupt file system); their appends are
+    /// refused DISK_FAILED until the broker restarts.
+    Counter disk_failed_journals,
     /// SYNCs of journals (a replica joining or a primary taking over).
     Counter syncs,
     /// Requests and SYNCs routed at an etcd revision this broker had not

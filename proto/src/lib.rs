@@ -6,11 +6,13 @@
 //! labels and selectors (and the `Codec` a spec names); `repl` the frames
 //! brokers exchange to replicate; `fragment_name` the object names of
 //! fragments (Gazette's); `shard_of` the journal → shard hash; `clock` the
-//! one clock library code reads (real, or set by a test). Nothing here
+//! one clock library code reads (real, or set by a test); `disk` which
+//! local disk errors are final. Nothing here
 //! does I/O, owns a thread or depends on a runtime: every crate of the
 //! workspace may use it, and it never points back up at them.
 
 pub mod clock;
+pub mod disk;
 pub mod fragment_name;
 pub mod repl;
 pub mod spec;

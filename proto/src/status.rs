@@ -87,6 +87,7 @@ statuses! {
     /// The local spool budget is spent while uploads catch up; retry later.
     SPOOL_BUDGET_EXHAUSTED = 67, retry = true;
     /// A local I/O error failed the request; nothing of it was committed.
+    /// The error may pass (a disk that failed for good is `DISK_FAILED`).
     IO_ERROR = 68, retry = true;
     /// The broker is shutting down; retry against another broker or later.
     SHUTTING_DOWN = 69, retry = true;
@@ -104,6 +105,12 @@ statuses! {
     /// (streamed appends, reads, replicated appends); finish or cancel some
     /// first, or use another connection.
     TOO_MANY_REQUESTS = 74, retry = true;
+    /// The broker's disk failed for good (EIO, a read-only or corrupt file
+    /// system) under the journal: nothing of the request was committed,
+    /// and the broker takes no more appends to it until an operator
+    /// replaces the disk and restarts it. What committed before can still
+    /// be read.
+    DISK_FAILED = 75, retry = false;
 }
 
 impl std::fmt::Display for Status {
@@ -127,5 +134,7 @@ mod tests {
         assert_eq!(Status::WRONG_APPEND_OFFSET.name(), "WRONG_APPEND_OFFSET");
         assert!(Status::STORAGE_FULL.is_retryable());
         assert!(!Status::BAD_REQUEST.is_retryable());
+        assert!(Status::IO_ERROR.is_retryable());
+        assert!(!Status::DISK_FAILED.is_retryable());
     }
 }

@@ -11,6 +11,7 @@
 
 pub mod aligned;
 pub mod boot;
+pub mod faults;
 pub mod fragment;
 pub mod pool;
 pub mod sha;
@@ -75,18 +76,11 @@ impl StorageError {
 }
 
 /// Whether an I/O error of the local disk may go away if the call is made
-/// again. Not when the device or the file system failed or refuses writes
-/// for good: `EIO` (a dying disk, or writeback that was lost), `ENXIO` and
-/// `ENODEV` (the device is gone), `EROFS` (remounted read-only, as file
-/// systems do after errors), `EUCLEAN` (the file system is corrupt).
-/// Anything else (a full disk, a lack of memory or descriptors, an
-/// interrupted call) may pass.
-pub fn io_is_retryable(e: &std::io::Error) -> bool {
-    !matches!(
-        e.raw_os_error(),
-        Some(libc::EIO | libc::ENXIO | libc::ENODEV | libc::EROFS | libc::EUCLEAN)
-    )
-}
+/// again: not when the device or the file system failed or refuses writes
+/// for good (`EIO`, `ENXIO`, `ENODEV`, `EROFS`, `EUCLEAN`). The one
+/// classification, shared with the uploader, is
+/// [`rotary_proto::disk::io_is_retryable`].
+pub use rotary_proto::disk::io_is_retryable;
 
 /// fsync of a directory, so renames and creations in it are durable.
 pub async fn sync_dir(dir: &Path) -> Result<(), StorageError> {

@@ -128,11 +128,7 @@ fn compress_parts(
     part_len: usize,
     tx: mpsc::Sender<Bytes>,
 ) -> Result<u64, StoreError> {
-    let io_err = |e: io::Error| StoreError::LocalIo {
-        path: path.to_path_buf(),
-        kind: e.kind(),
-        message: e.to_string(),
-    };
+    let io_err = |e: io::Error| StoreError::local_io(path, &e);
     let corrupt = |why: String| StoreError::LocalCorrupt {
         path: path.to_path_buf(),
         why,

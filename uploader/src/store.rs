@@ -248,11 +248,14 @@ pub enum StoreError {
     /// The local fragment file does not hold the bytes its job names.
     #[error("local fragment {path:?} is corrupt: {why}")]
     LocalCorrupt { path: PathBuf, why: String },
-    /// The local fragment file could not be read.
+    /// The local fragment file could not be read. `errno` is the OS
+    /// error, when there was one: a disk that failed for good
+    /// (`rotary_proto::disk`) is not retried.
     #[error("local fragment {path:?}: {kind}: {message}")]
     LocalIo {
         path: PathBuf,
         kind: std::io::ErrorKind,
+        errno: Option<i32>,
         message: String,
     },
     /// A journal name that cannot name objects.
@@ -267,14 +270,27 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// A failed read of the local fragment file at `path`, keeping its OS
+    /// error.
+    pub fn local_io(path: &std::path::Path, e: &std::io::Error) -> StoreError {
+        StoreError::LocalIo {
+            path: path.to_path_buf(),
+            kind: e.kind(),
+            errno: e.raw_os_error(),
+            message: e.to_string(),
+        }
+    }
+
     /// Whether retrying later may succeed.
     pub fn is_retryable(&self) -> bool {
         match self {
             StoreError::Unavailable { .. } | StoreError::VerifyFailed { .. } => true,
-            StoreError::LocalIo { kind, .. } => !matches!(
-                kind,
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
-            ),
+            StoreError::LocalIo { kind, errno, .. } => {
+                !matches!(
+                    kind,
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+                ) && errno.is_none_or(|e| !rotary_proto::disk::errno_is_final(e))
+            }
             StoreError::BadUrl { .. }
             | StoreError::Denied { .. }
             | StoreError::NotFound { .. }
@@ -635,10 +651,33 @@ mod tests {
         let io = |kind| StoreError::LocalIo {
             path: "/x.raw".into(),
             kind,
+            errno: None,
             message: String::new(),
         };
         assert!(!io(std::io::ErrorKind::NotFound).is_retryable());
         assert!(io(std::io::ErrorKind::Interrupted).is_retryable());
+        // A disk that failed under the fragment does not heal: its read is
+        // not retried; one that was interrupted or short of memory may pass.
+        let os = |errno| {
+            StoreError::local_io(
+                std::path::Path::new("/x.raw"),
+                &std::io::Error::from_raw_os_error(errno),
+            )
+        };
+        for errno in [
+            libc::EIO,
+            libc::ENXIO,
+            libc::ENODEV,
+            libc::EROFS,
+            libc::EUCLEAN,
+        ] {
+            let e = os(errno);
+            assert!(!e.is_retryable(), "{e}");
+        }
+        for errno in [libc::EINTR, libc::ENOMEM, libc::EAGAIN, libc::EMFILE] {
+            let e = os(errno);
+            assert!(e.is_retryable(), "{e}");
+        }
         assert!(!StoreError::Stopped.is_retryable());
     }
 }

@@ -38,6 +38,9 @@ pub struct Files {
     pub(crate) reads_in_flight: usize,
     pub(crate) seal_requested: bool,
     pub(crate) seal_waiters: Vec<(Rc<Outbox>, u64)>,
+    /// Why the journal is parked: its disk failed for good (see the
+    /// shard's `disk`). Appends are refused with it until a restart.
+    pub(crate) disk_failed: Option<String>,
 }
 
 impl Files {
@@ -52,6 +55,7 @@ impl Files {
             reads_in_flight: 0,
             seal_requested: false,
             seal_waiters: Vec::new(),
+            disk_failed: None,
         }
     }
 }

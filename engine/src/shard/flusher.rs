@@ -26,11 +26,11 @@ impl Held {
 }
 
 /// A journal's spool write of a turn: the write (if bytes were staged),
-/// its file, and whether to fdatasync it after.
+/// its file and path, and whether to fdatasync it after.
 type SpoolWrite = (
     JournalRef,
     Option<rotary_storage::spool::PendingWrite>,
-    Rc<compio::fs::File>,
+    (Rc<compio::fs::File>, Rc<std::path::Path>),
     bool,
 );
 
@@ -231,6 +231,9 @@ impl Shard {
     /// written and synced in the background while turns go on; only the
     /// switch to the new file happens here.
     async fn compact_log(&self) {
+        if self.log_disk_failed.borrow().is_some() {
+            return;
+        }
         let (begin, finish) = self.log.borrow().as_ref().map_or((false, false), |l| {
             let idle = !l.has_pending();
             (idle && l.needs_compaction(), idle && l.compaction_ready())
@@ -277,7 +280,7 @@ impl Shard {
             }
             self.fail_batch(j, status, msg);
         };
-        let mut failed: Vec<(JournalRef, Status, String)> = Vec::new();
+        let mut failed: Vec<(JournalRef, Status, String, StorageError)> = Vec::new();
         for (j, res, w, synced) in results {
             let path = j
                 .borrow()
@@ -307,17 +310,24 @@ impl Shard {
                     tracing::error!(error = %e, "spool write of an answered batch failed; stopping so recovery restores it from the commit log");
                     std::process::abort();
                 }
-                failed.push((j, storage_status(&e), e.to_string()));
+                failed.push((j, storage_status(&e), e.to_string(), e));
             }
         }
         if wrote {
             metrics::add(&self.metrics.batches, 1);
         }
-        for (j, status, msg) in &failed {
+        for (j, status, msg, e) in &failed {
             fail_batch(j, *status, msg, held);
+            // A disk that failed for good is not written again; what
+            // is queued behind is refused at the next turn.
+            if self.park_if_final(&mut j.borrow_mut(), e) {
+                self.mark_ready(j);
+            }
         }
         if let Err(e) = &log_result {
-            if let Some(held) = self.log_write_failed.due() {
+            if !e.is_retryable() {
+                self.park_shard_if_final(e);
+            } else if let Some(held) = self.log_write_failed.due() {
                 tracing::error!(error = %e, since_last_logged = held, "commit log write failed; failing the batch (logged once a minute while it lasts)");
             }
             let status = storage_status(e);
@@ -341,7 +351,7 @@ impl Shard {
             let Some(spool) = jm.files.spool.as_mut() else {
                 continue;
             };
-            let file = spool.file().clone();
+            let file = (spool.file().clone(), spool.shared_path());
             let w = spool.take_write();
             if w.is_some() || fsync {
                 writing.push((j.clone(), w, file, fsync));
@@ -365,23 +375,25 @@ impl Shard {
             .filter(|(_, w, _, _)| w.is_some())
             .map(|(j, _, _, _)| j.clone())
             .collect();
-        let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
-            let mut res = Ok(());
-            let w = match w {
-                Some(w) => {
-                    let (r, w) = w.run(&file).await;
-                    res = r;
-                    Some(w)
-                }
-                None => None,
-            };
-            let synced = if res.is_ok() && fsync {
-                Some(file.sync_data().await)
-            } else {
-                None
-            };
-            (j, res, w, synced)
-        }));
+        let spool_writes = join_all(writing.into_iter().map(
+            |(j, w, (file, path), fsync)| async move {
+                let mut res = Ok(());
+                let w = match w {
+                    Some(w) => {
+                        let (r, w) = w.run(&file).await;
+                        res = r;
+                        Some(w)
+                    }
+                    None => None,
+                };
+                let synced = if res.is_ok() && fsync {
+                    Some(rotary_storage::spool::sync_data(&file, &path).await)
+                } else {
+                    None
+                };
+                (j, res, w, synced)
+            },
+        ));
         let log_sync = async {
             if !any_fsync || log_written.is_err() {
                 return log_written;
@@ -532,6 +544,12 @@ impl Shard {
     pub(super) fn write_log(&self) -> Result<(), StorageError> {
         let mut log = self.log.borrow_mut();
         let log = log.as_mut().expect("commit log present");
+        if self.log_disk_failed.borrow().is_some() {
+            // Its disk failed for good: nothing is staged, and the records
+            // left (restating what failed) are not written to it again.
+            log.discard_pending();
+            return Ok(());
+        }
         let res = log.write_pending();
         if res.is_err() {
             log.discard_pending();
@@ -741,7 +759,9 @@ impl Shard {
                 jm.spool_back();
             }
             if let Err(e) = res {
-                tracing::error!(journal = %j.borrow().name, error = %e, "reloading spool tail failed");
+                if !self.park_if_final(&mut j.borrow_mut(), &e) {
+                    tracing::error!(journal = %j.borrow().name, error = %e, "reloading spool tail failed");
+                }
                 self.fail_queue(j, storage_status(&e), &e.to_string());
                 return false;
             }
@@ -774,6 +794,7 @@ impl Shard {
                     if e.is_full() {
                         metrics::add(&self.metrics.storage_full, 1);
                     }
+                    self.park_if_final(&mut j.borrow_mut(), &e);
                     self.fail_queue(j, storage_status(&e), &e.to_string());
                 }
             }
@@ -786,6 +807,10 @@ impl Shard {
         self.supersede_replica_appends(j);
         Self::drop_rolled_back(j);
         self.rewind_aborted(j);
+        if self.refuse_parked(j) {
+            // Its disk failed for good: no seal, no new spool, no SYNC.
+            return;
+        }
         let role = self.role(&j.borrow().spec);
         if !self.settle_replication(j, &role).await {
             return;
@@ -848,6 +873,10 @@ impl Shard {
     }
 
     pub(super) async fn seal(&self, j: &JournalRef) {
+        if self.refuse_parked(j) {
+            // A seal would fail the same way; the spool stays readable.
+            return;
+        }
         let (spool, durable) = {
             let mut jm = j.borrow_mut();
             let durable = jm.spec.durability == Durability::Fsync;
@@ -877,13 +906,22 @@ impl Shard {
                 Ok(frag) => sealed = frag,
                 Err(e) => {
                     // The spool file stays where it was; recovery or the
-                    // next seal picks it up. Reopen it to keep appending.
-                    tracing::error!(path = %path.display(), error = %e, "seal failed");
+                    // next seal picks it up. Reopen it to keep appending,
+                    // or, if the disk failed for good, to keep serving
+                    // reads of its bytes while the journal is parked (no
+                    // more seals are tried).
+                    let parked = self.park_if_final(&mut j.borrow_mut(), &e);
+                    if !parked {
+                        tracing::error!(path = %path.display(), error = %e, "seal failed");
+                    }
                     let end = j.borrow().heads.head();
                     if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
                         j.borrow_mut().files.spool = Some(s);
                     }
                     j.borrow_mut().spool_back();
+                    if parked {
+                        self.refuse_parked(j);
+                    }
                     return;
                 }
             }

@@ -83,10 +83,18 @@ impl Shard {
                     }
                 }
                 Err(e) => {
-                    // Only a local fragment that does not match its name is
-                    // beyond retrying: store-side refusals (a bucket being
-                    // recreated, a credential being fixed) may pass.
-                    if !matches!(e, rotary_uploader::StoreError::LocalCorrupt { .. }) {
+                    // Only a local fragment that does not match its name,
+                    // or whose disk failed for good, is beyond retrying:
+                    // store-side refusals (a bucket being recreated, a
+                    // credential being fixed) may pass.
+                    let beyond_retrying = match &e {
+                        rotary_uploader::StoreError::LocalCorrupt { .. } => true,
+                        rotary_uploader::StoreError::LocalIo {
+                            errno: Some(errno), ..
+                        } => rotary_proto::disk::errno_is_final(*errno),
+                        _ => false,
+                    };
+                    if !beyond_retrying {
                         let store = jm.spec.fragment.stores.first().map_or("", |s| s.as_str());
                         match self.shared_failures.failed(SharedWork::Upload, store) {
                             Some(held) => {
@@ -104,7 +112,7 @@ impl Shard {
                         if let rotary_uploader::StoreError::LocalCorrupt { why, .. } = &e {
                             f.corrupt = Some(why.clone());
                         }
-                        tracing::error!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed permanently; not retrying, and its span is no longer read from this file");
+                        tracing::error!(journal = %done.journal, begin = done.begin, end = done.end, error = %e, "upload failed permanently; not retrying, and a corrupt file's span is no longer read from it");
                     }
                     *self.store_error.borrow_mut() = Some(e.to_string());
                 }

@@ -15,6 +15,7 @@
 //! that hashing the next batch overlaps writing this one; they commit in
 //! the next turn.
 
+mod disk;
 mod flusher;
 mod history;
 mod lifecycle;
@@ -105,6 +106,9 @@ pub struct Shard {
     upload_done_rx: RefCell<Option<async_channel::Receiver<UploadDone>>>,
     /// Sealed bytes of journals with stores not yet in their store.
     unuploaded_bytes: Cell<u64>,
+    /// Why every journal of the shard is parked: its commit log's disk
+    /// failed for good (see `disk`).
+    log_disk_failed: RefCell<Option<String>>,
     /// Store listings running ([`Shard::refresh_listing`]).
     listings_in_flight: Cell<usize>,
     /// Journals whose listing waits for one of those to end.
@@ -230,6 +234,8 @@ pub struct ShardConfig {
     /// The clock the shard's thread reads; installed by the thread that
     /// runs the shard, before it opens it.
     pub clock: crate::clock::Clock,
+    /// See `ServeConfig::faults`; installed beside the clock.
+    pub faults: Option<Arc<dyn rotary_storage::faults::Faults>>,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.
@@ -295,6 +301,8 @@ struct Recovery {
 fn storage_status(e: &StorageError) -> Status {
     if e.is_full() {
         Status::STORAGE_FULL
+    } else if !e.is_retryable() {
+        Status::DISK_FAILED
     } else {
         Status::IO_ERROR
     }

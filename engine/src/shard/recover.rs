@@ -160,6 +160,7 @@ impl Shard {
             ack_poll,
             hasher,
             clock: _,
+            faults: _,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         let (mut log, replayed) = Self::open_log(&dir, &specs).await?;
@@ -204,6 +205,7 @@ impl Shard {
             upload_done: done_tx,
             upload_done_rx: RefCell::new(Some(done_rx)),
             unuploaded_bytes: Cell::new(0),
+            log_disk_failed: RefCell::new(None),
             listings_in_flight: Cell::new(0),
             listings_waiting: RefCell::new(VecDeque::new()),
             spool_budget_bytes,

@@ -113,6 +113,9 @@ impl Shard {
         drop_budget(&a.op);
         metrics::add(&self.metrics.append_failures, 1);
         jm.queue.waiting.pop_front();
+        // A disk that failed for good parks the journal: the rest of its
+        // queue is refused at the next turn's prepare.
+        self.park_if_final(jm, e);
         // A rewind past written bytes needs a tail reload.
         !jm.queue.waiting.is_empty()
     }

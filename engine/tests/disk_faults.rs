@@ -1,0 +1,293 @@
+//! A disk that fails under a journal, through the injected fault hook
+//! (`rotary_storage::faults`, set by `ServeConfig::faults`): an error that
+//! may pass (a full disk) stays retryable, while one that will not (EIO)
+//! parks the journal — its appends are refused `DISK_FAILED`, commit
+//! nothing, and are not tried on the disk again — and reads of what it
+//! committed still work.
+#![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
+
+mod common;
+
+use common::{req, Conn};
+use rotary_engine::{Broker, ServeConfig};
+use rotary_net::spec::JournalSpec;
+use rotary_net::status::Status;
+use rotary_net::wire::Op;
+use rotary_storage::faults::{DiskOp, Faults};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+/// Fails the armed operations on files whose path holds `only`, and
+/// counts every operation it is asked about there.
+#[derive(Default)]
+struct Disk {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    only: String,
+    /// Operation → (errno, how many more times it fails).
+    armed: HashMap<DiskOp, (i32, u32)>,
+    asked: HashMap<DiskOp, u32>,
+}
+
+impl Disk {
+    fn new(only: &str) -> Arc<Disk> {
+        let d = Disk::default();
+        d.state.lock().unwrap().only = only.into();
+        Arc::new(d)
+    }
+
+    fn arm(&self, op: DiskOp, errno: i32, times: u32) {
+        self.state.lock().unwrap().armed.insert(op, (errno, times));
+    }
+
+    fn disarm(&self) {
+        self.state.lock().unwrap().armed.clear();
+    }
+
+    fn asked(&self, op: DiskOp) -> u32 {
+        self.state
+            .lock()
+            .unwrap()
+            .asked
+            .get(&op)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+impl Faults for Disk {
+    fn check(&self, op: DiskOp, path: &Path) -> Option<i32> {
+        let mut s = self.state.lock().unwrap();
+        if !path.to_string_lossy().contains(&s.only) {
+            return None;
+        }
+        *s.asked.entry(op).or_default() += 1;
+        let (errno, left) = s.armed.get_mut(&op)?;
+        if *left == 0 {
+            return None;
+        }
+        *left -= 1;
+        Some(*errno)
+    }
+}
+
+/// A broker of one shard whose disk operations `disk` decides.
+fn start(dir: &Path, disk: &Arc<Disk>) -> Broker {
+    let mut cfg = ServeConfig::new(dir.to_path_buf(), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    cfg.faults = Some(disk.clone() as Arc<dyn Faults>);
+    Broker::start(cfg).unwrap()
+}
+
+fn stat(c: &mut Conn, name: &str) -> u64 {
+    c.send(Op::STATS, 0, 3, &[], &[]);
+    let r = c.recv();
+    assert_eq!(r.status, Status::OK);
+    let stats: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+    stats[name].as_u64().unwrap()
+}
+
+/// Larger than the commit log carries: the append is answered only once
+/// its spool write is done, so a failed write fails it.
+const APPEND_BYTES: usize = 100 << 10;
+
+#[test]
+fn eio_on_a_spool_write_parks_the_journal_and_reads_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("/dying/");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[
+        JournalSpec::new("dying/one"),
+        JournalSpec::new("healthy/one"),
+    ]);
+    let first = vec![1u8; APPEND_BYTES];
+    let (status, reply) = c.append(&req("dying/one"), &first);
+    assert_eq!(status, Status::OK);
+    let head = reply.end;
+
+    // The disk fails every write from now on.
+    disk.arm(DiskOp::SpoolWrite, libc::EIO, u32::MAX);
+    let writes = disk.asked(DiskOp::SpoolWrite);
+    let (status, reply) = c.append(&req("dying/one"), &vec![2u8; APPEND_BYTES]);
+    assert_eq!(status, Status::DISK_FAILED);
+    assert!(!status.is_retryable());
+    assert_eq!(reply.write_head, head, "a failed append commits nothing");
+    assert_eq!(disk.asked(DiskOp::SpoolWrite), writes + 1);
+    // Even once the hook would let writes through, later appends are
+    // refused the same way, without touching the disk.
+    disk.disarm();
+    for n in 0..3u8 {
+        let (status, reply) = c.append(&req("dying/one"), &[n; 10]);
+        assert_eq!(status, Status::DISK_FAILED, "append {n}");
+        assert_eq!(reply.write_head, head);
+    }
+    assert_eq!(disk.asked(DiskOp::SpoolWrite), writes + 1, "written again");
+    // What committed is still read.
+    let (bytes, status) = c.read_all("dying/one", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, first);
+    assert_eq!(stat(&mut c, "disk_failed_journals"), 1);
+    // Another journal of the shard, on a disk that works, goes on.
+    let (status, reply) = c.append(&req("healthy/one"), &vec![3u8; APPEND_BYTES]);
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.end, APPEND_BYTES as u64);
+    broker.shutdown();
+}
+
+#[test]
+fn enospc_on_a_spool_write_stays_retryable_storage_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("/full/");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new("full/one")]);
+    let first = vec![1u8; APPEND_BYTES];
+    let (status, _) = c.append(&req("full/one"), &first);
+    assert_eq!(status, Status::OK);
+    disk.arm(DiskOp::SpoolWrite, libc::ENOSPC, 2);
+    for _ in 0..2 {
+        let (status, reply) = c.append(&req("full/one"), &vec![2u8; APPEND_BYTES]);
+        assert_eq!(status, Status::STORAGE_FULL);
+        assert!(status.is_retryable());
+        assert_eq!(reply.write_head, APPEND_BYTES as u64);
+    }
+    // Space returns: the retry commits at the same head.
+    let (status, reply) = c.append(&req("full/one"), &vec![3u8; APPEND_BYTES]);
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.begin, APPEND_BYTES as u64);
+    let (bytes, _) = c.read_all("full/one", 0);
+    assert_eq!(bytes.len(), 2 * APPEND_BYTES);
+    assert!(bytes[APPEND_BYTES..].iter().all(|&b| b == 3));
+    assert_eq!(stat(&mut c, "disk_failed_journals"), 0);
+    broker.shutdown();
+}
+
+/// A seal that fails with EIO is tried once, not at every turn after: the
+/// journal is parked with its spool still readable.
+#[test]
+fn eio_at_seal_is_not_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("/sealing/");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let mut spec = JournalSpec::new("sealing/one");
+    // The second append rolls the fragment first.
+    spec.fragment.length = 4096;
+    c.apply(&[spec]);
+    // Fails many seals, then lets them through: a broker that retried
+    // would get there and commit the appends below. Armed first: the
+    // journal may seal as soon as its spool is past the length.
+    disk.arm(DiskOp::Seal, libc::EIO, 50);
+    let first = vec![1u8; 10_000];
+    let (status, reply) = c.append(&req("sealing/one"), &first);
+    assert_eq!(status, Status::OK);
+    let head = reply.end;
+    for n in 0..3u8 {
+        let (status, reply) = c.append(&req("sealing/one"), &[n; 100]);
+        assert_eq!(status, Status::DISK_FAILED, "append {n}");
+        assert_eq!(reply.write_head, head);
+    }
+    assert_eq!(disk.asked(DiskOp::Seal), 1, "seal attempts");
+    // An operator's SEAL is told why, not left waiting.
+    let name = rotary_net::wire::encode_name("sealing/one");
+    c.send(Op::SEAL, 0, 11, &name, &[]);
+    let r = c.recv();
+    assert_eq!(r.status, Status::DISK_FAILED);
+    assert_eq!(disk.asked(DiskOp::Seal), 1, "seal attempts");
+    let (bytes, status) = c.read_all("sealing/one", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, first);
+    broker.shutdown();
+}
+
+/// The commit log is the shard's: an EIO writing it parks every journal of
+/// the shard.
+#[test]
+fn eio_on_the_commit_log_parks_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("commit.log");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new("log/one"), JournalSpec::new("log/two")]);
+    let (status, reply) = c.append(&req("log/one"), b"committed");
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.end, 9);
+    let before = disk.asked(DiskOp::LogWrite);
+    disk.arm(DiskOp::LogWrite, libc::EIO, 1);
+    let (status, reply) = c.append(&req("log/one"), b"lost");
+    assert_eq!(status, Status::DISK_FAILED);
+    assert_eq!(reply.write_head, 9);
+    // The fault passed, but the log's disk is not trusted again: every
+    // journal of the shard is refused.
+    for name in ["log/one", "log/two"] {
+        let (status, _) = c.append(&req(name), b"refused");
+        assert_eq!(status, Status::DISK_FAILED, "{name}");
+    }
+    assert_eq!(
+        disk.asked(DiskOp::LogWrite),
+        before + 1,
+        "log writes after the EIO"
+    );
+    let (bytes, status) = c.read_all("log/one", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, b"committed");
+    assert!(stat(&mut c, "disk_failed_journals") >= 1);
+    broker.shutdown();
+}
+
+/// An fdatasync of an `fsync` journal's spool, or a spool's growth, that
+/// fails with EIO parks the journal as a write does; other journals go on.
+#[test]
+fn eio_on_a_spool_sync_or_allocation_parks_the_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("/bad/");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let mut synced = JournalSpec::new("bad/synced");
+    synced.durability = rotary_net::spec::Durability::Fsync;
+    c.apply(&[
+        synced,
+        JournalSpec::new("bad/new"),
+        JournalSpec::new("ok/one"),
+    ]);
+    let (status, reply) = c.append(&req("bad/synced"), b"synced");
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.end, 6);
+
+    disk.arm(DiskOp::SpoolSync, libc::EIO, u32::MAX);
+    disk.arm(DiskOp::SpoolAllocate, libc::EIO, u32::MAX);
+    let (status, reply) = c.append(&req("bad/synced"), b"lost");
+    assert_eq!(status, Status::DISK_FAILED);
+    assert_eq!(reply.write_head, 6);
+    // The first append to a journal grows its new spool: refused.
+    let (status, reply) = c.append(&req("bad/new"), b"never");
+    assert_eq!(status, Status::DISK_FAILED);
+    assert_eq!(reply.write_head, 0);
+    let (syncs, allocations) = (
+        disk.asked(DiskOp::SpoolSync),
+        disk.asked(DiskOp::SpoolAllocate),
+    );
+    disk.disarm();
+    for name in ["bad/synced", "bad/new"] {
+        let (status, _) = c.append(&req(name), b"refused");
+        assert_eq!(status, Status::DISK_FAILED, "{name}");
+    }
+    assert_eq!(disk.asked(DiskOp::SpoolSync), syncs, "synced again");
+    assert_eq!(
+        disk.asked(DiskOp::SpoolAllocate),
+        allocations,
+        "grown again"
+    );
+    let (bytes, _) = c.read_all("bad/synced", 0);
+    assert_eq!(bytes, b"synced");
+    let (status, _) = c.append(&req("ok/one"), b"fine");
+    assert_eq!(status, Status::OK);
+    assert_eq!(stat(&mut c, "disk_failed_journals"), 2);
+    broker.shutdown();
+}
