@@ -12,22 +12,22 @@
 #![warn(clippy::too_many_lines)]
 
 pub mod allocator;
-pub mod append;
-pub mod budget;
-pub mod check;
+pub(crate) mod append;
+pub(crate) mod budget;
+pub(crate) mod check;
 pub mod clock;
 pub mod cluster;
-pub mod conn;
+pub(crate) mod conn;
 mod error;
-pub mod fetch;
-pub mod hasher;
-pub mod journal;
+pub(crate) mod fetch;
+pub(crate) mod hasher;
+pub(crate) mod journal;
 pub mod metrics;
-pub mod outbox;
-pub mod pipeline;
+pub(crate) mod outbox;
+pub(crate) mod pipeline;
 pub mod reaper;
 pub mod replica;
-pub mod shard;
+pub(crate) mod shard;
 pub mod spares;
 pub mod specs;
 pub mod topology;

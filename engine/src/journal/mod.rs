@@ -16,15 +16,13 @@ mod tail;
 pub use admit::{admit, Admission, AdmitRole, AdmitShard, Next};
 pub use files::Files;
 pub use heads::Heads;
-pub use index::{FileRef, Index, Located};
+pub use index::{FileRef, Index};
 pub use primary::PrimaryState;
 pub use queue::AppendQueue;
 pub use rate::TokenBucket;
 pub use readers::Readers;
 pub use replica::ReplicaState;
-pub use tail::{
-    tail_window, TailCache, TAIL_CACHE_BYTES, TAIL_CACHE_MIN_BYTES, TAIL_CACHE_SHARD_BYTES,
-};
+pub use tail::{tail_window, TailCache};
 
 use crate::metrics::{self, Metrics};
 use crate::outbox::Outbox;
@@ -271,6 +269,7 @@ pub fn flush_boundary_crossed(
 
 #[cfg(test)]
 mod tests {
+    use super::tail::{TAIL_CACHE_BYTES, TAIL_CACHE_MIN_BYTES, TAIL_CACHE_SHARD_BYTES};
     use super::*;
 
     fn journal() -> Journal {

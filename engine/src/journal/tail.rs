@@ -94,6 +94,7 @@ impl TailCache {
     }
 
     /// Bytes the cache's buffer holds allocated.
+    #[cfg(test)]
     pub fn capacity(&self) -> usize {
         self.buf.capacity()
     }

@@ -388,10 +388,6 @@ impl Shard {
         let page = out.into_iter().map(|(_, _, v)| v).collect();
         (serde_json::Value::Array(page), more)
     }
-
-    pub fn registers_of(&self, j: &JournalRef) -> LabelSet {
-        j.borrow().heads.registers().clone()
-    }
 }
 
 /// Where a read goes after one step: on from an offset, or it ended
