@@ -204,9 +204,10 @@ struct Emit {
     producer: Option<u32>,
     max_clock: Clock,
     /// Where the last message delivered so far begins: the producer's
-    /// `begin` in a checkpoint taken now (its `min_clock` is `last`).
-    /// `None` before the first; the producer's state is written once, when
-    /// the commit is through.
+    /// `begin` in a checkpoint taken now (its `min_clock` is `last`), from
+    /// which a restored reader replays the rest. `None` before the first,
+    /// when a checkpoint holds the producer's state from before the commit;
+    /// that state is written once, when the commit is through.
     delivered_begin: Option<u64>,
     /// Largest clock delivered so far (starts at the last acknowledgement).
     last: Clock,
@@ -645,8 +646,11 @@ fn begin_commit(
         replay = Some((b, first_in_ring.unwrap_or(env.begin)));
     }
     let clock = env.clock();
-    partial.begin = Some(env.begin);
-    partial.max_clock = clock;
+    // `partial` keeps the state from before `env` until the commit is
+    // through: that is the position of a checkpoint taken before its first
+    // message is dequeued (the journal's offset is still where `env`
+    // begins, so a restored reader reads `env` again and replays the whole
+    // transaction from `begin`).
     Emit {
         producer: Some(producer),
         max_clock: clock,
@@ -966,5 +970,199 @@ mod tests {
             }],
         };
         assert!(Sequencer::from_checkpoint(&bad, 4).is_err());
+    }
+
+    /// A sequencer restored from `s`'s checkpoint (through its JSON), fed
+    /// the rest of `j` from the checkpoint's offset.
+    fn resume(s: &Sequencer, j: &J, ring_len: usize) -> Vec<u64> {
+        let json = serde_json::to_string(&s.checkpoint()).unwrap();
+        let cp: Checkpoint = serde_json::from_str(&json).unwrap();
+        let mut r = Sequencer::from_checkpoint(&cp, ring_len).unwrap();
+        let mut delivered = Vec::new();
+        for env in j.range(cp.offsets[&*j.name], u64::MAX) {
+            r.queue(env);
+            delivered.extend(drain(&mut r, j));
+        }
+        delivered
+    }
+
+    /// Journals written by several producers in one global order: each
+    /// envelope gets the next 10 bytes of its journal, and a unique
+    /// message unless it repeats an earlier one (a retried append).
+    #[derive(Default)]
+    struct Log {
+        all: Vec<Envelope>,
+        heads: BTreeMap<Arc<str>, u64>,
+    }
+
+    /// What identifies a delivered message: its journal and content
+    /// (a retried append repeats both, and must be delivered once).
+    type Delivery = (Arc<str>, Bytes);
+
+    impl Log {
+        fn push(&mut self, journal: &Arc<str>, uuid: Uuid, message: Bytes) {
+            let at = self.heads.entry(journal.clone()).or_insert(0);
+            self.all.push(Envelope {
+                journal: journal.clone(),
+                begin: *at,
+                end: *at + 10,
+                uuid,
+                message,
+            });
+            *at += 10;
+        }
+
+        /// A log from random steps: `(producer, journal, kind, n)`.
+        fn random(steps: &[(u8, u8, u8, u8)]) -> Log {
+            let journals: [Arc<str>; 2] = ["a/j".into(), "a/k".into()];
+            let producers = [A, B, ProducerId([0x01, 0, 0, 0, 0, 0xc])];
+            let mut clocks = [0u64; 3];
+            let mut log = Log::default();
+            for (i, &(p, j, kind, n)) in steps.iter().enumerate() {
+                let (p, journal) = (usize::from(p % 3), &journals[usize::from(j % 2)]);
+                let fresh = Bytes::from(format!("m{i}"));
+                let mut next = |flags| {
+                    clocks[p] += 1;
+                    Uuid::build(producers[p], Clock(clocks[p]), flags)
+                };
+                match kind % 20 {
+                    0..=8 => log.push(journal, next(Flags::CONTINUE_TXN), fresh),
+                    9..=12 => log.push(journal, next(Flags::ACK_TXN), fresh),
+                    13 | 14 => log.push(journal, next(Flags::OUTSIDE_TXN), fresh),
+                    // An acknowledgement of an earlier clock: a rollback,
+                    // or a commit of part of what is pending.
+                    15 | 16 => {
+                        let clock = clocks[p].saturating_sub(u64::from(n % 4));
+                        let uuid = Uuid::build(producers[p], Clock(clock), Flags::ACK_TXN);
+                        log.push(journal, uuid, fresh);
+                    }
+                    17 => log.push(
+                        journal,
+                        Uuid::build(producers[p], Clock(0), Flags::OUTSIDE_TXN),
+                        fresh,
+                    ),
+                    // A retried append: one of the journal's last messages again.
+                    _ => {
+                        let theirs: Vec<&Envelope> =
+                            log.all.iter().filter(|e| e.journal == *journal).collect();
+                        if let Some(e) = theirs.iter().rev().nth(usize::from(n % 4)) {
+                            let (uuid, message) = (e.uuid, e.message.clone());
+                            log.push(journal, uuid, message);
+                        }
+                    }
+                }
+            }
+            log
+        }
+
+        /// The envelopes of `journal`'s `[begin, end)`, as a replay reads them.
+        fn range(&self, journal: &str, begin: u64, end: u64) -> Vec<Envelope> {
+            self.all
+                .iter()
+                .filter(|e| &*e.journal == journal && e.begin >= begin && e.end <= end)
+                .cloned()
+                .collect()
+        }
+    }
+
+    /// Reads `input` as a reader does, one sequencer call at a time, and
+    /// returns what it delivered; with `checkpoints`, also the checkpoint
+    /// after every call, with the number of messages delivered before it.
+    fn read(
+        s: &mut Sequencer,
+        log: &Log,
+        input: &[Envelope],
+        mut checkpoints: Option<&mut Vec<(Checkpoint, usize)>>,
+    ) -> Vec<Delivery> {
+        let mut out: Vec<Delivery> = Vec::new();
+        let mut taken = |s: &Sequencer, out: &Vec<Delivery>| {
+            if let Some(cps) = checkpoints.as_mut() {
+                cps.push((s.checkpoint(), out.len()));
+            }
+        };
+        for env in input {
+            s.queue(env.clone());
+            taken(s, &out);
+            if let Some((journal, b, e)) = s.replay_range() {
+                for env in log.range(&journal, b, e) {
+                    if let Some(d) = s.replay(env).unwrap() {
+                        out.push((d.journal, d.message));
+                    }
+                    taken(s, &out);
+                }
+                s.finish_replay();
+            }
+            while let Some(d) = s.pop() {
+                out.push((d.journal, d.message));
+                taken(s, &out);
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// A checkpoint taken between any two sequencer calls resumes to
+        /// exactly the messages the uninterrupted run delivered after it,
+        /// with a ring of any length.
+        #[test]
+        fn every_checkpoint_resumes_to_exactly_the_rest(
+            steps in proptest::collection::vec(proptest::prelude::any::<(u8, u8, u8, u8)>(), 0..48),
+            ring_len in 1usize..6,
+            resumed_ring_len in 1usize..6,
+        ) {
+            let log = Log::random(&steps);
+            let mut s = Sequencer::new(ring_len);
+            for journal in log.heads.keys() {
+                s.set_offset(journal, 0);
+            }
+            let mut checkpoints = Vec::new();
+            let all = read(&mut s, &log, &log.all, Some(&mut checkpoints));
+            for (cp, delivered) in checkpoints {
+                let json = serde_json::to_string(&cp).unwrap();
+                let mut r = Sequencer::from_checkpoint(&serde_json::from_str(&json).unwrap(), resumed_ring_len).unwrap();
+                let rest: Vec<Envelope> = log
+                    .all
+                    .iter()
+                    .filter(|e| e.begin >= cp.offsets[&*e.journal])
+                    .cloned()
+                    .collect();
+                let resumed = read(&mut r, &log, &rest, None);
+                proptest::prop_assert_eq!(&resumed[..], &all[delivered..], "from {:?}", cp);
+            }
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_before_a_commits_first_message_resumes_the_whole_transaction() {
+        // Held whole in the ring, and evicted from a ring of 1: the state
+        // between the acknowledgement's `queue` and the first `pop` (or
+        // during the replay a reader stopped) is the state before the
+        // acknowledgement.
+        for ring_len in [16, 1] {
+            let mut j = J::new("a/j");
+            let mut s = Sequencer::new(ring_len);
+            s.set_offset("a/j", 0);
+            s.queue(j.c(A, 1));
+            s.queue(j.c(A, 2));
+            assert!(s.queue(j.ack(A, 3)).commits());
+            assert_eq!(resume(&s, &j, 16), vec![1, 2, 3], "ring of {ring_len}");
+            let cp = s.checkpoint();
+            assert_eq!(cp.offsets["a/j"], 20, "ring of {ring_len}");
+            assert_eq!(
+                (cp.producers[0].last_ack, cp.producers[0].begin),
+                (0, Some(0)),
+                "ring of {ring_len}"
+            );
+            assert_eq!(drain(&mut s, &j), vec![1, 2, 3], "ring of {ring_len}");
+        }
+        // An acknowledgement alone opens no transaction.
+        let mut j = J::new("a/j");
+        let mut s = Sequencer::new(4);
+        s.set_offset("a/j", 0);
+        assert_eq!(s.queue(j.ack(A, 3)), QueueOutcome::AckEmpty);
+        assert_eq!(s.checkpoint().producers[0].begin, None);
+        assert_eq!(resume(&s, &j, 4), vec![3]);
     }
 }
