@@ -235,26 +235,29 @@ impl Reader {
                 });
                 continue;
             }
-            if self.fetched.is_empty() {
-                match self.rx.recv().await? {
-                    Fetched::Envelopes(batch) => self.fetched = batch.into(),
-                    Fetched::Failed(e) => return Some(Err(e)),
+            // Envelopes are queued until one commits: only then is there
+            // anything to dequeue or replay.
+            loop {
+                if self.fetched.is_empty() {
+                    match self.rx.recv().await? {
+                        Fetched::Envelopes(batch) => self.fetched = batch.into(),
+                        Fetched::Failed(e) => return Some(Err(e)),
+                    }
                 }
-            }
-            let (env, skipped_bytes) = self.fetched.pop_front()?;
-            match self.skipped.get_mut(&*env.journal) {
-                Some(s) => *s = skipped_bytes,
-                None => {
-                    self.skipped.insert(env.journal.clone(), skipped_bytes);
+                let (env, skipped_bytes) = self.fetched.pop_front()?;
+                match self.skipped.get_mut(&*env.journal) {
+                    Some(s) => *s = skipped_bytes,
+                    None => {
+                        self.skipped.insert(env.journal.clone(), skipped_bytes);
+                    }
                 }
-            }
-            match self.mode {
-                ReadMode::Uncommitted => {
-                    self.seq.read_through(&env);
-                    return Some(Ok(env));
-                }
-                ReadMode::Committed => {
-                    self.seq.queue(env);
+                match self.mode {
+                    ReadMode::Uncommitted => {
+                        self.seq.read_through(&env);
+                        return Some(Ok(env));
+                    }
+                    ReadMode::Committed if self.seq.queue(env).commits() => break,
+                    ReadMode::Committed => {}
                 }
             }
         }

@@ -165,11 +165,16 @@ impl Ring {
             None => seq,
         };
         *pending = Some(Chain { first, last: seq });
+        // The envelope is written into its slot in place: a `Slot` built
+        // whole first is copied through the stack in pieces that do not
+        // line up with the stores that made it, and every such copy
+        // stalls on store forwarding.
         self.slots.push_back(Slot {
             producer,
             next: None,
-            env: Some(env),
+            env: None,
         });
+        self.slots.back_mut().expect("just pushed").env = Some(env);
     }
 
     /// Takes the envelope at `seq` out of its slot, and the sequence number
@@ -239,20 +244,17 @@ impl Emit {
         }
     }
 
-    /// The next envelope of the commit, filtered or not.
-    fn next_queued(&mut self, ring: &mut Ring) -> Option<Envelope> {
-        match self.cursor {
-            Some(seq) => {
-                let (env, next) = ring.take(seq);
-                self.cursor = next;
-                Some(env)
-            }
-            None => self.committing.take(),
+    /// Whether `env`, the next message of the commit, is delivered (not a
+    /// duplicate, nor beyond the acknowledged clock); if so, it is counted
+    /// as delivered.
+    fn delivers(&mut self, env: &Envelope) -> bool {
+        let clock = env.clock();
+        if self.producer.is_some() && (clock <= self.last || clock > self.max_clock) {
+            return false;
         }
-    }
-
-    fn is_drained(&self) -> bool {
-        self.cursor.is_none() && self.committing.is_none()
+        self.last = clock;
+        self.delivered_begin = Some(env.begin);
+        true
     }
 }
 
@@ -568,25 +570,29 @@ impl Sequencer {
         if emit.replay.is_some() {
             return None;
         }
-        let mut out = None;
-        while let Some(env) = emit.next_queued(&mut self.ring) {
-            let clock = env.clock();
-            if emit.producer.is_some() && (clock <= emit.last || clock > emit.max_clock) {
-                continue; // a duplicate, or beyond the acknowledged clock
+        // The pending messages, each looked at in its slot and moved out
+        // of it straight to the caller (see `Ring::push`).
+        while let Some(seq) = emit.cursor {
+            let slot = self.ring.slot_mut(seq);
+            emit.cursor = slot.next;
+            let env = slot.env.as_ref().expect("a pending message is in its slot");
+            if emit.delivers(env) {
+                return slot.env.take();
             }
-            emit.last = clock;
-            emit.delivered_begin = Some(env.begin);
-            out = Some(env);
-            break;
+            slot.env = None;
         }
-        if emit.is_drained() {
-            let emit = self.emit.take().expect("emitting");
-            self.offsets[emit.journal as usize] = Some(emit.end);
-            if let Some(p) = emit.producer {
-                self.partials[p as usize] = Partial::settled(emit.last);
-            }
+        // Then the committing envelope, last: the commit is through.
+        let mut emit = self.emit.take().expect("emitting");
+        let env = emit
+            .committing
+            .take()
+            .expect("a commit ends with its envelope");
+        let delivered = emit.delivers(&env);
+        self.offsets[emit.journal as usize] = Some(emit.end);
+        if let Some(p) = emit.producer {
+            self.partials[p as usize] = Partial::settled(emit.last);
         }
-        out
+        delivered.then_some(env)
     }
 }
 
