@@ -235,26 +235,29 @@ impl Reader {
                 });
                 continue;
             }
-            if self.fetched.is_empty() {
-                match self.rx.recv().await? {
-                    Fetched::Envelopes(batch) => self.fetched = batch.into(),
-                    Fetched::Failed(e) => return Some(Err(e)),
+            // Envelopes are queued until one commits: only then is there
+            // anything to dequeue or replay.
+            loop {
+                if self.fetched.is_empty() {
+                    match self.rx.recv().await? {
+                        Fetched::Envelopes(batch) => self.fetched = batch.into(),
+                        Fetched::Failed(e) => return Some(Err(e)),
+                    }
                 }
-            }
-            let (env, skipped_bytes) = self.fetched.pop_front()?;
-            match self.skipped.get_mut(&*env.journal) {
-                Some(s) => *s = skipped_bytes,
-                None => {
-                    self.skipped.insert(env.journal.clone(), skipped_bytes);
+                let (env, skipped_bytes) = self.fetched.pop_front()?;
+                match self.skipped.get_mut(&*env.journal) {
+                    Some(s) => *s = skipped_bytes,
+                    None => {
+                        self.skipped.insert(env.journal.clone(), skipped_bytes);
+                    }
                 }
-            }
-            match self.mode {
-                ReadMode::Uncommitted => {
-                    self.seq.read_through(&env);
-                    return Some(Ok(env));
-                }
-                ReadMode::Committed => {
-                    self.seq.queue(env);
+                match self.mode {
+                    ReadMode::Uncommitted => {
+                        self.seq.read_through(&env);
+                        return Some(Ok(env));
+                    }
+                    ReadMode::Committed if self.seq.queue(env).commits() => break,
+                    ReadMode::Committed => {}
                 }
             }
         }
@@ -428,5 +431,67 @@ async fn read_loop(
             let _ = tx.send(Fetched::Failed(e)).await;
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::uuid::{Clock, Flags, ProducerId, Uuid};
+    use std::future::Future;
+    use std::task::Poll;
+
+    const A: ProducerId = ProducerId([0x01, 0, 0, 0, 0, 0xa]);
+
+    fn env(journal: &Arc<str>, at: u64, clock: u64, flags: Flags) -> (Envelope, u64) {
+        let env = Envelope {
+            journal: journal.clone(),
+            begin: at,
+            end: at + 10,
+            uuid: Uuid::build(A, Clock(clock), flags),
+            message: bytes::Bytes::from(format!("{clock}")),
+        };
+        (env, 0)
+    }
+
+    /// A `next` dropped while it replays a commit (the broker has not
+    /// answered) leaves a checkpoint that replays the whole transaction.
+    #[tokio::test]
+    async fn a_next_dropped_mid_replay_checkpoints_before_the_commit() {
+        // A broker that takes connections and never answers.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = Client::connect(&silent.local_addr().unwrap().to_string())
+            .await
+            .unwrap();
+        let options = ReaderOptions {
+            ring_len: 1,
+            ..ReaderOptions::default()
+        };
+        let mut reader = Reader::open_with(client, BTreeMap::new(), options).unwrap();
+        let journal: Arc<str> = "a/j".into();
+        reader.framings.insert(journal.clone(), Framing::json());
+        reader.seq.set_offset("a/j", 0);
+        // The ring of 1 lets A1 go: its acknowledgement needs a replay.
+        reader.fetched = VecDeque::from([
+            env(&journal, 0, 1, Flags::CONTINUE_TXN),
+            env(&journal, 10, 2, Flags::CONTINUE_TXN),
+            env(&journal, 20, 3, Flags::ACK_TXN),
+        ]);
+        {
+            let mut next = std::pin::pin!(reader.next());
+            let polled = std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await;
+            assert!(polled.is_pending(), "the replay waits for the broker");
+        }
+        assert!(reader.replay.is_some() && reader.fetched.is_empty());
+        let cp = reader.checkpoint();
+        assert_eq!(cp.offsets["a/j"], 20, "the acknowledgement is read again");
+        let a = &cp.producers[0];
+        assert_eq!((a.last_ack, a.begin), (0, Some(0)), "from A1 on");
+        // Restored, the acknowledgement replays A1 and A2 again.
+        let mut seq = Sequencer::from_checkpoint(&cp, 1).unwrap();
+        let (ack, _) = env(&journal, 20, 3, Flags::ACK_TXN);
+        assert!(seq.queue(ack).commits());
+        assert_eq!(seq.replay_range(), Some((journal, 0, 20)));
+        drop(silent);
     }
 }

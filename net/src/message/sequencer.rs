@@ -165,11 +165,16 @@ impl Ring {
             None => seq,
         };
         *pending = Some(Chain { first, last: seq });
+        // The envelope is written into its slot in place: a `Slot` built
+        // whole first is copied through the stack in pieces that do not
+        // line up with the stores that made it, and every such copy
+        // stalls on store forwarding.
         self.slots.push_back(Slot {
             producer,
             next: None,
-            env: Some(env),
+            env: None,
         });
+        self.slots.back_mut().expect("just pushed").env = Some(env);
     }
 
     /// Takes the envelope at `seq` out of its slot, and the sequence number
@@ -204,9 +209,10 @@ struct Emit {
     producer: Option<u32>,
     max_clock: Clock,
     /// Where the last message delivered so far begins: the producer's
-    /// `begin` in a checkpoint taken now (its `min_clock` is `last`).
-    /// `None` before the first; the producer's state is written once, when
-    /// the commit is through.
+    /// `begin` in a checkpoint taken now (its `min_clock` is `last`), from
+    /// which a restored reader replays the rest. `None` before the first,
+    /// when a checkpoint holds the producer's state from before the commit;
+    /// that state is written once, when the commit is through.
     delivered_begin: Option<u64>,
     /// Largest clock delivered so far (starts at the last acknowledgement).
     last: Clock,
@@ -238,20 +244,17 @@ impl Emit {
         }
     }
 
-    /// The next envelope of the commit, filtered or not.
-    fn next_queued(&mut self, ring: &mut Ring) -> Option<Envelope> {
-        match self.cursor {
-            Some(seq) => {
-                let (env, next) = ring.take(seq);
-                self.cursor = next;
-                Some(env)
-            }
-            None => self.committing.take(),
+    /// Whether `env`, the next message of the commit, is delivered (not a
+    /// duplicate, nor beyond the acknowledged clock); if so, it is counted
+    /// as delivered.
+    fn delivers(&mut self, env: &Envelope) -> bool {
+        let clock = env.clock();
+        if self.producer.is_some() && (clock <= self.last || clock > self.max_clock) {
+            return false;
         }
-    }
-
-    fn is_drained(&self) -> bool {
-        self.cursor.is_none() && self.committing.is_none()
+        self.last = clock;
+        self.delivered_begin = Some(env.begin);
+        true
     }
 }
 
@@ -567,25 +570,29 @@ impl Sequencer {
         if emit.replay.is_some() {
             return None;
         }
-        let mut out = None;
-        while let Some(env) = emit.next_queued(&mut self.ring) {
-            let clock = env.clock();
-            if emit.producer.is_some() && (clock <= emit.last || clock > emit.max_clock) {
-                continue; // a duplicate, or beyond the acknowledged clock
+        // The pending messages, each looked at in its slot and moved out
+        // of it straight to the caller (see `Ring::push`).
+        while let Some(seq) = emit.cursor {
+            let slot = self.ring.slot_mut(seq);
+            emit.cursor = slot.next;
+            let env = slot.env.as_ref().expect("a pending message is in its slot");
+            if emit.delivers(env) {
+                return slot.env.take();
             }
-            emit.last = clock;
-            emit.delivered_begin = Some(env.begin);
-            out = Some(env);
-            break;
+            slot.env = None;
         }
-        if emit.is_drained() {
-            let emit = self.emit.take().expect("emitting");
-            self.offsets[emit.journal as usize] = Some(emit.end);
-            if let Some(p) = emit.producer {
-                self.partials[p as usize] = Partial::settled(emit.last);
-            }
+        // Then the committing envelope, last: the commit is through.
+        let mut emit = self.emit.take().expect("emitting");
+        let env = emit
+            .committing
+            .take()
+            .expect("a commit ends with its envelope");
+        let delivered = emit.delivers(&env);
+        self.offsets[emit.journal as usize] = Some(emit.end);
+        if let Some(p) = emit.producer {
+            self.partials[p as usize] = Partial::settled(emit.last);
         }
-        out
+        delivered.then_some(env)
     }
 }
 
@@ -645,8 +652,11 @@ fn begin_commit(
         replay = Some((b, first_in_ring.unwrap_or(env.begin)));
     }
     let clock = env.clock();
-    partial.begin = Some(env.begin);
-    partial.max_clock = clock;
+    // `partial` keeps the state from before `env` until the commit is
+    // through: that is the position of a checkpoint taken before its first
+    // message is dequeued (the journal's offset is still where `env`
+    // begins, so a restored reader reads `env` again and replays the whole
+    // transaction from `begin`).
     Emit {
         producer: Some(producer),
         max_clock: clock,
@@ -966,5 +976,199 @@ mod tests {
             }],
         };
         assert!(Sequencer::from_checkpoint(&bad, 4).is_err());
+    }
+
+    /// A sequencer restored from `s`'s checkpoint (through its JSON), fed
+    /// the rest of `j` from the checkpoint's offset.
+    fn resume(s: &Sequencer, j: &J, ring_len: usize) -> Vec<u64> {
+        let json = serde_json::to_string(&s.checkpoint()).unwrap();
+        let cp: Checkpoint = serde_json::from_str(&json).unwrap();
+        let mut r = Sequencer::from_checkpoint(&cp, ring_len).unwrap();
+        let mut delivered = Vec::new();
+        for env in j.range(cp.offsets[&*j.name], u64::MAX) {
+            r.queue(env);
+            delivered.extend(drain(&mut r, j));
+        }
+        delivered
+    }
+
+    /// Journals written by several producers in one global order: each
+    /// envelope gets the next 10 bytes of its journal, and a unique
+    /// message unless it repeats an earlier one (a retried append).
+    #[derive(Default)]
+    struct Log {
+        all: Vec<Envelope>,
+        heads: BTreeMap<Arc<str>, u64>,
+    }
+
+    /// What identifies a delivered message: its journal and content
+    /// (a retried append repeats both, and must be delivered once).
+    type Delivery = (Arc<str>, Bytes);
+
+    impl Log {
+        fn push(&mut self, journal: &Arc<str>, uuid: Uuid, message: Bytes) {
+            let at = self.heads.entry(journal.clone()).or_insert(0);
+            self.all.push(Envelope {
+                journal: journal.clone(),
+                begin: *at,
+                end: *at + 10,
+                uuid,
+                message,
+            });
+            *at += 10;
+        }
+
+        /// A log from random steps: `(producer, journal, kind, n)`.
+        fn random(steps: &[(u8, u8, u8, u8)]) -> Log {
+            let journals: [Arc<str>; 2] = ["a/j".into(), "a/k".into()];
+            let producers = [A, B, ProducerId([0x01, 0, 0, 0, 0, 0xc])];
+            let mut clocks = [0u64; 3];
+            let mut log = Log::default();
+            for (i, &(p, j, kind, n)) in steps.iter().enumerate() {
+                let (p, journal) = (usize::from(p % 3), &journals[usize::from(j % 2)]);
+                let fresh = Bytes::from(format!("m{i}"));
+                let mut next = |flags| {
+                    clocks[p] += 1;
+                    Uuid::build(producers[p], Clock(clocks[p]), flags)
+                };
+                match kind % 20 {
+                    0..=8 => log.push(journal, next(Flags::CONTINUE_TXN), fresh),
+                    9..=12 => log.push(journal, next(Flags::ACK_TXN), fresh),
+                    13 | 14 => log.push(journal, next(Flags::OUTSIDE_TXN), fresh),
+                    // An acknowledgement of an earlier clock: a rollback,
+                    // or a commit of part of what is pending.
+                    15 | 16 => {
+                        let clock = clocks[p].saturating_sub(u64::from(n % 4));
+                        let uuid = Uuid::build(producers[p], Clock(clock), Flags::ACK_TXN);
+                        log.push(journal, uuid, fresh);
+                    }
+                    17 => log.push(
+                        journal,
+                        Uuid::build(producers[p], Clock(0), Flags::OUTSIDE_TXN),
+                        fresh,
+                    ),
+                    // A retried append: one of the journal's last messages again.
+                    _ => {
+                        let theirs: Vec<&Envelope> =
+                            log.all.iter().filter(|e| e.journal == *journal).collect();
+                        if let Some(e) = theirs.iter().rev().nth(usize::from(n % 4)) {
+                            let (uuid, message) = (e.uuid, e.message.clone());
+                            log.push(journal, uuid, message);
+                        }
+                    }
+                }
+            }
+            log
+        }
+
+        /// The envelopes of `journal`'s `[begin, end)`, as a replay reads them.
+        fn range(&self, journal: &str, begin: u64, end: u64) -> Vec<Envelope> {
+            self.all
+                .iter()
+                .filter(|e| &*e.journal == journal && e.begin >= begin && e.end <= end)
+                .cloned()
+                .collect()
+        }
+    }
+
+    /// Reads `input` as a reader does, one sequencer call at a time, and
+    /// returns what it delivered; with `checkpoints`, also the checkpoint
+    /// after every call, with the number of messages delivered before it.
+    fn read(
+        s: &mut Sequencer,
+        log: &Log,
+        input: &[Envelope],
+        mut checkpoints: Option<&mut Vec<(Checkpoint, usize)>>,
+    ) -> Vec<Delivery> {
+        let mut out: Vec<Delivery> = Vec::new();
+        let mut taken = |s: &Sequencer, out: &Vec<Delivery>| {
+            if let Some(cps) = checkpoints.as_mut() {
+                cps.push((s.checkpoint(), out.len()));
+            }
+        };
+        for env in input {
+            s.queue(env.clone());
+            taken(s, &out);
+            if let Some((journal, b, e)) = s.replay_range() {
+                for env in log.range(&journal, b, e) {
+                    if let Some(d) = s.replay(env).unwrap() {
+                        out.push((d.journal, d.message));
+                    }
+                    taken(s, &out);
+                }
+                s.finish_replay();
+            }
+            while let Some(d) = s.pop() {
+                out.push((d.journal, d.message));
+                taken(s, &out);
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// A checkpoint taken between any two sequencer calls resumes to
+        /// exactly the messages the uninterrupted run delivered after it,
+        /// with a ring of any length.
+        #[test]
+        fn every_checkpoint_resumes_to_exactly_the_rest(
+            steps in proptest::collection::vec(proptest::prelude::any::<(u8, u8, u8, u8)>(), 0..48),
+            ring_len in 1usize..6,
+            resumed_ring_len in 1usize..6,
+        ) {
+            let log = Log::random(&steps);
+            let mut s = Sequencer::new(ring_len);
+            for journal in log.heads.keys() {
+                s.set_offset(journal, 0);
+            }
+            let mut checkpoints = Vec::new();
+            let all = read(&mut s, &log, &log.all, Some(&mut checkpoints));
+            for (cp, delivered) in checkpoints {
+                let json = serde_json::to_string(&cp).unwrap();
+                let mut r = Sequencer::from_checkpoint(&serde_json::from_str(&json).unwrap(), resumed_ring_len).unwrap();
+                let rest: Vec<Envelope> = log
+                    .all
+                    .iter()
+                    .filter(|e| e.begin >= cp.offsets[&*e.journal])
+                    .cloned()
+                    .collect();
+                let resumed = read(&mut r, &log, &rest, None);
+                proptest::prop_assert_eq!(&resumed[..], &all[delivered..], "from {:?}", cp);
+            }
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_before_a_commits_first_message_resumes_the_whole_transaction() {
+        // Held whole in the ring, and evicted from a ring of 1: the state
+        // between the acknowledgement's `queue` and the first `pop` (or
+        // during the replay a reader stopped) is the state before the
+        // acknowledgement.
+        for ring_len in [16, 1] {
+            let mut j = J::new("a/j");
+            let mut s = Sequencer::new(ring_len);
+            s.set_offset("a/j", 0);
+            s.queue(j.c(A, 1));
+            s.queue(j.c(A, 2));
+            assert!(s.queue(j.ack(A, 3)).commits());
+            assert_eq!(resume(&s, &j, 16), vec![1, 2, 3], "ring of {ring_len}");
+            let cp = s.checkpoint();
+            assert_eq!(cp.offsets["a/j"], 20, "ring of {ring_len}");
+            assert_eq!(
+                (cp.producers[0].last_ack, cp.producers[0].begin),
+                (0, Some(0)),
+                "ring of {ring_len}"
+            );
+            assert_eq!(drain(&mut s, &j), vec![1, 2, 3], "ring of {ring_len}");
+        }
+        // An acknowledgement alone opens no transaction.
+        let mut j = J::new("a/j");
+        let mut s = Sequencer::new(4);
+        s.set_offset("a/j", 0);
+        assert_eq!(s.queue(j.ack(A, 3)), QueueOutcome::AckEmpty);
+        assert_eq!(s.checkpoint().producers[0].begin, None);
+        assert_eq!(resume(&s, &j, 4), vec![3]);
     }
 }
