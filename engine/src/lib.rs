@@ -115,6 +115,12 @@ pub struct ServeConfig {
     /// The clock each shard's thread reads (see `clock`): the real one but
     /// in tests that set and move time.
     pub clock: clock::Clock,
+    /// Injected disk faults (see `rotary_storage::faults`), installed on
+    /// each shard's thread before the shard opens: the disk operations of
+    /// its spools, seals and commit log fail as the hook says. For tests
+    /// and simulations only: no flag of `rotary serve` sets it, and a
+    /// broker runs without one (`None`, the default).
+    pub faults: Option<Arc<dyn rotary_storage::faults::Faults>>,
 }
 
 /// [`ServeConfig::shard_slice`] by default: the shortest the kernel allows.
@@ -149,6 +155,7 @@ impl ServeConfig {
             shard_slice: SHARD_SLICE_DEFAULT,
             ack_poll: ACK_POLL_DEFAULT,
             clock: clock::Clock::real(),
+            faults: None,
         }
     }
 }
@@ -659,6 +666,7 @@ fn shard_config(
         replica_ack_timeout: config.replica_ack_timeout,
         ack_poll: config.ack_poll,
         clock: config.clock.clone(),
+        faults: config.faults.clone(),
         hasher,
     })
 }
@@ -787,6 +795,8 @@ fn run_shard(ctx: ShardContext) {
     metrics::set_thread_shard(ctx.shard.index);
     // Every time-based decision of this shard reads this clock.
     let _clock = clock::install(ctx.shard.clock.clone());
+    // And every disk operation of it asks this hook, if a test set one.
+    let _faults = rotary_storage::faults::install(ctx.shard.faults.clone());
     let rt = match shard_runtime(ctx.core, ctx.ring_entries) {
         Ok((rt, _)) => rt,
         Err(e) => {

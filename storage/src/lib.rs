@@ -11,6 +11,7 @@
 
 pub mod aligned;
 pub mod boot;
+pub mod faults;
 pub mod fragment;
 pub mod pool;
 pub mod sha;

@@ -22,6 +22,7 @@
 //! buffer management) is plain code; the I/O methods are thin.
 
 use crate::aligned::{align_down, align_up, AlignedBuf, BLOCK};
+use crate::faults::DiskOp;
 use crate::sha::Sha1;
 use crate::StorageError;
 use compio::fs::{File, OpenOptions};
@@ -72,7 +73,8 @@ pub struct CommitPoint {
 
 pub struct Spool {
     file: Rc<File>,
-    path: PathBuf,
+    /// Shared with each write, which names it to the fault hook.
+    path: Rc<Path>,
     begin: u64,
     committed: u64,
     committed_sha: Sha1,
@@ -189,7 +191,7 @@ impl Spool {
         assert!(self.is_empty(), "only an empty spool gives up its file");
         assert_eq!(self.staged, self.committed, "uncommitted bytes staged");
         assert!(self.writing.is_none(), "a write is in flight");
-        (self.path.clone(), self.allocated)
+        (self.path.to_path_buf(), self.allocated)
     }
 
     fn from_parts(
@@ -203,7 +205,7 @@ impl Spool {
         let max_buf = align_up((sizing.buffer_bytes + BLOCK) as u64) as usize;
         Spool {
             file: Rc::new(file),
-            path,
+            path: Rc::from(path),
             begin,
             committed: begin,
             committed_sha: sha.clone(),
@@ -374,6 +376,12 @@ impl Spool {
         &self.path
     }
 
+    /// The spool's path, to name it when syncing its file from a task
+    /// that does not hold the spool ([`sync_data`]).
+    pub fn shared_path(&self) -> Rc<Path> {
+        self.path.clone()
+    }
+
     /// SHA-1 of the committed bytes.
     pub fn committed_sha1(&self) -> [u8; 20] {
         self.committed_sha.clone().finalize()
@@ -416,7 +424,7 @@ impl Spool {
         let fd = self.file.as_raw_fd();
         let free = free_bytes(fd).map_err(|e| StorageError::io(&self.path, e))?;
         let full = |free| StorageError::Full {
-            path: self.path.clone(),
+            path: self.path.to_path_buf(),
             need: need - self.allocated,
             free,
             reserve,
@@ -429,7 +437,8 @@ impl Spool {
             return Err(full(free));
         };
         let target = align_up(self.allocated + grow);
-        let rc = sys::fallocate(fd, self.allocated, target - self.allocated);
+        let rc = crate::faults::inject(DiskOp::SpoolAllocate, &self.path)
+            .and_then(|()| sys::fallocate(fd, self.allocated, target - self.allocated));
         match rc {
             Ok(()) => {
                 self.allocated = target;
@@ -530,10 +539,11 @@ impl Spool {
             buf,
             file_pos: start,
             staged_to: 0,
+            path: Rc::from(path),
         };
         let (res, _) = w.run(&file).await;
         res.map_err(|e| StorageError::io(path, e))?;
-        file.sync_data()
+        sync_data(&file, path)
             .await
             .map_err(|e| StorageError::io(path, e))
     }
@@ -579,6 +589,7 @@ impl Spool {
             buf,
             file_pos: self.buf_start - self.begin,
             staged_to: self.staged,
+            path: self.path.clone(),
         };
         self.buf_start = tail_start;
         self.writing = Some(self.staged);
@@ -671,7 +682,7 @@ impl Spool {
             .map_err(|e| StorageError::io(&self.path, e))?;
         if range.len() < want {
             return Err(StorageError::Corrupt {
-                path: self.path.clone(),
+                path: self.path.to_path_buf(),
                 why: format!("tail block read {} of {want} bytes", range.len()),
             });
         }
@@ -682,8 +693,7 @@ impl Spool {
 
     /// fdatasync of the spool file.
     pub async fn sync(&self) -> Result<(), StorageError> {
-        self.file
-            .sync_data()
+        sync_data(&self.file, &self.path)
             .await
             .map_err(|e| StorageError::io(&self.path, e))
     }
@@ -703,6 +713,9 @@ impl Spool {
                 .map_err(|e| StorageError::io(&self.path, e))?;
             return Ok(None);
         }
+        // One question for the whole seal, so that a hook counts seals.
+        crate::faults::inject(DiskOp::Seal, &self.path)
+            .map_err(|e| StorageError::io(&self.path, e))?;
         let sha1 = self.committed_sha1();
         self.file
             .set_len(self.committed - self.begin)
@@ -759,11 +772,16 @@ pub struct PendingWrite {
     buf: AlignedBuf,
     file_pos: u64,
     staged_to: u64,
+    /// The file's path, for the fault hook.
+    path: Rc<Path>,
 }
 
 impl PendingWrite {
     /// Submits the write. The buffer comes back with the result.
     pub async fn run(mut self, file: &File) -> (std::io::Result<()>, PendingWrite) {
+        if let Err(e) = crate::faults::inject(DiskOp::SpoolWrite, &self.path) {
+            return (Err(e), self);
+        }
         let mut f = file;
         let len = self.buf.len();
         let (res, buf) = f.write_at(self.buf, self.file_pos).await.into();
@@ -781,6 +799,13 @@ impl PendingWrite {
     pub fn bytes(&self) -> usize {
         self.buf.len()
     }
+}
+
+/// fdatasync of the spool file `file` at `path`, for callers that hold
+/// the file but not the spool (a turn's writes).
+pub async fn sync_data(file: &File, path: &Path) -> std::io::Result<()> {
+    crate::faults::inject(DiskOp::SpoolSync, path)?;
+    file.sync_data().await
 }
 
 async fn file_len(file: &File, path: &Path) -> Result<u64, StorageError> {

@@ -38,6 +38,7 @@
 //! That may be the torn tail of a write that never completed, which is cut
 //! off, or damage, which stops the start (see [`torn_tail_error`]).
 
+use crate::faults::DiskOp;
 use crate::StorageError;
 use compio::fs::{File, OpenOptions};
 use compio::io::AsyncWriteAtExt;
@@ -674,8 +675,10 @@ impl CommitLog {
             .map_err(|e| StorageError::io(tmp, e))?;
         // A write cut short (the disk filling up) goes on with the rest,
         // which then fails with the cause (ENOSPC: a full disk).
+        crate::faults::inject(DiskOp::LogWrite, tmp).map_err(|e| StorageError::io(tmp, e))?;
         let (res, _) = file.write_all_at(bytes, 0).await.into();
         res.map_err(|e| StorageError::io(tmp, e))?;
+        crate::faults::inject(DiskOp::LogSync, tmp).map_err(|e| StorageError::io(tmp, e))?;
         file.sync_data()
             .await
             .map_err(|e| StorageError::io(tmp, e))?;
@@ -715,7 +718,9 @@ impl CommitLog {
     pub fn write_pending(&mut self) -> Result<(), StorageError> {
         if !self.pending.is_empty() {
             use std::os::unix::fs::FileExt;
-            if let Err(e) = self.writer.write_all_at(&self.pending, self.pos) {
+            let written = crate::faults::inject(DiskOp::LogWrite, &self.path)
+                .and_then(|()| self.writer.write_all_at(&self.pending, self.pos));
+            if let Err(e) = written {
                 // Part of it may be in the file. Cut back, so that the log
                 // never holds more than a torn last write behind its
                 // records (see `torn_tail_error`); the next write would
@@ -745,6 +750,8 @@ impl CommitLog {
     pub async fn flush(&mut self, sync: bool) -> Result<(), StorageError> {
         self.write_pending()?;
         if sync {
+            crate::faults::inject(DiskOp::LogSync, &self.path)
+                .map_err(|e| StorageError::io(&self.path, e))?;
             self.file
                 .sync_data()
                 .await
@@ -846,11 +853,12 @@ impl CommitLog {
         let len = next.snapshot_len;
         {
             use std::os::unix::fs::FileExt;
-            writer
-                .write_all_at(&next.tail, len)
+            crate::faults::inject(DiskOp::LogWrite, tmp)
+                .and_then(|()| writer.write_all_at(&next.tail, len))
                 .map_err(|e| StorageError::io(tmp, e))?;
         }
         if next.tail_synced {
+            crate::faults::inject(DiskOp::LogSync, tmp).map_err(|e| StorageError::io(tmp, e))?;
             file.sync_data()
                 .await
                 .map_err(|e| StorageError::io(tmp, e))?;

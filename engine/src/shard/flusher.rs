@@ -26,11 +26,11 @@ impl Held {
 }
 
 /// A journal's spool write of a turn: the write (if bytes were staged),
-/// its file, and whether to fdatasync it after.
+/// its file and path, and whether to fdatasync it after.
 type SpoolWrite = (
     JournalRef,
     Option<rotary_storage::spool::PendingWrite>,
-    Rc<compio::fs::File>,
+    (Rc<compio::fs::File>, Rc<std::path::Path>),
     bool,
 );
 
@@ -341,7 +341,7 @@ impl Shard {
             let Some(spool) = jm.files.spool.as_mut() else {
                 continue;
             };
-            let file = spool.file().clone();
+            let file = (spool.file().clone(), spool.shared_path());
             let w = spool.take_write();
             if w.is_some() || fsync {
                 writing.push((j.clone(), w, file, fsync));
@@ -365,23 +365,25 @@ impl Shard {
             .filter(|(_, w, _, _)| w.is_some())
             .map(|(j, _, _, _)| j.clone())
             .collect();
-        let spool_writes = join_all(writing.into_iter().map(|(j, w, file, fsync)| async move {
-            let mut res = Ok(());
-            let w = match w {
-                Some(w) => {
-                    let (r, w) = w.run(&file).await;
-                    res = r;
-                    Some(w)
-                }
-                None => None,
-            };
-            let synced = if res.is_ok() && fsync {
-                Some(file.sync_data().await)
-            } else {
-                None
-            };
-            (j, res, w, synced)
-        }));
+        let spool_writes = join_all(writing.into_iter().map(
+            |(j, w, (file, path), fsync)| async move {
+                let mut res = Ok(());
+                let w = match w {
+                    Some(w) => {
+                        let (r, w) = w.run(&file).await;
+                        res = r;
+                        Some(w)
+                    }
+                    None => None,
+                };
+                let synced = if res.is_ok() && fsync {
+                    Some(rotary_storage::spool::sync_data(&file, &path).await)
+                } else {
+                    None
+                };
+                (j, res, w, synced)
+            },
+        ));
         let log_sync = async {
             if !any_fsync || log_written.is_err() {
                 return log_written;

@@ -232,6 +232,8 @@ pub struct ShardConfig {
     /// The clock the shard's thread reads; installed by the thread that
     /// runs the shard, before it opens it.
     pub clock: crate::clock::Clock,
+    /// See `ServeConfig::faults`; installed beside the clock.
+    pub faults: Option<Arc<dyn rotary_storage::faults::Faults>>,
 }
 
 /// How long a presigned location handed to a direct reader stays valid.

@@ -160,6 +160,7 @@ impl Shard {
             ack_poll,
             hasher,
             clock: _,
+            faults: _,
         } = cfg;
         let dir = data_dir.join(format!("shard-{index}"));
         let (mut log, replayed) = Self::open_log(&dir, &specs).await?;
