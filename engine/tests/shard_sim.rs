@@ -1686,16 +1686,30 @@ fn run_seed(seed: u64, opts: Options) -> Stats {
 /// Copies a directory tree; false if a file vanished while it was copied.
 fn copy_dir(from: &Path, to: &Path) -> bool {
     std::fs::create_dir_all(to).unwrap();
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+    let entries = match std::fs::read_dir(from) {
+        Ok(entries) => entries,
+        Err(e) if gone(&e) => return false,
+        Err(e) => panic!("listing {}: {e}", from.display()),
+    };
     let mut whole = true;
-    for e in std::fs::read_dir(from).unwrap() {
+    for e in entries {
         let e = e.unwrap();
         let dest = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
+        let is_dir = match e.file_type() {
+            Ok(t) => t.is_dir(),
+            Err(err) if gone(&err) => {
+                whole = false;
+                continue;
+            }
+            Err(err) => panic!("reading {}: {err}", e.path().display()),
+        };
+        if is_dir {
             whole &= copy_dir(&e.path(), &dest);
         } else {
             match std::fs::copy(e.path(), &dest) {
                 Ok(_) => {}
-                Err(err) if err.kind() == std::io::ErrorKind::NotFound => whole = false,
+                Err(err) if gone(&err) => whole = false,
                 Err(err) => panic!("copying {}: {err}", e.path().display()),
             }
         }
