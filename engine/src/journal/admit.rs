@@ -622,17 +622,32 @@ mod tests {
         );
     }
 
+    /// A manual clock, installed, and a journal whose appends go at
+    /// `rate` bytes a second.
+    fn rated(rate: u64) -> (Clock, crate::clock::Installed, Journal) {
+        let clock = Clock::manual();
+        let installed = install(clock.clone());
+        let mut j = journal(false);
+        j.queue.rate.set_rate(rate);
+        (clock, installed, j)
+    }
+
+    /// Admission of the next `len` bytes of `op`, the open append, now.
+    fn ask_chunk(
+        j: &Journal,
+        op: &AppendOp,
+        len: u64,
+        shard: &AdmitShard<'_>,
+        clock: &Clock,
+    ) -> Admission {
+        admit(j, Next::Chunk { op, len }, shard, clock.now())
+    }
+
     #[test]
     fn a_rate_limited_chunk_stages_what_the_bucket_allows_or_waits() {
-        let clock = Clock::manual();
-        let _installed = install(clock.clone());
-        let mut j = journal(false);
-        j.queue.rate.set_rate(1000);
+        let (clock, _installed, mut j) = rated(1000);
         let a = op(false);
-        let chunk = |j: &Journal, len| {
-            let next = Next::Chunk { op: &a, len };
-            admit(j, next, &primary(), clock.now())
-        };
+        let chunk = |j: &Journal, len| ask_chunk(j, &a, len, &primary(), &clock);
         assert_eq!(chunk(&j, 600), Admission::StageUpTo(600));
         // Looking takes nothing: the flusher charges what it staged.
         assert_eq!(chunk(&j, 600), Admission::StageUpTo(600));
@@ -663,41 +678,28 @@ mod tests {
 
     #[test]
     fn a_replicas_chunk_is_never_rate_limited() {
-        let clock = Clock::manual();
-        let _installed = install(clock.clone());
-        let mut j = journal(false);
-        j.queue.rate.set_rate(1000);
+        let (clock, _installed, mut j) = rated(1000);
         j.queue.rate.take(1000, clock.now());
         let replica = AdmitShard {
             role: AdmitRole::Replica,
             ..primary()
         };
-        let r = op(true);
-        let next = Next::Chunk { op: &r, len: 5000 };
         assert_eq!(
-            admit(&j, next, &replica, clock.now()),
+            ask_chunk(&j, &op(true), 5000, &replica, &clock),
             Admission::StageUpTo(5000)
         );
         // Its primary's client is.
-        let a = op(false);
-        let next = Next::Chunk { op: &a, len: 5000 };
         assert!(matches!(
-            admit(&j, next, &primary(), clock.now()),
+            ask_chunk(&j, &op(false), 5000, &primary(), &clock),
             Admission::AwaitRate { .. }
         ));
     }
 
     #[test]
     fn the_bucket_refills_as_the_clock_advances() {
-        let clock = Clock::manual();
-        let _installed = install(clock.clone());
-        let mut j = journal(false);
-        j.queue.rate.set_rate(1000);
+        let (clock, _installed, mut j) = rated(1000);
         let a = op(false);
-        let chunk = |j: &Journal, len| {
-            let next = Next::Chunk { op: &a, len };
-            admit(j, next, &primary(), clock.now())
-        };
+        let chunk = |j: &Journal, len| ask_chunk(j, &a, len, &primary(), &clock);
         j.queue.rate.take(1000, clock.now());
         // The clock standing still, however often asked, nothing refills.
         assert!(matches!(chunk(&j, 600), Admission::AwaitRate { .. }));
