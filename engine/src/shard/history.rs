@@ -611,6 +611,7 @@ impl Shard {
             let _ = std::fs::remove_dir(&root);
         }
         self.states.borrow_mut().remove(name);
+        self.unrestated.borrow_mut().remove(name);
         if let Some(log) = self.log.borrow_mut().as_mut() {
             log.record_delete(name);
         }
