@@ -1905,6 +1905,20 @@ fn cut_off_append_behind_a_staged_one() {
 /// has it twice.
 #[test]
 fn a_refused_append_stays_refused_when_its_restatement_fails() {
+    refused_append_stays_refused(1, false);
+}
+
+/// As above, with a commit log that refuses every write from then on, up
+/// to and through the stop: the restatement is never written, and the
+/// restart must still not find the refused append in the spool.
+#[test]
+fn a_refused_append_stays_refused_when_the_log_never_restates_it() {
+    refused_append_stays_refused(1000, true);
+}
+
+/// The append's fdatasync fails, then `log_write_failures` log writes;
+/// with `stop_armed`, the broker stops while they still fail.
+fn refused_append_stays_refused(log_write_failures: u64, stop_armed: bool) {
     let journal = JournalPlan {
         name: "sim/restated",
         length: 1 << 20,
@@ -1915,7 +1929,10 @@ fn a_refused_append_stays_refused_when_its_restatement_fails() {
     let mut faults = FaultPlan::none(0);
     // The append's log record is written (call 0), its spool fdatasync
     // fails, and so does the next log write: the restatement.
-    faults.scheduled = vec![(1, 0, libc::ENOSPC), (4, 1, libc::ENOSPC)];
+    faults.scheduled = vec![(1, 0, libc::ENOSPC)];
+    faults
+        .scheduled
+        .extend((1..=log_write_failures).map(|n| (4, n, libc::ENOSPC)));
     let injector = Arc::new(Injector::new(faults, std::slice::from_ref(&journal)));
     let dir = tempfile::tempdir().unwrap();
     let start = |faults: bool| {
@@ -1949,12 +1966,23 @@ fn a_refused_append_stays_refused_when_its_restatement_fails() {
     assert_eq!(append(&mut c, b"first"), (Some(Status::OK), 5));
     injector.arm(true);
     let (status, head) = append(&mut c, &content(7, 100 << 10));
-    injector.arm(false);
+    if !stop_armed {
+        injector.arm(false);
+    }
     assert_ne!(status, Some(Status::OK));
     assert_eq!(head, 5, "{status:?}: nothing of it committed");
-    assert_eq!(injector.take_fired().len(), 2, "both faults fired");
     drop(c);
     broker.shutdown();
+    injector.arm(false);
+    let fired = injector.take_fired();
+    assert!(
+        fired.len() >= 2,
+        "the fdatasync and a log write failed: {fired:?}"
+    );
+    if log_write_failures == 1 {
+        assert_eq!(fired.len(), 2, "both faults fired: {fired:?}");
+    }
+    assert!(fired.iter().any(|f| f.op == 1) && fired.iter().any(|f| f.op == 4));
     let (broker, mut c) = start(false);
     assert_eq!(
         append(&mut c, b""),

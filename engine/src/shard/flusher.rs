@@ -297,6 +297,8 @@ impl Shard {
                 let h = held.swap_remove(i);
                 j.borrow_mut().queue.staged.extend(h.other);
             }
+            // Before the refusal: the batch's record may be in the log.
+            self.cut_back(j);
             self.fail_batch(j, status, msg);
         };
         let mut failed: Vec<(JournalRef, Status, String, StorageError)> = Vec::new();
@@ -598,6 +600,22 @@ impl Shard {
         None
     }
 
+    /// Cuts a journal's spool file back to its committed bytes after its
+    /// batch failed (`Spool::cut_back`): the batch's commit record may be
+    /// in the log already, and should its restatement ([`Shard::restate`])
+    /// never be written (the log failed for good, or a crash came first),
+    /// a restart must still not find the refused bytes in the spool.
+    fn cut_back(&self, j: &JournalRef) {
+        let mut jm = j.borrow_mut();
+        let Some(spool) = jm.files.spool.as_mut() else {
+            return;
+        };
+        if let Err(e) = spool.cut_back() {
+            tracing::error!(journal = %jm.name, error = %e, "cutting a spool back to its committed bytes after a failed batch; a restart may serve the batch if the commit log cannot restate the journal either");
+            self.park_if_final(&mut jm, &e);
+        }
+    }
+
     /// Owes the commit log a record of what a journal's spool holds
     /// committed, after a batch of it failed: the log may hold a record of
     /// that batch (written, even synced, with its spool bytes), which a
@@ -624,7 +642,8 @@ impl Shard {
     /// Records the restatements still owed (see [`Shard::restate`]), each
     /// the journal's state as the shard holds it: nothing committed to it
     /// since, as nothing commits without a log write that carries its
-    /// restatement too. Returns the journals restated.
+    /// restatement too. A journal deleted since (none in `states`) gets
+    /// its delete record. Returns the journals restated.
     pub(super) fn record_restatements(&self) -> Vec<String> {
         let names: Vec<String> = self.unrestated.borrow().iter().cloned().collect();
         if names.is_empty() {
@@ -634,9 +653,10 @@ impl Shard {
         let mut log = self.log.borrow_mut();
         let log = log.as_mut().expect("commit log present");
         for name in &names {
-            // A journal deleted since has its delete record instead.
-            if let Some(st) = states.get(name) {
-                log.record_commit(name, st);
+            match states.get(name) {
+                Some(st) => log.record_commit(name, st),
+                // Deleted (and not committed to since, if created again).
+                None => log.record_delete(name),
             }
         }
         names

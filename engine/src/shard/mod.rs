@@ -82,8 +82,9 @@ pub struct Shard {
     /// Last committed state of every journal, as in the commit log.
     states: RefCell<HashMap<String, JournalState>>,
     /// Journals whose batch failed after its commit record may have been
-    /// written, and whose restatement (their state in `states`) the log
-    /// has yet to hold: see [`Shard::restate`].
+    /// written, or that were deleted, and whose restatement (their state in
+    /// `states`, or their deletion if they have none) the log has yet to
+    /// hold: see [`Shard::restate`].
     unrestated: RefCell<std::collections::BTreeSet<String>>,
     /// The last write of restatements failed: the next waits
     /// [`RESTATE_RETRY_DELAY`], not for the next turn.
