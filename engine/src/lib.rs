@@ -869,6 +869,7 @@ async fn serve_shard(ctx: ShardContext) {
     accept_until_stopped(&shard, &listener, &ctx.stop).await;
     shard.begin_shutdown();
     shard.drained().await;
+    shard.write_restatements();
     // The answers of the stop (appends rolled back, reads ended) and
     // of the last turns reach their clients before the process exits.
     shard.answers_sent(SHUTDOWN_ANSWERS_WAIT).await;

@@ -443,11 +443,6 @@ struct Fired {
 /// The fault plan at work on the shard's thread: counts each operation's
 /// calls while armed and fails those the plan names.
 ///
-/// The commit-log write after a failed batch is spared: it restates what
-/// the journal holds, and should it fail, the append the batch refused
-/// comes back at the next restart (see
-/// `a_refused_append_stays_refused_when_its_restatement_fails`).
-///
 /// Spool writes fail only for `fsync` journals. A `replicated` journal's
 /// small batch is answered once the commit log holds it, before its spool
 /// write; should that write fail, the broker stops its process at once
@@ -457,11 +452,6 @@ struct Injector {
     plan: FaultPlan,
     /// Path pieces of the journals whose spool writes may fail.
     spool_writes_fail_under: Vec<String>,
-    /// Spare the commit-log write after a fault that failed a batch (see
-    /// `a_refused_append_stays_refused_when_its_restatement_fails`).
-    spare_restatements: bool,
-    /// A batch failed and its journal's restatement is yet to be written.
-    restating: AtomicBool,
     armed: AtomicBool,
     /// Print each fault as it fires.
     trace: AtomicBool,
@@ -478,8 +468,6 @@ impl Injector {
                 .filter(|j| j.fsync)
                 .map(|j| format!("journals/{}/@", j.name))
                 .collect(),
-            spare_restatements: true,
-            restating: AtomicBool::new(false),
             armed: AtomicBool::new(false),
             trace: AtomicBool::new(false),
             calls: Default::default(),
@@ -506,15 +494,7 @@ impl Injector {
             }
         }
         let n = self.calls[op].fetch_add(1, Ordering::SeqCst);
-        if op == 4 && self.spare_restatements && self.restating.swap(false, Ordering::SeqCst) {
-            return None;
-        }
         let errno = self.plan.decide(op, n)?;
-        if matches!(op, 0 | 1 | 5) {
-            // A spool write or fdatasync, or the log's fdatasync: the batch
-            // fails and the log is to restate its journal.
-            self.restating.store(true, Ordering::SeqCst);
-        }
         if self.trace.load(Ordering::SeqCst) {
             eprintln!(
                 "  fault: {} call {n} fails with errno {errno} ({})",
@@ -1852,12 +1832,10 @@ fn cut_off_appends_racing_the_next_append() {
 
 /// A disk on which every seal fails, transiently (EINTR) or for good
 /// (EIO): appends and SEALs must still be answered, with an error if need
-/// be. Today a failed seal reopens the spool and is tried again before the
-/// next append, at once and for ever (`Shard::seal`, flusher.rs): the
-/// shard spins on it, tens of thousands of attempts a minute, and the
-/// append behind it never gets an answer.
+/// be. A transient failure is tried again after a growing delay, and
+/// meanwhile SEALs and appends that need the seal first are refused
+/// `IO_ERROR` (`Shard::seal_failed`, flusher.rs); EIO parks the journal.
 #[test]
-#[ignore = "a failed seal is retried for ever and the appends behind it are never answered"]
 fn appends_behind_failing_seals_are_answered() {
     for errno in [libc::EINTR, libc::EIO] {
         let opts = Options {
@@ -1924,10 +1902,23 @@ fn cut_off_append_behind_a_staged_one() {
 /// log is to restate what the journal holds. Should that write fail too,
 /// the restatement must not be lost, or the refused append comes back at
 /// the next restart, where readers see it and a client that retried it
-/// has it twice. Today it is lost.
+/// has it twice.
 #[test]
-#[ignore = "a failed commit-log write drops the restatement of a failed batch"]
 fn a_refused_append_stays_refused_when_its_restatement_fails() {
+    refused_append_stays_refused(1, false);
+}
+
+/// As above, with a commit log that refuses every write from then on, up
+/// to and through the stop: the restatement is never written, and the
+/// restart must still not find the refused append in the spool.
+#[test]
+fn a_refused_append_stays_refused_when_the_log_never_restates_it() {
+    refused_append_stays_refused(1000, true);
+}
+
+/// The append's fdatasync fails, then `log_write_failures` log writes;
+/// with `stop_armed`, the broker stops while they still fail.
+fn refused_append_stays_refused(log_write_failures: u64, stop_armed: bool) {
     let journal = JournalPlan {
         name: "sim/restated",
         length: 1 << 20,
@@ -1938,10 +1929,11 @@ fn a_refused_append_stays_refused_when_its_restatement_fails() {
     let mut faults = FaultPlan::none(0);
     // The append's log record is written (call 0), its spool fdatasync
     // fails, and so does the next log write: the restatement.
-    faults.scheduled = vec![(1, 0, libc::ENOSPC), (4, 1, libc::ENOSPC)];
-    let mut injector = Injector::new(faults, std::slice::from_ref(&journal));
-    injector.spare_restatements = false;
-    let injector = Arc::new(injector);
+    faults.scheduled = vec![(1, 0, libc::ENOSPC)];
+    faults
+        .scheduled
+        .extend((1..=log_write_failures).map(|n| (4, n, libc::ENOSPC)));
+    let injector = Arc::new(Injector::new(faults, std::slice::from_ref(&journal)));
     let dir = tempfile::tempdir().unwrap();
     let start = |faults: bool| {
         let mut cfg = ServeConfig::new(dir.path().join("data"), "127.0.0.1:0".parse().unwrap());
@@ -1974,12 +1966,23 @@ fn a_refused_append_stays_refused_when_its_restatement_fails() {
     assert_eq!(append(&mut c, b"first"), (Some(Status::OK), 5));
     injector.arm(true);
     let (status, head) = append(&mut c, &content(7, 100 << 10));
-    injector.arm(false);
+    if !stop_armed {
+        injector.arm(false);
+    }
     assert_ne!(status, Some(Status::OK));
     assert_eq!(head, 5, "{status:?}: nothing of it committed");
-    assert_eq!(injector.take_fired().len(), 2, "both faults fired");
     drop(c);
     broker.shutdown();
+    injector.arm(false);
+    let fired = injector.take_fired();
+    assert!(
+        fired.len() >= 2,
+        "the fdatasync and a log write failed: {fired:?}"
+    );
+    if log_write_failures == 1 {
+        assert_eq!(fired.len(), 2, "both faults fired: {fired:?}");
+    }
+    assert!(fired.iter().any(|f| f.op == 1) && fired.iter().any(|f| f.op == 4));
     let (broker, mut c) = start(false);
     assert_eq!(
         append(&mut c, b""),

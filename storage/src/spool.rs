@@ -667,6 +667,32 @@ impl Spool {
         self.rewind(point);
     }
 
+    /// Cuts the file back to the committed bytes, then allocates what it
+    /// held beyond them again (zeroed). Bytes that a refused batch wrote
+    /// past the committed point (all of them, when only its fdatasync
+    /// failed) then cannot pass for a commit at a restart, whatever record
+    /// of the batch the commit log holds: recovery finds the spool too
+    /// short for that record and stands on the one before. Shrinking needs
+    /// no space, so this works on a full disk; should the allocation fail,
+    /// staging allocates as it goes ([`Spool::ensure_allocated`]). No write
+    /// may be in flight.
+    pub fn cut_back(&mut self) -> Result<(), StorageError> {
+        assert!(
+            self.writing.is_none(),
+            "cut_back while a write is in flight"
+        );
+        assert!(self.written <= self.staged && self.committed <= self.staged);
+        let keep = self.committed - self.begin;
+        let fd = self.file.as_raw_fd();
+        sys::ftruncate(fd, keep).map_err(|e| StorageError::io(&self.path, e))?;
+        let allocated = std::mem::replace(&mut self.allocated, keep);
+        self.written = self.written.min(self.committed);
+        if allocated > keep && sys::fallocate(fd, keep, allocated - keep).is_ok() {
+            self.allocated = allocated;
+        }
+        Ok(())
+    }
+
     /// Reads the committed part of the tail block back into the buffer.
     pub async fn load_tail(&mut self) -> Result<(), StorageError> {
         if self.tail_loaded {
@@ -934,6 +960,15 @@ mod sys {
         Err(err)
     }
 
+    pub fn ftruncate(fd: i32, len: u64) -> std::io::Result<()> {
+        // SAFETY: plain syscall on a descriptor the caller keeps open.
+        let rc = unsafe { libc::ftruncate(fd, len as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        Err(std::io::Error::last_os_error())
+    }
+
     pub fn fstatvfs_free(fd: i32) -> std::io::Result<u64> {
         let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
         // SAFETY: st is a valid out-pointer; fd is open.
@@ -1061,6 +1096,73 @@ mod tests {
             let mut big = Spool::create(dir.path(), 1 << 40).await.unwrap();
             big.ensure_allocated(40 * MIB, 0).unwrap();
             assert_eq!(file_len(&big), 40 * MIB);
+        });
+    }
+
+    /// Bytes of a refused batch written past the committed point: after
+    /// `cut_back`, a record naming them no longer matches the file, the
+    /// committed ones still do, and the spool goes on at the committed
+    /// point with its allocation kept.
+    #[test]
+    fn a_cut_back_spool_no_longer_holds_a_refused_batch() {
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let mut spool = Spool::create(dir.path(), 100).await.unwrap();
+            let path = spool.path().to_path_buf();
+            spool.ensure_allocated(20_000, 0).unwrap();
+            let allocated = std::fs::metadata(&path).unwrap().len();
+            let sha_of = |b: &[u8]| -> [u8; 20] {
+                let mut s = Sha1::new();
+                s.update(b);
+                s.finalize()
+            };
+            spool.stage(&[1u8; 5000]);
+            spool.write_staged().await.unwrap();
+            spool.commit(spool.commit_point());
+            // The refused batch reached the file whole (its fdatasync
+            // failed, say).
+            spool.stage(&[2u8; 9000]);
+            spool.write_staged().await.unwrap();
+            spool.rollback();
+            spool.cut_back().unwrap();
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), allocated);
+            let mut refused = vec![1u8; 5000];
+            refused.extend_from_slice(&[2u8; 9000]);
+            let checks = [
+                Check {
+                    end: 100 + 14_000,
+                    sha1: sha_of(&refused),
+                    from: None,
+                },
+                Check {
+                    end: 100 + 5000,
+                    sha1: sha_of(&[1u8; 5000]),
+                    from: None,
+                },
+            ];
+            let (found, _) =
+                Spool::recover_checked(path.clone(), 100, &checks, SpoolSizing::default())
+                    .await
+                    .unwrap();
+            let (_, at) = found.expect("the committed bytes match");
+            assert_eq!(at, 1, "the refused batch's record does not stand");
+            // Staging goes on at the committed point.
+            spool.load_tail().await.unwrap();
+            spool.stage(&[3u8; 10]);
+            spool.write_staged().await.unwrap();
+            spool.commit(spool.commit_point());
+            let mut want = vec![1u8; 5000];
+            want.extend_from_slice(&[3u8; 10]);
+            let check = [Check {
+                end: 100 + 5010,
+                sha1: sha_of(&want),
+                from: None,
+            }];
+            let (found, _) = Spool::recover_checked(path, 100, &check, SpoolSizing::default())
+                .await
+                .unwrap();
+            assert!(found.is_some());
         });
     }
 

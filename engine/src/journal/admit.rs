@@ -90,7 +90,7 @@ pub fn admit(jm: &Journal, next: Next<'_>, shard: &AdmitShard<'_>, now: Instant)
     }
     match next {
         Next::Journal => Admission::Stage,
-        Next::Append(op) => admit_append(jm, op, shard),
+        Next::Append(op) => admit_append(jm, op, shard, now),
         Next::Chunk { op, len } => admit_chunk(jm, op, len, now),
     }
 }
@@ -141,7 +141,7 @@ fn admit_chunk(jm: &Journal, op: &AppendOp, len: u64, now: Instant) -> Admission
 }
 
 /// The rules of `op`, the first queued append, before it starts staging.
-fn admit_append(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
+fn admit_append(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>, now: Instant) -> Admission {
     if op.aborted.get().is_some() || op.finished.get() {
         return Admission::Drop;
     }
@@ -168,7 +168,23 @@ fn admit_append(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admissio
             .spool
             .as_ref()
             .map_or(0, |s| s.staged() - s.begin());
-        if spooled >= jm.spec.fragment.length || jm.files.seal_requested {
+        let full = spooled >= jm.spec.fragment.length;
+        let backoff = jm.files.seal_backoff(now);
+        if let Some(retry) = backoff.filter(|_| full) {
+            // The spool is to roll first, and its seal failed a moment
+            // ago: waiting for the retry would hold the append (and the
+            // journal's queue) for as long as the failure lasts.
+            return refuse(
+                Status::IO_ERROR,
+                format!(
+                    "the journal's spool is full and sealing it failed ({}); the seal is tried again shortly",
+                    retry.error
+                ),
+            );
+        }
+        // A seal asked for while one backs off waits for the retry; the
+        // spool still has room meanwhile.
+        if full || (jm.files.seal_requested && backoff.is_none()) {
             return Admission::Seal {
                 again: shard.inflight == 0,
             };

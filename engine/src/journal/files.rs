@@ -6,7 +6,25 @@ use rotary_storage::fragment::LocalFragment;
 use rotary_storage::spool::Spool;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
+
+/// The first wait before a seal that failed with an error that may pass
+/// (an interrupted call, a lack of memory) is tried again; each failure in
+/// a row doubles it, up to [`SEAL_RETRY_DELAY_MAX`].
+pub const SEAL_RETRY_DELAY_MIN: Duration = Duration::from_millis(100);
+/// The longest wait between two tries of a seal that keeps failing.
+pub const SEAL_RETRY_DELAY_MAX: Duration = Duration::from_secs(10);
+
+/// A seal that failed with an error that may pass: it is not tried again
+/// before `at` (see `Shard::seal`).
+#[derive(Clone, Debug)]
+pub struct SealRetry {
+    pub at: Instant,
+    /// Failures in a row.
+    pub failures: u32,
+    /// The last failure, named in the refusals it causes.
+    pub error: String,
+}
 
 /// The journal's local files.
 ///
@@ -41,6 +59,8 @@ pub struct Files {
     /// Why the journal is parked: its disk failed for good (see the
     /// shard's `disk`). Appends are refused with it until a restart.
     pub(crate) disk_failed: Option<String>,
+    /// The last seal failed with an error that may pass: the next waits.
+    pub(crate) seal_retry: Option<SealRetry>,
 }
 
 impl Files {
@@ -56,6 +76,27 @@ impl Files {
             seal_requested: false,
             seal_waiters: Vec::new(),
             disk_failed: None,
+            seal_retry: None,
         }
+    }
+
+    /// The failed seal whose retry is not yet due at `now`, if one is.
+    pub fn seal_backoff(&self, now: Instant) -> Option<&SealRetry> {
+        self.seal_retry.as_ref().filter(|r| now < r.at)
+    }
+
+    /// Notes a seal that failed with `error` (one that may pass) at `now`;
+    /// returns how long until it is tried again.
+    pub fn seal_failed(&mut self, now: Instant, error: String) -> Duration {
+        let failures = self.seal_retry.as_ref().map_or(0, |r| r.failures) + 1;
+        let delay = SEAL_RETRY_DELAY_MIN
+            .saturating_mul(1 << (failures - 1).min(16))
+            .min(SEAL_RETRY_DELAY_MAX);
+        self.seal_retry = Some(SealRetry {
+            at: now + delay,
+            failures,
+            error,
+        });
+        delay
     }
 }

@@ -49,11 +49,22 @@ impl Shard {
             let l = self.wake.listen();
             let has_log_records = self.log.borrow().as_ref().is_some_and(|l| l.has_pending());
             if self.ready.borrow().is_empty() && !has_log_records {
-                self.idle.notify(usize::MAX);
-                l.await;
-                continue;
+                let restating = !self.unrestated.borrow().is_empty();
+                if !restating {
+                    self.idle.notify(usize::MAX);
+                    l.await;
+                    continue;
+                }
+                if self.restate_failed.get() {
+                    // The log refused the restatements last time: try
+                    // again after a while, or sooner with a batch.
+                    self.idle.notify(usize::MAX);
+                    let delay = std::pin::pin!(compio::time::sleep(RESTATE_RETRY_DELAY));
+                    futures_util::future::select(l, delay).await;
+                }
+            } else {
+                drop(l);
             }
-            drop(l);
             self.busy.set(true);
             self.turn().await;
             self.busy.set(false);
@@ -88,6 +99,10 @@ impl Shard {
             .filter(|j| !j.borrow().queue.staged.is_empty())
             .cloned()
             .collect();
+        // Restatements still owed go first: a journal's next record must
+        // not reach the log without the one that takes back its failed
+        // batch, or recovery could fall back onto that batch's record.
+        let restated = self.record_restatements();
         let early = self.record_commits(&committing);
         let writing = Self::take_writes(&ready);
         let wrote = writing.iter().any(|(_, w, _, _)| w.is_some());
@@ -115,7 +130,11 @@ impl Shard {
             yield_now().await;
         }
         let mut held = Vec::new();
-        let (results, log_result) = self.write_spools(writing, log_written, &mut held).await;
+        let sync_log = !restated.is_empty();
+        let (results, log_result) = self
+            .write_spools(writing, log_written, sync_log, &mut held)
+            .await;
+        self.restatements_written(&restated, log_result.is_ok());
         let written = crate::clock::now();
         self.settle_writes(results, &log_result, &committing, &early, wrote, &mut held);
         // Journals that failed may have a record in the log naming bytes
@@ -278,6 +297,8 @@ impl Shard {
                 let h = held.swap_remove(i);
                 j.borrow_mut().queue.staged.extend(h.other);
             }
+            // Before the refusal: the batch's record may be in the log.
+            self.cut_back(j);
             self.fail_batch(j, status, msg);
         };
         let mut failed: Vec<(JournalRef, Status, String, StorageError)> = Vec::new();
@@ -367,9 +388,10 @@ impl Shard {
         &self,
         writing: Vec<SpoolWrite>,
         log_written: Result<(), StorageError>,
+        sync_log: bool,
         held: &mut Vec<Held>,
     ) -> (Vec<WriteResult>, Result<(), StorageError>) {
-        let any_fsync = writing.iter().any(|(_, _, _, fsync)| *fsync);
+        let any_fsync = sync_log || writing.iter().any(|(_, _, _, fsync)| *fsync);
         let in_flight: Vec<JournalRef> = writing
             .iter()
             .filter(|(_, w, _, _)| w.is_some())
@@ -578,10 +600,31 @@ impl Shard {
         None
     }
 
-    /// Adds a commit-log record of what a journal's spool holds committed,
-    /// after a batch of it failed: the log may hold a record of that batch
-    /// (written at the same time as its spool bytes), and the in-memory
-    /// state must not run ahead of the spool.
+    /// Cuts a journal's spool file back to its committed bytes after its
+    /// batch failed (`Spool::cut_back`): the batch's commit record may be
+    /// in the log already, and should its restatement ([`Shard::restate`])
+    /// never be written (the log failed for good, or a crash came first),
+    /// a restart must still not find the refused bytes in the spool.
+    fn cut_back(&self, j: &JournalRef) {
+        let mut jm = j.borrow_mut();
+        let Some(spool) = jm.files.spool.as_mut() else {
+            return;
+        };
+        if let Err(e) = spool.cut_back() {
+            tracing::error!(journal = %jm.name, error = %e, "cutting a spool back to its committed bytes after a failed batch; a restart may serve the batch if the commit log cannot restate the journal either");
+            self.park_if_final(&mut jm, &e);
+        }
+    }
+
+    /// Owes the commit log a record of what a journal's spool holds
+    /// committed, after a batch of it failed: the log may hold a record of
+    /// that batch (written, even synced, with its spool bytes), which a
+    /// restart would otherwise serve, bringing back an append its client
+    /// was told committed nothing (PROTOCOL §6.4). The in-memory state
+    /// goes back at once; the record is written by the next turn, ahead of
+    /// any later record of the journal, and written again by each turn
+    /// (and at a clean stop) until a write of it succeeds, so that neither
+    /// a failed log write nor the journal's next record loses it.
     pub(super) fn restate(&self, j: &JournalRef) {
         let jm = j.borrow();
         let Some(spool) = &jm.files.spool else { return };
@@ -592,10 +635,68 @@ impl Shard {
             registers: jm.heads.local_registers().clone(),
             mid: Some(spool.committed_midstate()),
         };
-        if let Some(log) = self.log.borrow_mut().as_mut() {
-            log.record_commit(&jm.name, &st);
-        }
         self.states.borrow_mut().insert(jm.name.clone(), st);
+        self.unrestated.borrow_mut().insert(jm.name.clone());
+    }
+
+    /// Records the restatements still owed (see [`Shard::restate`]), each
+    /// the journal's state as the shard holds it: nothing committed to it
+    /// since, as nothing commits without a log write that carries its
+    /// restatement too. A journal deleted since (none in `states`) gets
+    /// its delete record. Returns the journals restated.
+    pub(super) fn record_restatements(&self) -> Vec<String> {
+        let names: Vec<String> = self.unrestated.borrow().iter().cloned().collect();
+        if names.is_empty() {
+            return names;
+        }
+        let states = self.states.borrow();
+        let mut log = self.log.borrow_mut();
+        let log = log.as_mut().expect("commit log present");
+        for name in &names {
+            match states.get(name) {
+                Some(st) => log.record_commit(name, st),
+                // Deleted (and not committed to since, if created again).
+                None => log.record_delete(name),
+            }
+        }
+        names
+    }
+
+    /// Settles the restatements of `restated` after their log write (and
+    /// fdatasync): once it succeeded they are owed no more; if it failed,
+    /// the next is tried after [`RESTATE_RETRY_DELAY`]. A log whose disk
+    /// failed for good takes no more records: nothing is owed to it.
+    pub(super) fn restatements_written(&self, restated: &[String], ok: bool) {
+        if self.log_disk_failed.borrow().is_some() {
+            self.unrestated.borrow_mut().clear();
+            self.restate_failed.set(false);
+            return;
+        }
+        if restated.is_empty() {
+            return;
+        }
+        if ok {
+            let mut owed = self.unrestated.borrow_mut();
+            for name in restated {
+                owed.remove(name);
+            }
+        }
+        self.restate_failed.set(!ok);
+    }
+
+    /// At a clean stop: writes the restatements still owed (into the page
+    /// cache, as a turn does), so that a stop right after a failed batch
+    /// does not leave its record standing.
+    pub fn write_restatements(&self) {
+        let restated = self.record_restatements();
+        if restated.is_empty() {
+            return;
+        }
+        let res = self.write_log();
+        if let Err(e) = &res {
+            tracing::error!(error = %e, journals = restated.len(), "writing what journals hold after failed batches to the commit log failed at stop: the restart may serve those batches");
+        }
+        self.restatements_written(&restated, res.is_ok());
     }
 
     /// A SYNC from the primary ends any append it left open. A broker
@@ -828,6 +929,11 @@ impl Shard {
         if reset {
             self.reset_head(j).await;
         }
+        if self.refuse_seals_backing_off(j) {
+            // Its last seal failed a moment ago: not tried again yet.
+            self.open_spool(j).await;
+            return;
+        }
         let wants_seal = {
             let jm = j.borrow();
             let idle =
@@ -911,9 +1017,6 @@ impl Shard {
                     // reads of its bytes while the journal is parked (no
                     // more seals are tried).
                     let parked = self.park_if_final(&mut j.borrow_mut(), &e);
-                    if !parked {
-                        tracing::error!(path = %path.display(), error = %e, "seal failed");
-                    }
                     let end = j.borrow().heads.head();
                     if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
                         j.borrow_mut().files.spool = Some(s);
@@ -921,6 +1024,8 @@ impl Shard {
                     j.borrow_mut().spool_back();
                     if parked {
                         self.refuse_parked(j);
+                    } else {
+                        self.seal_failed(j, &e);
                     }
                     return;
                 }
@@ -928,6 +1033,7 @@ impl Shard {
         }
         let mut jm = j.borrow_mut();
         jm.files.seal_requested = false;
+        jm.files.seal_retry = None;
         jm.files.spool_since = None;
         // Replicas must start their next spool where this one ended.
         jm.primary.repl = None;
@@ -962,6 +1068,53 @@ impl Shard {
         for (outbox, id) in jm.files.seal_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
+    }
+
+    /// A seal failed with an error that may pass: it is tried again after
+    /// a delay that doubles with each failure in a row (`Files::seal_failed`),
+    /// not at once, which would spin on it for as long as it fails. Those
+    /// who asked for it are told now; appends that need it first are
+    /// refused `IO_ERROR` meanwhile (`journal::admit`), and others go on
+    /// into the spool.
+    fn seal_failed(&self, j: &JournalRef, e: &StorageError) {
+        let delay = {
+            let mut jm = j.borrow_mut();
+            let delay = jm.files.seal_failed(crate::clock::now(), e.to_string());
+            let failures = jm.files.seal_retry.as_ref().map_or(0, |r| r.failures);
+            if failures == 1 || failures.is_power_of_two() {
+                tracing::error!(journal = %jm.name, error = %e, failures, retry_ms = delay.as_millis() as u64, "seal failed; trying again later");
+            }
+            delay
+        };
+        self.refuse_seals_backing_off(j);
+        let me = self.me.borrow().clone();
+        let j = j.clone();
+        compio::runtime::spawn(async move {
+            compio::time::sleep(delay).await;
+            if let Some(shard) = me.upgrade() {
+                shard.mark_ready(&j);
+            }
+        })
+        .detach();
+    }
+
+    /// Answers the SEALs of a journal whose last seal failed and is not
+    /// yet to be tried again, with that failure; returns whether it backs
+    /// off.
+    fn refuse_seals_backing_off(&self, j: &JournalRef) -> bool {
+        let mut jm = j.borrow_mut();
+        let jm = &mut *jm;
+        let Some(retry) = jm.files.seal_backoff(crate::clock::now()) else {
+            return false;
+        };
+        let why = format!(
+            "sealing the journal's spool failed ({}); it is tried again shortly",
+            retry.error
+        );
+        for (outbox, id) in jm.files.seal_waiters.drain(..) {
+            outbox.error(Op::ADMIN_REPLY, Status::IO_ERROR, id, &[], &why);
+        }
+        true
     }
 
     /// Commits and acknowledges the staged appends of a journal.

@@ -610,10 +610,11 @@ impl Shard {
             // Parent directories of other journals stay.
             let _ = std::fs::remove_dir(&root);
         }
+        // The log owes the deletion until a write of it succeeds: one
+        // dropped with a failed write would let a restart give the journal
+        // re-created under this name the old one's head.
         self.states.borrow_mut().remove(name);
-        if let Some(log) = self.log.borrow_mut().as_mut() {
-            log.record_delete(name);
-        }
+        self.unrestated.borrow_mut().insert(name.to_string());
         self.wake.notify(1);
     }
 

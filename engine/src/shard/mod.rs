@@ -81,6 +81,14 @@ pub struct Shard {
     log: RefCell<Option<CommitLog>>,
     /// Last committed state of every journal, as in the commit log.
     states: RefCell<HashMap<String, JournalState>>,
+    /// Journals whose batch failed after its commit record may have been
+    /// written, or that were deleted, and whose restatement (their state in
+    /// `states`, or their deletion if they have none) the log has yet to
+    /// hold: see [`Shard::restate`].
+    unrestated: RefCell<std::collections::BTreeSet<String>>,
+    /// The last write of restatements failed: the next waits
+    /// [`RESTATE_RETRY_DELAY`], not for the next turn.
+    restate_failed: Cell<bool>,
     ready: RefCell<Vec<JournalRef>>,
     wake: Event,
     /// Set once a clean stop began; see [`Shard::begin_shutdown`].
@@ -180,6 +188,10 @@ pub const ROUTE_REVISION_WAIT: std::time::Duration = std::time::Duration::from_s
 /// How often that wait looks at the view again.
 const ROUTE_REVISION_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
+/// How long the flusher waits, with nothing else to do, before it writes
+/// again restatements whose last write failed (a full disk, say): one
+/// try per delay, not a loop on the failing log.
+const RESTATE_RETRY_DELAY: std::time::Duration = std::time::Duration::from_millis(100);
 /// A turn that takes this long is logged with the time of each phase and
 /// counted in `slow_turns`.
 const SLOW_TURN: std::time::Duration = std::time::Duration::from_millis(50);

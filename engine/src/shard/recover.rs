@@ -190,6 +190,8 @@ impl Shard {
             drops_seen: Cell::new(0),
             log: RefCell::new(Some(log)),
             states: RefCell::new(states),
+            unrestated: RefCell::new(std::collections::BTreeSet::new()),
+            restate_failed: Cell::new(false),
             ready: RefCell::new(Vec::new()),
             wake: Event::new(),
             shutting_down: Cell::new(false),
