@@ -623,6 +623,20 @@ fn roll_back_open(jm: &mut Journal, a: &Active) {
     send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
 }
 
+/// The reply of an append rolled back before it was staged whole
+/// (`CANCELLED`, `APPEND_TIMEOUT`, ...): the write head and registers the
+/// next append would be checked against, as `WRONG_APPEND_OFFSET` and
+/// `REGISTER_MISMATCH` replies carry them. Those readers see, or those
+/// committed here, lag what was answered while a batch answered from the
+/// commit log waits for its spool write.
+fn rolled_back_reply(jm: &Journal) -> AppendReply {
+    AppendReply {
+        write_head: jm.heads.staged_head(),
+        registers: jm.heads.staged_registers().clone(),
+        ..Default::default()
+    }
+}
+
 /// Tells replicas to forget an append whose content they may hold.
 fn send_rollback(repl: Option<&PrimaryRepl>, journal: &str, seq: u64) {
     if let Some(r) = repl {

@@ -357,10 +357,7 @@ impl Shard {
             Admission::Stage => Front::Stage,
             Admission::Drop => {
                 jm.queue.waiting.pop_front();
-                let reply = AppendReply {
-                    write_head: jm.heads.staged_head(),
-                    ..Default::default()
-                };
+                let reply = rolled_back_reply(jm);
                 op.end_aborted(&reply);
                 drop_budget(op);
                 Front::Passed
