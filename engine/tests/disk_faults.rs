@@ -238,6 +238,11 @@ fn eio_on_the_commit_log_parks_the_shard() {
     assert_eq!(status, Status::OK);
     assert_eq!(bytes, b"committed");
     assert!(stat(&mut c, "disk_failed_journals") >= 1);
+    // Nor can a deletion be recorded: the journal stays, bytes and all.
+    assert_eq!(c.delete("log/one"), Status::DISK_FAILED);
+    let (bytes, status) = c.read_all("log/one", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, b"committed");
     broker.shutdown();
 }
 

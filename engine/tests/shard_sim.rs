@@ -1447,16 +1447,27 @@ impl Sim<'_> {
         self.st.sealed_fragments += 1;
     }
 
-    /// DELETE and APPLY again: the journal starts over, empty.
+    /// DELETE and APPLY again: the journal starts over, empty. Unless the
+    /// shard's commit log failed for good, which could not record the
+    /// deletion: then DELETE is refused and the journal stays as it is.
     fn recreate(&mut self, journal: usize) {
         let name = self.name(journal);
         let r = self.c().admin(Op::DELETE, &wire::encode_name(name), &[]);
+        let msg = String::from_utf8_lossy(&r.payload).into_owned();
+        if r.status == Some(Status::DISK_FAILED) {
+            check!(
+                self,
+                self.models[journal].tainted && msg.contains("commit log"),
+                "{name}: DELETE answered DISK_FAILED ({msg}) with no commit-log fault"
+            );
+            self.read_at(journal, self.models[journal].head());
+            return;
+        }
         check!(
             self,
             r.status == Some(Status::OK),
-            "{name}: DELETE answered {} ({})",
-            r.status_name(),
-            String::from_utf8_lossy(&r.payload)
+            "{name}: DELETE answered {} ({msg})",
+            r.status_name()
         );
         self.apply(&[self.plan.journals[journal].spec()]);
         self.st.recreated += 1;
@@ -1868,11 +1879,13 @@ fn a_model_that_keeps_failed_appends_is_caught() {
 /// Clients that cut off a streamed append on one connection while their
 /// next request, on another, overtakes it. The cut-off append may become
 /// the journal's open append right behind another that is staged but not
-/// yet committed; rolling it back must leave that one staged. Today it
-/// does not (see `cut_off_append_behind_a_staged_one`), and the shard's
-/// thread panics with its heads out of order.
+/// yet committed; rolling it back must leave that one staged (see
+/// `cut_off_append_behind_a_staged_one`), or the shard's thread panics
+/// with its heads out of order. It does now; but some runs of seed 21
+/// hang: a SEAL sent right after an append cut off on another connection
+/// (step 81, behind step 80) gets no answer.
 #[test]
-#[ignore = "a rolled-back open append unstages the staged appends ahead of it (abandon_active)"]
+#[ignore = "seed 21 sometimes hangs: a SEAL right behind a cut-off append is never answered"]
 fn cut_off_appends_racing_the_next_append() {
     let opts = Options {
         racing_hangups: true,
@@ -1907,7 +1920,6 @@ fn appends_behind_failing_seals_are_answered() {
 /// becomes the open append behind that. Its rollback must leave the staged
 /// one staged.
 #[test]
-#[ignore = "a rolled-back open append unstages the staged appends ahead of it (abandon_active)"]
 fn cut_off_append_behind_a_staged_one() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = ServeConfig::new(dir.path().join("data"), "127.0.0.1:0".parse().unwrap());

@@ -116,6 +116,51 @@ fn streamed_append_rolls_back_when_the_connection_closes() {
     assert_eq!((reply.begin, reply.end), (14, 14 + 200_002));
 }
 
+/// An append cancelled while it waits behind another is answered
+/// `CANCELLED` with the journal's write head and registers as of the
+/// reply, the append ahead of it included, as `WRONG_APPEND_OFFSET` and
+/// `REGISTER_MISMATCH` would carry them.
+#[test]
+fn an_append_cancelled_in_the_queue_answers_the_head_and_registers() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), 1);
+    let name = "smoke/cancelled";
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new(name)]);
+    let mut r = req(name);
+    r.union_registers = LabelSet::from_pairs([("epoch", "a")]).unwrap();
+    assert_eq!(c.append(&r, b"0123456789").0, Status::OK);
+    // An open append holds the journal; the one behind it is cancelled
+    // before its turn.
+    let mut open = Conn::new(broker.endpoints[0]);
+    let mut r = req(name);
+    r.union_registers = LabelSet::from_pairs([("writer", "b")]).unwrap();
+    open.send(Op::APPEND, flag::MORE, 1, &r.encode(), b"open");
+    open.send(Op::PING, 0, 2, &[], &[]);
+    assert_eq!(open.recv().op, Op::PONG);
+    let mut cut = Conn::new(broker.endpoints[0]);
+    cut.send(Op::APPEND, flag::MORE, 3, &req(name).encode(), b"cut");
+    cut.send(Op::APPEND_CHUNK, flag::ABORT, 3, &[], &[]);
+    cut.send(Op::PING, 0, 4, &[], &[]);
+    assert_eq!(cut.recv().op, Op::PONG);
+    // The open append ends: it is staged, and the cancelled one answered
+    // in the same turn.
+    open.send(Op::APPEND_CHUNK, 0, 1, &[], b"-end");
+    let r = open.recv();
+    assert_eq!((r.op, r.status), (Op::APPEND_REPLY, Status::OK));
+    let reply = AppendReply::decode(&r.meta).unwrap();
+    assert_eq!((reply.begin, reply.end), (10, 18));
+    let r = cut.recv();
+    assert_eq!(
+        (r.op, r.status, r.id),
+        (Op::APPEND_REPLY, Status::CANCELLED, 3)
+    );
+    let reply = AppendReply::decode(&r.meta).unwrap();
+    assert_eq!((reply.begin, reply.end, reply.write_head), (0, 0, 18));
+    assert_eq!(reply.registers.to_text(), "epoch=a,writer=b");
+    assert_eq!(c.read_all(name, 0).0, b"0123456789open-end");
+}
+
 #[test]
 fn preconditions_and_registers() {
     let dir = tempfile::tempdir().unwrap();

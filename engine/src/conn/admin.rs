@@ -365,6 +365,9 @@ impl Conn {
         if !frame.payload.is_empty() {
             return self.admin_err(id, Status::BAD_REQUEST, "DELETE takes no payload");
         }
+        if let Some(why) = self.shard.log_disk_failure() {
+            return self.admin_err(id, Status::DISK_FAILED, &why);
+        }
         match self.shard.delete_journal(name) {
             Ok(true) => self.admin_ok(id, &serde_json::json!({ "deleted": name })),
             Ok(false) => self.admin_err(id, Status::JOURNAL_NOT_FOUND, not_found),

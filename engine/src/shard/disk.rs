@@ -21,6 +21,15 @@ impl Shard {
             .or_else(|| self.log_disk_failed.borrow().clone())
     }
 
+    /// Why the shard's commit log takes no more records, if its disk
+    /// failed for good. A single node's DELETE is refused then: its record
+    /// could not be written, and the journal's spec and files would go
+    /// while the log still holds its head and registers, to come back at
+    /// the next start.
+    pub fn log_disk_failure(&self) -> Option<String> {
+        self.log_disk_failed.borrow().clone()
+    }
+
     /// Parks the journal if `e` is final; returns whether it is parked.
     pub(super) fn park_if_final(&self, jm: &mut Journal, e: &StorageError) -> bool {
         if e.is_retryable() {

@@ -785,11 +785,7 @@ impl Shard {
                 .is_some_and(|a| a.op.aborted.get().is_some());
             if aborted {
                 let a = abandon_active(&mut jm).expect("checked");
-                let reply = AppendReply {
-                    write_head: jm.heads.head(),
-                    registers: jm.heads.registers().clone(),
-                    ..Default::default()
-                };
+                let reply = rolled_back_reply(&jm);
                 a.op.end_aborted(&reply);
                 drop_budget(&a.op);
                 metrics::add(&self.metrics.append_failures, 1);

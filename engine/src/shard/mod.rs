@@ -606,17 +606,47 @@ fn answer_ok(s: &Staged) {
 }
 
 /// Takes the journal's open append back out of its spool (and out of its
-/// replicas'): the next append begins where the last commit ended. Only
-/// between batches (nothing staged in this turn but the open append).
+/// replicas'): the next append begins where it began. The queue's front
+/// stays for the caller to pop or keep.
 fn abandon_active(jm: &mut Journal) -> Option<Active> {
     let a = jm.queue.active.take()?;
+    roll_back_open(jm, &a);
+    Some(a)
+}
+
+/// Takes an open append, out of the queue already, back out of its spool,
+/// the tail readers see and its replicas' spools. The staged head and
+/// registers stay: an open append moves neither until it is whole
+/// (`Shard::finish_whole`), and the appends staged or awaiting ahead of it
+/// in this turn, which end where it begins, stay staged. Going back to
+/// the local commit instead would leave them beyond the staged head.
+fn roll_back_open(jm: &mut Journal, a: &Active) {
+    assert!(
+        jm.heads.staged_head() == a.start.offset,
+        "journal {}: open append began at {} but staged_head is {}",
+        jm.name,
+        a.start.offset,
+        jm.heads.staged_head()
+    );
     jm.readers.tail.truncate(a.start.offset);
     if let Some(spool) = jm.files.spool.as_mut() {
         spool.rewind(a.start.clone());
     }
     send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
-    jm.unstage();
-    Some(a)
+}
+
+/// The reply of an append rolled back before it was staged whole
+/// (`CANCELLED`, `APPEND_TIMEOUT`, ...): the write head and registers the
+/// next append would be checked against, as `WRONG_APPEND_OFFSET` and
+/// `REGISTER_MISMATCH` replies carry them. Those readers see, or those
+/// committed here, lag what was answered while a batch answered from the
+/// commit log waits for its spool write.
+fn rolled_back_reply(jm: &Journal) -> AppendReply {
+    AppendReply {
+        write_head: jm.heads.staged_head(),
+        registers: jm.heads.staged_registers().clone(),
+        ..Default::default()
+    }
 }
 
 /// Tells replicas to forget an append whose content they may hold.

@@ -100,10 +100,7 @@ impl Shard {
             // Spare spools must never be why an append fails.
             self.spares.borrow_mut().release();
         }
-        let a = jm.queue.active.take().expect("active");
-        jm.readers.tail.truncate(a.start.offset);
-        jm.files.spool.as_mut().expect("checked").rewind(a.start);
-        send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
+        let a = abandon_active(jm).expect("active");
         let r = AppendReply {
             write_head: jm.heads.staged_head(),
             registers: jm.heads.staged_registers().clone(),
@@ -264,9 +261,7 @@ impl Shard {
         }
         if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
             // Replies carry the registers; they must stay encodable.
-            jm.readers.tail.truncate(a.start.offset);
-            spool.rewind(a.start);
-            send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
+            roll_back_open(jm, &a);
             let r = AppendReply {
                 write_head: jm.heads.staged_head(),
                 registers: jm.heads.staged_registers().clone(),
@@ -362,10 +357,7 @@ impl Shard {
             Admission::Stage => Front::Stage,
             Admission::Drop => {
                 jm.queue.waiting.pop_front();
-                let reply = AppendReply {
-                    write_head: jm.heads.staged_head(),
-                    ..Default::default()
-                };
+                let reply = rolled_back_reply(jm);
                 op.end_aborted(&reply);
                 drop_budget(op);
                 Front::Passed
