@@ -707,12 +707,6 @@ struct Model {
     /// A fault fired on this journal's files, or the shard's, since the
     /// broker started: its statuses are no longer predicted.
     tainted: bool,
-    /// It was deleted while tainted. A delete whose commit-log record could
-    /// not be written (the log failed for good) leaves the log's old record:
-    /// a restart on the same directory brings the journal back at that
-    /// head, with none of its bytes (recovery never gives out an offset
-    /// twice).
-    deleted_while_tainted: bool,
 }
 
 impl Model {
@@ -826,9 +820,6 @@ struct Stats {
     read_bytes: u64,
     ticks: u64,
     recreated: u64,
-    /// Journals that came back at a restart from a deletion the failed
-    /// commit log did not record.
-    came_back: u64,
     restarts: u64,
     /// Restarts from a copy taken while the broker ran.
     crashes: u64,
@@ -858,7 +849,6 @@ impl Stats {
             read_bytes,
             ticks,
             recreated,
-            came_back,
             restarts,
             crashes,
             fragments_checked,
@@ -1471,11 +1461,9 @@ impl Sim<'_> {
         );
         self.apply(&[self.plan.journals[journal].spec()]);
         self.st.recreated += 1;
-        let old = &self.models[journal];
-        let (tainted, deleted_while_tainted) = (old.tainted, old.deleted_while_tainted);
+        let tainted = self.models[journal].tainted;
         self.models[journal] = Model {
             tainted,
-            deleted_while_tainted: deleted_while_tainted || tainted,
             ..Model::default()
         };
         self.read_at(journal, 0);
@@ -1569,7 +1557,6 @@ impl Sim<'_> {
 
     fn verify(&mut self, journal: usize) {
         let name = self.name(journal);
-        self.start_over_if_back_empty(journal);
         self.probe_head(journal, "after a restart");
         let out = self.c().read(name, 0);
         let m = &self.models[journal];
@@ -1588,48 +1575,6 @@ impl Sim<'_> {
 }
 
 impl Sim<'_> {
-    /// A journal that came back at the head of a deletion its commit log
-    /// may not have recorded (see `Model::deleted_while_tainted`) must hold no
-    /// byte below that head, nothing having been acknowledged since (the
-    /// model holds no bytes). It is then deleted and created again, the
-    /// log now working, so that it starts over as the model does.
-    fn start_over_if_back_empty(&mut self, journal: usize) {
-        let m = &self.models[journal];
-        if !m.deleted_while_tainted || !m.bytes.is_empty() {
-            return;
-        }
-        let name = self.name(journal);
-        let req = AppendRequest {
-            journal: name.into(),
-            ..Default::default()
-        };
-        self.c().send_append(&req, &[], &[0], End::Commit);
-        let ans = self.await_append(0, 0);
-        // Its head is the log's last record of it: perhaps of a batch that
-        // was refused after its record was written (its spool cut back, the
-        // restatement owed to a log that had failed), so above any head an
-        // answer named. No offset below it is given out again.
-        let Some(head) = ans.reply.map(|r| r.write_head).filter(|&h| h > 0) else {
-            return;
-        };
-        check!(
-            self,
-            ans.status == Some(Status::OK),
-            "{name} after a restart: an empty append answered {} at head {head}",
-            ans.name
-        );
-        let out = self.c().read(name, 0);
-        check!(
-            self,
-            out.bytes.is_empty(),
-            "{name} came back at head {head} after a delete the log did not record, holding {} B",
-            out.bytes.len()
-        );
-        self.st.came_back += 1;
-        self.recreate(journal);
-        self.models[journal].deleted_while_tainted = false;
-    }
-
     /// FRAGMENTS: the journal's local fragments (and its open spool) tile
     /// `[0, head)`, each with the SHA-1 of the model's bytes.
     fn verify_fragments(&mut self, journal: usize) {
