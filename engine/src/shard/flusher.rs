@@ -25,6 +25,18 @@ impl Held {
     }
 }
 
+/// What was staged during a turn's writes is the next turn's batch: back
+/// into each journal's `staged`, and the journal around again.
+fn requeue_held(held: Vec<Held>, again: &mut Vec<JournalRef>) {
+    for h in held {
+        let mut jm = h.j.borrow_mut();
+        jm.queue.staged.extend(h.other);
+        jm.queue.staged_with_replicas = h.other_with_replicas;
+        drop(jm);
+        again.push(h.j);
+    }
+}
+
 /// A journal's spool write of a turn: the write (if bytes were staged),
 /// its file and path, and whether to fdatasync it after.
 type SpoolWrite = (
@@ -82,12 +94,7 @@ impl Shard {
         join_all(ready.iter().map(|j| self.prepare(j))).await;
         let prepared = crate::clock::now();
         // 2. Stage.
-        let mut again = Vec::new();
-        for j in &ready {
-            if self.stage(j) {
-                again.push(j.clone());
-            }
-        }
+        let mut again: Vec<JournalRef> = ready.iter().filter(|j| self.stage(j)).cloned().collect();
         let staged_at = crate::clock::now();
         // 3. Write every spool with staged bytes and this batch's commit-log
         // records, all at the same time; `fsync` spools and the log are
@@ -117,12 +124,10 @@ impl Shard {
         } else {
             Vec::new()
         };
-        let mut early_waits = HashMap::new();
-        for j in &early {
-            if let Some(waits) = self.answer_early(j) {
-                early_waits.insert(Rc::as_ptr(j), waits);
-            }
-        }
+        let early_waits: HashMap<_, _> = early
+            .iter()
+            .filter_map(|j| Some((Rc::as_ptr(j), self.answer_early(j)?)))
+            .collect();
         // Replicas get this turn's content (and early proposals, in the
         // same send) while the spools are written.
         self.flush_pipelines();
@@ -137,25 +142,10 @@ impl Shard {
         self.restatements_written(&restated, log_result.is_ok());
         let written = crate::clock::now();
         self.settle_writes(results, &log_result, &committing, &early, wrote, &mut held);
-        // Journals that failed may have a record in the log naming bytes
-        // that are not on disk: the log restates what they hold.
-        for j in &committing {
-            if j.borrow().queue.staged.is_empty() {
-                self.restate(j);
-            }
-        }
-        let committing: Vec<JournalRef> = committing
-            .into_iter()
-            .filter(|j| !j.borrow().queue.staged.is_empty())
-            .collect();
+        let committing = self.restate_failed(committing);
         self.commit_batches(&committing, &early, early_waits);
         self.flush_pipelines();
-        // What was staged during the writes is the next turn's batch.
-        for h in held {
-            h.j.borrow_mut().queue.staged.extend(h.other);
-            h.j.borrow_mut().queue.staged_with_replicas = h.other_with_replicas;
-            again.push(h.j);
-        }
+        requeue_held(held, &mut again);
         let acked = crate::clock::now();
         self.compact_log().await;
         note_slow_turn(
@@ -178,6 +168,17 @@ impl Shard {
         for j in again {
             self.ready.borrow_mut().push(j);
         }
+    }
+
+    /// Restates the journals of `committing` whose batch failed (nothing
+    /// of it is left staged): the log may hold a record naming bytes that
+    /// are not on disk. Returns the others, whose batches commit.
+    fn restate_failed(&self, committing: Vec<JournalRef>) -> Vec<JournalRef> {
+        let (failed, ok): (Vec<_>, Vec<_>) = committing
+            .into_iter()
+            .partition(|j| j.borrow().queue.staged.is_empty());
+        failed.iter().for_each(|j| self.restate(j));
+        ok
     }
 
     /// The journals marked ready since the last turn, each once, in the
