@@ -113,6 +113,16 @@ impl Route {
         self.members.len() >= self.replication
     }
 
+    /// Why an incomplete route takes no appends
+    /// (`INSUFFICIENT_JOURNAL_BROKERS`).
+    pub fn incomplete_message(&self) -> String {
+        format!(
+            "the journal's replication is {} but the cluster has {} broker(s) for it",
+            self.replication,
+            self.members.len()
+        )
+    }
+
     /// Member ids in route order: what two brokers compare to agree.
     pub fn ids(&self) -> Vec<String> {
         self.members.iter().map(|m| m.id.clone()).collect()

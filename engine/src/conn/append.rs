@@ -112,11 +112,7 @@ impl Conn {
         let role = self.shard.role(&j.borrow().spec);
         match role {
             Role::Primary(route) if !route.is_complete() => {
-                let msg = format!(
-                    "the journal's replication is {} but the cluster has {} broker(s) for it",
-                    route.replication,
-                    route.members.len()
-                );
+                let msg = route.incomplete_message();
                 return self.refuse_append(&frame, Status::INSUFFICIENT_JOURNAL_BROKERS, &msg);
             }
             Role::Primary(_) => {}

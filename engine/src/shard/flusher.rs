@@ -805,11 +805,7 @@ impl Shard {
         };
         match role {
             Role::Primary(route) if !route.is_complete() => {
-                let msg = format!(
-                    "the journal's replication is {} but the cluster has {} broker(s) for it",
-                    route.replication,
-                    route.members.len()
-                );
+                let msg = route.incomplete_message();
                 self.fail_queue(j, Status::INSUFFICIENT_JOURNAL_BROKERS, &msg);
                 return false;
             }
