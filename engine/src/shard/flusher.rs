@@ -761,16 +761,7 @@ impl Shard {
                 for w in jm.replica.awaiting.drain(i..) {
                     w.op.end_aborted(&r);
                 }
-                if let Some(a) = jm.queue.active.take() {
-                    a.op.end_aborted(&r);
-                    drop_budget(&a.op);
-                    jm.queue.waiting.pop_front();
-                }
-                jm.readers.tail.truncate(start.offset);
-                jm.set_staged_head(start.offset);
-                if let Some(spool) = jm.files.spool.as_mut() {
-                    spool.rewind(start);
-                }
+                rewind_replica_to(jm, start, |op| op.end_aborted(&r));
             }
         }
     }

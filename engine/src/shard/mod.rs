@@ -635,6 +635,23 @@ fn roll_back_open(jm: &mut Journal, a: &Active) {
     send_rollback(jm.primary.repl.as_ref(), &jm.name, a.seq);
 }
 
+/// Rewinds a replica's copy to `start` once the appends staged from there
+/// are answered: its open append, if any, is answered by `answer` and
+/// leaves the queue; the tail cache, the staged head and the spool go
+/// back to `start`.
+fn rewind_replica_to(jm: &mut Journal, start: CommitPoint, answer: impl FnOnce(&AppendOp)) {
+    if let Some(a) = jm.queue.active.take() {
+        answer(&a.op);
+        drop_budget(&a.op);
+        jm.queue.waiting.pop_front();
+    }
+    jm.readers.tail.truncate(start.offset);
+    jm.set_staged_head(start.offset);
+    if let Some(spool) = jm.files.spool.as_mut() {
+        spool.rewind(start);
+    }
+}
+
 /// The reply of an append rolled back before it was staged whole
 /// (`CANCELLED`, `APPEND_TIMEOUT`, ...): the write head and registers the
 /// next append would be checked against, as `WRONG_APPEND_OFFSET` and

@@ -161,16 +161,9 @@ impl Shard {
         for w in jm.replica.awaiting.drain(..) {
             w.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
         }
-        if let Some(a) = jm.queue.active.take() {
-            a.op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg);
-            drop_budget(&a.op);
-            jm.queue.waiting.pop_front();
-        }
-        jm.readers.tail.truncate(start.offset);
-        jm.set_staged_head(start.offset);
-        if let Some(spool) = jm.files.spool.as_mut() {
-            spool.rewind(start);
-        }
+        rewind_replica_to(jm, start, |op| {
+            op.reply_error(Status::PROPOSAL_MISMATCH, &r, msg)
+        });
         if let Some(t) = jm.replica.track.as_mut() {
             t.diverged();
         }
