@@ -1337,7 +1337,6 @@ fn replicas_that_miss_an_append_copy_it() {
 /// acknowledge", for every append until the replica restarts, where a
 /// refusal naming the failed disk was due at once.
 #[test]
-#[ignore = "a parked replica never answers its primary's SYNC: appends wait out the ack timeout"]
 fn a_parked_replica_refuses_appends_at_once() {
     let plan = focused_plan(&[100, 100], (0, 0, libc::EIO));
     let mut sim = Sim::new(&plan, false);

@@ -91,6 +91,9 @@ impl Shard {
         if !j.borrow().queue.waiting.is_empty() {
             self.fail_queue(j, Status::DISK_FAILED, &why);
         }
+        // A primary's SYNC is answered too: left waiting, every append the
+        // primary takes would wait out its replica ack timeout instead.
+        self.refuse_syncs(j, Status::DISK_FAILED, &why);
         // Nor is it sealed: those who asked are told why.
         let mut jm = j.borrow_mut();
         jm.files.seal_requested = false;

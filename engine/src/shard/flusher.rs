@@ -893,7 +893,8 @@ impl Shard {
         Self::drop_rolled_back(j);
         self.rewind_aborted(j);
         if self.refuse_parked(j) {
-            // Its disk failed for good: no seal, no new spool, no SYNC.
+            // Its disk failed for good: no seal, no new spool, and a SYNC
+            // is refused (DISK_FAILED), never applied.
             return;
         }
         let role = self.role(&j.borrow().spec);

@@ -75,6 +75,33 @@ impl Shard {
         }
     }
 
+    /// Answers every SYNC waiting on the journal with `status` and `why`,
+    /// changing nothing: this replica cannot follow its primary (its disk
+    /// failed for good). The primary fails its appends with the cause and
+    /// tries a SYNC again only after its retry delay.
+    pub(super) fn refuse_syncs(&self, j: &JournalRef, status: Status, why: &str) {
+        use rotary_net::repl::SyncReply;
+        assert!(status != Status::OK, "a SYNC refused with OK");
+        let waiters = std::mem::take(&mut j.borrow_mut().replica.sync_waiters);
+        if waiters.is_empty() {
+            return;
+        }
+        let view = self.view();
+        let jm = j.borrow();
+        for w in waiters {
+            let route = view.route(&w.req.journal, w.req.spec.replication);
+            let body = SyncReply {
+                head: jm.heads.local_head(),
+                route: route.ids(),
+                route_revision: view.revision(),
+                registers: jm.heads.local_registers().clone(),
+                message: why.to_owned(),
+            };
+            w.sink
+                .push(w.req.seq, status, serde_json::to_vec(&body).expect("json"));
+        }
+    }
+
     /// Copies `[head, to)` from the journal's primary before a SYNC moves
     /// this replica's head to `to`: appends it missed that the primary
     /// committed (answered `REPLICATION_FAILED` while this replica did not
