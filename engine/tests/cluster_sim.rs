@@ -1414,7 +1414,6 @@ fn a_primary_reconnects_to_a_restarted_replica() {
 /// seed 3, until a SEAL of the journal on the primary). A transient error
 /// should cost one append, not the journal's availability.
 #[test]
-#[ignore = "one transient fdatasync error while a replica seals fails every later SYNC"]
 fn a_replica_seals_again_after_a_transient_error() {
     let st = run(3, false);
     assert!(

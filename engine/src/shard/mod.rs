@@ -180,13 +180,17 @@ const LISTINGS_IN_FLIGHT_MAX: usize = 32;
 /// appends it missed (see `Shard::fill_from_primary`); one further behind
 /// starts at the primary's head and reads what lies before from the store.
 const SYNC_FILL_BYTES_MAX: u64 = 64 << 20;
+/// Tries a replica makes at sealing its spool for one SYNC, the later ones
+/// at once after a failure that may pass (see `Shard::seal_for_sync`).
+const SYNC_SEAL_TRIES_MAX: u32 = 3;
 
-/// How long a primary waits before retrying a failed SYNC.
 /// How long a broker waits for its etcd watch to reach the revision a
 /// request or a SYNC was routed at before it refuses with WRONG_ROUTE.
 pub const ROUTE_REVISION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// How often that wait looks at the view again.
 const ROUTE_REVISION_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+/// How long a primary waits before retrying a failed SYNC; appends
+/// meanwhile are answered with its failure.
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 /// How long the flusher waits, with nothing else to do, before it writes
 /// again restatements whose last write failed (a full disk, say): one

@@ -48,10 +48,7 @@ impl Shard {
                 answer(Status::PROPOSAL_MISMATCH, msg, head);
                 continue;
             }
-            if j.borrow().files.spool.is_some() {
-                self.seal(j).await;
-            }
-            if j.borrow().files.spool.is_some() {
+            if !self.seal_for_sync(j).await {
                 answer(
                     Status::IO_ERROR,
                     "sealing the replica's spool failed".into(),
@@ -100,6 +97,34 @@ impl Shard {
             w.sink
                 .push(w.req.seq, status, serde_json::to_vec(&body).expect("json"));
         }
+    }
+
+    /// Seals the replica's spool for its primary's SYNC; returns whether
+    /// it is sealed. A seal that failed with an error that may pass (an
+    /// interrupted call, ENOSPC from fdatasync) left the spool reopened
+    /// (`Shard::seal`) and is tried again at once, up to
+    /// [`SYNC_SEAL_TRIES_MAX`] tries. Why not answer the SYNC at once: the
+    /// primary answers every append with a refused SYNC's failure until it
+    /// tries again (`SYNC_RETRY`), which on a busy journal is dozens of
+    /// appends for one transient error. The tries are few and the primary
+    /// paces its SYNCs, so a disk that keeps failing is not spun on. The
+    /// seal back-off (`Files::seal_backoff`) is not waited for: the SYNC
+    /// needs the seal now.
+    async fn seal_for_sync(&self, j: &JournalRef) -> bool {
+        for _ in 0..SYNC_SEAL_TRIES_MAX {
+            {
+                let jm = j.borrow();
+                if jm.files.spool.is_none() {
+                    return true;
+                }
+                if jm.files.disk_failed.is_some() {
+                    // Parked: no seal is tried.
+                    return false;
+                }
+            }
+            self.seal(j).await;
+        }
+        j.borrow().files.spool.is_none()
     }
 
     /// Copies `[head, to)` from the journal's primary before a SYNC moves
