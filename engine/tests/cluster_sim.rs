@@ -1056,8 +1056,8 @@ impl Sim<'_> {
     /// Restarts the faulty replica once its disk failed for good, as an
     /// operator who replaced the disk would, with the transient faults
     /// still armed: it rejoins the route and catches up. (A parked
-    /// replica left running does not answer its primary's SYNC, and every
-    /// append waits out the ack timeout: see
+    /// replica left running refuses its primary's SYNCs `DISK_FAILED`, so
+    /// every append fails at once: see
     /// `a_parked_replica_refuses_appends_at_once`.)
     fn replace_failed_disk(&mut self) {
         let inj = self.members[self.faulty].injector.clone();
@@ -1332,10 +1332,9 @@ fn replicas_that_miss_an_append_copy_it() {
 
 /// A replica whose disk failed for good under the journal (EIO) parks
 /// its copy and refuses the append at hand `DISK_FAILED`. The next
-/// append's SYNC then gets no answer at all: the primary waits out its
-/// replica ack timeout (10 s) and answers `REPLICATION_FAILED` "did not
-/// acknowledge", for every append until the replica restarts, where a
-/// refusal naming the failed disk was due at once.
+/// append's SYNC is refused `DISK_FAILED` at once, so the primary answers
+/// `REPLICATION_FAILED` naming the failed disk without waiting out its
+/// replica ack timeout (10 s), as it did when the SYNC went unanswered.
 #[test]
 fn a_parked_replica_refuses_appends_at_once() {
     let plan = focused_plan(&[100, 100], (0, 0, libc::EIO));
@@ -1407,12 +1406,11 @@ fn a_primary_reconnects_to_a_restarted_replica() {
 }
 
 /// A replica whose spool fdatasync fails once, transiently (ENOSPC),
-/// while it seals at its primary's SYNC cannot seal that spool again:
-/// every later SYNC is answered `IO_ERROR` "sealing the replica's spool
-/// failed", with no disk call failing any more, and every append is
-/// answered `REPLICATION_FAILED` with nothing committed (39 in a row in
-/// seed 3, until a SEAL of the journal on the primary). A transient error
-/// should cost one append, not the journal's availability.
+/// while it seals at its primary's SYNC tries the seal again at once. It
+/// once answered that SYNC `IO_ERROR` "sealing the replica's spool
+/// failed", and the primary then answered every append for its SYNC retry
+/// delay with that failure (39 in a row in seed 3). A transient error
+/// should cost no append, not the journal's availability.
 #[test]
 fn a_replica_seals_again_after_a_transient_error() {
     let st = run(3, false);
