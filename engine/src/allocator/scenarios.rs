@@ -14,28 +14,43 @@ impl Fixture {
         }
     }
 
+    /// Gazette's three items (replication 1, 2 and 3) and these members
+    /// (see [`Self::members`]).
+    pub fn gazettes(members: &str) -> Fixture {
+        let mut f = Fixture::new();
+        three_items(&mut f);
+        f.members(members);
+        f
+    }
+
+    /// `n` journals of `replication` copies (see [`Self::items`]) and these
+    /// members.
+    pub fn many(n: u32, replication: u32, members: &str) -> Fixture {
+        let mut f = Fixture::new();
+        f.items(n, replication).members(members);
+        f
+    }
+
+    /// Plans and applies until idle, then lets every primary synchronize.
+    pub fn settle(&mut self) {
+        self.serve_until_idle();
+        self.mark_all_consistent();
+    }
+
+    /// Asserts the assignments, written as [`Self::layout`] writes them.
+    #[track_caller]
+    pub fn expect(&self, layout: &str) {
+        assert_eq!(self.layout(), layout);
+    }
+
     fn bump(&mut self) -> i64 {
-        self.snap.revision += 1;
-        self.snap.revision
+        self.snap.bump()
     }
 
     pub fn member(&mut self, zone: &str, id: &str, limit: u32) -> &mut Fixture {
-        let rev = self.bump();
         let key = MemberKey::new(zone, id).unwrap();
-        self.snap.members.insert(
-            key,
-            Member {
-                spec: MemberSpec {
-                    endpoint: format!("{id}.test:7401"),
-                    shards: 1,
-                    journal_limit: limit,
-                    exiting: false,
-                },
-                create_revision: rev,
-                mod_revision: rev,
-                lease: rev,
-            },
-        );
+        self.snap
+            .write_member(key, format!("{id}.test:7401"), limit);
         self
     }
 
@@ -51,14 +66,7 @@ impl Fixture {
     }
 
     pub fn item(&mut self, journal: &str, replication: u32) -> &mut Fixture {
-        let rev = self.bump();
-        self.snap.items.insert(
-            journal.to_string(),
-            Item {
-                replication,
-                mod_revision: rev,
-            },
-        );
+        self.snap.write_item(journal, replication);
         self
     }
 
@@ -119,12 +127,63 @@ impl Fixture {
         panic!("no convergence in 100 rounds: {:?}", plan(&self.snap));
     }
 
-    pub fn keys(&self) -> Vec<String> {
-        self.snap
-            .assignments
-            .keys()
-            .map(|k| k.to_string())
-            .collect()
+    /// Journals `j(0)` to `j(n - 1)`, each of `replication` copies.
+    pub fn items(&mut self, n: u32, replication: u32) -> &mut Fixture {
+        for i in 0..n {
+            self.item(&j(i), replication);
+        }
+        self
+    }
+
+    /// Members written `zone/id:limit zone/id:limit ...`.
+    pub fn members(&mut self, list: &str) -> &mut Fixture {
+        for m in list.split(' ') {
+            let (zone, rest) = m.split_once('/').expect("zone/id:limit");
+            let (id, limit) = rest.split_once(':').expect("id:limit");
+            self.member(zone, id, limit.parse().expect("a limit"));
+        }
+        self
+    }
+
+    /// Assigns a layout written `journal: id#slot id#slot; journal: ...`,
+    /// naming each member by its id (ids are unique in these scenarios).
+    pub fn assign_layout(&mut self, layout: &str) -> &mut Fixture {
+        for (journal, copies) in layout.split("; ").filter_map(|j| j.split_once(": ")) {
+            for copy in copies.split(' ') {
+                let (id, slot) = copy.split_once('#').expect("id#slot");
+                let zone = self.zone_of(id);
+                self.assign(&format!("{journal}#{zone}#{id}#{slot}"));
+            }
+        }
+        self
+    }
+
+    fn zone_of(&self, id: &str) -> String {
+        let m = self.snap.members.keys().find(|m| m.id == id);
+        m.unwrap_or_else(|| panic!("no member {id}")).zone.clone()
+    }
+
+    /// The assignments in `assign_layout`'s notation, in key order.
+    pub fn layout(&self) -> String {
+        let mut out: Vec<(String, Vec<String>)> = Vec::new();
+        for k in self.snap.assignments.keys() {
+            let copy = format!("{}#{}", k.member.id, k.slot);
+            match out.last_mut() {
+                Some((j, copies)) if *j == k.journal => copies.push(copy),
+                _ => out.push((k.journal.clone(), vec![copy])),
+            }
+        }
+        let journals: Vec<String> = out
+            .into_iter()
+            .map(|(j, copies)| format!("{j}: {}", copies.join(" ")))
+            .collect();
+        journals.join("; ")
+    }
+
+    /// How many assignments the member with this id holds.
+    pub fn held_by(&self, id: &str) -> usize {
+        let held = self.snap.assignments.keys();
+        held.filter(|k| k.member.id == id).count()
     }
 }
 
@@ -155,8 +214,7 @@ pub(super) fn check_plan(snap: &Snapshot, changes: &[Change]) {
         );
     }
     for (m, mem) in &snap.members {
-        let before = snap.assignments.keys().filter(|k| &k.member == m).count();
-        let after = next.assignments.keys().filter(|k| &k.member == m).count();
+        let (before, after) = (snap.held_by(m), next.held_by(m));
         assert!(
             after <= before.max(mem.spec.journal_limit as usize),
             "{m} holds {after} journals, limit {}",
@@ -168,29 +226,20 @@ pub(super) fn check_plan(snap: &Snapshot, changes: &[Change]) {
     }
 }
 
+/// The name of the `i`th of many journals.
+fn j(i: u32) -> String {
+    format!("j/{i:03}")
+}
+
 fn three_items(f: &mut Fixture) {
     f.item("item-1", 1).item("item-2", 2).item("item-3", 3);
 }
 
 #[test]
 fn initial_allocation_is_gazettes() {
-    let mut f = Fixture::new();
-    three_items(&mut f);
-    f.member("zone-a", "A1", 2)
-        .member("zone-a", "A2", 2)
-        .member("zone-b", "B", 4);
+    let mut f = Fixture::gazettes("zone-a/A1:2 zone-a/A2:2 zone-b/B:4");
     assert_eq!(f.serve_until_idle(), 1);
-    assert_eq!(
-        f.keys(),
-        [
-            "item-1#zone-a#A1#0",
-            "item-2#zone-a#A2#0",
-            "item-2#zone-b#B#1",
-            "item-3#zone-a#A1#0",
-            "item-3#zone-a#A2#1",
-            "item-3#zone-b#B#2",
-        ]
-    );
+    f.expect("item-1: A1#0; item-2: A2#0 B#1; item-3: A1#0 A2#1 B#2");
     // The primaries synchronize; nothing more to do.
     f.mark_all_consistent();
     assert!(plan(&f.snap).is_empty());
@@ -202,156 +251,56 @@ fn initial_allocation_spreads_every_item_over_both_zones() {
     for i in 1..=7 {
         f.item(&format!("item-{i:02}"), 3);
     }
-    f.member("zone-a", "A1", 1024)
-        .member("zone-a", "A2", 1024)
-        .member("zone-b", "B1", 1024);
+    f.members("zone-a/A1:1024 zone-a/A2:1024 zone-b/B1:1024");
     assert_eq!(f.serve_until_idle(), 1);
     let want: Vec<String> = (1..=7)
-        .flat_map(|i| {
-            [
-                format!("item-{i:02}#zone-a#A1#0"),
-                format!("item-{i:02}#zone-a#A2#1"),
-                format!("item-{i:02}#zone-b#B1#2"),
-            ]
-        })
+        .map(|i| format!("item-{i:02}: A1#0 A2#1 B1#2"))
         .collect();
-    assert_eq!(f.keys(), want);
+    assert_eq!(f.layout(), want.join("; "));
 }
 
-fn replace_fixture(f: &mut Fixture) {
-    three_items(f);
-    f.member("zone-a", "A", 2)
-        .member("zone-b", "B", 4)
-        .member("zone-a", "old", 0)
-        .member("zone-a", "new", 3);
-}
+/// Members of the scenarios in which `old` is replaced by `new`.
+const REPLACE_MEMBERS: &str = "zone-a/A:2 zone-b/B:4 zone-a/old:0 zone-a/new:3";
 
 /// A member at limit 0 keeps its assignments until their replacements are
 /// consistent.
 #[test]
 fn a_member_at_limit_zero_is_replaced_before_it_is_removed() {
-    let mut f = Fixture::new();
-    replace_fixture(&mut f);
-    for k in [
-        "item-1#zone-a#A#0",
-        "item-2#zone-a#old#0",
-        "item-2#zone-b#B#1",
-        "item-3#zone-a#A#0",
-        "item-3#zone-a#old#1",
-        "item-3#zone-b#B#2",
-    ] {
-        f.assign(k);
-    }
+    let mut f = Fixture::gazettes(REPLACE_MEMBERS);
+    f.assign_layout("item-1: A#0; item-2: old#0 B#1; item-3: A#0 old#1 B#2");
     // Nothing is consistent: replacements may be added, nothing removed.
     assert_eq!(f.serve_until_idle(), 1);
-    assert_eq!(
-        f.keys(),
-        [
-            "item-1#zone-a#A#0",
-            "item-2#zone-a#new#2",
-            "item-2#zone-a#old#0",
-            "item-2#zone-b#B#1",
-            "item-3#zone-a#A#0",
-            "item-3#zone-a#new#3",
-            "item-3#zone-a#old#1",
-            "item-3#zone-b#B#2",
-        ]
-    );
+    f.expect("item-1: A#0; item-2: new#2 old#0 B#1; item-3: A#0 new#3 old#1 B#2");
     // However often it runs, `old` stays while `new` is not consistent.
     assert!(plan(&f.snap).is_empty());
 
     f.mark_all_consistent();
     assert_eq!(f.serve_until_idle(), 3);
-    assert_eq!(
-        f.keys(),
-        [
-            "item-1#zone-a#A#0",
-            "item-2#zone-a#new#1",
-            "item-2#zone-b#B#0",
-            "item-3#zone-a#A#0",
-            "item-3#zone-a#new#2",
-            "item-3#zone-b#B#1",
-        ]
-    );
+    f.expect("item-1: A#0; item-2: new#1 B#0; item-3: A#0 new#2 B#1");
 }
 
 #[test]
 fn a_consistent_member_at_limit_zero_hands_off_its_primaries() {
-    let mut f = Fixture::new();
-    replace_fixture(&mut f);
-    for k in [
-        "item-1#zone-a#A#0",
-        "item-2#zone-a#old#0",
-        "item-2#zone-b#B#1",
-        "item-3#zone-a#old#0",
-        "item-3#zone-a#A#1",
-        "item-3#zone-b#B#2",
-    ] {
-        f.assign(k);
-    }
+    let mut f = Fixture::gazettes(REPLACE_MEMBERS);
+    f.assign_layout("item-1: A#0; item-2: old#0 B#1; item-3: old#0 A#1 B#2");
     f.mark_all_consistent();
     assert_eq!(f.serve_until_idle(), 1);
-    assert_eq!(
-        f.keys(),
-        [
-            "item-1#zone-a#A#0",
-            "item-2#zone-a#new#2",
-            "item-2#zone-a#old#0",
-            "item-2#zone-b#B#1",
-            "item-3#zone-a#A#1",
-            "item-3#zone-a#new#3",
-            "item-3#zone-a#old#0",
-            "item-3#zone-b#B#2",
-        ]
-    );
+    f.expect("item-1: A#0; item-2: new#2 old#0 B#1; item-3: A#1 new#3 old#0 B#2");
     f.mark_all_consistent();
     assert_eq!(f.serve_until_idle(), 2);
     // `new` became item-3's primary: each member has one primary.
-    assert_eq!(
-        f.keys(),
-        [
-            "item-1#zone-a#A#0",
-            "item-2#zone-a#new#1",
-            "item-2#zone-b#B#0",
-            "item-3#zone-a#A#1",
-            "item-3#zone-a#new#0",
-            "item-3#zone-b#B#2",
-        ]
-    );
+    f.expect("item-1: A#0; item-2: new#1 B#0; item-3: A#1 new#0 B#2");
 }
 
 #[test]
 fn changed_replication_adds_before_it_removes() {
-    let mut f = Fixture::new();
-    three_items(&mut f);
-    f.member("zone-a", "A1", 2)
-        .member("zone-a", "A2", 2)
-        .member("zone-b", "B", 4);
-    for k in [
-        "item-1#zone-b#B#0",
-        "item-2#zone-a#A1#0",
-        "item-2#zone-b#B#1",
-        "item-3#zone-a#A1#0",
-        "item-3#zone-a#A2#1",
-        "item-3#zone-b#B#2",
-    ] {
-        f.assign(k);
-    }
+    let mut f = Fixture::gazettes("zone-a/A1:2 zone-a/A2:2 zone-b/B:4");
+    f.assign_layout("item-1: B#0; item-2: A1#0 B#1; item-3: A1#0 A2#1 B#2");
     f.mark_all_consistent();
     assert_eq!(f.serve_until_idle(), 0, "the allocation is stable");
     f.item("item-1", 3).item("item-3", 1);
     assert_eq!(f.serve_until_idle(), 4);
-    assert_eq!(
-        f.keys(),
-        [
-            "item-1#zone-a#A1#2",
-            "item-1#zone-a#A2#1",
-            "item-1#zone-b#B#0",
-            "item-2#zone-a#A1#0",
-            "item-2#zone-b#B#1",
-            "item-3#zone-a#A2#0",
-        ]
-    );
+    f.expect("item-1: A1#2 A2#1 B#0; item-2: A1#0 B#1; item-3: A2#0");
     f.mark_all_consistent();
     assert_eq!(f.serve_until_idle(), 0);
 }
@@ -360,16 +309,11 @@ fn changed_replication_adds_before_it_removes() {
 fn an_idle_cluster_writes_nothing() {
     let mut f = Fixture::new();
     for i in 0..50 {
-        f.item(&format!("j/{i:03}"), 1 + i % 3);
+        f.item(&j(i), 1 + i % 3);
     }
-    f.member("a", "1", 40)
-        .member("a", "2", 40)
-        .member("b", "3", 40)
-        .member("c", "4", 40);
-    f.serve_until_idle();
-    f.mark_all_consistent();
-    f.serve_until_idle();
-    f.mark_all_consistent();
+    f.members("a/1:40 a/2:40 b/3:40 c/4:40");
+    f.settle();
+    f.settle();
     assert!(plan(&f.snap).is_empty());
     assert_eq!(
         f.snap.assignments.len(),
@@ -384,9 +328,7 @@ fn an_idle_cluster_writes_nothing() {
 fn a_journal_without_primary_gets_one_at_once() {
     let mut f = Fixture::new();
     f.item("j/one", 2);
-    f.member("a", "P", 10)
-        .member("b", "R", 10)
-        .member("c", "S", 10);
+    f.members("a/P:10 b/R:10 c/S:10");
     f.assign("j/one#a#P#0").assign("j/one#b#R#1");
     f.mark_all_consistent();
     assert!(plan(&f.snap).is_empty());
@@ -421,89 +363,52 @@ fn a_journal_without_primary_gets_one_at_once() {
 
 #[test]
 fn members_stay_within_their_limits() {
-    let mut f = Fixture::new();
-    for i in 0..20 {
-        f.item(&format!("j/{i:02}"), 2);
-    }
-    f.member("a", "1", 5)
-        .member("a", "2", 7)
-        .member("b", "3", 11);
+    let mut f = Fixture::many(20, 2, "a/1:5 a/2:7 b/3:11");
+    f.settle();
     f.serve_until_idle();
-    f.mark_all_consistent();
-    f.serve_until_idle();
-    let count = |id: &str| {
-        f.snap
-            .assignments
-            .keys()
-            .filter(|k| k.member.id == id)
-            .count()
-    };
-    assert_eq!((count("1"), count("2"), count("3")), (5, 7, 11));
+    assert_eq!((f.held_by("1"), f.held_by("2"), f.held_by("3")), (5, 7, 11));
     // 23 copies fit, of 40 wanted: every journal has one before any has two.
     for i in 0..20 {
-        let n = f.snap.assignments_of(&format!("j/{i:02}")).count();
-        assert!((1..=2).contains(&n), "j/{i:02} has {n} copies");
+        let n = f.snap.assignments_of(&j(i)).count();
+        assert!((1..=2).contains(&n), "{} has {n} copies", j(i));
     }
 }
 
 #[test]
 fn replicas_go_to_distinct_zones() {
-    let mut f = Fixture::new();
-    for i in 0..40 {
-        f.item(&format!("j/{i:02}"), 3);
-    }
-    f.member("a", "1", 100)
-        .member("a", "2", 100)
-        .member("a", "3", 100)
-        .member("b", "4", 100)
-        .member("c", "5", 100);
+    let mut f = Fixture::many(40, 3, "a/1:100 a/2:100 a/3:100 b/4:100 c/5:100");
     f.serve_until_idle();
     for i in 0..40 {
         let mut zones: Vec<String> = f
             .snap
-            .assignments_of(&format!("j/{i:02}"))
+            .assignments_of(&j(i))
             .map(|(k, _)| k.member.zone.clone())
             .collect();
         zones.sort();
-        assert_eq!(zones, ["a", "b", "c"], "j/{i:02}");
+        assert_eq!(zones, ["a", "b", "c"], "{}", j(i));
     }
 }
 
 #[test]
 fn load_is_balanced_and_a_new_member_takes_its_share() {
-    let mut f = Fixture::new();
-    for i in 0..100 {
-        f.item(&format!("j/{i:03}"), 3);
-    }
-    f.member("", "1", 1000)
-        .member("", "2", 1000)
-        .member("", "3", 1000);
-    f.serve_until_idle();
-    f.mark_all_consistent();
-    let count = |f: &Fixture, id: &str| {
-        f.snap
-            .assignments
-            .keys()
-            .filter(|k| k.member.id == id)
-            .count()
-    };
+    let mut f = Fixture::many(100, 3, "/1:1000 /2:1000 /3:1000");
+    f.settle();
     assert_eq!(
-        [count(&f, "1"), count(&f, "2"), count(&f, "3")],
+        [f.held_by("1"), f.held_by("2"), f.held_by("3")],
         [100, 100, 100]
     );
 
     f.member("", "4", 1000);
     for _ in 0..20 {
-        f.serve_until_idle();
-        f.mark_all_consistent();
+        f.settle();
     }
     assert!(plan(&f.snap).is_empty());
     assert_eq!(
         [
-            count(&f, "1"),
-            count(&f, "2"),
-            count(&f, "3"),
-            count(&f, "4")
+            f.held_by("1"),
+            f.held_by("2"),
+            f.held_by("3"),
+            f.held_by("4")
         ],
         [75, 75, 75, 75]
     );
@@ -514,28 +419,14 @@ fn load_is_balanced_and_a_new_member_takes_its_share() {
 
 #[test]
 fn an_exiting_member_is_drained_add_first() {
-    let mut f = Fixture::new();
-    for i in 0..10 {
-        f.item(&format!("j/{i}"), 2);
-    }
-    f.member("a", "1", 10)
-        .member("b", "2", 10)
-        .member("c", "3", 10);
-    f.serve_until_idle();
-    f.mark_all_consistent();
+    let mut f = Fixture::many(10, 2, "a/1:10 b/2:10 c/3:10");
+    f.settle();
     f.update_member("a", "1", |s| s.exiting = true);
-    let held = |f: &Fixture| {
-        f.snap
-            .assignments
-            .keys()
-            .filter(|k| k.member.id == "1")
-            .count()
-    };
-    let before = held(&f);
+    let before = f.held_by("1");
     assert!(before > 0);
     f.serve_until_idle();
     assert_eq!(
-        held(&f),
+        f.held_by("1"),
         before,
         "nothing goes before its replacement is consistent"
     );
@@ -543,9 +434,9 @@ fn an_exiting_member_is_drained_add_first() {
         f.mark_all_consistent();
         f.serve_until_idle();
     }
-    assert_eq!(held(&f), 0);
+    assert_eq!(f.held_by("1"), 0);
     for i in 0..10 {
-        assert_eq!(f.snap.assignments_of(&format!("j/{i}")).count(), 2);
+        assert_eq!(f.snap.assignments_of(&j(i)).count(), 2);
     }
 }
 
@@ -609,13 +500,7 @@ fn a_stale_plan_fails_whole() {
 
 #[test]
 fn transactions_keep_a_journals_changes_together() {
-    let mut f = Fixture::new();
-    for i in 0..100 {
-        f.item(&format!("j/{i:03}"), 3);
-    }
-    f.member("a", "1", 1000)
-        .member("b", "2", 1000)
-        .member("c", "3", 1000);
+    let f = Fixture::many(100, 3, "a/1:1000 b/2:1000 c/3:1000");
     let changes = plan(&f.snap);
     assert_eq!(changes.len(), 300);
     let txns = transactions(&changes, TXN_OPS_MAX);
@@ -640,7 +525,7 @@ fn transactions_keep_a_journals_changes_together() {
 fn the_leader_is_the_oldest_member() {
     let mut f = Fixture::new();
     assert_eq!(f.snap.leader(), None);
-    f.member("b", "first", 1).member("a", "second", 1);
+    f.members("b/first:1 a/second:1");
     assert_eq!(f.snap.leader().unwrap().id, "first");
     f.snap
         .members
@@ -733,60 +618,30 @@ fn a_snapshot_follows_etcds_key_values() {
 /// twice: the same allocations come out.
 #[test]
 fn raising_and_lowering_a_limit_moves_journals_add_first() {
-    let mut f = Fixture::new();
-    three_items(&mut f);
-    f.member("zone-a", "A", 2)
-        .member("zone-a", "limit", 2)
-        .member("zone-b", "B", 4);
-    for k in [
-        "item-1#zone-b#B#0",
-        "item-2#zone-a#A#0",
-        "item-2#zone-b#B#1",
-        "item-3#zone-a#A#0",
-        "item-3#zone-a#limit#1",
-        "item-3#zone-b#B#2",
-    ] {
-        f.assign(k);
-    }
+    let mut f = Fixture::gazettes("zone-a/A:2 zone-a/limit:2 zone-b/B:4");
+    f.assign_layout("item-1: B#0; item-2: A#0 B#1; item-3: A#0 limit#1 B#2");
     f.mark_all_consistent();
     assert_eq!(f.serve_until_idle(), 0);
-    let want: [[&str; 6]; 3] = [
-        [
-            "item-1#zone-a#limit#0",
-            "item-2#zone-a#limit#1",
-            "item-2#zone-b#B#0",
-            "item-3#zone-a#A#0",
-            "item-3#zone-a#limit#1",
-            "item-3#zone-b#B#2",
-        ],
-        [
-            "item-1#zone-a#limit#0",
-            "item-2#zone-a#A#1",
-            "item-2#zone-b#B#0",
-            "item-3#zone-a#A#0",
-            "item-3#zone-a#limit#1",
-            "item-3#zone-b#B#2",
-        ],
-        [
-            "item-1#zone-b#B#0",
-            "item-2#zone-a#A#1",
-            "item-2#zone-b#B#0",
-            "item-3#zone-a#A#0",
-            "item-3#zone-a#limit#1",
-            "item-3#zone-b#B#2",
-        ],
+    let want = [
+        "item-1: limit#0; item-2: limit#1 B#0; item-3: A#0 limit#1 B#2",
+        "item-1: limit#0; item-2: A#1 B#0; item-3: A#0 limit#1 B#2",
+        "item-1: B#0; item-2: A#1 B#0; item-3: A#0 limit#1 B#2",
     ];
     for (limit, want) in [10, 2, 1].into_iter().zip(want) {
         f.update_member("zone-a", "limit", |s| s.journal_limit = limit);
         // Additions first; removals wait for the primaries to synchronize.
         assert!(f.serve_until_idle() >= 1);
-        assert_ne!(f.keys(), want, "limit {limit}: removed before synchronized");
+        assert_ne!(
+            f.layout(),
+            want,
+            "limit {limit}: removed before synchronized"
+        );
         for _ in 0..5 {
             f.mark_all_consistent();
             f.serve_until_idle();
         }
         assert!(plan(&f.snap).is_empty());
-        assert_eq!(f.keys(), want, "limit {limit}");
+        assert_eq!(f.layout(), want, "limit {limit}");
     }
 }
 
@@ -800,24 +655,15 @@ fn scaling_up_from_too_few_members() {
     three_items(&mut f);
     f.member("zone-a", "A1", 1);
     assert_eq!(f.serve_until_idle(), 1);
-    assert_eq!(f.keys(), ["item-1#zone-a#A1#0"]);
+    f.expect("item-1: A1#0");
     f.member("zone-a", "A2", 2);
     for _ in 0..5 {
-        f.serve_until_idle();
-        f.mark_all_consistent();
+        f.settle();
     }
-    assert_eq!(
-        f.keys(),
-        [
-            "item-1#zone-a#A1#0",
-            "item-2#zone-a#A2#0",
-            "item-3#zone-a#A2#0"
-        ]
-    );
+    f.expect("item-1: A1#0; item-2: A2#0; item-3: A2#0");
     f.member("zone-a", "A3", 3);
     for _ in 0..5 {
-        f.serve_until_idle();
-        f.mark_all_consistent();
+        f.settle();
     }
     assert!(plan(&f.snap).is_empty());
     for (j, min) in [("item-1", 1), ("item-2", 2), ("item-3", 2)] {

@@ -106,8 +106,7 @@ impl World {
     }
 
     fn bump(&mut self) -> i64 {
-        self.snap.revision += 1;
-        self.snap.revision
+        self.snap.bump()
     }
 
     fn log(&mut self, what: String) {
@@ -116,14 +115,7 @@ impl World {
     }
 
     fn put_item(&mut self, journal: &str, replication: u32) {
-        let rev = self.bump();
-        self.snap.items.insert(
-            journal.to_string(),
-            Item {
-                replication,
-                mod_revision: rev,
-            },
-        );
+        self.snap.write_item(journal, replication);
         self.log(format!("item {journal} r={replication}"));
     }
 
@@ -141,25 +133,12 @@ impl World {
         self.next_id += 1;
         let key = MemberKey::new(zone, &format!("b{}", self.next_id)).unwrap();
         let limit = self.limit();
-        let rev = self.bump();
-        self.snap.members.insert(
-            key.clone(),
-            Member {
-                spec: MemberSpec {
-                    endpoint: format!("10.0.0.{}:7401", self.next_id),
-                    shards: 1,
-                    journal_limit: limit,
-                    exiting: false,
-                },
-                create_revision: rev,
-                mod_revision: rev,
-                lease: rev,
-            },
-        );
+        let endpoint = format!("10.0.0.{}:7401", self.next_id);
+        let lease = self.snap.write_member(key.clone(), endpoint, limit);
         self.brokers.insert(
             key.clone(),
             Broker {
-                lease: rev,
+                lease,
                 paused_until: None,
                 paused_at: 0,
             },
@@ -471,12 +450,7 @@ impl World {
             }
         }
         for (k, m) in &self.snap.members {
-            let n = self
-                .snap
-                .assignments
-                .keys()
-                .filter(|a| &a.member == k)
-                .count();
+            let n = self.snap.held_by(k);
             assert!(
                 n <= m.spec.journal_limit as usize,
                 "{k} holds {n} journals, above its limit {}",
@@ -522,12 +496,7 @@ impl World {
     fn describe(&self) -> String {
         let mut out = String::new();
         for (k, m) in &self.snap.members {
-            let n = self
-                .snap
-                .assignments
-                .keys()
-                .filter(|a| &a.member == k)
-                .count();
+            let n = self.snap.held_by(k);
             out += &format!(
                 "\n  {k}: holds {n}, limit {}, exiting {}",
                 m.spec.journal_limit, m.spec.exiting
@@ -624,12 +593,7 @@ impl World {
                 .sum();
             for (k, m) in &usable {
                 let share = (u64::from(m.spec.capacity()) * demand.min(cap)).div_ceil(cap.max(1));
-                let n = self
-                    .snap
-                    .assignments
-                    .keys()
-                    .filter(|a| &a.member == *k)
-                    .count() as u64;
+                let n = self.snap.held_by(k) as u64;
                 assert!(
                     n <= share + 1,
                     "{k} holds {n} copies, fair share {share}: {}",

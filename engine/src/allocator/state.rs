@@ -290,6 +290,12 @@ impl Snapshot {
         Ok(())
     }
 
+    /// How many assignments a member holds (primaries and replicas).
+    pub fn held_by(&self, member: &MemberKey) -> usize {
+        let held = self.assignments.keys();
+        held.filter(|k| &k.member == member).count()
+    }
+
     /// One journal's assignments, in key order.
     pub fn assignments_of<'a>(
         &'a self,
@@ -615,4 +621,44 @@ pub fn transactions(changes: &[Change], ops_max: usize) -> Vec<&[Change]> {
         out.push(&changes[start..]);
     }
     out
+}
+
+/// Writes as the allocator's tests and simulation make them: each at the
+/// next revision, as etcd would.
+#[cfg(test)]
+impl Snapshot {
+    pub fn bump(&mut self) -> i64 {
+        self.revision += 1;
+        self.revision
+    }
+
+    /// A journal's spec written (created, or its replication changed).
+    pub fn write_item(&mut self, journal: &str, replication: u32) {
+        let mod_revision = self.bump();
+        let item = Item {
+            replication,
+            mod_revision,
+        };
+        self.items.insert(journal.to_string(), item);
+    }
+
+    /// A broker's member key written at its start, under a lease granted
+    /// then: the lease's id (the revision).
+    pub fn write_member(&mut self, key: MemberKey, endpoint: String, journal_limit: u32) -> i64 {
+        let rev = self.bump();
+        let spec = MemberSpec {
+            endpoint,
+            shards: 1,
+            journal_limit,
+            exiting: false,
+        };
+        let member = Member {
+            spec,
+            create_revision: rev,
+            mod_revision: rev,
+            lease: rev,
+        };
+        self.members.insert(key, member);
+        rev
+    }
 }
