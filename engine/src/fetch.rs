@@ -21,50 +21,50 @@ use std::time::Duration;
 /// Longest wait for the next frame of the peer's answer.
 pub const FETCH_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Copies `[from, to)` of `journal` from the peer shard at `addr` into
-/// fragment files in `dir`, one per contiguous run of bytes the peer holds
+/// Where a copy goes: the journal's directory, and whether each fragment
+/// is made durable (synced, its directory too) before it counts.
+pub struct Dest<'a> {
+    pub journal: &'a str,
+    pub dir: &'a Path,
+    pub durable: bool,
+}
+
+/// Copies `[from, to)` of the journal from the peer shard at `addr` into
+/// fragment files in `dest`, one per contiguous run of bytes the peer holds
 /// itself. Bytes the peer knows only from a store are skipped (they stay
 /// in the store); so are bytes it does not hold at all. Returns the new
 /// fragments in offset order. On error no file of the copy is left behind.
 pub async fn copy_span(
     addr: SocketAddr,
-    journal: &str,
+    dest: &Dest<'_>,
     from: u64,
     to: u64,
-    dir: &Path,
-    durable: bool,
 ) -> Result<Vec<LocalFragment>, String> {
-    let mut done = Vec::new();
-    let mut piece = None;
+    let mut pieces = Pieces {
+        dest,
+        open: None,
+        done: Vec::new(),
+    };
     let copied = async {
-        compio::fs::create_dir_all(dir)
+        compio::fs::create_dir_all(dest.dir)
             .await
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+            .map_err(|e| format!("{}: {e}", dest.dir.display()))?;
         let mut at = from;
         while at < to {
-            let next =
-                read_once(addr, journal, at, to, dir, durable, &mut piece, &mut done).await?;
+            let next = read_once(addr, dest.journal, at, to, &mut pieces).await?;
             if next <= at {
                 // The peer holds nothing at or beyond `at`.
                 break;
             }
             at = next;
         }
-        if let Some(p) = piece.take() {
-            done.push(p.finish(dir, durable).await?);
-        }
-        Ok::<(), String>(())
+        pieces.close().await
     }
     .await;
     match copied {
-        Ok(()) => Ok(done),
+        Ok(()) => Ok(pieces.done),
         Err(e) => {
-            if let Some(p) = piece.take() {
-                let _ = compio::fs::remove_file(&p.path).await;
-            }
-            for f in done {
-                let _ = compio::fs::remove_file(&f.path).await;
-            }
+            pieces.discard().await;
             Err(format!("copying [{from}, {to}) from {addr}: {e}"))
         }
     }
@@ -83,6 +83,11 @@ pub async fn copy_from_each(
     dir: &Path,
     durable: bool,
 ) -> Result<Vec<LocalFragment>, String> {
+    let dest = Dest {
+        journal,
+        dir,
+        durable,
+    };
     let mut copied: Vec<LocalFragment> = Vec::new();
     let mut missing = vec![(from, to)];
     for &(head, addr) in sources {
@@ -93,15 +98,13 @@ pub async fn copy_from_each(
                 still.push((a, b));
                 continue;
             }
-            match copy_span(addr, journal, a, end, dir, durable).await {
+            match copy_span(addr, &dest, a, end).await {
                 Ok(got) => {
                     still.extend(uncovered(a, b, &got));
                     copied.extend(got);
                 }
                 Err(e) => {
-                    for f in copied {
-                        let _ = compio::fs::remove_file(&f.path).await;
-                    }
+                    remove_all(&copied).await;
                     return Err(e);
                 }
             }
@@ -132,21 +135,24 @@ fn uncovered(a: u64, b: u64, got: &[LocalFragment]) -> Vec<(u64, u64)> {
     out
 }
 
+/// Removes a copy's fragment files (after a failure: none may stay).
+async fn remove_all(fragments: &[LocalFragment]) {
+    for f in fragments {
+        let _ = compio::fs::remove_file(&f.path).await;
+    }
+}
+
 /// One non-blocking READ of `[from, to)` with DO_NOT_PROXY and TAKEOVER
-/// (a peer the journal left serves what it holds too), its data
-/// written into `piece` (a new piece at every discontinuity). Returns the
-/// offset the read ended at: `to`, or the end of a store-held fragment
-/// the peer pointed at, or `from` if the peer holds nothing there.
-#[allow(clippy::too_many_arguments)]
+/// (a peer the journal left serves what it holds too), its data written
+/// into `pieces`. Returns the offset the read ended at: `to`, or the end
+/// of a store-held fragment the peer pointed at, or `from` if the peer
+/// holds nothing there.
 async fn read_once(
     addr: SocketAddr,
     journal: &str,
     from: u64,
     to: u64,
-    dir: &Path,
-    durable: bool,
-    piece: &mut Option<Piece>,
-    done: &mut Vec<LocalFragment>,
+    pieces: &mut Pieces<'_>,
 ) -> Result<u64, String> {
     let mut s = compio::time::timeout(FETCH_IDLE_TIMEOUT, TcpStream::connect(addr))
         .await
@@ -209,14 +215,7 @@ async fn read_once(
                         "the peer sent [{offset}, {end}) for [{from}, {to})"
                     ));
                 }
-                if piece.as_ref().is_some_and(|p| p.end != offset) {
-                    let p = piece.take().expect("piece");
-                    done.push(p.finish(dir, durable).await?);
-                }
-                if piece.is_none() {
-                    *piece = Some(Piece::create(dir, offset).await?);
-                }
-                piece.as_mut().expect("piece").write(f.payload).await?;
+                pieces.write(offset, f.payload).await?;
             }
             // History only in a store stays there: the read ends at the
             // fragment's end, and the copy goes on from it.
@@ -233,6 +232,45 @@ async fn read_once(
                 return Err(format!("{op:?} {status}: {msg}"));
             }
         }
+    }
+}
+
+/// The fragment files of one copy: those written, and the one being
+/// written.
+struct Pieces<'a> {
+    dest: &'a Dest<'a>,
+    open: Option<Piece>,
+    done: Vec<LocalFragment>,
+}
+
+impl Pieces<'_> {
+    /// Writes the bytes at `offset`: into the open piece if they follow
+    /// it, else into a new one (the open one becomes a fragment).
+    async fn write(&mut self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        if self.open.as_ref().is_some_and(|p| p.end != offset) {
+            self.close().await?;
+        }
+        if self.open.is_none() {
+            self.open = Some(Piece::create(self.dest.dir, offset).await?);
+        }
+        self.open.as_mut().expect("open piece").write(bytes).await
+    }
+
+    /// Makes the open piece, if any, a fragment.
+    async fn close(&mut self) -> Result<(), String> {
+        if let Some(p) = self.open.take() {
+            let (dir, durable) = (self.dest.dir, self.dest.durable);
+            self.done.push(p.finish(dir, durable).await?);
+        }
+        Ok(())
+    }
+
+    async fn discard(&mut self) {
+        if let Some(p) = self.open.take() {
+            let _ = compio::fs::remove_file(&p.path).await;
+        }
+        remove_all(&self.done).await;
+        self.done.clear();
     }
 }
 
@@ -294,21 +332,12 @@ impl Piece {
                 .await
                 .map_err(|e| e.to_string())?;
         }
-        Ok(LocalFragment {
-            begin: self.begin,
-            end: self.end,
-            sha1,
-            path: dest,
-            // Opened per read, like any older fragment: a long copy makes
-            // many fragments, and none keeps a descriptor.
-            file: None,
-            uploaded: false,
-            uploading: false,
-            corrupt: None,
-            // Hashed into `sha1` as it was copied.
-            verified: true,
-            sealed_at: crate::clock::wall(),
-        })
+        // Hashed into `sha1` as it was copied. Opened per read, like any
+        // older fragment: a long copy makes many fragments, and none keeps
+        // a descriptor.
+        let span = (self.begin, self.end);
+        let now = crate::clock::wall();
+        Ok(LocalFragment::file_at(span, sha1, dest, true, now))
     }
 }
 
@@ -317,18 +346,8 @@ mod tests {
     use super::*;
 
     fn frag(begin: u64, end: u64) -> LocalFragment {
-        LocalFragment {
-            begin,
-            end,
-            sha1: [0; 20],
-            path: PathBuf::new(),
-            file: None,
-            uploaded: false,
-            uploading: false,
-            corrupt: None,
-            verified: true,
-            sealed_at: std::time::SystemTime::UNIX_EPOCH,
-        }
+        let epoch = std::time::SystemTime::UNIX_EPOCH;
+        LocalFragment::file_at((begin, end), [0; 20], PathBuf::new(), true, epoch)
     }
 
     #[test]

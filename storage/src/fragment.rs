@@ -35,6 +35,32 @@ pub struct LocalFragment {
     pub sealed_at: std::time::SystemTime,
 }
 
+impl LocalFragment {
+    /// A fragment file with no handle open (it is opened per read), not in
+    /// a store nor on its way there, not known to be damaged. `verified`:
+    /// this process hashed its bytes.
+    pub fn file_at(
+        (begin, end): (u64, u64),
+        sha1: [u8; 20],
+        path: PathBuf,
+        verified: bool,
+        sealed_at: std::time::SystemTime,
+    ) -> LocalFragment {
+        LocalFragment {
+            begin,
+            end,
+            sha1,
+            path,
+            file: None,
+            uploaded: false,
+            uploading: false,
+            corrupt: None,
+            verified,
+            sealed_at,
+        }
+    }
+}
+
 /// `<begin:016x>-<end:016x>-<sha1:40 hex>.raw`: Gazette's fragment name
 /// for an uncompressed fragment (local files are never compressed).
 pub fn fragment_file_name(begin: u64, end: u64, sha1: &[u8; 20]) -> String {
@@ -92,21 +118,11 @@ pub fn list_dir(dir: &Path) -> std::io::Result<LocalListing> {
         {
             out.partial.push(entry.path());
         } else if let Some((begin, end, sha1, ".raw")) = parse_fragment_name(name) {
-            out.fragments.push(LocalFragment {
-                begin,
-                end,
-                sha1,
-                path: entry.path(),
-                file: None,
-                uploaded: false,
-                uploading: false,
-                corrupt: None,
-                verified: false,
-                sealed_at: entry
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .unwrap_or(std::time::SystemTime::UNIX_EPOCH),
-            });
+            let modified = entry.metadata().and_then(|m| m.modified());
+            let sealed_at = modified.unwrap_or(std::time::SystemTime::UNIX_EPOCH);
+            let (path, verified) = (entry.path(), false);
+            let f = LocalFragment::file_at((begin, end), sha1, path, verified, sealed_at);
+            out.fragments.push(f);
         }
     }
     out.fragments.sort_by_key(|f| (f.begin, f.end));

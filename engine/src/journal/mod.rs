@@ -369,18 +369,8 @@ mod tests {
 
     /// A sealed fragment not yet uploaded.
     fn local(begin: u64, end: u64, sha: u8) -> LocalFragment {
-        LocalFragment {
-            begin,
-            end,
-            sha1: [sha; 20],
-            path: PathBuf::from("/nonexistent/f"),
-            file: None,
-            uploaded: false,
-            uploading: false,
-            corrupt: None,
-            verified: true,
-            sealed_at: SystemTime::UNIX_EPOCH,
-        }
+        let path = PathBuf::from("/nonexistent/f");
+        LocalFragment::file_at((begin, end), [sha; 20], path, true, SystemTime::UNIX_EPOCH)
     }
 
     fn shas(j: &Journal) -> Vec<(u64, u64, u8)> {
@@ -536,18 +526,9 @@ mod tests {
     fn a_damaged_local_fragment_is_read_from_the_store_or_refused() {
         let mut j = Journal::new(JournalSpec::new("a/b/c"), PathBuf::from("/nonexistent"));
         for (begin, end) in [(0, 8), (8, 16)] {
-            j.files.fragments.push(LocalFragment {
-                begin,
-                end,
-                sha1: [2; 20],
-                path: PathBuf::from(format!("/nonexistent/{begin}")),
-                file: None,
-                uploaded: false,
-                uploading: false,
-                corrupt: None,
-                verified: true,
-                sealed_at: SystemTime::UNIX_EPOCH,
-            });
+            let path = PathBuf::from(format!("/nonexistent/{begin}"));
+            j.files.fragments.push(local(begin, end, 2));
+            j.files.fragments.last_mut().expect("pushed").path = path;
         }
         j.files.fragments[0].corrupt = Some("bytes hash to 00".into());
         let located = |j: &Journal, at: u64| {
