@@ -224,6 +224,42 @@ impl AckSink {
 }
 
 impl AppendOp {
+    /// An append whose first frame arrived now. `complete`: that frame was
+    /// its last (no MORE flag).
+    pub fn new(
+        request_id: u64,
+        outbox: Rc<Outbox>,
+        req: AppendRequest,
+        complete: bool,
+        budget: Rc<crate::budget::Budget>,
+    ) -> AppendOp {
+        let now = crate::clock::now();
+        AppendOp {
+            request_id,
+            outbox,
+            req,
+            chunks: RefCell::new(VecDeque::new()),
+            complete: Cell::new(complete),
+            aborted: Cell::new(None),
+            finished: Cell::new(false),
+            last_activity: Cell::new(now),
+            arrived: now,
+            budget,
+            replica: None,
+        }
+    }
+
+    /// Makes it a replica's copy of its primary's append, acknowledged
+    /// through `sink`.
+    pub fn for_replica(mut self, sink: Rc<AckSink>) -> AppendOp {
+        self.replica = Some(ReplicaOp {
+            sink,
+            proposal: RefCell::new(None),
+            content_done: Cell::new(false),
+        });
+        self
+    }
+
     /// Ends an append rolled back for its [`AbortReason`]: answered with
     /// the reason's status, or only marked finished when nobody is left to
     /// answer.

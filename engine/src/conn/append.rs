@@ -149,19 +149,8 @@ impl Conn {
             return self.refuse_append(&frame, Status::NOT_ALLOWED, "journal is read-only");
         }
         let more = frame.flags & flag::MORE != 0;
-        let op = Rc::new(AppendOp {
-            request_id: id,
-            outbox: self.outbox.clone(),
-            req,
-            chunks: RefCell::new(Default::default()),
-            complete: Cell::new(!more),
-            aborted: Cell::new(None),
-            finished: Cell::new(false),
-            last_activity: Cell::new(crate::clock::now()),
-            arrived: crate::clock::now(),
-            budget: self.budget.clone(),
-            replica: None,
-        });
+        let (outbox, budget) = (self.outbox.clone(), self.budget.clone());
+        let op = Rc::new(AppendOp::new(id, outbox, req, !more, budget));
         self.push_chunk(&op, &frame, body);
         if more {
             self.appends.insert(id, (op.clone(), j.clone()));

@@ -9,7 +9,7 @@ mod read;
 mod relay;
 mod replica;
 
-use crate::append::{AbortReason, AckSink, AppendOp, Chunk, Proposal, ReplicaOp, SyncWaiter};
+use crate::append::{AbortReason, AckSink, AppendOp, Chunk, Proposal, SyncWaiter};
 use crate::budget::{
     Budget, CONN_APPEND_QUEUE_BYTES_MAX, CONN_DISCARDS_MAX, CONN_OPEN_APPENDS_MAX,
     CONN_OPEN_READS_MAX, CONN_REPLICATED_APPENDS_MAX,
@@ -17,7 +17,7 @@ use crate::budget::{
 use crate::metrics;
 use crate::outbox::{self, Outbox, OUTBOX_REQUESTS_PAUSE_BYTES};
 use crate::replica::Verdict;
-use crate::shard::{Cancel, Role};
+use crate::shard::{Cancel, ReadAsk, Role};
 use crate::shard::{JournalRef, Shard};
 use compio::buf::{BufResult, IntoInner, IoBuf, IoBufMut};
 use compio::io::AsyncRead;

@@ -193,27 +193,14 @@ impl Conn {
         seq: u64,
         begin: u64,
     ) -> Rc<AppendOp> {
-        Rc::new(AppendOp {
-            request_id: seq,
-            outbox: self.outbox.clone(),
-            req: AppendRequest {
-                journal: j.borrow().name.clone(),
-                expect_offset: Some(begin),
-                ..Default::default()
-            },
-            chunks: RefCell::new(Default::default()),
-            complete: Cell::new(false),
-            aborted: Cell::new(None),
-            finished: Cell::new(false),
-            last_activity: Cell::new(crate::clock::now()),
-            arrived: crate::clock::now(),
-            budget: self.budget.clone(),
-            replica: Some(ReplicaOp {
-                sink: sink.clone(),
-                proposal: RefCell::new(None),
-                content_done: Cell::new(false),
-            }),
-        })
+        let req = AppendRequest {
+            journal: j.borrow().name.clone(),
+            expect_offset: Some(begin),
+            ..Default::default()
+        };
+        let (outbox, budget) = (self.outbox.clone(), self.budget.clone());
+        let op = AppendOp::new(seq, outbox, req, false, budget);
+        Rc::new(op.for_replica(sink.clone()))
     }
 
     /// Queues a record's bytes on a replicated append: a range of the

@@ -272,11 +272,10 @@ fn refuse(status: Status, message: String) -> Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::append::{AbortReason, PrimaryRepl, ReplicaOp};
+    use crate::append::{AbortReason, PrimaryRepl};
     use crate::clock::{install, Clock};
     use rotary_net::spec::LabelSelector;
     use rotary_net::wire::AppendRequest;
-    use std::collections::VecDeque;
 
     fn journal(stores: bool) -> Journal {
         let mut spec = JournalSpec::new("a/b");
@@ -291,25 +290,15 @@ mod tests {
 
     fn op(replica: bool) -> AppendOp {
         let outbox = Rc::new(Outbox::new());
-        AppendOp {
-            request_id: 7,
-            outbox: outbox.clone(),
-            req: AppendRequest {
-                journal: "a/b".into(),
-                ..Default::default()
-            },
-            chunks: RefCell::new(VecDeque::new()),
-            complete: Cell::new(false),
-            aborted: Cell::new(None),
-            finished: Cell::new(false),
-            last_activity: Cell::new(crate::clock::now()),
-            arrived: crate::clock::now(),
-            budget: Rc::new(crate::budget::Budget::default()),
-            replica: replica.then(|| ReplicaOp {
-                sink: crate::append::AckSink::new(outbox),
-                proposal: RefCell::new(None),
-                content_done: Cell::new(false),
-            }),
+        let req = AppendRequest {
+            journal: "a/b".into(),
+            ..Default::default()
+        };
+        let budget = Rc::new(crate::budget::Budget::default());
+        let op = AppendOp::new(7, outbox.clone(), req, false, budget);
+        match replica {
+            true => op.for_replica(crate::append::AckSink::new(outbox)),
+            false => op,
         }
     }
 
@@ -327,6 +316,16 @@ mod tests {
     /// Admission of `op` as the first queued append of `jm`.
     fn start(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>) -> Admission {
         admit(jm, Next::Append(op), shard, crate::clock::now())
+    }
+
+    /// What `every_ask` answers for an append of 10 bytes admitted whole.
+    fn stages_all_10() -> [Admission; 3] {
+        [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
+    }
+
+    /// A client's append to a primary of the default shard.
+    fn client(jm: &Journal) -> Admission {
+        start(jm, &op(false), &primary())
     }
 
     fn status(a: Admission) -> (Status, bool) {
@@ -393,10 +392,7 @@ mod tests {
     fn a_seal_comes_first_once_requested_or_the_fragment_is_full() {
         let mut j = journal(false);
         j.files.seal_requested = true;
-        assert_eq!(
-            start(&j, &op(false), &primary()),
-            Admission::Seal { again: true }
-        );
+        assert_eq!(client(&j), Admission::Seal { again: true });
         let busy = AdmitShard {
             inflight: 2,
             ..primary()
@@ -413,28 +409,19 @@ mod tests {
         assert_eq!(start(&j, &op(true), &replica), Admission::Stage);
         let mut full = journal(false);
         full.spec.fragment.length = 0;
-        assert_eq!(
-            start(&full, &op(false), &primary()),
-            Admission::Seal { again: true }
-        );
+        assert_eq!(client(&full), Admission::Seal { again: true });
     }
 
     #[test]
     fn a_journal_with_stores_waits_for_its_first_listing() {
         let mut j = journal(true);
         j.index.loaded = false;
-        assert_eq!(
-            start(&j, &op(false), &primary()),
-            Admission::AwaitListing { hurry: true }
-        );
+        assert_eq!(client(&j), Admission::AwaitListing { hurry: true });
         j.index.listing = true;
-        assert_eq!(
-            start(&j, &op(false), &primary()),
-            Admission::AwaitListing { hurry: false }
-        );
+        assert_eq!(client(&j), Admission::AwaitListing { hurry: false });
         j.index.error = Some("store down".into());
         assert_eq!(
-            status(start(&j, &op(false), &primary())),
+            status(client(&j)),
             (Status::FRAGMENT_STORE_UNHEALTHY, false)
         );
     }
@@ -454,7 +441,7 @@ mod tests {
             mod_time: SystemTime::UNIX_EPOCH,
         });
         assert_eq!(
-            status(start(&j, &op(false), &primary())),
+            status(client(&j)),
             (Status::INDEX_HAS_GREATER_OFFSET, false)
         );
     }
@@ -567,19 +554,13 @@ mod tests {
             inflight: INFLIGHT_BATCHES_MAX - 1,
             ..shard
         };
-        assert_eq!(
-            every_ask(&j, &a, 10, &under, now),
-            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
-        );
+        assert_eq!(every_ask(&j, &a, 10, &under, now), stages_all_10());
         // Without replicas nothing is in flight to wait for.
         let alone = AdmitShard {
             replicated: false,
             ..at_limit
         };
-        assert_eq!(
-            every_ask(&j, &a, 10, &alone, now),
-            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
-        );
+        assert_eq!(every_ask(&j, &a, 10, &alone, now), stages_all_10());
     }
 
     #[test]
@@ -614,10 +595,7 @@ mod tests {
             ..shard
         };
         let r = op(true);
-        assert_eq!(
-            every_ask(&j, &r, 10, &replica, now),
-            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
-        );
+        assert_eq!(every_ask(&j, &r, 10, &replica, now), stages_all_10());
     }
 
     #[test]
@@ -632,10 +610,7 @@ mod tests {
             [held(), held(), held()]
         );
         j.primary.syncing = false;
-        assert_eq!(
-            every_ask(&j, &a, 10, &primary(), now),
-            [Admission::Stage, Admission::Stage, Admission::StageUpTo(10)]
-        );
+        assert_eq!(every_ask(&j, &a, 10, &primary(), now), stages_all_10());
     }
 
     /// A manual clock, installed, and a journal whose appends go at

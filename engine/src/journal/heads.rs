@@ -37,6 +37,16 @@ impl Heads {
         self.head
     }
 
+    /// The reply to an append refused or failed now: the head and the
+    /// registers as they stand, so that the client can tell where to go on.
+    pub fn refusal(&self) -> rotary_net::wire::AppendReply {
+        rotary_net::wire::AppendReply {
+            write_head: self.head(),
+            registers: self.registers().clone(),
+            ..Default::default()
+        }
+    }
+
     /// The registers as of [`Self::head`].
     pub fn registers(&self) -> &LabelSet {
         &self.registers

@@ -1197,11 +1197,7 @@ impl Shard {
         jm.heads.publish_registers(last.registers.clone());
         for s in &staged {
             if let Some(f) = failure {
-                let reply = AppendReply {
-                    write_head: jm.heads.head(),
-                    registers: jm.heads.registers().clone(),
-                    ..Default::default()
-                };
+                let reply = jm.heads.refusal();
                 s.op.reply_error(f.status, &reply, &f.message);
                 continue;
             }

@@ -334,22 +334,12 @@ impl Shard {
         }
         let outbox = Rc::new(Outbox::new());
         outbox.close();
-        let op = Rc::new(crate::append::AppendOp {
-            request_id: 0,
-            outbox,
-            req: rotary_net::wire::AppendRequest {
-                journal: j.borrow().name.clone(),
-                ..Default::default()
-            },
-            chunks: RefCell::new(Default::default()),
-            complete: Cell::new(true),
-            aborted: Cell::new(None),
-            finished: Cell::new(false),
-            last_activity: Cell::new(crate::clock::now()),
-            arrived: crate::clock::now(),
-            budget: Rc::new(crate::budget::Budget::default()),
-            replica: None,
-        });
+        let req = rotary_net::wire::AppendRequest {
+            journal: j.borrow().name.clone(),
+            ..Default::default()
+        };
+        let budget = Rc::new(crate::budget::Budget::default());
+        let op = Rc::new(AppendOp::new(0, outbox, req, true, budget));
         self.submit_append(j, op);
     }
 
@@ -364,11 +354,7 @@ impl Shard {
             }
             // An open append's content went over pipelines being replaced.
             if let Some(a) = abandon_active(jm) {
-                let reply = AppendReply {
-                    write_head: jm.heads.head(),
-                    registers: jm.heads.registers().clone(),
-                    ..Default::default()
-                };
+                let reply = jm.heads.refusal();
                 a.op.reply_error(
                     Status::REPLICATION_FAILED,
                     &reply,

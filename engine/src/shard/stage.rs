@@ -418,11 +418,7 @@ impl Shard {
     pub(super) fn fail_batch(&self, j: &JournalRef, status: Status, msg: &str) {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
-        let reply = AppendReply {
-            write_head: jm.heads.head(),
-            registers: jm.heads.registers().clone(),
-            ..Default::default()
-        };
+        let reply = jm.heads.refusal();
         if status == Status::REPLICATION_FAILED {
             let failed = jm
                 .queue
@@ -463,11 +459,7 @@ impl Shard {
     /// Fails every queued append of a journal (its spool cannot be used).
     pub(super) fn fail_queue(&self, j: &JournalRef, status: Status, msg: &str) {
         let mut jm = j.borrow_mut();
-        let reply = AppendReply {
-            write_head: jm.heads.head(),
-            registers: jm.heads.registers().clone(),
-            ..Default::default()
-        };
+        let reply = jm.heads.refusal();
         if status == Status::REPLICATION_FAILED {
             let answered = jm
                 .queue
