@@ -231,6 +231,18 @@ pub fn check_proposal(
 mod tests {
     use super::*;
 
+    fn start(seq: u64, begin: u64) -> Verdict {
+        Verdict::Start { seq, begin }
+    }
+
+    fn commit(seq: u64, begin: u64, end: u64) -> Verdict {
+        Verdict::Commit { seq, begin, end }
+    }
+
+    fn empty(seq: u64, at: u64) -> Verdict {
+        Verdict::CommitEmpty { seq, at }
+    }
+
     #[test]
     fn only_the_stream_that_synchronized_moves_the_track() {
         let t = ReplicaTrack::synced_at(100, 1).with_stream(7);
@@ -244,27 +256,11 @@ mod tests {
     #[test]
     fn in_order_records_commit() {
         let mut t = ReplicaTrack::synced_at(100, 1);
-        assert_eq!(
-            t.on_content(2, 100, 10),
-            Verdict::Start { seq: 2, begin: 100 }
-        );
+        assert_eq!(t.on_content(2, 100, 10), start(2, 100));
         assert_eq!(t.on_content(2, 110, 5), Verdict::Continue { seq: 2 });
-        assert_eq!(
-            t.on_commit(2, 100, 115),
-            Verdict::Commit {
-                seq: 2,
-                begin: 100,
-                end: 115
-            }
-        );
-        assert_eq!(
-            t.on_commit(3, 115, 115),
-            Verdict::CommitEmpty { seq: 3, at: 115 }
-        );
-        assert_eq!(
-            t.on_content(4, 115, 7),
-            Verdict::Start { seq: 4, begin: 115 }
-        );
+        assert_eq!(t.on_commit(2, 100, 115), commit(2, 100, 115));
+        assert_eq!(t.on_commit(3, 115, 115), empty(3, 115));
+        assert_eq!(t.on_content(4, 115, 7), start(4, 115));
         assert_eq!(
             t.on_rollback(4),
             Verdict::Rollback {
@@ -273,38 +269,18 @@ mod tests {
             }
         );
         assert_eq!(t.on_rollback(4), Verdict::Ignore);
-        assert_eq!(
-            t.on_content(5, 115, 1),
-            Verdict::Start { seq: 5, begin: 115 }
-        );
+        assert_eq!(t.on_content(5, 115, 1), start(5, 115));
     }
 
     #[test]
     fn a_batch_sends_content_of_several_appends_before_their_proposals() {
         let mut t = ReplicaTrack::synced_at(0, 1);
-        assert_eq!(t.on_content(2, 0, 10), Verdict::Start { seq: 2, begin: 0 });
-        assert_eq!(t.on_content(4, 10, 5), Verdict::Start { seq: 4, begin: 10 });
-        assert_eq!(
-            t.on_commit(2, 0, 10),
-            Verdict::Commit {
-                seq: 2,
-                begin: 0,
-                end: 10
-            }
-        );
+        assert_eq!(t.on_content(2, 0, 10), start(2, 0));
+        assert_eq!(t.on_content(4, 10, 5), start(4, 10));
+        assert_eq!(t.on_commit(2, 0, 10), commit(2, 0, 10));
         // Append 3 was empty, staged between 2 and 4.
-        assert_eq!(
-            t.on_commit(3, 10, 10),
-            Verdict::CommitEmpty { seq: 3, at: 10 }
-        );
-        assert_eq!(
-            t.on_commit(4, 10, 15),
-            Verdict::Commit {
-                seq: 4,
-                begin: 10,
-                end: 15
-            }
-        );
+        assert_eq!(t.on_commit(3, 10, 10), empty(3, 10));
+        assert_eq!(t.on_commit(4, 10, 15), commit(4, 10, 15));
         // A failed batch rolls back every pending append from the first.
         t.on_content(5, 15, 1);
         t.on_content(6, 16, 1);
@@ -316,7 +292,7 @@ mod tests {
             }
         );
         assert_eq!(t.on_rollback(6), Verdict::Ignore);
-        assert_eq!(t.on_content(7, 15, 2), Verdict::Start { seq: 7, begin: 15 });
+        assert_eq!(t.on_content(7, 15, 2), start(7, 15));
     }
 
     #[test]
@@ -341,10 +317,7 @@ mod tests {
         t = ReplicaTrack::synced_at(10, 5);
         assert!(matches!(t.on_commit(4, 10, 10), Verdict::Refuse { .. }));
         t = ReplicaTrack::synced_at(10, 5);
-        assert_eq!(
-            t.on_commit(7, 10, 10),
-            Verdict::CommitEmpty { seq: 7, at: 10 }
-        );
+        assert_eq!(t.on_commit(7, 10, 10), empty(7, 10));
         assert!(matches!(t.on_commit(6, 10, 10), Verdict::Refuse { .. }));
     }
 

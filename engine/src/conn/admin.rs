@@ -455,15 +455,7 @@ async fn answer_fragments(
                 .then(|| format!("no listing in {FRAGMENTS_LISTING_WAIT:?}"))
         });
         if let Some(e) = failed {
-            let msg = format!("fragment index not yet listed: {e}");
-            outbox.error(
-                Op::ADMIN_REPLY,
-                Status::FRAGMENT_STORE_UNHEALTHY,
-                id,
-                &[],
-                &msg,
-            );
-            return;
+            return crate::shard::refuse_unlisted(&outbox, id, &e);
         }
         if outbox.is_closed() {
             return;

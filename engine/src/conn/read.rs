@@ -80,7 +80,14 @@ impl Conn {
         let outbox = self.outbox.clone();
         let flags = frame.flags;
         compio::runtime::spawn(async move {
-            shard.read(j, outbox, id, req, flags, cancel).await;
+            let ask = ReadAsk {
+                outbox,
+                request_id: id,
+                req,
+                flags,
+                cancel,
+            };
+            shard.read(j, ask).await;
             reads.borrow_mut().remove(&id);
         })
         .detach();

@@ -666,18 +666,9 @@ impl Shard {
             (jm.index.loaded, jm.index.error.clone())
         };
         if !loaded {
-            let msg = format!(
-                "fragment index not yet listed: {}",
-                error.unwrap_or_else(|| "listing in progress".into())
-            );
+            let why = error.unwrap_or_else(|| "listing in progress".into());
             for (outbox, id) in j.borrow_mut().index.reset_waiters.drain(..) {
-                outbox.error(
-                    Op::ADMIN_REPLY,
-                    Status::FRAGMENT_STORE_UNHEALTHY,
-                    id,
-                    &[],
-                    &msg,
-                );
+                refuse_unlisted(&outbox, id, &why);
             }
             return;
         }
@@ -719,4 +710,13 @@ impl Shard {
         }
         jm.readers.committed.notify(usize::MAX);
     }
+}
+
+/// Refuses admin request `id`, which needs the journal's fragment index,
+/// because its store has not been listed yet (`why`: the listing's error,
+/// or that it is in progress).
+pub(crate) fn refuse_unlisted(outbox: &Outbox, id: u64, why: &str) {
+    let msg = format!("fragment index not yet listed: {why}");
+    let status = Status::FRAGMENT_STORE_UNHEALTHY;
+    outbox.error(Op::ADMIN_REPLY, status, id, &[], &msg);
 }

@@ -25,7 +25,8 @@ mod recover;
 mod replica;
 mod stage;
 
-pub use read::Cancel;
+pub(crate) use history::refuse_unlisted;
+pub use read::{Cancel, ReadAsk};
 
 use crate::append::{
     AbortReason, Active, AppendOp, AppendSha, Digest, InFlight, PrimaryRepl, Staged, Wait,

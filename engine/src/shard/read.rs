@@ -91,24 +91,12 @@ pub(super) fn read_wakeup(
 impl Shard {
     /// Streams a read to `outbox`. Ends with READ_DONE unless the
     /// connection closed.
-    pub async fn read(
-        &self,
-        j: JournalRef,
-        outbox: Rc<Outbox>,
-        request_id: u64,
-        req: rotary_net::wire::ReadRequest,
-        flags: u8,
-        cancel: Rc<crate::shard::Cancel>,
-    ) {
+    pub async fn read(&self, j: JournalRef, ask: ReadAsk) {
         metrics::add(&self.metrics.reads, 1);
         let call = ReadCall {
             shard: self,
             j,
-            outbox,
-            request_id,
-            req,
-            flags,
-            cancel,
+            ask,
         };
         if call.j.borrow().spec.flags == JournalFlags::WriteOnly {
             let head = call.j.borrow().heads.head();
@@ -118,7 +106,7 @@ impl Shard {
         // new primary, or a replica filling what it missed): it does not
         // wait for this broker's own SYNC, which may be waiting for the
         // very broker that asks.
-        let takeover = call.flags & rotary_net::wire::flag::TAKEOVER != 0;
+        let takeover = call.ask.flags & rotary_net::wire::flag::TAKEOVER != 0;
         if !call.wait_listed().await || (!takeover && !call.wait_synced().await) {
             return;
         }
@@ -129,8 +117,8 @@ impl Shard {
         // beyond the write head only before a head reset, when a tail "from
         // now on" must not replay the store's history.
         let head = call.j.borrow().read_head();
-        let mut offset = call.req.offset.unwrap_or(head);
-        if call.flags & rotary_net::wire::flag::METADATA_ONLY != 0 {
+        let mut offset = call.ask.req.offset.unwrap_or(head);
+        if call.ask.flags & rotary_net::wire::flag::METADATA_ONLY != 0 {
             return call.done(Status::OK, offset, head, "");
         }
         if !call.block() && offset >= head {
@@ -397,20 +385,26 @@ enum ReadStep {
     Ended,
 }
 
-/// One read in progress: what it reads and where it answers.
+/// A read as its connection asked it, and where it answers.
+pub struct ReadAsk {
+    pub outbox: Rc<Outbox>,
+    pub request_id: u64,
+    pub req: rotary_net::wire::ReadRequest,
+    pub flags: u8,
+    /// Set by the connection when the client cancels or goes away.
+    pub cancel: Rc<crate::shard::Cancel>,
+}
+
+/// One read in progress on its shard.
 struct ReadCall<'s> {
     shard: &'s Shard,
     j: JournalRef,
-    outbox: Rc<Outbox>,
-    request_id: u64,
-    req: rotary_net::wire::ReadRequest,
-    flags: u8,
-    cancel: Rc<crate::shard::Cancel>,
+    ask: ReadAsk,
 }
 
 impl ReadCall<'_> {
     fn block(&self) -> bool {
-        self.flags & rotary_net::wire::flag::BLOCK != 0
+        self.ask.flags & rotary_net::wire::flag::BLOCK != 0
     }
 
     /// Ends the read with READ_DONE.
@@ -422,10 +416,10 @@ impl ReadCall<'_> {
             offset: U64::new(offset),
             write_head: U64::new(head),
         };
-        self.outbox.frame(
+        self.ask.outbox.frame(
             Op::READ_DONE,
             status,
-            self.request_id,
+            self.ask.request_id,
             meta.as_bytes(),
             msg.as_bytes(),
         );
@@ -440,7 +434,7 @@ impl ReadCall<'_> {
 
     /// Why a read ends early: a CANCEL, or a clean stop of the broker.
     fn stopped(&self) -> Option<(Status, &'static str)> {
-        if self.cancel.is_set() {
+        if self.ask.cancel.is_set() {
             Some((Status::CANCELLED, "read cancelled"))
         } else if self.shard.shutting_down.get() {
             Some((
@@ -456,14 +450,19 @@ impl ReadCall<'_> {
     /// here) or its connection closed.
     fn ended(&self, head: u64) -> bool {
         if let Some((status, why)) = self.stopped() {
-            self.done(status, self.req.offset.unwrap_or(head), head, why);
+            self.done(status, self.ask.req.offset.unwrap_or(head), head, why);
             return true;
         }
-        self.outbox.is_closed()
+        self.ask.outbox.is_closed()
     }
 
     fn wakeup(&self) -> impl std::future::Future<Output = ()> {
-        read_wakeup(&self.j, &self.cancel, &self.outbox, &self.shard.stopping)
+        read_wakeup(
+            &self.j,
+            &self.ask.cancel,
+            &self.ask.outbox,
+            &self.shard.stopping,
+        )
     }
 
     /// A journal with stores is whole only once its store was first
@@ -485,7 +484,7 @@ impl ReadCall<'_> {
             if let Some(e) = failed {
                 self.done(
                     Status::FRAGMENT_STORE_UNHEALTHY,
-                    self.req.offset.unwrap_or(head),
+                    self.ask.req.offset.unwrap_or(head),
                     head,
                     &format!("fragment index not yet listed: {e}"),
                 );
@@ -554,7 +553,7 @@ impl ReadCall<'_> {
                 };
                 self.done(
                     Status::REPLICATION_FAILED,
-                    self.req.offset.unwrap_or(head),
+                    self.ask.req.offset.unwrap_or(head),
                     head,
                     &msg,
                 );
@@ -577,7 +576,7 @@ impl ReadCall<'_> {
     /// Serves one chunk of the read from `offset`, or waits for one.
     async fn step(&self, offset: u64) -> ReadStep {
         let j = &self.j;
-        if let Some(end) = self.req.end_offset {
+        if let Some(end) = self.ask.req.end_offset {
             if offset >= end {
                 return self.done_at_head(Status::OK, offset, "");
             }
@@ -588,7 +587,7 @@ impl ReadCall<'_> {
         // Fetch a chunk only with room for it and a turn: a client
         // that stops reading, however many reads it has in flight,
         // holds a bounded share of the shard's memory.
-        let Some(turn) = self.outbox.produce().await else {
+        let Some(turn) = self.ask.outbox.produce().await else {
             return ReadStep::Ended;
         };
         let (located, head, deleted) = {
@@ -612,7 +611,7 @@ impl ReadCall<'_> {
             return self.wait_for_bytes(offset, head).await;
         };
         let offset = loc.offset;
-        if let Some(end) = self.req.end_offset {
+        if let Some(end) = self.ask.req.end_offset {
             if offset >= end {
                 // The rest of the range lies in a gap of the history:
                 // the read ends at its end, and the client sees that
@@ -621,7 +620,7 @@ impl ReadCall<'_> {
             }
         }
         let mut len = (loc.end - offset).min(READ_CHUNK_BYTES as u64);
-        if let Some(end) = self.req.end_offset {
+        if let Some(end) = self.ask.req.end_offset {
             len = len.min(end - offset);
         }
         // A local file's read holds the journal's files from reuse
@@ -699,10 +698,10 @@ impl ReadCall<'_> {
         let meta = ReadData {
             offset: U64::new(offset),
         };
-        self.outbox.frame(
+        self.ask.outbox.frame(
             Op::READ_DATA,
             Status::OK,
-            self.request_id,
+            self.ask.request_id,
             meta.as_bytes(),
             bytes,
         );
@@ -715,6 +714,7 @@ impl ReadCall<'_> {
         let served = {
             let jm = self.j.borrow();
             let limit = self
+                .ask
                 .req
                 .end_offset
                 .map_or(jm.heads.head(), |e| e.min(jm.heads.head()))
@@ -736,7 +736,10 @@ impl ReadCall<'_> {
             // Its spool is being sealed, or its tail reloaded: the
             // bytes are back in a file when that is done.
             let wakeup = self.wakeup();
-            if j.borrow().files.spool_out && self.stopped().is_none() && !self.outbox.is_closed() {
+            if j.borrow().files.spool_out
+                && self.stopped().is_none()
+                && !self.ask.outbox.is_closed()
+            {
                 wakeup.await;
             }
             return ReadStep::At(offset);
@@ -762,7 +765,7 @@ impl ReadCall<'_> {
         // a commit or a new listing like bytes beyond the head.
         if j.borrow().locate(offset).is_some()
             || self.stopped().is_some()
-            || self.outbox.is_closed()
+            || self.ask.outbox.is_closed()
         {
             return ReadStep::At(offset);
         }
@@ -779,9 +782,9 @@ impl ReadCall<'_> {
     /// location when the client asked not to be proxied.
     async fn read_store(&self, frag: StoredFragment, offset: u64) -> ReadStep {
         let shard = self.shard;
-        let step = if self.flags & rotary_net::wire::flag::DO_NOT_PROXY != 0 {
+        let step = if self.ask.flags & rotary_net::wire::flag::DO_NOT_PROXY != 0 {
             shard
-                .direct(&frag, offset, self.request_id, &self.outbox)
+                .direct(&frag, offset, self.ask.request_id, &self.ask.outbox)
                 .await
                 .map(|()| None)
                 .map_err(|msg| (None, msg))
@@ -790,10 +793,10 @@ impl ReadCall<'_> {
                 .proxy(
                     &frag,
                     offset,
-                    self.req.end_offset,
-                    self.request_id,
-                    &self.outbox,
-                    &self.cancel,
+                    self.ask.req.end_offset,
+                    self.ask.request_id,
+                    &self.ask.outbox,
+                    &self.ask.cancel,
                 )
                 .await
                 .map(Some)
@@ -812,7 +815,7 @@ impl ReadCall<'_> {
             }
             Ok(Some(next)) if next > offset => ReadStep::At(next),
             // Stopped before its first chunk: answered above.
-            Ok(Some(_)) if self.stopped().is_some() || self.outbox.is_closed() => {
+            Ok(Some(_)) if self.stopped().is_some() || self.ask.outbox.is_closed() => {
                 ReadStep::At(offset)
             }
             Ok(Some(_)) => {
