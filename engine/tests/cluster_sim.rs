@@ -43,17 +43,19 @@
 //! `ROTARY_SIM_SEEDS=n` runs seeds 0..n.
 #![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
+mod common;
+
+use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::{Broker, ServeConfig};
 use rotary_net::spec::{Durability, JournalSpec};
 use rotary_net::status::Status;
-use rotary_net::wire::{self, AppendReply, AppendRequest, Op, ReadRequest, BODY_LEN_MAX};
+use rotary_net::wire::{self, AppendReply, AppendRequest, Op};
 use rotary_proto::clock;
 use rotary_storage::faults::{DiskOp, Faults};
 use sha1::{Digest, Sha1};
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -299,77 +301,9 @@ impl Faults for Injector {
 }
 
 // ---------------------------------------------------------------------------
-// A client of the wire protocol.
+// The wire client is common/wire.rs; a member's copy is read with it here.
 
-struct Reply {
-    op: Op,
-    status: Option<Status>,
-    code: u16,
-    meta: Vec<u8>,
-    payload: Vec<u8>,
-}
-
-impl Reply {
-    fn status_name(&self) -> String {
-        self.status
-            .map_or_else(|| format!("status {}", self.code), |s| s.name().to_string())
-    }
-}
-
-struct Client {
-    s: TcpStream,
-    buf: Vec<u8>,
-    next_id: u64,
-}
-
-impl Client {
-    fn connect(addr: SocketAddr) -> Client {
-        let s = TcpStream::connect(addr).unwrap();
-        s.set_nodelay(true).unwrap();
-        s.set_read_timeout(Some(REPLY_WAIT)).unwrap();
-        Client {
-            s,
-            buf: Vec::new(),
-            next_id: 1,
-        }
-    }
-
-    fn send(&mut self, op: Op, meta: &[u8], payload: &[u8]) {
-        self.next_id += 1;
-        let mut out = Vec::new();
-        wire::encode_frame(&mut out, op, 0, Status::OK, self.next_id, meta, payload);
-        self.s.write_all(&out).unwrap();
-    }
-
-    fn recv(&mut self) -> Reply {
-        loop {
-            if let Some((f, used)) = wire::decode_frame(&self.buf, BODY_LEN_MAX).unwrap() {
-                let r = Reply {
-                    op: f.op,
-                    status: Status::from_code(f.status),
-                    code: f.status,
-                    meta: f.meta.to_vec(),
-                    payload: f.payload.to_vec(),
-                };
-                self.buf.drain(..used);
-                return r;
-            }
-            let mut tmp = [0u8; 65536];
-            match self.s.read(&mut tmp) {
-                Ok(0) => panic!("the broker closed the connection"),
-                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
-                Err(e) => panic!("no answer from the broker within {REPLY_WAIT:?}: {e}"),
-            }
-        }
-    }
-
-    fn admin(&mut self, op: Op, meta: &[u8], payload: &[u8]) -> Reply {
-        self.send(op, meta, payload);
-        let r = self.recv();
-        assert_eq!(r.op, Op::ADMIN_REPLY, "{op:?} answered with {:?}", r.op);
-        r
-    }
-
+impl Conn {
     /// The broker's own copy of the journal from `offset` as far as
     /// non-blocking reads go (until one is refused), or where it has a
     /// gap.
@@ -377,35 +311,21 @@ impl Client {
         let mut copy = Copy::default();
         loop {
             let from = offset + copy.bytes.len() as u64;
-            let req = ReadRequest {
-                journal: JOURNAL.into(),
-                offset: Some(from),
-                end_offset: None,
-                route_revision: 0,
-            };
-            self.send(Op::READ, &req.encode(), &[]);
+            let frames = self.read(JOURNAL, from);
             let before = copy.bytes.len();
-            let done = loop {
-                let r = self.recv();
-                match r.op {
-                    Op::READ_DATA => {
-                        let at = u64::from_le_bytes(r.meta[..8].try_into().unwrap());
-                        let due = offset + copy.bytes.len() as u64;
-                        if at < due {
-                            return Err(format!("READ_DATA at {at} where {due} was due"));
-                        }
-                        if at > due {
-                            // Reads skip what the broker does not hold.
-                            copy.holes.push((due, at));
-                            copy.bytes.resize(at as usize, 0);
-                        }
-                        copy.bytes.extend_from_slice(&r.payload);
-                    }
-                    Op::READ_DONE => break r,
-                    op => panic!("a READ answered with {op:?}"),
+            for (at, payload) in frames.data {
+                let due = offset + copy.bytes.len() as u64;
+                if at < due {
+                    return Err(format!("READ_DATA at {at} where {due} was due"));
                 }
-            };
-            if done.status != Some(Status::OK) || copy.bytes.len() == before {
+                if at > due {
+                    // Reads skip what the broker does not hold.
+                    copy.holes.push((due, at));
+                    copy.bytes.resize(at as usize, 0);
+                }
+                copy.bytes.extend_from_slice(&payload);
+            }
+            if frames.done.status != Some(Status::OK) || copy.bytes.len() == before {
                 return Ok(copy);
             }
         }
@@ -652,7 +572,7 @@ struct Sim<'p> {
     /// replica.
     primary: usize,
     faulty: usize,
-    c: Option<Client>,
+    c: Option<Conn>,
     model: Model,
     st: Stats,
     trace: bool,
@@ -795,7 +715,10 @@ impl<'p> Sim<'p> {
     }
 
     fn connect(&mut self) {
-        self.c = Some(Client::connect(self.members[self.primary].endpoint));
+        self.c = Some(Conn::with_wait(
+            self.members[self.primary].endpoint,
+            REPLY_WAIT,
+        ));
     }
 
     /// Waits until every member lists the journal with its whole route,
@@ -804,7 +727,7 @@ impl<'p> Sim<'p> {
         let deadline = clock::now() + SETTLE_WAIT;
         let mut routes = Vec::new();
         for m in &self.members {
-            let mut c = Client::connect(m.endpoint);
+            let mut c = Conn::with_wait(m.endpoint, REPLY_WAIT);
             loop {
                 let r = c.admin(Op::LIST, &[], b"{}");
                 assert_eq!(r.status, Some(Status::OK), "LIST on {}", m.id);
@@ -867,7 +790,7 @@ impl<'p> Sim<'p> {
 }
 
 impl Sim<'_> {
-    fn c(&mut self) -> &mut Client {
+    fn c(&mut self) -> &mut Conn {
         self.c.as_mut().expect("the primary runs")
     }
 
@@ -880,7 +803,7 @@ impl Sim<'_> {
             expect_offset: expect,
             ..Default::default()
         };
-        self.c().send(Op::APPEND, &req.encode(), &bytes);
+        self.c().request(Op::APPEND, &req.encode(), &bytes);
         let r = self.c().recv();
         check!(self, r.op == Op::APPEND_REPLY, "APPEND answered {:?}", r.op);
         let reply = (!r.meta.is_empty()).then(|| AppendReply::decode(&r.meta).unwrap());
@@ -1108,7 +1031,7 @@ impl Sim<'_> {
         let deadline = clock::now() + SETTLE_WAIT;
         let mut copies = Vec::new();
         for m in &self.members {
-            let mut c = Client::connect(m.endpoint);
+            let mut c = Conn::with_wait(m.endpoint, REPLY_WAIT);
             let copy = loop {
                 let copy = c.read_copy(0).unwrap_or_else(|why| {
                     panic!(
