@@ -53,17 +53,18 @@
 //! replay it.
 #![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
+mod common;
+
+use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::clock::Clock;
 use rotary_engine::{Broker, ServeConfig};
 use rotary_net::spec::{Durability, JournalSpec, LabelSelector, LabelSet};
 use rotary_net::status::Status;
-use rotary_net::wire::{self, flag, AppendReply, AppendRequest, Op, ReadRequest, BODY_LEN_MAX};
+use rotary_net::wire::{self, flag, AppendReply, AppendRequest, Op};
 use rotary_storage::faults::{DiskOp, Faults};
 use sha1::{Digest, Sha1};
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -529,91 +530,10 @@ impl Faults for Injector {
 }
 
 // ---------------------------------------------------------------------------
-// A client of the wire protocol, with the answers the checks need.
+// The wire client is common/wire.rs; what only this simulation sends and
+// reads is here.
 
-struct Reply {
-    op: Op,
-    flags: u8,
-    /// `None` for a status this build does not know.
-    status: Option<Status>,
-    code: u16,
-    meta: Vec<u8>,
-    payload: Vec<u8>,
-}
-
-impl Reply {
-    fn status_name(&self) -> String {
-        self.status
-            .map_or_else(|| format!("status {}", self.code), |s| s.name().to_string())
-    }
-}
-
-struct Client {
-    s: TcpStream,
-    buf: Vec<u8>,
-    next_id: u64,
-}
-
-impl Client {
-    fn connect(addr: SocketAddr) -> Client {
-        let s = TcpStream::connect(addr).unwrap();
-        s.set_nodelay(true).unwrap();
-        Client {
-            s,
-            buf: Vec::new(),
-            next_id: 1,
-        }
-    }
-
-    fn id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
-    }
-
-    fn send(&mut self, op: Op, flags: u8, id: u64, meta: &[u8], payload: &[u8]) {
-        let mut out = Vec::new();
-        wire::encode_frame(&mut out, op, flags, Status::OK, id, meta, payload);
-        self.s.write_all(&out).unwrap();
-    }
-
-    /// The next frame, or `None` if none came within `wait`.
-    fn recv_within(&mut self, wait: Duration) -> Option<Reply> {
-        self.s.set_read_timeout(Some(wait)).unwrap();
-        loop {
-            if let Some((f, used)) = wire::decode_frame(&self.buf, BODY_LEN_MAX).unwrap() {
-                let r = Reply {
-                    op: f.op,
-                    flags: f.flags,
-                    status: Status::from_code(f.status),
-                    code: f.status,
-                    meta: f.meta.to_vec(),
-                    payload: f.payload.to_vec(),
-                };
-                self.buf.drain(..used);
-                return Some(r);
-            }
-            let mut tmp = [0u8; 65536];
-            match self.s.read(&mut tmp) {
-                Ok(0) => panic!("the broker closed the connection"),
-                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return None
-                }
-                Err(e) => panic!("reading from the broker: {e}"),
-            }
-        }
-    }
-
-    fn recv(&mut self) -> Reply {
-        self.recv_within(REPLY_WAIT)
-            .unwrap_or_else(|| panic!("no answer from the broker within {REPLY_WAIT:?}"))
-    }
-
+impl Conn {
     /// Sends an append in the frames `cuts` make of `content`, ending as
     /// `end` says (not `Hangup`): the APPEND, then APPEND_CHUNKs.
     fn send_append(&mut self, req: &AppendRequest, content: &[u8], cuts: &[usize], end: End) {
@@ -641,45 +561,15 @@ impl Client {
         }
     }
 
-    /// An admin request's status and JSON payload.
-    fn admin(&mut self, op: Op, meta: &[u8], payload: &[u8]) -> Reply {
-        let id = self.id();
-        self.send(op, 0, id, meta, payload);
-        let r = self.recv();
-        assert_eq!(r.op, Op::ADMIN_REPLY, "{op:?} answered with {:?}", r.op);
-        r
-    }
-
     /// A non-blocking read from `offset`.
-    fn read(&mut self, journal: &str, offset: u64) -> ReadOutcome {
-        let req = ReadRequest {
-            journal: journal.into(),
-            offset: Some(offset),
-            end_offset: None,
-            route_revision: 0,
-        };
-        let id = self.id();
-        self.send(Op::READ, 0, id, &req.encode(), &[]);
-        let mut bytes = Vec::new();
-        loop {
-            let r = self.recv();
-            match r.op {
-                Op::READ_DATA => {
-                    let at = u64::from_le_bytes(r.meta[..8].try_into().unwrap());
-                    assert_eq!(at, offset + bytes.len() as u64, "READ_DATA out of order");
-                    bytes.extend_from_slice(&r.payload);
-                }
-                Op::READ_DONE => {
-                    let (done, _) = wire::decode_read_done(&r.meta).unwrap();
-                    return ReadOutcome {
-                        bytes,
-                        status: r.status_name(),
-                        next: done.offset.get(),
-                        write_head: done.write_head.get(),
-                    };
-                }
-                op => panic!("a READ answered with {op:?}"),
-            }
+    fn read_outcome(&mut self, journal: &str, offset: u64) -> ReadOutcome {
+        let frames = self.read(journal, offset);
+        let (done, _) = wire::decode_read_done(&frames.done.meta).unwrap();
+        ReadOutcome {
+            bytes: frames.contiguous(offset),
+            status: frames.done.status_name(),
+            next: done.offset.get(),
+            write_head: done.write_head.get(),
         }
     }
 }
@@ -888,7 +778,7 @@ struct Sim<'p> {
     clock: Clock,
     injector: Arc<Injector>,
     broker: Option<Broker>,
-    c: Option<Client>,
+    c: Option<Conn>,
     models: Vec<Model>,
     st: Stats,
     trace: bool,
@@ -929,7 +819,7 @@ impl<'p> Sim<'p> {
         sim
     }
 
-    fn c(&mut self) -> &mut Client {
+    fn c(&mut self) -> &mut Conn {
         self.c.as_mut().expect("a broker runs")
     }
 
@@ -948,7 +838,7 @@ impl<'p> Sim<'p> {
         cfg.spool_sizing.grow_bytes = 1 << 20;
         install_faults(&mut cfg, &self.injector);
         let broker = Broker::start(cfg).unwrap_or_else(|e| panic!("the broker did not start: {e}"));
-        self.c = Some(Client::connect(broker.endpoints[0]));
+        self.c = Some(Conn::with_wait(broker.endpoints[0], REPLY_WAIT));
         self.broker = Some(broker);
         self.injector.arm(faults);
         for m in &mut self.models {
@@ -1173,7 +1063,7 @@ impl Sim<'_> {
     fn hang_up(&mut self, req: &AppendRequest, bytes: &[u8], cuts: &[usize]) {
         self.st.hangups += 1;
         let addr = self.broker.as_ref().expect("a broker runs").endpoints[0];
-        let mut other = Client::connect(addr);
+        let mut other = Conn::with_wait(addr, REPLY_WAIT);
         let id = other.id();
         let keep = cuts.len().max(2) - 1;
         let mut from = 0;
@@ -1340,7 +1230,7 @@ impl Sim<'_> {
     /// from there to its head, and nothing after.
     fn read_at(&mut self, journal: usize, offset: u64) {
         let name = self.name(journal);
-        let out = self.c().read(name, offset);
+        let out = self.c().read_outcome(name, offset);
         self.st.reads += 1;
         self.st.read_bytes += out.bytes.len() as u64;
         let m = &self.models[journal];
@@ -1558,7 +1448,7 @@ impl Sim<'_> {
     fn verify(&mut self, journal: usize) {
         let name = self.name(journal);
         self.probe_head(journal, "after a restart");
-        let out = self.c().read(name, 0);
+        let out = self.c().read_outcome(name, 0);
         let m = &self.models[journal];
         let (got, want) = (sha1_hex(&out.bytes), sha1_hex(&m.bytes));
         check!(
@@ -1874,7 +1764,7 @@ fn cut_off_append_behind_a_staged_one() {
     let name = "sim/staged-race";
     let mut spec = JournalSpec::new(name);
     spec.durability = Durability::Fsync;
-    let mut c = Client::connect(broker.endpoints[0]);
+    let mut c = Conn::with_wait(broker.endpoints[0], REPLY_WAIT);
     let r = c.admin(Op::APPLY, &[], &serde_json::to_vec(&[spec]).unwrap());
     assert_eq!(r.status, Some(Status::OK));
     let req = AppendRequest {
@@ -1886,7 +1776,7 @@ fn cut_off_append_behind_a_staged_one() {
     for round in 0..200 {
         c.send_append(&req, &big, &[big.len()], End::Commit);
         c.send_append(&req, b"staged", &[6], End::Commit);
-        let mut cut = Client::connect(broker.endpoints[0]);
+        let mut cut = Conn::with_wait(broker.endpoints[0], REPLY_WAIT);
         cut.send(Op::APPEND, flag::MORE, 1, &req.encode(), b"cut off");
         drop(cut);
         // A large append's reply may come after the next one's: its
@@ -1955,7 +1845,7 @@ fn refused_append_stays_refused(log_write_failures: u64, stop_armed: bool) {
             install_faults(&mut cfg, &injector);
         }
         let broker = Broker::start(cfg).unwrap();
-        let c = Client::connect(broker.endpoints[0]);
+        let c = Conn::with_wait(broker.endpoints[0], REPLY_WAIT);
         (broker, c)
     };
     let (broker, mut c) = start(true);
@@ -1969,7 +1859,7 @@ fn refused_append_stays_refused(log_write_failures: u64, stop_armed: bool) {
         journal: journal.name.into(),
         ..Default::default()
     };
-    let append = |c: &mut Client, bytes: &[u8]| {
+    let append = |c: &mut Conn, bytes: &[u8]| {
         c.send_append(&req, bytes, &[bytes.len()], End::Commit);
         let r = c.recv();
         let reply = AppendReply::decode(&r.meta).unwrap();
