@@ -1,8 +1,11 @@
-//! Raw-frame test client and in-process broker helpers.
+//! Raw-frame test client, in-process broker helpers, and what the seeded
+//! simulations share.
 #![allow(dead_code)]
 
+pub mod sim;
 pub mod wire;
 
+#[allow(unused_imports)] // Not every test binary talks to a broker.
 pub use wire::Conn;
 
 use rotary_engine::{Broker, ServeConfig};
