@@ -45,6 +45,9 @@
 
 mod common;
 
+use common::sim::{
+    content, env_u64, fault_hash, op_index, sha1_hex, splitmix, sum_fields, OP_NAMES,
+};
 use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::{Broker, ServeConfig};
@@ -53,10 +56,8 @@ use rotary_net::status::Status;
 use rotary_net::wire::{self, AppendReply, AppendRequest, Op};
 use rotary_proto::clock;
 use rotary_storage::faults::{DiskOp, Faults};
-use sha1::{Digest, Sha1};
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -101,16 +102,6 @@ enum Step {
     Seal,
 }
 
-/// The disk operations a fault may hit, as `DiskOp` names them, by index.
-const OP_NAMES: [&str; 6] = [
-    "SpoolWrite",
-    "SpoolSync",
-    "SpoolAllocate",
-    "Seal",
-    "LogWrite",
-    "LogSync",
-];
-
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct FaultPlan {
     seed: u64,
@@ -134,7 +125,7 @@ impl FaultPlan {
         if self.ppm[op] == 0 {
             return None;
         }
-        let h = splitmix(self.seed ^ splitmix(op as u64 + 1) ^ splitmix(n.wrapping_add(1 << 40)));
+        let h = fault_hash(self.seed, op, n);
         let errno = if h >> 63 == 0 {
             libc::EINTR
         } else {
@@ -224,27 +215,6 @@ fn random_step(rng: &mut StdRng) -> Step {
     }
 }
 
-/// The bytes of an append with `fill`: the same on every run.
-fn content(fill: u64, len: usize) -> Vec<u8> {
-    let mut state = fill | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 // ---------------------------------------------------------------------------
 // The failing disk of one replica.
 
@@ -275,14 +245,7 @@ impl Faults for Injector {
         if !self.armed.load(Ordering::SeqCst) {
             return None;
         }
-        let op = match op {
-            DiskOp::SpoolWrite => 0,
-            DiskOp::SpoolSync => 1,
-            DiskOp::SpoolAllocate => 2,
-            DiskOp::Seal => 3,
-            DiskOp::LogWrite => 4,
-            DiskOp::LogSync => 5,
-        };
+        let op = op_index(op);
         let n = self.calls[op].fetch_add(1, Ordering::SeqCst);
         let errno = self.plan.decide(op, n)?;
         self.fired.fetch_add(1, Ordering::SeqCst);
@@ -496,10 +459,6 @@ impl Model {
     }
 }
 
-fn sha1_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha1::digest(bytes))
-}
-
 // ---------------------------------------------------------------------------
 // The simulation.
 
@@ -526,15 +485,7 @@ struct Stats {
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
-        self.ok += o.ok;
-        self.bytes += o.bytes;
-        self.maybes += o.maybes;
-        self.refused += o.refused;
-        self.seals += o.seals;
-        self.faults += o.faults;
-        self.parked += o.parked;
-        self.maybes_present += o.maybes_present;
-        self.holes += o.holes;
+        sum_fields!(self, o; ok, bytes, maybes, refused, seals, faults, parked, maybes_present, holes);
         if o.stuck_max > self.stuck_max {
             self.stuck_max = o.stuck_max;
             self.stuck_message.clone_from(&o.stuck_message);
@@ -1113,20 +1064,7 @@ fn run_plan(plan: &Plan, trace: bool, holes: bool) -> Stats {
 
 /// Runs a seed; a failure names the seed and how to replay it.
 fn run_seed(seed: u64) -> Stats {
-    match catch_unwind(AssertUnwindSafe(|| run(seed, false))) {
-        Ok(st) => st,
-        Err(e) => {
-            eprintln!(
-                "cluster_sim: seed {seed} failed; replay it with ROTARY_SIM_SEED={seed} \
-                 cargo test -p rotary-engine --test cluster_sim -- --nocapture"
-            );
-            resume_unwind(e)
-        }
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|s| s.parse().ok())
+    common::sim::run_seed("cluster_sim", seed, || run(seed, false))
 }
 
 #[test]
