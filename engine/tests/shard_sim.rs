@@ -55,6 +55,9 @@
 
 mod common;
 
+use common::sim::{
+    content, env_u64, fault_hash, op_index, sha1_hex, splitmix, sum_fields, OP_NAMES,
+};
 use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::clock::Clock;
@@ -65,7 +68,7 @@ use rotary_net::wire::{self, flag, AppendReply, AppendRequest, Op};
 use rotary_storage::faults::{DiskOp, Faults};
 use sha1::{Digest, Sha1};
 use std::collections::{BTreeMap, BTreeSet};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -329,33 +332,8 @@ fn random_append(rng: &mut StdRng, journal: usize, plan: &JournalPlan) -> Append
     }
 }
 
-/// The bytes of an append with `fill`: the same on every run.
-fn content(fill: u64, len: usize) -> Vec<u8> {
-    let mut state = fill | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
 // ---------------------------------------------------------------------------
 // The fault plan.
-
-/// The disk operations a fault may hit, as `rotary_storage::faults::DiskOp`
-/// names them, by index.
-const OP_NAMES: [&str; 6] = [
-    "SpoolWrite",
-    "SpoolSync",
-    "SpoolAllocate",
-    "Seal",
-    "LogWrite",
-    "LogSync",
-];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct FaultPlan {
@@ -421,17 +399,10 @@ impl FaultPlan {
         if self.ppm[op] == 0 || self.errnos.is_empty() {
             return None;
         }
-        let h = splitmix(self.seed ^ splitmix(op as u64 + 1) ^ splitmix(n.wrapping_add(1 << 40)));
+        let h = fault_hash(self.seed, op, n);
         ((h % 1_000_000) < u64::from(self.ppm[op]))
             .then(|| self.errnos[(h >> 32) as usize % self.errnos.len()])
     }
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// A fault that fired.
@@ -517,15 +488,7 @@ impl Injector {
 
 impl Faults for Injector {
     fn check(&self, op: DiskOp, path: &Path) -> Option<i32> {
-        let op = match op {
-            DiskOp::SpoolWrite => 0,
-            DiskOp::SpoolSync => 1,
-            DiskOp::SpoolAllocate => 2,
-            DiskOp::Seal => 3,
-            DiskOp::LogWrite => 4,
-            DiskOp::LogSync => 5,
-        };
-        self.check_op(op, path)
+        self.check_op(op_index(op), path)
     }
 }
 
@@ -653,10 +616,6 @@ fn registers_of(set: &LabelSet) -> BTreeSet<(String, String)> {
         .collect()
 }
 
-fn sha1_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha1::digest(bytes))
-}
-
 fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter()
         .zip(b)
@@ -723,10 +682,8 @@ struct Stats {
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
-        macro_rules! sum {
-            ($($f:ident),*) => { $(self.$f += o.$f;)* };
-        }
-        sum!(
+        sum_fields!(
+            self, o;
             appends,
             appended_bytes,
             failed_by_faults,
@@ -1552,16 +1509,7 @@ fn run(seed: u64, opts: Options) -> Stats {
 
 /// Runs a seed; a failure names the seed and how to replay it.
 fn run_seed(seed: u64, opts: Options) -> Stats {
-    match catch_unwind(AssertUnwindSafe(|| run(seed, opts))) {
-        Ok(st) => st,
-        Err(e) => {
-            eprintln!(
-                "shard_sim: seed {seed} failed; replay it with ROTARY_SIM_SEED={seed} \
-                 cargo test -p rotary-engine --test shard_sim -- --nocapture"
-            );
-            resume_unwind(e)
-        }
-    }
+    common::sim::run_seed("shard_sim", seed, || run(seed, opts))
 }
 
 /// Copies a directory tree; false if a file vanished while it was copied.
@@ -1596,10 +1544,6 @@ fn copy_dir(from: &Path, to: &Path) -> bool {
         }
     }
     whole
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|s| s.parse().ok())
 }
 
 #[test]
