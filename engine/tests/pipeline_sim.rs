@@ -29,6 +29,9 @@
 //! prints every event of the run; `ROTARY_SIM_SEEDS=n` runs n seeds.
 #![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
+mod common;
+
+use common::sim::sum_fields;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::replica::{check_proposal, ReplicaTrack, Verdict};
 use rotary_net::repl::{decode_acks, decode_records, encode_acks, Ack, Record};
@@ -37,7 +40,7 @@ use rotary_net::status::Status;
 use rotary_net::wire::MetaWriter;
 use sha1::{Digest, Sha1};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 const JOURNAL: &str = "sim/pipeline";
 /// Batches per seed (1..8 appends each).
@@ -179,10 +182,8 @@ struct Stats {
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
-        macro_rules! sum {
-            ($($f:ident),*) => { $(self.$f += o.$f;)* };
-        }
-        sum!(
+        sum_fields!(
+            self, o;
             appends,
             batches,
             failed_batches,
@@ -1422,16 +1423,7 @@ fn run(seed: u64, faults: Option<Faults>, skip_check: bool, trace: bool) -> Run 
 
 /// Runs a seed; a failure names the seed and how to replay it.
 fn run_seed(seed: u64, faults: Option<Faults>) -> Run {
-    match catch_unwind(AssertUnwindSafe(|| run(seed, faults, false, false))) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!(
-                "pipeline_sim: seed {seed} failed; replay it with ROTARY_SIM_SEED={seed} \
-                 cargo test -p rotary-engine --test pipeline_sim -- --nocapture"
-            );
-            resume_unwind(e)
-        }
-    }
+    common::sim::run_seed("pipeline_sim", seed, || run(seed, faults, false, false))
 }
 
 #[test]
