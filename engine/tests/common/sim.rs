@@ -6,6 +6,17 @@ use rotary_storage::faults::DiskOp;
 use sha1::{Digest, Sha1};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
+/// The offset an append expects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// No expected offset.
+    Any,
+    /// The write head as the simulation knows it.
+    Head,
+    /// That head moved by this (non-zero) much: wrong.
+    Off(i64),
+}
+
 /// The disk operations a fault may hit, as `rotary_storage::faults::DiskOp`
 /// names them, by index.
 pub const OP_NAMES: [&str; 6] = [
@@ -79,6 +90,32 @@ pub fn run_seed<T>(sim: &str, seed: u64, run: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Asserts that the plans of seeds 0..50 come out the same twice, their
+/// fault plans deciding the first 2000 calls of each operation alike: a
+/// seed replays its run.
+pub fn assert_plans_repeat<P: PartialEq + std::fmt::Debug>(
+    plan: impl Fn(u64) -> P,
+    decide: impl Fn(&P, usize, u64) -> Option<i32>,
+) {
+    for seed in 0..50 {
+        let (a, b) = (plan(seed), plan(seed));
+        assert_eq!(a, b, "seed {seed}");
+        for op in 0..OP_NAMES.len() {
+            for n in 0..2000 {
+                assert_eq!(decide(&a, op, n), decide(&b, op, n), "seed {seed}");
+            }
+        }
+    }
+}
+
+/// The message of a caught panic.
+pub fn panic_message(e: &(dyn std::any::Any + Send)) -> String {
+    e.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
 /// Adds the named counters of `$o` to those of `$into`: the sum of a
 /// simulation's statistics over its seeds.
 #[allow(unused_macros)]
@@ -89,3 +126,21 @@ macro_rules! sum_fields {
 }
 #[allow(unused_imports)]
 pub(crate) use sum_fields;
+
+/// Fails the run with where it was (`$sim.step`, `$sim.plan.seed`), when
+/// the broker's answer is not what the model allows.
+#[allow(unused_macros)]
+macro_rules! check {
+    ($sim:expr, $cond:expr, $($arg:tt)*) => {
+        if !$cond {
+            panic!(
+                "model check failed at step {} of seed {}: {}",
+                $sim.step,
+                $sim.plan.seed,
+                format!($($arg)*)
+            );
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use check;
