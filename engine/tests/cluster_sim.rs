@@ -46,7 +46,8 @@
 mod common;
 
 use common::sim::{
-    content, env_u64, fault_hash, op_index, sha1_hex, splitmix, sum_fields, OP_NAMES,
+    assert_plans_repeat, check, content, env_u64, fault_hash, op_index, sha1_hex, splitmix,
+    sum_fields, Expect, OP_NAMES,
 };
 use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -82,15 +83,6 @@ const HEADS_MAX: usize = 1 << 12;
 
 // ---------------------------------------------------------------------------
 // The plan.
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Expect {
-    Any,
-    /// The write head of the last reply.
-    Head,
-    /// That head moved by this (non-zero) much: wrong.
-    Off(i64),
-}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Step {
@@ -491,19 +483,6 @@ impl Stats {
             self.stuck_message.clone_from(&o.stuck_message);
         }
     }
-}
-
-macro_rules! check {
-    ($sim:expr, $cond:expr, $($arg:tt)*) => {
-        if !$cond {
-            panic!(
-                "model check failed at step {} of seed {}: {}",
-                $sim.step,
-                $sim.plan.seed,
-                format!($($arg)*)
-            );
-        }
-    };
 }
 
 struct Member {
@@ -1089,15 +1068,7 @@ fn seeded_replicated_journals_keep_every_acknowledged_byte() {
 
 #[test]
 fn a_seeds_plan_is_the_same_on_every_run() {
-    for seed in 0..50 {
-        let (a, b) = (Plan::new(seed), Plan::new(seed));
-        assert_eq!(a, b, "seed {seed}");
-        for op in 0..OP_NAMES.len() {
-            for n in 0..2000 {
-                assert_eq!(a.faults.decide(op, n), b.faults.decide(op, n));
-            }
-        }
-    }
+    assert_plans_repeat(Plan::new, |p, op, n| p.faults.decide(op, n));
     assert_ne!(Plan::new(1), Plan::new(2));
     let plans: Vec<Plan> = (0..50).map(Plan::new).collect();
     assert!(plans.iter().any(|p| p.faults.scheduled.is_some()));
