@@ -56,7 +56,8 @@
 mod common;
 
 use common::sim::{
-    content, env_u64, fault_hash, op_index, sha1_hex, splitmix, sum_fields, OP_NAMES,
+    check, content, env_u64, fault_hash, op_index, panic_message, sha1_hex, splitmix, sum_fields,
+    Expect, OP_NAMES,
 };
 use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -130,16 +131,6 @@ impl JournalPlan {
             APPEND_BYTES_MAX
         }
     }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Expect {
-    /// No expected offset.
-    Any,
-    /// The model's head.
-    Head,
-    /// The model's head moved by this (non-zero) much: wrong.
-    Off(i64),
 }
 
 /// A register check: the journal's registers hold `name=value`, or not.
@@ -712,21 +703,6 @@ impl Stats {
     fn status(&self, name: &str) -> u64 {
         self.statuses.get(name).copied().unwrap_or(0)
     }
-}
-
-/// Fails the run with where it was, when the broker's answer is not what
-/// the model allows.
-macro_rules! check {
-    ($sim:expr, $cond:expr, $($arg:tt)*) => {
-        if !$cond {
-            panic!(
-                "model check failed at step {} of seed {}: {}",
-                $sim.step,
-                $sim.plan.seed,
-                format!($($arg)*)
-            );
-        }
-    };
 }
 
 struct Sim<'p> {
@@ -1647,11 +1623,7 @@ fn a_model_that_keeps_failed_appends_is_caught() {
         run(0, opts)
     }));
     let e = res.expect_err("the wrong model went unnoticed");
-    let msg = e
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default();
+    let msg = panic_message(&*e);
     assert!(msg.contains("model check failed"), "{msg}");
 }
 
