@@ -31,7 +31,7 @@
 
 mod common;
 
-use common::sim::sum_fields;
+use common::sim::{panic_message, sum_fields};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::replica::{check_proposal, ReplicaTrack, Verdict};
 use rotary_net::repl::{decode_acks, decode_records, encode_acks, Ack, Record};
@@ -1539,11 +1539,7 @@ fn skipping_the_sha1_check_is_caught() {
         match res {
             Ok(_) => false,
             Err(e) => {
-                let msg = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
+                let msg = panic_message(&*e);
                 assert!(msg.contains("divergent commit"), "seed {seed}: {msg}");
                 true
             }
