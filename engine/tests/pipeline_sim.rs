@@ -499,11 +499,10 @@ impl Primary {
         if let Some((d, sent)) = next {
             self.open_next(step, d, sent, b.head, &mut packets, st, trace);
         }
+        self.conclude(step, b.staged, fail, &mut packets, st, trace);
         if fail {
-            self.fail_batch(step, b.staged, &mut packets, st, trace);
             return packets;
         }
-        self.propose(step, b.staged, &mut packets, st, trace);
         self.journal.extend_from_slice(&b.bytes);
         self.frag_sha = b.sha;
         self.registers = b.registers;
@@ -608,16 +607,22 @@ impl Primary {
         });
     }
 
-    /// The batch failed: each staged append and the open one are rolled
-    /// back, first to last.
-    fn fail_batch(
+    /// The end of a batch: the proposals of the staged appends, oldest
+    /// first; or, if it `fail`ed, a rollback of each staged append and of
+    /// the open one, first to last.
+    fn conclude(
         &mut self,
         step: usize,
         staged: Vec<Staged>,
+        fail: bool,
         packets: &mut Vec<Packet>,
         st: &mut Stats,
         trace: bool,
     ) {
+        if !fail {
+            self.propose(step, staged, packets, st, trace);
+            return;
+        }
         st.failed_batches += 1;
         let open = self.open.take().map(|o| (o.seq, o.draft));
         let failed: Vec<(u64, Draft)> = staged
