@@ -9,6 +9,7 @@ pub mod wire;
 pub use wire::Conn;
 
 use rotary_engine::{Broker, ServeConfig};
+use rotary_net::spec::JournalSpec;
 use rotary_net::wire::AppendRequest;
 
 pub fn start(dir: &std::path::Path, cores: usize) -> Broker {
@@ -16,6 +17,16 @@ pub fn start(dir: &std::path::Path, cores: usize) -> Broker {
     cfg.cores = cores;
     cfg.disk_reserve_bytes = 0;
     Broker::start(cfg).unwrap()
+}
+
+/// A one-core broker on a fresh directory, serving journal `name`, and a
+/// connection to it. Bind the directory first: it must outlive the broker.
+pub fn serve_journal(name: &str) -> (tempfile::TempDir, Broker, Conn) {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), 1);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new(name)]);
+    (dir, broker, c)
 }
 
 /// A seeded xorshift generator: the same numbers on every run.

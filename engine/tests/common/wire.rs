@@ -174,6 +174,13 @@ impl Conn {
         (r.known_status(), AppendReply::decode(&r.meta).unwrap())
     }
 
+    /// An append of `content` to `journal` that must commit; its reply.
+    pub fn append_ok(&mut self, journal: &str, content: &[u8]) -> AppendReply {
+        let (status, reply) = self.append(&super::req(journal), content);
+        assert_eq!(status, Status::OK, "append to {journal}");
+        reply
+    }
+
     /// One non-blocking READ of `journal` from `offset`.
     pub fn read(&mut self, journal: &str, offset: u64) -> ReadFrames {
         let req = ReadRequest {
@@ -201,5 +208,12 @@ impl Conn {
     pub fn read_all(&mut self, journal: &str, offset: u64) -> (Vec<u8>, Status) {
         let frames = self.read(journal, offset);
         (frames.contiguous(offset), frames.done.known_status())
+    }
+
+    /// A non-blocking read of [offset, head) that must end OK; its bytes.
+    pub fn read_ok(&mut self, journal: &str, offset: u64) -> Vec<u8> {
+        let (bytes, status) = self.read_all(journal, offset);
+        assert_eq!(status, Status::OK, "read of {journal} from {offset}");
+        bytes
     }
 }
