@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{req, start, Conn};
+use common::{req, serve_journal, start, Conn};
 use rotary_engine::ServeConfig;
 use rotary_net::spec::{JournalSpec, LabelSet};
 use rotary_net::status::Status;
@@ -27,16 +27,14 @@ fn append_read_seal_and_recover() {
             let content: Vec<u8> = (0..(i * 37 % 5000 + 1))
                 .map(|k| (k as u8) ^ (i as u8))
                 .collect();
-            let (status, reply) = c.append(&req(name), &content);
-            assert_eq!(status, Status::OK);
+            let reply = c.append_ok(name, &content);
             assert_eq!(reply.begin, expected.len() as u64);
             assert_eq!(reply.end, (expected.len() + content.len()) as u64);
             let sum: [u8; 20] = Sha1::digest(&content).into();
             assert_eq!(reply.sha1, sum);
             expected.extend_from_slice(&content);
         }
-        let (got, status) = c.read_all(name, 0);
-        assert_eq!(status, Status::OK);
+        let got = c.read_ok(name, 0);
         assert_eq!(got, expected);
         // Reads from the middle, across sealed fragments.
         let (got, _) = c.read_all(name, 70_000);
@@ -53,8 +51,7 @@ fn append_read_seal_and_recover() {
     let (got, _) = c.read_all(name, 0);
     assert_eq!(got.len(), expected.len());
     assert!(got == expected);
-    let (status, reply) = c.append(&req(name), b"after restart");
-    assert_eq!(status, Status::OK);
+    let reply = c.append_ok(name, b"after restart");
     assert_eq!(reply.begin, expected.len() as u64);
 }
 
@@ -96,8 +93,7 @@ fn streamed_append_rolls_back_when_the_connection_closes() {
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let (status, reply) = c.append(&req(name), b"next");
-    assert_eq!(status, Status::OK);
+    let reply = c.append_ok(name, b"next");
     assert_eq!(reply.begin, 10);
     let (got, _) = c.read_all(name, 0);
     assert_eq!(got, b"0123456789next");
@@ -125,11 +121,8 @@ fn streamed_append_rolls_back_when_the_connection_closes() {
 /// `REGISTER_MISMATCH` would carry them.
 #[test]
 fn an_append_cancelled_in_the_queue_answers_the_head_and_registers() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = start(dir.path(), 1);
     let name = "smoke/cancelled";
-    let mut c = Conn::new(broker.endpoints[0]);
-    c.apply(&[JournalSpec::new(name)]);
+    let (_dir, broker, mut c) = serve_journal(name);
     let mut r = req(name);
     r.union_registers = LabelSet::from_pairs([("epoch", "a")]).unwrap();
     assert_eq!(c.append(&r, b"0123456789").0, Status::OK);
@@ -166,11 +159,8 @@ fn an_append_cancelled_in_the_queue_answers_the_head_and_registers() {
 
 #[test]
 fn preconditions_and_registers() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = start(dir.path(), 1);
     let name = "smoke/regs";
-    let mut c = Conn::new(broker.endpoints[0]);
-    c.apply(&[JournalSpec::new(name)]);
+    let (_dir, broker, mut c) = serve_journal(name);
     let mut r = req(name);
     r.expect_offset = Some(5);
     let (status, reply) = c.append(&r, b"x");
@@ -197,8 +187,7 @@ fn preconditions_and_registers() {
     g.s.write_all(&[0xde; 64]).unwrap();
     let e = g.recv();
     assert_eq!((e.op, e.known_status()), (Op::ERROR, Status::BAD_REQUEST));
-    let (status, reply) = c.append(&req(name), b"ok");
-    assert_eq!(status, Status::OK);
+    let reply = c.append_ok(name, b"ok");
     assert_eq!(reply.begin, 3);
     // A well-framed frame with an undefined flag bit is refused and skipped;
     // the connection keeps serving.
@@ -238,11 +227,8 @@ fn preconditions_and_registers() {
 
 #[test]
 fn tailing_readers_are_served_from_memory() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = start(dir.path(), 1);
     let name = "smoke/tail";
-    let mut w = Conn::new(broker.endpoints[0]);
-    w.apply(&[JournalSpec::new(name)]);
+    let (_dir, broker, mut w) = serve_journal(name);
     // Three blocking readers wait at the head.
     let mut readers: Vec<Conn> = (0..3).map(|_| Conn::new(broker.endpoints[0])).collect();
     for r in &mut readers {
@@ -377,8 +363,7 @@ fn an_answered_batch_whose_spool_write_never_landed_comes_back_from_the_log() {
         std::fs::write(&path, &bytes).unwrap();
     });
     let mut c = Conn::new(broker.endpoints[0]);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(
         got == [a.clone(), b.clone()].concat(),
         "read {} bytes, want both appends' {}",
@@ -414,8 +399,7 @@ fn an_answered_append_is_readable_at_once() {
     writer.apply(&[JournalSpec::new(name)]);
     for i in 0..500u32 {
         let bytes: Vec<u8> = (0..64 + i % 100).map(|k| (k * 31 + i) as u8).collect();
-        let (status, reply) = writer.append(&req(name), &bytes);
-        assert_eq!(status, Status::OK);
+        let reply = writer.append_ok(name, &bytes);
         let (got, status) = reader.read_all(name, reply.begin);
         assert_eq!(status, Status::OK, "append {i}");
         assert!(got == bytes, "append {i}: read {} bytes", got.len());
@@ -470,8 +454,7 @@ fn a_commit_record_whose_spool_bytes_never_landed_is_passed_over() {
         std::fs::write(&path, &bytes).unwrap();
     });
     let mut c = Conn::new(broker.endpoints[0]);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(
         got == a,
         "read {} bytes, want the first append's {}",
@@ -543,8 +526,7 @@ fn a_deleted_journal_leaves_the_disk_and_its_name_is_free_at_once() {
 
     assert_eq!(c.delete(name), Status::OK);
     c.apply(std::slice::from_ref(&spec));
-    let (status, reply) = c.append(&req(name), b"again");
-    assert_eq!(status, Status::OK);
+    let reply = c.append_ok(name, b"again");
     assert_eq!(reply.begin, 0);
     let (got, _) = c.read_all(name, 0);
     assert_eq!(got, b"again");
@@ -605,8 +587,7 @@ fn the_commit_log_compacts_between_turns_and_recovers_after_a_crash() {
     let (_copy, broker) = restart_copy(dir.path(), |_| {});
     let mut c = Conn::new(broker.endpoints[0]);
     for (j, name) in names.iter().enumerate() {
-        let (got, status) = c.read_all(name, 0);
-        assert_eq!(status, Status::OK);
+        let got = c.read_ok(name, 0);
         assert!(got == expected[j], "{name} differs after recovery");
     }
     // The registers of each journal's last append were recovered too.
@@ -669,8 +650,7 @@ fn the_next_batch_is_staged_while_the_last_is_written() {
         assert_eq!(*begin, expected.len() as u64, "appends are contiguous");
         expected.extend_from_slice(content);
     }
-    let (got, status) = admin.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = admin.read_ok(name, 0);
     assert!(got == expected, "read back differs");
     admin.send(Op::STATS, 0, 5, &[], &[]);
     let stats: serde_json::Value = serde_json::from_slice(&admin.recv().payload).unwrap();
@@ -679,7 +659,6 @@ fn the_next_batch_is_staged_while_the_last_is_written() {
     std::mem::forget(broker);
     let (_copy, broker) = restart_copy(dir.path(), |_| {});
     let mut c = Conn::new(broker.endpoints[0]);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected, "recovered bytes differ");
 }
