@@ -147,13 +147,11 @@ fn large_appends_hashed_off_the_shard_answer_their_own_sha1() {
     }
     // An append after the rollbacks lands right after the others.
     let tail = content(700 << 10, 7);
-    let (status, reply) = admin.append(&req(name), &tail);
-    assert_eq!(status, Status::OK);
+    let reply = admin.append_ok(name, &tail);
     assert_eq!(reply.begin, expected.len() as u64);
     assert_eq!(reply.sha1, <[u8; 20]>::from(Sha1::digest(&tail)));
     expected.extend_from_slice(&tail);
-    let (got, status) = admin.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = admin.read_ok(name, 0);
     assert!(got == expected, "read back differs");
 
     admin.send(Op::STATS, 0, 5, &[], &[]);

@@ -131,8 +131,7 @@ fn history_survives_a_wiped_broker() {
     c.apply(std::slice::from_ref(&spec));
     // History is readable at once, proxied from the store.
     wait_until("history", || c.read_all(name, 0).0.len() == expected.len());
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected);
     let (got, _) = c.read_all(name, 123_456);
     assert!(got[..] == expected[123_456..]);
@@ -269,8 +268,7 @@ fn the_local_cache_drops_the_oldest_uploaded_fragments_first() {
         "the first fragment sealed left the disk"
     );
     // Its bytes still read, from the store.
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert_eq!(got.len(), 3000);
     assert!(got[..1000].iter().all(|b| *b == b'a'));
     broker.shutdown();
@@ -362,8 +360,7 @@ fn evicted_fragments_files_become_new_spools_without_their_old_bytes() {
         assert!(seen > 0, "no local fragment in {}", dir.display());
     };
     check_files(&expected);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected, "read back differs");
     broker.shutdown();
 
@@ -375,8 +372,7 @@ fn evicted_fragments_files_become_new_spools_without_their_old_bytes() {
     let r = append(&mut c, name, &more);
     assert_eq!(r.begin, expected.len() as u64);
     expected.extend_from_slice(&more);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected, "read back after a restart differs");
     check_files(&expected);
     broker.shutdown();
@@ -444,8 +440,7 @@ fn reads_racing_evictions_and_recycled_spools_get_only_their_own_bytes() {
         let reads = r.join().expect("a reader failed");
         assert!(reads > 0, "a reader never read");
     }
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == *expected.lock().unwrap(), "read back differs");
     broker.shutdown();
 }
