@@ -181,15 +181,22 @@ impl Conn {
         reply
     }
 
-    /// One non-blocking READ of `journal` from `offset`.
-    pub fn read(&mut self, journal: &str, offset: u64) -> ReadFrames {
+    /// Sends a READ of `journal` from `offset` to its end, flagged `flags`,
+    /// as request `id`.
+    pub fn send_read(&mut self, journal: &str, offset: u64, flags: u8, id: u64) {
         let req = ReadRequest {
             journal: journal.into(),
             offset: Some(offset),
             end_offset: None,
             route_revision: 0,
         };
-        self.request(Op::READ, &req.encode(), &[]);
+        self.send(Op::READ, flags, id, &req.encode(), &[]);
+    }
+
+    /// One non-blocking READ of `journal` from `offset`.
+    pub fn read(&mut self, journal: &str, offset: u64) -> ReadFrames {
+        let id = self.id();
+        self.send_read(journal, offset, 0, id);
         let mut data = Vec::new();
         loop {
             let r = self.recv();
