@@ -45,28 +45,27 @@ fn send_append(c: &mut Conn, name: &str, id: u64, content: &[u8], frame: usize) 
 fn start_rollbacks(at: std::net::SocketAddr, name: &str) -> Conn {
     // Rolled back by the client, 1.5 MiB in.
     let mut aborting = Conn::new(at);
-    aborting.send(
-        Op::APPEND,
-        flag::MORE,
-        1,
-        &req(name).encode(),
-        &[b'A'; 512 << 10],
-    );
-    aborting.send(Op::APPEND_CHUNK, flag::MORE, 1, &[], &[b'A'; 1 << 20]);
+    send_open(&mut aborting, name, &[&[b'A'; 512 << 10], &[b'A'; 1 << 20]]);
     aborting.send(Op::APPEND_CHUNK, flag::ABORT, 1, &[], &[]);
     // Rolled back by a connection that closed, 2 MiB in.
     {
         let mut closing = Conn::new(at);
-        closing.send(
-            Op::APPEND,
-            flag::MORE,
-            1,
-            &req(name).encode(),
-            &[b'C'; 1 << 20],
-        );
-        closing.send(Op::APPEND_CHUNK, flag::MORE, 1, &[], &[b'C'; 1 << 20]);
+        send_open(&mut closing, name, &[&[b'C'; 1 << 20], &[b'C'; 1 << 20]]);
     }
     aborting
+}
+
+/// Sends the first `frames` of append 1 to `name`, each flagged MORE: the
+/// append stays open.
+fn send_open(c: &mut Conn, name: &str, frames: &[&[u8]]) {
+    for (i, frame) in frames.iter().enumerate() {
+        let (op, meta) = if i == 0 {
+            (Op::APPEND, req(name).encode())
+        } else {
+            (Op::APPEND_CHUNK, Vec::new())
+        };
+        c.send(op, flag::MORE, 1, &meta, frame);
+    }
 }
 
 /// Each connection's replies to its `appends` appends: each OK, of the
