@@ -43,18 +43,22 @@
 //! `ROTARY_SIM_SEEDS=n` runs seeds 0..n.
 #![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
+mod common;
+
+use common::sim::{
+    assert_plans_repeat, check, content, env_u64, fault_hash, op_index, sha1_hex, splitmix,
+    sum_fields, Expect, OP_NAMES,
+};
+use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::{Broker, ServeConfig};
 use rotary_net::spec::{Durability, JournalSpec};
 use rotary_net::status::Status;
-use rotary_net::wire::{self, AppendReply, AppendRequest, Op, ReadRequest, BODY_LEN_MAX};
+use rotary_net::wire::{self, AppendReply, AppendRequest, Op};
 use rotary_proto::clock;
 use rotary_storage::faults::{DiskOp, Faults};
-use sha1::{Digest, Sha1};
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -81,15 +85,6 @@ const HEADS_MAX: usize = 1 << 12;
 // The plan.
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Expect {
-    Any,
-    /// The write head of the last reply.
-    Head,
-    /// That head moved by this (non-zero) much: wrong.
-    Off(i64),
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
 enum Step {
     Append {
         len: usize,
@@ -98,16 +93,6 @@ enum Step {
     },
     Seal,
 }
-
-/// The disk operations a fault may hit, as `DiskOp` names them, by index.
-const OP_NAMES: [&str; 6] = [
-    "SpoolWrite",
-    "SpoolSync",
-    "SpoolAllocate",
-    "Seal",
-    "LogWrite",
-    "LogSync",
-];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct FaultPlan {
@@ -132,7 +117,7 @@ impl FaultPlan {
         if self.ppm[op] == 0 {
             return None;
         }
-        let h = splitmix(self.seed ^ splitmix(op as u64 + 1) ^ splitmix(n.wrapping_add(1 << 40)));
+        let h = fault_hash(self.seed, op, n);
         let errno = if h >> 63 == 0 {
             libc::EINTR
         } else {
@@ -222,27 +207,6 @@ fn random_step(rng: &mut StdRng) -> Step {
     }
 }
 
-/// The bytes of an append with `fill`: the same on every run.
-fn content(fill: u64, len: usize) -> Vec<u8> {
-    let mut state = fill | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 // ---------------------------------------------------------------------------
 // The failing disk of one replica.
 
@@ -273,14 +237,7 @@ impl Faults for Injector {
         if !self.armed.load(Ordering::SeqCst) {
             return None;
         }
-        let op = match op {
-            DiskOp::SpoolWrite => 0,
-            DiskOp::SpoolSync => 1,
-            DiskOp::SpoolAllocate => 2,
-            DiskOp::Seal => 3,
-            DiskOp::LogWrite => 4,
-            DiskOp::LogSync => 5,
-        };
+        let op = op_index(op);
         let n = self.calls[op].fetch_add(1, Ordering::SeqCst);
         let errno = self.plan.decide(op, n)?;
         self.fired.fetch_add(1, Ordering::SeqCst);
@@ -299,77 +256,9 @@ impl Faults for Injector {
 }
 
 // ---------------------------------------------------------------------------
-// A client of the wire protocol.
+// The wire client is common/wire.rs; a member's copy is read with it here.
 
-struct Reply {
-    op: Op,
-    status: Option<Status>,
-    code: u16,
-    meta: Vec<u8>,
-    payload: Vec<u8>,
-}
-
-impl Reply {
-    fn status_name(&self) -> String {
-        self.status
-            .map_or_else(|| format!("status {}", self.code), |s| s.name().to_string())
-    }
-}
-
-struct Client {
-    s: TcpStream,
-    buf: Vec<u8>,
-    next_id: u64,
-}
-
-impl Client {
-    fn connect(addr: SocketAddr) -> Client {
-        let s = TcpStream::connect(addr).unwrap();
-        s.set_nodelay(true).unwrap();
-        s.set_read_timeout(Some(REPLY_WAIT)).unwrap();
-        Client {
-            s,
-            buf: Vec::new(),
-            next_id: 1,
-        }
-    }
-
-    fn send(&mut self, op: Op, meta: &[u8], payload: &[u8]) {
-        self.next_id += 1;
-        let mut out = Vec::new();
-        wire::encode_frame(&mut out, op, 0, Status::OK, self.next_id, meta, payload);
-        self.s.write_all(&out).unwrap();
-    }
-
-    fn recv(&mut self) -> Reply {
-        loop {
-            if let Some((f, used)) = wire::decode_frame(&self.buf, BODY_LEN_MAX).unwrap() {
-                let r = Reply {
-                    op: f.op,
-                    status: Status::from_code(f.status),
-                    code: f.status,
-                    meta: f.meta.to_vec(),
-                    payload: f.payload.to_vec(),
-                };
-                self.buf.drain(..used);
-                return r;
-            }
-            let mut tmp = [0u8; 65536];
-            match self.s.read(&mut tmp) {
-                Ok(0) => panic!("the broker closed the connection"),
-                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
-                Err(e) => panic!("no answer from the broker within {REPLY_WAIT:?}: {e}"),
-            }
-        }
-    }
-
-    fn admin(&mut self, op: Op, meta: &[u8], payload: &[u8]) -> Reply {
-        self.send(op, meta, payload);
-        let r = self.recv();
-        assert_eq!(r.op, Op::ADMIN_REPLY, "{op:?} answered with {:?}", r.op);
-        r
-    }
-
+impl Conn {
     /// The broker's own copy of the journal from `offset` as far as
     /// non-blocking reads go (until one is refused), or where it has a
     /// gap.
@@ -377,35 +266,21 @@ impl Client {
         let mut copy = Copy::default();
         loop {
             let from = offset + copy.bytes.len() as u64;
-            let req = ReadRequest {
-                journal: JOURNAL.into(),
-                offset: Some(from),
-                end_offset: None,
-                route_revision: 0,
-            };
-            self.send(Op::READ, &req.encode(), &[]);
+            let frames = self.read(JOURNAL, from);
             let before = copy.bytes.len();
-            let done = loop {
-                let r = self.recv();
-                match r.op {
-                    Op::READ_DATA => {
-                        let at = u64::from_le_bytes(r.meta[..8].try_into().unwrap());
-                        let due = offset + copy.bytes.len() as u64;
-                        if at < due {
-                            return Err(format!("READ_DATA at {at} where {due} was due"));
-                        }
-                        if at > due {
-                            // Reads skip what the broker does not hold.
-                            copy.holes.push((due, at));
-                            copy.bytes.resize(at as usize, 0);
-                        }
-                        copy.bytes.extend_from_slice(&r.payload);
-                    }
-                    Op::READ_DONE => break r,
-                    op => panic!("a READ answered with {op:?}"),
+            for (at, payload) in frames.data {
+                let due = offset + copy.bytes.len() as u64;
+                if at < due {
+                    return Err(format!("READ_DATA at {at} where {due} was due"));
                 }
-            };
-            if done.status != Some(Status::OK) || copy.bytes.len() == before {
+                if at > due {
+                    // Reads skip what the broker does not hold.
+                    copy.holes.push((due, at));
+                    copy.bytes.resize(at as usize, 0);
+                }
+                copy.bytes.extend_from_slice(&payload);
+            }
+            if frames.done.status != Some(Status::OK) || copy.bytes.len() == before {
                 return Ok(copy);
             }
         }
@@ -576,10 +451,6 @@ impl Model {
     }
 }
 
-fn sha1_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha1::digest(bytes))
-}
-
 // ---------------------------------------------------------------------------
 // The simulation.
 
@@ -606,33 +477,12 @@ struct Stats {
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
-        self.ok += o.ok;
-        self.bytes += o.bytes;
-        self.maybes += o.maybes;
-        self.refused += o.refused;
-        self.seals += o.seals;
-        self.faults += o.faults;
-        self.parked += o.parked;
-        self.maybes_present += o.maybes_present;
-        self.holes += o.holes;
+        sum_fields!(self, o; ok, bytes, maybes, refused, seals, faults, parked, maybes_present, holes);
         if o.stuck_max > self.stuck_max {
             self.stuck_max = o.stuck_max;
             self.stuck_message.clone_from(&o.stuck_message);
         }
     }
-}
-
-macro_rules! check {
-    ($sim:expr, $cond:expr, $($arg:tt)*) => {
-        if !$cond {
-            panic!(
-                "model check failed at step {} of seed {}: {}",
-                $sim.step,
-                $sim.plan.seed,
-                format!($($arg)*)
-            );
-        }
-    };
 }
 
 struct Member {
@@ -652,7 +502,7 @@ struct Sim<'p> {
     /// replica.
     primary: usize,
     faulty: usize,
-    c: Option<Client>,
+    c: Option<Conn>,
     model: Model,
     st: Stats,
     trace: bool,
@@ -795,7 +645,10 @@ impl<'p> Sim<'p> {
     }
 
     fn connect(&mut self) {
-        self.c = Some(Client::connect(self.members[self.primary].endpoint));
+        self.c = Some(Conn::with_wait(
+            self.members[self.primary].endpoint,
+            REPLY_WAIT,
+        ));
     }
 
     /// Waits until every member lists the journal with its whole route,
@@ -804,7 +657,7 @@ impl<'p> Sim<'p> {
         let deadline = clock::now() + SETTLE_WAIT;
         let mut routes = Vec::new();
         for m in &self.members {
-            let mut c = Client::connect(m.endpoint);
+            let mut c = Conn::with_wait(m.endpoint, REPLY_WAIT);
             loop {
                 let r = c.admin(Op::LIST, &[], b"{}");
                 assert_eq!(r.status, Some(Status::OK), "LIST on {}", m.id);
@@ -867,7 +720,7 @@ impl<'p> Sim<'p> {
 }
 
 impl Sim<'_> {
-    fn c(&mut self) -> &mut Client {
+    fn c(&mut self) -> &mut Conn {
         self.c.as_mut().expect("the primary runs")
     }
 
@@ -880,7 +733,7 @@ impl Sim<'_> {
             expect_offset: expect,
             ..Default::default()
         };
-        self.c().send(Op::APPEND, &req.encode(), &bytes);
+        self.c().request(Op::APPEND, &req.encode(), &bytes);
         let r = self.c().recv();
         check!(self, r.op == Op::APPEND_REPLY, "APPEND answered {:?}", r.op);
         let reply = (!r.meta.is_empty()).then(|| AppendReply::decode(&r.meta).unwrap());
@@ -1108,7 +961,7 @@ impl Sim<'_> {
         let deadline = clock::now() + SETTLE_WAIT;
         let mut copies = Vec::new();
         for m in &self.members {
-            let mut c = Client::connect(m.endpoint);
+            let mut c = Conn::with_wait(m.endpoint, REPLY_WAIT);
             let copy = loop {
                 let copy = c.read_copy(0).unwrap_or_else(|why| {
                     panic!(
@@ -1190,20 +1043,7 @@ fn run_plan(plan: &Plan, trace: bool, holes: bool) -> Stats {
 
 /// Runs a seed; a failure names the seed and how to replay it.
 fn run_seed(seed: u64) -> Stats {
-    match catch_unwind(AssertUnwindSafe(|| run(seed, false))) {
-        Ok(st) => st,
-        Err(e) => {
-            eprintln!(
-                "cluster_sim: seed {seed} failed; replay it with ROTARY_SIM_SEED={seed} \
-                 cargo test -p rotary-engine --test cluster_sim -- --nocapture"
-            );
-            resume_unwind(e)
-        }
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|s| s.parse().ok())
+    common::sim::run_seed("cluster_sim", seed, || run(seed, false))
 }
 
 #[test]
@@ -1228,15 +1068,7 @@ fn seeded_replicated_journals_keep_every_acknowledged_byte() {
 
 #[test]
 fn a_seeds_plan_is_the_same_on_every_run() {
-    for seed in 0..50 {
-        let (a, b) = (Plan::new(seed), Plan::new(seed));
-        assert_eq!(a, b, "seed {seed}");
-        for op in 0..OP_NAMES.len() {
-            for n in 0..2000 {
-                assert_eq!(a.faults.decide(op, n), b.faults.decide(op, n));
-            }
-        }
-    }
+    assert_plans_repeat(Plan::new, |p, op, n| p.faults.decide(op, n));
     assert_ne!(Plan::new(1), Plan::new(2));
     let plans: Vec<Plan> = (0..50).map(Plan::new).collect();
     assert!(plans.iter().any(|p| p.faults.scheduled.is_some()));

@@ -73,7 +73,7 @@ fn full_disk_is_a_retryable_status_and_recovers() {
     assert!(bytes.iter().all(|&b| b == 7));
     c.send(rotary_net::wire::Op::STATS, 0, 3, &[], &[]);
     let stats = c.recv();
-    assert_eq!(stats.status, Status::OK);
+    assert_eq!(stats.known_status(), Status::OK);
     let stats: serde_json::Value = serde_json::from_slice(&stats.payload).unwrap();
     assert!(stats["storage_full"].as_u64().unwrap() >= 1);
     // Still full: still refused, still nothing committed.

@@ -11,20 +11,22 @@ use common::{req, start, Conn};
 use rotary_engine::{Broker, ServeConfig};
 use rotary_net::spec::{Codec, JournalSpec};
 use rotary_net::status::Status;
-use rotary_net::wire::{self, flag, AppendReply, Op, ReadRequest};
+use rotary_net::wire::{self, flag, AppendReply, Op};
 use std::time::{Duration, Instant};
 
 /// An admin request naming one journal; it must succeed. Its JSON reply.
 fn admin<T: serde::de::DeserializeOwned>(c: &mut Conn, op: Op, name: &str) -> T {
-    c.send(op, 0, 77, &wire::encode_name(name), &[]);
-    let r = c.recv();
-    assert_eq!(
-        r.status,
-        Status::OK,
-        "{op:?} {name}: {}",
-        String::from_utf8_lossy(&r.payload)
-    );
+    let r = c.admin_ok(op, &wire::encode_name(name), &[]);
     serde_json::from_slice(&r.payload).unwrap()
+}
+
+/// Journal `name`, its fragments compressed with `codec` and uploaded to a
+/// `file://` store in `root/store`.
+fn stored_spec(root: &std::path::Path, name: &str, codec: Codec) -> JournalSpec {
+    let mut spec = JournalSpec::new(name);
+    spec.fragment.compression_codec = codec;
+    spec.fragment.stores = vec![format!("file://{}/", root.join("store").display())];
+    spec
 }
 
 fn fragments(c: &mut Conn, name: &str) -> Vec<serde_json::Value> {
@@ -32,13 +34,16 @@ fn fragments(c: &mut Conn, name: &str) -> Vec<serde_json::Value> {
 }
 
 /// A one-shard broker under `root/data` that keeps at most
-/// `local_cache_bytes` of uploaded fragments on its disk.
-fn start_with_cache(root: &std::path::Path, local_cache_bytes: u64) -> Broker {
+/// `local_cache_bytes` of uploaded fragments on its disk, and a connection
+/// to it.
+fn start_with_cache(root: &std::path::Path, local_cache_bytes: u64) -> (Broker, Conn) {
     let mut cfg = ServeConfig::new(root.join("data"), "127.0.0.1:0".parse().unwrap());
     cfg.cores = 1;
     cfg.disk_reserve_bytes = 0;
     cfg.local_cache_bytes = local_cache_bytes;
-    Broker::start(cfg).unwrap()
+    let broker = Broker::start(cfg).unwrap();
+    let c = Conn::new(broker.endpoints[0]);
+    (broker, c)
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -98,10 +103,8 @@ fn history_survives_a_wiped_broker() {
     let store_dir = root.path().join("store");
     let data = root.path().join("data");
     let name = "hist/journal-a";
-    let mut spec = JournalSpec::new(name);
+    let mut spec = stored_spec(root.path(), name, Codec::Zstd);
     spec.fragment.length = 100_000;
-    spec.fragment.compression_codec = Codec::Zstd;
-    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
     spec.fragment.refresh_interval = Duration::from_secs(1);
 
     let mut expected = Vec::new();
@@ -138,19 +141,12 @@ fn history_survives_a_wiped_broker() {
     c.apply(std::slice::from_ref(&spec));
     // History is readable at once, proxied from the store.
     wait_until("history", || c.read_all(name, 0).0.len() == expected.len());
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected);
     let (got, _) = c.read_all(name, 123_456);
     assert!(got[..] == expected[123_456..]);
     // Direct read: the broker answers with the fragment's location.
-    let r = ReadRequest {
-        journal: name.into(),
-        offset: Some(5),
-        end_offset: None,
-        route_revision: 0,
-    };
-    c.send(Op::READ, flag::DO_NOT_PROXY, 31, &r.encode(), &[]);
+    c.send_read(name, 5, flag::DO_NOT_PROXY, 31);
     let frag = c.recv();
     assert_eq!(frag.op, Op::READ_FRAGMENT);
     let meta: wire::ReadFragment = wire::decode_fixed(&frag.meta, "fragment").unwrap();
@@ -160,7 +156,7 @@ fn history_survives_a_wiped_broker() {
     let raw = zstd::decode_all(&std::fs::read(path).unwrap()[..]).unwrap();
     assert_eq!(raw, expected[..meta.end.get() as usize]);
     let done = c.recv();
-    assert_eq!((done.op, done.status), (Op::READ_DONE, Status::OK));
+    assert_eq!((done.op, done.known_status()), (Op::READ_DONE, Status::OK));
     assert_eq!(
         u64::from_le_bytes(done.meta[..8].try_into().unwrap()),
         meta.end.get()
@@ -186,15 +182,11 @@ fn history_survives_a_wiped_broker() {
 #[test]
 fn a_read_in_missing_history_waits_without_stalling_the_shard() {
     let root = tempfile::tempdir().unwrap();
-    let store_dir = root.path().join("store");
     // Uploaded fragments leave the broker's disk at once.
-    let broker = start_with_cache(root.path(), 0);
+    let (broker, mut c) = start_with_cache(root.path(), 0);
     let (a, b) = ("hist/missing-a", "hist/missing-b");
-    let mut spec = JournalSpec::new(a);
-    spec.fragment.compression_codec = Codec::None;
-    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
+    let mut spec = stored_spec(root.path(), a, Codec::None);
     spec.fragment.refresh_interval = Duration::from_secs(1);
-    let mut c = Conn::new(broker.endpoints[0]);
     c.apply(&[spec, JournalSpec::new(b)]);
 
     let history = vec![b'h'; 5000];
@@ -205,17 +197,11 @@ fn a_read_in_missing_history_waits_without_stalling_the_shard() {
         !f.is_empty() && f.iter().all(|f| f["store"] != "local")
     });
     // The store loses the object; the next listing drops it from the index.
-    std::fs::remove_dir_all(store_dir.join(a)).unwrap();
+    std::fs::remove_dir_all(root.path().join("store").join(a)).unwrap();
     wait_until("the listing without it", || fragments(&mut c, a).is_empty());
 
     let mut reader = Conn::new(broker.endpoints[0]);
-    let r = ReadRequest {
-        journal: a.into(),
-        offset: Some(0),
-        end_offset: None,
-        route_revision: 0,
-    };
-    reader.send(Op::READ, flag::BLOCK, 41, &r.encode(), &[]);
+    reader.send_read(a, 0, flag::BLOCK, 41);
     // Give the read time to reach its wait; nothing below depends on it.
     std::thread::sleep(Duration::from_millis(200));
 
@@ -238,14 +224,10 @@ fn a_read_in_missing_history_waits_without_stalling_the_shard() {
 #[test]
 fn the_local_cache_drops_the_oldest_uploaded_fragments_first() {
     let root = tempfile::tempdir().unwrap();
-    let store_dir = root.path().join("store");
     // Room for two of the three fragments below.
-    let broker = start_with_cache(root.path(), 2000);
+    let (broker, mut c) = start_with_cache(root.path(), 2000);
     let name = "hist/cache";
-    let mut spec = JournalSpec::new(name);
-    spec.fragment.compression_codec = Codec::None;
-    spec.fragment.stores = vec![format!("file://{}/", store_dir.display())];
-    let mut c = Conn::new(broker.endpoints[0]);
+    let spec = stored_spec(root.path(), name, Codec::None);
     c.apply(&[spec]);
 
     let local = |c: &mut Conn| -> Vec<(u64, u64, bool)> {
@@ -276,8 +258,7 @@ fn the_local_cache_drops_the_oldest_uploaded_fragments_first() {
         "the first fragment sealed left the disk"
     );
     // Its bytes still read, from the store.
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert_eq!(got.len(), 3000);
     assert!(got[..1000].iter().all(|b| *b == b'a'));
     broker.shutdown();
@@ -291,12 +272,9 @@ fn start_with_recycling(
     local_cache_bytes: u64,
     name: &str,
 ) -> (Broker, Conn) {
-    let broker = start_with_cache(root, local_cache_bytes);
-    let mut spec = JournalSpec::new(name);
+    let (broker, mut c) = start_with_cache(root, local_cache_bytes);
+    let mut spec = stored_spec(root, name, Codec::None);
     spec.fragment.length = 1 << 20;
-    spec.fragment.compression_codec = Codec::None;
-    spec.fragment.stores = vec![format!("file://{}/", root.join("store").display())];
-    let mut c = Conn::new(broker.endpoints[0]);
     c.apply(&[spec]);
     (broker, c)
 }
@@ -369,21 +347,18 @@ fn evicted_fragments_files_become_new_spools_without_their_old_bytes() {
         assert!(seen > 0, "no local fragment in {}", dir.display());
     };
     check_files(&expected);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected, "read back differs");
     broker.shutdown();
 
     let spares = root.path().join("data/shard-0/spares");
     assert!(std::fs::read_dir(&spares).unwrap().count() <= rotary_engine::spares::SPARES_MAX);
-    let broker = start_with_cache(root.path(), 3 << 20);
-    let mut c = Conn::new(broker.endpoints[0]);
+    let (broker, mut c) = start_with_cache(root.path(), 3 << 20);
     let more: Vec<u8> = (0..700_000).map(|_| rng.r#gen()).collect();
     let r = append(&mut c, name, &more);
     assert_eq!(r.begin, expected.len() as u64);
     expected.extend_from_slice(&more);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected, "read back after a restart differs");
     check_files(&expected);
     broker.shutdown();
@@ -451,8 +426,7 @@ fn reads_racing_evictions_and_recycled_spools_get_only_their_own_bytes() {
         let reads = r.join().expect("a reader failed");
         assert!(reads > 0, "a reader never read");
     }
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == *expected.lock().unwrap(), "read back differs");
     broker.shutdown();
 }

@@ -29,6 +29,9 @@
 //! prints every event of the run; `ROTARY_SIM_SEEDS=n` runs n seeds.
 #![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
+mod common;
+
+use common::sim::{panic_message, sum_fields};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::replica::{check_proposal, ReplicaTrack, Verdict};
 use rotary_net::repl::{decode_acks, decode_records, encode_acks, Ack, Record};
@@ -37,7 +40,7 @@ use rotary_net::status::Status;
 use rotary_net::wire::MetaWriter;
 use sha1::{Digest, Sha1};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 const JOURNAL: &str = "sim/pipeline";
 /// Batches per seed (1..8 appends each).
@@ -179,10 +182,8 @@ struct Stats {
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
-        macro_rules! sum {
-            ($($f:ident),*) => { $(self.$f += o.$f;)* };
-        }
-        sum!(
+        sum_fields!(
+            self, o;
             appends,
             batches,
             failed_batches,
@@ -498,11 +499,10 @@ impl Primary {
         if let Some((d, sent)) = next {
             self.open_next(step, d, sent, b.head, &mut packets, st, trace);
         }
+        self.conclude(step, b.staged, fail, &mut packets, st, trace);
         if fail {
-            self.fail_batch(step, b.staged, &mut packets, st, trace);
             return packets;
         }
-        self.propose(step, b.staged, &mut packets, st, trace);
         self.journal.extend_from_slice(&b.bytes);
         self.frag_sha = b.sha;
         self.registers = b.registers;
@@ -607,16 +607,22 @@ impl Primary {
         });
     }
 
-    /// The batch failed: each staged append and the open one are rolled
-    /// back, first to last.
-    fn fail_batch(
+    /// The end of a batch: the proposals of the staged appends, oldest
+    /// first; or, if it `fail`ed, a rollback of each staged append and of
+    /// the open one, first to last.
+    fn conclude(
         &mut self,
         step: usize,
         staged: Vec<Staged>,
+        fail: bool,
         packets: &mut Vec<Packet>,
         st: &mut Stats,
         trace: bool,
     ) {
+        if !fail {
+            self.propose(step, staged, packets, st, trace);
+            return;
+        }
         st.failed_batches += 1;
         let open = self.open.take().map(|o| (o.seq, o.draft));
         let failed: Vec<(u64, Draft)> = staged
@@ -1422,16 +1428,7 @@ fn run(seed: u64, faults: Option<Faults>, skip_check: bool, trace: bool) -> Run 
 
 /// Runs a seed; a failure names the seed and how to replay it.
 fn run_seed(seed: u64, faults: Option<Faults>) -> Run {
-    match catch_unwind(AssertUnwindSafe(|| run(seed, faults, false, false))) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!(
-                "pipeline_sim: seed {seed} failed; replay it with ROTARY_SIM_SEED={seed} \
-                 cargo test -p rotary-engine --test pipeline_sim -- --nocapture"
-            );
-            resume_unwind(e)
-        }
-    }
+    common::sim::run_seed("pipeline_sim", seed, || run(seed, faults, false, false))
 }
 
 #[test]
@@ -1547,11 +1544,7 @@ fn skipping_the_sha1_check_is_caught() {
         match res {
             Ok(_) => false,
             Err(e) => {
-                let msg = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
+                let msg = panic_message(&*e);
                 assert!(msg.contains("divergent commit"), "seed {seed}: {msg}");
                 true
             }

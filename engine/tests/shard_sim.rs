@@ -53,18 +53,23 @@
 //! replay it.
 #![warn(clippy::too_many_lines)] // Functions under 100 lines, as in the engine.
 
+mod common;
+
+use common::sim::{
+    check, content, env_u64, fault_hash, op_index, panic_message, sha1_hex, splitmix, sum_fields,
+    Expect, OP_NAMES,
+};
+use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rotary_engine::clock::Clock;
 use rotary_engine::{Broker, ServeConfig};
 use rotary_net::spec::{Durability, JournalSpec, LabelSelector, LabelSet};
 use rotary_net::status::Status;
-use rotary_net::wire::{self, flag, AppendReply, AppendRequest, Op, ReadRequest, BODY_LEN_MAX};
+use rotary_net::wire::{self, flag, AppendReply, AppendRequest, Op};
 use rotary_storage::faults::{DiskOp, Faults};
 use sha1::{Digest, Sha1};
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -126,16 +131,6 @@ impl JournalPlan {
             APPEND_BYTES_MAX
         }
     }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Expect {
-    /// No expected offset.
-    Any,
-    /// The model's head.
-    Head,
-    /// The model's head moved by this (non-zero) much: wrong.
-    Off(i64),
 }
 
 /// A register check: the journal's registers hold `name=value`, or not.
@@ -328,33 +323,8 @@ fn random_append(rng: &mut StdRng, journal: usize, plan: &JournalPlan) -> Append
     }
 }
 
-/// The bytes of an append with `fill`: the same on every run.
-fn content(fill: u64, len: usize) -> Vec<u8> {
-    let mut state = fill | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
 // ---------------------------------------------------------------------------
 // The fault plan.
-
-/// The disk operations a fault may hit, as `rotary_storage::faults::DiskOp`
-/// names them, by index.
-const OP_NAMES: [&str; 6] = [
-    "SpoolWrite",
-    "SpoolSync",
-    "SpoolAllocate",
-    "Seal",
-    "LogWrite",
-    "LogSync",
-];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct FaultPlan {
@@ -420,17 +390,10 @@ impl FaultPlan {
         if self.ppm[op] == 0 || self.errnos.is_empty() {
             return None;
         }
-        let h = splitmix(self.seed ^ splitmix(op as u64 + 1) ^ splitmix(n.wrapping_add(1 << 40)));
+        let h = fault_hash(self.seed, op, n);
         ((h % 1_000_000) < u64::from(self.ppm[op]))
             .then(|| self.errnos[(h >> 32) as usize % self.errnos.len()])
     }
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// A fault that fired.
@@ -516,104 +479,15 @@ impl Injector {
 
 impl Faults for Injector {
     fn check(&self, op: DiskOp, path: &Path) -> Option<i32> {
-        let op = match op {
-            DiskOp::SpoolWrite => 0,
-            DiskOp::SpoolSync => 1,
-            DiskOp::SpoolAllocate => 2,
-            DiskOp::Seal => 3,
-            DiskOp::LogWrite => 4,
-            DiskOp::LogSync => 5,
-        };
-        self.check_op(op, path)
+        self.check_op(op_index(op), path)
     }
 }
 
 // ---------------------------------------------------------------------------
-// A client of the wire protocol, with the answers the checks need.
+// The wire client is common/wire.rs; what only this simulation sends and
+// reads is here.
 
-struct Reply {
-    op: Op,
-    flags: u8,
-    /// `None` for a status this build does not know.
-    status: Option<Status>,
-    code: u16,
-    meta: Vec<u8>,
-    payload: Vec<u8>,
-}
-
-impl Reply {
-    fn status_name(&self) -> String {
-        self.status
-            .map_or_else(|| format!("status {}", self.code), |s| s.name().to_string())
-    }
-}
-
-struct Client {
-    s: TcpStream,
-    buf: Vec<u8>,
-    next_id: u64,
-}
-
-impl Client {
-    fn connect(addr: SocketAddr) -> Client {
-        let s = TcpStream::connect(addr).unwrap();
-        s.set_nodelay(true).unwrap();
-        Client {
-            s,
-            buf: Vec::new(),
-            next_id: 1,
-        }
-    }
-
-    fn id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
-    }
-
-    fn send(&mut self, op: Op, flags: u8, id: u64, meta: &[u8], payload: &[u8]) {
-        let mut out = Vec::new();
-        wire::encode_frame(&mut out, op, flags, Status::OK, id, meta, payload);
-        self.s.write_all(&out).unwrap();
-    }
-
-    /// The next frame, or `None` if none came within `wait`.
-    fn recv_within(&mut self, wait: Duration) -> Option<Reply> {
-        self.s.set_read_timeout(Some(wait)).unwrap();
-        loop {
-            if let Some((f, used)) = wire::decode_frame(&self.buf, BODY_LEN_MAX).unwrap() {
-                let r = Reply {
-                    op: f.op,
-                    flags: f.flags,
-                    status: Status::from_code(f.status),
-                    code: f.status,
-                    meta: f.meta.to_vec(),
-                    payload: f.payload.to_vec(),
-                };
-                self.buf.drain(..used);
-                return Some(r);
-            }
-            let mut tmp = [0u8; 65536];
-            match self.s.read(&mut tmp) {
-                Ok(0) => panic!("the broker closed the connection"),
-                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return None
-                }
-                Err(e) => panic!("reading from the broker: {e}"),
-            }
-        }
-    }
-
-    fn recv(&mut self) -> Reply {
-        self.recv_within(REPLY_WAIT)
-            .unwrap_or_else(|| panic!("no answer from the broker within {REPLY_WAIT:?}"))
-    }
-
+impl Conn {
     /// Sends an append in the frames `cuts` make of `content`, ending as
     /// `end` says (not `Hangup`): the APPEND, then APPEND_CHUNKs.
     fn send_append(&mut self, req: &AppendRequest, content: &[u8], cuts: &[usize], end: End) {
@@ -641,45 +515,15 @@ impl Client {
         }
     }
 
-    /// An admin request's status and JSON payload.
-    fn admin(&mut self, op: Op, meta: &[u8], payload: &[u8]) -> Reply {
-        let id = self.id();
-        self.send(op, 0, id, meta, payload);
-        let r = self.recv();
-        assert_eq!(r.op, Op::ADMIN_REPLY, "{op:?} answered with {:?}", r.op);
-        r
-    }
-
     /// A non-blocking read from `offset`.
-    fn read(&mut self, journal: &str, offset: u64) -> ReadOutcome {
-        let req = ReadRequest {
-            journal: journal.into(),
-            offset: Some(offset),
-            end_offset: None,
-            route_revision: 0,
-        };
-        let id = self.id();
-        self.send(Op::READ, 0, id, &req.encode(), &[]);
-        let mut bytes = Vec::new();
-        loop {
-            let r = self.recv();
-            match r.op {
-                Op::READ_DATA => {
-                    let at = u64::from_le_bytes(r.meta[..8].try_into().unwrap());
-                    assert_eq!(at, offset + bytes.len() as u64, "READ_DATA out of order");
-                    bytes.extend_from_slice(&r.payload);
-                }
-                Op::READ_DONE => {
-                    let (done, _) = wire::decode_read_done(&r.meta).unwrap();
-                    return ReadOutcome {
-                        bytes,
-                        status: r.status_name(),
-                        next: done.offset.get(),
-                        write_head: done.write_head.get(),
-                    };
-                }
-                op => panic!("a READ answered with {op:?}"),
-            }
+    fn read_outcome(&mut self, journal: &str, offset: u64) -> ReadOutcome {
+        let frames = self.read(journal, offset);
+        let (done, _) = wire::decode_read_done(&frames.done.meta).unwrap();
+        ReadOutcome {
+            bytes: frames.contiguous(offset),
+            status: frames.done.status_name(),
+            next: done.offset.get(),
+            write_head: done.write_head.get(),
         }
     }
 }
@@ -763,10 +607,6 @@ fn registers_of(set: &LabelSet) -> BTreeSet<(String, String)> {
         .collect()
 }
 
-fn sha1_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha1::digest(bytes))
-}
-
 fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter()
         .zip(b)
@@ -833,10 +673,8 @@ struct Stats {
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
-        macro_rules! sum {
-            ($($f:ident),*) => { $(self.$f += o.$f;)* };
-        }
-        sum!(
+        sum_fields!(
+            self, o;
             appends,
             appended_bytes,
             failed_by_faults,
@@ -867,28 +705,13 @@ impl Stats {
     }
 }
 
-/// Fails the run with where it was, when the broker's answer is not what
-/// the model allows.
-macro_rules! check {
-    ($sim:expr, $cond:expr, $($arg:tt)*) => {
-        if !$cond {
-            panic!(
-                "model check failed at step {} of seed {}: {}",
-                $sim.step,
-                $sim.plan.seed,
-                format!($($arg)*)
-            );
-        }
-    };
-}
-
 struct Sim<'p> {
     plan: &'p Plan,
     dir: tempfile::TempDir,
     clock: Clock,
     injector: Arc<Injector>,
     broker: Option<Broker>,
-    c: Option<Client>,
+    c: Option<Conn>,
     models: Vec<Model>,
     st: Stats,
     trace: bool,
@@ -929,7 +752,7 @@ impl<'p> Sim<'p> {
         sim
     }
 
-    fn c(&mut self) -> &mut Client {
+    fn c(&mut self) -> &mut Conn {
         self.c.as_mut().expect("a broker runs")
     }
 
@@ -948,7 +771,7 @@ impl<'p> Sim<'p> {
         cfg.spool_sizing.grow_bytes = 1 << 20;
         install_faults(&mut cfg, &self.injector);
         let broker = Broker::start(cfg).unwrap_or_else(|e| panic!("the broker did not start: {e}"));
-        self.c = Some(Client::connect(broker.endpoints[0]));
+        self.c = Some(Conn::with_wait(broker.endpoints[0], REPLY_WAIT));
         self.broker = Some(broker);
         self.injector.arm(faults);
         for m in &mut self.models {
@@ -1173,7 +996,7 @@ impl Sim<'_> {
     fn hang_up(&mut self, req: &AppendRequest, bytes: &[u8], cuts: &[usize]) {
         self.st.hangups += 1;
         let addr = self.broker.as_ref().expect("a broker runs").endpoints[0];
-        let mut other = Client::connect(addr);
+        let mut other = Conn::with_wait(addr, REPLY_WAIT);
         let id = other.id();
         let keep = cuts.len().max(2) - 1;
         let mut from = 0;
@@ -1340,7 +1163,7 @@ impl Sim<'_> {
     /// from there to its head, and nothing after.
     fn read_at(&mut self, journal: usize, offset: u64) {
         let name = self.name(journal);
-        let out = self.c().read(name, offset);
+        let out = self.c().read_outcome(name, offset);
         self.st.reads += 1;
         self.st.read_bytes += out.bytes.len() as u64;
         let m = &self.models[journal];
@@ -1558,7 +1381,7 @@ impl Sim<'_> {
     fn verify(&mut self, journal: usize) {
         let name = self.name(journal);
         self.probe_head(journal, "after a restart");
-        let out = self.c().read(name, 0);
+        let out = self.c().read_outcome(name, 0);
         let m = &self.models[journal];
         let (got, want) = (sha1_hex(&out.bytes), sha1_hex(&m.bytes));
         check!(
@@ -1662,16 +1485,7 @@ fn run(seed: u64, opts: Options) -> Stats {
 
 /// Runs a seed; a failure names the seed and how to replay it.
 fn run_seed(seed: u64, opts: Options) -> Stats {
-    match catch_unwind(AssertUnwindSafe(|| run(seed, opts))) {
-        Ok(st) => st,
-        Err(e) => {
-            eprintln!(
-                "shard_sim: seed {seed} failed; replay it with ROTARY_SIM_SEED={seed} \
-                 cargo test -p rotary-engine --test shard_sim -- --nocapture"
-            );
-            resume_unwind(e)
-        }
-    }
+    common::sim::run_seed("shard_sim", seed, || run(seed, opts))
 }
 
 /// Copies a directory tree; false if a file vanished while it was copied.
@@ -1706,10 +1520,6 @@ fn copy_dir(from: &Path, to: &Path) -> bool {
         }
     }
     whole
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|s| s.parse().ok())
 }
 
 #[test]
@@ -1813,11 +1623,7 @@ fn a_model_that_keeps_failed_appends_is_caught() {
         run(0, opts)
     }));
     let e = res.expect_err("the wrong model went unnoticed");
-    let msg = e
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default();
+    let msg = panic_message(&*e);
     assert!(msg.contains("model check failed"), "{msg}");
 }
 
@@ -1874,7 +1680,7 @@ fn cut_off_append_behind_a_staged_one() {
     let name = "sim/staged-race";
     let mut spec = JournalSpec::new(name);
     spec.durability = Durability::Fsync;
-    let mut c = Client::connect(broker.endpoints[0]);
+    let mut c = Conn::with_wait(broker.endpoints[0], REPLY_WAIT);
     let r = c.admin(Op::APPLY, &[], &serde_json::to_vec(&[spec]).unwrap());
     assert_eq!(r.status, Some(Status::OK));
     let req = AppendRequest {
@@ -1886,7 +1692,7 @@ fn cut_off_append_behind_a_staged_one() {
     for round in 0..200 {
         c.send_append(&req, &big, &[big.len()], End::Commit);
         c.send_append(&req, b"staged", &[6], End::Commit);
-        let mut cut = Client::connect(broker.endpoints[0]);
+        let mut cut = Conn::with_wait(broker.endpoints[0], REPLY_WAIT);
         cut.send(Op::APPEND, flag::MORE, 1, &req.encode(), b"cut off");
         drop(cut);
         // A large append's reply may come after the next one's: its
@@ -1955,7 +1761,7 @@ fn refused_append_stays_refused(log_write_failures: u64, stop_armed: bool) {
             install_faults(&mut cfg, &injector);
         }
         let broker = Broker::start(cfg).unwrap();
-        let c = Client::connect(broker.endpoints[0]);
+        let c = Conn::with_wait(broker.endpoints[0], REPLY_WAIT);
         (broker, c)
     };
     let (broker, mut c) = start(true);
@@ -1969,7 +1775,7 @@ fn refused_append_stays_refused(log_write_failures: u64, stop_armed: bool) {
         journal: journal.name.into(),
         ..Default::default()
     };
-    let append = |c: &mut Client, bytes: &[u8]| {
+    let append = |c: &mut Conn, bytes: &[u8]| {
         c.send_append(&req, bytes, &[bytes.len()], End::Commit);
         let r = c.recv();
         let reply = AppendReply::decode(&r.meta).unwrap();

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{req, start, Conn};
+use common::{req, serve_journal, start, Conn};
 use rotary_engine::ServeConfig;
 use rotary_net::spec::{JournalSpec, LabelSet};
 use rotary_net::status::Status;
@@ -27,16 +27,14 @@ fn append_read_seal_and_recover() {
             let content: Vec<u8> = (0..(i * 37 % 5000 + 1))
                 .map(|k| (k as u8) ^ (i as u8))
                 .collect();
-            let (status, reply) = c.append(&req(name), &content);
-            assert_eq!(status, Status::OK);
+            let reply = c.append_ok(name, &content);
             assert_eq!(reply.begin, expected.len() as u64);
             assert_eq!(reply.end, (expected.len() + content.len()) as u64);
             let sum: [u8; 20] = Sha1::digest(&content).into();
             assert_eq!(reply.sha1, sum);
             expected.extend_from_slice(&content);
         }
-        let (got, status) = c.read_all(name, 0);
-        assert_eq!(status, Status::OK);
+        let got = c.read_ok(name, 0);
         assert_eq!(got, expected);
         // Reads from the middle, across sealed fragments.
         let (got, _) = c.read_all(name, 70_000);
@@ -53,8 +51,7 @@ fn append_read_seal_and_recover() {
     let (got, _) = c.read_all(name, 0);
     assert_eq!(got.len(), expected.len());
     assert!(got == expected);
-    let (status, reply) = c.append(&req(name), b"after restart");
-    assert_eq!(status, Status::OK);
+    let reply = c.append_ok(name, b"after restart");
     assert_eq!(reply.begin, expected.len() as u64);
 }
 
@@ -96,8 +93,7 @@ fn streamed_append_rolls_back_when_the_connection_closes() {
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let (status, reply) = c.append(&req(name), b"next");
-    assert_eq!(status, Status::OK);
+    let reply = c.append_ok(name, b"next");
     assert_eq!(reply.begin, 10);
     let (got, _) = c.read_all(name, 0);
     assert_eq!(got, b"0123456789next");
@@ -111,7 +107,10 @@ fn streamed_append_rolls_back_when_the_connection_closes() {
     f.send(Op::APPEND_CHUNK, flag::MORE, 5, &[], &vec![b'b'; 200_000]);
     f.send(Op::APPEND_CHUNK, 0, 5, &[], b"c");
     let r = f.recv();
-    assert_eq!((r.op, r.status, r.id), (Op::APPEND_REPLY, Status::OK, 5));
+    assert_eq!(
+        (r.op, r.known_status(), r.id),
+        (Op::APPEND_REPLY, Status::OK, 5)
+    );
     let reply = AppendReply::decode(&r.meta).unwrap();
     assert_eq!((reply.begin, reply.end), (14, 14 + 200_002));
 }
@@ -122,11 +121,8 @@ fn streamed_append_rolls_back_when_the_connection_closes() {
 /// `REGISTER_MISMATCH` would carry them.
 #[test]
 fn an_append_cancelled_in_the_queue_answers_the_head_and_registers() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = start(dir.path(), 1);
     let name = "smoke/cancelled";
-    let mut c = Conn::new(broker.endpoints[0]);
-    c.apply(&[JournalSpec::new(name)]);
+    let (_dir, broker, mut c) = serve_journal(name);
     let mut r = req(name);
     r.union_registers = LabelSet::from_pairs([("epoch", "a")]).unwrap();
     assert_eq!(c.append(&r, b"0123456789").0, Status::OK);
@@ -147,12 +143,12 @@ fn an_append_cancelled_in_the_queue_answers_the_head_and_registers() {
     // in the same turn.
     open.send(Op::APPEND_CHUNK, 0, 1, &[], b"-end");
     let r = open.recv();
-    assert_eq!((r.op, r.status), (Op::APPEND_REPLY, Status::OK));
+    assert_eq!((r.op, r.known_status()), (Op::APPEND_REPLY, Status::OK));
     let reply = AppendReply::decode(&r.meta).unwrap();
     assert_eq!((reply.begin, reply.end), (10, 18));
     let r = cut.recv();
     assert_eq!(
-        (r.op, r.status, r.id),
+        (r.op, r.known_status(), r.id),
         (Op::APPEND_REPLY, Status::CANCELLED, 3)
     );
     let reply = AppendReply::decode(&r.meta).unwrap();
@@ -163,11 +159,8 @@ fn an_append_cancelled_in_the_queue_answers_the_head_and_registers() {
 
 #[test]
 fn preconditions_and_registers() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = start(dir.path(), 1);
     let name = "smoke/regs";
-    let mut c = Conn::new(broker.endpoints[0]);
-    c.apply(&[JournalSpec::new(name)]);
+    let (_dir, broker, mut c) = serve_journal(name);
     let mut r = req(name);
     r.expect_offset = Some(5);
     let (status, reply) = c.append(&r, b"x");
@@ -193,9 +186,8 @@ fn preconditions_and_registers() {
     let mut g = Conn::new(broker.endpoints[0]);
     g.s.write_all(&[0xde; 64]).unwrap();
     let e = g.recv();
-    assert_eq!((e.op, e.status), (Op::ERROR, Status::BAD_REQUEST));
-    let (status, reply) = c.append(&req(name), b"ok");
-    assert_eq!(status, Status::OK);
+    assert_eq!((e.op, e.known_status()), (Op::ERROR, Status::BAD_REQUEST));
+    let reply = c.append_ok(name, b"ok");
     assert_eq!(reply.begin, 3);
     // A well-framed frame with an undefined flag bit is refused and skipped;
     // the connection keeps serving.
@@ -204,7 +196,10 @@ fn preconditions_and_registers() {
     frame[7] = 0x80;
     c.s.write_all(&frame).unwrap();
     let e = c.recv();
-    assert_eq!((e.op, e.status, e.id), (Op::ERROR, Status::BAD_REQUEST, 41));
+    assert_eq!(
+        (e.op, e.known_status(), e.id),
+        (Op::ERROR, Status::BAD_REQUEST, 41)
+    );
     c.send(Op::PING, 0, 42, &[], b"still here");
     let p = c.recv();
     assert_eq!(
@@ -232,11 +227,8 @@ fn preconditions_and_registers() {
 
 #[test]
 fn tailing_readers_are_served_from_memory() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = start(dir.path(), 1);
     let name = "smoke/tail";
-    let mut w = Conn::new(broker.endpoints[0]);
-    w.apply(&[JournalSpec::new(name)]);
+    let (_dir, broker, mut w) = serve_journal(name);
     // Three blocking readers wait at the head.
     let mut readers: Vec<Conn> = (0..3).map(|_| Conn::new(broker.endpoints[0])).collect();
     for r in &mut readers {
@@ -268,7 +260,7 @@ fn tailing_readers_are_served_from_memory() {
                     got.extend_from_slice(&f.payload);
                 }
                 Op::READ_DONE => {
-                    assert_eq!(f.status, Status::OK);
+                    assert_eq!(f.known_status(), Status::OK);
                     break;
                 }
                 op => panic!("{op:?}"),
@@ -371,8 +363,7 @@ fn an_answered_batch_whose_spool_write_never_landed_comes_back_from_the_log() {
         std::fs::write(&path, &bytes).unwrap();
     });
     let mut c = Conn::new(broker.endpoints[0]);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(
         got == [a.clone(), b.clone()].concat(),
         "read {} bytes, want both appends' {}",
@@ -408,8 +399,7 @@ fn an_answered_append_is_readable_at_once() {
     writer.apply(&[JournalSpec::new(name)]);
     for i in 0..500u32 {
         let bytes: Vec<u8> = (0..64 + i % 100).map(|k| (k * 31 + i) as u8).collect();
-        let (status, reply) = writer.append(&req(name), &bytes);
-        assert_eq!(status, Status::OK);
+        let reply = writer.append_ok(name, &bytes);
         let (got, status) = reader.read_all(name, reply.begin);
         assert_eq!(status, Status::OK, "append {i}");
         assert!(got == bytes, "append {i}: read {} bytes", got.len());
@@ -428,7 +418,7 @@ fn an_answered_append_is_readable_at_once() {
             };
             reader.send(Op::READ, flags, 7, &read.encode(), &[]);
             let done = reader.recv();
-            assert_eq!((done.op, done.status), (Op::READ_DONE, status));
+            assert_eq!((done.op, done.known_status()), (Op::READ_DONE, status));
             let head = u64::from_le_bytes(done.meta[8..16].try_into().unwrap());
             assert_eq!(head, reply.end, "append {i}: write head of {offset:?}");
         }
@@ -464,8 +454,7 @@ fn a_commit_record_whose_spool_bytes_never_landed_is_passed_over() {
         std::fs::write(&path, &bytes).unwrap();
     });
     let mut c = Conn::new(broker.endpoints[0]);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(
         got == a,
         "read {} bytes, want the first append's {}",
@@ -537,8 +526,7 @@ fn a_deleted_journal_leaves_the_disk_and_its_name_is_free_at_once() {
 
     assert_eq!(c.delete(name), Status::OK);
     c.apply(std::slice::from_ref(&spec));
-    let (status, reply) = c.append(&req(name), b"again");
-    assert_eq!(status, Status::OK);
+    let reply = c.append_ok(name, b"again");
     assert_eq!(reply.begin, 0);
     let (got, _) = c.read_all(name, 0);
     assert_eq!(got, b"again");
@@ -599,8 +587,7 @@ fn the_commit_log_compacts_between_turns_and_recovers_after_a_crash() {
     let (_copy, broker) = restart_copy(dir.path(), |_| {});
     let mut c = Conn::new(broker.endpoints[0]);
     for (j, name) in names.iter().enumerate() {
-        let (got, status) = c.read_all(name, 0);
-        assert_eq!(status, Status::OK);
+        let got = c.read_ok(name, 0);
         assert!(got == expected[j], "{name} differs after recovery");
     }
     // The registers of each journal's last append were recovered too.
@@ -648,7 +635,7 @@ fn the_next_batch_is_staged_while_the_last_is_written() {
     for (k, c) in conns.iter_mut().enumerate() {
         for _ in 0..40 {
             let r = c.recv();
-            assert_eq!((r.op, r.status), (Op::APPEND_REPLY, Status::OK));
+            assert_eq!((r.op, r.known_status()), (Op::APPEND_REPLY, Status::OK));
             let reply = AppendReply::decode(&r.meta).unwrap();
             let content = sent.remove(&(k, r.id)).expect("one reply per append");
             assert_eq!(reply.end - reply.begin, content.len() as u64);
@@ -663,8 +650,7 @@ fn the_next_batch_is_staged_while_the_last_is_written() {
         assert_eq!(*begin, expected.len() as u64, "appends are contiguous");
         expected.extend_from_slice(content);
     }
-    let (got, status) = admin.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = admin.read_ok(name, 0);
     assert!(got == expected, "read back differs");
     admin.send(Op::STATS, 0, 5, &[], &[]);
     let stats: serde_json::Value = serde_json::from_slice(&admin.recv().payload).unwrap();
@@ -673,7 +659,6 @@ fn the_next_batch_is_staged_while_the_last_is_written() {
     std::mem::forget(broker);
     let (_copy, broker) = restart_copy(dir.path(), |_| {});
     let mut c = Conn::new(broker.endpoints[0]);
-    let (got, status) = c.read_all(name, 0);
-    assert_eq!(status, Status::OK);
+    let got = c.read_ok(name, 0);
     assert!(got == expected, "recovered bytes differ");
 }
