@@ -405,6 +405,16 @@ impl Drop for GaugeHeld<'_> {
 mod tests {
     use super::*;
 
+    /// Runs `f` on a thread of its own as shard `n`.
+    fn on_shard(n: u32, m: &Arc<Metrics>, f: impl FnOnce(&Metrics) + Send + 'static) {
+        let m = m.clone();
+        let t = std::thread::spawn(move || {
+            set_thread_shard(n);
+            f(&m);
+        });
+        t.join().expect("the shard's thread");
+    }
+
     /// Each thread counts into its shard's slot; the sum is STATS's value.
     #[test]
     fn shards_count_into_their_own_slots() {
@@ -439,13 +449,9 @@ mod tests {
     #[test]
     fn a_gauge_moved_across_threads_sums_to_its_value() {
         let m = Arc::new(Metrics::default());
-        let m2 = m.clone();
-        std::thread::spawn(move || {
-            set_thread_shard(1);
-            add(&m2.tail_cache_bytes, 50);
-        })
-        .join()
-        .unwrap();
+        on_shard(1, &m, |m| {
+            add(&m.tail_cache_bytes, 50);
+        });
         sub(&m.tail_cache_bytes, 20);
         assert_eq!(m.tail_cache_bytes.load(Ordering::Relaxed), 30);
         m.tail_cache_bytes.store(7, Ordering::Relaxed);
@@ -486,15 +492,11 @@ mod tests {
     #[test]
     fn latency_lands_in_its_bucket_and_slot() {
         let m = Arc::new(Metrics::default());
-        let m2 = m.clone();
-        std::thread::spawn(move || {
-            set_thread_shard(2);
-            m2.append_latency.observe(1, 50); // on the first bound
-            m2.append_latency.observe(1, 51); // just past it
-            m2.append_latency.observe(1, 10_000_000); // past the last
-        })
-        .join()
-        .unwrap();
+        on_shard(2, &m, |m| {
+            m.append_latency.observe(1, 50); // on the first bound
+            m.append_latency.observe(1, 51); // just past it
+            m.append_latency.observe(1, 10_000_000); // past the last
+        });
         m.append_latency.observe(0, 0);
         let s = m.append_latency.slot(2, 1);
         assert_eq!(s.count(), 3);
@@ -510,13 +512,9 @@ mod tests {
     #[test]
     fn set_own_sets_only_the_callers_slot() {
         let m = Arc::new(Metrics::default());
-        let m2 = m.clone();
-        std::thread::spawn(move || {
-            set_thread_shard(0);
-            m2.spool_bytes.set_own(40);
-        })
-        .join()
-        .unwrap();
+        on_shard(0, &m, |m| {
+            m.spool_bytes.set_own(40);
+        });
         m.spool_bytes.set_own(2);
         m.spool_bytes.set_own(3);
         assert_eq!(m.spool_bytes.slot(0), 40);

@@ -239,6 +239,11 @@ mod tests {
         Verdict::Commit { seq, begin, end }
     }
 
+    fn rollback(seqs: &[u64], to: u64) -> Verdict {
+        let seqs = seqs.to_vec();
+        Verdict::Rollback { seqs, to }
+    }
+
     fn empty(seq: u64, at: u64) -> Verdict {
         Verdict::CommitEmpty { seq, at }
     }
@@ -261,13 +266,7 @@ mod tests {
         assert_eq!(t.on_commit(2, 100, 115), commit(2, 100, 115));
         assert_eq!(t.on_commit(3, 115, 115), empty(3, 115));
         assert_eq!(t.on_content(4, 115, 7), start(4, 115));
-        assert_eq!(
-            t.on_rollback(4),
-            Verdict::Rollback {
-                seqs: vec![4],
-                to: 115
-            }
-        );
+        assert_eq!(t.on_rollback(4), rollback(&[4], 115));
         assert_eq!(t.on_rollback(4), Verdict::Ignore);
         assert_eq!(t.on_content(5, 115, 1), start(5, 115));
     }
@@ -284,13 +283,7 @@ mod tests {
         // A failed batch rolls back every pending append from the first.
         t.on_content(5, 15, 1);
         t.on_content(6, 16, 1);
-        assert_eq!(
-            t.on_rollback(5),
-            Verdict::Rollback {
-                seqs: vec![5, 6],
-                to: 15
-            }
-        );
+        assert_eq!(t.on_rollback(5), rollback(&[5, 6], 15));
         assert_eq!(t.on_rollback(6), Verdict::Ignore);
         assert_eq!(t.on_content(7, 15, 2), start(7, 15));
     }

@@ -1211,6 +1211,20 @@ mod tests {
         names
     }
 
+    /// A store in a new directory holding `journals`, each applied at a
+    /// revision of its own, then closed: the directory, the store's path
+    /// and its log's.
+    fn store_of(journals: &[&str]) -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("specs.json");
+        let log = dir.path().join("specs.1.log");
+        let s = SpecStore::open(path.clone()).unwrap();
+        for (n, name) in (1..).zip(journals) {
+            s.apply_at(vec![spec(name, "v1")], base() + n).unwrap();
+        }
+        (dir, path, log)
+    }
+
     fn names(s: &SpecStore) -> Vec<String> {
         s.all().into_iter().map(|s| s.name).collect()
     }
@@ -1372,14 +1386,7 @@ mod tests {
 
     #[test]
     fn a_last_record_cut_short_is_left_out_and_cut_off() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("specs.json");
-        let log = dir.path().join("specs.1.log");
-        {
-            let s = SpecStore::open(path.clone()).unwrap();
-            s.apply_at(vec![spec("tt/a", "v1")], base() + 1).unwrap();
-            s.apply_at(vec![spec("tt/b", "v1")], base() + 2).unwrap();
-        }
+        let (_dir, path, log) = store_of(&["tt/a", "tt/b"]);
         let whole = std::fs::read(&log).unwrap();
         // Half of a record, as a crash in its write leaves it.
         let mut cut = whole.clone();
@@ -1413,15 +1420,7 @@ mod tests {
 
     #[test]
     fn a_store_that_contradicts_itself_stops_the_open_and_is_kept() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("specs.json");
-        let log = dir.path().join("specs.1.log");
-        {
-            let s = SpecStore::open(path.clone()).unwrap();
-            s.apply_at(vec![spec("xx/a", "v1")], base() + 1).unwrap();
-            s.apply_at(vec![spec("xx/b", "v1")], base() + 2).unwrap();
-            s.apply_at(vec![spec("xx/c", "v1")], base() + 3).unwrap();
-        }
+        let (_dir, path, log) = store_of(&["xx/a", "xx/b", "xx/c"]);
         let kept = std::fs::read(&log).unwrap();
         let corrupt = |s: Result<SpecStore, EngineError>| match s {
             Err(EngineError::Corrupt { why, .. }) => why,

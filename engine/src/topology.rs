@@ -731,12 +731,13 @@ mod tests {
     fn cluster_files_are_checked() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("cluster.yaml");
-        std::fs::write(
-            &p,
-            "brokers:\n  - {id: b1, zone: a, endpoint: 127.0.0.1:7401}\n  - {id: b2, zone: b, endpoint: 127.0.0.1:7411}\n",
-        )
-        .unwrap();
-        let v = load_cluster_file(&p, "b2").unwrap().view;
+        // Writes the file, then loads it as broker `me` would.
+        let load = |yaml: &str, me: &str| {
+            std::fs::write(&p, yaml).unwrap();
+            load_cluster_file(&p, me)
+        };
+        let two = "brokers:\n  - {id: b1, zone: a, endpoint: 127.0.0.1:7401}\n  - {id: b2, zone: b, endpoint: 127.0.0.1:7411}\n";
+        let v = load(two, "b2").unwrap().view;
         assert_eq!(v.brokers.len(), 2);
         assert_eq!(v.me().unwrap().endpoint.port(), 7411);
         assert!(load_cluster_file(&p, "b9")
@@ -746,12 +747,8 @@ mod tests {
         let gone = parse_cluster_file(&p, "b9").unwrap().view;
         assert!(gone.me().is_none());
         assert!(!gone.route("j", 2).contains("b9"));
-        std::fs::write(
-            &p,
-            "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401}\n  - {id: b1, endpoint: 127.0.0.1:7411}\n",
-        )
-        .unwrap();
-        assert!(load_cluster_file(&p, "b1").unwrap_err().contains("twice"));
+        let twice = "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401}\n  - {id: b1, endpoint: 127.0.0.1:7411}\n";
+        assert!(load(twice, "b1").unwrap_err().contains("twice"));
         // Each broker's shards need ports of their own.
         for (brokers, why) in [
             (
@@ -769,23 +766,17 @@ mod tests {
             ("  - {id: b1, endpoint: 127.0.0.1:7401, shards: 0}\n", "at least 1"),
             ("  - {id: b1, endpoint: 127.0.0.1:65534, shards: 3}\n", "past port 65535"),
         ] {
-            std::fs::write(&p, format!("brokers:\n{brokers}")).unwrap();
-            let e = load_cluster_file(&p, "b1").unwrap_err();
+            let e = load(&format!("brokers:\n{brokers}"), "b1").unwrap_err();
             assert!(e.contains(why), "{brokers}: {e}");
         }
         // Next to each other, or on other addresses, they are fine.
-        std::fs::write(
-            &p,
-            "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, shards: 4}\n  - {id: b2, endpoint: 127.0.0.1:7405}\n  - {id: b3, endpoint: 127.0.0.2:7401}\n",
-        )
-        .unwrap();
-        assert_eq!(load_cluster_file(&p, "b1").unwrap().view.brokers.len(), 3);
-        std::fs::write(
-            &p,
+        let apart = "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, shards: 4}\n  - {id: b2, endpoint: 127.0.0.1:7405}\n  - {id: b3, endpoint: 127.0.0.2:7401}\n";
+        assert_eq!(load(apart, "b1").unwrap().view.brokers.len(), 3);
+        assert!(load(
             "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401, port: 3}\n",
+            "b1"
         )
-        .unwrap();
-        assert!(load_cluster_file(&p, "b1").is_err());
+        .is_err());
         // Journals: valid specs, each named once.
         let brokers = "brokers:\n  - {id: b1, endpoint: 127.0.0.1:7401}\n";
         for (journals, why) in [
@@ -794,8 +785,7 @@ mod tests {
             ("  - {name: \"aa bb\"}\n", "aa bb"),
             ("  - {name: aa/bb, colour: red}\n", "colour"),
         ] {
-            std::fs::write(&p, format!("{brokers}journals:\n{journals}")).unwrap();
-            let e = load_cluster_file(&p, "b1").unwrap_err();
+            let e = load(&format!("{brokers}journals:\n{journals}"), "b1").unwrap_err();
             assert!(e.contains(why), "{journals}: {e}");
         }
         std::fs::write(

@@ -232,36 +232,47 @@ fn bad(what: &'static str, value: &str, why: &'static str) -> KeyError {
     }
 }
 
+/// Refuses `value`, the key part `what`, for `why` when `bad`.
+fn refuse_if(
+    bad: bool,
+    what: &'static str,
+    value: &str,
+    why: &'static str,
+) -> Result<(), KeyError> {
+    match bad {
+        true => Err(self::bad(what, value, why)),
+        false => Ok(()),
+    }
+}
+
 /// A journal name as the key layout needs it: not empty, no `#`. (The
 /// spec's own rules are checked where specs are applied.)
 pub fn check_journal(journal: &str) -> Result<(), KeyError> {
-    if journal.is_empty() {
-        Err(bad("journal", journal, "a journal name is not empty"))
-    } else if journal.contains('#') {
-        Err(bad("journal", journal, "a journal name has no `#`"))
-    } else {
-        Ok(())
-    }
+    let what = "journal";
+    refuse_if(
+        journal.is_empty(),
+        what,
+        journal,
+        "a journal name is not empty",
+    )?;
+    refuse_if(
+        journal.contains('#'),
+        what,
+        journal,
+        "a journal name has no `#`",
+    )
 }
 
 /// A zone: no `#` (empty is the zone of brokers started without one).
 pub fn check_zone(zone: &str) -> Result<(), KeyError> {
-    if zone.contains('#') {
-        Err(bad("zone", zone, "a zone has no `#`"))
-    } else {
-        Ok(())
-    }
+    refuse_if(zone.contains('#'), "zone", zone, "a zone has no `#`")
 }
 
 /// A broker id: not empty, no `#`.
 pub fn check_id(id: &str) -> Result<(), KeyError> {
-    if id.is_empty() {
-        Err(bad("member id", id, "a member id is not empty"))
-    } else if id.contains('#') {
-        Err(bad("member id", id, "a member id has no `#`"))
-    } else {
-        Ok(())
-    }
+    let what = "member id";
+    refuse_if(id.is_empty(), what, id, "a member id is not empty")?;
+    refuse_if(id.contains('#'), what, id, "a member id has no `#`")
 }
 
 fn check_slot(slot: u32) -> Result<(), KeyError> {

@@ -539,15 +539,7 @@ impl<'a> Planner<'a> {
     ) -> Vec<bool> {
         let (start, end) = self.jours[j].cur;
         let curs = &self.curs[start..end];
-        let ratio = |c: &Cur| -> (u64, u64) {
-            match c.member {
-                Some(m) if self.mems[m as usize].limit > 0 => {
-                    let mem = &self.mems[m as usize];
-                    (mem.held, mem.limit)
-                }
-                _ => (1, 0),
-            }
-        };
+        let ratio = |c: &Cur| self.load_of(c, |m| m.held);
         let mut remove: Vec<usize> = (0..curs.len())
             .filter(|&i| {
                 let c = &curs[i];
@@ -655,21 +647,23 @@ impl<'a> Planner<'a> {
                 2
             }
         };
-        let load = |c: &Cur| -> (u64, u64) {
-            match c.member {
-                Some(m) if self.mems[m as usize].limit > 0 => {
-                    let mem = &self.mems[m as usize];
-                    (mem.primaries, mem.limit)
-                }
-                _ => (1, 0),
-            }
-        };
+        let load = |c: &Cur| self.load_of(c, |m| m.primaries);
         let ((pa, la), (pb, lb)) = (load(a), load(b));
         tier(a)
             .cmp(&tier(b))
             .then((pa * lb).cmp(&(pb * la)))
             .then(a.key.slot.cmp(&b.key.slot))
             .then(a.key.cmp(b.key))
+    }
+
+    /// How loaded the member of `c` is, as a fraction `(count(member),
+    /// limit)` to compare by cross-multiplying; a copy without a member,
+    /// or one at limit 0, is infinitely loaded (`(1, 0)`).
+    fn load_of(&self, c: &Cur, count: impl Fn(&Mem<'_>) -> u64) -> (u64, u64) {
+        match c.member.map(|m| &self.mems[m as usize]) {
+            Some(mem) if mem.limit > 0 => (count(mem), mem.limit),
+            _ => (1, 0),
+        }
     }
 
     fn reslot(&self, c: &Cur, to_slot: u32) -> Change {

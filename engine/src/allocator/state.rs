@@ -218,10 +218,7 @@ impl Snapshot {
         lease: i64,
     ) -> Result<MemberKey, KvError> {
         let Key::Member(member) = keys::parse_key(&self.prefix, key)? else {
-            return Err(KvError::WrongKind {
-                key: key.to_string(),
-                want: "member",
-            });
+            return Err(KvError::wrong_kind(key, "a member"));
         };
         let spec: MemberSpec =
             serde_json::from_slice(value).map_err(|error| KvError::MemberSpec {
@@ -251,10 +248,7 @@ impl Snapshot {
         mod_revision: i64,
     ) -> Result<AssignmentKey, KvError> {
         let Key::Assignment(a) = keys::parse_key(&self.prefix, key)? else {
-            return Err(KvError::WrongKind {
-                key: key.to_string(),
-                want: "assignment",
-            });
+            return Err(KvError::wrong_kind(key, "an assignment"));
         };
         let (route, bad) = match Route::decode(value) {
             Ok(route) => (route, None),
@@ -380,7 +374,7 @@ impl Snapshot {
 pub enum KvError {
     #[error(transparent)]
     Key(#[from] KeyError),
-    #[error("{key} is not an {want} key")]
+    #[error("{key} is not {want} key")]
     WrongKind { key: String, want: &'static str },
     #[error("member {key}: the spec does not decode: {error}")]
     MemberSpec {
@@ -389,6 +383,14 @@ pub enum KvError {
     },
     #[error(transparent)]
     Route(#[from] RouteError),
+}
+
+impl KvError {
+    /// `want` with its article: "a member", "an assignment".
+    fn wrong_kind(key: &str, want: &'static str) -> KvError {
+        let key = key.to_string();
+        KvError::WrongKind { key, want }
+    }
 }
 
 /// A transaction whose guard did not hold.

@@ -61,11 +61,7 @@ impl SelectorRequest {
             after: String,
             limit: Option<u32>,
         }
-        let raw: Raw = if payload.is_empty() {
-            Raw::default()
-        } else {
-            serde_json::from_slice(payload).map_err(|e| format!("{what}: {e}"))?
-        };
+        let raw: Raw = json_or_default(payload, what)?;
         let selector = LabelSelector::parse(&raw.selector).map_err(|e| e.to_string())?;
         let max = wire::LIST_PAGE_MAX;
         let limit = raw.limit.unwrap_or(max);
@@ -84,6 +80,18 @@ impl SelectorRequest {
     }
 }
 
+/// An admin request's JSON payload, an empty one meaning `{}`. Errors
+/// name the request (`what`).
+fn json_or_default<T>(payload: &[u8], what: &str) -> Result<T, String>
+where
+    T: serde::de::DeserializeOwned + Default,
+{
+    if payload.is_empty() {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(payload).map_err(|e| format!("{what}: {e}"))
+}
+
 /// The JSON payload of FRAGMENTS: `{"from": <offset>, "limit": <n>}`,
 /// both optional, an empty payload meaning `{}` (PROTOCOL §9.5).
 pub(super) struct PageRequest {
@@ -100,11 +108,7 @@ impl PageRequest {
             from: u64,
             limit: Option<u32>,
         }
-        let raw: Raw = if payload.is_empty() {
-            Raw::default()
-        } else {
-            serde_json::from_slice(payload).map_err(|e| format!("fragments: {e}"))?
-        };
+        let raw: Raw = json_or_default(payload, "fragments")?;
         let max = wire::FRAGMENTS_PAGE_MAX;
         let limit = raw.limit.unwrap_or(max);
         if limit == 0 || limit > max {

@@ -413,23 +413,28 @@ impl Shard {
         }
     }
 
+    /// Counts the clients' appends among `failed` when they fail for want
+    /// of their replicas.
+    fn count_replication_failed<'a>(
+        &self,
+        status: Status,
+        failed: impl Iterator<Item = &'a Rc<AppendOp>>,
+    ) {
+        if status == Status::REPLICATION_FAILED {
+            let clients = failed.filter(|op| super::flusher::is_client_append(op));
+            metrics::add(&self.metrics.replication_failed, clients.count() as u64);
+        }
+    }
+
     /// Fails every append staged in this batch and the active one, and
     /// rewinds the spool to its last commit.
     pub(super) fn fail_batch(&self, j: &JournalRef, status: Status, msg: &str) {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let reply = jm.heads.refusal();
-        if status == Status::REPLICATION_FAILED {
-            let failed = jm
-                .queue
-                .staged
-                .iter()
-                .map(|s| &s.op)
-                .chain(jm.queue.active.as_ref().map(|a| &a.op))
-                .filter(|op| super::flusher::is_client_append(op))
-                .count();
-            metrics::add(&self.metrics.replication_failed, failed as u64);
-        }
+        let staged = jm.queue.staged.iter().map(|s| &s.op);
+        let failed = staged.chain(jm.queue.active.as_ref().map(|a| &a.op));
+        self.count_replication_failed(status, failed);
         for s in jm.queue.staged.drain(..) {
             send_rollback(jm.primary.repl.as_ref(), &jm.name, s.seq);
             s.op.reply_error(status, &reply, msg);
@@ -460,15 +465,7 @@ impl Shard {
     pub(super) fn fail_queue(&self, j: &JournalRef, status: Status, msg: &str) {
         let mut jm = j.borrow_mut();
         let reply = jm.heads.refusal();
-        if status == Status::REPLICATION_FAILED {
-            let answered = jm
-                .queue
-                .waiting
-                .iter()
-                .filter(|op| super::flusher::is_client_append(op))
-                .count();
-            metrics::add(&self.metrics.replication_failed, answered as u64);
-        }
+        self.count_replication_failed(status, jm.queue.waiting.iter());
         for op in jm.queue.waiting.drain(..) {
             op.reply_error(status, &reply, msg);
             drop_budget(&op);
