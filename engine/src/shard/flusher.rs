@@ -892,6 +892,12 @@ impl Shard {
         self.supersede_replica_appends(j);
         Self::drop_rolled_back(j);
         self.rewind_aborted(j);
+        // Appends cut off before they started are gone before the seal and
+        // the spool are decided on: a queue of nothing else would open a
+        // spool (`open_spool`) that staging then finds nothing to put in,
+        // and a SEAL asked for meanwhile, of a journal that had no spool,
+        // would wait for a turn that nothing readies the journal for.
+        super::stage::drop_dead_front(&mut j.borrow_mut());
         if self.refuse_parked(j) {
             // Its disk failed for good: no seal, no new spool, and a SYNC
             // is refused (DISK_FAILED), never applied.
