@@ -296,3 +296,42 @@ fn eio_on_a_spool_sync_or_allocation_parks_the_journal() {
     assert_eq!(stat(&mut c, "disk_failed_journals"), 2);
     broker.shutdown();
 }
+
+/// A single node's DELETE is written to the commit log before the journal
+/// goes, and refused if it cannot be: a DELETE answered first and recorded
+/// after left, when the log failed at that record, the journal's last
+/// commit in the log, and a restart gave a journal created again under the
+/// name the old one's head, though nothing was appended to it.
+#[test]
+fn a_delete_the_commit_log_cannot_record_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("commit.log");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new("log/kept")]);
+    let (status, reply) = c.append(&req("log/kept"), b"committed");
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.end, 9);
+    // A write that may pass: refused, to be asked again.
+    disk.arm(DiskOp::LogWrite, libc::EINTR, 1);
+    assert_eq!(c.delete("log/kept"), Status::IO_ERROR);
+    // One that will not: refused for good.
+    disk.arm(DiskOp::LogWrite, libc::EIO, 1);
+    assert_eq!(c.delete("log/kept"), Status::DISK_FAILED);
+    let (bytes, status) = c.read_all("log/kept", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, b"committed");
+    broker.shutdown();
+
+    // A restart, on a disk that works, finds the journal as it was.
+    disk.disarm();
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let (bytes, status) = c.read_all("log/kept", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, b"committed");
+    let (status, reply) = c.append(&req("log/kept"), b"more");
+    assert_eq!(status, Status::OK);
+    assert_eq!((reply.begin, reply.end), (9, 13));
+    broker.shutdown();
+}

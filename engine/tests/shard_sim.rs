@@ -1444,11 +1444,15 @@ impl Sim<'_> {
         let name = self.name(journal);
         let r = self.c().admin(Op::DELETE, &wire::encode_name(name), &[]);
         let msg = String::from_utf8_lossy(&r.payload).into_owned();
-        if r.status == Some(Status::DISK_FAILED) {
+        // The DELETE's commit-log record may be what a fault hit.
+        self.note_faults();
+        let refused = [Status::DISK_FAILED, Status::IO_ERROR, Status::STORAGE_FULL];
+        if r.status.is_some_and(|s| refused.contains(&s)) {
             check!(
                 self,
                 self.models[journal].tainted && msg.contains("commit log"),
-                "{name}: DELETE answered DISK_FAILED ({msg}) with no commit-log fault"
+                "{name}: DELETE answered {} ({msg}) with no commit-log fault",
+                r.status_name()
             );
             self.read_at(journal, self.models[journal].head());
             return;

@@ -276,8 +276,15 @@ impl Shard {
                     }
                 }
             }
-            *self.log.borrow_mut() = Some(log);
+            self.put_log_back(log);
         }
+    }
+
+    /// Puts the commit log back after an await it was taken out for, and
+    /// wakes who waits for it.
+    fn put_log_back(&self, log: CommitLog) {
+        *self.log.borrow_mut() = Some(log);
+        self.log_back.notify(usize::MAX);
     }
 
     /// Takes the results of a turn's writes: failed spool writes and a
@@ -424,7 +431,7 @@ impl Shard {
             // The log is taken out for the sync so no borrow spans the await.
             let mut log = self.log.borrow_mut().take().expect("commit log present");
             let res = log.flush(true).await;
-            *self.log.borrow_mut() = Some(log);
+            self.put_log_back(log);
             res
         };
         // The next batch of the journals being written is staged while
