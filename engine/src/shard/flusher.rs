@@ -1005,6 +1005,7 @@ impl Shard {
         if let Some(spool) = spool {
             let path = spool.path().to_path_buf();
             let begin = spool.begin();
+            let acked = (spool.committed(), spool.committed_sha1());
             j.borrow_mut().files.spool_out = true;
             match spool.seal(durable).await {
                 Ok(frag) => sealed = frag,
@@ -1014,10 +1015,13 @@ impl Shard {
                     // or, if the disk failed for good, to keep serving
                     // reads of its bytes while the journal is parked (no
                     // more seals are tried).
-                    let parked = self.park_if_final(&mut j.borrow_mut(), &e);
+                    let mut parked = self.park_if_final(&mut j.borrow_mut(), &e);
                     let end = j.borrow().heads.head();
-                    if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
+                    let reopened =
+                        Spool::recover_sized(path.clone(), begin, end, self.sizing).await;
+                    if let Ok((s, on_disk)) = reopened {
                         j.borrow_mut().files.spool = Some(s);
+                        parked |= self.park_if_changed(j, &path, acked, (end, on_disk));
                     }
                     j.borrow_mut().spool_back();
                     if parked {
@@ -1066,6 +1070,39 @@ impl Shard {
         for (outbox, id) in jm.files.seal_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
+    }
+
+    /// After a failed seal (an fdatasync that failed, say, whose pages the
+    /// kernel may have dropped), the spool's bytes as read back from disk,
+    /// `on_disk` (their end and SHA-1), against those its appends were
+    /// acknowledged with, `acked`. Bytes that differ are not what was
+    /// acknowledged: sealed, they would make a fragment named by a SHA-1
+    /// they do not have, and a retry cannot mend them. The journal is
+    /// parked as on a disk that failed for good (`DISK_FAILED`); returns
+    /// whether they differed.
+    fn park_if_changed(
+        &self,
+        j: &JournalRef,
+        path: &std::path::Path,
+        acked: (u64, [u8; 20]),
+        on_disk: (u64, [u8; 20]),
+    ) -> bool {
+        // Reopened at another end (the journal's head), the SHA-1s are of
+        // different bytes: nothing to compare.
+        if acked.0 != on_disk.0 || acked.1 == on_disk.1 {
+            return false;
+        }
+        let e = StorageError::Corrupt {
+            path: path.to_path_buf(),
+            why: format!(
+                "after a failed seal, its bytes up to {} read back with SHA-1 {}, not the {} of its acknowledged bytes up to {}",
+                on_disk.0,
+                hex::encode(on_disk.1),
+                hex::encode(acked.1),
+                acked.0
+            ),
+        };
+        self.park_if_final(&mut j.borrow_mut(), &e)
     }
 
     /// A seal failed with an error that may pass: it is tried again after
