@@ -277,3 +277,119 @@ fn eio_on_a_spool_sync_or_allocation_parks_the_journal() {
     assert_eq!(stat(&mut c, "disk_failed_journals"), 2);
     broker.shutdown();
 }
+
+/// A single node's DELETE is written to the commit log before the journal
+/// goes, and refused if it cannot be: a DELETE answered first and recorded
+/// after left, when the log failed at that record, the journal's last
+/// commit in the log, and a restart gave a journal created again under the
+/// name the old one's head, though nothing was appended to it.
+#[test]
+fn a_delete_the_commit_log_cannot_record_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Disk::new("commit.log");
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new("log/kept")]);
+    let (status, reply) = c.append(&req("log/kept"), b"committed");
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.end, 9);
+    // A write that may pass: refused, to be asked again.
+    disk.arm(DiskOp::LogWrite, libc::EINTR, 1);
+    assert_eq!(c.delete("log/kept"), Status::IO_ERROR);
+    // One that will not: refused for good.
+    disk.arm(DiskOp::LogWrite, libc::EIO, 1);
+    assert_eq!(c.delete("log/kept"), Status::DISK_FAILED);
+    let (bytes, status) = c.read_all("log/kept", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, b"committed");
+    broker.shutdown();
+
+    // A restart, on a disk that works, finds the journal as it was.
+    disk.disarm();
+    let broker = start(dir.path(), &disk);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let (bytes, status) = c.read_all("log/kept", 0);
+    assert_eq!(status, Status::OK);
+    assert_eq!(bytes, b"committed");
+    let (status, reply) = c.append(&req("log/kept"), b"more");
+    assert_eq!(status, Status::OK);
+    assert_eq!((reply.begin, reply.end), (9, 13));
+    broker.shutdown();
+}
+
+/// Corrupts a spool's file on disk as its fdatasync fails (with an error
+/// that may pass), once armed: what a disk that dropped the pages of a
+/// failed sync leaves.
+#[derive(Default)]
+struct CorruptAtSync {
+    armed: Mutex<bool>,
+}
+
+impl Faults for CorruptAtSync {
+    fn check(&self, op: DiskOp, path: &Path) -> Option<i32> {
+        if op != DiskOp::SpoolSync || !std::mem::take(&mut *self.armed.lock().unwrap()) {
+            return None;
+        }
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, 0).unwrap();
+        f.write_all_at(&[!b[0]], 0).unwrap();
+        Some(libc::EINTR)
+    }
+}
+
+/// A seal whose fdatasync failed reads the spool back; bytes that are not
+/// those acknowledged park the journal (`DISK_FAILED`) rather than seal
+/// into a fragment named by a SHA-1 they do not have.
+#[test]
+fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = Arc::new(CorruptAtSync::default());
+    let mut cfg = ServeConfig::new(dir.path().to_path_buf(), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    cfg.faults = Some(hook.clone() as Arc<dyn Faults>);
+    let broker = Broker::start(cfg).unwrap();
+    let mut c = Conn::new(broker.endpoints[0]);
+    let mut spec = JournalSpec::new("rot/one");
+    spec.durability = rotary_net::spec::Durability::Fsync;
+    c.apply(&[spec]);
+    let (status, reply) = c.append(&req("rot/one"), b"acknowledged");
+    assert_eq!(status, Status::OK);
+    let head = reply.end;
+
+    *hook.armed.lock().unwrap() = true;
+    let name = rotary_net::wire::encode_name("rot/one");
+    c.send(Op::SEAL, 0, 11, &name, &[]);
+    let r = c.recv();
+    assert_eq!(
+        r.status,
+        Status::DISK_FAILED,
+        "{:?}",
+        String::from_utf8_lossy(&r.payload)
+    );
+    assert!(
+        !*hook.armed.lock().unwrap(),
+        "the seal's fdatasync was not asked"
+    );
+    let (status, reply) = c.append(&req("rot/one"), b"refused");
+    assert_eq!(status, Status::DISK_FAILED);
+    assert_eq!(reply.write_head, head);
+    assert_eq!(stat(&mut c, "disk_failed_journals"), 1);
+    // No fragment was sealed from the changed bytes, nor is one later.
+    c.send(Op::SEAL, 0, 12, &name, &[]);
+    assert_eq!(c.recv().status, Status::DISK_FAILED);
+    let journal_dir = dir.path().join("shard-0/journals/rot/one/@");
+    let fragments: Vec<_> = std::fs::read_dir(&journal_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".raw"))
+        .collect();
+    assert!(fragments.is_empty(), "sealed: {fragments:?}");
+    broker.shutdown();
+}

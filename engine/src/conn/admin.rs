@@ -369,8 +369,8 @@ impl Conn {
         if !frame.payload.is_empty() {
             return self.admin_err(id, Status::BAD_REQUEST, "DELETE takes no payload");
         }
-        if let Some(why) = self.shard.log_disk_failure() {
-            return self.admin_err(id, Status::DISK_FAILED, &why);
+        if let Err(f) = self.shard.record_deletion(name).await {
+            return self.admin_err(id, f.status, &f.message);
         }
         match self.shard.delete_journal(name) {
             Ok(true) => self.admin_ok(id, &serde_json::json!({ "deleted": name })),

@@ -276,8 +276,15 @@ impl Shard {
                     }
                 }
             }
-            *self.log.borrow_mut() = Some(log);
+            self.put_log_back(log);
         }
+    }
+
+    /// Puts the commit log back after an await it was taken out for, and
+    /// wakes who waits for it.
+    fn put_log_back(&self, log: CommitLog) {
+        *self.log.borrow_mut() = Some(log);
+        self.log_back.notify(usize::MAX);
     }
 
     /// Takes the results of a turn's writes: failed spool writes and a
@@ -424,7 +431,7 @@ impl Shard {
             // The log is taken out for the sync so no borrow spans the await.
             let mut log = self.log.borrow_mut().take().expect("commit log present");
             let res = log.flush(true).await;
-            *self.log.borrow_mut() = Some(log);
+            self.put_log_back(log);
             res
         };
         // The next batch of the journals being written is staged while
@@ -892,6 +899,12 @@ impl Shard {
         self.supersede_replica_appends(j);
         Self::drop_rolled_back(j);
         self.rewind_aborted(j);
+        // Appends cut off before they started are gone before the seal and
+        // the spool are decided on: a queue of nothing else would open a
+        // spool (`open_spool`) that staging then finds nothing to put in,
+        // and a SEAL asked for meanwhile, of a journal that had no spool,
+        // would wait for a turn that nothing readies the journal for.
+        super::stage::drop_dead_front(&mut j.borrow_mut());
         if self.refuse_parked(j) {
             // Its disk failed for good: no seal, no new spool, and a SYNC
             // is refused (DISK_FAILED), never applied.
@@ -992,6 +1005,7 @@ impl Shard {
         if let Some(spool) = spool {
             let path = spool.path().to_path_buf();
             let begin = spool.begin();
+            let acked = (spool.committed(), spool.committed_sha1());
             j.borrow_mut().files.spool_out = true;
             match spool.seal(durable).await {
                 Ok(frag) => sealed = frag,
@@ -1001,10 +1015,13 @@ impl Shard {
                     // or, if the disk failed for good, to keep serving
                     // reads of its bytes while the journal is parked (no
                     // more seals are tried).
-                    let parked = self.park_if_final(&mut j.borrow_mut(), &e);
+                    let mut parked = self.park_if_final(&mut j.borrow_mut(), &e);
                     let end = j.borrow().heads.head();
-                    if let Ok((s, _)) = Spool::recover_sized(path, begin, end, self.sizing).await {
+                    let reopened =
+                        Spool::recover_sized(path.clone(), begin, end, self.sizing).await;
+                    if let Ok((s, on_disk)) = reopened {
                         j.borrow_mut().files.spool = Some(s);
+                        parked |= self.park_if_changed(j, &path, acked, (end, on_disk));
                     }
                     j.borrow_mut().spool_back();
                     if parked {
@@ -1053,6 +1070,39 @@ impl Shard {
         for (outbox, id) in jm.files.seal_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
+    }
+
+    /// After a failed seal (an fdatasync that failed, say, whose pages the
+    /// kernel may have dropped), the spool's bytes as read back from disk,
+    /// `on_disk` (their end and SHA-1), against those its appends were
+    /// acknowledged with, `acked`. Bytes that differ are not what was
+    /// acknowledged: sealed, they would make a fragment named by a SHA-1
+    /// they do not have, and a retry cannot mend them. The journal is
+    /// parked as on a disk that failed for good (`DISK_FAILED`); returns
+    /// whether they differed.
+    fn park_if_changed(
+        &self,
+        j: &JournalRef,
+        path: &std::path::Path,
+        acked: (u64, [u8; 20]),
+        on_disk: (u64, [u8; 20]),
+    ) -> bool {
+        // Reopened at another end (the journal's head), the SHA-1s are of
+        // different bytes: nothing to compare.
+        if acked.0 != on_disk.0 || acked.1 == on_disk.1 {
+            return false;
+        }
+        let e = StorageError::Corrupt {
+            path: path.to_path_buf(),
+            why: format!(
+                "after a failed seal, its bytes up to {} read back with SHA-1 {}, not the {} of its acknowledged bytes up to {}",
+                on_disk.0,
+                hex::encode(on_disk.1),
+                hex::encode(acked.1),
+                acked.0
+            ),
+        };
+        self.park_if_final(&mut j.borrow_mut(), &e)
     }
 
     /// A seal failed with an error that may pass: it is tried again after

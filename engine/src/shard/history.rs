@@ -552,6 +552,38 @@ impl Shard {
         Ok(out)
     }
 
+    /// Writes the deletion of journal `name` to the commit log (into the
+    /// page cache, as a turn writes its records), before a single node's
+    /// DELETE takes its spec and files away. The other order let a log
+    /// that failed right then keep the journal's last commit record with
+    /// no deletion after it: a restart gave a journal created again under
+    /// the name the old one's head, though nothing was appended to it, as
+    /// recovery must for a journal whose files were lost (it cannot tell
+    /// the two apart). Fails, the journal untouched, if the log cannot
+    /// take the record.
+    pub async fn record_deletion(&self, name: &str) -> Result<(), Failure> {
+        loop {
+            // The flusher takes the log out while it syncs it or switches
+            // to a compacted file.
+            let back = self.log_back.listen();
+            if self.log.borrow().is_some() {
+                break;
+            }
+            back.await;
+        }
+        if let Some(why) = self.log_disk_failure() {
+            return Err(Failure::new(Status::DISK_FAILED, why));
+        }
+        if let Some(log) = self.log.borrow_mut().as_mut() {
+            log.record_delete(name);
+        }
+        self.write_log().map_err(|e| {
+            self.park_shard_if_final(&e);
+            let msg = format!("recording the deletion in the commit log: {e}");
+            Failure::new(storage_status(&e), msg)
+        })
+    }
+
     /// Deletes a journal owned by this shard (a single node's DELETE): its
     /// spec, then the journal. Returns false if it did not exist.
     pub fn delete_journal(&self, name: &str) -> Result<bool, crate::EngineError> {

@@ -80,6 +80,10 @@ pub struct Shard {
     /// whose specs were deleted (see `Shard::drop_deleted_journals`).
     drops_seen: Cell<u64>,
     log: RefCell<Option<CommitLog>>,
+    /// Notified when the flusher puts the commit log back after taking it
+    /// out for an await (an fdatasync, a compaction's switch): see
+    /// [`Shard::record_deletion`].
+    log_back: Event,
     /// Last committed state of every journal, as in the commit log.
     states: RefCell<HashMap<String, JournalState>>,
     /// Journals whose batch failed after its commit record may have been

@@ -189,6 +189,7 @@ impl Shard {
             specs_seen: Cell::new(0),
             drops_seen: Cell::new(0),
             log: RefCell::new(Some(log)),
+            log_back: Event::new(),
             states: RefCell::new(states),
             unrestated: RefCell::new(std::collections::BTreeSet::new()),
             restate_failed: Cell::new(false),

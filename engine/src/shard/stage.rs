@@ -356,10 +356,7 @@ impl Shard {
         match decision {
             Admission::Stage => Front::Stage,
             Admission::Drop => {
-                jm.queue.waiting.pop_front();
-                let reply = rolled_back_reply(jm);
-                op.end_aborted(&reply);
-                drop_budget(op);
+                drop_dead_front(jm);
                 Front::Passed
             }
             Admission::Refuse {
@@ -472,6 +469,25 @@ impl Shard {
             metrics::add(&self.metrics.append_failures, 1);
         }
         jm.queue.active = None;
+    }
+}
+
+/// Drops the appends at the front of a journal's queue that were aborted
+/// (their connection closed, say) or answered before they started
+/// staging: they commit nothing and are answered so, if at all. None is
+/// dropped while an append is open, which is the front.
+pub(super) fn drop_dead_front(jm: &mut Journal) {
+    if jm.queue.active.is_some() {
+        return;
+    }
+    while let Some(op) = jm.queue.waiting.front().cloned() {
+        if op.aborted.get().is_none() && !op.finished.get() {
+            return;
+        }
+        jm.queue.waiting.pop_front();
+        let reply = rolled_back_reply(jm);
+        op.end_aborted(&reply);
+        drop_budget(&op);
     }
 }
 
