@@ -81,13 +81,18 @@ impl Faults for Disk {
 fn serve(only: &str) -> (tempfile::TempDir, Arc<Disk>, Broker, Conn) {
     let dir = tempfile::tempdir().unwrap();
     let disk = Disk::new(only);
-    let mut cfg = ServeConfig::new(dir.path().to_path_buf(), "127.0.0.1:0".parse().unwrap());
-    cfg.cores = 1;
-    cfg.disk_reserve_bytes = 0;
-    cfg.faults = Some(disk.clone() as Arc<dyn Faults>);
-    let broker = Broker::start(cfg).unwrap();
+    let broker = start(dir.path(), disk.clone());
     let c = Conn::new(broker.endpoints[0]);
     (dir, disk, broker, c)
+}
+
+/// A broker of one shard on `dir`, its disk operations decided by `faults`.
+fn start(dir: &Path, faults: Arc<dyn Faults>) -> Broker {
+    let mut cfg = ServeConfig::new(dir.to_path_buf(), "127.0.0.1:0".parse().unwrap());
+    cfg.cores = 1;
+    cfg.disk_reserve_bytes = 0;
+    cfg.faults = Some(faults);
+    Broker::start(cfg).unwrap()
 }
 
 fn stat(c: &mut Conn, name: &str) -> u64 {
@@ -287,7 +292,7 @@ fn eio_on_a_spool_sync_or_allocation_parks_the_journal() {
 fn a_delete_the_commit_log_cannot_record_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let disk = Disk::new("commit.log");
-    let broker = start(dir.path(), &disk);
+    let broker = start(dir.path(), disk.clone());
     let mut c = Conn::new(broker.endpoints[0]);
     c.apply(&[JournalSpec::new("log/kept")]);
     let (status, reply) = c.append(&req("log/kept"), b"committed");
@@ -306,7 +311,7 @@ fn a_delete_the_commit_log_cannot_record_is_refused() {
 
     // A restart, on a disk that works, finds the journal as it was.
     disk.disarm();
-    let broker = start(dir.path(), &disk);
+    let broker = start(dir.path(), disk.clone());
     let mut c = Conn::new(broker.endpoints[0]);
     let (bytes, status) = c.read_all("log/kept", 0);
     assert_eq!(status, Status::OK);
@@ -350,11 +355,7 @@ impl Faults for CorruptAtSync {
 fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     let dir = tempfile::tempdir().unwrap();
     let hook = Arc::new(CorruptAtSync::default());
-    let mut cfg = ServeConfig::new(dir.path().to_path_buf(), "127.0.0.1:0".parse().unwrap());
-    cfg.cores = 1;
-    cfg.disk_reserve_bytes = 0;
-    cfg.faults = Some(hook.clone() as Arc<dyn Faults>);
-    let broker = Broker::start(cfg).unwrap();
+    let broker = start(dir.path(), hook.clone());
     let mut c = Conn::new(broker.endpoints[0]);
     let mut spec = JournalSpec::new("rot/one");
     spec.durability = rotary_net::spec::Durability::Fsync;
@@ -368,7 +369,7 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     c.send(Op::SEAL, 0, 11, &name, &[]);
     let r = c.recv();
     assert_eq!(
-        r.status,
+        r.known_status(),
         Status::DISK_FAILED,
         "{:?}",
         String::from_utf8_lossy(&r.payload)
@@ -383,7 +384,7 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     assert_eq!(stat(&mut c, "disk_failed_journals"), 1);
     // No fragment was sealed from the changed bytes, nor is one later.
     c.send(Op::SEAL, 0, 12, &name, &[]);
-    assert_eq!(c.recv().status, Status::DISK_FAILED);
+    assert_eq!(c.recv().known_status(), Status::DISK_FAILED);
     let journal_dir = dir.path().join("shard-0/journals/rot/one/@");
     let fragments: Vec<_> = std::fs::read_dir(&journal_dir)
         .unwrap()
