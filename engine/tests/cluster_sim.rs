@@ -1364,7 +1364,6 @@ fn a_parked_replica_refuses_appends_at_once() {
 /// the primary to reconnect). With 100 ms between appends the second or
 /// third commits.
 #[test]
-#[ignore = "after a replica restarts, back-to-back appends fail on the primary's broken pipeline"]
 fn a_primary_reconnects_to_a_restarted_replica() {
     const APPENDS_MAX: u64 = 10;
     for round in 0..6 {
