@@ -1312,18 +1312,16 @@ fn focused_plan(appends: &[usize], fault: (usize, u64, i32)) -> Plan {
 /// A replica whose spool write of a journal's first append fails
 /// (transiently: EINTR) misses that append, which the primary committed
 /// and answered `REPLICATION_FAILED`. At the primary's next SYNC the
-/// replica, holding nothing of the journal yet, is taken for a member
-/// just added (`fill_from_primary`, shard/replica.rs: `held` is false)
-/// and starts at the primary's head without copying what it missed. Its
-/// reads skip those bytes for good (no store holds them) while the
-/// primary and the other replica serve them: the members disagree on the
-/// journal's content. The same follows from a copy that fails ("leaves
-/// the span out"): seed 24 of the simulation meets the first case.
+/// replica, holding nothing of the journal yet, copies what it missed
+/// from the primary (`fill_from_primary`, shard/replica.rs). It once
+/// took itself for a member just added and started at the primary's head
+/// without copying: its reads skipped those bytes for good (no store
+/// held them) while the other members served them. Seed 24 of the
+/// simulation met it. (A copy that fails still leaves the span out.)
 #[test]
 fn replicas_that_miss_an_append_copy_it() {
     let plan = focused_plan(&[222, 36, 1000], (0, 0, libc::EINTR));
     run_plan(&plan, std::env::var_os("ROTARY_SIM_TRACE").is_some(), false);
-    // The simulation's seed 24 meets it: ROTARY_SIM_SEED=24 ROTARY_SIM_STRICT=1.
 }
 
 /// A replica whose disk failed for good under the journal (EIO) parks
@@ -1355,14 +1353,12 @@ fn a_parked_replica_refuses_appends_at_once() {
 }
 
 /// A replica whose disk failed for good restarts (as on a replaced disk)
-/// while its primary runs. The primary's next appends should reconnect
-/// its pipeline, SYNC, and commit. When they come back to back they do
-/// not: each is answered at once `REPLICATION_FAILED` "connection to
-/// replica … is broken" (`Pipeline::sync`, pipeline.rs), with nothing
-/// committed, append after append for as long as they keep coming (28
-/// in a row in seed 5 of the simulation, until a SEAL of the journal got
-/// the primary to reconnect). With 100 ms between appends the second or
-/// third commits.
+/// while its primary runs. The primary's next append finds its pipeline
+/// broken at the SYNC, connects again (`Shard::sync_member`), and
+/// commits. It once answered that append `REPLICATION_FAILED`
+/// "connection to replica … is broken", and every append after it for
+/// its SYNC retry delay with that failure (28 in a row in seed 5 of the
+/// simulation, until a SEAL of the journal).
 #[test]
 fn a_primary_reconnects_to_a_restarted_replica() {
     const APPENDS_MAX: u64 = 10;
