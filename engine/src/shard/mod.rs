@@ -194,8 +194,9 @@ const SYNC_SEAL_TRIES_MAX: u32 = 3;
 pub const ROUTE_REVISION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// How often that wait looks at the view again.
 const ROUTE_REVISION_POLL: std::time::Duration = std::time::Duration::from_millis(2);
-/// How long a primary waits before retrying a failed SYNC; appends
-/// meanwhile are answered with its failure.
+/// How long a primary waits before retrying a SYNC that timed out, or
+/// failed twice in a row (the first other failure is tried again at the
+/// next append); appends meanwhile are answered with its failure.
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 /// How long the flusher waits, with nothing else to do, before it writes
 /// again restatements whose last write failed (a full disk, say): one

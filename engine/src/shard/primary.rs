@@ -424,7 +424,18 @@ impl Shard {
                         } else {
                             tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
                         }
-                        jm.primary.sync_retry = Some((crate::clock::now() + SYNC_RETRY, f));
+                        // The first failure in a row is tried again at
+                        // the next append (or at once, for appends that
+                        // waited for this SYNC); a replica that does not
+                        // answer, or fails again, is tried no sooner
+                        // than SYNC_RETRY, its failure answering appends
+                        // meanwhile: no loop on a replica that is down.
+                        let wait = if jm.primary.sync_retry.is_none() && !f.timed_out {
+                            std::time::Duration::ZERO
+                        } else {
+                            SYNC_RETRY
+                        };
+                        jm.primary.sync_retry = Some((crate::clock::now() + wait, f));
                     }
                 }
                 // Reads waiting for the first SYNC get its outcome.
@@ -448,9 +459,7 @@ impl Shard {
         use rotary_net::repl::SyncReply;
         let mut pipelines = Vec::new();
         for m in &route.members[1..] {
-            let p = self.pipeline(m, name);
-            let epoch = p.connect().await?;
-            let ack = p.sync(&request()).await?;
+            let (p, epoch, ack) = self.sync_member(m, name, request).await?;
             let reply: SyncReply = serde_json::from_slice(&ack.body).unwrap_or_default();
             match ack.status {
                 Status::OK => pipelines.push((p, epoch)),
@@ -475,6 +484,38 @@ impl Shard {
             }
         }
         Ok(pipelines)
+    }
+
+    /// SYNC of one replica over its pipeline: the pipeline, the epoch of
+    /// the connection it went over, and the answer. A connection made
+    /// before this SYNC that breaks under it is most likely one to a
+    /// replica that restarted since (the primary learns of it only when it
+    /// uses the connection): it is made again and the SYNC sent once more,
+    /// rather than failing the journal's appends for `SYNC_RETRY`. Once
+    /// only: a replica that breaks a fresh connection too fails the SYNC.
+    async fn sync_member(
+        &self,
+        m: &Member,
+        name: &str,
+        request: &dyn Fn() -> rotary_net::repl::SyncRequest,
+    ) -> Result<(Rc<Pipeline>, u64, rotary_net::repl::Ack), Failure> {
+        let p = self.pipeline(m, name);
+        let stale = p.live_epoch();
+        let epoch = p.connect().await?;
+        match p.sync(&request()).await {
+            Ok(ack) => Ok((p, epoch, ack)),
+            Err(f) if stale == Some(epoch) && !f.timed_out && p.live_epoch() != Some(epoch) => {
+                tracing::debug!(journal = %name, replica = %m.id, error = %f.message, "the pipeline to a replica broke at a SYNC; connecting again");
+                let epoch = p.connect().await?;
+                assert!(
+                    stale != Some(epoch),
+                    "a SYNC sent again on the same connection"
+                );
+                let ack = p.sync(&request()).await?;
+                Ok((p, epoch, ack))
+            }
+            Err(f) => Err(f),
+        }
     }
 
     /// Brokers the journal left: they answer WRONG_ROUTE with their head.

@@ -132,14 +132,16 @@ impl Shard {
     /// committed (answered `REPLICATION_FAILED` while this replica did not
     /// acknowledge them, their outcome unknown to their clients). Without
     /// it this copy would lack their span, and reads here would skip it
-    /// while the primary serves it. A replica that held nothing of the
-    /// journal (a member just added), or that is more than
-    /// [`SYNC_FILL_BYTES_MAX`] behind, starts at `to` as before: what lies
-    /// before is read from the store. A copy that fails leaves the span
-    /// out, as before.
+    /// while the primary serves it. A replica that holds nothing of the
+    /// journal copies too: it cannot tell whether it missed the journal's
+    /// first appends (or restarted on an empty disk after them) or was
+    /// just added to the route, and for a member just added the copy is
+    /// at most [`SYNC_FILL_BYTES_MAX`], of what the primary holds locally
+    /// (`DO_NOT_PROXY`: what only the store holds stays there), once.
+    /// One more than that behind starts at `to`: what lies before is read
+    /// from the store. A copy that fails leaves the span out.
     async fn fill_from_primary(&self, j: &JournalRef, route: &Route, head: u64, to: u64) {
-        let held = head > 0 || !j.borrow().files.fragments.is_empty();
-        if !held || to <= head || to - head > SYNC_FILL_BYTES_MAX {
+        if to <= head || to - head > SYNC_FILL_BYTES_MAX {
             return;
         }
         let Some(primary) = route.primary() else {
