@@ -232,7 +232,7 @@ fn admit_stores(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
             // Wait for the first listing: the store may hold offsets
             // beyond the local head.
             None => Admission::AwaitListing {
-                hurry: !jm.index.listing && !jm.index.listing_hurried,
+                hurry: !jm.index.listings.running && !jm.index.listings.hurried,
             },
             Some(e) => refuse(
                 Status::FRAGMENT_STORE_UNHEALTHY,
@@ -417,7 +417,7 @@ mod tests {
         let mut j = journal(true);
         j.index.loaded = false;
         assert_eq!(client(&j), Admission::AwaitListing { hurry: true });
-        j.index.listing = true;
+        j.index.listings.running = true;
         assert_eq!(client(&j), Admission::AwaitListing { hurry: false });
         j.index.error = Some("store down".into());
         assert_eq!(

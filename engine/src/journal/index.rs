@@ -36,21 +36,31 @@ pub struct Index {
     pub(crate) loaded: bool,
     /// The last listing error, for operators and refusals.
     pub(crate) error: Option<String>,
-    pub(crate) last_listing: Option<Instant>,
     /// The index was let go (see [`Self::forget`]): the tick lists
     /// the journal again only once `refresh_interval` has passed, not
     /// every second as for a first listing.
     pub(crate) forgotten: bool,
-    pub(crate) listing: bool,
-    /// Waiting in the shard's queue of listings (see
-    /// `Shard::refresh_listing`).
-    pub(crate) listing_queued: bool,
-    /// A request waits for the first listing, which was started ahead of
-    /// the queue (see `Shard::hurry_first_listing`).
-    pub(crate) listing_hurried: bool,
+    pub(crate) listings: Listings,
     /// Requests to move the write head to the end of the index, answered
     /// by `Shard::reset_head` (the flusher calls it).
     pub(crate) reset_waiters: Vec<(Rc<Outbox>, u64)>,
+}
+
+/// Where the listings of a journal's stores stand (written by the shard's
+/// history tasks, and by [`Index::forget`]).
+#[derive(Default)]
+pub struct Listings {
+    /// One is running.
+    pub(crate) running: bool,
+    /// Waiting in the shard's queue of listings (see
+    /// `Shard::refresh_listing`).
+    pub(crate) queued: bool,
+    /// A request waits for the first listing, which was started ahead of
+    /// the queue (see `Shard::hurry_first_listing`).
+    pub(crate) hurried: bool,
+    /// When the last one ended, or the index was let go (the next is due
+    /// a refresh interval later).
+    pub(crate) last: Option<Instant>,
 }
 
 impl Index {
@@ -75,14 +85,14 @@ impl Index {
     /// (`holds_bytes`): those are dropped or uploaded by the listings it
     /// still makes.
     pub fn forget(&mut self, holds_bytes: bool, has_stores: bool) -> bool {
-        if holds_bytes || self.listing || !has_stores {
+        if holds_bytes || self.listings.running || !has_stores {
             return false;
         }
         self.loaded = false;
         self.error = None;
         self.forgotten = true;
-        self.listing_hurried = false;
-        self.last_listing = Some(crate::clock::now());
+        self.listings.hurried = false;
+        self.listings.last = Some(crate::clock::now());
         self.remote = Vec::new();
         self.confirmed.clear();
         self.remote_changed();

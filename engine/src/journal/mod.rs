@@ -433,16 +433,16 @@ mod tests {
             j.index.listing_mark(),
         );
         j.index.loaded = true;
-        j.index.listing = true;
+        j.index.listings.running = true;
         assert!(!j.forget_index(), "a listing is under way");
-        j.index.listing = false;
+        j.index.listings.running = false;
         j.files.fragments.push(local(16, 24, 3));
         assert!(!j.forget_index(), "a local fragment is still to upload");
         assert!(j.index.loaded);
         assert_eq!(j.index.remote_end(), 16);
         j.files.fragments.clear();
         assert!(j.forget_index());
-        assert!(!j.index.loaded && j.index.forgotten && j.index.last_listing.is_some());
+        assert!(!j.index.loaded && j.index.forgotten && j.index.listings.last.is_some());
         assert!(j.index.remote().is_empty());
         assert_eq!(j.index.remote_end(), 0);
         assert_eq!(j.read_head(), 0);

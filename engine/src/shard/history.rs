@@ -241,10 +241,14 @@ impl Shard {
     pub fn hurry_first_listing(&self, j: &JournalRef) {
         {
             let mut jm = j.borrow_mut();
-            if jm.index.loaded || jm.index.listing || jm.index.listing_hurried || !jm.has_stores() {
+            if jm.index.loaded
+                || jm.index.listings.running
+                || jm.index.listings.hurried
+                || !jm.has_stores()
+            {
                 return;
             }
-            jm.index.listing_hurried = true;
+            jm.index.listings.hurried = true;
         }
         metrics::add(&self.metrics.listings_hurried, 1);
         self.start_listing(j, true);
@@ -328,7 +332,7 @@ impl Shard {
             let Some(next) = next else { break };
             // Not queued any more: its listing was started
             // meanwhile (hurried, or by the tick).
-            if std::mem::take(&mut next.borrow_mut().index.listing_queued) {
+            if std::mem::take(&mut next.borrow_mut().index.listings.queued) {
                 self.refresh_listing(&next);
             }
             if self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
@@ -340,8 +344,8 @@ impl Shard {
     pub(super) fn start_listing(&self, j: &JournalRef, hurried: bool) {
         if !hurried && self.listings_in_flight.get() >= LISTINGS_IN_FLIGHT_MAX {
             let mut jm = j.borrow_mut();
-            if !jm.index.listing && !jm.index.listing_queued && jm.has_stores() {
-                jm.index.listing_queued = true;
+            if !jm.index.listings.running && !jm.index.listings.queued && jm.has_stores() {
+                jm.index.listings.queued = true;
                 let mut waiting = self.listings_waiting.borrow_mut();
                 if jm.index.loaded {
                     waiting.push_back(j.clone());
@@ -353,8 +357,8 @@ impl Shard {
         }
         let (stores, name) = {
             let mut jm = j.borrow_mut();
-            jm.index.listing_queued = false;
-            if jm.index.listing || !jm.has_stores() || jm.deleted {
+            jm.index.listings.queued = false;
+            if jm.index.listings.running || !jm.has_stores() || jm.deleted {
                 return;
             }
             // A journal deleted and created again lists its stores only once
@@ -378,7 +382,7 @@ impl Shard {
             {
                 return;
             }
-            jm.index.listing = true;
+            jm.index.listings.running = true;
             (jm.spec.fragment.stores.clone(), jm.name.clone())
         };
         self.listings_in_flight
@@ -406,9 +410,9 @@ impl Shard {
             }
             {
                 let mut jm = j.borrow_mut();
-                jm.index.listing = false;
+                jm.index.listings.running = false;
                 jm.index.forgotten = false;
-                jm.index.last_listing = Some(crate::clock::now());
+                jm.index.listings.last = Some(crate::clock::now());
                 match err {
                     None => {
                         jm.set_listing(all, mark);

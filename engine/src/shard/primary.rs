@@ -211,8 +211,8 @@ impl Shard {
             if jm.has_stores() {
                 self.queue_uploads(&mut jm);
                 let every = jm.spec.fragment.refresh_interval;
-                !jm.index.listing
-                    && jm.index.last_listing.is_none_or(|t| {
+                !jm.index.listings.running
+                    && jm.index.listings.last.is_none_or(|t| {
                         crate::clock::elapsed(t) >= every
                             || (!jm.index.loaded
                                 && !jm.index.forgotten
