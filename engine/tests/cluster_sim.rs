@@ -44,8 +44,8 @@
 mod common;
 
 use common::sim::{
-    assert_plans_repeat, check, content, env_u64, fault_hash, op_index, sha1_hex, splitmix,
-    sum_fields, Expect, OP_NAMES,
+    assert_plans_repeat, check, content, env_u64, fault_hash, op_index, over_seeds, sha1_hex,
+    splitmix, sum_fields, Expect, OP_NAMES,
 };
 use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -1051,12 +1051,7 @@ fn seeded_replicated_journals_keep_every_acknowledged_byte() {
         eprintln!("seed {seed}: {st:#?}");
         return;
     }
-    let seeds = env_u64("ROTARY_SIM_SEEDS").unwrap_or(CI_SEEDS);
-    let mut total = Stats::default();
-    for seed in 0..seeds {
-        total.add(&run_seed(seed));
-    }
-    eprintln!("cluster_sim over {seeds} seeds: {total:#?}");
+    let (total, seeds) = over_seeds("cluster_sim", CI_SEEDS, run_seed, Stats::add);
     // The workload did what it is for.
     let t = &total;
     assert!(t.ok > 20 * seeds && t.bytes > 1 << 20, "{t:?}");

@@ -56,8 +56,8 @@
 mod common;
 
 use common::sim::{
-    check, content, env_u64, fault_hash, op_index, panic_message, sha1_hex, splitmix, sum_fields,
-    Expect, OP_NAMES,
+    check, content, env_u64, fault_hash, op_index, over_seeds, panic_message, sha1_hex, splitmix,
+    sum_fields, Expect, OP_NAMES,
 };
 use common::Conn;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -1539,12 +1539,8 @@ fn seeded_shards_keep_every_acknowledged_byte() {
         eprintln!("seed {seed}: {st:#?}");
         return;
     }
-    let seeds = env_u64("ROTARY_SIM_SEEDS").unwrap_or(CI_SEEDS);
-    let mut total = Stats::default();
-    for seed in 0..seeds {
-        total.add(&run_seed(seed, Options::default()));
-    }
-    eprintln!("shard_sim over {seeds} seeds: {total:#?}");
+    let run = |seed| run_seed(seed, Options::default());
+    let (total, seeds) = over_seeds("shard_sim", CI_SEEDS, run, Stats::add);
     // The workload did what it is for.
     let t = &total;
     assert!(t.status("OK") > 100 && t.appended_bytes > 1 << 20, "{t:?}");

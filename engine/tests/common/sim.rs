@@ -90,6 +90,24 @@ pub fn run_seed<T>(sim: &str, seed: u64, run: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Runs seeds `0..ROTARY_SIM_SEEDS` (`ci_seeds` unless set) of the
+/// simulation in test file `sim`, one by one through `run`, and prints and
+/// returns the sum of their statistics (by `add`) and the seed count.
+pub fn over_seeds<S: Default + std::fmt::Debug>(
+    sim: &str,
+    ci_seeds: u64,
+    run: impl Fn(u64) -> S,
+    add: impl Fn(&mut S, &S),
+) -> (S, u64) {
+    let seeds = env_u64("ROTARY_SIM_SEEDS").unwrap_or(ci_seeds);
+    let mut total = S::default();
+    for seed in 0..seeds {
+        add(&mut total, &run(seed));
+    }
+    eprintln!("{sim} over {seeds} seeds: {total:#?}");
+    (total, seeds)
+}
+
 /// Asserts that the plans of seeds 0..50 come out the same twice, their
 /// fault plans deciding the first 2000 calls of each operation alike: a
 /// seed replays its run.
