@@ -66,14 +66,14 @@ type UploadKey = (String, u64, u64, [u8; 20]);
 pub const READ_CHUNK_BYTES: usize = 1 << 20;
 
 pub struct Shard {
-    pub index: u32,
-    pub shards: u32,
-    pub dir: PathBuf,
-    pub specs: Arc<SpecStore>,
-    pub metrics: Arc<Metrics>,
+    pub(crate) index: u32,
+    pub(crate) shards: u32,
+    pub(crate) dir: PathBuf,
+    pub(crate) specs: Arc<SpecStore>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Listen address of every shard of this broker.
-    pub endpoints: Vec<std::net::SocketAddr>,
-    pub disk_reserve_bytes: u64,
+    pub(crate) endpoints: Vec<std::net::SocketAddr>,
+    pub(crate) disk_reserve_bytes: u64,
     journals: RefCell<HashMap<String, JournalRef>>,
     specs_seen: Cell<u64>,
     /// The spec store's version when the tick last looked for journals
@@ -114,7 +114,7 @@ pub struct Shard {
     /// Set while the flusher works on a turn.
     busy: Cell<bool>,
     idle: Event,
-    pub uploader: Uploader,
+    pub(crate) uploader: Uploader,
     upload_done: async_channel::Sender<UploadDone>,
     upload_done_rx: RefCell<Option<async_channel::Receiver<UploadDone>>>,
     /// Sealed bytes of journals with stores not yet in their store.
@@ -131,14 +131,14 @@ pub struct Shard {
     /// Files of uploaded fragments kept for new spools.
     spares: RefCell<crate::spares::Spares>,
     /// Append content its connections hold queued, against its share.
-    pub append_queue: Rc<crate::budget::QueueBudget>,
+    pub(crate) append_queue: Rc<crate::budget::QueueBudget>,
     /// The last upload error, named in refusals while the budget is spent.
     store_error: RefCell<Option<String>>,
     me: RefCell<std::rc::Weak<Shard>>,
     sizing: SpoolSizing,
     topology: Arc<Topology>,
     /// See `ServeConfig::peer_silence`.
-    pub peer_silence: std::time::Duration,
+    pub(crate) peer_silence: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
     replica_ack_timeout: std::time::Duration,
     /// The last snapshot taken.
