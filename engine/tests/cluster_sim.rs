@@ -1144,11 +1144,48 @@ fn focused_plan(appends: &[usize], fault: (usize, u64, i32)) -> Plan {
 /// took itself for a member just added and started at the primary's head
 /// without copying: its reads skipped those bytes for good (no store
 /// held them) while the other members served them. Seed 24 of the
-/// simulation met it. (A copy that fails still leaves the span out.)
+/// simulation met it.
 #[test]
 fn replicas_that_miss_an_append_copy_it() {
     let plan = focused_plan(&[222, 36, 1000], (0, 0, libc::EINTR));
     run_plan(&plan, std::env::var_os("ROTARY_SIM_TRACE").is_some(), false);
+}
+
+/// As above, but the replica's copy of what it missed fails (a directory
+/// stands where the copy's file goes). The replica refuses that SYNC
+/// (`IO_ERROR`, naming the copy) and the primary's append fails
+/// `REPLICATION_FAILED`; it once took the primary's head all the same and
+/// its reads skipped the missed bytes for good. Once the copy can be
+/// made, a later SYNC makes it, and every member holds the same bytes.
+#[test]
+fn a_replica_whose_copy_fails_refuses_the_sync() {
+    let plan = focused_plan(&[], (0, 0, libc::EINTR));
+    let mut sim = Sim::new(&plan, std::env::var_os("ROTARY_SIM_TRACE").is_some());
+    sim.holes_allowed = false;
+    let faulty = &sim.members[sim.faulty];
+    faulty.injector.armed.store(true, Ordering::SeqCst);
+    let journal_dir = faulty
+        .dir
+        .path()
+        .join("data/shard-0/journals")
+        .join(JOURNAL);
+    assert_eq!(sim.append(1, 222, None), Some(Status::REPLICATION_FAILED));
+    let blocker = journal_dir.join("@/0000000000000000.copying");
+    std::fs::create_dir_all(&blocker).unwrap();
+    assert_eq!(sim.append(2, 36, None), Some(Status::REPLICATION_FAILED));
+    assert!(
+        sim.last_message.contains("which this replica missed"),
+        "{}",
+        sim.last_message
+    );
+    std::fs::remove_dir(&blocker).unwrap();
+    let mut tries = 0;
+    while sim.append(3 + tries, 1000, None) != Some(Status::OK) {
+        tries += 1;
+        assert!(tries < 50, "no append committed: {}", sim.last_message);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    sim.finish();
 }
 
 /// A replica whose disk failed for good under the journal (EIO) parks

@@ -56,7 +56,12 @@ impl Shard {
                 );
                 continue;
             }
-            self.fill_from_primary(j, &route, head, w.req.head).await;
+            if let Err(e) = self.fill_from_primary(j, &route, head, w.req.head).await {
+                let to = w.req.head;
+                let msg = format!("copying [{head}, {to}), which this replica missed, from its primary failed: {e}");
+                answer(Status::IO_ERROR, msg, head);
+                continue;
+            }
             {
                 let mut jm = j.borrow_mut();
                 let h = w.req.head;
@@ -139,13 +144,21 @@ impl Shard {
     /// at most [`SYNC_FILL_BYTES_MAX`], of what the primary holds locally
     /// (`DO_NOT_PROXY`: what only the store holds stays there), once.
     /// One more than that behind starts at `to`: what lies before is read
-    /// from the store. A copy that fails leaves the span out.
-    async fn fill_from_primary(&self, j: &JournalRef, route: &Route, head: u64, to: u64) {
+    /// from the store. A copy that fails is an error: the SYNC is refused
+    /// rather than move this replica's head past bytes it does not hold,
+    /// and a later SYNC tries the copy again.
+    async fn fill_from_primary(
+        &self,
+        j: &JournalRef,
+        route: &Route,
+        head: u64,
+        to: u64,
+    ) -> Result<(), String> {
         if to <= head || to - head > SYNC_FILL_BYTES_MAX {
-            return;
+            return Ok(());
         }
         let Some(primary) = route.primary() else {
-            return;
+            return Ok(());
         };
         let (name, dir, durable) = {
             let jm = j.borrow();
@@ -159,9 +172,11 @@ impl Shard {
             Ok(copied) => {
                 let got = self.take_copied(&mut j.borrow_mut(), copied);
                 tracing::info!(journal = %name, from = head, to, copied = got, "copied the appends this replica missed from its primary");
+                Ok(())
             }
             Err(e) => {
-                tracing::warn!(journal = %name, from = head, to, error = %e, "could not copy the appends this replica missed from its primary; reads here skip them");
+                tracing::warn!(journal = %name, from = head, to, error = %e, "could not copy the appends this replica missed from its primary; its SYNC is refused");
+                Err(e)
             }
         }
     }
