@@ -392,5 +392,17 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
         .filter(|n| n.ends_with(".raw"))
         .collect();
     assert!(fragments.is_empty(), "sealed: {fragments:?}");
+    // Nor are the changed bytes read: reads get the acknowledged bytes (a
+    // tail in memory holds them) or are refused, never other bytes.
+    let (bytes, status) = c.read_all("rot/one", 0);
+    assert!(
+        b"acknowledged".starts_with(&bytes),
+        "{status:?}: read {:?}",
+        String::from_utf8_lossy(&bytes)
+    );
+    assert!(
+        status != Status::OK || bytes == b"acknowledged",
+        "{status:?}"
+    );
     broker.shutdown();
 }

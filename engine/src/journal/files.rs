@@ -59,6 +59,11 @@ pub struct Files {
     /// Why the journal is parked: its disk failed for good (see the
     /// shard's `disk`). Appends are refused with it until a restart.
     pub(crate) disk_failed: Option<String>,
+    /// The open spool, the one beginning at this offset, was read back
+    /// after a failed seal and its bytes are not the ones acknowledged
+    /// (why): reads of its span go to a store's copy or are refused,
+    /// never served from its file.
+    pub(crate) spool_changed: Option<(u64, String)>,
     /// The last seal failed with an error that may pass: the next waits.
     pub(crate) seal_retry: Option<SealRetry>,
 }
@@ -76,6 +81,7 @@ impl Files {
             seal_requested: false,
             seal_waiters: Vec::new(),
             disk_failed: None,
+            spool_changed: None,
             seal_retry: None,
         }
     }

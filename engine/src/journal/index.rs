@@ -205,7 +205,7 @@ impl Index {
         &self,
         offset: u64,
         fragments: &[LocalFragment],
-        spool: Option<&Spool>,
+        spool: Option<(&Spool, Option<&str>)>,
         head: u64,
     ) -> Option<Located> {
         // Of the stores' fragments holding `at`, the one reaching furthest
@@ -261,12 +261,23 @@ impl Index {
                     });
                 }
             }
-            let spool = spool?;
+            let (spool, changed) = spool?;
             // Bytes committed here but not yet acknowledged by every
             // replica are not readable.
             let end = spool.committed().min(head);
-            (spool.begin() <= at && at < end).then(|| Located {
-                file: FileRef::Open(spool.file().clone()),
+            if !(spool.begin() <= at && at < end) {
+                return None;
+            }
+            let file = match changed {
+                None => FileRef::Open(spool.file().clone()),
+                // As for a corrupt fragment: a store's copy, or a refusal.
+                Some(why) => match remote(at) {
+                    Some(l) => return Some(l),
+                    None => FileRef::Corrupt(why.to_string()),
+                },
+            };
+            Some(Located {
+                file,
                 offset: at,
                 file_pos: at - spool.begin(),
                 end,
@@ -283,7 +294,7 @@ impl Index {
             .iter()
             .map(|f| f.begin)
             .chain(next_remote.map(|f| f.begin))
-            .chain(spool.filter(|s| !s.is_empty()).map(|s| s.begin()))
+            .chain(spool.filter(|(s, _)| !s.is_empty()).map(|(s, _)| s.begin()))
             .filter(|&b| b > offset)
             .min()?;
         local(next).or_else(|| remote(next))
@@ -316,12 +327,13 @@ impl Journal {
 
     /// Where `offset` can be read (see [`Index::locate`]).
     pub fn locate(&self, offset: u64) -> Option<Located> {
-        self.index.locate(
-            offset,
-            &self.files.fragments,
-            self.files.spool.as_ref(),
-            self.heads.head(),
-        )
+        let spool = self.files.spool.as_ref().map(|s| {
+            let changed = self.files.spool_changed.as_ref();
+            let why = changed.filter(|(begin, _)| *begin == s.begin());
+            (s, why.map(|(_, why)| why.as_str()))
+        });
+        self.index
+            .locate(offset, &self.files.fragments, spool, self.heads.head())
     }
 }
 

@@ -1078,8 +1078,8 @@ impl Shard {
     /// acknowledged with, `acked`. Bytes that differ are not what was
     /// acknowledged: sealed, they would make a fragment named by a SHA-1
     /// they do not have, and a retry cannot mend them. The journal is
-    /// parked as on a disk that failed for good (`DISK_FAILED`); returns
-    /// whether they differed.
+    /// parked as on a disk that failed for good (`DISK_FAILED`), and the
+    /// spool's file is no longer read; returns whether they differed.
     fn park_if_changed(
         &self,
         j: &JournalRef,
@@ -1102,7 +1102,12 @@ impl Shard {
                 acked.0
             ),
         };
-        self.park_if_final(&mut j.borrow_mut(), &e)
+        let mut jm = j.borrow_mut();
+        // Its file's bytes are never served: reads of its span go to a
+        // store's copy or are refused (`Index::locate`).
+        let begin = jm.files.spool.as_ref().map_or(0, |s| s.begin());
+        jm.files.spool_changed = Some((begin, e.to_string()));
+        self.park_if_final(&mut jm, &e)
     }
 
     /// A seal failed with an error that may pass: it is tried again after
