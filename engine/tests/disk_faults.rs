@@ -406,3 +406,60 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     );
     broker.shutdown();
 }
+
+/// Moves a spool's file aside as its seal is asked, failing the seal with
+/// an error that may pass, once armed: the seal's reopening of the spool
+/// then finds no file.
+#[derive(Default)]
+struct MoveAtSeal {
+    armed: Mutex<Option<std::path::PathBuf>>,
+}
+
+impl Faults for MoveAtSeal {
+    fn check(&self, op: DiskOp, path: &Path) -> Option<i32> {
+        if op != DiskOp::Seal {
+            return None;
+        }
+        let aside = self.armed.lock().unwrap().take()?;
+        std::fs::rename(path, aside).unwrap();
+        Some(libc::EINTR)
+    }
+}
+
+/// A seal that failed and whose spool could not be opened again parks the
+/// journal: no spool is opened at the head past bytes that are then in no
+/// file the journal knows, which reads would skip. A restart finds them.
+#[test]
+fn a_spool_that_cannot_be_reopened_after_a_failed_seal_parks_the_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = Arc::new(MoveAtSeal::default());
+    let broker = start(dir.path(), hook.clone());
+    let mut c = Conn::new(broker.endpoints[0]);
+    c.apply(&[JournalSpec::new("lost/spool")]);
+    let (status, reply) = c.append(&req("lost/spool"), b"acknowledged");
+    assert_eq!(status, Status::OK);
+    assert_eq!(reply.end, 12);
+
+    let journal_dir = dir.path().join("shard-0/journals/lost/spool/@");
+    let spool = journal_dir.join(format!("{:016x}.spool", 0));
+    assert!(spool.exists(), "{}", spool.display());
+    let aside = dir.path().join("aside.spool");
+    *hook.armed.lock().unwrap() = Some(aside.clone());
+    let name = rotary_net::wire::encode_name("lost/spool");
+    c.send(Op::SEAL, 0, 11, &name, &[]);
+    let r = c.recv();
+    assert_eq!(r.known_status(), Status::DISK_FAILED);
+    let (status, reply) = c.append(&req("lost/spool"), b"refused");
+    assert_eq!(status, Status::DISK_FAILED);
+    assert_eq!(reply.write_head, 12);
+    broker.shutdown();
+
+    std::fs::rename(&aside, &spool).unwrap();
+    let broker = start(dir.path(), hook);
+    let mut c = Conn::new(broker.endpoints[0]);
+    assert_eq!(c.read_ok("lost/spool", 0), b"acknowledged");
+    let (status, reply) = c.append(&req("lost/spool"), b"more");
+    assert_eq!(status, Status::OK);
+    assert_eq!((reply.begin, reply.end), (12, 16));
+    broker.shutdown();
+}

@@ -35,15 +35,22 @@ impl Shard {
         if e.is_retryable() {
             return jm.files.disk_failed.is_some();
         }
-        if jm.files.disk_failed.is_none() {
-            tracing::error!(journal = %jm.name, error = %e, "the disk failed for good under the journal: appends to it are refused DISK_FAILED until the disk is replaced and the broker restarted; what it committed can still be read");
-            metrics::add(&self.metrics.disk_failed_journals, 1);
-            jm.files.disk_failed = Some(format!(
-                "the broker's disk failed for good under journal {:?} ({e}); nothing more is appended here until an operator replaces the disk and restarts the broker",
-                jm.name
-            ));
-        }
+        self.park(jm, &e.to_string());
         true
+    }
+
+    /// Parks the journal for `why`, an error of its disk that nothing
+    /// tried here again can mend (if it is not parked already).
+    pub(super) fn park(&self, jm: &mut Journal, why: &str) {
+        if jm.files.disk_failed.is_some() {
+            return;
+        }
+        tracing::error!(journal = %jm.name, error = %why, "the disk failed for good under the journal: appends to it are refused DISK_FAILED until the disk is replaced and the broker restarted; what it committed can still be read");
+        metrics::add(&self.metrics.disk_failed_journals, 1);
+        jm.files.disk_failed = Some(format!(
+            "the broker's disk failed for good under journal {:?} ({why}); nothing more is appended here until an operator replaces the disk and restarts the broker",
+            jm.name
+        ));
     }
 
     /// Parks every journal of the shard if `e`, an error of its commit

@@ -1019,9 +1019,20 @@ impl Shard {
                     let end = j.borrow().heads.head();
                     let reopened =
                         Spool::recover_sized(path.clone(), begin, end, self.sizing).await;
-                    if let Ok((s, on_disk)) = reopened {
-                        j.borrow_mut().files.spool = Some(s);
-                        parked |= self.park_if_changed(j, &path, acked, (end, on_disk));
+                    match reopened {
+                        Ok((s, on_disk)) => {
+                            j.borrow_mut().files.spool = Some(s);
+                            parked |= self.park_if_changed(j, &path, acked, (end, on_disk));
+                        }
+                        Err(re) => {
+                            // Without it, `[begin, end)` is in no file the
+                            // journal knows until a restart recovers it: a
+                            // spool opened at the head would have reads skip
+                            // that span. Nothing more is appended here.
+                            let why = format!("after a failed seal ({e}), its spool could not be opened again: {re}");
+                            self.park(&mut j.borrow_mut(), &why);
+                            parked = true;
+                        }
                     }
                     j.borrow_mut().spool_back();
                     if parked {
