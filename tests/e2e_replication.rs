@@ -1254,11 +1254,13 @@ async fn replica_fault_under_load_body(
 
     if fault == ReplicaFault::Stop {
         // The primary gave up on the silent replica by its ack timeout (its
-        // connection never broke).
+        // connection never broke). The pipeline logs each time it does;
+        // the failure it causes is logged once a minute per replica, and
+        // may be preceded there by another of the same minute.
         let log = cluster.brokers[primary].log();
-        let gave_up = format!("did not acknowledge within {STOPPED_ACK_TIMEOUT:?}");
+        let gave_up = "no ack from replica in time; closing the pipeline";
         assert!(
-            log.contains(&gave_up),
+            log.contains(gave_up),
             "no {gave_up:?} in the primary's log:\n{log}"
         );
     }
