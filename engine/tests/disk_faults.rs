@@ -322,30 +322,54 @@ fn a_delete_the_commit_log_cannot_record_is_refused() {
     broker.shutdown();
 }
 
-/// Corrupts a spool's file on disk as its fdatasync fails (with an error
-/// that may pass), once armed: what a disk that dropped the pages of a
-/// failed sync leaves.
-#[derive(Default)]
-struct CorruptAtSync {
-    armed: Mutex<bool>,
+/// What `OnceAt` does to a file.
+type FileDeed = Box<dyn FnOnce(&Path) + Send>;
+
+/// Does something to the file of the next `op` once armed, and fails
+/// that operation with EINTR (an error that may pass).
+struct OnceAt {
+    op: DiskOp,
+    armed: Mutex<Option<FileDeed>>,
 }
 
-impl Faults for CorruptAtSync {
+impl OnceAt {
+    fn new(op: DiskOp) -> Arc<OnceAt> {
+        let armed = Mutex::new(None);
+        Arc::new(OnceAt { op, armed })
+    }
+
+    fn arm(&self, f: impl FnOnce(&Path) + Send + 'static) {
+        *self.armed.lock().unwrap() = Some(Box::new(f));
+    }
+
+    fn is_armed(&self) -> bool {
+        self.armed.lock().unwrap().is_some()
+    }
+}
+
+impl Faults for OnceAt {
     fn check(&self, op: DiskOp, path: &Path) -> Option<i32> {
-        if op != DiskOp::SpoolSync || !std::mem::take(&mut *self.armed.lock().unwrap()) {
+        if op != self.op {
             return None;
         }
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .unwrap();
-        let mut b = [0u8; 1];
-        f.read_exact_at(&mut b, 0).unwrap();
-        f.write_all_at(&[!b[0]], 0).unwrap();
+        let f = self.armed.lock().unwrap().take()?;
+        f(path);
         Some(libc::EINTR)
     }
+}
+
+/// Flips the first byte of a file: what a disk that dropped the pages of
+/// a failed sync leaves.
+fn flip_first_byte(path: &Path) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, 0).unwrap();
+    f.write_all_at(&[!b[0]], 0).unwrap();
 }
 
 /// A seal whose fdatasync failed reads the spool back; bytes that are not
@@ -354,7 +378,7 @@ impl Faults for CorruptAtSync {
 #[test]
 fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     let dir = tempfile::tempdir().unwrap();
-    let hook = Arc::new(CorruptAtSync::default());
+    let hook = OnceAt::new(DiskOp::SpoolSync);
     let broker = start(dir.path(), hook.clone());
     let mut c = Conn::new(broker.endpoints[0]);
     let mut spec = JournalSpec::new("rot/one");
@@ -364,7 +388,7 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     assert_eq!(status, Status::OK);
     let head = reply.end;
 
-    *hook.armed.lock().unwrap() = true;
+    hook.arm(flip_first_byte);
     let name = rotary_net::wire::encode_name("rot/one");
     c.send(Op::SEAL, 0, 11, &name, &[]);
     let r = c.recv();
@@ -374,10 +398,7 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
         "{:?}",
         String::from_utf8_lossy(&r.payload)
     );
-    assert!(
-        !*hook.armed.lock().unwrap(),
-        "the seal's fdatasync was not asked"
-    );
+    assert!(!hook.is_armed(), "the seal's fdatasync was not asked");
     let (status, reply) = c.append(&req("rot/one"), b"refused");
     assert_eq!(status, Status::DISK_FAILED);
     assert_eq!(reply.write_head, head);
@@ -407,32 +428,13 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     broker.shutdown();
 }
 
-/// Moves a spool's file aside as its seal is asked, failing the seal with
-/// an error that may pass, once armed: the seal's reopening of the spool
-/// then finds no file.
-#[derive(Default)]
-struct MoveAtSeal {
-    armed: Mutex<Option<std::path::PathBuf>>,
-}
-
-impl Faults for MoveAtSeal {
-    fn check(&self, op: DiskOp, path: &Path) -> Option<i32> {
-        if op != DiskOp::Seal {
-            return None;
-        }
-        let aside = self.armed.lock().unwrap().take()?;
-        std::fs::rename(path, aside).unwrap();
-        Some(libc::EINTR)
-    }
-}
-
 /// A seal that failed and whose spool could not be opened again parks the
 /// journal: no spool is opened at the head past bytes that are then in no
 /// file the journal knows, which reads would skip. A restart finds them.
 #[test]
 fn a_spool_that_cannot_be_reopened_after_a_failed_seal_parks_the_journal() {
     let dir = tempfile::tempdir().unwrap();
-    let hook = Arc::new(MoveAtSeal::default());
+    let hook = OnceAt::new(DiskOp::Seal);
     let broker = start(dir.path(), hook.clone());
     let mut c = Conn::new(broker.endpoints[0]);
     c.apply(&[JournalSpec::new("lost/spool")]);
@@ -444,7 +446,10 @@ fn a_spool_that_cannot_be_reopened_after_a_failed_seal_parks_the_journal() {
     let spool = journal_dir.join(format!("{:016x}.spool", 0));
     assert!(spool.exists(), "{}", spool.display());
     let aside = dir.path().join("aside.spool");
-    *hook.armed.lock().unwrap() = Some(aside.clone());
+    let moved = aside.clone();
+    // The spool's file leaves as its seal is asked: the seal's reopening
+    // of it finds none.
+    hook.arm(move |path| std::fs::rename(path, moved).unwrap());
     let name = rotary_net::wire::encode_name("lost/spool");
     c.send(Op::SEAL, 0, 11, &name, &[]);
     let r = c.recv();

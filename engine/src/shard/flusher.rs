@@ -1009,39 +1009,7 @@ impl Shard {
             j.borrow_mut().files.spool_out = true;
             match spool.seal(durable).await {
                 Ok(frag) => sealed = frag,
-                Err(e) => {
-                    // The spool file stays where it was; recovery or the
-                    // next seal picks it up. Reopen it to keep appending,
-                    // or, if the disk failed for good, to keep serving
-                    // reads of its bytes while the journal is parked (no
-                    // more seals are tried).
-                    let mut parked = self.park_if_final(&mut j.borrow_mut(), &e);
-                    let end = j.borrow().heads.head();
-                    let reopened =
-                        Spool::recover_sized(path.clone(), begin, end, self.sizing).await;
-                    match reopened {
-                        Ok((s, on_disk)) => {
-                            j.borrow_mut().files.spool = Some(s);
-                            parked |= self.park_if_changed(j, &path, acked, (end, on_disk));
-                        }
-                        Err(re) => {
-                            // Without it, `[begin, end)` is in no file the
-                            // journal knows until a restart recovers it: a
-                            // spool opened at the head would have reads skip
-                            // that span. Nothing more is appended here.
-                            let why = format!("after a failed seal ({e}), its spool could not be opened again: {re}");
-                            self.park(&mut j.borrow_mut(), &why);
-                            parked = true;
-                        }
-                    }
-                    j.borrow_mut().spool_back();
-                    if parked {
-                        self.refuse_parked(j);
-                    } else {
-                        self.seal_failed(j, &e);
-                    }
-                    return;
-                }
+                Err(e) => return self.seal_not_made(j, &e, (path, begin), acked).await,
             }
         }
         let mut jm = j.borrow_mut();
@@ -1080,6 +1048,46 @@ impl Shard {
         let body = serde_json::to_vec(&serde_json::json!({ "sealed": json })).expect("json");
         for (outbox, id) in jm.files.seal_waiters.drain(..) {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
+        }
+    }
+
+    /// After a seal of the spool at `path`, beginning at `begin`, failed
+    /// with `e`: the spool file stays where it was, and recovery or the
+    /// next seal picks it up. It is opened again to keep appending, or, if
+    /// the disk failed for good, to keep serving reads of its bytes while
+    /// the journal is parked (no more seals are tried). `acked`: the end
+    /// and SHA-1 its appends were acknowledged with.
+    async fn seal_not_made(
+        &self,
+        j: &JournalRef,
+        e: &StorageError,
+        (path, begin): (PathBuf, u64),
+        acked: (u64, [u8; 20]),
+    ) {
+        let mut parked = self.park_if_final(&mut j.borrow_mut(), e);
+        let end = j.borrow().heads.head();
+        let reopened = Spool::recover_sized(path.clone(), begin, end, self.sizing).await;
+        match reopened {
+            Ok((s, on_disk)) => {
+                j.borrow_mut().files.spool = Some(s);
+                parked |= self.park_if_changed(j, &path, acked, (end, on_disk));
+            }
+            Err(re) => {
+                // Without it, `[begin, end)` is in no file the journal
+                // knows until a restart recovers it: a spool opened at the
+                // head would have reads skip that span. Nothing more is
+                // appended here.
+                let why =
+                    format!("after a failed seal ({e}), its spool could not be opened again: {re}");
+                self.park(&mut j.borrow_mut(), &why);
+                parked = true;
+            }
+        }
+        j.borrow_mut().spool_back();
+        if parked {
+            self.refuse_parked(j);
+        } else {
+            self.seal_failed(j, e);
         }
     }
 
