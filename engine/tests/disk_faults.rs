@@ -95,6 +95,37 @@ fn start(dir: &Path, faults: Arc<dyn Faults>) -> Broker {
     Broker::start(cfg).unwrap()
 }
 
+/// `start`, a connection, and journal `spec` created with `first` appended
+/// (acknowledged at `[0, first.len())`).
+fn start_with(
+    dir: &Path,
+    faults: Arc<dyn Faults>,
+    spec: JournalSpec,
+    first: &[u8],
+) -> (Broker, Conn) {
+    let broker = start(dir, faults);
+    let mut c = Conn::new(broker.endpoints[0]);
+    let name = spec.name.clone();
+    c.apply(&[spec]);
+    let (status, reply) = c.append(&req(&name), first);
+    assert_eq!(status, Status::OK);
+    assert_eq!((reply.begin, reply.end), (0, first.len() as u64));
+    (broker, c)
+}
+
+/// After a restart of `dir`'s broker on `faults`: the journal holds
+/// `bytes`, and takes `more` right after them.
+fn restarted_holds(dir: &Path, faults: Arc<dyn Faults>, journal: &str, bytes: &[u8], more: &[u8]) {
+    let broker = start(dir, faults);
+    let mut c = Conn::new(broker.endpoints[0]);
+    assert_eq!(c.read_ok(journal, 0), bytes);
+    let (status, reply) = c.append(&req(journal), more);
+    assert_eq!(status, Status::OK);
+    let end = (bytes.len() + more.len()) as u64;
+    assert_eq!((reply.begin, reply.end), (bytes.len() as u64, end));
+    broker.shutdown();
+}
+
 fn stat(c: &mut Conn, name: &str) -> u64 {
     c.send(Op::STATS, 0, 3, &[], &[]);
     let r = c.recv();
@@ -292,12 +323,8 @@ fn eio_on_a_spool_sync_or_allocation_parks_the_journal() {
 fn a_delete_the_commit_log_cannot_record_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let disk = Disk::new("commit.log");
-    let broker = start(dir.path(), disk.clone());
-    let mut c = Conn::new(broker.endpoints[0]);
-    c.apply(&[JournalSpec::new("log/kept")]);
-    let (status, reply) = c.append(&req("log/kept"), b"committed");
-    assert_eq!(status, Status::OK);
-    assert_eq!(reply.end, 9);
+    let spec = JournalSpec::new("log/kept");
+    let (broker, mut c) = start_with(dir.path(), disk.clone(), spec, b"committed");
     // A write that may pass: refused, to be asked again.
     disk.arm(DiskOp::LogWrite, libc::EINTR, 1);
     assert_eq!(c.delete("log/kept"), Status::IO_ERROR);
@@ -311,15 +338,7 @@ fn a_delete_the_commit_log_cannot_record_is_refused() {
 
     // A restart, on a disk that works, finds the journal as it was.
     disk.disarm();
-    let broker = start(dir.path(), disk.clone());
-    let mut c = Conn::new(broker.endpoints[0]);
-    let (bytes, status) = c.read_all("log/kept", 0);
-    assert_eq!(status, Status::OK);
-    assert_eq!(bytes, b"committed");
-    let (status, reply) = c.append(&req("log/kept"), b"more");
-    assert_eq!(status, Status::OK);
-    assert_eq!((reply.begin, reply.end), (9, 13));
-    broker.shutdown();
+    restarted_holds(dir.path(), disk, "log/kept", b"committed", b"more");
 }
 
 /// What `OnceAt` does to a file.
@@ -379,14 +398,10 @@ fn flip_first_byte(path: &Path) {
 fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
     let dir = tempfile::tempdir().unwrap();
     let hook = OnceAt::new(DiskOp::SpoolSync);
-    let broker = start(dir.path(), hook.clone());
-    let mut c = Conn::new(broker.endpoints[0]);
     let mut spec = JournalSpec::new("rot/one");
     spec.durability = rotary_net::spec::Durability::Fsync;
-    c.apply(&[spec]);
-    let (status, reply) = c.append(&req("rot/one"), b"acknowledged");
-    assert_eq!(status, Status::OK);
-    let head = reply.end;
+    let (broker, mut c) = start_with(dir.path(), hook.clone(), spec, b"acknowledged");
+    let head = 12;
 
     hook.arm(flip_first_byte);
     let name = rotary_net::wire::encode_name("rot/one");
@@ -435,12 +450,8 @@ fn a_spool_changed_under_a_failed_seal_parks_the_journal() {
 fn a_spool_that_cannot_be_reopened_after_a_failed_seal_parks_the_journal() {
     let dir = tempfile::tempdir().unwrap();
     let hook = OnceAt::new(DiskOp::Seal);
-    let broker = start(dir.path(), hook.clone());
-    let mut c = Conn::new(broker.endpoints[0]);
-    c.apply(&[JournalSpec::new("lost/spool")]);
-    let (status, reply) = c.append(&req("lost/spool"), b"acknowledged");
-    assert_eq!(status, Status::OK);
-    assert_eq!(reply.end, 12);
+    let spec = JournalSpec::new("lost/spool");
+    let (broker, mut c) = start_with(dir.path(), hook.clone(), spec, b"acknowledged");
 
     let journal_dir = dir.path().join("shard-0/journals/lost/spool/@");
     let spool = journal_dir.join(format!("{:016x}.spool", 0));
@@ -460,11 +471,5 @@ fn a_spool_that_cannot_be_reopened_after_a_failed_seal_parks_the_journal() {
     broker.shutdown();
 
     std::fs::rename(&aside, &spool).unwrap();
-    let broker = start(dir.path(), hook);
-    let mut c = Conn::new(broker.endpoints[0]);
-    assert_eq!(c.read_ok("lost/spool", 0), b"acknowledged");
-    let (status, reply) = c.append(&req("lost/spool"), b"more");
-    assert_eq!(status, Status::OK);
-    assert_eq!((reply.begin, reply.end), (12, 16));
-    broker.shutdown();
+    restarted_holds(dir.path(), hook, "lost/spool", b"acknowledged", b"more");
 }
