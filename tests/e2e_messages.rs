@@ -21,10 +21,12 @@ mod common;
 use common::cluster::Cluster;
 use common::*;
 use rotary_net::client::Client;
+use rotary_net::message::MessageError;
 use rotary_net::message::{
     Checkpoint, Envelope, Framing, Publisher, PublisherOptions, ReadMode, Reader, ReaderOptions,
 };
-use rotary_net::spec::{Codec, JournalSpec, LabelSet};
+use rotary_net::spec::{Codec, JournalFlags, JournalSpec, LabelSet};
+use rotary_net::status::Status;
 use rotary_net::wire::AppendRequest;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write as _;
@@ -498,6 +500,90 @@ fn run_cli(broker: &Broker, args: &[&str], stdin: &str) -> (i32, String, String)
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// An append refused for good (its journal made read-only) fails the
+/// commit and holds that journal: a later commit is refused there and
+/// appends nothing, until a rollback. The other journal's part of the
+/// failed transaction committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_holds_its_journal_until_a_rollback() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let (a, b) = ("hold/a", "hold/b");
+    let specs = |flags| {
+        let mut held = spec(a, 1, "application/x-ndjson");
+        held.flags = flags;
+        vec![held, spec(b, 1, "application/x-ndjson")]
+    };
+    client
+        .apply(&specs(JournalFlags::ReadWrite))
+        .await
+        .expect("apply");
+    let options = PublisherOptions {
+        retry_for: Duration::from_secs(5),
+        ..PublisherOptions::default()
+    };
+    let mut p = Publisher::new(client.clone(), options);
+    let msg = |n: u64| serde_json::json!({ "n": n }).to_string();
+    p.publish_uncommitted(a, msg(1).as_bytes()).await.unwrap();
+    p.publish_uncommitted(b, msg(2).as_bytes()).await.unwrap();
+    p.commit().await.expect("first commit");
+    let a_head = write_head(&client, a).await;
+
+    client
+        .apply(&specs(JournalFlags::ReadOnly))
+        .await
+        .expect("apply");
+    p.publish_uncommitted(a, msg(3).as_bytes()).await.unwrap();
+    p.publish_uncommitted(b, msg(4).as_bytes()).await.unwrap();
+    match p.commit().await {
+        Err(MessageError::Append {
+            journal,
+            status,
+            retryable,
+            ..
+        }) => assert_eq!(
+            (journal.as_str(), status, retryable),
+            (a, Some(Status::NOT_ALLOWED), false)
+        ),
+        other => panic!("commit to a read-only journal: {other:?}"),
+    }
+
+    client
+        .apply(&specs(JournalFlags::ReadWrite))
+        .await
+        .expect("apply");
+    p.publish_uncommitted(a, msg(5).as_bytes()).await.unwrap();
+    let held = p.commit().await;
+    assert!(
+        matches!(&held, Err(MessageError::Append { journal, .. }) if journal == a),
+        "held until a rollback: {held:?}"
+    );
+    assert_eq!(
+        write_head(&client, a).await,
+        a_head,
+        "nothing appended while held"
+    );
+    p.rollback().await.expect("rollback");
+    p.publish_uncommitted(a, msg(6).as_bytes()).await.unwrap();
+    p.commit().await.expect("commit after the rollback");
+
+    let names = [a.to_string(), b.to_string()];
+    let mut reader = Reader::open(client, &names, ReaderOptions::default())
+        .await
+        .expect("reader");
+    let mut got: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    while let Some(env) = reader.next().await {
+        let env = env.expect("read");
+        if !env.is_ack() {
+            let doc: serde_json::Value = serde_json::from_slice(&env.message).expect("JSON");
+            let n = doc["n"].as_u64().expect("n");
+            got.entry(env.journal.to_string()).or_default().push(n);
+        }
+    }
+    assert_eq!(got[a], vec![1, 6], "{got:?}");
+    assert_eq!(got[b], vec![2, 4], "{got:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,11 @@
 //! published, with the clock ticked at that moment, so the journal's bytes
 //! are in clock order however many journals are written at once; a buffer
 //! goes to its task once it holds [`PublisherOptions::append_bytes_max`]
-//! bytes, and at every flush, commit or rollback. A failed append is sent
+//! bytes, and at every flush, commit or rollback, which then wait for it.
+//! A flush whose journal's task has nothing queued appends the buffer
+//! itself, in the caller's task, instead of handing it over and waiting
+//! for the task's answer: the same append, without the two hand-offs
+//! between tasks a commit would otherwise wait on. A failed append is sent
 //! again, the same bytes under the same UUIDs, until it succeeds or
 //! [`PublisherOptions::retry_for`] has passed: a copy that did commit is a
 //! duplicate that read-committed readers drop. Only one append per journal
@@ -20,8 +24,8 @@ use crate::status::Status;
 use crate::wire::AppendRequest;
 use bytes::Bytes;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
@@ -79,10 +83,69 @@ enum Cmd {
     Reset,
 }
 
+/// Why a journal's appends stopped: later ones are dropped until a
+/// rollback resets it, since they would commit messages behind a gap.
+#[derive(Clone, Debug)]
+struct Failure {
+    why: String,
+    status: Option<Status>,
+    retryable: bool,
+}
+
+impl Failure {
+    fn of(e: &ClientError) -> Failure {
+        Failure {
+            why: e.to_string(),
+            status: e.status(),
+            retryable: e.is_retryable(),
+        }
+    }
+
+    fn error(self, journal: &str) -> MessageError {
+        MessageError::Append {
+            journal: journal.to_string(),
+            why: self.why,
+            status: self.status,
+            retryable: self.retryable,
+        }
+    }
+}
+
+/// What a journal's publisher and its append task share.
+#[derive(Debug, Default)]
+struct Shared {
+    /// Commands sent to the task that it has not finished: while it is 0
+    /// the task is idle and the publisher may append itself.
+    queued: AtomicUsize,
+    /// The first failure since the last reset.
+    failed: Mutex<Option<Failure>>,
+}
+
+impl Shared {
+    fn is_idle(&self) -> bool {
+        self.queued.load(Ordering::Acquire) == 0
+    }
+
+    fn failure(&self) -> Option<Failure> {
+        self.failed.lock().expect("not poisoned").clone()
+    }
+
+    fn set_failure(&self, f: Option<Failure>) {
+        *self.failed.lock().expect("not poisoned") = f;
+    }
+
+    /// Called by the task once it is done with a command.
+    fn done(&self) {
+        let before = self.queued.fetch_sub(1, Ordering::Release);
+        debug_assert!(before > 0, "a command done was counted when sent");
+    }
+}
+
 struct JournalState {
     framing: Framing,
     buf: Vec<u8>,
     tx: mpsc::Sender<Cmd>,
+    shared: Arc<Shared>,
     /// The producer's last committed clock in this journal, as its readers
     /// know it: the clock a rollback acknowledges.
     committed: Option<Clock>,
@@ -99,6 +162,18 @@ impl JournalState {
         let chunk = std::mem::take(&mut self.buf);
         self.chunk_len_last = chunk.len().min(append_bytes_max);
         chunk.into()
+    }
+
+    /// Hands `cmd` to the journal's task.
+    async fn send(&self, journal: &str, cmd: Cmd) -> Result<(), MessageError> {
+        self.shared.queued.fetch_add(1, Ordering::AcqRel);
+        self.tx.send(cmd).await.map_err(|_| {
+            self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+            MessageError::Poisoned {
+                journal: journal.to_string(),
+                why: "its append task ended".into(),
+            }
+        })
     }
 }
 
@@ -179,19 +254,15 @@ impl Publisher {
     fn journal_with(&mut self, journal: &str, framing: Framing) -> &mut JournalState {
         if !self.journals.contains_key(journal) {
             let (tx, rx) = mpsc::channel(QUEUED_APPENDS_MAX);
-            tokio::spawn(append_loop(
-                self.client.clone(),
-                journal.to_string(),
-                rx,
-                self.options.retry_for,
-                self.stats.clone(),
-            ));
+            let shared = Arc::new(Shared::default());
+            tokio::spawn(append_loop(self.appender(journal), rx, shared.clone()));
             self.journals.insert(
                 journal.to_string(),
                 JournalState {
                     framing,
                     buf: Vec::new(),
                     tx,
+                    shared,
                     committed: None,
                     chunk_len_last: 0,
                 },
@@ -299,7 +370,7 @@ impl Publisher {
         }
         if state.buf.len() >= limit {
             let chunk = state.take_chunk(limit);
-            send(journal, &state.tx, Cmd::Append(chunk)).await?;
+            state.send(journal, Cmd::Append(chunk)).await?;
         }
         Ok(uuid)
     }
@@ -311,54 +382,105 @@ impl Publisher {
         self.flush_journals(&names).await
     }
 
+    /// Appends the journals' buffers and waits for every append queued
+    /// before them: a journal whose task is idle is appended here, the
+    /// others by their tasks, all at once.
     async fn flush_journals(&mut self, names: &[String]) -> Result<(), MessageError> {
+        let mut inline = Vec::new();
         let mut waits = Vec::new();
         for name in names {
+            let appender = self.appender(name);
             let state = self.journals.get_mut(name).expect("known journal");
-            if !state.buf.is_empty() {
-                let chunk = state.take_chunk(self.options.append_bytes_max);
-                send(name, &state.tx, Cmd::Append(chunk)).await?;
+            let chunk =
+                (!state.buf.is_empty()).then(|| state.take_chunk(self.options.append_bytes_max));
+            if state.shared.is_idle() {
+                let append = InlineAppend {
+                    chunk,
+                    tx: state.tx.clone(),
+                    shared: state.shared.clone(),
+                };
+                inline.push(append.run(appender));
+                continue;
+            }
+            if let Some(chunk) = chunk {
+                state.send(name, Cmd::Append(chunk)).await?;
             }
             let (tx, rx) = oneshot::channel();
-            send(name, &state.tx, Cmd::Barrier(tx)).await?;
-            waits.push((name.clone(), rx));
-        }
-        let mut first_err = None;
-        for (name, rx) in waits {
-            let r = rx.await.unwrap_or_else(|_| {
-                Err(MessageError::Poisoned {
-                    journal: name.clone(),
-                    why: "its append task ended".into(),
+            state.send(name, Cmd::Barrier(tx)).await?;
+            waits.push(async move {
+                rx.await.unwrap_or_else(|_| {
+                    Err(MessageError::Poisoned {
+                        journal: name.clone(),
+                        why: "its append task ended".into(),
+                    })
                 })
             });
-            if let Err(e) = r {
-                first_err.get_or_insert(e);
-            }
         }
-        first_err.map_or(Ok(()), Err)
+        let (inline, waits) = futures_util::future::join(
+            futures_util::future::join_all(inline),
+            futures_util::future::join_all(waits),
+        )
+        .await;
+        inline.into_iter().chain(waits).collect()
+    }
+
+    /// How `journal` is appended to, by its task or at a flush.
+    fn appender(&self, journal: &str) -> Appender {
+        Appender {
+            client: self.client.clone(),
+            req: AppendRequest {
+                journal: journal.to_string(),
+                ..AppendRequest::default()
+            },
+            retry_for: self.options.retry_for,
+            stats: self.stats.clone(),
+        }
     }
 
     /// Commits the open transaction: appends an acknowledgement to each
     /// journal it touched and waits until everything published so far is
-    /// appended. On error the transaction's outcome is unknown in the
-    /// journals whose acknowledgement failed: roll back, or commit again.
+    /// appended. On error the journals whose appends failed stay in the
+    /// transaction, at their last committed clock, and take no more
+    /// messages until [`Publisher::rollback`] discards what of it they
+    /// hold (the transaction's outcome there is unknown: some of its
+    /// messages, or all of them, may have been appended).
     pub async fn commit(&mut self) -> Result<(), MessageError> {
         let touched: Vec<String> = self.txn.iter().cloned().collect();
+        let mut last_committed = Vec::with_capacity(touched.len());
         for name in &touched {
             let clock = self.tick();
             let uuid = Uuid::build(self.producer, clock, Flags::ACK_TXN);
             let state = self.journals.get_mut(name).expect("touched journal");
             state.framing.encode_ack(uuid, &mut state.buf);
-            state.committed = Some(clock);
+            last_committed.push(state.committed.replace(clock));
         }
         self.txn.clear();
-        self.flush().await
+        let flushed = self.flush().await;
+        if flushed.is_err() {
+            self.keep_failed_in_txn(touched.into_iter().zip(last_committed));
+        }
+        flushed
+    }
+
+    /// After a failed commit or rollback: the journals (of those it
+    /// touched) whose appends failed stay in the transaction, at the
+    /// committed clock given, so that a rollback reaches them.
+    fn keep_failed_in_txn(&mut self, touched: impl Iterator<Item = (String, Option<Clock>)>) {
+        for (name, committed) in touched {
+            let state = self.journals.get_mut(&name).expect("touched journal");
+            if state.shared.failure().is_some() {
+                state.committed = committed;
+                self.txn.insert(name);
+            }
+        }
     }
 
     /// Rolls the open transaction back: appends, to each journal it
     /// touched, an acknowledgement at the producer's last committed clock
     /// there, which makes readers discard the transaction's messages. Also
-    /// clears the failure of an earlier append to those journals.
+    /// clears the failure of an earlier append to those journals. On error
+    /// the journals whose acknowledgement failed stay in the transaction,
+    /// to roll back again.
     pub async fn rollback(&mut self) -> Result<(), MessageError> {
         let touched: Vec<String> = self.txn.iter().cloned().collect();
         for name in &touched {
@@ -367,19 +489,22 @@ impl Publisher {
                 .committed
                 .expect("a touched journal has a committed clock");
             let uuid = Uuid::build(self.producer, clock, Flags::ACK_TXN);
-            send(name, &state.tx, Cmd::Reset).await?;
+            if state.shared.is_idle() {
+                state.shared.set_failure(None);
+            } else {
+                state.send(name, Cmd::Reset).await?;
+            }
             state.framing.encode_ack(uuid, &mut state.buf);
         }
         self.txn.clear();
-        self.flush_journals(&touched).await
+        let flushed = self.flush_journals(&touched).await;
+        if flushed.is_err() {
+            let committed: Vec<Option<Clock>> =
+                touched.iter().map(|n| self.journals[n].committed).collect();
+            self.keep_failed_in_txn(touched.into_iter().zip(committed));
+        }
+        flushed
     }
-}
-
-async fn send(journal: &str, tx: &mpsc::Sender<Cmd>, cmd: Cmd) -> Result<(), MessageError> {
-    tx.send(cmd).await.map_err(|_| MessageError::Poisoned {
-        journal: journal.to_string(),
-        why: "its append task ended".into(),
-    })
 }
 
 /// Whether a failed append may have committed all the same.
@@ -387,67 +512,112 @@ fn outcome_unknown(e: &ClientError) -> bool {
     matches!(e, ClientError::Io { .. }) || e.status() == Some(Status::REPLICATION_FAILED)
 }
 
-/// Appends one journal's buffers in order, retrying each.
-async fn append_loop(
+/// Appends to one journal, retrying.
+struct Appender {
     client: Client,
-    journal: String,
-    mut rx: mpsc::Receiver<Cmd>,
+    req: AppendRequest,
     retry_for: Duration,
     stats: Arc<PublisherStats>,
-) {
-    let mut failed: Option<(String, Option<Status>, bool)> = None;
-    let req = AppendRequest {
-        journal: journal.clone(),
-        ..AppendRequest::default()
-    };
-    while let Some(cmd) = rx.recv().await {
-        match cmd {
-            Cmd::Reset => failed = None,
-            Cmd::Barrier(reply) => {
-                let r = match failed.clone() {
-                    None => Ok(()),
-                    Some((why, status, retryable)) => Err(MessageError::Append {
-                        journal: journal.clone(),
-                        why,
-                        status,
-                        retryable,
-                    }),
-                };
-                let _ = reply.send(r);
-            }
-            Cmd::Append(bytes) => {
-                if failed.is_some() {
-                    // After a failed append, later ones would commit
-                    // messages behind a gap: drop them until a rollback.
-                    continue;
+}
+
+impl Appender {
+    /// Appends `bytes`, sending them again while the failure is retryable,
+    /// for up to `retry_for`.
+    async fn append(&self, bytes: Bytes) -> Result<(), Failure> {
+        let deadline = tokio::time::Instant::now() + self.retry_for;
+        let mut pause = RETRY_PAUSE_MIN;
+        loop {
+            match self.client.append(&self.req, bytes.clone()).await {
+                Ok(_) => {
+                    self.stats.appends.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
                 }
-                let deadline = tokio::time::Instant::now() + retry_for;
-                let mut pause = RETRY_PAUSE_MIN;
-                loop {
-                    match client.append(&req, bytes.clone()).await {
-                        Ok(_) => {
-                            stats.appends.fetch_add(1, Ordering::Relaxed);
-                            break;
-                        }
-                        Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
-                            let counter = if outcome_unknown(&e) {
-                                &stats.retries_unknown
-                            } else {
-                                &stats.retries_refused
-                            };
-                            counter.fetch_add(1, Ordering::Relaxed);
-                            tokio::time::sleep(pause).await;
-                            pause = (pause * 2).min(RETRY_PAUSE_MAX);
-                        }
-                        Err(e) => {
-                            let retryable = e.is_retryable();
-                            failed = Some((e.to_string(), e.status(), retryable));
-                            break;
-                        }
-                    }
+                Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
+                    let counter = if outcome_unknown(&e) {
+                        &self.stats.retries_unknown
+                    } else {
+                        &self.stats.retries_refused
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
                 }
+                Err(e) => return Err(Failure::of(&e)),
             }
         }
+    }
+
+    /// Appends `bytes` unless an earlier append failed (they are dropped);
+    /// a failure stops the journal's later appends.
+    async fn append_unless_failed(&self, shared: &Shared, bytes: Bytes) -> Result<(), Failure> {
+        if let Some(f) = shared.failure() {
+            return Err(f);
+        }
+        let r = self.append(bytes).await;
+        if let Err(f) = &r {
+            shared.set_failure(Some(f.clone()));
+        }
+        r
+    }
+}
+
+/// A flush's append made in the caller's task, while the journal's task is
+/// idle. Dropped before it is done (the caller's flush was cancelled), it
+/// hands its bytes to the task, which appends them as it would have: they
+/// may have been sent already, and a copy appended twice is a duplicate
+/// readers drop.
+struct InlineAppend {
+    chunk: Option<Bytes>,
+    tx: mpsc::Sender<Cmd>,
+    shared: Arc<Shared>,
+}
+
+impl InlineAppend {
+    async fn run(mut self, appender: Appender) -> Result<(), MessageError> {
+        let journal = &appender.req.journal;
+        let r = match self.chunk.clone() {
+            Some(chunk) => appender.append_unless_failed(&self.shared, chunk).await,
+            None => self.shared.failure().map_or(Ok(()), Err),
+        };
+        self.chunk = None;
+        r.map_err(|f| f.error(journal))
+    }
+}
+
+impl Drop for InlineAppend {
+    fn drop(&mut self) {
+        let Some(chunk) = self.chunk.take() else {
+            return;
+        };
+        // The task is idle (nothing else can be queued while the flush
+        // that made this holds the publisher), so its queue has room.
+        self.shared.queued.fetch_add(1, Ordering::AcqRel);
+        if self.tx.try_send(Cmd::Append(chunk)).is_err() {
+            self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Appends one journal's buffers in order, retrying each.
+async fn append_loop(appender: Appender, mut rx: mpsc::Receiver<Cmd>, shared: Arc<Shared>) {
+    let journal = appender.req.journal.clone();
+    while let Some(cmd) = rx.recv().await {
+        match cmd {
+            Cmd::Reset => shared.set_failure(None),
+            Cmd::Barrier(reply) => {
+                let r = shared.failure().map_or(Ok(()), |f| Err(f.error(&journal)));
+                // Done before it answers: the flush it wakes finds the
+                // task idle.
+                shared.done();
+                let _ = reply.send(r);
+                continue;
+            }
+            Cmd::Append(bytes) => {
+                // A failure is kept in `shared`; the flush's barrier reports it.
+                let _ = appender.append_unless_failed(&shared, bytes).await;
+            }
+        }
+        shared.done();
     }
 }
 
@@ -462,6 +632,7 @@ mod tests {
             framing: Framing::Fixed,
             buf: b"frames".to_vec(),
             tx,
+            shared: Arc::default(),
             committed: None,
             chunk_len_last: 0,
         };
@@ -471,5 +642,38 @@ mod tests {
         state.buf = vec![0; 40];
         assert_eq!(state.take_chunk(16).len(), 40, "a chunk is never cut");
         assert_eq!(state.chunk_len_last, 16, "reserved up to the limit");
+    }
+
+    /// A flush cancelled while it appended a journal itself leaves the
+    /// bytes to the journal's task, counted as queued; one that finished
+    /// leaves nothing.
+    #[tokio::test]
+    async fn an_inline_append_dropped_unfinished_hands_its_bytes_to_the_task() {
+        let (tx, mut rx) = mpsc::channel(QUEUED_APPENDS_MAX);
+        let shared = Arc::new(Shared::default());
+        let unfinished = InlineAppend {
+            chunk: Some(Bytes::from_static(b"frames")),
+            tx: tx.clone(),
+            shared: shared.clone(),
+        };
+        drop(unfinished);
+        assert!(!shared.is_idle(), "the task has a command to finish");
+        match rx.try_recv() {
+            Ok(Cmd::Append(b)) => assert_eq!(b, Bytes::from_static(b"frames")),
+            _ => panic!("the bytes went to the task"),
+        }
+        shared.done();
+        assert!(shared.is_idle());
+
+        let finished = InlineAppend {
+            chunk: None,
+            tx,
+            shared: shared.clone(),
+        };
+        drop(finished);
+        assert!(
+            shared.is_idle() && rx.try_recv().is_err(),
+            "nothing to hand over"
+        );
     }
 }
