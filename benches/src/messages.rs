@@ -40,7 +40,7 @@ pub const JOURNALS: usize = 4;
 /// writer stopped.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 /// Reads of the reader-CPU comparison; the least CPU of them counts.
-const CPU_ROUNDS: usize = 3;
+const CPU_ROUNDS: usize = 5;
 
 /// What the scenario measured.
 #[derive(Debug, Clone, serde::Serialize)]
