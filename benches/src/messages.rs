@@ -478,11 +478,16 @@ fn reader_cpu(endpoint: &str, names: &[String]) -> anyhow::Result<([f64; 4], u64
             // The sequencer takes envelopes by value: copies made outside
             // the timing, so that it measures the sequencer, not the
             // reference counts of the bench's clones.
-            let input = envelopes.clone();
+            let mut input: std::collections::VecDeque<Envelope> = envelopes.clone().into();
             let t0 = thread_cpu_ns()?;
             let mut delivered = 0u64;
-            for env in input {
-                seq.queue(env);
+            while !input.is_empty() {
+                // As the reader does: a whole transaction at the front at
+                // once, else one envelope.
+                match seq.txn_at_front(input.iter()) {
+                    Some(n) => seq.queue_txn(input.drain(..n).collect()),
+                    None => seq.queue(input.pop_front().expect("not empty")),
+                };
                 while seq.pop().is_some() {
                     delivered += 1;
                 }

@@ -3,15 +3,17 @@
 //! reads: one producer's transactions of 100 messages of 1 KiB, 25 in each
 //! of 4 journals, each journal's run followed by its acknowledgement.
 //!
-//! `sequencer-loop [ROUNDS]` prints each round's CPU time per delivered
-//! message (this thread's, from `/proc/thread-self/schedstat`), input
-//! copies made outside the timing. The same loop as the bench's
+//! `sequencer-loop [ROUNDS] [one-by-one]` prints each round's CPU time per
+//! delivered message (this thread's, from `/proc/thread-self/schedstat`),
+//! input copies made outside the timing. Whole transactions are taken at
+//! once, as a reader takes them, unless `one-by-one` is given. The same loop as the bench's
 //! "sequencer alone", without a broker, so that it runs in seconds under
 //! `perf`.
 #![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use bytes::Bytes;
 use rotary_net::message::{Clock, Envelope, Flags, ProducerId, Sequencer, Uuid};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 const TRANSACTIONS: usize = 20_000;
@@ -62,14 +64,20 @@ fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
         .map_or(5, |r| r.parse().expect("ROUNDS is a number"));
+    let whole = std::env::args().nth(2).as_deref() != Some("one-by-one");
     let all = input();
     for _ in 0..rounds {
         let mut seq = Sequencer::new(rotary_net::message::sequencer::RING_LEN_DEFAULT);
-        let input = all.clone();
+        let mut input: VecDeque<Envelope> = all.clone().into();
         let t0 = thread_cpu_ns();
         let mut delivered = 0u64;
-        for env in input {
-            seq.queue(env);
+        while !input.is_empty() {
+            // As a reader does: a whole transaction at the front at once
+            // (unless told not to), else one envelope.
+            match whole.then(|| seq.txn_at_front(input.iter())).flatten() {
+                Some(n) => seq.queue_txn(input.drain(..n).collect()),
+                None => seq.queue(input.pop_front().expect("not empty")),
+            };
             while let Some(env) = seq.pop() {
                 delivered += 1;
                 std::hint::black_box(&env);

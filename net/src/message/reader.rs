@@ -244,13 +244,11 @@ impl Reader {
                         Fetched::Failed(e) => return Some(Err(e)),
                     }
                 }
-                let (env, skipped_bytes) = self.fetched.pop_front()?;
-                match self.skipped.get_mut(&*env.journal) {
-                    Some(s) => *s = skipped_bytes,
-                    None => {
-                        self.skipped.insert(env.journal.clone(), skipped_bytes);
-                    }
+                if self.mode == ReadMode::Committed && self.queue_txn() {
+                    break;
                 }
+                let (env, skipped_bytes) = self.fetched.pop_front()?;
+                self.note_skipped(&env.journal, skipped_bytes);
                 match self.mode {
                     ReadMode::Uncommitted => {
                         self.seq.read_through(&env);
@@ -259,6 +257,38 @@ impl Reader {
                     ReadMode::Committed if self.seq.queue(env).commits() => break,
                     ReadMode::Committed => {}
                 }
+            }
+        }
+    }
+
+    /// Hands the sequencer the whole transaction at the front of the batch,
+    /// if there is one ([`Sequencer::txn_at_front`]).
+    fn queue_txn(&mut self) -> bool {
+        let front = self.fetched.iter().map(|(env, _)| env);
+        let Some(n) = self.seq.txn_at_front(front) else {
+            return false;
+        };
+        let mut skipped_bytes = 0;
+        let txn: Vec<Envelope> = self
+            .fetched
+            .drain(..n)
+            .map(|(env, s)| {
+                skipped_bytes = s;
+                env
+            })
+            .collect();
+        self.note_skipped(&txn[0].journal, skipped_bytes);
+        self.seq.queue_txn(txn);
+        true
+    }
+
+    /// Bytes of `journal` skipped as damaged frames, as of the envelope
+    /// just taken.
+    fn note_skipped(&mut self, journal: &Arc<str>, bytes: u64) {
+        match self.skipped.get_mut(&**journal) {
+            Some(s) => *s = bytes,
+            None => {
+                self.skipped.insert(journal.clone(), bytes);
             }
         }
     }

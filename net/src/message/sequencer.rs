@@ -219,8 +219,11 @@ struct Emit {
     /// Range to replay before the chain: `[begin, end)`.
     replay: Option<(u64, u64)>,
     /// The next of the pending messages (taken from the ring as they are
-    /// dequeued), then `committing`.
+    /// dequeued), then those of `run`, then `committing`.
     cursor: Option<u64>,
+    /// A whole transaction's messages taken at once
+    /// ([`Sequencer::queue_txn`]); empty otherwise.
+    run: std::vec::IntoIter<Envelope>,
     committing: Option<Envelope>,
     journal: u32,
     /// Where the committing envelope ends: the journal's read-through
@@ -238,6 +241,7 @@ impl Emit {
             delivered_begin: None,
             replay: None,
             cursor: None,
+            run: Vec::new().into_iter(),
             end: env.end,
             committing: Some(env),
             journal,
@@ -479,6 +483,100 @@ impl Sequencer {
         outcome
     }
 
+    /// How many envelopes at the front of `front` make one whole
+    /// transaction that [`Sequencer::queue_txn`] can take at once: messages
+    /// continuing a transaction, of one producer in one journal, with
+    /// rising clocks, from a producer with nothing pending, then their
+    /// acknowledgement at a larger clock; fewer messages than the ring
+    /// holds. `None` if the front is anything else (queue it one envelope
+    /// at a time).
+    ///
+    /// Queued one by one, such a transaction is pushed into the ring and
+    /// committed from it; taken whole, the same messages are delivered in
+    /// the same order with the same checkpoints between them, each moved
+    /// once and looked up not at all.
+    pub fn txn_at_front<'a>(
+        &mut self,
+        mut front: impl Iterator<Item = &'a Envelope>,
+    ) -> Option<usize> {
+        let first = front.next()?;
+        let clock = first.clock();
+        if self.emit.is_some() || first.flags() != Flags::CONTINUE_TXN || clock == Clock(0) {
+            return None;
+        }
+        let journal = self.journal_of(&first.journal);
+        let producer = first.producer();
+        let p = self.producer(journal, producer, Partial::settled(Clock(clock.0 - 1)));
+        let partial = &self.partials[p as usize];
+        if partial.begin.is_some() || partial.pending.is_some() || clock <= partial.min_clock {
+            return None;
+        }
+        // `n` messages so far, all of which the ring would hold.
+        let (mut last, mut n) = (clock, 1);
+        if n >= self.ring_len {
+            return None;
+        }
+        for env in front {
+            let clock = env.clock();
+            let same = Arc::ptr_eq(&env.journal, &first.journal) && env.producer() == producer;
+            if !same || clock <= last {
+                return None;
+            }
+            match env.flags() {
+                Flags::CONTINUE_TXN if n + 1 < self.ring_len => (last, n) = (clock, n + 1),
+                Flags::ACK_TXN => return Some(n + 1),
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    /// Takes a whole transaction [`Sequencer::txn_at_front`] found: its
+    /// messages, then its acknowledgement. Dequeue it with `pop`.
+    ///
+    /// # Panics
+    ///
+    /// If a commit is still being dequeued, or `txn` is not such a
+    /// transaction of a producer with nothing pending.
+    pub fn queue_txn(&mut self, mut txn: Vec<Envelope>) -> QueueOutcome {
+        assert!(self.emit.is_none(), "committed messages remain to dequeue");
+        let ack = txn
+            .pop()
+            .expect("a transaction ends with its acknowledgement");
+        assert!(
+            ack.is_ack() && !txn.is_empty(),
+            "messages then an acknowledgement"
+        );
+        let (first, last) = (&txn[0], &txn[txn.len() - 1]);
+        let journal = self.journal_of(&ack.journal);
+        let (p, is_new) = self.producers.index(journal, ack.producer());
+        assert!(!is_new, "txn_at_front interned the producer");
+        let partial = &mut self.partials[p as usize];
+        assert!(
+            partial.begin.is_none() && partial.pending.is_none(),
+            "the producer has nothing pending"
+        );
+        assert!(partial.min_clock < first.clock() && last.clock() < ack.clock());
+        // The state queueing the messages one by one would leave (see
+        // `begin_commit`).
+        partial.begin = Some(first.begin);
+        partial.max_clock = last.clock();
+        self.offsets[journal as usize] = Some(last.end);
+        self.emit = Some(Emit {
+            producer: Some(p),
+            max_clock: ack.clock(),
+            last: partial.min_clock,
+            delivered_begin: None,
+            replay: None,
+            cursor: None,
+            run: txn.into_iter(),
+            journal,
+            end: ack.end,
+            committing: Some(ack),
+        });
+        QueueOutcome::AckCommitRing
+    }
+
     /// Makes room for the message being queued: the ring holds the last
     /// `ring_len - 1` messages pushed before it, and older pending messages
     /// leave their producers' chains (their commit replays them). Slots no
@@ -581,6 +679,11 @@ impl Sequencer {
             }
             slot.env = None;
         }
+        while let Some(env) = emit.run.next() {
+            if emit.delivers(&env) {
+                return Some(env);
+            }
+        }
         // Then the committing envelope, last: the commit is through.
         let mut emit = self.emit.take().expect("emitting");
         let env = emit
@@ -664,6 +767,7 @@ fn begin_commit(
         delivered_begin: None,
         replay,
         cursor,
+        run: Vec::new().into_iter(),
         journal,
         end: env.end,
         committing: Some(env),
@@ -1137,6 +1241,122 @@ mod tests {
                 let resumed = read(&mut r, &log, &rest, None);
                 proptest::prop_assert_eq!(&resumed[..], &all[delivered..], "from {:?}", cp);
             }
+        }
+    }
+
+    /// Reads `input` as a reader does, delivering each message with the
+    /// checkpoint right after it; with `whole`, transactions at the front
+    /// are taken whole when they can be. Also returns how many were.
+    fn read_delivering(
+        s: &mut Sequencer,
+        log: &Log,
+        input: &[Envelope],
+        whole: bool,
+    ) -> (Vec<(Delivery, Checkpoint)>, usize) {
+        let (mut out, mut taken_whole, mut i) = (Vec::new(), 0, 0);
+        while i < input.len() {
+            match whole.then(|| s.txn_at_front(input[i..].iter())).flatten() {
+                Some(n) => {
+                    s.queue_txn(input[i..i + n].to_vec());
+                    (taken_whole, i) = (taken_whole + 1, i + n);
+                }
+                None => {
+                    s.queue(input[i].clone());
+                    i += 1;
+                }
+            }
+            if let Some((journal, b, e)) = s.replay_range() {
+                for env in log.range(&journal, b, e) {
+                    if let Some(d) = s.replay(env).unwrap() {
+                        out.push(((d.journal, d.message), s.checkpoint()));
+                    }
+                }
+                s.finish_replay();
+            }
+            while let Some(d) = s.pop() {
+                out.push(((d.journal, d.message), s.checkpoint()));
+            }
+        }
+        (out, taken_whole)
+    }
+
+    /// A log of random steps in which each message continuing a
+    /// transaction comes in a run of 1 to 5 of its producer's in one
+    /// journal.
+    fn runs_log(steps: &[(u8, u8, u8, u8)]) -> Log {
+        let runs: Vec<(u8, u8, u8, u8)> = steps
+            .iter()
+            .flat_map(|&(p, j, kind, n)| {
+                let times = if kind % 20 <= 8 { n % 5 + 1 } else { 1 };
+                std::iter::repeat_n((p, j, kind, n), usize::from(times))
+            })
+            .collect();
+        Log::random(&runs)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Transactions taken whole deliver exactly what queueing them one
+        /// envelope at a time does, with the same checkpoint after every
+        /// message, with a ring of any length.
+        #[test]
+        fn whole_transactions_deliver_as_queued_one_by_one(
+            steps in proptest::collection::vec(proptest::prelude::any::<(u8, u8, u8, u8)>(), 0..48),
+            ring_len in 1usize..12,
+        ) {
+            let log = runs_log(&steps);
+            let mut one_by_one = Sequencer::new(ring_len);
+            let mut whole = Sequencer::new(ring_len);
+            for journal in log.heads.keys() {
+                one_by_one.set_offset(journal, 0);
+                whole.set_offset(journal, 0);
+            }
+            let (want, _) = read_delivering(&mut one_by_one, &log, &log.all, false);
+            let (got, _) = read_delivering(&mut whole, &log, &log.all, true);
+            proptest::prop_assert_eq!(got, want);
+            proptest::prop_assert_eq!(whole.checkpoint(), one_by_one.checkpoint());
+        }
+    }
+
+    /// The bench's shape: one producer's transactions over 4 journals,
+    /// each journal's run then its acknowledgement, read journal by
+    /// journal. Every transaction is taken whole (but in a ring too short
+    /// for it), and delivers what queueing it one by one does.
+    #[test]
+    fn a_journal_read_of_whole_transactions_takes_each_whole() {
+        let journals: Vec<Arc<str>> = (0..4).map(|i| format!("b/{i}").into()).collect();
+        let mut log = Log::default();
+        let mut clock = 0;
+        for t in 0..30u64 {
+            let ack = clock + 4 * 5 + 1;
+            for j in &journals {
+                for k in 0..5u64 {
+                    clock += 1;
+                    let message = Bytes::from(format!("{t}.{k}"));
+                    log.push(
+                        j,
+                        Uuid::build(A, Clock(clock), Flags::CONTINUE_TXN),
+                        message,
+                    );
+                }
+                log.push(j, Uuid::build(A, Clock(ack), Flags::ACK_TXN), Bytes::new());
+            }
+            clock = ack;
+        }
+        // Each journal's envelopes in turn, as four reads would hand them.
+        let input: Vec<Envelope> = journals
+            .iter()
+            .flat_map(|j| log.all.iter().filter(move |e| e.journal == *j).cloned())
+            .collect();
+        for (ring_len, whole_txns) in [(6, 120), (5, 0)] {
+            let mut one_by_one = Sequencer::new(ring_len);
+            let mut whole = Sequencer::new(ring_len);
+            let (want, _) = read_delivering(&mut one_by_one, &log, &input, false);
+            let (got, n) = read_delivering(&mut whole, &log, &input, true);
+            assert_eq!(n, whole_txns, "ring of {ring_len}");
+            assert_eq!(want.len(), 30 * 4 * 6);
+            assert_eq!(got, want, "ring of {ring_len}");
         }
     }
 
