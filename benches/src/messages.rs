@@ -330,7 +330,7 @@ async fn phases(
             let mut decoder = Decoder::new(name.as_str().into(), Framing::Fixed, 0);
             while let Some(ev) = stream.next().await {
                 if let ReadEvent::Data { offset, content } = ev? {
-                    decoder.push(offset, &content);
+                    decoder.push_bytes(offset, content);
                     while let Some(env) = decoder.next_envelope() {
                         if !env.is_ack() {
                             tally.record(start, &env.message);

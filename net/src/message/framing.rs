@@ -268,11 +268,18 @@ fn decode_json_line(line: &[u8], uuid_pointer: &str) -> Option<Uuid> {
 }
 
 /// Turns a journal's bytes, as read, into envelopes.
+///
+/// Messages are slices of the bytes pushed ([`Decoder::push_bytes`]): only
+/// a frame cut by the end of one push is copied, to join it with its rest.
 #[derive(Debug)]
 pub struct Decoder {
     journal: Arc<str>,
     framing: Framing,
-    buf: BytesMut,
+    /// The bytes being decoded: a slice of what was pushed, or a frame cut
+    /// by a push's end being joined with its rest.
+    buf: Bytes,
+    /// Bytes pushed after `buf`, not yet joined to it.
+    pending: Bytes,
     /// Journal offset of `buf[0]`.
     offset: u64,
     skipped_bytes: u64,
@@ -288,7 +295,8 @@ impl Decoder {
         Decoder {
             journal,
             framing,
-            buf: BytesMut::new(),
+            buf: Bytes::new(),
+            pending: Bytes::new(),
             offset,
             skipped_bytes: 0,
             scanned: 0,
@@ -312,19 +320,70 @@ impl Decoder {
 
     /// Bytes received but not yet yielded as a whole message.
     pub fn buffered(&self) -> usize {
-        self.buf.len()
+        self.buf.len() + self.pending.len()
     }
 
-    /// Takes bytes read at `offset`. Bytes must arrive in order; a read
-    /// that restarted elsewhere restarts the decoder there.
+    /// Takes bytes read at `offset` (a copy of them: see
+    /// [`Decoder::push_bytes`]).
     pub fn push(&mut self, offset: u64, content: &[u8]) {
-        let expected = self.offset + self.buf.len() as u64;
+        self.push_bytes(offset, Bytes::copy_from_slice(content));
+    }
+
+    /// Takes bytes read at `offset`; the messages decoded are slices of
+    /// them. Bytes must arrive in order; a read that restarted elsewhere
+    /// restarts the decoder there.
+    pub fn push_bytes(&mut self, offset: u64, content: Bytes) {
+        let expected = self.offset + self.buffered() as u64;
         if offset != expected {
             self.buf.clear();
+            self.pending.clear();
             self.scanned = 0;
             self.offset = offset;
         }
-        self.buf.extend_from_slice(content);
+        if self.pending.is_empty() {
+            self.pending = content;
+        } else {
+            self.pending = join(std::mem::take(&mut self.pending), &content);
+        }
+    }
+
+    /// Moves pushed bytes into `buf` once it can decode nothing more: all
+    /// of them if it is empty (no copy), else as many as complete the
+    /// frame it begins with, joined to it. False if there are none.
+    fn refill(&mut self) -> bool {
+        if self.pending.is_empty() {
+            return false;
+        }
+        if self.buf.is_empty() {
+            self.buf = std::mem::take(&mut self.pending);
+            return true;
+        }
+        let n = self.to_complete().min(self.pending.len());
+        self.buf = join(std::mem::take(&mut self.buf), &self.pending[..n]);
+        self.pending.advance(n);
+        true
+    }
+
+    /// Bytes to add to `buf` that may complete the frame it begins with
+    /// (a whole frame's, or its header's, or up to the next newline).
+    fn to_complete(&self) -> usize {
+        match &self.framing {
+            Framing::JsonLines { .. } => memchr(b'\n', &self.pending).map_or(usize::MAX, |i| i + 1),
+            // Damage before a header: join it all, and skip to the next
+            // magic word in one scan.
+            Framing::Fixed if !FIXED_MAGIC.starts_with(&self.buf[..self.buf.len().min(4)]) => {
+                usize::MAX
+            }
+            Framing::Fixed if self.buf.len() < FIXED_HEADER_LEN => {
+                FIXED_HEADER_LEN - self.buf.len()
+            }
+            Framing::Fixed => {
+                let len = u32::from_le_bytes(self.buf[4..8].try_into().expect("4 bytes")) as usize;
+                (FIXED_HEADER_LEN + len.min(MESSAGE_LEN_MAX))
+                    .saturating_sub(self.buf.len())
+                    .max(1)
+            }
+        }
     }
 
     fn skip(&mut self, n: usize) {
@@ -336,7 +395,7 @@ impl Decoder {
 
     fn take(&mut self, n: usize) -> (u64, Bytes) {
         let begin = self.offset;
-        let frame = self.buf.split_to(n).freeze();
+        let frame = self.buf.split_to(n);
         self.offset += n as u64;
         self.scanned = 0;
         (begin, frame)
@@ -344,6 +403,18 @@ impl Decoder {
 
     /// The next whole message, or `None` until more bytes arrive.
     pub fn next_envelope(&mut self) -> Option<Envelope> {
+        loop {
+            if let Some(env) = self.decode() {
+                return Some(env);
+            }
+            if !self.refill() {
+                return None;
+            }
+        }
+    }
+
+    /// The next whole message in `buf`.
+    fn decode(&mut self) -> Option<Envelope> {
         match &self.framing {
             Framing::JsonLines { uuid_pointer } => {
                 let pointer = uuid_pointer.clone();
@@ -423,6 +494,19 @@ impl Decoder {
         let n = found.unwrap_or(self.buf.len().saturating_sub(3).max(1));
         self.skip(n);
     }
+}
+
+/// `a` then `b`: `a`'s buffer extended in place when nothing else holds
+/// it (a long line arriving in many pieces is not copied again at each),
+/// else a new one.
+fn join(a: Bytes, b: &[u8]) -> Bytes {
+    let mut joined = a.try_into_mut().unwrap_or_else(|a| {
+        let mut m = BytesMut::with_capacity(a.len() + b.len());
+        m.extend_from_slice(&a);
+        m
+    });
+    joined.extend_from_slice(b);
+    joined.freeze()
 }
 
 fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
@@ -545,7 +629,66 @@ mod tests {
         assert_eq!(envs[0].uuid.flags(), Flags::ACK_TXN);
     }
 
+    /// Decodes `bytes` pushed in pieces cut at `cuts` (sizes, taken in
+    /// turn; with `true`, the messages are drained before the next push):
+    /// the messages, the bytes skipped and the bytes still buffered.
+    fn decode_pieces(
+        framing: &Framing,
+        bytes: &[u8],
+        cuts: &[(usize, bool)],
+    ) -> (Vec<Envelope>, u64, usize) {
+        let mut d = Decoder::new("a/journal".into(), framing.clone(), 100);
+        let mut out = Vec::new();
+        let (mut at, mut cut) = (0, cuts.iter().cycle());
+        while at < bytes.len() {
+            let (len, drain) = *cut.next().expect("cuts cycle");
+            let end = (at + len).min(bytes.len());
+            d.push_bytes(100 + at as u64, Bytes::copy_from_slice(&bytes[at..end]));
+            at = end;
+            while drain || at == bytes.len() {
+                match d.next_envelope() {
+                    Some(e) => out.push(e),
+                    None => break,
+                }
+            }
+        }
+        (out, d.skipped_bytes(), d.buffered())
+    }
+
     proptest! {
+        /// Bytes with damage anywhere, pushed in pieces of any sizes (with
+        /// or without taking the messages between pushes), decode to what
+        /// they decode to pushed at once: the same messages at the same
+        /// offsets, and every other byte skipped or still held in both.
+        /// (Which of the last bytes after damage are skipped and which are
+        /// held, in case a frame is arriving in pieces, depends on where
+        /// the pieces were cut.)
+        #[test]
+        fn pieces_decode_as_the_whole(
+            msgs in proptest::collection::vec((any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300)), 1..12),
+            damage in proptest::collection::vec((any::<usize>(), proptest::collection::vec(any::<u8>(), 0..12)), 0..4),
+            cuts in proptest::collection::vec((1usize..200, any::<bool>()), 1..40),
+        ) {
+            for framing in [Framing::json(), Framing::Fixed] {
+                let mut bytes = Vec::new();
+                for (clock, content) in &msgs {
+                    let payload = match framing {
+                        Framing::JsonLines { .. } => serde_json::to_vec(&serde_json::json!({ "c": hex::encode(content) })).unwrap(),
+                        Framing::Fixed => content.clone(),
+                    };
+                    framing.encode(uuid(clock >> 5, Flags::OUTSIDE_TXN), &payload, &mut bytes).unwrap();
+                }
+                for (at, garbage) in &damage {
+                    let at = at % (bytes.len() + 1);
+                    bytes.splice(at..at, garbage.iter().copied());
+                }
+                let whole = decode_pieces(&framing, &bytes, &[(bytes.len(), true)]);
+                let pieces = decode_pieces(&framing, &bytes, &cuts);
+                prop_assert_eq!(&pieces.0, &whole.0);
+                prop_assert_eq!(pieces.1 + pieces.2 as u64, whole.1 + whole.2 as u64);
+            }
+        }
+
         #[test]
         fn round_trip(
             msgs in proptest::collection::vec((any::<u64>(), 0u16..3, proptest::collection::vec(any::<u8>(), 0..300)), 1..20),

@@ -334,7 +334,7 @@ impl Reader {
             match stream.next().await {
                 Some(Ok(ReadEvent::Data { offset, content })) => {
                     r.retry.progress();
-                    r.decoder.push(offset, &content);
+                    r.decoder.push_bytes(offset, content);
                     while let Some(env) = r.decoder.next_envelope() {
                         r.out.push_back(env);
                     }
@@ -422,7 +422,7 @@ async fn read_loop(
                 match stream.next().await {
                     Some(Ok(ReadEvent::Data { offset, content })) => {
                         retry.progress();
-                        decoder.push(offset, &content);
+                        decoder.push_bytes(offset, content);
                         let mut batch = Vec::new();
                         while let Some(env) = decoder.next_envelope() {
                             batch.push((env, decoder.skipped_bytes()));
