@@ -871,3 +871,206 @@ async fn requests_routed_at_a_later_revision_wait_for_the_broker_to_reach_it() {
         "{stats}"
     );
 }
+
+/// Writers pinned to one broker (no retries, `DO_NOT_PROXY`), each with
+/// one append in flight at a time, recording what was acknowledged into
+/// `acked` under writer ids from `first_writer` on: appends sent to a
+/// primary while it is stopped wait in its queue.
+fn pinned_writers(
+    client: &Client,
+    journal: &str,
+    first_writer: u32,
+    writers: u32,
+    acked: &Acked,
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (first_writer..first_writer + writers)
+        .map(|w| {
+            let (client, journal) = (client.clone(), journal.to_string());
+            let (acked, stop) = (acked.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut seq = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let req = AppendRequest {
+                        journal: journal.clone(),
+                        ..AppendRequest::default()
+                    };
+                    let options = rotary_net::client::AppendOptions { do_not_proxy: true };
+                    let len = 100 + (seq as usize * 53) % 700;
+                    if let Ok(r) = client.append_with(&req, record(w, seq, len), options).await {
+                        acked.lock().unwrap().insert((w, seq), (r.begin, r.end));
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    seq += 1;
+                }
+            })
+        })
+        .collect()
+}
+
+/// A fragment file's bytes, checked against the SHA-1 its name gives.
+fn checked_fragment(path: &std::path::Path) -> Option<(u64, Vec<u8>)> {
+    let name = path.file_name()?.to_str()?;
+    let f = common::store::parse_fragment_name(name)?;
+    let stored = std::fs::read(path).expect("read fragment file");
+    let bytes = common::store::decode(f.codec, &stored).expect("decode fragment");
+    assert_eq!(
+        common::hex_sha1(&bytes),
+        f.sha1,
+        "{path:?} does not hold the bytes its name gives"
+    );
+    assert_eq!(bytes.len() as u64, f.end - f.begin, "{path:?}'s length");
+    Some((f.begin, bytes))
+}
+
+/// Every fragment file of `journal` under `dir` (a `file://` store, or a
+/// broker's data directory without the data of its earlier runs), each
+/// checked against its name.
+fn fragment_files(dir: &std::path::Path, journal: &str) -> Vec<(u64, Vec<u8>)> {
+    let mut found = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                if path.file_name().is_some_and(|n| n != "retired") {
+                    dirs.push(path);
+                }
+            } else if path.to_string_lossy().contains(journal) {
+                found.extend(checked_fragment(&path));
+            }
+        }
+    }
+    found.sort_by_key(|(b, bytes)| (*b, bytes.len()));
+    found
+}
+
+/// No two fragments disagree over the offsets both hold, and every
+/// acknowledged record a fragment spans is in it at its offsets.
+fn check_fragments(
+    what: &str,
+    fragments: &[(u64, Vec<u8>)],
+    acked: &BTreeMap<(u32, u32), (u64, u64)>,
+) {
+    let spans: Vec<Spans> = fragments
+        .iter()
+        .map(|(b, bytes)| Spans(vec![(*b, bytes.clone())]))
+        .collect();
+    for (i, (b, bytes)) in fragments.iter().enumerate() {
+        let end = b + bytes.len() as u64;
+        let within: BTreeMap<_, _> = acked
+            .iter()
+            .filter(|(_, (ab, ae))| ab >= b && *ae <= end)
+            .map(|(k, v)| (*k, *v))
+            .collect();
+        let name = format!("{what}: fragment [{b}, {end})");
+        spans[i].check_acked(&name, &within, 0);
+        for other in &spans[i + 1..] {
+            spans[i].check_agrees(&name, other);
+        }
+    }
+}
+
+/// Waits until the store's fragments cover `[0, head)` of the journal.
+async fn stored_through(store: &std::path::Path, journal: &str, head: u64) -> Vec<(u64, Vec<u8>)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let fragments = fragment_files(store, journal);
+        let mut covered = 0;
+        for (b, bytes) in &fragments {
+            if *b <= covered {
+                covered = covered.max(b + bytes.len() as u64);
+            }
+        }
+        if covered >= head {
+            return fragments;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the store covers [0, {covered}) of [0, {head})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A primary stopped past its lease with appends queued on it, then woken:
+/// it may commit them into its spool before it learns that another broker
+/// took the journal over, but its replicas refuse them, so it takes them
+/// back. Nothing it never had acknowledged reaches its fragments or the
+/// store: every member's files, every member's own copy and the store hold
+/// each acknowledged record at its offsets, and no two fragments disagree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_primary_takes_back_what_it_queued_and_uploads_no_conflict() {
+    let c = EtcdCluster::start(4, 1, TTL);
+    let store = tempfile::tempdir().expect("store dir");
+    let journal = "etcd/queued";
+    let spec = format!(
+        "- {{name: {journal}, replication: 3, fragment: {{stores: [\"file://{}/\"], refresh_interval: 1s}}}}\n",
+        store.path().display()
+    );
+    let (code, err) = apply_yaml(&c, &spec);
+    assert_eq!(code, 0, "{err}");
+    let first = c.assigned(journal, 3).await;
+    let paused_id = first.route.primary.clone();
+    let paused = c.index(&paused_id);
+    let others: Vec<usize> = (0..c.brokers.len()).filter(|&i| i != paused).collect();
+
+    let client = client_of(&c, &others, WRITER_RETRY).await;
+    let load = Load::start(&client, journal, 2);
+    let pinned = Client::connect_pinned(&c.brokers[paused].endpoint())
+        .await
+        .expect("connect pinned");
+    let stop_pinned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pinned_tasks = pinned_writers(&pinned, journal, 10, 4, &load.acked, &stop_pinned);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    let pid = c.brokers[paused].pid().expect("running");
+    common::stop_process(pid);
+    // Past the lease, with the journal moved and appended to elsewhere.
+    let lister = client_of(&c, &others, Duration::ZERO).await;
+    let deadline = Instant::now() + common::etcd_cluster::ASSIGN_TIMEOUT;
+    loop {
+        let list = lister.list("").await.unwrap_or_default();
+        let moved = list.iter().any(|j| {
+            j.spec.name == journal && !j.route.members.is_empty() && j.route.primary != paused_id
+        });
+        if moved {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{journal} did not move: {list:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_for_ack_after(&load.times, Instant::now()).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    common::continue_process(pid);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop_pinned.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in pinned_tasks {
+        t.await.expect("pinned writer");
+    }
+    let (acked, failed) = load.finish().await;
+    assert!(failed.is_empty(), "appends failed: {failed:#?}");
+    let taken_back = pinned.stats().await.map(|s| s["taken_back_bytes"].clone());
+    eprintln!("the woken broker took back {taken_back:?} bytes");
+
+    // Each member's own copy, then everything sealed into the store.
+    let last = c.assigned(journal, 3).await;
+    check_journal_and_members(&c, &client, journal, &last, &acked).await;
+    let (code, _, err) = run_cli(c.cli(&["journals", "seal", journal]), b"");
+    assert_eq!(code, 0, "{err}");
+    let head = common::write_head(&client, journal).await;
+    let stored = stored_through(store.path(), journal, head).await;
+    check_fragments("the store", &stored, &acked);
+    // Every broker's local fragments, the woken one's included, agree with
+    // the store and hold what was acknowledged.
+    for b in &c.brokers {
+        let mut all = fragment_files(&b.data, journal);
+        check_fragments(&b.id, &all, &acked);
+        all.extend(stored.iter().cloned());
+        check_fragments(&format!("{} and the store", b.id), &all, &acked);
+    }
+}

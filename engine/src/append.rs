@@ -349,6 +349,9 @@ pub struct Staged {
 /// A journal's batch committed on its primary and proposed to its
 /// replicas, awaiting their acks.
 pub struct InFlight {
+    /// The spool's committed point before the batch: where it is taken
+    /// back to should a replica not acknowledge it.
+    pub start: CommitPoint,
     pub staged: Vec<Staged>,
     /// For each replica's pipeline.
     pub waits: Vec<Wait>,

@@ -368,6 +368,9 @@ counters!(
     Gauge replica_lag_bytes,
     /// Appends answered REPLICATION_FAILED.
     Counter replication_failed,
+    /// Bytes a primary committed and then took back because a replica
+    /// did not acknowledge them (never visible, sealed or uploaded).
+    Counter taken_back_bytes,
     /// Flusher turns that took longer than the slow-turn threshold (50 ms).
     Counter slow_turns,
     /// Journals with stores whose stores this broker has yet to list once

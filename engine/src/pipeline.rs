@@ -279,6 +279,11 @@ impl Pipeline {
     /// Drops the ack of `seq`, sent on the connection of `epoch`, now or
     /// when it comes: its batch failed on another replica, and nobody will
     /// take it.
+    /// The ack of `seq`, if it arrived already.
+    pub fn try_take(&self, seq: u64) -> Option<Ack> {
+        self.take(seq)
+    }
+
     pub fn forget(&self, seq: u64, epoch: u64) {
         if self.acks.borrow_mut().remove(&seq).is_none() && self.live_epoch() == Some(epoch) {
             self.forgotten.borrow_mut().insert(seq);

@@ -19,8 +19,9 @@
 //! since) and carries its bytes' SHA-1; offsets are never reused (it
 //! begins at or after the end of the last acknowledged append); write
 //! heads in replies only grow; every reply's write head is one the model
-//! allows, and that head is then the journal's (a reply names the
-//! primary's head, maybes included). A replica whose
+//! allows, and the journal's head is then at least that (a reply names
+//! the head readers see; a maybe beyond it that a replica acknowledged
+//! may still come back from that replica). A replica whose
 //! disk failed for good restarts after the step, as on a replaced disk,
 //! and catches up. At the end the faults stop, one more append is made
 //! until it is acknowledged, and each broker's own copy is read until all
@@ -845,9 +846,11 @@ impl Sim<'_> {
             "{status} named write head {head}; the model's heads are {:?}",
             self.model.heads
         );
-        // The reply names the primary's head, maybes included: those
-        // that it holds are decided.
-        self.model.heads = BTreeSet::from([head]);
+        // The reply names the head readers see: the maybes up to it are
+        // decided. One beyond it may still commit: the primary took it
+        // back, but a replica that acknowledged it keeps it, and the next
+        // SYNC copies it from there (PROTOCOL.md §14.7).
+        self.model.heads.retain(|h| *h >= head);
         self.model.head_seen = head;
         self.model.last_head = head;
     }

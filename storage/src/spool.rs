@@ -667,6 +667,39 @@ impl Spool {
         self.rewind(point);
     }
 
+    /// The committed point: where a batch staged now begins.
+    pub fn committed_point(&self) -> CommitPoint {
+        CommitPoint {
+            offset: self.committed,
+            sha: self.committed_sha.clone(),
+        }
+    }
+
+    /// Takes back commits beyond `point`, an earlier committed point of
+    /// this spool: a primary's batches that its replicas did not
+    /// acknowledge, which must never be sealed, served or uploaded. Drops
+    /// everything staged, then cuts the file back ([`Spool::cut_back`]).
+    /// No write may be in flight; the tail block is read back before the
+    /// next staging unless `point` is at a block boundary.
+    pub fn uncommit(&mut self, point: CommitPoint) -> Result<(), StorageError> {
+        assert!(
+            self.writing.is_none(),
+            "uncommit while a write is in flight"
+        );
+        assert!(
+            point.offset >= self.begin && point.offset <= self.committed,
+            "uncommit to {} outside the committed [{}, {}]",
+            point.offset,
+            self.begin,
+            self.committed
+        );
+        self.committed = point.offset;
+        self.committed_sha = point.sha;
+        self.rollback();
+        assert_eq!(self.staged, self.committed, "uncommit left bytes staged");
+        self.cut_back()
+    }
+
     /// Cuts the file back to the committed bytes, then allocates what it
     /// held beyond them again (zeroed). Bytes that a refused batch wrote
     /// past the committed point (all of them, when only its fdatasync
@@ -1096,6 +1129,65 @@ mod tests {
             let mut big = Spool::create(dir.path(), 1 << 40).await.unwrap();
             big.ensure_allocated(40 * MIB, 0).unwrap();
             assert_eq!(file_len(&big), 40 * MIB);
+        });
+    }
+
+    /// A batch committed and then taken back (its replicas did not
+    /// acknowledge it): the spool holds the bytes before it, a record of
+    /// the batch no longer matches the file, and the next batch is staged
+    /// and hashed from where the taken-back one began.
+    #[test]
+    fn an_uncommitted_batch_is_gone_from_the_spool() {
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let mut spool = Spool::create(dir.path(), 0).await.unwrap();
+            let path = spool.path().to_path_buf();
+            let sha_of = |b: &[u8]| -> [u8; 20] {
+                let mut s = Sha1::new();
+                s.update(b);
+                s.finalize()
+            };
+            spool.stage(&[1u8; 3000]);
+            spool.write_staged().await.unwrap();
+            spool.commit(spool.commit_point());
+            let confirmed = spool.committed_point();
+            spool.stage(&[2u8; 7000]);
+            spool.write_staged().await.unwrap();
+            spool.commit(spool.commit_point());
+            assert_eq!(spool.committed(), 10_000);
+            spool.uncommit(confirmed).unwrap();
+            assert_eq!((spool.committed(), spool.staged()), (3000, 3000));
+            assert!(spool.written() <= 3000);
+            assert_eq!(spool.committed_sha1(), sha_of(&[1u8; 3000]));
+            let mut both = vec![1u8; 3000];
+            both.extend_from_slice(&[2u8; 7000]);
+            let taken_back = [Check {
+                end: 10_000,
+                sha1: sha_of(&both),
+                from: None,
+            }];
+            let (found, _) =
+                Spool::recover_checked(path.clone(), 0, &taken_back, SpoolSizing::default())
+                    .await
+                    .unwrap();
+            assert!(found.is_none(), "the taken-back batch still matches");
+            spool.load_tail().await.unwrap();
+            spool.stage(&[3u8; 10]);
+            spool.write_staged().await.unwrap();
+            spool.commit(spool.commit_point());
+            let mut want = vec![1u8; 3000];
+            want.extend_from_slice(&[3u8; 10]);
+            assert_eq!(spool.committed_sha1(), sha_of(&want));
+            let check = [Check {
+                end: 3010,
+                sha1: sha_of(&want),
+                from: None,
+            }];
+            let (found, _) = Spool::recover_checked(path, 0, &check, SpoolSizing::default())
+                .await
+                .unwrap();
+            assert!(found.is_some(), "the bytes after the take-back are on disk");
         });
     }
 

@@ -99,10 +99,19 @@ pub fn admit(jm: &Journal, next: Next<'_>, shard: &AdmitShard<'_>, now: Instant)
 /// append or open: its replicas (or, taking the journal over, the brokers
 /// of its earlier routes) must be synchronized and keep up.
 fn admit_primary(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
+    let primary = &jm.primary;
+    if primary.unconfirmed.is_some() {
+        // Batches a replica did not acknowledge are taken back first,
+        // whatever the journal's role now: nothing stages on their bytes.
+        // The acker readies the journal once none is in flight; then the
+        // next turn's prepare takes them back.
+        return Some(Admission::AwaitPeers {
+            again: shard.inflight == 0,
+        });
+    }
     if shard.role != AdmitRole::Primary {
         return None;
     }
-    let primary = &jm.primary;
     if shard.replicated && primary.repl.is_none() {
         // A SYNC is due (say, the spool was just sealed): the next turn's
         // prepare starts it. One under way readies the journal when it

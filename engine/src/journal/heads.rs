@@ -130,6 +130,22 @@ impl Heads {
         self.assert_order(journal);
     }
 
+    /// What is committed and staged here beyond `head` is taken back to
+    /// it (see `Journal::take_back_to_head`). Nothing of it was answered.
+    pub(super) fn take_back_to_head(&mut self, journal: &str) {
+        assert!(
+            self.answered <= self.head,
+            "journal {journal}: taking back to {} what was answered up to {}",
+            self.head,
+            self.answered
+        );
+        self.local_head = self.head;
+        self.staged_head = self.head;
+        self.local_registers = self.registers.clone();
+        self.staged_registers = self.registers.clone();
+        self.assert_order(journal);
+    }
+
     /// Answered up to `end` (see `Journal::answered_to`).
     pub(super) fn answered_to(&mut self, end: u64, journal: &str) {
         assert!(

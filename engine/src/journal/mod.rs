@@ -187,6 +187,13 @@ impl Journal {
         self.heads.commit_local_to(end, &self.name);
     }
 
+    /// Batches committed here that the replicas did not acknowledge are
+    /// taken back: what is committed and staged here goes back to what
+    /// readers see, registers too.
+    pub fn take_back_to_head(&mut self) {
+        self.heads.take_back_to_head(&self.name);
+    }
+
     /// Readers may see up to `end` (if not further already): committed
     /// here and on every replica.
     pub fn publish_to(&mut self, end: u64) {

@@ -2,6 +2,7 @@
 //! its SYNCs and takeovers, and the batches awaiting replica acks.
 
 use crate::append::{InFlight, PrimaryRepl};
+use rotary_storage::spool::CommitPoint;
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -34,6 +35,9 @@ pub struct PrimaryState {
     pub(crate) route_check: bool,
     /// After a failed SYNC, when to try again, and why it failed.
     pub(crate) sync_retry: Option<(Instant, crate::pipeline::Failure)>,
+    /// SYNCs failed in a row since the last that succeeded: the pause
+    /// before the next grows with them.
+    pub(crate) sync_failures: u32,
     /// Committed batches awaiting replica acks (those in `proposed`, and
     /// the one the journal's acker waits on).
     pub(crate) inflight: usize,
@@ -42,4 +46,59 @@ pub struct PrimaryState {
     pub(crate) proposed: VecDeque<InFlight>,
     /// The journal's acker task is running.
     pub(crate) acking: bool,
+    /// Where the batches committed here stopped being confirmed: the
+    /// spool's committed point before the oldest batch that a replica did
+    /// not acknowledge (set through [`PrimaryState::unconfirmed_from`]).
+    /// Those bytes were never acknowledged and may conflict with what a
+    /// new primary appends at their offsets, so nothing stages, seals or
+    /// answers a SYNC until the flusher took them back
+    /// (`Shard::take_back_unconfirmed`), once no batch is in flight.
+    pub(crate) unconfirmed: Option<CommitPoint>,
+    /// Notified by the tick when the cluster view changed: the acker
+    /// stops waiting for a replica that left the journal's route.
+    pub(crate) route_moved: event_listener::Event,
+}
+
+impl PrimaryState {
+    /// A batch that began at `start` was not acknowledged by every replica:
+    /// it and every batch after it are to be taken back. Keeps the oldest
+    /// such point.
+    pub(crate) fn unconfirmed_from(&mut self, start: CommitPoint) {
+        match &self.unconfirmed {
+            Some(u) if u.offset <= start.offset => {}
+            _ => self.unconfirmed = Some(start),
+        }
+    }
+
+    /// Whether a batch that began at `start` lies on top of a batch to be
+    /// taken back, and so goes with it whatever its replicas answer.
+    pub(crate) fn is_unconfirmed(&self, start: u64) -> bool {
+        self.unconfirmed.as_ref().is_some_and(|u| start >= u.offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rotary_storage::sha::Sha1;
+
+    fn at(offset: u64) -> CommitPoint {
+        CommitPoint {
+            offset,
+            sha: Sha1::new(),
+        }
+    }
+
+    #[test]
+    fn the_oldest_unconfirmed_batch_is_kept() {
+        let mut p = PrimaryState::default();
+        assert!(!p.is_unconfirmed(0));
+        p.unconfirmed_from(at(300));
+        p.unconfirmed_from(at(500));
+        assert_eq!(p.unconfirmed.as_ref().map(|u| u.offset), Some(300));
+        p.unconfirmed_from(at(100));
+        assert_eq!(p.unconfirmed.as_ref().map(|u| u.offset), Some(100));
+        assert!(p.is_unconfirmed(100) && p.is_unconfirmed(700));
+        assert!(!p.is_unconfirmed(99), "a batch before it stands on its own");
+    }
 }

@@ -119,8 +119,12 @@ impl Shard {
         // the spool writes are submitted.
         let log_written = self.write_log();
         // Without their records nothing is answered early; the batch fails.
-        let early = if log_written.is_ok() {
+        let early: Vec<JournalRef> = if log_written.is_ok() {
+            // One whose lease lapsed is answered by `commit_batches`.
             early
+                .into_iter()
+                .filter(|j| !self.lease_lapsed(j))
+                .collect()
         } else {
             Vec::new()
         };
@@ -208,11 +212,25 @@ impl Shard {
                 let jm = j.borrow();
                 (jm.queue.staged_with_replicas, jm.primary.repl.is_some())
             };
+            let start = j
+                .borrow()
+                .files
+                .spool
+                .as_ref()
+                .expect("spool")
+                .committed_point();
             if !staged_with_replicas {
                 if is_early(j) {
                     // Answered and counted when its record was written.
                     let staged = self.commit_local(j);
-                    self.publish_counted(j, staged, None);
+                    self.publish_counted(j, staged);
+                } else if self.lease_lapsed(j) {
+                    let staged = self.commit_local(j);
+                    let f = Failure::new(
+                        Status::NOT_JOURNAL_PRIMARY_BROKER,
+                        "the broker's etcd lease may have expired before the append committed; it was taken back",
+                    );
+                    self.refuse_unconfirmed(j, start, staged, &f);
                 } else {
                     self.acknowledge(j);
                 }
@@ -220,13 +238,14 @@ impl Shard {
             }
             if !repl_now {
                 // The pipelines broke while this batch was written: it
-                // is committed here, but no replica will confirm it.
+                // is committed here, but no replica will confirm it, so
+                // it is taken back.
                 let staged = self.commit_local(j);
                 let f = Failure::new(
                     Status::REPLICATION_FAILED,
-                    "the replication pipeline broke before the append was proposed",
+                    "the replication pipeline broke before the append was proposed; it was taken back",
                 );
-                self.publish(j, staged, Some(&f));
+                self.refuse_unconfirmed(j, start, staged, &f);
                 continue;
             }
             // Proposed already if the batch was answered from the log.
@@ -235,7 +254,11 @@ impl Shard {
             let mut jm = j.borrow_mut();
             let waits = early.unwrap_or_else(|| propose(&jm, &staged));
             jm.primary.inflight += 1;
-            jm.primary.proposed.push_back(InFlight { staged, waits });
+            jm.primary.proposed.push_back(InFlight {
+                start,
+                staged,
+                waits,
+            });
             let start_acker = !std::mem::replace(&mut jm.primary.acking, true);
             drop(jm);
             self.proposals.set(self.proposals.get() + 1);
@@ -905,6 +928,8 @@ impl Shard {
         // and a SEAL asked for meanwhile, of a journal that had no spool,
         // would wait for a turn that nothing readies the journal for.
         super::stage::drop_dead_front(&mut j.borrow_mut());
+        // Before anything seals, syncs or answers a SYNC.
+        self.take_back_unconfirmed(j);
         if self.refuse_parked(j) {
             // Its disk failed for good: no seal, no new spool, and a SYNC
             // is refused (DISK_FAILED), never applied.
@@ -1179,7 +1204,7 @@ impl Shard {
     /// Commits and acknowledges the staged appends of a journal.
     pub(super) fn acknowledge(&self, j: &JournalRef) {
         let staged = self.commit_local(j);
-        self.publish(j, staged, None);
+        self.publish(j, staged);
     }
 
     /// Moves the journal's local commit point past its staged appends
@@ -1202,20 +1227,129 @@ impl Shard {
         staged
     }
 
-    /// Makes locally committed appends visible and answers them: OK, or
-    /// `failure` when a replica did not acknowledge (they stay committed
-    /// here, like appends whose reply was lost).
-    pub(super) fn publish(&self, j: &JournalRef, staged: Vec<Staged>, failure: Option<&Failure>) {
+    /// Whether a journal without replicas, in a cluster on etcd, may no
+    /// longer be this broker's: its lease may have expired (the fence
+    /// passed, say while the process was stopped), so another broker may
+    /// hold the journal now and nobody would refuse this one's appends.
+    /// Its batch is then taken back rather than answered. Checked right
+    /// before the answer: a batch answered was committed before then.
+    fn lease_lapsed(&self, j: &JournalRef) -> bool {
+        let jm = j.borrow();
+        if jm.queue.staged_with_replicas || jm.spec.replication > 1 {
+            return false;
+        }
+        self.topology
+            .control()
+            .is_some_and(|c| !c.fence.holds(crate::cluster::now_ms()))
+    }
+
+    /// Makes locally committed appends visible and answers them OK.
+    pub(super) fn publish(&self, j: &JournalRef, staged: Vec<Staged>) {
         let durability = j.borrow().spec.durability;
-        self.count_appends(&staged, failure.is_some(), durability);
-        if failure.is_some_and(|f| f.status == Status::REPLICATION_FAILED) {
+        self.count_appends(&staged, false, durability);
+        self.publish_counted(j, staged);
+    }
+
+    /// A replicated batch committed here that began at `start` and that a
+    /// replica did not acknowledge: its appends are answered with
+    /// `failure`, and it is taken back, with every batch after it, once
+    /// none is in flight ([`Shard::take_back_unconfirmed`]). Never
+    /// visible: its bytes may conflict with what a new primary appends at
+    /// their offsets.
+    pub(super) fn refuse_unconfirmed(
+        &self,
+        j: &JournalRef,
+        start: CommitPoint,
+        staged: Vec<Staged>,
+        failure: &Failure,
+    ) {
+        let durability = j.borrow().spec.durability;
+        self.count_appends(&staged, true, durability);
+        if failure.status == Status::REPLICATION_FAILED {
             let answered = staged
                 .iter()
                 .filter(|s| !s.op.finished.get() && is_client_append(&s.op))
                 .count();
             metrics::add(&self.metrics.replication_failed, answered as u64);
         }
-        self.publish_counted(j, staged, failure);
+        let mut jm = j.borrow_mut();
+        assert!(
+            staged.first().is_none_or(|s| s.begin == start.offset),
+            "journal {}: a batch taken back from {} begins elsewhere",
+            jm.name,
+            start.offset
+        );
+        jm.primary.unconfirmed_from(start);
+        let reply = jm.heads.refusal();
+        for s in &staged {
+            s.op.reply_error(failure.status, &reply, &failure.message);
+        }
+    }
+
+    /// Takes back the batches committed here that a replica did not
+    /// acknowledge (`PrimaryState::unconfirmed`), once none is in flight
+    /// and nothing is staged: the spool and its file go back to the last
+    /// acknowledged batch, the heads and registers to what readers see,
+    /// and the commit log is told (a restatement, as after a failed
+    /// batch). An append open on top of them is refused. Their bytes are
+    /// then never sealed, uploaded, served, copied or named in a SYNC's
+    /// answer, whatever this broker does next: go on as the primary, or
+    /// follow a new one.
+    pub(super) fn take_back_unconfirmed(&self, j: &JournalRef) {
+        if self.take_back_spool(&mut j.borrow_mut()) {
+            self.restate(j);
+        }
+    }
+
+    /// [`Shard::take_back_unconfirmed`] of the spool and the heads; true
+    /// if it took anything back (the commit log is then owed a
+    /// restatement).
+    fn take_back_spool(&self, jm: &mut Journal) -> bool {
+        let Some(point) = jm.primary.unconfirmed.clone() else {
+            return false;
+        };
+        let busy = jm.primary.inflight > 0
+            || !jm.queue.staged.is_empty()
+            || jm.files.spool_out
+            || jm.files.spool.as_ref().is_some_and(|s| s.write_in_flight());
+        if busy {
+            // The acker (or the write) readies the journal again.
+            return false;
+        }
+        if let Some(a) = abandon_active(jm) {
+            let reply = jm.heads.refusal();
+            a.op.reply_error(
+                Status::REPLICATION_FAILED,
+                &reply,
+                "an earlier append of the journal was not acknowledged by every replica; this one was rolled back with it",
+            );
+            drop_budget(&a.op);
+            jm.queue.waiting.pop_front();
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+        jm.primary.unconfirmed = None;
+        let spool = jm
+            .files
+            .spool
+            .as_mut()
+            .expect("unconfirmed bytes are in the open spool");
+        let taken_back = spool.committed() - point.offset;
+        let res = spool.uncommit(point.clone());
+        assert_eq!(
+            jm.heads.head(),
+            point.offset,
+            "journal {}: taking back to where readers do not stand",
+            jm.name
+        );
+        jm.take_back_to_head();
+        jm.readers.tail.truncate(point.offset);
+        metrics::add(&self.metrics.taken_back_bytes, taken_back);
+        tracing::warn!(journal = %jm.name, from = point.offset, bytes = taken_back, "took back appends that a replica did not acknowledge");
+        if let Err(e) = res {
+            tracing::error!(journal = %jm.name, error = %e, "cutting a spool back after taking back unacknowledged appends; the commit log's restatement still takes them back at a restart");
+            self.park_if_final(jm, &e);
+        }
+        true
     }
 
     /// Counts a batch's appends (and their bytes) as succeeded or failed,
@@ -1258,25 +1392,13 @@ impl Shard {
     }
 
     /// [`Shard::publish`] of a batch already counted (when it was answered).
-    pub(super) fn publish_counted(
-        &self,
-        j: &JournalRef,
-        staged: Vec<Staged>,
-        failure: Option<&Failure>,
-    ) {
+    pub(super) fn publish_counted(&self, j: &JournalRef, staged: Vec<Staged>) {
         let mut jm = j.borrow_mut();
         let jm = &mut *jm;
         let Some(last) = staged.last() else { return };
         jm.publish_to(last.end);
         jm.heads.publish_registers(last.registers.clone());
-        for s in &staged {
-            if let Some(f) = failure {
-                let reply = jm.heads.refusal();
-                s.op.reply_error(f.status, &reply, &f.message);
-                continue;
-            }
-            answer_ok(s);
-        }
+        staged.iter().for_each(answer_ok);
         jm.readers.committed.notify(usize::MAX);
     }
 }

@@ -198,6 +198,29 @@ const ROUTE_REVISION_POLL: std::time::Duration = std::time::Duration::from_milli
 /// failed twice in a row (the first other failure is tried again at the
 /// next append); appends meanwhile are answered with its failure.
 const SYNC_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
+/// The first pause after a SYNC failed twice in a row (a replica that
+/// refuses, say while it restarts): it doubles with each failure after,
+/// up to [`SYNC_RETRY`], so that a replica back within moments costs a
+/// few refused appends rather than a quarter of a second of them.
+const SYNC_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// How long a journal's appends are answered with its last SYNC failure
+/// before the next SYNC: none after the first failure in a row (unless
+/// the replica did not answer at all), then [`SYNC_RETRY_FIRST`] doubling
+/// up to [`SYNC_RETRY`]. `failures`: the failures in a row, this one
+/// counted.
+fn sync_retry_after(failures: u32, timed_out: bool) -> std::time::Duration {
+    assert!(failures > 0, "a pause after no failure");
+    if timed_out {
+        return SYNC_RETRY;
+    }
+    match failures {
+        1 => std::time::Duration::ZERO,
+        n => SYNC_RETRY_FIRST
+            .saturating_mul(1 << (n - 2).min(16))
+            .min(SYNC_RETRY),
+    }
+}
 /// How long the flusher waits, with nothing else to do, before it writes
 /// again restatements whose last write failed (a full disk, say): one
 /// try per delay, not a loop on the failing log.
@@ -737,4 +760,25 @@ async fn yield_now() {
         }
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sync_retries_start_short_and_grow() {
+        use super::{sync_retry_after, SYNC_RETRY};
+        use std::time::Duration;
+        let ms = |n| sync_retry_after(n, false).as_millis();
+        assert_eq!(
+            [ms(1), ms(2), ms(3), ms(4), ms(5), ms(6), ms(7)],
+            [0, 10, 20, 40, 80, 160, 250]
+        );
+        assert_eq!(sync_retry_after(40, false), SYNC_RETRY);
+        assert_eq!(
+            sync_retry_after(1, true),
+            SYNC_RETRY,
+            "a replica that did not answer"
+        );
+        assert!(sync_retry_after(u32::MAX, false) <= Duration::from_millis(250));
+    }
 }

@@ -24,6 +24,15 @@ pub(super) fn propose(jm: &Journal, staged: &[Staged]) -> Vec<Wait> {
     waits
 }
 
+/// Forgets the acks of every wait: nobody will take them.
+fn forget_waits(waits: &[Wait]) {
+    for (p, epoch, seqs) in waits {
+        for &seq in seqs {
+            p.forget(seq, *epoch);
+        }
+    }
+}
+
 impl Shard {
     /// The brokers to ask for bytes of a journal beyond this primary's
     /// head before it gives out offsets: those of the journal's routes in
@@ -77,7 +86,9 @@ impl Shard {
     /// Answers a journal's replicated batches in commit order as its
     /// replicas ack them. One runs per journal while it has batches in
     /// flight, so a replica slow to answer holds up only the journals
-    /// routed through it, not every journal of the shard.
+    /// routed through it, not every journal of the shard. A batch a
+    /// replica did not acknowledge is refused and taken back, and so is
+    /// every batch after it, whatever their acks (they lie on its bytes).
     pub(super) async fn acker(self: Rc<Self>, j: JournalRef) {
         loop {
             let next = j.borrow_mut().primary.proposed.pop_front();
@@ -86,53 +97,20 @@ impl Shard {
                 self.awaiting_acks.set(self.awaiting_acks.get() - 1);
                 return;
             };
-            let mut failure = None;
-            let mut failed_at = "";
-            'wait: for (i, (p, epoch, seqs)) in f.waits.iter().enumerate() {
-                failed_at = &p.peer;
-                for (k, &seq) in seqs.iter().enumerate() {
-                    let failed = match p.wait(seq, *epoch).await {
-                        Ok(ack) if ack.status == Status::OK => continue,
-                        Ok(ack) => Failure::new(
-                            Status::REPLICATION_FAILED,
-                            format!(
-                                "replica {} answered {}: {}",
-                                p.peer,
-                                ack.status,
-                                String::from_utf8_lossy(&ack.body)
-                            ),
-                        ),
-                        Err(e) => e,
-                    };
-                    failure = Some(failed);
-                    // Nobody waits for the rest of the batch's acks.
-                    for &rest in &seqs[k + 1..] {
-                        p.forget(rest, *epoch);
-                    }
-                    for (p, epoch, seqs) in &f.waits[i + 1..] {
-                        for &rest in seqs {
-                            p.forget(rest, *epoch);
-                        }
-                    }
-                    break 'wait;
-                }
-            }
+            let failure = if j.borrow().primary.is_unconfirmed(f.start.offset) {
+                forget_waits(&f.waits);
+                Some(Failure::new(
+                    Status::REPLICATION_FAILED,
+                    "an earlier append of the journal was not acknowledged by every replica; this one was taken back with it",
+                ))
+            } else {
+                self.await_acks(&j, &f.waits).await
+            };
             metrics::add(&self.metrics.replicated_batches, 1);
-            if let Some(e) = &failure {
-                let journal = j.borrow().name.clone();
-                match self
-                    .shared_failures
-                    .failed(SharedWork::Replication, failed_at)
-                {
-                    Some(held) => {
-                        tracing::warn!(replica = failed_at, %journal, error = %e.message, since_last_logged = held, "replication failed; the journal will synchronize again (logged once a minute per replica)");
-                    }
-                    None => {
-                        tracing::debug!(replica = failed_at, %journal, error = %e.message, "replication failed");
-                    }
-                }
+            match &failure {
+                Some(e) => self.refuse_unconfirmed(&j, f.start, f.staged, e),
+                None => self.publish(&j, f.staged),
             }
-            self.publish(&j, f.staged, failure.as_ref());
             {
                 let mut jm = j.borrow_mut();
                 jm.primary.inflight -= 1;
@@ -141,6 +119,91 @@ impl Shard {
                 }
             }
             self.mark_ready(&j);
+        }
+    }
+
+    /// Waits for every replica's acks of one batch: None if each was OK,
+    /// else why not (logged once a minute per replica). A replica that
+    /// leaves the journal's route is not waited for any longer: the tick
+    /// wakes the wait when the cluster view changes ([`Shard::tick`]).
+    async fn await_acks(&self, j: &JournalRef, waits: &[Wait]) -> Option<Failure> {
+        for (i, (p, epoch, seqs)) in waits.iter().enumerate() {
+            for (k, &seq) in seqs.iter().enumerate() {
+                let failed = match self.ack_in_route(j, p, seq, *epoch).await {
+                    Ok(ack) if ack.status == Status::OK => continue,
+                    Ok(ack) => Failure::new(
+                        Status::REPLICATION_FAILED,
+                        format!(
+                            "replica {} answered {}: {}",
+                            p.peer,
+                            ack.status,
+                            String::from_utf8_lossy(&ack.body)
+                        ),
+                    ),
+                    Err(e) => e,
+                };
+                // Nobody waits for the rest of the batch's acks.
+                for &rest in &seqs[k + 1..] {
+                    p.forget(rest, *epoch);
+                }
+                forget_waits(&waits[i + 1..]);
+                self.log_replication_failure(j, &p.peer, &failed);
+                return Some(failed);
+            }
+        }
+        None
+    }
+
+    /// The ack of `seq` from `p`, unless `p` leaves the journal's route
+    /// first (or this broker stops being its primary).
+    async fn ack_in_route(
+        &self,
+        j: &JournalRef,
+        p: &Rc<Pipeline>,
+        seq: u64,
+        epoch: u64,
+    ) -> Result<rotary_net::repl::Ack, Failure> {
+        use futures_util::future::{select, Either};
+        if let Some(ack) = p.try_take(seq) {
+            return Ok(ack);
+        }
+        loop {
+            let moved = j.borrow().primary.route_moved.listen();
+            let wait = std::pin::pin!(p.wait(seq, epoch));
+            match select(wait, moved).await {
+                Either::Left((ack, _)) => return ack,
+                Either::Right(_) => {
+                    let role = self.role(&j.borrow().spec);
+                    let still = matches!(&role, Role::Primary(r) if r.contains(&p.peer));
+                    if !still {
+                        p.forget(seq, epoch);
+                        return Err(Failure::new(
+                            Status::REPLICATION_FAILED,
+                            format!(
+                                "replica {} left the journal's route before it acknowledged the append",
+                                p.peer
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Logs a replica's failure to acknowledge a batch, once a minute per
+    /// replica (the rest at debug).
+    fn log_replication_failure(&self, j: &JournalRef, replica: &str, e: &Failure) {
+        let journal = j.borrow().name.clone();
+        match self
+            .shared_failures
+            .failed(SharedWork::Replication, replica)
+        {
+            Some(held) => {
+                tracing::warn!(replica, %journal, error = %e.message, since_last_logged = held, "replication failed; the journal will synchronize again (logged once a minute per replica)");
+            }
+            None => {
+                tracing::debug!(replica, %journal, error = %e.message, "replication failed");
+            }
         }
     }
 
@@ -255,6 +318,10 @@ impl Shard {
             let mut due = false;
             if changed {
                 let mut jm = j.borrow_mut();
+                if jm.primary.inflight > 0 {
+                    // Its acker stops waiting for a replica that left.
+                    jm.primary.route_moved.notify(usize::MAX);
+                }
                 let was_primary = before
                     .route(&jm.spec.name, jm.spec.replication)
                     .is_primary(&current.me);
@@ -413,6 +480,7 @@ impl Shard {
                         }
                         jm.primary.repl = Some(repl);
                         jm.primary.sync_retry = None;
+                        jm.primary.sync_failures = 0;
                         jm.primary.first_sync_pending = false;
                         if me.shared_failures.worked(SharedWork::Sync, &replicas) {
                             tracing::info!(replicas, journal = %jm.name, "replicas synchronized again");
@@ -420,21 +488,19 @@ impl Shard {
                     }
                     Err(f) => {
                         if let Some(held) = me.shared_failures.failed(SharedWork::Sync, &replicas) {
-                            tracing::warn!(replicas, journal = %jm.name, status = %f.status, error = %f.message, since_last_logged = held, "replicas did not synchronize; retrying every 250 ms, logged once a minute per replica set while it lasts");
+                            tracing::warn!(replicas, journal = %jm.name, status = %f.status, error = %f.message, since_last_logged = held, "replicas did not synchronize; retrying after a pause that grows to 250 ms, logged once a minute per replica set while it lasts");
                         } else {
                             tracing::debug!(journal = %jm.name, status = %f.status, error = %f.message, "replicas did not synchronize");
                         }
                         // The first failure in a row is tried again at
                         // the next append (or at once, for appends that
-                        // waited for this SYNC); a replica that does not
-                        // answer, or fails again, is tried no sooner
-                        // than SYNC_RETRY, its failure answering appends
-                        // meanwhile: no loop on a replica that is down.
-                        let wait = if jm.primary.sync_retry.is_none() && !f.timed_out {
-                            std::time::Duration::ZERO
-                        } else {
-                            SYNC_RETRY
-                        };
+                        // waited for this SYNC); later ones after a pause
+                        // that grows (`sync_retry_after`), and a replica
+                        // that does not answer after SYNC_RETRY, its
+                        // failure answering appends meanwhile: no loop on
+                        // a replica that is down.
+                        jm.primary.sync_failures = jm.primary.sync_failures.saturating_add(1);
+                        let wait = sync_retry_after(jm.primary.sync_failures, f.timed_out);
                         jm.primary.sync_retry = Some((crate::clock::now() + wait, f));
                     }
                 }

@@ -15,7 +15,12 @@ impl Shard {
                     || !jm.queue.waiting.is_empty()
                     || !jm.queue.staged.is_empty()
                     || !jm.replica.awaiting.is_empty()
+                    || jm.primary.inflight > 0
+                    || jm.primary.unconfirmed.is_some()
                 {
+                    // Its own batches as a primary go first: those a
+                    // replica did not acknowledge are taken back before
+                    // its head is named to a new primary.
                     return;
                 }
                 jm.replica.sync_waiters.remove(0)
