@@ -389,10 +389,20 @@ async fn inject(
     let (target, r) = JOURNALS[0];
     let route = cluster.route(target).await?.route;
     let primary = cluster.index(&route.primary)?;
-    let replica = route
+    // The replica struck: one whose loss with the primary's leaves the
+    // journal of replication 2 a member (losing every member of a journal
+    // is beyond what replication promises).
+    let (small, _) = JOURNALS[JOURNALS.len() - 1];
+    let small = cluster.route(small).await?.route.members;
+    let replicas: Vec<&String> = route
         .members
         .iter()
-        .find(|m| **m != route.primary)
+        .filter(|m| **m != route.primary)
+        .collect();
+    let replica = replicas
+        .iter()
+        .find(|m| small.iter().any(|s| s != **m && *s != route.primary))
+        .or(replicas.first())
         .context("a replica")
         .and_then(|m| cluster.index(m))?;
     let ttl = cluster.ttl;
