@@ -31,6 +31,11 @@
 //!   per ack frame; first, the hop floor: the same crossings between
 //!   processes through echo servers, with no broker work.
 //!
+//! * `faults` (only when asked for by name): a cluster on etcd broken by
+//!   each fault of `--faults` (SIGKILL, SIGSTOP, etcd outages, rolling
+//!   restarts, partitions) `--fault-rounds` times, then checked from
+//!   outside the brokers ([`faults`]); `tests/e2e_faults.rs` runs each once.
+//!
 //! `--workload FILE` runs an OpenMessaging Benchmark workload instead of the
 //! scenarios ([`omb`]): against rotary or, with `--driver`, a peer; it
 //! writes OMB's result JSON (`--output`) and SVG charts (`--charts`).
@@ -51,6 +56,7 @@ mod broker;
 mod child;
 mod cpu;
 mod failover;
+pub mod faults;
 mod http;
 mod load;
 mod messages;
@@ -110,6 +116,15 @@ pub enum Scenario {
     /// the first acknowledged append after each kill, appends lost, and
     /// etcd writes of an idle cluster. Not part of `all`.
     Failover,
+    /// A cluster on etcd (four brokers, four journals with a `file://`
+    /// store, four writers) broken by each fault of `--faults`
+    /// `--fault-rounds` times: SIGKILL and SIGSTOP of primaries and
+    /// replicas, one and two at once, etcd paused and killed, a rolling
+    /// restart, partitions in network namespaces. Per fault: appends
+    /// acknowledged and failed, the longest gap between acks, and whether
+    /// every acknowledged append is on every member and in the store with
+    /// no conflicting or torn bytes. Not part of `all`.
+    Faults,
     /// latency-1k and append-1m with `/metrics` scraped every second and
     /// without, alternating; 1 KiB appends through the HTTP gateway (PUT)
     /// beside the native client. Not part of `all`: it runs a broker and an
@@ -187,6 +202,13 @@ pub struct BenchArgs {
     /// The brokers' lease TTL in the failover scenario.
     #[arg(long = "failover-ttl", value_name = "DURATION", value_parser = parse_ttl, default_value = "3s")]
     pub failover_ttl: Duration,
+    /// The faults of the faults scenario (repeat or separate with
+    /// commas); all by default.
+    #[arg(long = "faults", value_enum, value_delimiter = ',')]
+    pub faults: Vec<faults::Fault>,
+    /// How often the faults scenario strikes with each fault.
+    #[arg(long = "fault-rounds", default_value_t = 3)]
+    pub fault_rounds: usize,
     /// Appends per second of the 1 KiB phases of the replication scenario.
     #[arg(long = "replication-rate", default_value_t = 2_000)]
     pub replication_rate: u64,
@@ -307,6 +329,7 @@ impl BenchArgs {
                 && s != Scenario::Replication
                 && s != Scenario::Allocator
                 && s != Scenario::Failover
+                && s != Scenario::Faults
                 && s != Scenario::Http
                 && s != Scenario::Messages)
             || self.scenarios.contains(&s)
@@ -376,6 +399,10 @@ impl BenchArgs {
             pingpong::MESSAGE_LEN_MAX
         );
         anyhow::ensure!(
+            (1..=FAULT_ROUNDS_MAX).contains(&self.fault_rounds),
+            "--fault-rounds must be 1 to {FAULT_ROUNDS_MAX}"
+        );
+        anyhow::ensure!(
             (1..=64).contains(&self.client_threads),
             "--client-threads must be 1 to 64"
         );
@@ -393,6 +420,9 @@ impl BenchArgs {
 
 /// File of the 4 KiB fio latency job: small, it only has to be laid out.
 const FIO_4K_FILE_MIB: u64 = 256;
+
+/// Most `--fault-rounds` accepted.
+pub const FAULT_ROUNDS_MAX: usize = 100;
 
 /// Longest `--duration` or `--warmup` accepted.
 pub const DURATION_SECS_MAX: f64 = 3600.0;
@@ -558,6 +588,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         println!("{}", f.summary());
         figures.failover = Some(f);
     }
+    let mut faults_failed = false;
+    if args.wants(Scenario::Faults) {
+        let exe = replication::broker_executable()?;
+        // Not in the scratch directory: the directory of a run whose
+        // checks failed is kept, with the processes' logs.
+        let dir = std::fs::canonicalize(&args.data)
+            .with_context(|| format!("--data {}", args.data.display()))?;
+        let outcomes = faults::bench(&exe, &dir, &args.faults, args.fault_rounds)?;
+        print!("{}", faults::table(&outcomes));
+        faults_failed = outcomes.iter().any(|o| !o.passed());
+    }
     if args.wants(Scenario::Http) {
         http::run(&args, &scratch.path().join("http"))?;
     }
@@ -577,5 +618,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
+    anyhow::ensure!(
+        !faults_failed,
+        "the faults scenario found violations (listed above)"
+    );
     Ok(())
 }
