@@ -518,10 +518,14 @@ struct AppendArgs {
     /// Commit only if the journal's registers match this selector.
     #[arg(long = "check-registers", value_name = "SELECTOR")]
     check_registers: Option<String>,
-    /// Registers to add when the append commits: `k=v,k2=v2`.
+    /// Registers to set when the append commits, `k=v,k2=v2`: each name
+    /// given gets exactly these values, replacing those it had. Applied
+    /// after --subtract-registers.
     #[arg(long = "union-registers", value_name = "K=V,...")]
     union_registers: Option<String>,
-    /// Registers to remove when the append commits: `k=v` or `k` (every value).
+    /// Registers to remove when the append commits, `k=v,...`: a name is
+    /// removed when its values are exactly those given (`k` alone is the
+    /// empty value, which removes only an empty `k`).
     #[arg(long = "subtract-registers", value_name = "K=V,...")]
     subtract_registers: Option<String>,
     #[command(flatten)]
