@@ -871,7 +871,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.ack_poll = args.ack_poll;
     config.replica_ack_timeout = args.replica_ack_timeout;
     if let Some(selector) = &args.metrics_journals {
-        rotary_net::spec::LabelSelector::parse(selector).map_err(|e| {
+        rotary_net::spec::LabelSelector::parse_journals(selector).map_err(|e| {
             CliError::Usage("BAD_USAGE", format!("--metrics-journals {selector:?}: {e}"))
         })?;
     }
@@ -1345,13 +1345,13 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             broker,
             ..
         } if watch => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             watch_journals(&client, &selector).await
         }
         JournalsCmd::Edit { selector, broker } => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             edit_journals(&client, &selector).await
@@ -1362,7 +1362,7 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             broker,
             ..
         } => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             let list = client.list(&selector).await?;
@@ -1399,7 +1399,7 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             output,
             broker,
         } => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             let pruned = client.prune(&selector, dry_run).await?;

@@ -9,6 +9,7 @@ mod common;
 use common::*;
 use rotary_net::client::Client;
 use rotary_net::spec::{LabelSelector, LabelSet};
+use rotary_net::wire::Op;
 use rotary_net::wire::{AppendReply, AppendRequest};
 use rotary_net::Status;
 
@@ -173,4 +174,58 @@ async fn subtract_applies_before_union_and_only_to_whole_names() {
     let line: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(line["registers"], serde_json::json!({"AA": "45"}));
     assert_eq!(read_all(&client, j).await, b"0123456789abd".to_vec());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_selects_journals_by_the_meta_labels_name_and_prefix() {
+    let broker = Broker::start();
+    let client = broker.client().await;
+    for j in [
+        "meta/orders/part-000",
+        "meta/orders/part-001",
+        "meta/ordersx/part-000",
+    ] {
+        create_journal(&client, j, |s| s.labels = labels("app=orders")).await;
+    }
+    let names = |list: Vec<rotary_net::client::JournalInfo>| -> Vec<String> {
+        list.into_iter().map(|i| i.spec.name).collect()
+    };
+    let list = client.list("prefix=meta/orders/").await.unwrap();
+    assert_eq!(
+        names(list),
+        ["meta/orders/part-000", "meta/orders/part-001"]
+    );
+    let list = client.list("name=meta/orders/part-001").await.unwrap();
+    assert_eq!(names(list), ["meta/orders/part-001"]);
+    let list = client
+        .list("app=orders,prefix=meta/,name!=meta/orders/part-000")
+        .await
+        .unwrap();
+    assert_eq!(
+        names(list),
+        ["meta/orders/part-001", "meta/ordersx/part-000"]
+    );
+
+    // A prefix without its trailing '/' is refused by the broker too.
+    let reply = {
+        let mut s = raw_connect(&broker.endpoint());
+        let body = br#"{"selector":"prefix=meta/orders"}"#;
+        std::io::Write::write_all(&mut s, &frame(Op::LIST, 0, 1, &[], body)).unwrap();
+        read_raw_frame(&mut s).unwrap().unwrap()
+    };
+    assert_eq!(reply.status, Status::BAD_REQUEST as u16);
+
+    // A spec may not carry `name` or `prefix` as labels.
+    for label in ["name=meta/x", "prefix=meta/"] {
+        let mut spec = rotary_net::spec::JournalSpec::new("meta/labelled");
+        spec.labels = labels(label);
+        let err = client.apply(&[spec]).await.unwrap_err();
+        assert_eq!(err.status(), Some(Status::BAD_REQUEST), "{label}: {err}");
+        assert!(err.to_string().contains("cannot include label"), "{err}");
+    }
+    assert!(client
+        .list("prefix=meta/labelled/")
+        .await
+        .unwrap()
+        .is_empty());
 }

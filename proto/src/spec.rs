@@ -37,6 +37,25 @@ pub const JOURNAL_NAME_PART_LEN_MAX: usize = 255;
 pub const LABEL_NAME_LEN_MAX: usize = 64;
 pub const LABEL_VALUE_LEN_MAX: usize = 1024;
 
+/// The meta-label every journal has in a selector: its name. A spec may not
+/// carry it as a label (as in Gazette).
+pub const META_LABEL_NAME: &str = "name";
+/// The meta-label a journal has in a selector for each prefix of its name
+/// that ends in `/`: `prefix=orders/` selects `orders/part-000`. A spec may
+/// not carry it as a label, and a selector's values of it must end in `/`.
+pub const META_LABEL_PREFIX: &str = "prefix";
+
+/// Labels of Gazette's (its `labels.SingleValueLabels`) that a spec may give
+/// one value at most.
+pub const SINGLE_VALUE_LABELS: [&str; 6] = [
+    "content-type",
+    "app.gazette.dev/instance",
+    "app.gazette.dev/managed-by",
+    "app.gazette.dev/message-subtype",
+    "app.gazette.dev/message-type",
+    "app.gazette.dev/region",
+];
+
 fn is_name_char(c: char) -> bool {
     c.is_alphanumeric() || matches!(c, '-' | '_' | '+' | '/' | '.' | '=' | '%')
 }
@@ -466,34 +485,54 @@ impl LabelSelector {
         Ok(sel)
     }
 
+    /// Parses a selector of journals (LIST, PRUNE, `--metrics-journals`):
+    /// as [`parse`](Self::parse), and each value of the meta-label `prefix`
+    /// must end in `/` (Gazette refuses the others too).
+    pub fn parse_journals(text: &str) -> Result<Self, SpecError> {
+        let sel = Self::parse(text)?;
+        for l in sel.include.iter().chain(sel.exclude.iter()) {
+            if l.name == META_LABEL_PREFIX && !l.value.ends_with('/') {
+                return Err(SpecError::BadSelector {
+                    text: text.to_string(),
+                    why: "a value of 'prefix' must end in '/', e.g. prefix=orders/",
+                });
+            }
+        }
+        Ok(sel)
+    }
+
     /// Whether `set` satisfies the selector. Include requirements sharing a
     /// name are alternatives (`a=1,a=2` matches either value).
     pub fn matches(&self, set: &LabelSet) -> bool {
+        self.matches_by(|name, value| match value {
+            "" => set.values_of(name).next().is_some(),
+            value => set.contains(name, value),
+        })
+    }
+
+    /// Whether the journal `journal`, labelled `labels`, satisfies the
+    /// selector, which may also name the meta-labels: `name` (the journal's
+    /// name) and `prefix` (each prefix of the name that ends in `/`).
+    pub fn matches_journal(&self, journal: &str, labels: &LabelSet) -> bool {
+        self.matches_by(|name, value| match name {
+            META_LABEL_NAME => value.is_empty() || value == journal,
+            META_LABEL_PREFIX => value.ends_with('/') && journal.starts_with(value),
+            _ if value.is_empty() => labels.values_of(name).next().is_some(),
+            _ => labels.contains(name, value),
+        })
+    }
+
+    /// The selector over a set that `has(name, value)` says holds the label
+    /// (`value` empty: holds the name with any value).
+    fn matches_by(&self, has: impl Fn(&str, &str) -> bool) -> bool {
         let mut names: Vec<&str> = self.include.iter().map(|l| l.name.as_str()).collect();
         names.dedup();
         for name in names {
-            let ok = self.include.values_of(name).any(|want| {
-                if want.is_empty() {
-                    set.values_of(name).next().is_some()
-                } else {
-                    set.contains(name, want)
-                }
-            });
-            if !ok {
+            if !self.include.values_of(name).any(|want| has(name, want)) {
                 return false;
             }
         }
-        for l in self.exclude.iter() {
-            let hit = if l.value.is_empty() {
-                set.values_of(&l.name).next().is_some()
-            } else {
-                set.contains(&l.name, &l.value)
-            };
-            if hit {
-                return false;
-            }
-        }
-        true
+        !self.exclude.iter().any(|l| has(&l.name, &l.value))
     }
 
     pub fn to_text(&self) -> String {
@@ -824,7 +863,10 @@ impl JournalSpec {
         }
     }
 
-    /// Checks every field. Labels were already checked when parsed.
+    /// Checks every field. Each label was already checked when parsed; here
+    /// the labels as a set, by Gazette's rules: no meta-label (`name`,
+    /// `prefix`), no name with both an empty and another value, and one
+    /// value at most of each of [`SINGLE_VALUE_LABELS`].
     pub fn validate(&self) -> Result<(), SpecError> {
         validate_journal_name(&self.name)?;
         let bad = |why: String| {
@@ -833,6 +875,33 @@ impl JournalSpec {
                 why,
             })
         };
+        for meta in [META_LABEL_NAME, META_LABEL_PREFIX] {
+            if self.labels.values_of(meta).next().is_some() {
+                return bad(format!(
+                    "labels cannot include label {meta:?}: selectors match it against the journal's name"
+                ));
+            }
+        }
+        let labels: Vec<&Label> = self.labels.iter().collect();
+        for pair in labels.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            if a.name != b.name {
+                continue;
+            }
+            // Sorted by value: an empty value comes first.
+            if a.value.is_empty() {
+                return bad(format!(
+                    "label {:?} has an empty value and the value {:?}",
+                    a.name, b.value
+                ));
+            }
+            if SINGLE_VALUE_LABELS.contains(&a.name.as_str()) {
+                return bad(format!(
+                    "label {:?} takes one value, not {:?} and {:?}",
+                    a.name, a.value, b.value
+                ));
+            }
+        }
         if self.replication == 0 || self.replication > 16 {
             return bad(format!(
                 "replication must be 1 to 16, not {}",
@@ -1196,6 +1265,72 @@ mod tests {
             let err = LabelSelector::parse(empty_term).unwrap_err().to_string();
             assert!(err.contains("an empty term"), "{empty_term}: {err}");
         }
+    }
+
+    #[test]
+    fn journal_selectors_know_name_and_prefix() {
+        let labels = set(&[("app", "orders")]);
+        let m = |t: &str, journal: &str| {
+            LabelSelector::parse_journals(t)
+                .unwrap()
+                .matches_journal(journal, &labels)
+        };
+        assert!(m("name=orders/part-000", "orders/part-000"));
+        assert!(!m("name=orders/part-000", "orders/part-001"));
+        assert!(m("name in (x/y/z, orders/part-001)", "orders/part-001"));
+        assert!(m("name", "orders/part-000"));
+        assert!(!m("!name", "orders/part-000"));
+        assert!(m("prefix=orders/", "orders/part-000"));
+        assert!(m("prefix=orders/", "orders/eu/part-000"));
+        assert!(!m("prefix=orders/", "ordersx/part-000"));
+        assert!(!m("prefix=orders/part-000/", "orders/part-000"));
+        assert!(m("prefix=orders/,app=orders", "orders/part-000"));
+        assert!(!m("prefix=orders/,app=other", "orders/part-000"));
+        assert!(m("prefix in (a/, orders/)", "orders/part-000"));
+        assert!(!m("prefix!=orders/", "orders/part-000"));
+        assert!(m("prefix notin (a/, b/)", "orders/part-000"));
+        assert!(!m("name!=orders/part-000", "orders/part-000"));
+        // Gazette's List cases (broker/list_apply_api_test.go).
+        let journals = ["journal/1/A", "journal/1/C", "journal/2/B"];
+        let pick = |t: &str| -> Vec<&str> {
+            let sel = LabelSelector::parse_journals(t).unwrap();
+            journals
+                .into_iter()
+                .filter(|j| sel.matches_journal(j, &LabelSet::new()))
+                .collect()
+        };
+        assert_eq!(pick("name=journal/2/B"), ["journal/2/B"]);
+        assert_eq!(pick("prefix=journal/1/"), ["journal/1/A", "journal/1/C"]);
+        // Without the journal's name, `name` and `prefix` are labels like
+        // any other (register checks).
+        assert!(!LabelSelector::parse("name=x").unwrap().matches(&labels));
+        for bad in ["prefix=orders", "prefix", "!prefix", "prefix in (a/, b)"] {
+            let err = LabelSelector::parse_journals(bad).unwrap_err().to_string();
+            assert!(err.contains("must end in '/'"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn spec_labels_follow_gazette_s_set_rules() {
+        for meta in ["name", "prefix"] {
+            let e = parse_specs(&format!("name: a/b/c\nlabels: {{{meta}: x/}}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("cannot include label \"{meta}\"")),
+                "{e}"
+            );
+        }
+        let e = parse_specs("name: a/b/c\nlabels: {tag: ['', x]}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has an empty value and the value \"x\""), "{e}");
+        let e = parse_specs("name: a/b/c\nlabels: {content-type: [text/csv, text/plain]}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"content-type\" takes one value"), "{e}");
+        // Several values of other names, or one of a single-value label.
+        parse_specs("name: a/b/c\nlabels: {tag: [x, y], content-type: text/csv, e: ''}").unwrap();
     }
 
     #[test]
