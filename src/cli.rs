@@ -518,10 +518,14 @@ struct AppendArgs {
     /// Commit only if the journal's registers match this selector.
     #[arg(long = "check-registers", value_name = "SELECTOR")]
     check_registers: Option<String>,
-    /// Registers to add when the append commits: `k=v,k2=v2`.
+    /// Registers to set when the append commits, `k=v,k2=v2`: each name
+    /// given gets exactly these values, replacing those it had. Applied
+    /// after --subtract-registers.
     #[arg(long = "union-registers", value_name = "K=V,...")]
     union_registers: Option<String>,
-    /// Registers to remove when the append commits: `k=v` or `k` (every value).
+    /// Registers to remove when the append commits, `k=v,...`: a name is
+    /// removed when its values are exactly those given (`k` alone is the
+    /// empty value, which removes only an empty `k`).
     #[arg(long = "subtract-registers", value_name = "K=V,...")]
     subtract_registers: Option<String>,
     #[command(flatten)]
@@ -867,7 +871,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.ack_poll = args.ack_poll;
     config.replica_ack_timeout = args.replica_ack_timeout;
     if let Some(selector) = &args.metrics_journals {
-        rotary_net::spec::LabelSelector::parse(selector).map_err(|e| {
+        rotary_net::spec::LabelSelector::parse_journals(selector).map_err(|e| {
             CliError::Usage("BAD_USAGE", format!("--metrics-journals {selector:?}: {e}"))
         })?;
     }
@@ -1341,13 +1345,13 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             broker,
             ..
         } if watch => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             watch_journals(&client, &selector).await
         }
         JournalsCmd::Edit { selector, broker } => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             edit_journals(&client, &selector).await
@@ -1358,7 +1362,7 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             broker,
             ..
         } => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             let list = client.list(&selector).await?;
@@ -1395,7 +1399,7 @@ async fn journals(cmd: JournalsCmd) -> CmdResult {
             output,
             broker,
         } => {
-            LabelSelector::parse(&selector)
+            LabelSelector::parse_journals(&selector)
                 .map_err(|e| CliError::Usage("BAD_REQUEST", e.to_string()))?;
             let client = connect(&broker).await?;
             let pruned = client.prune(&selector, dry_run).await?;

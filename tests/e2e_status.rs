@@ -66,9 +66,9 @@ async fn preconditions_and_register_sequences() {
     assert_eq!(reply.begin, reply.end);
     assert!(!err.is_retryable());
 
-    // subtract with an empty value removes every value of the name.
+    // subtract removes a name whose values are exactly those given.
     let mut a = req(j);
-    a.subtract_registers = labels("owner");
+    a.subtract_registers = labels("owner=w1");
     let r = client.append(&a, b"three".to_vec()).await.unwrap();
     assert_eq!((r.begin, r.end), (6, 11));
     assert_eq!(r.registers, labels("epoch=1"));

@@ -162,8 +162,10 @@ struct Append {
     cuts: Vec<usize>,
     expect: Expect,
     check: Option<Check>,
+    /// Sets the name to this one value.
     union: Option<(&'static str, &'static str)>,
-    /// An empty value removes every value of the name.
+    /// Removes the name if this is its one value (an empty value removes
+    /// nothing, as registers here never hold one).
     subtract: Option<(&'static str, &'static str)>,
     end: End,
 }
@@ -569,11 +571,20 @@ impl Model {
         if a.len == 0 {
             return r;
         }
-        if let Some((n, v)) = a.union {
-            r.insert((n.into(), v.into()));
-        }
+        // Subtract, then union (docs/PROTOCOL.md §6.2).
         if let Some((n, v)) = a.subtract {
-            r.retain(|(rn, rv)| !(rn == n && (v.is_empty() || rv == v)));
+            let values: Vec<&str> = r
+                .iter()
+                .filter(|(rn, _)| rn == n)
+                .map(|(_, rv)| rv.as_str())
+                .collect();
+            if values == [v] {
+                r.retain(|(rn, _)| rn != n);
+            }
+        }
+        if let Some((n, v)) = a.union {
+            r.retain(|(rn, _)| rn != n);
+            r.insert((n.into(), v.into()));
         }
         r
     }

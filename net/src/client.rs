@@ -817,7 +817,7 @@ impl Client {
     /// or listed all the same, as with any listing that is not one answer.
     pub async fn list(&self, selector: &str) -> Result<Vec<JournalInfo>, ClientError> {
         // Check the text here so a typo is an error, not an empty list.
-        let _ = crate::spec::LabelSelector::parse(selector)?;
+        let _ = crate::spec::LabelSelector::parse_journals(selector)?;
         let conn = self.bootstrap_conn().await?;
         let mut journals = Vec::new();
         let mut after = String::new();
@@ -939,7 +939,7 @@ impl Client {
         selector: &str,
         dry_run: bool,
     ) -> Result<Vec<PrunedFragment>, ClientError> {
-        let _ = crate::spec::LabelSelector::parse(selector)?;
+        let _ = crate::spec::LabelSelector::parse_journals(selector)?;
         let body = serde_json::to_vec(&serde_json::json!({
             "selector": selector,
             "dry_run": dry_run,

@@ -37,6 +37,25 @@ pub const JOURNAL_NAME_PART_LEN_MAX: usize = 255;
 pub const LABEL_NAME_LEN_MAX: usize = 64;
 pub const LABEL_VALUE_LEN_MAX: usize = 1024;
 
+/// The meta-label every journal has in a selector: its name. A spec may not
+/// carry it as a label (as in Gazette).
+pub const META_LABEL_NAME: &str = "name";
+/// The meta-label a journal has in a selector for each prefix of its name
+/// that ends in `/`: `prefix=orders/` selects `orders/part-000`. A spec may
+/// not carry it as a label, and a selector's values of it must end in `/`.
+pub const META_LABEL_PREFIX: &str = "prefix";
+
+/// Labels of Gazette's (its `labels.SingleValueLabels`) that a spec may give
+/// one value at most.
+pub const SINGLE_VALUE_LABELS: [&str; 6] = [
+    "content-type",
+    "app.gazette.dev/instance",
+    "app.gazette.dev/managed-by",
+    "app.gazette.dev/message-subtype",
+    "app.gazette.dev/message-type",
+    "app.gazette.dev/region",
+];
+
 fn is_name_char(c: char) -> bool {
     c.is_alphanumeric() || matches!(c, '-' | '_' | '+' | '/' | '.' | '=' | '%')
 }
@@ -199,24 +218,67 @@ impl LabelSet {
             .any(|l| l.name == name && l.value == value)
     }
 
-    /// Adds every label of `other` (Gazette's union of registers).
-    pub fn union(&mut self, other: &LabelSet) {
-        for l in &other.labels {
-            if let Err(at) = self.labels.binary_search(l) {
-                self.labels.insert(at, l.clone());
-            }
-        }
+    /// The labels of `name`: a range of indices, empty where `name` would sit
+    /// if the set has no value of it.
+    fn name_range(&self, name: &str) -> std::ops::Range<usize> {
+        let begin = self.labels.partition_point(|l| l.name.as_str() < name);
+        let len = self.labels[begin..].partition_point(|l| l.name == name);
+        begin..begin + len
     }
 
-    /// Removes labels of `other`. A label of `other` with an empty value
-    /// removes every value of its name.
+    /// Sets each name of `other` to exactly the values it has in `other`,
+    /// replacing every value the name had here; names `other` lacks keep
+    /// theirs. This is Gazette's `UnionLabelSets(other, self)`, with
+    /// `other`'s values preferred, the union an append's `union_registers`
+    /// makes: `{author: old}` ∪ `{author: new}` is `{author: new}`, so a
+    /// check for `author=old` fails from then on.
+    pub fn union(&mut self, other: &LabelSet) {
+        if other.is_empty() {
+            return;
+        }
+        self.labels.retain(|l| other.name_range(&l.name).is_empty());
+        // The names left and those of `other` are disjoint: no duplicates.
+        self.labels.extend_from_slice(&other.labels);
+        self.labels.sort_unstable();
+        debug_assert!(self.labels.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    /// Removes each name whose values here are exactly its values in
+    /// `other` (all of them, no more, no fewer); every other name keeps all
+    /// its values. This is Gazette's `SubtractLabelSet(self, other)`:
+    /// `{author: a}` − `{author: a}` is `{}`, but `{author: [a, b]}` −
+    /// `{author: a}` and `{author: a}` − `{author: ""}` change nothing. An
+    /// empty value removes only a name whose one value is empty.
     pub fn subtract(&mut self, other: &LabelSet) {
-        self.labels.retain(|l| {
-            !other
-                .labels
-                .iter()
-                .any(|o| o.name == l.name && (o.value.is_empty() || o.value == l.value))
-        });
+        if other.is_empty() {
+            return;
+        }
+        let mut out = Vec::with_capacity(self.labels.len());
+        let mut at = 0;
+        while at < self.labels.len() {
+            let mine = self.name_range(&self.labels[at].name);
+            debug_assert_eq!(mine.start, at);
+            let theirs = other.name_range(&self.labels[at].name);
+            let same = mine.len() == theirs.len()
+                && self.labels[mine.clone()]
+                    .iter()
+                    .zip(&other.labels[theirs])
+                    .all(|(m, t)| m.value == t.value);
+            if !same {
+                out.extend_from_slice(&self.labels[mine.clone()]);
+            }
+            at = mine.end;
+        }
+        self.labels = out;
+    }
+
+    /// The registers after an append that commits at least one byte with
+    /// these changes: `subtract` first, then `union` (Gazette's append FSM
+    /// does the same). So `subtract {author: a}` with `union {author: a}`
+    /// keeps `author=a`, where the other order would drop it.
+    pub fn apply_append_changes(&mut self, union: &LabelSet, subtract: &LabelSet) {
+        self.subtract(subtract);
+        self.union(union);
     }
 
     /// `name=value,name=value` (the form selectors and the CLI use).
@@ -423,34 +485,54 @@ impl LabelSelector {
         Ok(sel)
     }
 
+    /// Parses a selector of journals (LIST, PRUNE, `--metrics-journals`):
+    /// as [`parse`](Self::parse), and each value of the meta-label `prefix`
+    /// must end in `/` (Gazette refuses the others too).
+    pub fn parse_journals(text: &str) -> Result<Self, SpecError> {
+        let sel = Self::parse(text)?;
+        for l in sel.include.iter().chain(sel.exclude.iter()) {
+            if l.name == META_LABEL_PREFIX && !l.value.ends_with('/') {
+                return Err(SpecError::BadSelector {
+                    text: text.to_string(),
+                    why: "a value of 'prefix' must end in '/', e.g. prefix=orders/",
+                });
+            }
+        }
+        Ok(sel)
+    }
+
     /// Whether `set` satisfies the selector. Include requirements sharing a
     /// name are alternatives (`a=1,a=2` matches either value).
     pub fn matches(&self, set: &LabelSet) -> bool {
+        self.matches_by(|name, value| match value {
+            "" => set.values_of(name).next().is_some(),
+            value => set.contains(name, value),
+        })
+    }
+
+    /// Whether the journal `journal`, labelled `labels`, satisfies the
+    /// selector, which may also name the meta-labels: `name` (the journal's
+    /// name) and `prefix` (each prefix of the name that ends in `/`).
+    pub fn matches_journal(&self, journal: &str, labels: &LabelSet) -> bool {
+        self.matches_by(|name, value| match name {
+            META_LABEL_NAME => value.is_empty() || value == journal,
+            META_LABEL_PREFIX => value.ends_with('/') && journal.starts_with(value),
+            _ if value.is_empty() => labels.values_of(name).next().is_some(),
+            _ => labels.contains(name, value),
+        })
+    }
+
+    /// The selector over a set that `has(name, value)` says holds the label
+    /// (`value` empty: holds the name with any value).
+    fn matches_by(&self, has: impl Fn(&str, &str) -> bool) -> bool {
         let mut names: Vec<&str> = self.include.iter().map(|l| l.name.as_str()).collect();
         names.dedup();
         for name in names {
-            let ok = self.include.values_of(name).any(|want| {
-                if want.is_empty() {
-                    set.values_of(name).next().is_some()
-                } else {
-                    set.contains(name, want)
-                }
-            });
-            if !ok {
+            if !self.include.values_of(name).any(|want| has(name, want)) {
                 return false;
             }
         }
-        for l in self.exclude.iter() {
-            let hit = if l.value.is_empty() {
-                set.values_of(&l.name).next().is_some()
-            } else {
-                set.contains(&l.name, &l.value)
-            };
-            if hit {
-                return false;
-            }
-        }
-        true
+        !self.exclude.iter().any(|l| has(&l.name, &l.value))
     }
 
     pub fn to_text(&self) -> String {
@@ -781,7 +863,10 @@ impl JournalSpec {
         }
     }
 
-    /// Checks every field. Labels were already checked when parsed.
+    /// Checks every field. Each label was already checked when parsed; here
+    /// the labels as a set, by Gazette's rules: no meta-label (`name`,
+    /// `prefix`), no name with both an empty and another value, and one
+    /// value at most of each of [`SINGLE_VALUE_LABELS`].
     pub fn validate(&self) -> Result<(), SpecError> {
         validate_journal_name(&self.name)?;
         let bad = |why: String| {
@@ -790,6 +875,33 @@ impl JournalSpec {
                 why,
             })
         };
+        for meta in [META_LABEL_NAME, META_LABEL_PREFIX] {
+            if self.labels.values_of(meta).next().is_some() {
+                return bad(format!(
+                    "labels cannot include label {meta:?}: selectors match it against the journal's name"
+                ));
+            }
+        }
+        let labels: Vec<&Label> = self.labels.iter().collect();
+        for pair in labels.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            if a.name != b.name {
+                continue;
+            }
+            // Sorted by value: an empty value comes first.
+            if a.value.is_empty() {
+                return bad(format!(
+                    "label {:?} has an empty value and the value {:?}",
+                    a.name, b.value
+                ));
+            }
+            if SINGLE_VALUE_LABELS.contains(&a.name.as_str()) {
+                return bad(format!(
+                    "label {:?} takes one value, not {:?} and {:?}",
+                    a.name, a.value, b.value
+                ));
+            }
+        }
         if self.replication == 0 || self.replication > 16 {
             return bad(format!(
                 "replication must be 1 to 16, not {}",
@@ -924,13 +1036,188 @@ mod tests {
         );
     }
 
+    fn set(pairs: &[(&str, &str)]) -> LabelSet {
+        LabelSet::from_pairs(pairs.iter().copied()).unwrap()
+    }
+
     #[test]
-    fn label_set_union_subtract() {
-        let mut a = LabelSet::from_pairs([("x", "1"), ("y", "2")]).unwrap();
-        a.union(&LabelSet::from_pairs([("x", "3"), ("y", "2")]).unwrap());
-        assert_eq!(a.to_text(), "x=1,x=3,y=2");
-        a.subtract(&LabelSet::from_pairs([("x", "")]).unwrap());
-        assert_eq!(a.to_text(), "y=2");
+    fn union_replaces_the_values_of_each_name_it_carries() {
+        // Gazette's TestUnion (label_extensions_test.go): where both sets
+        // have a name, the values of the set passed first win; here that
+        // is the argument, an append's `union_registers`.
+        let mut registers = set(&[
+            ("aaa", "val-4"),
+            ("aaa", "val-5"),
+            ("bbb", "val-6"),
+            ("ddd", "val-7"),
+        ]);
+        registers.union(&set(&[
+            ("bbb", "val-1"),
+            ("bbb", "val-2"),
+            ("ccc", "val-3"),
+        ]));
+        assert_eq!(
+            registers,
+            set(&[
+                ("aaa", "val-4"),
+                ("aaa", "val-5"),
+                ("bbb", "val-1"),
+                ("bbb", "val-2"),
+                ("ccc", "val-3"),
+                ("ddd", "val-7"),
+            ])
+        );
+        // A deposed writer's check fails once the new writer's union
+        // commits: the old value is gone, not kept beside the new one.
+        let mut registers = set(&[("author", "old1"), ("epoch", "7")]);
+        registers.union(&set(&[("author", "new2")]));
+        assert_eq!(registers.to_text(), "author=new2,epoch=7");
+        let old = LabelSelector::parse("author=old1").unwrap();
+        assert!(!old.matches(&registers));
+        assert!(LabelSelector::parse("author=new2")
+            .unwrap()
+            .matches(&registers));
+        // An empty value replaces too, and an empty union changes nothing.
+        registers.union(&set(&[("author", "")]));
+        assert_eq!(registers.to_text(), "author,epoch=7");
+        registers.union(&LabelSet::new());
+        assert_eq!(registers.to_text(), "author,epoch=7");
+    }
+
+    #[test]
+    fn subtract_removes_a_name_only_when_all_its_values_match() {
+        // Gazette's TestSubtraction (label_extensions_test.go).
+        let mut registers = set(&[
+            ("aaa", "val"),   // Matched.
+            ("bbb", "val-1"), // Differs on value.
+            ("ccc", "val-1"),
+            ("ccc", "val-2"), // Value only here.
+            ("ddd", "val-1"), // Matched.
+            ("ddd", "val-2"), // Matched.
+            ("eee", "val"),   // Only here.
+            ("ggg", "val"),   // Matched.
+        ]);
+        registers.subtract(&set(&[
+            ("aaa", "val"),
+            ("bbb", "val-2"),
+            ("ccc", "val-1"),
+            ("ddd", "val-1"),
+            ("ddd", "val-2"),
+            ("fff", "val"), // Only in the subtracted set.
+            ("ggg", "val"),
+        ]));
+        assert_eq!(
+            registers,
+            set(&[
+                ("bbb", "val-1"),
+                ("ccc", "val-1"),
+                ("ccc", "val-2"),
+                ("eee", "val"),
+            ])
+        );
+        // An empty value is a value like any other: it removes nothing but
+        // a name whose one value is empty.
+        let mut registers = set(&[("author", "a"), ("flag", "")]);
+        registers.subtract(&set(&[("author", "")]));
+        assert_eq!(registers.to_text(), "author=a,flag");
+        registers.subtract(&set(&[("flag", "")]));
+        assert_eq!(registers.to_text(), "author=a");
+        // More values than the name has: nothing removed either.
+        registers.subtract(&set(&[("author", "a"), ("author", "b")]));
+        assert_eq!(registers.to_text(), "author=a");
+    }
+
+    #[test]
+    fn an_append_subtracts_before_it_unions() {
+        // Subtract-then-union of one value keeps it; union-then-subtract
+        // would have dropped it.
+        let mut registers = set(&[("author", "a")]);
+        registers.apply_append_changes(&set(&[("author", "a")]), &set(&[("author", "a")]));
+        assert_eq!(registers.to_text(), "author=a");
+        // A hand-over in one append.
+        registers.apply_append_changes(&set(&[("author", "b")]), &set(&[("author", "a")]));
+        assert_eq!(registers.to_text(), "author=b");
+
+        // Gazette's TestAppendRegisters (broker/append_api_test.go): each
+        // append checks the registers, then subtracts, then unions.
+        let mut registers = LabelSet::new();
+        type Pairs<'a> = &'a [(&'a str, &'a str)];
+        // (check, subtract, union, registers after)
+        let steps: [(&str, Pairs, Pairs, &str); 4] = [
+            ("", &[], &[("AA", "11"), ("BB", "22")], "AA=11,BB=22"),
+            (
+                "AA in (11), BB",
+                &[("AA", "11"), ("BB", "XYZ")],
+                &[("CC", "33")],
+                "BB=22,CC=33",
+            ),
+            ("!AA, CC", &[("CC", "33")], &[("AA", "44")], "AA=44,BB=22"),
+            // REGISTER_MISMATCH: nothing changes.
+            ("AA = 55", &[], &[("ZZZ", "")], "AA=44,BB=22"),
+        ];
+        for (check, subtract, union, want) in steps {
+            if LabelSelector::parse(check).unwrap().matches(&registers) {
+                registers.apply_append_changes(&set(union), &set(subtract));
+            } else {
+                assert_eq!(check, "AA = 55");
+            }
+            assert_eq!(registers.to_text(), want, "after {check:?}");
+        }
+    }
+
+    #[test]
+    fn selectors_match_as_gazette_s() {
+        // Gazette's TestSelectorMatchingCases (label_extensions_test.go),
+        // but for its `inc-1:prefix` term, which rotary's selectors lack.
+        let sel = LabelSelector::parse(
+            "inc-2, inc-3 in (val-1, val-2), !exc-1, exc-2 notin (val-3, val-4)",
+        )
+        .unwrap();
+        let cases: [(&[(&str, &str)], bool); 10] = [
+            (&[], false),
+            (
+                &[("foo", "bar"), ("inc-2", "any"), ("inc-3", "val-1")],
+                true,
+            ),
+            (
+                &[("foo", "bar"), ("inc-2", "foo"), ("inc-3", "val-1")],
+                true,
+            ),
+            (
+                &[("foo", "bar"), ("inc-2", "any"), ("inc-3", "val-2")],
+                true,
+            ),
+            (&[("foo", "bar"), ("inc-3", "val-1")], false),
+            (
+                &[("foo", "bar"), ("inc-2", "any"), ("inc-3", "val-other")],
+                false,
+            ),
+            (
+                &[("exc-1", "any"), ("inc-2", "any"), ("inc-3", "val-1")],
+                false,
+            ),
+            (
+                &[("exc-2", "val-4"), ("inc-2", "any"), ("inc-3", "val-1")],
+                false,
+            ),
+            (
+                &[("exc-2", "val-ok"), ("inc-2", "any"), ("inc-3", "val-1")],
+                true,
+            ),
+            // An empty include value asks for the name with any value,
+            // the empty one too.
+            (&[("inc-2", ""), ("inc-3", "val-1")], true),
+        ];
+        for (labels, want) in cases {
+            assert_eq!(sel.matches(&set(labels)), want, "{labels:?}");
+        }
+        // Exclude only.
+        let sel = LabelSelector::parse("!exc-1, exc-2 notin (val-3, val-4)").unwrap();
+        assert!(sel.matches(&LabelSet::new()));
+        assert!(sel.matches(&set(&[("foo", "bar")])));
+        assert!(sel.matches(&set(&[("exc-2", "val-ok"), ("foo", "bar")])));
+        assert!(!sel.matches(&set(&[("exc-2", "val-3"), ("foo", "bar")])));
+        assert!(!sel.matches(&set(&[("exc-1", "any"), ("foo", "bar")])));
     }
 
     #[test]
@@ -978,6 +1265,72 @@ mod tests {
             let err = LabelSelector::parse(empty_term).unwrap_err().to_string();
             assert!(err.contains("an empty term"), "{empty_term}: {err}");
         }
+    }
+
+    #[test]
+    fn journal_selectors_know_name_and_prefix() {
+        let labels = set(&[("app", "orders")]);
+        let m = |t: &str, journal: &str| {
+            LabelSelector::parse_journals(t)
+                .unwrap()
+                .matches_journal(journal, &labels)
+        };
+        assert!(m("name=orders/part-000", "orders/part-000"));
+        assert!(!m("name=orders/part-000", "orders/part-001"));
+        assert!(m("name in (x/y/z, orders/part-001)", "orders/part-001"));
+        assert!(m("name", "orders/part-000"));
+        assert!(!m("!name", "orders/part-000"));
+        assert!(m("prefix=orders/", "orders/part-000"));
+        assert!(m("prefix=orders/", "orders/eu/part-000"));
+        assert!(!m("prefix=orders/", "ordersx/part-000"));
+        assert!(!m("prefix=orders/part-000/", "orders/part-000"));
+        assert!(m("prefix=orders/,app=orders", "orders/part-000"));
+        assert!(!m("prefix=orders/,app=other", "orders/part-000"));
+        assert!(m("prefix in (a/, orders/)", "orders/part-000"));
+        assert!(!m("prefix!=orders/", "orders/part-000"));
+        assert!(m("prefix notin (a/, b/)", "orders/part-000"));
+        assert!(!m("name!=orders/part-000", "orders/part-000"));
+        // Gazette's List cases (broker/list_apply_api_test.go).
+        let journals = ["journal/1/A", "journal/1/C", "journal/2/B"];
+        let pick = |t: &str| -> Vec<&str> {
+            let sel = LabelSelector::parse_journals(t).unwrap();
+            journals
+                .into_iter()
+                .filter(|j| sel.matches_journal(j, &LabelSet::new()))
+                .collect()
+        };
+        assert_eq!(pick("name=journal/2/B"), ["journal/2/B"]);
+        assert_eq!(pick("prefix=journal/1/"), ["journal/1/A", "journal/1/C"]);
+        // Without the journal's name, `name` and `prefix` are labels like
+        // any other (register checks).
+        assert!(!LabelSelector::parse("name=x").unwrap().matches(&labels));
+        for bad in ["prefix=orders", "prefix", "!prefix", "prefix in (a/, b)"] {
+            let err = LabelSelector::parse_journals(bad).unwrap_err().to_string();
+            assert!(err.contains("must end in '/'"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn spec_labels_follow_gazette_s_set_rules() {
+        for meta in ["name", "prefix"] {
+            let e = parse_specs(&format!("name: a/b/c\nlabels: {{{meta}: x/}}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("cannot include label \"{meta}\"")),
+                "{e}"
+            );
+        }
+        let e = parse_specs("name: a/b/c\nlabels: {tag: ['', x]}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has an empty value and the value \"x\""), "{e}");
+        let e = parse_specs("name: a/b/c\nlabels: {content-type: [text/csv, text/plain]}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"content-type\" takes one value"), "{e}");
+        // Several values of other names, or one of a single-value label.
+        parse_specs("name: a/b/c\nlabels: {tag: [x, y], content-type: text/csv, e: ''}").unwrap();
     }
 
     #[test]

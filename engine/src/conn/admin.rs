@@ -62,7 +62,7 @@ impl SelectorRequest {
             limit: Option<u32>,
         }
         let raw: Raw = json_or_default(payload, what)?;
-        let selector = LabelSelector::parse(&raw.selector).map_err(|e| e.to_string())?;
+        let selector = LabelSelector::parse_journals(&raw.selector).map_err(|e| e.to_string())?;
         let max = wire::LIST_PAGE_MAX;
         let limit = raw.limit.unwrap_or(max);
         if limit == 0 || limit > max {
@@ -305,10 +305,9 @@ impl Conn {
             Err(e) => return self.admin_err(id, Status::BAD_REQUEST, &e),
         };
         let sel = &req.selector;
-        let (page, more) = self
-            .shard
-            .specs
-            .page(&req.after, req.limit, |s| sel.matches(&s.labels));
+        let (page, more) = self.shard.specs.page(&req.after, req.limit, |s| {
+            sel.matches_journal(&s.name, &s.labels)
+        });
         let view = self.shard.view();
         let out: Vec<ListedOut> = page
             .into_iter()

@@ -503,7 +503,7 @@ impl Shard {
         let mut due = Vec::new();
         for spec in self.specs.all() {
             let retention = spec.fragment.retention;
-            if !selector.matches(&spec.labels) || retention.is_zero() {
+            if !selector.matches_journal(&spec.name, &spec.labels) || retention.is_zero() {
                 continue;
             }
             for store in &spec.fragment.stores {

@@ -256,8 +256,8 @@ impl Shard {
         }
         let mut registers = jm.heads.staged_registers().clone();
         if begin != end {
-            registers.union(&a.op.req.union_registers);
-            registers.subtract(&a.op.req.subtract_registers);
+            // Subtract, then union, as Gazette: docs/PROTOCOL.md §6.2.
+            registers.apply_append_changes(&a.op.req.union_registers, &a.op.req.subtract_registers);
         }
         if registers.encoded_len() > rotary_net::wire::REGISTERS_ENCODED_LEN_MAX {
             // Replies carry the registers; they must stay encodable.
