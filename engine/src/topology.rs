@@ -243,17 +243,23 @@ impl ClusterView {
     /// in slot order. Without a live primary (slot 0 empty, or its member
     /// gone) the route is empty until the allocator promotes a replica:
     /// nobody takes appends, and no replica acts as a primary on its own.
+    /// A member is in a route once, at its first slot (the control thread
+    /// hands sound slots; a route that named a member twice would count
+    /// one copy as two).
     fn assigned_route(&self, assigned: &Assigned, journal: &str, replication: u32) -> Route {
         let slots = assigned.routes.get(journal).map(Vec::as_slice);
-        let members: Vec<Member> = match slots {
-            Some([Some(primary), ..]) if self.member(primary).is_some() => slots
-                .unwrap_or_default()
-                .iter()
-                .flatten()
-                .filter_map(|id| self.member(id).cloned())
-                .collect(),
-            _ => Vec::new(),
-        };
+        let mut members: Vec<Member> = Vec::new();
+        if let Some([Some(primary), ..]) = slots {
+            if self.member(primary).is_some() {
+                for id in slots.unwrap_or_default().iter().flatten() {
+                    if let Some(m) = self.member(id) {
+                        if !members.iter().any(|x| x.id == m.id) {
+                            members.push(m.clone());
+                        }
+                    }
+                }
+            }
+        }
         Route {
             members,
             replication: replication as usize,

@@ -87,6 +87,22 @@ impl Compare {
         )
     }
 
+    /// Compares the mod revision of every key with the (non-empty) prefix:
+    /// holds when each key's does, or when there is no such key and a key
+    /// that does not exist (mod revision 0) would (etcd's range compare).
+    /// `mod_revision_of_prefix(p, Less, r + 1)`: no key with the prefix was
+    /// created or changed after revision `r`.
+    pub fn mod_revision_of_prefix(
+        prefix: impl Into<Vec<u8>>,
+        op: CompareOp,
+        revision: i64,
+    ) -> Compare {
+        let (key, range_end) = prefix_range(prefix.into());
+        let mut c = Compare::mod_revision(key, op, revision);
+        c.0.range_end = range_end;
+        c
+    }
+
     /// Holds when the key does not exist.
     pub fn absent(key: impl Into<Vec<u8>>) -> Compare {
         Compare::create_revision(key, CompareOp::Equal, 0)

@@ -117,3 +117,129 @@ impl Drop for EtcdCluster {
         }
     }
 }
+
+/// One journal's assignment keys as etcd holds them: (member id, slot),
+/// in key order.
+pub type AssignmentKeys = std::collections::BTreeMap<String, Vec<(String, u32)>>;
+
+impl EtcdCluster {
+    /// Every assignment key, and every member key's id and lease, read
+    /// from etcd directly (the brokers' default prefix `/rotary`); `None`
+    /// while etcd does not answer.
+    pub async fn etcd_keys(&self) -> Option<(AssignmentKeys, Vec<(String, i64)>)> {
+        let options = rotary_etcd::ClientOptions {
+            request_timeout: Duration::from_secs(2),
+            ..rotary_etcd::ClientOptions::default()
+        };
+        let etcd = rotary_etcd::Client::connect(&[self.etcd.endpoint()], options)
+            .await
+            .ok()?;
+        let assigned = etcd.range_prefix("/rotary/assign/").await.ok()?;
+        let members = etcd.range_prefix("/rotary/members/").await.ok()?;
+        let mut out = AssignmentKeys::new();
+        for kv in assigned.kvs {
+            let key = String::from_utf8_lossy(&kv.key).into_owned();
+            let rest = key
+                .strip_prefix("/rotary/assign/")
+                .expect("under the prefix");
+            let parts: Vec<&str> = rest.split('#').collect();
+            let [journal, _zone, id, slot] = parts.as_slice() else {
+                panic!("assignment key {key:?} is not journal#zone#id#slot");
+            };
+            out.entry(journal.to_string())
+                .or_default()
+                .push((id.to_string(), slot.parse().expect("a slot")));
+        }
+        let ids = members
+            .kvs
+            .iter()
+            .map(|kv| {
+                let key = String::from_utf8_lossy(&kv.key).into_owned();
+                let id = key.rsplit('#').next().expect("zone#id").to_string();
+                (id, kv.lease)
+            })
+            .collect();
+        Some((out, ids))
+    }
+
+    /// Waits until etcd holds every broker as a member and, for each
+    /// `(journal, replication)`, exactly `replication` assignments of
+    /// distinct live members with one primary; checks on every read, from
+    /// the first on, that no journal has two primaries or one member at
+    /// two slots. Returns how long it took.
+    pub async fn wait_whole(&self, journals: &[(&str, usize)], timeout: Duration) -> Duration {
+        let began = Instant::now();
+        let live: Vec<&str> = self
+            .brokers
+            .iter()
+            .filter(|b| b.is_running())
+            .map(|b| b.id.as_str())
+            .collect();
+        loop {
+            let read = self.etcd_keys().await;
+            if let Some((assigned, members)) = &read {
+                assert_sound(assigned);
+                let whole = live.iter().all(|id| members.iter().any(|(m, _)| m == id))
+                    && journals.iter().all(|(j, r)| {
+                        let keys = assigned.get(*j).map(Vec::as_slice).unwrap_or_default();
+                        keys.len() == *r
+                            && keys.iter().filter(|(_, slot)| *slot == 0).count() == 1
+                            && keys.iter().all(|(id, _)| live.contains(&id.as_str()))
+                    });
+                if whole {
+                    return began.elapsed();
+                }
+            }
+            assert!(
+                began.elapsed() < timeout,
+                "the cluster is not whole after {timeout:?}: {read:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl EtcdCluster {
+    /// Waits until every running broker is a member under a lease other
+    /// than those of `before` (it lost its lease and rejoined), checking
+    /// on every read that the assignments are sound.
+    pub async fn wait_rejoined(&self, before: &[(String, i64)], timeout: Duration) -> Duration {
+        let began = Instant::now();
+        loop {
+            let read = self.etcd_keys().await;
+            if let Some((assigned, members)) = &read {
+                assert_sound(assigned);
+                let rejoined = self.brokers.iter().filter(|b| b.is_running()).all(|b| {
+                    members
+                        .iter()
+                        .any(|(id, lease)| *id == b.id && !before.iter().any(|(_, l)| l == lease))
+                });
+                if rejoined {
+                    return began.elapsed();
+                }
+            }
+            assert!(
+                began.elapsed() < timeout,
+                "the brokers have not rejoined after {timeout:?}: {read:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Asserts that no journal has two primaries (slot-0 keys) or one member
+/// at two slots.
+pub fn assert_sound(assigned: &AssignmentKeys) {
+    for (journal, keys) in assigned {
+        let primaries = keys.iter().filter(|(_, slot)| *slot == 0).count();
+        assert!(
+            primaries <= 1,
+            "{journal} has {primaries} primaries: {keys:?}"
+        );
+        let mut ids: Vec<&str> = keys.iter().map(|(id, _)| id.as_str()).collect();
+        ids.sort_unstable();
+        let n = ids.len();
+        ids.dedup();
+        assert_eq!(ids.len(), n, "{journal} names a member twice: {keys:?}");
+    }
+}

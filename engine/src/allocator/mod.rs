@@ -10,6 +10,12 @@
 //!
 //! What the plan guarantees (tested here, and by a seeded simulation of
 //! brokers joining, leaving, pausing and dying in [`sim`]):
+//! - assignments stay sound: a journal never has one member at two slots
+//!   nor two primaries. Every change that creates a key is guarded by the
+//!   journal's assignments unchanged since the plan's read
+//!   ([`GuardKey::Assignments`]), so a plan from a lagging read lands
+//!   only where it is still right; keys that are unsound anyway are
+//!   repaired first ([`sound`]);
 //! - a journal is never taken below its replication in consistent copies
 //!   by a removal: replacements are added first, and the old copy goes only
 //!   once the primary synchronized the new route and wrote it into the
@@ -27,6 +33,7 @@
 
 pub mod keys;
 mod plan;
+pub mod sound;
 pub mod state;
 
 #[cfg(test)]

@@ -47,6 +47,7 @@
 //! journals of replication R over M members.
 
 use super::keys::{AssignmentKey, MemberKey};
+use super::sound;
 use super::state::{route_matches, Assignment, Change, Snapshot};
 use std::cmp::Ordering;
 
@@ -105,6 +106,8 @@ pub fn plan(snapshot: &Snapshot) -> Vec<Change> {
 }
 
 struct Planner<'a> {
+    /// The revision the snapshot was read at.
+    revision: i64,
     mems: Vec<Mem<'a>>,
     curs: Vec<Cur<'a>>,
     jours: Vec<Jour<'a>>,
@@ -127,6 +130,7 @@ impl<'a> Planner<'a> {
             }
         }
         Planner {
+            revision: s.revision,
             mems,
             curs,
             jours,
@@ -471,6 +475,9 @@ impl<'a> Planner<'a> {
                 }
                 continue;
             };
+            if self.repair(j, &mut out) {
+                continue;
+            }
             let mut want = std::mem::take(&mut self.jours[j].want);
             want.sort_unstable();
             let added = self.add(j, &want, &mut out);
@@ -487,6 +494,41 @@ impl<'a> Planner<'a> {
             }
         }
         out
+    }
+
+    /// Where journal `j`'s assignments are unsound (a member at two slots,
+    /// two primaries: keys no guarded write makes, but etcd may hold them
+    /// from before), the changes that make them sound ([`sound::sort_out`]),
+    /// and nothing else for the journal this round: the next plan starts
+    /// from sound keys. Answers whether it repaired.
+    fn repair(&self, j: usize, out: &mut Vec<Change>) -> bool {
+        let (start, end) = self.jours[j].cur;
+        let curs = &self.curs[start..end];
+        let sorted = sound::sort_out(curs.iter().map(|c| (c.key, c.a)));
+        if sorted.is_sound() {
+            return false;
+        }
+        let item_rev = self.jours[j].item.map_or(0, |(_, rev)| rev);
+        for (k, a) in &sorted.dropped {
+            out.push(Change::Remove {
+                key: (*k).clone(),
+                mod_revision: a.mod_revision,
+                item_mod_revision: item_rev,
+                keep: Vec::new(),
+            });
+        }
+        for (k, _, slot) in &sorted.demoted {
+            let c = curs
+                .iter()
+                .find(|c| c.key == *k)
+                .expect("one of the journal's");
+            // Moved under its member's lease: one without a member key
+            // waits for it (it is joining, or its lease is ending).
+            if c.member.is_some() {
+                out.push(self.reslot(c, *slot));
+            }
+        }
+        true
     }
 
     /// Additions of journal `j`'s wanted members (`want`, sorted), at slots
@@ -520,6 +562,7 @@ impl<'a> Planner<'a> {
                 },
                 member_mod_revision: mem.mod_revision,
                 lease: mem.lease,
+                read_revision: self.revision,
             });
         }
         added
@@ -606,11 +649,16 @@ impl<'a> Planner<'a> {
         if curs[first].key.slot == 0 {
             return false;
         }
-        let best = stay
+        // Moved under its member's lease: one without a member key (it is
+        // joining, or its lease is ending) is not promoted.
+        let Some(best) = stay
             .iter()
             .copied()
+            .filter(|&i| curs[i].member.is_some())
             .min_by(|&a, &b| self.promotion_order(&curs[a], &curs[b]))
-            .expect("not empty");
+        else {
+            return false;
+        };
         let c = &curs[best];
         if let Some(m) = c.member {
             self.mems[m as usize].primaries += 1;
@@ -629,6 +677,7 @@ impl<'a> Planner<'a> {
             .enumerate()
             .skip(1)
             .find(|&(k, &i)| curs[i].key.slot != k as u32)
+            .filter(|&(_, &i)| curs[i].member.is_some())
         {
             out.push(self.reslot(&curs[i], k as u32));
         }
@@ -674,6 +723,7 @@ impl<'a> Planner<'a> {
             mod_revision: c.a.mod_revision,
             value: c.a.route.as_ref().map(|r| r.encode()).unwrap_or_default(),
             lease,
+            read_revision: self.revision,
         }
     }
 }

@@ -195,6 +195,8 @@ pub(super) fn check_plan(snap: &Snapshot, changes: &[Change]) {
         let after: Vec<_> = next.assignments_of(j).collect();
         let primaries = after.iter().filter(|(k, _)| k.slot == 0).count();
         assert!(primaries <= 1, "{j} has {primaries} primaries");
+        // Sound after every plan: one that finds them unsound repairs them.
+        sound::assert_sound(after.iter().map(|(k, _)| *k));
         let keys: Vec<&AssignmentKey> = before.iter().map(|(k, _)| *k).collect();
         let consistent_before = before
             .iter()
@@ -669,4 +671,77 @@ fn scaling_up_from_too_few_members() {
     for (j, min) in [("item-1", 1), ("item-2", 2), ("item-3", 2)] {
         assert!(f.snap.assignments_of(j).count() >= min, "{j}");
     }
+}
+
+#[test]
+fn a_member_at_several_slots_and_several_primaries_are_repaired() {
+    // The keys of the fault: three primaries of one journal, and one
+    // broker at every slot.
+    let mut f = Fixture::new();
+    f.item("J", 3);
+    f.members("z1/b1:10 z2/b2:10 z3/b3:10 z4/b4:10");
+    f.assign("J#z1#b1#0")
+        .assign("J#z2#b2#0")
+        .assign("J#z4#b4#0")
+        .assign("J#z4#b4#1")
+        .assign("J#z4#b4#2");
+    let changes = plan(&f.snap);
+    check_plan(&f.snap, &changes);
+    // Nothing but the repair: b1's key is the oldest primary; b4 keeps its
+    // lowest replica slot; b2's primary key moves to a free replica slot.
+    assert!(
+        changes.iter().all(|c| !matches!(c, Change::Add { .. })),
+        "{changes:?}"
+    );
+    f.snap.apply_txn(&changes).expect("applies");
+    f.expect("J: b1#0 b2#2 b4#1");
+    // Then the plan goes on from sound keys, and converges.
+    f.mark_all_consistent();
+    f.settle();
+    f.expect("J: b1#0 b2#2 b4#1");
+    assert!(plan(&f.snap).is_empty());
+
+    // A primary that synchronized its route as primary stays primary, even
+    // where another slot-0 key is older.
+    let mut f = Fixture::new();
+    f.item("K", 2);
+    f.members("z1/b1:10 z2/b2:10");
+    f.assign("K#z1#b1#0").assign("K#z2#b2#0");
+    let b2 = AssignmentKey::new("K", MemberKey::new("z2", "b2").unwrap(), 0).unwrap();
+    let synced = Route::of([&b2, &b2.clone().with_slot(1)]);
+    f.snap.assignments.get_mut(&b2).unwrap().route = Some(synced);
+    let changes = plan(&f.snap);
+    check_plan(&f.snap, &changes);
+    f.snap.apply_txn(&changes).expect("applies");
+    f.expect("K: b1#1 b2#0");
+}
+
+#[test]
+fn a_plan_from_a_lagging_read_lands_nowhere_it_would_break_soundness() {
+    let mut f = Fixture::new();
+    f.item("J", 2);
+    f.members("a/P:10 b/R:10 c/S:10");
+    f.assign("J#a#P#0");
+    let lagging = f.snap.clone();
+    let stale = plan(&lagging);
+    let added: Vec<&AssignmentKey> = stale
+        .iter()
+        .filter_map(|c| match c {
+            Change::Add { key, .. } => Some(key),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(added.len(), 1, "{stale:?}");
+    assert_eq!(added[0].slot, 1);
+    // Meanwhile the same member was given the journal at another slot (a
+    // plan the lagging leader has not seen land).
+    let meanwhile = added[0].with_slot(2);
+    f.assign(&meanwhile.to_string());
+    let before = f.snap.clone();
+    for txn in transactions(&stale, TXN_OPS_MAX) {
+        let e = f.snap.apply_txn(txn).unwrap_err();
+        assert_eq!(e.key, "/root/assign/J#", "{e}");
+        assert_eq!((e.expected, e.found), (lagging.revision, f.snap.revision));
+    }
+    assert_eq!(f.snap, before);
 }

@@ -5,8 +5,19 @@
 //! leader plans and writes its changes as guarded transactions, sometimes
 //! with another event landing between its read and its write.
 //!
-//! After every step it checks: never two primaries of a journal; no member
-//! above its limit, none given a journal while exiting; the allocator never
+//! The leader also plans, now and then, from a key space it read a few
+//! steps ago (its watch lagging behind) and writes that plan to the key
+//! space as it is now; and a journal's keys are now and then made unsound
+//! (a member at a second slot, as a write from before the allocator's
+//! guards could leave them), which the next plan must repair.
+//!
+//! After every step it checks: never two primaries of a journal, never a
+//! member twice in one (but in the journals made unsound, until a plan
+//! repaired them); no member above its limit (but by the journals a plan
+//! from a lagging read gave it: the member's holdings are not in etcd, so
+//! no guard keeps those; the next plans bring it back within its limit,
+//! which holds again once the cluster is quiet), none given a journal
+//! while exiting; the allocator never
 //! takes a journal below min(replication, what it had) in copies holding
 //! every acknowledged byte (a death may drop copies; the allocator may not);
 //! a promoted primary holds every acknowledged byte whenever some copy does.
@@ -76,8 +87,18 @@ pub(super) struct World {
     /// Every member's limit is at least the journal count: full
     /// replication is reachable once the cluster is quiet.
     ample: bool,
+    /// The key space as it was at the last few steps: what a lagging
+    /// leader plans from.
+    history: std::collections::VecDeque<Snapshot>,
+    /// Journals made unsound, not repaired yet.
+    unsound: BTreeSet<String>,
+    /// Per member, the journals plans from lagging reads added.
+    lagging_adds: BTreeMap<MemberKey, usize>,
     trace: Vec<String>,
 }
+
+/// Steps of history a lagging leader may plan from.
+const HISTORY_STEPS: usize = 4;
 
 impl World {
     pub fn new(seed: u64) -> World {
@@ -92,6 +113,9 @@ impl World {
             holders: BTreeMap::new(),
             routes: BTreeMap::new(),
             ample,
+            history: std::collections::VecDeque::new(),
+            unsound: BTreeSet::new(),
+            lagging_adds: BTreeMap::new(),
             trace: Vec::new(),
         };
         let journals = 5 + w.rng.below(20);
@@ -232,6 +256,15 @@ impl World {
                 }
             }
             24..=54 => self.sync_some(),
+            55..=62 => {
+                let at = self.rng.below(self.history.len() as u64) as usize;
+                if let Some(read) = self.history.get(at).cloned() {
+                    self.log(format!("allocate from r{}", read.revision));
+                    let lagging = read.revision < self.snap.revision;
+                    self.allocate_from(read, false, lagging);
+                }
+            }
+            63 => self.make_unsound(),
             _ => {
                 self.allocate(true);
             }
@@ -344,10 +377,46 @@ impl World {
         self.log(format!("sync {j} {:?}", route.members));
     }
 
+    /// A member of a journal given a second slot, as a write from before
+    /// the allocator's guards could (within the member's limit).
+    fn make_unsound(&mut self) {
+        let keys: Vec<AssignmentKey> = self.snap.assignments.keys().cloned().collect();
+        let Some(k) = self.rng.pick(&keys).cloned() else {
+            return;
+        };
+        let m = &self.snap.members[&k.member];
+        if self.snap.held_by(&k.member) >= m.spec.journal_limit as usize {
+            return;
+        }
+        let slot = self
+            .snap
+            .assignments_of(&k.journal)
+            .map(|(k, _)| k.slot + 1)
+            .max()
+            .unwrap_or(0);
+        let rev = self.bump();
+        let extra = k.with_slot(slot);
+        let a = Assignment {
+            route: None,
+            create_revision: rev,
+            mod_revision: rev,
+        };
+        self.snap.assignments.insert(extra.clone(), a);
+        self.unsound.insert(k.journal.clone());
+        self.log(format!("unsound {extra}"));
+    }
+
     /// The leader plans and writes; with `interfere`, an event may land
     /// between its read and its write.
     fn allocate(&mut self, interfere: bool) -> usize {
-        let Some(leader) = self.snap.leader().cloned() else {
+        let read = self.snap.clone();
+        self.allocate_from(read, interfere, false)
+    }
+
+    /// The leader plans from `read` (the key space now, or as it was a few
+    /// steps ago) and writes to the key space as it is now.
+    fn allocate_from(&mut self, read: Snapshot, interfere: bool, lagging: bool) -> usize {
+        let Some(leader) = read.leader().cloned() else {
             return 0;
         };
         if self
@@ -357,7 +426,6 @@ impl World {
         {
             return 0;
         }
-        let read = self.snap.clone();
         let leader_rev = read.members[&leader].mod_revision;
         let changes = plan(&read);
         if changes.is_empty() {
@@ -394,13 +462,24 @@ impl World {
                     for c in txn {
                         match c {
                             Change::Remove { key, .. } => {
+                                // A member keeps its copy while it keeps
+                                // another key of the journal (a repair).
+                                let still = self
+                                    .snap
+                                    .assignments_of(&key.journal)
+                                    .any(|(k, _)| k.member == key.member);
                                 if let Some(h) = self.holders.get_mut(&key.journal) {
-                                    h.remove(&key.member);
+                                    if !still {
+                                        h.remove(&key.member);
+                                    }
                                 }
                             }
                             Change::Add { key, .. } => {
                                 let m = &self.snap.members[&key.member];
                                 assert!(!m.spec.exiting, "{key} given to an exiting member");
+                                if lagging {
+                                    *self.lagging_adds.entry(key.member.clone()).or_default() += 1;
+                                }
                             }
                             Change::Reslot { .. } => {}
                         }
@@ -438,7 +517,22 @@ impl World {
     }
 
     /// What holds after every step.
-    fn check(&self) {
+    fn check(&mut self) {
+        let snap = &self.snap;
+        self.unsound.retain(|j| {
+            let keys = snap.assignments_of(j).map(|(k, _)| k);
+            !sound::is_sound(keys)
+        });
+        for j in self.snap.items.keys() {
+            if !self.unsound.contains(j) {
+                let keys: Vec<&AssignmentKey> =
+                    self.snap.assignments_of(j).map(|(k, _)| k).collect();
+                assert!(
+                    sound::is_sound(keys.iter().copied()),
+                    "{j}'s assignments are unsound: {keys:?}"
+                );
+            }
+        }
         let mut primaries = BTreeSet::new();
         for k in self.snap.assignments.keys() {
             if k.slot == 0 {
@@ -451,8 +545,9 @@ impl World {
         }
         for (k, m) in &self.snap.members {
             let n = self.snap.held_by(k);
+            let lagging = self.lagging_adds.get(k).copied().unwrap_or(0);
             assert!(
-                n <= m.spec.journal_limit as usize,
+                n <= m.spec.journal_limit as usize + lagging,
                 "{k} holds {n} journals, above its limit {}",
                 m.spec.journal_limit
             );
@@ -465,6 +560,10 @@ impl World {
             self.tick();
             self.churn();
             self.check();
+            self.history.push_back(self.snap.clone());
+            if self.history.len() > HISTORY_STEPS {
+                self.history.pop_front();
+            }
         }
         // Quiet: no more membership changes. Paused brokers resume or die,
         // exiting ones drain and leave.
@@ -523,6 +622,15 @@ impl World {
     }
 
     fn check_converged(&self) {
+        assert!(self.unsound.is_empty(), "left unsound: {:?}", self.unsound);
+        for (k, m) in &self.snap.members {
+            let n = self.snap.held_by(k);
+            let limit = m.spec.journal_limit as usize;
+            assert!(
+                n <= limit,
+                "{k} holds {n} journals, above its limit {limit}"
+            );
+        }
         assert!(
             plan(&self.snap).is_empty(),
             "no convergence: {:?}",

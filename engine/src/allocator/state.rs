@@ -311,7 +311,7 @@ impl Snapshot {
         for c in changes {
             for g in c.guards() {
                 let now = self.mod_revision_of(&g.key);
-                if now != g.mod_revision {
+                if !self.holds(&g) {
                     return Err(TxnFailed {
                         key: self.key_string(&g.key),
                         expected: g.mod_revision,
@@ -361,6 +361,20 @@ impl Snapshot {
             GuardKey::Item(j) => self.items.get(j).map_or(0, |i| i.mod_revision),
             GuardKey::Member(m) => self.members.get(m).map_or(0, |m| m.mod_revision),
             GuardKey::Assignment(a) => self.assignments.get(a).map_or(0, |a| a.mod_revision),
+            GuardKey::Assignments(j) => self
+                .assignments_of(j)
+                .map(|(_, a)| a.mod_revision)
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    /// Whether guard `g` holds against this key space.
+    pub fn holds(&self, g: &Guard) -> bool {
+        let now = self.mod_revision_of(&g.key);
+        match g.key {
+            GuardKey::Assignments(_) => now <= g.mod_revision,
+            _ => now == g.mod_revision,
         }
     }
 
@@ -416,21 +430,29 @@ pub enum GuardKey {
     Item(String),
     Member(MemberKey),
     Assignment(AssignmentKey),
+    /// Every assignment key of a journal (the range of its prefix).
+    Assignments(String),
 }
 
 impl GuardKey {
-    /// The etcd key under `prefix`.
+    /// The etcd key under `prefix` (for [`GuardKey::Assignments`], the
+    /// prefix of the journal's assignment keys).
     pub fn to_key(&self, prefix: &str) -> String {
         match self {
             GuardKey::Item(j) => keys::item_key(prefix, j),
             GuardKey::Member(m) => keys::member_key(prefix, m),
             GuardKey::Assignment(a) => keys::assignment_key(prefix, a),
+            GuardKey::Assignments(j) => keys::journal_assignments_prefix(prefix, j),
         }
     }
 }
 
 /// An etcd compare: the key's mod revision equals `mod_revision`; 0 means
-/// the key must not exist.
+/// the key must not exist. For [`GuardKey::Assignments`]: no assignment of
+/// the journal has a mod revision above `mod_revision` (the revision the
+/// decision read), so none was created or changed since: a write that
+/// creates an assignment carries it, and lands only on the assignments
+/// its decision saw (which it found sound and left sound).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Guard {
     pub key: GuardKey,
@@ -463,6 +485,9 @@ pub enum Change {
         key: AssignmentKey,
         member_mod_revision: i64,
         lease: i64,
+        /// The revision the plan read: none of the journal's assignments
+        /// may have changed since.
+        read_revision: i64,
     },
     /// Remove an assignment. Guards: the assignment unchanged, the
     /// journal's spec unchanged (its replication may have grown; for a
@@ -486,6 +511,8 @@ pub enum Change {
         mod_revision: i64,
         value: Vec<u8>,
         lease: i64,
+        /// As [`Change::Add`]'s.
+        read_revision: i64,
     },
 }
 
@@ -504,6 +531,7 @@ impl Change {
             Change::Add {
                 key,
                 member_mod_revision,
+                read_revision,
                 ..
             } => vec![
                 Guard {
@@ -513,6 +541,10 @@ impl Change {
                 Guard {
                     key: GuardKey::Assignment(key.clone()),
                     mod_revision: 0,
+                },
+                Guard {
+                    key: GuardKey::Assignments(key.journal.clone()),
+                    mod_revision: *read_revision,
                 },
             ],
             Change::Remove {
@@ -541,6 +573,7 @@ impl Change {
                 from,
                 to_slot,
                 mod_revision,
+                read_revision,
                 ..
             } => vec![
                 Guard {
@@ -550,6 +583,10 @@ impl Change {
                 Guard {
                     key: GuardKey::Assignment(from.with_slot(*to_slot)),
                     mod_revision: 0,
+                },
+                Guard {
+                    key: GuardKey::Assignments(from.journal.clone()),
+                    mod_revision: *read_revision,
                 },
             ],
         }

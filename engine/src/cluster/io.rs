@@ -14,6 +14,8 @@ pub enum Guard {
     Present(String),
     /// The key's mod revision is this (0: the key does not exist).
     ModRevision(String, i64),
+    /// No key with this prefix was created or changed after this revision.
+    UnchangedSince(String, i64),
 }
 
 /// A write of a transaction.
@@ -142,6 +144,9 @@ impl Etcd {
             Guard::Present(k) => Compare::create_revision(k.into_bytes(), CompareOp::Greater, 0),
             Guard::ModRevision(k, 0) => Compare::absent(k.into_bytes()),
             Guard::ModRevision(k, r) => Compare::mod_revision(k.into_bytes(), CompareOp::Equal, r),
+            Guard::UnchangedSince(p, r) => {
+                Compare::mod_revision_of_prefix(p.into_bytes(), CompareOp::Less, r + 1)
+            }
         });
         let ops = writes.into_iter().map(|w| match w {
             Write::Put { key, value, lease } => Op::put(

@@ -1,15 +1,29 @@
 //! The allocator's driver on the leader: its plan, as guarded etcd writes.
 
 use super::io::{Guard, Write};
-use crate::allocator::{self, MemberKey, Snapshot};
+use crate::allocator::{self, GuardKey, MemberKey, Snapshot};
 
 /// The allocator's changes for `snapshot`, as transactions of guards and
 /// writes (each journal's changes in one, [`allocator::TXN_OPS_MAX`] at
 /// most). Every transaction is also guarded by the leader's own member key
 /// at the revision the plan read, so a leader that lost its place (its
 /// lease expired, another member leads) writes nothing.
-pub fn plan_writes(snapshot: &Snapshot, leader: &MemberKey) -> Vec<(Vec<Guard>, Vec<Write>)> {
-    let changes = allocator::plan(snapshot);
+///
+/// With `hold_back_fresh`, journals that have no assignment at all are
+/// left alone: a leader that has just (re)joined may see every assignment
+/// gone because every broker lost its lease at once (etcd was paused or
+/// restarted past the TTL), and the brokers that hold the journals' bytes
+/// re-create their own assignments once they rejoin. A fresh route given
+/// first would make a broker holding nothing the primary.
+pub fn plan_writes(
+    snapshot: &Snapshot,
+    leader: &MemberKey,
+    hold_back_fresh: bool,
+) -> Vec<(Vec<Guard>, Vec<Write>)> {
+    let mut changes = allocator::plan(snapshot);
+    if hold_back_fresh {
+        changes.retain(|c| snapshot.assignments_of(c.journal()).next().is_some());
+    }
     if changes.is_empty() {
         return Vec::new();
     }
@@ -19,22 +33,30 @@ pub fn plan_writes(snapshot: &Snapshot, leader: &MemberKey) -> Vec<(Vec<Guard>, 
     else {
         return Vec::new();
     };
-    let guard =
-        |g: allocator::Guard| Guard::ModRevision(g.key.to_key(&snapshot.prefix), g.mod_revision);
+    let guard = |g: allocator::Guard| match &g.key {
+        GuardKey::Assignments(_) => {
+            Guard::UnchangedSince(g.key.to_key(&snapshot.prefix), g.mod_revision)
+        }
+        _ => Guard::ModRevision(g.key.to_key(&snapshot.prefix), g.mod_revision),
+    };
     // One compare is the leader's own.
     allocator::transactions(&changes, allocator::TXN_OPS_MAX - 1)
         .into_iter()
         .map(|batch| {
-            let mut guards = vec![guard(mine.clone())];
+            let mut guards = vec![mine.clone()];
             let mut writes = Vec::new();
             for c in batch {
-                guards.extend(c.guards().into_iter().map(guard));
+                for g in c.guards() {
+                    if !guards.contains(&g) {
+                        guards.push(g);
+                    }
+                }
                 writes.extend(c.ops(&snapshot.prefix).into_iter().map(|op| match op {
                     allocator::Op::Put { key, value, lease } => Write::Put { key, value, lease },
                     allocator::Op::Delete { key } => Write::Delete { key },
                 }));
             }
-            (guards, writes)
+            (guards.into_iter().map(guard).collect(), writes)
         })
         .collect()
 }

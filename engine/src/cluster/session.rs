@@ -13,6 +13,7 @@ use super::{now_ms, EtcdConfig};
 use crate::allocator::{self, MemberKey};
 use crate::specs::SpecStore;
 use crate::topology::{ClusterView, Topology};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,7 +32,33 @@ pub struct Session {
     pub stopping: bool,
     /// The view last handed to the shards.
     pub handed: Option<ClusterView>,
+    /// This broker's assignments (journal → slot and value) as last seen
+    /// while its lease surely held: what it holds the bytes of, and
+    /// re-creates if it loses its lease.
+    pub mine: BTreeMap<String, (u32, Vec<u8>)>,
+    /// Assignments still to re-create after a rejoin, and until when
+    /// ([`now_ms`]) to keep trying.
+    pub recreate: BTreeMap<String, (u32, Vec<u8>)>,
+    pub recreate_until_ms: u64,
+    /// The revision the allocator's next plan must read at least (its own
+    /// last write, or past the revision of a plan whose guard failed), and
+    /// until when it waits for the watch to bring it.
+    pub allocate_after: (i64, u64),
+    /// When this broker last rejoined with a new lease, if it did.
+    pub rejoined_ms: Option<u64>,
+    /// The keyspace was read again: the watch restarts after it.
+    pub rewatch: bool,
 }
+
+/// How long after a rejoin a broker keeps trying to re-create its
+/// assignments, in lease TTLs.
+const RECREATE_TTLS: u32 = 4;
+
+/// How long after a rejoin a leader gives no fresh route to a journal
+/// that has no assignment at all, in lease TTLs: the brokers that hold its
+/// bytes rejoin (each finds its lease lost at its next keep-alive, a third
+/// of a TTL apart) and re-create their assignments first.
+const HOLD_BACK_TTLS: u32 = 2;
 
 impl Session {
     /// Connects (retrying for [`super::CONNECT_TIMEOUT`]), takes a lease
@@ -80,6 +107,12 @@ impl Session {
             exiting: false,
             stopping: false,
             handed: None,
+            mine: BTreeMap::new(),
+            recreate: BTreeMap::new(),
+            recreate_until_ms: 0,
+            allocate_after: (0, 0),
+            rejoined_ms: None,
+            rewatch: false,
         })
     }
 
@@ -162,6 +195,28 @@ impl Session {
         snapshot.revision = revision.max(snapshot.revision);
         control::apply_spec_changes(&self.specs, specs);
         self.hand_view();
+        self.note_mine();
+    }
+
+    /// Notes this broker's assignments, while its lease surely holds: a
+    /// deletion seen then was a deliberate one (the allocator moved the
+    /// journal), not the lease's end, which leaves `mine` as it was.
+    fn note_mine(&mut self) {
+        if !self.fence.holds(now_ms()) {
+            return;
+        }
+        let me = self.member();
+        self.mine = self
+            .keyspace
+            .snapshot
+            .assignments
+            .iter()
+            .filter(|(k, _)| k.member == me)
+            .map(|(k, a)| {
+                let value = a.route.as_ref().map(|r| r.encode()).unwrap_or_default();
+                (k.journal.clone(), (k.slot, value))
+            })
+            .collect();
     }
 
     /// The view for the shards: etcd's, less the journals of replication 1
@@ -191,8 +246,16 @@ impl Session {
         }
     }
 
-    /// After the lease was lost: a new lease, and the member key again (as a
-    /// new member: the allocator gave the journals away meanwhile).
+    /// After the lease was lost: a new lease, the member key again, and
+    /// the assignments this broker held re-created under the new lease
+    /// where that keeps them sound (see [`Session::recreate_own`]).
+    ///
+    /// Every assignment of the old lease went with it. When every broker
+    /// lost its lease at once (etcd paused or down past the TTL), nobody
+    /// else knows who holds each journal's bytes: each broker puts its own
+    /// assignments back, so that the journals' routes come back with the
+    /// brokers that hold their bytes, rather than fresh routes of brokers
+    /// holding nothing.
     pub async fn rejoin(&mut self) -> Result<(), ControlError> {
         self.fence.reset();
         self.hand_view();
@@ -203,11 +266,91 @@ impl Session {
             .await
             .map_err(ControlError::Etcd)?;
         self.fence.renewed(sent);
+        let ttl_ms = self.config.lease_ttl.as_millis() as u64;
+        for (journal, held) in std::mem::take(&mut self.mine) {
+            self.recreate.entry(journal).or_insert(held);
+        }
+        self.recreate_until_ms = now_ms() + u64::from(RECREATE_TTLS) * ttl_ms;
+        self.rejoined_ms = Some(now_ms());
         tracing::warn!(
             lease = self.lease,
-            "the broker's lease was lost; rejoining as a new member"
+            assignments = self.recreate.len(),
+            "the broker's lease was lost; re-creating its assignments and rejoining"
         );
-        self.announce().await
+        // The keys of the old lease are gone by now: read what stands.
+        if self.reload().await {
+            self.rewatch = true;
+        }
+        self.announce().await?;
+        self.recreate_own().await;
+        Ok(())
+    }
+
+    /// Re-creates, under the current lease, the assignments this broker
+    /// held before it lost its lease ([`Session::recreate`]), each in a
+    /// transaction that holds only if none of the journal's assignments
+    /// changed since the revision the decision read
+    /// ([`allocator::sound::place_again`]: its old slot if free, never a
+    /// second primary, else the lowest free replica slot). One that fails
+    /// is tried again once the watch moved; given up after a while.
+    pub async fn recreate_own(&mut self) {
+        if self.recreate.is_empty() {
+            return;
+        }
+        if now_ms() >= self.recreate_until_ms {
+            let left: Vec<&String> = self.recreate.keys().collect();
+            tracing::warn!(?left, "gave up re-creating assignments lost with the lease; the allocator assigns those journals");
+            self.recreate.clear();
+            return;
+        }
+        let me = self.member();
+        let prefix = self.prefix();
+        let snapshot = &self.keyspace.snapshot;
+        let mut writes = Vec::new();
+        let mut settled = Vec::new();
+        for (journal, (slot, value)) in &self.recreate {
+            match allocator::sound::place_again(snapshot, journal, &me, *slot) {
+                None => settled.push(journal.clone()),
+                Some(at) => {
+                    let key = allocator::AssignmentKey::new(journal, me.clone(), at)
+                        .expect("a key of the keyspace");
+                    writes.push((journal.clone(), key, value.clone()));
+                }
+            }
+        }
+        let revision = snapshot.revision;
+        for j in settled {
+            self.recreate.remove(&j);
+        }
+        for (journal, key, value) in writes {
+            let text = allocator::assignment_key(&prefix, &key);
+            let guards = vec![
+                Guard::UnchangedSince(
+                    allocator::keys::journal_assignments_prefix(&prefix, &journal),
+                    revision,
+                ),
+                Guard::Absent(text.clone()),
+                Guard::Present(allocator::item_key(&prefix, &journal)),
+            ];
+            let put = Write::Put {
+                key: text,
+                value,
+                lease: self.lease,
+            };
+            match self.etcd.txn(guards, vec![put]).await {
+                Ok(Some(_)) => {
+                    tracing::info!(assignment = %key, "re-created an assignment lost with the lease");
+                    self.recreate.remove(&journal);
+                }
+                Ok(None) => {
+                    tracing::debug!(assignment = %key, "the journal's assignments changed; re-creating later");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not re-create an assignment");
+                    return;
+                }
+            }
+        }
     }
 
     /// Carries out one request from a shard.
@@ -462,6 +605,11 @@ impl Session {
                 self.renew().await;
                 // The fence may have moved either way.
                 self.hand_view();
+                // A rejoin read the keyspace again: events of the old
+                // watch would take it back.
+                if std::mem::take(&mut self.rewatch) {
+                    watch = self.watch_events(self.keyspace.revision() + 1).await;
+                }
             }
             let wake = tokio::select! {
                 e = watch.recv() => Wake::Events(
@@ -473,6 +621,7 @@ impl Session {
             match wake {
                 Wake::Events(Ok((rev, events))) => {
                     self.take_events(rev, events);
+                    self.recreate_own().await;
                     self.allocate().await;
                     self.stop_when_drained();
                 }
@@ -485,7 +634,10 @@ impl Session {
                 }
                 Wake::Request(Some(req)) => self.serve(req).await,
                 Wake::Request(None) => break,
-                Wake::Tick => self.allocate().await,
+                Wake::Tick => {
+                    self.recreate_own().await;
+                    self.allocate().await;
+                }
             }
         }
         let _ = self.etcd.revoke(self.lease).await;
@@ -548,6 +700,7 @@ impl Session {
                 self.keyspace = ks;
                 control::apply_spec_changes(&self.specs, changes);
                 self.hand_view();
+                self.note_mine();
                 true
             }
             Err(e) => {
@@ -560,16 +713,35 @@ impl Session {
     /// While this broker leads: the allocator's changes, written in guarded
     /// batches. A batch whose guard fails was computed from a keyspace that
     /// has moved on; the watch brings the news and the next round replans.
+    ///
+    /// It plans again only once the watch brought the keyspace to its own
+    /// last write (or past the plan a guard refused): a plan from a
+    /// keyspace that lacks the allocator's own last changes would make them
+    /// again, elsewhere. The guards would refuse it; waiting saves the
+    /// round. After a lease TTL without the watch, it plans anyway.
     async fn allocate(&mut self) {
         let leads = self.keyspace.snapshot.leader() == Some(&self.member());
         if !leads {
             return;
         }
-        let batches = super::leader::plan_writes(&self.keyspace.snapshot, &self.member());
+        let (after, until) = self.allocate_after;
+        if self.keyspace.revision() < after && now_ms() < until {
+            return;
+        }
+        let ttl_ms = self.config.lease_ttl.as_millis() as u64;
+        let hold_back = self
+            .rejoined_ms
+            .is_some_and(|at| now_ms() < at + u64::from(HOLD_BACK_TTLS) * ttl_ms);
+        let batches =
+            super::leader::plan_writes(&self.keyspace.snapshot, &self.member(), hold_back);
+        let wait_until = now_ms() + ttl_ms;
         for (guards, writes) in batches {
             match self.etcd.txn(guards, writes).await {
-                Ok(Some(_)) => {}
-                Ok(None) => return,
+                Ok(Some(rev)) => self.allocate_after = (rev, wait_until),
+                Ok(None) => {
+                    self.allocate_after = (self.keyspace.revision() + 1, wait_until);
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "the allocator could not write its changes");
                     return;

@@ -135,13 +135,30 @@ impl Keyspace {
             })
             .collect();
         let mut routes: BTreeMap<String, Vec<Option<String>>> = BTreeMap::new();
-        for a in self.snapshot.assignments.keys() {
-            let slots = routes.entry(a.journal.clone()).or_default();
-            let slot = a.slot as usize;
-            if slots.len() <= slot {
-                slots.resize(slot + 1, None);
+        let assignments = &self.snapshot.assignments;
+        let mut rest = assignments.iter().peekable();
+        while let Some((first, _)) = rest.peek() {
+            let journal = first.journal.clone();
+            let sorted = allocator::sound::sort_out(std::iter::from_fn(|| {
+                rest.next_if(|(k, _)| k.journal == journal)
+            }));
+            if !sorted.is_sound() {
+                tracing::warn!(journal = %journal, dropped = ?sorted.dropped.iter().map(|(k, _)| k.to_string()).collect::<Vec<_>>(), demoted = ?sorted.demoted.iter().map(|(k, _, _)| k.to_string()).collect::<Vec<_>>(), "a journal's assignments name a member twice or two primaries; routing by the sound ones until the allocator repairs them");
             }
-            slots[slot] = Some(a.member.id.clone());
+            let placed = sorted
+                .kept
+                .iter()
+                .map(|(k, _)| (k.slot, &k.member))
+                .chain(sorted.demoted.iter().map(|(k, _, slot)| (*slot, &k.member)));
+            let slots = routes.entry(journal.clone()).or_default();
+            for (slot, member) in placed {
+                let slot = slot as usize;
+                if slots.len() <= slot {
+                    slots.resize(slot + 1, None);
+                }
+                assert!(slots[slot].is_none(), "{journal}: slot {slot} placed twice");
+                slots[slot] = Some(member.id.clone());
+            }
         }
         ClusterView {
             me: me.into(),
