@@ -60,7 +60,11 @@ enum Cmd {
     /// Prints the messages of journals, one per line: read committed
     /// (each committed message once), or everything with --uncommitted.
     Consume(crate::messages::ConsumeArgs),
-    /// Lists a journal's fragments.
+    /// Lists a journal's fragments, with their states: open, uploading,
+    /// uploaded, local, stored, damaged, and for store fragments that
+    /// disagree with another over the same offsets, conflicting (not the
+    /// journal's history: never served, removed by `journals prune`) or
+    /// disputed (not known to be: reads of its span are refused).
     Fragments {
         name: String,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = TableOrJson::Table)]
@@ -474,8 +478,10 @@ enum JournalsCmd {
         broker: BrokerArgs,
     },
     /// Deletes store fragments older than their journal's
-    /// `fragment.retention` (journals whose retention is 0s keep everything).
-    /// Prints one line per fragment removed.
+    /// `fragment.retention` (journals whose retention is 0s keep everything),
+    /// and, whatever their age, those the journal's brokers found
+    /// conflicting with its committed history (`rotary fragments` shows
+    /// them). Prints one line per fragment removed.
     Prune {
         /// Only journals matching this label selector.
         #[arg(short = 'l', long = "selector", default_value = "")]

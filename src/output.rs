@@ -129,12 +129,18 @@ fn route_text(members: &[String]) -> String {
 
 /// What a fragment row is: the live spool, a local fragment (whether it
 /// reached its store, or `local` for a journal without stores, whose
-/// fragments stay on the broker's disk), or an object in a store.
+/// fragments stay on the broker's disk), or an object in a store (one that
+/// disagrees with another: `conflicting`, not the journal's history, or
+/// `disputed`, not known to be).
 fn fragment_state(f: &FragmentInfo) -> &'static str {
     if f.open {
         "open"
     } else if f.damaged.is_some() {
         "damaged"
+    } else if f.conflicting.is_some() {
+        "conflicting"
+    } else if f.disputed.is_some() {
+        "disputed"
     } else if f.store != "local" && !f.store.is_empty() {
         "stored"
     } else {
@@ -197,14 +203,19 @@ pub fn pruned_lines(pruned: &[PrunedFragment], dry_run: bool) -> String {
     let mut out = String::new();
     for p in pruned {
         out.push_str(&format!(
-            "{verb} {} [{}, {}) sha1={} age={} store={} key={}\n",
+            "{verb} {} [{}, {}) sha1={} age={} store={} key={}{}\n",
             p.journal,
             p.begin,
             p.end,
             p.sha1,
             age_text(p.age_secs),
             p.store,
-            p.key
+            p.key,
+            if p.conflicting.is_some() {
+                " conflicting"
+            } else {
+                ""
+            }
         ));
     }
     out
@@ -241,6 +252,8 @@ mod tests {
             key: None,
             uploaded: Some(true),
             damaged: None,
+            conflicting: None,
+            disputed: None,
         };
         let stored = FragmentInfo {
             store: "s3://b/p/".into(),
@@ -267,8 +280,25 @@ mod tests {
             damaged: Some("bytes hash to …".into()),
             ..local.clone()
         };
+        let conflicting = FragmentInfo {
+            conflicting: Some("holds other bytes than …".into()),
+            ..stored.clone()
+        };
+        let disputed = FragmentInfo {
+            disputed: Some("store fragments … and … hold different bytes".into()),
+            ..stored.clone()
+        };
         let t = fragments_table(
-            &[local, stored, waiting, no_stores, open, damaged],
+            &[
+                local,
+                stored,
+                waiting,
+                no_stores,
+                open,
+                damaged,
+                conflicting,
+                disputed,
+            ],
             1000 + 3 * 3600,
         );
         let rows: Vec<Vec<&str>> = t.lines().map(|l| l.split_whitespace().collect()).collect();
@@ -296,7 +326,17 @@ mod tests {
             ]
         );
         let states: Vec<&str> = rows[3..].iter().map(|r| r[6]).collect();
-        assert_eq!(states, ["uploading", "local", "open", "damaged"]);
+        assert_eq!(
+            states,
+            [
+                "uploading",
+                "local",
+                "open",
+                "damaged",
+                "conflicting",
+                "disputed"
+            ]
+        );
         assert_eq!(age_text(59), "59s");
         assert_eq!(age_text(3600), "60m");
         assert_eq!(age_text(90_000), "25h");

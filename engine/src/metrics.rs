@@ -352,6 +352,11 @@ counters!(
     /// Local fragment files found on disk at start whose bytes did not
     /// match their names.
     Counter fragments_check_failed,
+    /// Store fragments found to disagree with their journal's committed
+    /// history (overlapping another fragment with other bytes, and judged
+    /// not to be the committed one), each counted once by the shard that
+    /// owns its journal.
+    Counter fragments_conflicting,
     /// Times a primary's shard polled its ring, rather than sleep, while
     /// replicas' acks were awaited.
     Counter ack_polls,

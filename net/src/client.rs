@@ -304,6 +304,16 @@ pub struct FragmentInfo {
     /// from that file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub damaged: Option<String>,
+    /// For a store fragment that overlaps another with other bytes and is
+    /// not the journal's committed history (PROTOCOL §7): why, naming the
+    /// other. It is never served; `prune` removes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conflicting: Option<String>,
+    /// For a store fragment that disagrees with another where the broker
+    /// cannot tell which is committed: why, naming both. Reads of its span
+    /// are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disputed: Option<String>,
 }
 
 /// A journal's write head after RESET_HEAD.
@@ -327,6 +337,10 @@ pub struct PrunedFragment {
     pub key: String,
     /// How old the object was, from its modification time.
     pub age_secs: u64,
+    /// Set when it was removed for disagreeing with the journal's
+    /// committed history rather than for its age: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conflicting: Option<String>,
 }
 
 /// Flags of a READ.

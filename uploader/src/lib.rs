@@ -22,6 +22,7 @@
 //! queues its unconfirmed fragments again after a restart).
 
 mod codec;
+pub mod conflicts;
 mod put;
 pub use rotary_proto::fragment_name as name;
 mod read;
@@ -51,6 +52,8 @@ const _: fn() = || {
 pub const UPLOAD_ATTEMPTS_MAX: usize = 3;
 const UPLOAD_BACKOFF: [Duration; UPLOAD_ATTEMPTS_MAX - 1] =
     [Duration::from_millis(200), Duration::from_millis(1000)];
+/// Bytes per chunk of [`Uploader::sha1_of_range`]'s reads.
+const HASH_CHUNK_BYTES: usize = 1 << 20;
 /// How often [`Uploader::wait_idle`] looks.
 const IDLE_POLL: Duration = Duration::from_millis(5);
 
@@ -153,6 +156,7 @@ pub(crate) struct Shared {
     stores_stats: stats::StoresStats,
     /// One permit per upload thread: bounds concurrent jobs.
     permits: Arc<tokio::sync::Semaphore>,
+    conflicts: conflicts::Conflicts,
 }
 
 impl Shared {
@@ -242,6 +246,7 @@ impl Uploader {
             metrics: UploadMetrics::default(),
             stores_stats: stats::StoresStats::default(),
             permits: Arc::new(tokio::sync::Semaphore::new(threads)),
+            conflicts: conflicts::Conflicts::default(),
         });
         let (jobs, queue) = crossbeam_channel::bounded(queue_max);
         std::thread::Builder::new()
@@ -286,6 +291,11 @@ impl Uploader {
     /// Upload and listing figures of each store used so far.
     pub fn stores_stats(&self) -> &stats::StoresStats {
         &self.inner.shared.stores_stats
+    }
+
+    /// The fragments the broker's journal indexes judged conflicting.
+    pub fn conflicts(&self) -> &conflicts::Conflicts {
+        &self.inner.shared.conflicts
     }
 
     /// Blocks the calling thread until no upload is queued or running (each
@@ -379,6 +389,45 @@ impl Uploader {
             tx,
         ));
         rx
+    }
+
+    /// The SHA-1 of a fragment's bytes `[from, to)`, read from its store
+    /// and decompressed on the pool's threads. The whole fragment is read
+    /// and checked against its name: one that does not match is
+    /// [`StoreError::Corrupt`]. Comparing two fragments over their overlap
+    /// takes one of these of each.
+    pub async fn sha1_of_range(
+        &self,
+        fragment: &StoredFragment,
+        from: u64,
+        to: u64,
+    ) -> Result<[u8; 20], StoreError> {
+        assert!(
+            fragment.begin <= from && from <= to && to <= fragment.end,
+            "a range outside its fragment"
+        );
+        let rx = self.read(fragment, from, HASH_CHUNK_BYTES);
+        let end = fragment.end;
+        self.request(async move {
+            use sha1::Digest;
+            let mut hasher = sha1::Sha1::new();
+            let mut at = from;
+            while let Ok(chunk) = rx.recv().await {
+                let chunk = chunk?;
+                let upto = to
+                    .saturating_sub(chunk.offset)
+                    .min(chunk.bytes.len() as u64);
+                hasher.update(&chunk.bytes[..upto as usize]);
+                at = chunk.offset + chunk.bytes.len() as u64;
+            }
+            // A stream is whole only once its last chunk, which comes after
+            // the fragment verified, reached the end.
+            if at != end {
+                return Err(StoreError::Stopped);
+            }
+            Ok(hasher.finalize().into())
+        })
+        .await
     }
 
     /// Where a client can read a fragment directly: a presigned GET URL

@@ -75,6 +75,7 @@ impl Shard {
                     // bytes: its first read need not hash it again.
                     f.verified |= done.local_checked;
                     jm.index.insert_remote(stored);
+                    self.publish_conflicts(&mut jm);
                     *self.store_error.borrow_mut() = None;
                     if let Some(store) = jm.spec.fragment.stores.first() {
                         if self.shared_failures.worked(SharedWork::Upload, store) {
@@ -404,6 +405,9 @@ impl Shard {
                     }
                 }
             }
+            if err.is_none() {
+                compare_overlaps(&uploader, &j, &all).await;
+            }
             let shard = me.upgrade();
             if let Some(shard) = &shard {
                 shard.log_listing(&stores, &name, err.as_ref());
@@ -415,7 +419,14 @@ impl Shard {
                 jm.index.listings.last = Some(crate::clock::now());
                 match err {
                     None => {
+                        if let Some(shard) = &shard {
+                            jm.index.outside_route =
+                                matches!(shard.role(&jm.spec), Role::Outside(_));
+                        }
                         jm.set_listing(all, mark);
+                        if let Some(shard) = &shard {
+                            shard.publish_conflicts(&mut jm);
+                        }
                         jm.index.loaded = true;
                         jm.index.error = None;
                     }
@@ -431,6 +442,24 @@ impl Shard {
             }
         })
         .detach();
+    }
+
+    /// Logs and counts the fragments the journal's index found conflicting
+    /// since it was last asked, each once, and tells the broker's other
+    /// shards (PRUNE may run on any of them) what is conflicting now.
+    pub(super) fn publish_conflicts(&self, jm: &mut Journal) {
+        for c in jm.index.take_new_conflicts() {
+            let f = &c.fragment;
+            tracing::warn!(journal = %jm.name, store = %f.store, key = %f.key, begin = f.begin, end = f.end, why = %c.why, "a store fragment disagrees with the journal's committed history; it is never served, and `rotary journals prune` removes it");
+            metrics::add(&self.metrics.fragments_conflicting, 1);
+        }
+        let now: Vec<_> = jm
+            .index
+            .conflicting()
+            .iter()
+            .map(|c| (c.fragment.clone(), c.why.clone()))
+            .collect();
+        self.uploader.conflicts().set(&jm.name, now);
     }
 
     /// Asks the flusher to move the write head to the end of the index.
@@ -491,7 +520,9 @@ impl Shard {
         }
     }
 
-    /// Deletes store fragments older than their journal's retention.
+    /// Deletes store fragments older than their journal's retention, and
+    /// those the journal's index judged conflicting (PROTOCOL §7), whatever
+    /// their age.
     pub async fn prune(
         &self,
         selector: &rotary_net::LabelSelector,
@@ -503,7 +534,11 @@ impl Shard {
         let mut due = Vec::new();
         for spec in self.specs.all() {
             let retention = spec.fragment.retention;
-            if !selector.matches_journal(&spec.name, &spec.labels) || retention.is_zero() {
+            if !selector.matches_journal(&spec.name, &spec.labels) {
+                continue;
+            }
+            let conflicting = self.uploader.conflicts().of(&spec.name);
+            if retention.is_zero() && conflicting.is_empty() {
                 continue;
             }
             for store in &spec.fragment.stores {
@@ -514,14 +549,18 @@ impl Shard {
                     .map_err(|e| format!("nothing was pruned: {e}"))?;
                 for f in listed {
                     let age = now.duration_since(f.mod_time).unwrap_or_default();
-                    if age > retention {
-                        due.push((f, age));
+                    let why = conflicting
+                        .iter()
+                        .find(|(c, _)| c.store == f.store && c.key == f.key)
+                        .map(|(_, why)| why.clone());
+                    if why.is_some() || (!retention.is_zero() && age > retention) {
+                        due.push((f, age, why));
                     }
                 }
             }
         }
         let mut out = Vec::new();
-        for (f, age) in due {
+        for (f, age, why) in due {
             if !dry_run {
                 if let Err(e) = self.uploader.delete(&f).await {
                     let keys: Vec<String> = out
@@ -537,13 +576,14 @@ impl Shard {
                         keys.join(", ")
                     ));
                 }
+                self.uploader.conflicts().remove(&f);
                 // Reads of this shard's journals go around it at once; other
                 // shards find it gone when they next list or read it.
                 if let Some(j) = self.journals.borrow().get(&f.journal) {
                     j.borrow_mut().index.drop_remote(&f, false);
                 }
             }
-            out.push(serde_json::json!({
+            let mut pruned = serde_json::json!({
                 "journal": f.journal,
                 "begin": f.begin,
                 "end": f.end,
@@ -551,7 +591,11 @@ impl Shard {
                 "store": f.store,
                 "key": f.key,
                 "age_secs": age.as_secs(),
-            }));
+            });
+            if let Some(why) = why {
+                pruned["conflicting"] = why.into();
+            }
+            out.push(pruned);
         }
         Ok(out)
     }
@@ -646,6 +690,9 @@ impl Shard {
             // Parent directories of other journals stay.
             let _ = std::fs::remove_dir(&root);
         }
+        // Its conflicting fragments are for a re-created journal's index
+        // to judge again.
+        self.uploader.conflicts().set(name, Vec::new());
         // The log owes the deletion until a write of it succeeds: one
         // dropped with a failed write would let a restart give the journal
         // re-created under this name the old one's head.
@@ -745,6 +792,55 @@ impl Shard {
             outbox.frame(Op::ADMIN_REPLY, Status::OK, id, &[], &body);
         }
         jm.readers.committed.notify(usize::MAX);
+    }
+}
+
+/// Store fragments of a journal that overlap over different spans are
+/// compared byte for byte before a listing is merged (the SHA-1s in their
+/// names tell nothing of a part of either): at most this many pairs per
+/// listing, the rest at later ones. A store without overlaps has none.
+pub const OVERLAPS_COMPARED_PER_LISTING_MAX: usize = 16;
+
+/// Compares the bytes of `listed` fragments that overlap and are not yet
+/// judged (see [`Index::unchecked_pairs`](crate::journal::Index::unchecked_pairs)),
+/// reading both from their stores on the uploader's threads, and records
+/// the verdicts in the journal's index. An object found corrupt leaves the
+/// index; a pair the store could not answer for is compared again at the
+/// next listing.
+async fn compare_overlaps(
+    uploader: &rotary_uploader::Uploader,
+    j: &JournalRef,
+    listed: &[StoredFragment],
+) {
+    let pairs = j
+        .borrow()
+        .index
+        .unchecked_pairs(listed, OVERLAPS_COMPARED_PER_LISTING_MAX);
+    for (a, b) in pairs {
+        let (lo, hi) = (a.begin.max(b.begin), a.end.min(b.end));
+        let (ha, hb) = futures_util::future::join(
+            uploader.sha1_of_range(&a, lo, hi),
+            uploader.sha1_of_range(&b, lo, hi),
+        )
+        .await;
+        let mut jm = j.borrow_mut();
+        match (ha, hb) {
+            (Ok(ha), Ok(hb)) => jm.index.record_verdict(&a, &b, ha == hb),
+            (ha, hb) => {
+                for (f, r) in [(&a, ha), (&b, hb)] {
+                    match r {
+                        Err(e @ rotary_uploader::StoreError::Corrupt { .. }) => {
+                            tracing::warn!(journal = %jm.name, key = %f.key, error = %e, "a store fragment is corrupt; left out of the index");
+                            jm.index.drop_remote(f, true);
+                        }
+                        Err(e) => {
+                            tracing::debug!(journal = %jm.name, key = %f.key, error = %e, "comparing overlapping store fragments failed; compared again at the next listing");
+                        }
+                        Ok(_) => {}
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -327,22 +327,24 @@ impl Shard {
         }
         let remote_left = last < jm.index.remote().len();
         for r in &jm.index.remote()[first..last] {
-            out.push((
-                r.begin,
-                true,
-                serde_json::json!({
-                    "begin": r.begin,
-                    "end": r.end,
-                    "sha1": hex::encode(r.sha1),
-                    "codec": r.codec,
-                    "size": r.size,
-                    "store": r.store,
-                    "key": r.key,
-                    "path": r.key,
-                    "mod_time": unix_secs(r.mod_time),
-                    "open": false,
-                }),
-            ));
+            let mut v = stored_json(r);
+            if let Some(why) = jm.index.disputed(r) {
+                v["disputed"] = why.into();
+            }
+            out.push((r.begin, true, v));
+        }
+        // Conflicting fragments are few: those of the page's span join it.
+        let page_end = match remote_left {
+            true => jm.index.remote()[last - 1].begin,
+            false => u64::MAX,
+        };
+        for c in jm.index.conflicting() {
+            let r = &c.fragment;
+            if r.begin >= from && r.begin <= page_end {
+                let mut v = stored_json(r);
+                v["conflicting"] = c.why.clone().into();
+                out.push((r.begin, true, v));
+            }
         }
         if let Some(spool) = jm
             .files
@@ -376,6 +378,22 @@ impl Shard {
         let page = out.into_iter().map(|(_, _, v)| v).collect();
         (serde_json::Value::Array(page), more)
     }
+}
+
+/// A store fragment as FRAGMENTS shows it (PROTOCOL §9.5).
+fn stored_json(r: &StoredFragment) -> serde_json::Value {
+    serde_json::json!({
+        "begin": r.begin,
+        "end": r.end,
+        "sha1": hex::encode(r.sha1),
+        "codec": r.codec,
+        "size": r.size,
+        "store": r.store,
+        "key": r.key,
+        "path": r.key,
+        "mod_time": unix_secs(r.mod_time),
+        "open": false,
+    })
 }
 
 /// Where a read goes after one step: on from an offset, or it ended
