@@ -69,6 +69,10 @@ pub struct Index {
     /// order), as read from the store. Objects are named by their content,
     /// so an answer holds for as long as both exist.
     verdicts: HashMap<(FragmentId, FragmentId), bool>,
+    /// Pairs whose comparison found one of them not to hold the bytes its
+    /// name says: not compared again (a read of that object finds it out
+    /// and drops it, PROTOCOL §7).
+    uncompared: HashSet<(FragmentId, FragmentId)>,
     /// What the broker holds locally, as of the last listing (see
     /// [`Evidence`]).
     evidence: Evidence,
@@ -274,7 +278,8 @@ impl Index {
         for (a, b) in overlapping_pairs(&sorted) {
             let (a, b) = (sorted[a], sorted[b]);
             let same_span = a.begin == b.begin && a.end == b.end;
-            if !same_span && !self.verdicts.contains_key(&pair_key(a, b)) {
+            let key = pair_key(a, b);
+            if !same_span && !self.verdicts.contains_key(&key) && !self.uncompared.contains(&key) {
                 out.push((a.clone(), b.clone()));
                 if out.len() >= max {
                     break;
@@ -287,6 +292,11 @@ impl Index {
     /// Records whether `a` and `b` hold the same bytes over their overlap.
     pub fn record_verdict(&mut self, a: &StoredFragment, b: &StoredFragment, agree: bool) {
         self.verdicts.insert(pair_key(a, b), agree);
+    }
+
+    /// Gives up comparing `a` and `b`: one of them is corrupt.
+    pub fn give_up_pair(&mut self, a: &StoredFragment, b: &StoredFragment) {
+        self.uncompared.insert(pair_key(a, b));
     }
 
     /// The listed fragments judged not to be the journal's history.

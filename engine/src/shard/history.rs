@@ -804,8 +804,8 @@ pub const OVERLAPS_COMPARED_PER_LISTING_MAX: usize = 16;
 /// Compares the bytes of `listed` fragments that overlap and are not yet
 /// judged (see [`Index::unchecked_pairs`](crate::journal::Index::unchecked_pairs)),
 /// reading both from their stores on the uploader's threads, and records
-/// the verdicts in the journal's index. An object found corrupt leaves the
-/// index; a pair the store could not answer for is compared again at the
+/// the verdicts in the journal's index. A pair with an object found corrupt
+/// is not compared again; one the store could not answer for is, at the
 /// next listing.
 async fn compare_overlaps(
     uploader: &rotary_uploader::Uploader,
@@ -829,9 +829,11 @@ async fn compare_overlaps(
             (ha, hb) => {
                 for (f, r) in [(&a, ha), (&b, hb)] {
                     match r {
+                        // Left to the read that reaches it, which answers
+                        // FRAGMENT_STORE_UNHEALTHY and drops it for good.
                         Err(e @ rotary_uploader::StoreError::Corrupt { .. }) => {
-                            tracing::warn!(journal = %jm.name, key = %f.key, error = %e, "a store fragment is corrupt; left out of the index");
-                            jm.index.drop_remote(f, true);
+                            tracing::warn!(journal = %jm.name, key = %f.key, error = %e, "a store fragment is corrupt; not compared with the fragments it overlaps");
+                            jm.index.give_up_pair(&a, &b);
                         }
                         Err(e) => {
                             tracing::debug!(journal = %jm.name, key = %f.key, error = %e, "comparing overlapping store fragments failed; compared again at the next listing");
