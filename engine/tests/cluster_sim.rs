@@ -345,6 +345,10 @@ struct Model {
     head_seen: u64,
     /// The write head of the last reply that named one.
     last_head: u64,
+    /// The lengths of the maybes answered with write head `pending_at`:
+    /// one of them may still commit there (see `heads_after_reply`).
+    pending: Vec<u64>,
+    pending_at: u64,
 }
 
 impl Model {
@@ -363,6 +367,36 @@ impl Model {
         });
         self.acked_end = begin + len as u64;
         self.heads = BTreeSet::from([self.acked_end]);
+    }
+
+    /// A reply named write head `head`, the head readers see: what the
+    /// journal may hold from now on. An OK leaves `head` alone. A failure
+    /// decides every maybe before `head`; one beyond it may still commit
+    /// (the primary took it back, but a replica that acknowledged it keeps
+    /// it and the next SYNC copies it from there, PROTOCOL.md §14.7), yet
+    /// only one of those answered at this same head: a maybe staged after
+    /// another was staged after a SYNC, which would have brought the other
+    /// back and moved the head past it. (A maybe refused at its SYNC was
+    /// never staged; counting it too only allows more.)
+    /// `maybe`: the reply answered the last maybe appended (any other
+    /// refusal committed nothing).
+    fn heads_after_reply(&mut self, head: u64, ok: bool, maybe: bool) {
+        if ok {
+            self.pending.clear();
+            self.heads = BTreeSet::from([head]);
+            return;
+        }
+        if self.pending_at != head {
+            self.pending.clear();
+            self.pending_at = head;
+        }
+        if maybe {
+            let len = self.entries.last().map_or(0, |e| e.len as u64);
+            self.pending.push(len);
+        }
+        self.heads = std::iter::once(head)
+            .chain(self.pending.iter().map(|l| head + l))
+            .collect();
     }
 
     fn maybe(&mut self, fill: u64, len: usize) {
@@ -846,11 +880,8 @@ impl Sim<'_> {
             "{status} named write head {head}; the model's heads are {:?}",
             self.model.heads
         );
-        // The reply names the head readers see: the maybes up to it are
-        // decided. One beyond it may still commit: the primary took it
-        // back, but a replica that acknowledged it keeps it, and the next
-        // SYNC copies it from there (PROTOCOL.md §14.7).
-        self.model.heads.retain(|h| *h >= head);
+        self.model
+            .heads_after_reply(head, status == "OK", status == "REPLICATION_FAILED");
         self.model.head_seen = head;
         self.model.last_head = head;
     }
