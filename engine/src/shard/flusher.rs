@@ -1316,17 +1316,10 @@ impl Shard {
             // The acker (or the write) readies the journal again.
             return false;
         }
-        if let Some(a) = abandon_active(jm) {
-            let reply = jm.heads.refusal();
-            a.op.reply_error(
-                Status::REPLICATION_FAILED,
-                &reply,
-                "an earlier append of the journal was not acknowledged by every replica; this one was rolled back with it",
-            );
-            drop_budget(&a.op);
-            jm.queue.waiting.pop_front();
-            metrics::add(&self.metrics.append_failures, 1);
-        }
+        self.fail_open_append(
+            jm,
+            "an earlier append of the journal was not acknowledged by every replica; this one was rolled back with it",
+        );
         jm.primary.unconfirmed = None;
         let spool = jm
             .files

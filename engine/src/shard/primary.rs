@@ -410,6 +410,19 @@ impl Shard {
         self.submit_append(j, op);
     }
 
+    /// Rolls back the append open on the journal, if any, and answers it
+    /// `REPLICATION_FAILED` with `why`: its content went over pipelines
+    /// that are being replaced, or it lies on appends being taken back.
+    pub(super) fn fail_open_append(&self, jm: &mut Journal, why: &str) {
+        if let Some(a) = abandon_active(jm) {
+            let reply = jm.heads.refusal();
+            a.op.reply_error(Status::REPLICATION_FAILED, &reply, why);
+            drop_budget(&a.op);
+            jm.queue.waiting.pop_front();
+            metrics::add(&self.metrics.append_failures, 1);
+        }
+    }
+
     /// Starts agreeing with the journal's replicas (SYNC) in the
     /// background; the journal stages nothing until they agree.
     pub(super) async fn begin_sync(&self, j: &JournalRef, route: Route) {
@@ -420,17 +433,10 @@ impl Shard {
                 return;
             }
             // An open append's content went over pipelines being replaced.
-            if let Some(a) = abandon_active(jm) {
-                let reply = jm.heads.refusal();
-                a.op.reply_error(
-                    Status::REPLICATION_FAILED,
-                    &reply,
-                    "the journal's replication pipeline broke during the append; it was rolled back",
-                );
-                drop_budget(&a.op);
-                jm.queue.waiting.pop_front();
-                metrics::add(&self.metrics.append_failures, 1);
-            }
+            self.fail_open_append(
+                jm,
+                "the journal's replication pipeline broke during the append; it was rolled back",
+            );
             if jm.primary.inflight > 0 || !jm.queue.staged.is_empty() {
                 // The acker marks the journal ready when they are answered.
                 return;
