@@ -510,6 +510,32 @@ async fn wait_for_ack_after(times: &Times, at: Instant) {
     }
 }
 
+/// Waits, asking the brokers `others`, until `journal` has a route of
+/// three members without `gone` (a broker stopped or cut off); returns it.
+async fn moved_away(
+    c: &EtcdCluster,
+    others: &[usize],
+    journal: &str,
+    gone: &str,
+) -> rotary_net::client::JournalInfo {
+    let lister = client_of(c, others, Duration::ZERO).await;
+    let deadline = Instant::now() + common::etcd_cluster::ASSIGN_TIMEOUT;
+    loop {
+        let list = lister.list("").await.unwrap_or_default();
+        let j = list.iter().find(|j| j.spec.name == journal).cloned();
+        if let Some(j) = j {
+            if j.route.members.len() == 3 && !j.route.members.iter().any(|m| m == gone) {
+                return j;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{journal} still routed to {gone}: {list:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A client bootstrapped at the brokers `at` (indexes) only, retrying
 /// appends for `retry`, and giving up on a connection silent for twice
 /// [`HUNG_SILENCE`] (a hung broker answers nothing, not even a PING).
@@ -713,22 +739,7 @@ async fn a_primary_paused_past_its_lease_acknowledges_nothing_after() {
     common::stop_process(pid);
     let paused_at = Instant::now();
     // The others promote a new primary, without the paused broker.
-    let lister = client_of(&c, &others, Duration::ZERO).await;
-    let deadline = Instant::now() + common::etcd_cluster::ASSIGN_TIMEOUT;
-    let moved = loop {
-        let list = lister.list("").await.unwrap_or_default();
-        let j = list.iter().find(|j| j.spec.name == journal).cloned();
-        if let Some(j) = j {
-            if j.route.members.len() == 3 && !j.route.members.contains(&paused_id) {
-                break j;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{journal} still routed to the paused {paused_id}: {list:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let moved = moved_away(&c, &others, journal, &paused_id).await;
     assert_ne!(moved.route.primary, paused_id);
     eprintln!("route {:?} after {:?}", moved.route, paused_at.elapsed());
     wait_for_ack_after(&load.times, Instant::now()).await;
@@ -1028,22 +1039,7 @@ async fn a_paused_primary_takes_back_what_it_queued_and_uploads_no_conflict() {
     let pid = c.brokers[paused].pid().expect("running");
     common::stop_process(pid);
     // Past the lease, with the journal moved and appended to elsewhere.
-    let lister = client_of(&c, &others, Duration::ZERO).await;
-    let deadline = Instant::now() + common::etcd_cluster::ASSIGN_TIMEOUT;
-    loop {
-        let list = lister.list("").await.unwrap_or_default();
-        let moved = list.iter().any(|j| {
-            j.spec.name == journal && !j.route.members.is_empty() && j.route.primary != paused_id
-        });
-        if moved {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{journal} did not move: {list:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    moved_away(&c, &others, journal, &paused_id).await;
     wait_for_ack_after(&load.times, Instant::now()).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     common::continue_process(pid);
