@@ -3,19 +3,15 @@
 //! journals of replication 3 and one of replication 2, each with a
 //! `file://` store; four writers sending straight to the primaries).
 //! After each, checked from outside the brokers: every acknowledged append
-//! at its offsets with its SHA-1 on every member's own copy (pinned reads,
-//! not proxied) and in the store's files, no two stored fragments that
-//! disagree, no two members that disagree, no torn bytes.
+//! at its offsets with its SHA-1 as every member serves it (pinned reads,
+//! not proxied: from its own disk, or from the store fragment it points
+//! at) and in the store's files, no two stored fragments that disagree,
+//! no two members that disagree, no torn bytes.
 //!
 //! The harness is `rotary_benches::faults`, which `rotary bench --scenario
-//! faults` runs with each fault several times. All but the etcd restart
-//! are ignored in CI for now: a member added to a route while a fault
-//! moves it can lack a few acknowledged appends next to the span it copied
-//! at its first SYNC (an open fault, docs/BENCHMARKS.md "Cluster faults"),
-//! so they fail on that check more often than not; `cargo test --test
-//! e2e_faults -- --ignored` runs them. Runs go two at a time
+//! faults` runs with each fault several times. Runs go two at a time
 //! (`ROTARY_FAULT_CLUSTERS`); the partitions need root and iproute2 (the
-//! brokers run in network namespaces).
+//! brokers and etcd run in network namespaces of their own).
 
 use rotary_benches::faults::{self, Fault};
 use std::path::Path;
@@ -35,45 +31,38 @@ async fn once(fault: Fault) {
 /// directly); once it runs again, past its lease, it must neither commit
 /// nor upload them: no stored fragment may disagree with another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_primary_stopped_past_its_lease_with_appends_queued() {
     once(Fault::StopPrimary).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_replica_stopped_past_its_lease() {
     once(Fault::StopReplica).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_killed_primary() {
     once(Fault::KillPrimary).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_killed_replica() {
     once(Fault::KillReplica).await;
 }
 
 /// The journal has too few brokers until they are back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_primary_and_a_replica_killed_together_then_restarted() {
     once(Fault::KillTwo).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_primary_and_a_replica_stopped_together() {
     once(Fault::StopTwo).await;
 }
 
 /// Every lease expires in etcd's eyes while it is stopped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn etcd_stopped_past_the_lease_ttl() {
     once(Fault::StopEtcd).await;
 }
@@ -84,19 +73,16 @@ async fn etcd_killed_and_restarted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_rolling_restart() {
     once(Fault::RollingRestart).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_partitioned_primary() {
     once(Fault::PartitionPrimary).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a member added at a route change can lack acknowledged appends next to its first copy (issue 51 note); run with --ignored"]
 async fn a_partitioned_replica() {
     once(Fault::PartitionReplica).await;
 }

@@ -1,12 +1,15 @@
 //! The checks after a fault run, made from outside the brokers: each
 //! member's own copy of each journal (pinned reads that are not proxied:
-//! a member answers with what it holds, never with another's bytes), and
-//! the fragment store's files, listed and decoded here. They return
-//! violations as sentences; none means the run kept every promise.
+//! a member answers with the bytes it holds itself, and for history it
+//! holds only in a store, with that fragment's location, which the checks
+//! open), and the fragment store's files, listed and decoded here. They
+//! return violations as sentences; none means the run kept every promise.
 //!
-//! * Every acknowledged append is on every member's own copy (from the
-//!   first offset the member holds) and in the store, at the offsets its
-//!   acknowledgement gave, with the SHA-1 it gave.
+//! * Every acknowledged append is served by every member — from its own
+//!   disk, or from the store fragment it points at (a replica drops its
+//!   copies once the store holds them) — and is in the store, at the
+//!   offsets its acknowledgement gave, with the SHA-1 it gave. A member
+//!   that skips an acknowledged append, or points past it, fails.
 //! * No torn bytes: every copy and every stored fragment is a run of
 //!   whole, intact records.
 //! * The members agree wherever two hold the same offsets, and so do any
@@ -134,16 +137,21 @@ async fn check_members(cluster: &Cluster, j: &Journal<'_>, settle: Duration, v: 
             Err(e) => v.add("unreadable", format!("{}: {id}'s copy: {e}", j.name)),
         }
     }
-    for (id, (from, copy)) in &copies {
-        let what = format!("{} on {id} (holding {})", j.name, copy.ranges());
-        check_spans(&what, copy, v);
-        for a in j.acks.iter().filter(|a| a.begin >= *from) {
-            check_ack(&what, a, copy.get(a.begin, a.end), v);
+    for (id, copy) in &copies {
+        let what = format!(
+            "{} on {id} (holding {}; pointing at the store for {})",
+            j.name,
+            copy.local.ranges(),
+            copy.stored.ranges()
+        );
+        check_spans(&what, &copy.local, v);
+        for a in &j.acks {
+            check_ack(&what, a, copy.served(a.begin, a.end), v);
         }
     }
-    for (n, (a_id, (_, a))) in copies.iter().enumerate() {
-        for (b_id, (_, b)) in &copies[n + 1..] {
-            if let Some(at) = disagreement(&a.0, &b.0) {
+    for (n, (a_id, a)) in copies.iter().enumerate() {
+        for (b_id, b) in &copies[n + 1..] {
+            if let Some(at) = disagreement(&a.local.0, &b.local.0) {
                 v.add(
                     "members disagree",
                     format!(
@@ -209,11 +217,28 @@ fn disagreement(a: &[(u64, Vec<u8>)], b: &[(u64, Vec<u8>)]) -> Option<(u64, u64)
     None
 }
 
-/// What broker `endpoint` holds of `journal` itself, up to at least
-/// `to`: from the first offset of its local fragments on, read pinned and
-/// not proxied (store-only history is skipped). Returns that first offset
-/// and the spans.
-async fn member_copy(endpoint: &str, journal: &str, to: u64) -> Result<(u64, Spans), String> {
+/// What one member serves of a journal: the bytes it holds itself, and
+/// those it points at in a store, each read from that store's file.
+#[derive(Debug, Default)]
+pub struct MemberCopy {
+    pub local: Spans,
+    pub stored: Spans,
+}
+
+impl MemberCopy {
+    /// The bytes at `[begin, end)` as the member serves them.
+    fn served(&self, begin: u64, end: u64) -> Option<&[u8]> {
+        self.local
+            .get(begin, end)
+            .or_else(|| self.stored.get(begin, end))
+    }
+}
+
+/// What broker `endpoint` serves of `journal` from offset 0 up to at
+/// least `to`, read pinned and not proxied: its own bytes as READ_DATA,
+/// and for history only a store holds, the fragment's location, opened
+/// here (the run's stores are `file://`).
+async fn member_copy(endpoint: &str, journal: &str, to: u64) -> Result<MemberCopy, String> {
     let client = Client::connect_pinned(endpoint)
         .await
         .map_err(|e| format!("connect: {e}"))?;
@@ -221,50 +246,88 @@ async fn member_copy(endpoint: &str, journal: &str, to: u64) -> Result<(u64, Spa
         .fragments(journal)
         .await
         .map_err(|e| format!("fragments: {e}"))?;
-    let local = fragments.iter().filter(|f| f.store == "local");
-    let from = local.clone().map(|f| f.begin).min().unwrap_or(to);
-    let head = local.map(|f| f.end).max().unwrap_or(to).max(to);
-    let mut spans = Spans::default();
-    let mut at = from;
+    let head = fragments.iter().map(|f| f.end).max().unwrap_or(to).max(to);
+    let mut copy = MemberCopy::default();
+    let mut at = 0;
     for _ in 0..READS_PER_COPY_MAX {
         if at >= head {
             break;
         }
-        let req = ReadRequest {
-            journal: journal.into(),
-            offset: Some(at),
-            end_offset: Some(head),
-            route_revision: 0,
-        };
-        let options = ReadOptions {
-            block: false,
-            metadata_only: false,
-            do_not_proxy: true,
-        };
-        let mut stream = client
-            .read_with(&req, options)
-            .await
-            .map_err(|e| format!("read at {at}: {e}"))?;
-        let done = loop {
-            match stream.next().await {
-                Some(Ok(ReadEvent::Data { offset, content })) => spans.push(offset, &content)?,
-                Some(Ok(ReadEvent::Fragment { .. })) => {}
-                Some(Ok(ReadEvent::Done(done))) => break done,
-                Some(Err(e)) => return Err(format!("read at {at}: {e}")),
-                None => return Err(format!("read at {at} ended without READ_DONE")),
-            }
-        };
-        if done.status != Status::OK {
-            // The member holds no more (its head is behind): what it lacks
-            // shows as acknowledged appends not held.
+        let Some(next) = read_copy(&client, journal, at, head, &mut copy).await? else {
+            // The member holds no more (its head is behind): what it
+            // lacks shows as acknowledged appends not served.
             break;
+        };
+        if next <= at {
+            return Err(format!("read at {at} ended at {next}"));
         }
-        if done.offset <= at {
-            return Err(format!("read at {at} ended at {}", done.offset));
-        }
-        at = done.offset;
+        at = next;
     }
-    Ok((from, spans))
+    Ok(copy)
+}
+
+/// One pinned, unproxied read of `[at, head)` into `copy`. Returns where
+/// it ended, or `None` if the member refused it (it holds no more).
+async fn read_copy(
+    client: &Client,
+    journal: &str,
+    at: u64,
+    head: u64,
+    copy: &mut MemberCopy,
+) -> Result<Option<u64>, String> {
+    let req = ReadRequest {
+        journal: journal.into(),
+        offset: Some(at),
+        end_offset: Some(head),
+        route_revision: 0,
+    };
+    let options = ReadOptions {
+        block: false,
+        metadata_only: false,
+        do_not_proxy: true,
+    };
+    let mut stream = client
+        .read_with(&req, options)
+        .await
+        .map_err(|e| format!("read at {at}: {e}"))?;
+    loop {
+        match stream.next().await {
+            Some(Ok(ReadEvent::Data { offset, content })) => copy.local.push(offset, &content)?,
+            Some(Ok(ReadEvent::Fragment {
+                begin,
+                end,
+                offset,
+                location,
+                ..
+            })) => {
+                let bytes = stored_bytes(&location, begin, end)?;
+                let from = (offset - begin) as usize;
+                copy.stored.push(offset, &bytes[from..])?;
+            }
+            Some(Ok(ReadEvent::Done(done))) if done.status == Status::OK => {
+                return Ok(Some(done.offset))
+            }
+            Some(Ok(ReadEvent::Done(_))) => return Ok(None),
+            Some(Err(e)) => return Err(format!("read at {at}: {e}")),
+            None => return Err(format!("read at {at} ended without READ_DONE")),
+        }
+    }
+}
+
+/// The bytes of the store fragment `[begin, end)` at `location`, a
+/// `file://` URL; they must be as long as the fragment.
+fn stored_bytes(location: &str, begin: u64, end: u64) -> Result<Vec<u8>, String> {
+    let path = location
+        .strip_prefix("file://")
+        .ok_or_else(|| format!("the member pointed at {location}, not a file:// store"))?;
+    let bytes = std::fs::read(path).map_err(|e| format!("{location}: {e}"))?;
+    if bytes.len() as u64 != end - begin {
+        return Err(format!(
+            "{location} holds {} bytes for [{begin}, {end})",
+            bytes.len()
+        ));
+    }
+    Ok(bytes)
 }
 
 /// A stored fragment, decoded and checked against its name.
@@ -428,6 +491,34 @@ mod tests {
         let n = |b: u64, e: u64| format!("{b:016x}-{e:016x}-{sha}.raw");
         assert_eq!(covered_to(&[n(0, 10), n(5, 20), n(30, 40)]), 20);
         assert_eq!(covered_to(&[n(10, 20)]), 0);
+    }
+
+    #[test]
+    fn a_member_serves_from_its_disk_or_the_store_and_nothing_between() {
+        let mut copy = MemberCopy::default();
+        copy.local.push(0, b"abcd").unwrap();
+        copy.stored.push(4, b"efgh").unwrap();
+        copy.local.push(10, b"kl").unwrap();
+        assert_eq!(copy.served(1, 3), Some(&b"bc"[..]));
+        assert_eq!(copy.served(5, 8), Some(&b"fgh"[..]));
+        assert_eq!(copy.served(10, 12), Some(&b"kl"[..]));
+        // Across the seam of its disk and the store, and across a gap.
+        assert_eq!(copy.served(3, 5), None);
+        assert_eq!(copy.served(8, 10), None);
+        assert!(copy.local.push(11, b"x").is_err(), "overlapping data");
+    }
+
+    #[test]
+    fn a_stored_fragment_is_read_whole_from_a_file_store_only() {
+        let dir = std::env::temp_dir().join(format!("rotary-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.raw");
+        std::fs::write(&path, b"0123").unwrap();
+        let url = format!("file://{}", path.display());
+        assert_eq!(stored_bytes(&url, 8, 12).unwrap(), b"0123");
+        assert!(stored_bytes(&url, 8, 13).unwrap_err().contains("4 bytes"));
+        assert!(stored_bytes("s3://b/f.raw", 8, 12).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

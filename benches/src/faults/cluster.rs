@@ -4,11 +4,11 @@
 //! its own PID, and killed when the cluster drops.
 //!
 //! On loopback every process listens on 127.0.0.1. For partitions the
-//! brokers run in network namespaces of their own ([`Net::Namespaces`]),
-//! each joined by a veth pair to a bridge in this process's namespace that
-//! carries etcd's address and the clients' traffic: taking a broker's veth
-//! down cuts it off from etcd, its peers and its clients at once, and
-//! nothing else.
+//! brokers and etcd run in network namespaces of their own
+//! ([`Net::Namespaces`]), each joined by a veth pair to a bridge in this
+//! process's namespace, which carries the clients' traffic and listens on
+//! nothing: taking a broker's veth down cuts it off from etcd, its peers
+//! and its clients at once, and nothing else.
 
 use crate::child::ChildGuard;
 use anyhow::Context as _;
@@ -103,26 +103,36 @@ impl Net {
         ip(&[
             "addr",
             "add",
-            &format!("{}/24", self.etcd_host()),
+            &format!("{}/24", self.bridge_host()),
             "dev",
             &bridge,
         ])?;
         ip(&["link", "set", &bridge, "up"])?;
         for i in 0..BROKERS {
             let ns = self.namespace(i).expect("namespaced");
-            let (host_end, ns_end) = (format!("{tag}h{i}"), format!("{tag}n{i}"));
-            ip(&["netns", "add", &ns])?;
-            ip(&[
-                "link", "add", &host_end, "type", "veth", "peer", "name", &ns_end,
-            ])?;
-            ip(&["link", "set", &ns_end, "netns", &ns])?;
-            ip(&["link", "set", &host_end, "master", &bridge, "up"])?;
-            let addr = format!("{}/24", self.broker_host(i));
-            ip(&["-n", &ns, "addr", "add", &addr, "dev", &ns_end])?;
-            ip(&["-n", &ns, "link", "set", &ns_end, "up"])?;
-            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            self.attach(&bridge, &ns, &i.to_string(), &self.broker_host(i))?;
         }
-        Ok(())
+        let ns = self.etcd_namespace().expect("namespaced");
+        self.attach(&bridge, &ns, "e", &self.etcd_host())
+    }
+
+    /// Makes namespace `ns`, joined to `bridge` by a veth pair whose ends
+    /// are named after `end`, with address `host` inside.
+    fn attach(&self, bridge: &str, ns: &str, end: &str, host: &str) -> anyhow::Result<()> {
+        let Net::Namespaces { tag, .. } = self else {
+            return Ok(());
+        };
+        let (host_end, ns_end) = (format!("{tag}h{end}"), format!("{tag}n{end}"));
+        ip(&["netns", "add", ns])?;
+        ip(&[
+            "link", "add", &host_end, "type", "veth", "peer", "name", &ns_end,
+        ])?;
+        ip(&["link", "set", &ns_end, "netns", ns])?;
+        ip(&["link", "set", &host_end, "master", bridge, "up"])?;
+        let addr = format!("{host}/24");
+        ip(&["-n", ns, "addr", "add", &addr, "dev", &ns_end])?;
+        ip(&["-n", ns, "link", "set", &ns_end, "up"])?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])
     }
 
     /// Deletes what [`Net::namespaces`] made (whatever of it exists).
@@ -136,6 +146,10 @@ impl Net {
                 let _ = ip(&["netns", "del", &ns]);
             }
         }
+        let _ = ip(&["link", "del", &format!("{tag}he")]);
+        if let Some(ns) = self.etcd_namespace() {
+            let _ = ip(&["netns", "del", &ns]);
+        }
         let _ = ip(&["link", "del", &format!("{tag}br")]);
     }
 
@@ -147,7 +161,23 @@ impl Net {
         }
     }
 
+    /// The namespace etcd runs in, if any.
+    pub fn etcd_namespace(&self) -> Option<String> {
+        match self {
+            Net::Loopback => None,
+            Net::Namespaces { tag, .. } => Some(format!("{tag}-etcd")),
+        }
+    }
+
     pub fn etcd_host(&self) -> String {
+        match self {
+            Net::Loopback => "127.0.0.1".into(),
+            Net::Namespaces { subnet, .. } => format!("{NETNS_SUBNET_PREFIX}.{subnet}.2"),
+        }
+    }
+
+    /// This process's address on the bridge: the clients' source address.
+    fn bridge_host(&self) -> String {
         match self {
             Net::Loopback => "127.0.0.1".into(),
             Net::Namespaces { subnet, .. } => format!("{NETNS_SUBNET_PREFIX}.{subnet}.1"),
@@ -204,6 +234,7 @@ fn free_port() -> anyhow::Result<u16> {
 /// etcd as a child: the same ports and data on every start.
 pub struct Etcd {
     host: String,
+    namespace: Option<String>,
     client_port: u16,
     peer_port: u16,
     data: PathBuf,
@@ -212,9 +243,10 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    fn new(host: String, dir: &Path) -> anyhow::Result<Etcd> {
+    fn new(host: String, namespace: Option<String>, dir: &Path) -> anyhow::Result<Etcd> {
         Ok(Etcd {
             host,
+            namespace,
             client_port: free_port()?,
             peer_port: free_port()?,
             data: dir.join("etcd"),
@@ -241,7 +273,16 @@ impl Etcd {
         let client_url = self.endpoint();
         let peer_url = format!("http://{}:{}", self.host, self.peer_port);
         let log = log_file(&self.log)?;
-        let child = Command::new(binary)
+        let mut cmd = match &self.namespace {
+            // The child's PID is etcd's, as for a broker.
+            Some(ns) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", ns]).arg(binary);
+                cmd
+            }
+            None => Command::new(binary),
+        };
+        let child = cmd
             .arg("--name=rotary-faults")
             .arg(format!("--data-dir={}", self.data.display()))
             .arg(format!("--listen-client-urls={client_url}"))
@@ -327,7 +368,7 @@ impl Cluster {
     /// leads the allocation), each serving before the next starts.
     pub async fn start(exe: &Path, dir: &Path, ttl: Duration, net: Net) -> anyhow::Result<Cluster> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut etcd = Etcd::new(net.etcd_host(), dir)?;
+        let mut etcd = Etcd::new(net.etcd_host(), net.etcd_namespace(), dir)?;
         etcd.start().await?;
         let mut brokers = Vec::new();
         for i in 0..BROKERS {

@@ -229,7 +229,13 @@ pub async fn run(exe: &Path, dir: &Path, fault: Fault, rounds: usize) -> anyhow:
     } else {
         Net::Loopback
     };
-    let mut cluster = Cluster::start(exe, scratch.path(), TTL, net).await?;
+    let mut cluster = match Cluster::start(exe, scratch.path(), TTL, net).await {
+        Ok(c) => c,
+        Err(e) => {
+            let kept = scratch.keep();
+            anyhow::bail!("{}: {e:#} (logs kept in {})", fault.name(), kept.display());
+        }
+    };
     let result = run_on(&mut cluster, scratch.path(), fault, rounds).await;
     let outcome = match result {
         Ok(o) => o,
