@@ -1393,6 +1393,23 @@ mod tests {
         }
     }
 
+    /// Specs are read with YAML 1.2 scalars: the YAML 1.1 words for
+    /// booleans are strings, so a label value `yes` is the string `yes`,
+    /// and only `true` and `false` are booleans (which a label value
+    /// refuses, as above).
+    #[test]
+    fn yaml_1_1_boolean_words_are_strings() {
+        let words = ["yes", "no", "on", "off", "y", "n", "Yes", "OFF"];
+        for w in words {
+            let specs = parse_specs(&format!("name: a/b/c\nlabels: {{a: {w}}}")).unwrap();
+            assert_eq!(specs[0].labels.values_of("a").collect::<Vec<_>>(), [w]);
+        }
+        for w in ["true", "false", "True", "FALSE"] {
+            let e = parse_specs(&format!("name: a/b/c\nlabels: {{a: {w}}}")).unwrap_err();
+            assert!(e.to_string().contains("quote it"), "{w}: {e}");
+        }
+    }
+
     #[test]
     fn durations() {
         assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
