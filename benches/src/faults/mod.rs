@@ -213,9 +213,12 @@ impl Drop for Slot {
     }
 }
 
+/// Set (to anything) to keep every run's directory, logs and data.
+pub const KEEP_ENV: &str = "ROTARY_FAULT_KEEP";
+
 /// Runs `fault` `rounds` times on a fresh cluster of `exe` (`rotary`)
 /// in a temporary directory under `dir`, which is removed afterwards
-/// unless a check failed. An error is a run that could not be carried
+/// unless a check failed, an append failed, or [`KEEP_ENV`] is set. An error is a run that could not be carried
 /// out (a process did not start, the cluster did not recover in time).
 pub async fn run(exe: &Path, dir: &Path, fault: Fault, rounds: usize) -> anyhow::Result<Outcome> {
     let _slot = Slot::take().await;
@@ -251,7 +254,7 @@ pub async fn run(exe: &Path, dir: &Path, fault: Fault, rounds: usize) -> anyhow:
         }
     };
     drop(cluster);
-    if outcome.passed() {
+    if outcome.passed() && outcome.failed == 0 && std::env::var_os(KEEP_ENV).is_none() {
         drop(scratch);
     } else {
         let _ = scratch.keep();
