@@ -281,6 +281,11 @@ struct ServeArgs {
     /// A duration such as 15s.
     #[arg(long = "peer-silence", value_name = "DURATION", value_parser = parse_peer_wait, default_value = "15s")]
     peer_silence: std::time::Duration,
+    /// How old the fragment after a gap in a journal's history must be
+    /// before a read jumps the gap; a younger gap may still be filled, so
+    /// reads wait there. A duration such as 6h; 0s jumps at once.
+    #[arg(long = "offset-jump-age", value_name = "DURATION", value_parser = parse_duration_arg, default_value = "6h")]
+    offset_jump_age: std::time::Duration,
     /// In a cluster: how long a primary waits for a replica to acknowledge
     /// an append before it treats the replica as gone, answers the appends
     /// waiting on it REPLICATION_FAILED and reconnects. A duration such as
@@ -369,6 +374,10 @@ fn parse_shard_slice(s: &str) -> Result<std::time::Duration, String> {
     } else {
         Err("must be 0, or from 100us to 100ms".to_string())
     }
+}
+
+fn parse_duration_arg(s: &str) -> Result<std::time::Duration, String> {
+    rotary_net::spec::parse_duration(s).map_err(|e| e.to_string())
 }
 
 fn parse_peer_wait(s: &str) -> Result<std::time::Duration, String> {
@@ -873,6 +882,7 @@ fn serve(args: ServeArgs) -> CmdResult {
     config.cpus = args.cpus.map(|c| c.0).unwrap_or_default();
     config.iowq_cpus = args.iowq_cpus.map(|c| c.0).unwrap_or_default();
     config.peer_silence = args.peer_silence;
+    config.offset_jump_age = args.offset_jump_age;
     config.shard_slice = args.shard_slice;
     config.ack_poll = args.ack_poll;
     config.replica_ack_timeout = args.replica_ack_timeout;
@@ -1519,7 +1529,7 @@ async fn read(args: ReadArgs) -> CmdResult {
                 }
                 if let Some(expected) = next_offset {
                     if offset != expected {
-                        eprintln!("warning: offsets {expected}..{offset} are missing from the journal's history");
+                        eprintln!("warning: offsets {expected}..{offset} are missing from the journal's history ({} bytes skipped)", offset - expected);
                     }
                 }
                 next_offset = Some(offset + content.len() as u64);
@@ -1544,7 +1554,7 @@ async fn read(args: ReadArgs) -> CmdResult {
                 if let Some(expected) = next_offset.filter(|&e| e < done.offset) {
                     if done.status == Status::OK && !args.metadata {
                         let found = done.offset;
-                        eprintln!("warning: offsets {expected}..{found} are missing from the journal's history");
+                        eprintln!("warning: offsets {expected}..{found} are missing from the journal's history ({} bytes skipped)", found - expected);
                     }
                 }
                 if args.metadata {

@@ -163,10 +163,7 @@ fn cli_ok(broker: &Broker, args: &[&str]) -> String {
 
 /// `/metrics`, checked by `promtool`.
 fn scrape_checked(http: &str) -> String {
-    let mut r = ureq::get(&format!("http://{http}/metrics"))
-        .call()
-        .expect("GET /metrics");
-    let text = r.body_mut().read_to_string().unwrap();
+    let text = scrape(http);
     let mut child = Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
@@ -188,14 +185,6 @@ fn scrape_checked(http: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     text
-}
-
-/// The sum over shards of a counter's samples.
-fn counter(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
 }
 
 /// A fragment as a deposed primary would upload it: over the second of the

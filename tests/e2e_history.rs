@@ -729,27 +729,28 @@ async fn s3_store_prefixed_names_keep_apart() {
 // ---------------------------------------------------------------------------
 // A gap in the history.
 
-/// A fragment lost from the store leaves a gap: a read whose range ends in
-/// it ends cleanly (the broker keeps serving), and the CLI warns about the
-/// missing offsets wherever they are in the range.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn file_store_gap_in_history_is_read_around() {
-    let store = TestStore::file();
-    let broker = broker_for(&store, &["--local-cache", "0"]);
-    let client = broker.client().await;
-    let j = "hist/gap";
-    apply(&client, &spec(j, &store, Codec::None, 1 << 20)).await;
-    append(&client, j, b"AAAA").await;
+/// Appends `AAAA` and `BBBB` to `j` as two stored fragments, then removes
+/// the first from the store and waits until the broker's listing lacks
+/// it: `[0, 4)` is a gap. Returns the removed object's path and bytes.
+async fn gap_at_the_start(
+    client: &Client,
+    store: &TestStore,
+    j: &str,
+) -> (std::path::PathBuf, Vec<u8>) {
+    apply(client, &spec(j, store, Codec::None, 1 << 20)).await;
+    append(client, j, b"AAAA").await;
     client.seal(j).await.unwrap();
-    wait_store_covers(&store, j, 4).await;
-    append(&client, j, b"BBBB").await;
+    wait_store_covers(store, j, 4).await;
+    append(client, j, b"BBBB").await;
     client.seal(j).await.unwrap();
-    let frags = wait_store_covers(&store, j, 8).await;
+    let frags = wait_store_covers(store, j, 8).await;
     let first = frags.iter().find(|f| f.begin == 0).expect("first fragment");
-    let TestStore::File { dir } = &store else {
+    let TestStore::File { dir } = store else {
         unreachable!()
     };
-    std::fs::remove_file(dir.path().join(&first.key)).unwrap();
+    let path = dir.path().join(&first.key);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
     // Once the broker lists the store again, [0, 4) is a gap.
     let deadline = Instant::now() + WAIT;
     while client
@@ -762,6 +763,29 @@ async fn file_store_gap_in_history_is_read_around() {
         assert!(Instant::now() < deadline, "the lost fragment stays listed");
         tokio::time::sleep(POLL).await;
     }
+    (path, bytes)
+}
+
+/// A fragment lost from the store leaves a gap. Once it is older than
+/// `--offset-jump-age` (here zero), a read whose range ends in it ends
+/// cleanly (the broker keeps serving), a read across it jumps it, and the
+/// CLI warns about the missing offsets wherever they are in the range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_gap_in_history_is_read_around() {
+    let store = TestStore::file();
+    let http = format!("127.0.0.1:{}", free_port_range(1));
+    let args = [
+        "--local-cache",
+        "0",
+        "--offset-jump-age",
+        "0s",
+        "--http",
+        &http,
+    ];
+    let broker = broker_for(&store, &args);
+    let client = broker.client().await;
+    let j = "hist/gap";
+    gap_at_the_start(&client, &store, j).await;
 
     // A range inside the gap: no bytes, READ_DONE OK at its end.
     let (bytes, done) = read_range(&client, j, 0, Some(3)).await.unwrap();
@@ -794,11 +818,78 @@ async fn file_store_gap_in_history_is_read_around() {
         } else {
             assert_eq!(
                 err,
-                format!("warning: offsets {warning} are missing from the journal's history\n"),
+                format!(
+                    "warning: offsets {warning} are missing from the journal's history ({} bytes skipped)\n",
+                    span_len(warning)
+                ),
                 "{args:?}"
             );
         }
     }
+    let m = scrape(&http);
+    assert!(counter(&m, "rotary_offset_jumps_total") >= 1.0, "{m}");
+    assert!(counter(&m, "rotary_offset_jump_bytes_total") >= 4.0, "{m}");
+}
+
+/// The length of `a..b`.
+fn span_len(range: &str) -> u64 {
+    let (a, b) = range.split_once("..").unwrap();
+    b.parse::<u64>().unwrap() - a.parse::<u64>().unwrap()
+}
+
+/// A gap younger than `--offset-jump-age` (the default, six hours) may
+/// still be filled, so no read skips it: a non-blocking read at the gap
+/// answers OFFSET_NOT_YET_AVAILABLE at its offset, and a blocking one
+/// waits, and reads the bytes once the fragment is back in the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_a_young_gap_is_waited_for_not_jumped() {
+    let store = TestStore::file();
+    let http = format!("127.0.0.1:{}", free_port_range(1));
+    let broker = broker_for(&store, &["--local-cache", "0", "--http", &http]);
+    let client = broker.client().await;
+    let j = "hist/young-gap";
+    let (path, bytes) = gap_at_the_start(&client, &store, j).await;
+
+    let (got, done) = read_range(&client, j, 0, None).await.unwrap();
+    assert!(
+        got.is_empty(),
+        "a non-blocking read skipped the gap: {got:?}"
+    );
+    assert_eq!(
+        (done.status, done.offset, done.write_head),
+        (Status::OFFSET_NOT_YET_AVAILABLE, 0, 8)
+    );
+    // The CLI, not blocking, prints nothing of the journal and no jump.
+    let (code, stdout, err) = run_cli(broker.cli(&["read", j, "--offset", "0", "--proxy"]), b"");
+    assert_eq!((code, stdout.as_slice()), (0, &b""[..]), "{err}");
+    assert!(!err.contains("missing"), "{err}");
+
+    let req = ReadRequest {
+        journal: j.to_string(),
+        offset: Some(0),
+        end_offset: Some(8),
+        route_revision: 0,
+    };
+    let blocking = ReadOptions {
+        block: true,
+        ..ReadOptions::default()
+    };
+    let stream = client.read_with(&req, blocking).await.unwrap();
+    let reader = tokio::spawn(read_to_done(stream, "blocking read", 0));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!reader.is_finished(), "the blocking read did not wait");
+    std::fs::write(&path, &bytes).unwrap();
+    let (got, done) = tokio::time::timeout(WAIT, reader)
+        .await
+        .expect("the read ends once the fragment is listed again")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (got.as_slice(), done.status),
+        (&b"AAAABBBB"[..], Status::OK)
+    );
+    let m = scrape(&http);
+    assert_eq!(counter(&m, "rotary_offset_jumps_total"), 0.0, "{m}");
 }
 
 /// A spec changed while its journal sees no requests still reaches the
@@ -1125,7 +1216,8 @@ async fn prune_deletes_nothing_it_cannot_report() {
     assert!(pruned.iter().any(|p| p.journal == on_file), "{pruned:?}");
     assert!(file.fragments(on_file).is_empty());
     // The pruned span is a gap at once (the next listing is 10 minutes
-    // off): the read goes on past it.
+    // off), and gone on purpose: the read goes on past it at once, though
+    // the fragment after it is younger than `--offset-jump-age`.
     let mut stream = client
         .read_with(
             &ReadRequest {

@@ -88,6 +88,12 @@ pub struct ServeConfig {
     /// request waits, before it is sent a PING; after as long again with
     /// still nothing, its requests are answered `IO_ERROR`.
     pub peer_silence: Duration,
+    /// How old the first fragment after a gap in a journal's history must
+    /// be before a read jumps over the gap: a younger gap may still be
+    /// filled (another broker is uploading it), so the read waits, or a
+    /// non-blocking one answers `OFFSET_NOT_YET_AVAILABLE`. Zero jumps at
+    /// once.
+    pub offset_jump_age: Duration,
     /// How long a primary waits for a replica's acknowledgement before it
     /// treats the replica as gone: the appends waiting on it are answered
     /// `REPLICATION_FAILED` and the pipeline is closed (and reconnected,
@@ -130,6 +136,10 @@ pub const SHARD_SLICE_DEFAULT: Duration = Duration::from_micros(100);
 /// about 50 µs on loopback, and within 1 ms but for a stall.
 pub const ACK_POLL_DEFAULT: Duration = Duration::from_millis(1);
 
+/// Default of `ServeConfig::offset_jump_age`, Gazette's: a gap that
+/// six hours did not fill is taken as permanent.
+pub const OFFSET_JUMP_AGE_DEFAULT: Duration = Duration::from_secs(6 * 3600);
+
 impl ServeConfig {
     pub fn new(data_dir: PathBuf, listen: SocketAddr) -> Self {
         ServeConfig {
@@ -148,6 +158,7 @@ impl ServeConfig {
             cpus: Vec::new(),
             iowq_cpus: Vec::new(),
             peer_silence: crate::conn::PEER_SILENCE_DEFAULT,
+            offset_jump_age: OFFSET_JUMP_AGE_DEFAULT,
             replica_ack_timeout: crate::pipeline::ACK_TIMEOUT_DEFAULT,
             cluster: None,
             etcd: None,
@@ -663,6 +674,7 @@ fn shard_config(
         topology: parts.topology.clone(),
         commit_log_compact_bytes: config.commit_log_compact_bytes,
         peer_silence: config.peer_silence,
+        offset_jump_age: config.offset_jump_age,
         replica_ack_timeout: config.replica_ack_timeout,
         ack_poll: config.ack_poll,
         clock: config.clock.clone(),

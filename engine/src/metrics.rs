@@ -357,6 +357,11 @@ counters!(
     /// not to be the committed one), each counted once by the shard that
     /// owns its journal.
     Counter fragments_conflicting,
+    /// Reads that jumped over a gap in their journal's history old enough
+    /// to be taken as permanent (`--offset-jump-age`).
+    Counter offset_jumps,
+    /// Bytes of history those jumps skipped.
+    Counter offset_jump_bytes,
     /// Times a primary's shard polled its ring, rather than sleep, while
     /// replicas' acks were awaited.
     Counter ack_polls,

@@ -693,3 +693,21 @@ pub fn mount_tmpfs(at: &std::path::Path, size: &str) -> Option<Mounted> {
         .is_ok_and(|s| s.success());
     ok.then(|| Mounted(at.to_path_buf()))
 }
+
+/// `/metrics` of the broker whose HTTP gateway is at `http`.
+#[allow(dead_code)] // Not every test binary reads metrics.
+pub fn scrape(http: &str) -> String {
+    let mut r = ureq::get(&format!("http://{http}/metrics"))
+        .call()
+        .expect("GET /metrics");
+    r.body_mut().read_to_string().unwrap()
+}
+
+/// The sum over shards of a counter's samples in a `/metrics` text.
+#[allow(dead_code)] // Not every test binary reads metrics.
+pub fn counter(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}

@@ -111,6 +111,10 @@ pub struct Index {
     /// Requests to move the write head to the end of the index, answered
     /// by `Shard::reset_head` (the flusher calls it).
     pub(crate) reset_waiters: Vec<(Rc<Outbox>, u64)>,
+    /// The furthest end of a fragment this broker pruned: history below it
+    /// that no fragment holds is gone on purpose, and reads jump it at
+    /// once (see [`Jump::pruned`]).
+    pruned_to: u64,
 }
 
 /// Where the listings of a journal's stores stand (written by the shard's
@@ -196,6 +200,8 @@ impl Index {
         self.confirmed.retain(|(_, r)| !same(r));
         if corrupt {
             self.corrupt.insert(id_of(f));
+        } else {
+            self.pruned_to = self.pruned_to.max(f.end);
         }
         self.remote_changed();
     }
@@ -360,6 +366,7 @@ impl Index {
                     offset: at,
                     file_pos: at - f.begin,
                     end: f.end,
+                    jumped: None,
                 });
             }
             Some(Located {
@@ -367,6 +374,7 @@ impl Index {
                 offset: at,
                 file_pos: at - f.begin,
                 end: f.end,
+                jumped: None,
             })
         };
         let local = |at: u64| -> Option<Located> {
@@ -381,6 +389,7 @@ impl Index {
                                 offset: at,
                                 file_pos: at - f.begin,
                                 end: f.end,
+                                jumped: None,
                             })
                         });
                     }
@@ -394,6 +403,7 @@ impl Index {
                         offset: at,
                         file_pos: at - f.begin,
                         end: f.end,
+                        jumped: None,
                     });
                 }
             }
@@ -417,23 +427,48 @@ impl Index {
                 offset: at,
                 file_pos: at - spool.begin(),
                 end,
+                jumped: None,
             })
         };
         if let Some(l) = local(offset).or_else(|| remote(offset)) {
             return Some(l);
         }
-        // A gap: jump to the next span that exists.
+        // A gap: the next span that exists, and when it was written (the
+        // reader decides whether the gap is old enough to jump).
+        let (next, written) = self.next_span(offset, fragments, spool)?;
+        let mut l = local(next).or_else(|| remote(next))?;
+        assert!(l.offset > offset, "a jump goes forward");
+        l.jumped = Some(Jump {
+            from: offset,
+            written,
+            pruned: next <= self.pruned_to,
+        });
+        Some(l)
+    }
+}
+
+impl Index {
+    /// The first span beginning after `offset` (a local fragment, a store
+    /// fragment, or the open spool), and when it was written (`None`: the
+    /// open spool, being written now).
+    fn next_span(
+        &self,
+        offset: u64,
+        fragments: &[LocalFragment],
+        spool: Option<(&Spool, Option<&str>)>,
+    ) -> Option<(u64, Option<std::time::SystemTime>)> {
         let next_remote = self
             .remote
             .get(self.remote.partition_point(|f| f.begin <= offset));
-        let next = fragments
-            .iter()
-            .map(|f| f.begin)
-            .chain(next_remote.map(|f| f.begin))
-            .chain(spool.filter(|(s, _)| !s.is_empty()).map(|(s, _)| s.begin()))
-            .filter(|&b| b > offset)
-            .min()?;
-        local(next).or_else(|| remote(next))
+        let locals = fragments.iter().map(|f| (f.begin, Some(f.sealed_at)));
+        let open = spool
+            .filter(|(s, _)| !s.is_empty())
+            .map(|(s, _)| (s.begin(), None));
+        locals
+            .chain(next_remote.map(|f| (f.begin, Some(f.mod_time))))
+            .chain(open)
+            .filter(|&(b, _)| b > offset)
+            .min_by_key(|&(b, _)| b)
     }
 }
 
@@ -699,16 +734,82 @@ pub enum FileRef {
     Corrupt(String),
 }
 
+/// A read's jump over a gap in the history: from the offset asked for to
+/// [`Located::offset`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Jump {
+    pub from: u64,
+    /// When the span after the gap was written (sealed, or stored); `None`
+    /// for the open spool, which is being written now.
+    pub written: Option<std::time::SystemTime>,
+    /// The gap lies below what this broker pruned: gone on purpose.
+    pub pruned: bool,
+}
+
+impl Jump {
+    /// Whether the gap is old enough at `now` to be taken as permanent:
+    /// the span after it was written `age` or longer ago.
+    pub fn is_permanent(&self, now: std::time::SystemTime, age: std::time::Duration) -> bool {
+        if age.is_zero() || self.pruned {
+            return true;
+        }
+        self.written
+            .is_some_and(|w| now.duration_since(w).is_ok_and(|d| d >= age))
+    }
+
+    /// How long until the gap is permanent (zero if it is already);
+    /// `None` while the span after it is still being written.
+    pub fn permanent_in(
+        &self,
+        now: std::time::SystemTime,
+        age: std::time::Duration,
+    ) -> Option<std::time::Duration> {
+        let written = self.written?;
+        let old = now.duration_since(written).unwrap_or_default();
+        Some(age.saturating_sub(old))
+    }
+}
+
 pub struct Located {
     pub file: FileRef,
     pub offset: u64,
     pub file_pos: u64,
     pub end: u64,
+    /// Set when no span holds the offset asked for and this is the next
+    /// one after the gap.
+    pub jumped: Option<Jump>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gap_is_permanent_once_old_enough_or_pruned() {
+        use std::time::{Duration, SystemTime};
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let hour = Duration::from_secs(3600);
+        let jump = |written, pruned| Jump {
+            from: 0,
+            written,
+            pruned,
+        };
+        let young = jump(Some(t0), false);
+        assert!(!young.is_permanent(t0 + hour, 6 * hour));
+        assert_eq!(young.permanent_in(t0 + hour, 6 * hour), Some(5 * hour));
+        assert!(young.is_permanent(t0 + 6 * hour, 6 * hour));
+        assert!(young.is_permanent(t0, Duration::ZERO), "zero jumps at once");
+        let open = jump(None, false);
+        assert!(
+            !open.is_permanent(t0 + 100 * hour, hour),
+            "the spool is being written"
+        );
+        assert_eq!(open.permanent_in(t0, hour), None);
+        assert!(
+            jump(Some(t0), true).is_permanent(t0, 6 * hour),
+            "pruned on purpose"
+        );
+    }
 
     /// A store object of `[begin, end)` whose bytes are named by `tag`.
     fn obj(begin: u64, end: u64, tag: u8) -> StoredFragment {

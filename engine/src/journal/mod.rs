@@ -16,7 +16,7 @@ mod tail;
 pub use admit::{admit, Admission, AdmitRole, AdmitShard, Next};
 pub use files::Files;
 pub use heads::Heads;
-pub use index::{FileRef, Index};
+pub use index::{FileRef, Index, Jump};
 pub use primary::PrimaryState;
 pub use queue::AppendQueue;
 pub use rate::TokenBucket;

@@ -139,6 +139,8 @@ pub struct Shard {
     topology: Arc<Topology>,
     /// See `ServeConfig::peer_silence`.
     pub(crate) peer_silence: std::time::Duration,
+    /// See `ServeConfig::offset_jump_age`.
+    pub(crate) offset_jump_age: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
     replica_ack_timeout: std::time::Duration,
     /// The last snapshot taken.
@@ -269,6 +271,7 @@ pub struct ShardConfig {
     pub topology: Arc<Topology>,
     pub commit_log_compact_bytes: u64,
     pub peer_silence: std::time::Duration,
+    pub offset_jump_age: std::time::Duration,
     /// See `ServeConfig::replica_ack_timeout`.
     pub replica_ack_timeout: std::time::Duration,
     /// See `ServeConfig::ack_poll`.

@@ -1,6 +1,22 @@
 //! Reads: from local fragments, the spool, the stores, or by location.
 
 use super::*;
+use crate::journal::Jump;
+
+/// Longest wait of a blocking read in a young gap before it looks again:
+/// the gap ages while nothing wakes the read (no commit, no listing).
+const GAP_LOOK_AGAIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Counts a read waiting on the journal (`delta` 1 or -1): while readers
+/// wait, appends keep their bytes in memory.
+fn j_waiting(j: &JournalRef, delta: isize) {
+    let mut jm = j.borrow_mut();
+    jm.readers.waiting = jm
+        .readers
+        .waiting
+        .checked_add_signed(delta)
+        .expect("readers waiting never below zero");
+}
 
 /// Cancellation of a streaming read.
 #[derive(Default)]
@@ -628,6 +644,15 @@ impl ReadCall<'_> {
             drop(turn);
             return self.wait_for_bytes(offset, head).await;
         };
+        if let Some(jump) = loc.jumped {
+            // Without a store nothing can fill the gap here: it is jumped.
+            let young = !jump.is_permanent(crate::clock::wall(), self.shard.offset_jump_age);
+            if young && j.borrow().has_stores() {
+                drop(turn);
+                return self.wait_in_gap(jump, loc.offset, head).await;
+            }
+            self.shard.note_jump(&self.j, jump, loc.offset);
+        }
         let offset = loc.offset;
         if let Some(end) = self.ask.req.end_offset {
             if offset >= end {
@@ -796,6 +821,36 @@ impl ReadCall<'_> {
         ReadStep::At(offset)
     }
 
+    /// No span holds `jump.from`, and the next one (at `next`) is too
+    /// young for the gap to be taken as permanent: its bytes may still
+    /// come (another broker uploading them, a listing not yet made). A
+    /// non-blocking read ends `OFFSET_NOT_YET_AVAILABLE` at the gap; a
+    /// blocking one waits for a commit or a listing, or until the gap is
+    /// old enough, and looks again.
+    async fn wait_in_gap(&self, jump: Jump, next: u64, head: u64) -> ReadStep {
+        let from = jump.from;
+        if !self.block() {
+            let msg = format!(
+                "no fragment holds offset {from} yet; the next begins at {next}, and a read jumps a gap only once it is {:?} old (`--offset-jump-age`)",
+                self.shard.offset_jump_age
+            );
+            self.done(Status::OFFSET_NOT_YET_AVAILABLE, from, head, &msg);
+            return ReadStep::Ended;
+        }
+        let wakeup = self.wakeup();
+        if self.stopped().is_some() || self.ask.outbox.is_closed() {
+            return ReadStep::At(from);
+        }
+        let age = self.shard.offset_jump_age;
+        let until = jump
+            .permanent_in(crate::clock::wall(), age)
+            .map_or(GAP_LOOK_AGAIN, |d| d.min(GAP_LOOK_AGAIN));
+        j_waiting(&self.j, 1);
+        let _ = compio::time::timeout(until, wakeup).await;
+        j_waiting(&self.j, -1);
+        ReadStep::At(from)
+    }
+
     /// Reads from a fragment in a store: proxied, or answered with its
     /// location when the client asked not to be proxied.
     async fn read_store(&self, frag: StoredFragment, offset: u64) -> ReadStep {
@@ -872,5 +927,17 @@ impl ReadCall<'_> {
                 ReadStep::Ended
             }
         }
+    }
+}
+
+impl Shard {
+    /// Counts and logs a read's jump over a permanent gap: from
+    /// `jump.from` to `to`. The reader sees it as the next frame's offset.
+    fn note_jump(&self, j: &JournalRef, jump: Jump, to: u64) {
+        let skipped = to - jump.from;
+        metrics::add(&self.metrics.offset_jumps, 1);
+        metrics::add(&self.metrics.offset_jump_bytes, skipped);
+        let name = j.borrow().name.clone();
+        tracing::info!(journal = %name, from = jump.from, to, skipped, "a read jumped over a gap in the journal's history");
     }
 }

@@ -156,6 +156,7 @@ impl Shard {
             topology,
             commit_log_compact_bytes,
             peer_silence,
+            offset_jump_age,
             replica_ack_timeout,
             ack_poll,
             hasher,
@@ -166,10 +167,7 @@ impl Shard {
         let (mut log, replayed) = Self::open_log(&dir, &specs).await?;
         log.set_compact_bytes(commit_log_compact_bytes);
         // Until recovery checks them against the spools, the last records.
-        let states = replayed
-            .iter()
-            .map(|(name, r)| (name.clone(), r.last.clone()))
-            .collect();
+        let states = last_records(&replayed);
         let (done_tx, done_rx) = async_channel::unbounded();
         let spares = crate::spares::Spares::open(&dir)
             .map_err(|e| crate::EngineError::Io(dir.join("spares"), e))?;
@@ -222,6 +220,7 @@ impl Shard {
             tick_view: RefCell::new(topology.snapshot()),
             topology,
             peer_silence,
+            offset_jump_age,
             replica_ack_timeout,
             pipelines: RefCell::new(HashMap::new()),
             silent_sources: RefCell::new(HashMap::new()),
@@ -477,4 +476,12 @@ impl Shard {
         j.set_heads(head);
         j.primary.first_sync_pending = j.files.fragments.is_empty() && state.is_none();
     }
+}
+
+/// Each journal's last replayed commit record.
+fn last_records(replayed: &HashMap<String, Replayed>) -> HashMap<String, JournalState> {
+    replayed
+        .iter()
+        .map(|(name, r)| (name.clone(), r.last.clone()))
+        .collect()
 }
