@@ -3610,6 +3610,7 @@ async fn a_primary_past_the_open_replicated_appends_is_closed_body(cluster: &mut
         route_revision: 0,
         head: 0,
         registers: LabelSet::default(),
+        taken_back: Vec::new(),
     })
     .unwrap();
     tokio::task::block_in_place(|| {

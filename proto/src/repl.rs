@@ -250,6 +250,12 @@ pub struct SyncRequest {
     pub route_revision: u64,
     pub head: u64,
     pub registers: LabelSet,
+    /// Offsets where the primary's history was taken back and written
+    /// again since (PROTOCOL.md §14.11): a replica holding bytes beyond one
+    /// of them that it did not get from this SYNC's primary drops them
+    /// from the lowest such offset before it follows.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub taken_back: Vec<u64>,
 }
 
 /// A replica's answer to SYNC (OK, WRONG_ROUTE or PROPOSAL_MISMATCH).

@@ -33,6 +33,11 @@ pub struct LocalFragment {
     /// file's modification time). Held here so that cache eviction and
     /// listings need no system call per fragment.
     pub sealed_at: std::time::SystemTime,
+    /// Not to be uploaded: sealed by a broker the journal's route left
+    /// while it was a replica, from bytes its primary may not have
+    /// confirmed. It stays local (a new primary may still copy it) until
+    /// a primary's SYNC makes this broker follow the journal again.
+    pub held: bool,
 }
 
 impl LocalFragment {
@@ -57,6 +62,7 @@ impl LocalFragment {
             corrupt: None,
             verified,
             sealed_at,
+            held: false,
         }
     }
 }

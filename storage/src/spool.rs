@@ -804,6 +804,7 @@ impl Spool {
             // Every byte was hashed into `sha1` as it was staged.
             verified: true,
             sealed_at: rotary_proto::clock::wall(),
+            held: false,
         }))
     }
 }

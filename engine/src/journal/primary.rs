@@ -57,9 +57,52 @@ pub struct PrimaryState {
     /// Notified by the tick when the cluster view changed: the acker
     /// stops waiting for a replica that left the journal's route.
     pub(crate) route_moved: event_listener::Event,
+    /// Offsets where the journal's history was taken back and written
+    /// again with other bytes, oldest first, at most
+    /// [`TAKEN_BACK_KEPT`]: by this broker as its primary, or learned from
+    /// a primary's SYNC as a replica. Every SYNC carries them, so a
+    /// replica that was away when its primary took back bytes it still
+    /// holds drops them before it follows (`Shard::apply_syncs`).
+    taken_back: Vec<u64>,
 }
 
+/// Take-back offsets a journal keeps ([`PrimaryState::taken_back`]).
+pub const TAKEN_BACK_KEPT: usize = 64;
+
 impl PrimaryState {
+    /// The take-back offsets SYNCs carry.
+    pub fn taken_back(&self) -> &[u64] {
+        &self.taken_back
+    }
+
+    /// Records that the history was taken back to `offset` (its bytes
+    /// from there on may differ on a replica that was away).
+    pub fn took_back(&mut self, offset: u64) {
+        if self.taken_back.last() != Some(&offset) {
+            self.taken_back.push(offset);
+        }
+        if self.taken_back.len() > TAKEN_BACK_KEPT {
+            self.taken_back.remove(0);
+        }
+        assert!(self.taken_back.len() <= TAKEN_BACK_KEPT);
+    }
+
+    /// Forgets the take-backs at or beyond `head`: the history there was
+    /// rolled forward onto the bytes a broker ahead held (the ones taken
+    /// back, which then are the journal's).
+    pub fn rolled_forward_from(&mut self, head: u64) {
+        self.taken_back.retain(|&x| x < head);
+    }
+
+    /// Adopts the take-back offsets a primary's SYNC carried.
+    pub fn learn_taken_back(&mut self, offsets: &[u64]) {
+        let mut all: Vec<u64> = self.taken_back.iter().chain(offsets).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        let skip = all.len().saturating_sub(TAKEN_BACK_KEPT);
+        self.taken_back = all.split_off(skip);
+    }
+
     /// A batch that began at `start` was not acknowledged by every replica:
     /// it and every batch after it are to be taken back. Keeps the oldest
     /// such point.

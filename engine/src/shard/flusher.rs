@@ -855,6 +855,16 @@ impl Shard {
         true
     }
 
+    /// Whether a fragment sealed now is held back from upload: sealed by
+    /// a broker the journal's route left, from a spool its primary's
+    /// appends wrote last (see
+    /// [`rotary_storage::fragment::LocalFragment::held`]). Its tail may be
+    /// bytes the primary took back; stored, they would contradict the
+    /// journal's history.
+    fn holds_back(&self, jm: &Journal) -> bool {
+        jm.replica.wrote_spool && matches!(self.role(&jm.spec), Role::Outside(_))
+    }
+
     /// Reloads the spool's tail block after a rollback past written bytes.
     /// False: that failed, and the queue with it.
     async fn reload_tail(&self, j: &JournalRef) -> bool {
@@ -1047,8 +1057,12 @@ impl Shard {
             Some(f) => fragment_json(f, jm.has_stores()),
             None => serde_json::Value::Null,
         };
-        if let Some(f) = sealed {
+        if let Some(mut f) = sealed {
             metrics::add(&self.metrics.fragments_sealed, 1);
+            if self.holds_back(&jm) {
+                f.held = true;
+                tracing::info!(journal = %jm.name, begin = f.begin, end = f.end, "sealed what this broker held as a replica of a route it left; it is kept here, not uploaded");
+            }
             if jm.has_stores() {
                 // Count it against the spool budget now: the next append
                 // must see it, not wait for an upload attempt to finish.
@@ -1219,6 +1233,7 @@ impl Shard {
             .as_mut()
             .expect("spool")
             .commit(last.point.clone());
+        jm.replica.wrote_spool = last.op.replica.is_some();
         jm.commit_local_to(last.end);
         jm.heads.set_local_registers(last.registers.clone());
         if jm.files.spool_since.is_none() {
@@ -1335,6 +1350,7 @@ impl Shard {
             jm.name
         );
         jm.take_back_to_head();
+        jm.primary.took_back(point.offset);
         jm.readers.tail.truncate(point.offset);
         metrics::add(&self.metrics.taken_back_bytes, taken_back);
         tracing::warn!(journal = %jm.name, from = point.offset, bytes = taken_back, "took back appends that a replica did not acknowledge");

@@ -22,7 +22,7 @@ impl Shard {
             .files
             .fragments
             .iter_mut()
-            .filter(|f| !f.uploaded && !f.uploading)
+            .filter(|f| !f.uploaded && !f.uploading && !f.held)
         {
             let job = UploadJob {
                 journal: name.clone(),
@@ -502,7 +502,8 @@ impl Shard {
                 let jm = j.borrow();
                 jm.has_stores()
                     && self.uploads(&jm.spec)
-                    && (jm.files.seal_requested || jm.files.fragments.iter().any(|f| !f.uploaded))
+                    && (jm.files.seal_requested
+                        || jm.files.fragments.iter().any(|f| !f.uploaded && !f.held))
             });
             if !pending {
                 return true;

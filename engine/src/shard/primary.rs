@@ -737,6 +737,7 @@ impl Shard {
         if jm.has_stores() {
             self.queue_uploads(&mut jm);
         }
+        jm.primary.rolled_forward_from(from);
         jm.take_over_to(to);
         // The registers go with the furthest history (fencing must not
         // step back).
@@ -758,13 +759,14 @@ impl Shard {
         let since = j.borrow().primary.takeover_version;
         let (version, sources) = self.takeover_sources(&j.borrow().spec, route, since);
         for _ in 0..3 {
-            let (spec, head, registers, name) = {
+            let (spec, head, registers, name, taken_back) = {
                 let jm = j.borrow();
                 (
                     jm.spec.clone(),
                     jm.heads.local_head(),
                     jm.heads.local_registers().clone(),
                     jm.name.clone(),
+                    jm.primary.taken_back().to_vec(),
                 )
             };
             // Replicas ahead of this primary: head, registers, member.
@@ -783,6 +785,7 @@ impl Shard {
                 route_revision: self.view().revision(),
                 head,
                 registers: registers.clone(),
+                taken_back: taken_back.clone(),
             };
             let pipelines = self
                 .sync_members(route, &name, head, &request, &mut ahead)

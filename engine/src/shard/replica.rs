@@ -61,6 +61,11 @@ impl Shard {
                 );
                 continue;
             }
+            let known = j.borrow().primary.taken_back().to_vec();
+            let head = match diverged_at(&w.req.taken_back, &known, head) {
+                Some(at) => self.drop_diverged(j, at),
+                None => head,
+            };
             if let Err(e) = self.fill_from_primary(j, &route, head, w.req.head).await {
                 let to = w.req.head;
                 let msg = format!("copying [{head}, {to}), which this replica missed, from its primary failed: {e}");
@@ -71,6 +76,11 @@ impl Shard {
                 let mut jm = j.borrow_mut();
                 let h = w.req.head;
                 jm.set_heads(h);
+                jm.primary.learn_taken_back(&w.req.taken_back);
+                for f in jm.files.fragments.iter_mut() {
+                    // Followed its primary: what it holds is the journal's.
+                    f.held = false;
+                }
                 jm.heads.set_registers(w.req.registers.clone());
                 jm.replica.track = Some(
                     crate::replica::ReplicaTrack::synced_at(h, w.req.seq).with_stream(w.sink.id),
@@ -80,6 +90,35 @@ impl Shard {
             metrics::add(&self.metrics.syncs, 1);
             answer(Status::OK, String::new(), w.req.head);
         }
+    }
+
+    /// Drops this replica's local bytes from `at` on, the lowest offset its
+    /// primary took back below this replica's head: the replica was away
+    /// then, so what it holds there may be bytes the route never
+    /// confirmed, which the primary has since replaced. The spool was
+    /// sealed (`seal_for_sync`): whole fragments reaching past `at` go,
+    /// and the SYNC copies what it can from the primary again. Returns
+    /// the replica's head after (the end of what it kept).
+    fn drop_diverged(&self, j: &JournalRef, at: u64) -> u64 {
+        let mut jm = j.borrow_mut();
+        assert!(
+            jm.files.spool.is_none(),
+            "the replica's spool is sealed first"
+        );
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut jm.files.fragments)
+            .into_iter()
+            .partition(|f| f.end > at);
+        jm.files.fragments = kept;
+        let head = jm.files.fragments.iter().map(|f| f.end).max().unwrap_or(0);
+        assert!(head <= at, "kept bytes beyond the take-back");
+        let dropped: u64 = gone.iter().map(|f| f.end - f.begin).sum();
+        for f in gone {
+            self.retire_fragment(&jm, f);
+        }
+        jm.readers.tail.truncate(head);
+        metrics::add(&self.metrics.taken_back_bytes, dropped);
+        tracing::warn!(journal = %jm.name, at, head, dropped, "dropped bytes the primary took back while this replica was away");
+        head
     }
 
     /// Answers every SYNC waiting on the journal with `status` and `why`,
@@ -241,5 +280,34 @@ impl Shard {
         if let Some(t) = jm.replica.track.as_mut() {
             t.diverged();
         }
+    }
+}
+
+/// The lowest of a SYNC's `taken_back` below the replica's `head` that the
+/// replica does not already `know` (one it learned at an earlier SYNC, or
+/// made itself as primary, it has followed since): where its copy may
+/// hold bytes its primary took back and replaced.
+fn diverged_at(taken_back: &[u64], known: &[u64], head: u64) -> Option<u64> {
+    taken_back
+        .iter()
+        .copied()
+        .filter(|&x| x < head && !known.contains(&x))
+        .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::diverged_at;
+
+    #[test]
+    fn a_replica_drops_from_the_lowest_take_back_below_its_head() {
+        assert_eq!(diverged_at(&[], &[], 100), None);
+        let at_head = diverged_at(&[100, 200], &[], 100);
+        assert_eq!(at_head, None, "at its head: nothing beyond");
+        assert_eq!(diverged_at(&[40, 90, 200], &[], 100), Some(40));
+        assert_eq!(diverged_at(&[90, 40], &[], 100), Some(40));
+        // Take-backs it followed already drop nothing again.
+        assert_eq!(diverged_at(&[40, 90], &[40], 100), Some(90));
+        assert_eq!(diverged_at(&[40, 90], &[40, 90], 100), None);
     }
 }
