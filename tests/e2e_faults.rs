@@ -1,7 +1,7 @@
 //! The cluster fault suite, short: each fault once, on a cluster on etcd
 //! of real processes (four brokers in four zones, lease TTL 3 s; three
 //! journals of replication 3 and one of replication 2, each with a
-//! `file://` store; four writers sending straight to the primaries).
+//! `file://` store; two writers per journal sending straight to its primary).
 //! After each, checked from outside the brokers: every acknowledged append
 //! at its offsets with its SHA-1 as every member serves it (pinned reads,
 //! not proxied: from its own disk, or from the store fragment it points

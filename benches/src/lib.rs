@@ -117,7 +117,7 @@ pub enum Scenario {
     /// etcd writes of an idle cluster. Not part of `all`.
     Failover,
     /// A cluster on etcd (four brokers, four journals with a `file://`
-    /// store, four writers) broken by each fault of `--faults`
+    /// store, two writers per journal) broken by each fault of `--faults`
     /// `--fault-rounds` times: SIGKILL and SIGSTOP of primaries and
     /// replicas, one and two at once, etcd paused and killed, a rolling
     /// restart, partitions in network namespaces. Per fault: appends

@@ -120,7 +120,8 @@ pub struct Log {
 }
 
 /// Writers appending records one after another, each waiting for its ack,
-/// writer `w`'s append `seq` going to journal `(w + seq) % journals`.
+/// writer `w` to journal `w % journals` only (a writer blocked on one
+/// journal holds up no other).
 pub struct Writers {
     pub log: Arc<Mutex<Log>>,
     stop: Arc<AtomicBool>,
@@ -204,7 +205,7 @@ async fn write(
 ) {
     let mut seq = 0u32;
     while !stop.load(Ordering::Relaxed) {
-        let journal = (writer as usize + seq as usize) % journals.len();
+        let journal = writer as usize % journals.len();
         let req = AppendRequest {
             journal: journals[journal].clone(),
             ..AppendRequest::default()

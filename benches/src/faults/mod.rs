@@ -6,9 +6,9 @@
 //! brokers in four zones, lease TTL 3 s. Journals: three of replication 3
 //! and one of replication 2, each with a `file://` store (listed every
 //! second; spools seal every 2 s, so the store soon holds every
-//! acknowledged byte). Four writers ([`load`]), each with a client that
-//! knows every broker and so sends straight to each journal's primary,
-//! append self-describing records round the journals, one at a time.
+//! acknowledged byte). Eight writers ([`load`]), two per journal, each
+//! with a client that knows every broker and so sends straight to its
+//! journal's primary, append self-describing records one at a time.
 //!
 //! A [`Fault`] strikes the route of the first journal (its primary, a
 //! replica, or both), etcd, or every broker in turn, `rounds` times; after
@@ -32,8 +32,10 @@ use std::time::{Duration, Instant};
 
 /// The lease TTL of the brokers.
 pub const TTL: Duration = Duration::from_secs(3);
-/// Writers, each with a client of its own.
-const WRITERS: usize = 4;
+/// Writers, each with a client of its own, two per journal: a journal's
+/// outage stalls its own writers only, so each journal's longest gap
+/// between acknowledgements is its own.
+const WRITERS: usize = 2 * JOURNALS.len();
 /// How long a writer's client keeps trying an append while its journal's
 /// route moves (past the longest fault).
 const WRITER_RETRY: Duration = Duration::from_secs(30);
