@@ -10,7 +10,6 @@
 #![allow(clippy::disallowed_methods)] // The command-line tool reports real elapsed times.
 
 mod cli;
-mod messages;
 mod output;
 
 use clap::Parser;
