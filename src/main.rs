@@ -10,7 +10,6 @@
 
 // Functions stay short enough to hold in mind (threshold in clippy.toml).
 #![warn(clippy::too_many_lines)]
-#![allow(clippy::disallowed_methods)] // The command-line tool reports real elapsed times.
 
 mod cli;
 mod output;

@@ -11,6 +11,7 @@
 //!    client, in the same run: appends/s and latency percentiles.
 //!
 //! Figures are printed as a table of their own; nothing is asserted.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -49,7 +49,6 @@
 // Functions stay short enough to hold in mind (threshold in clippy.toml).
 #![warn(clippy::too_many_lines)]
 #![deny(unsafe_code)]
-#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 mod allocator;
 mod backfill;

@@ -5,6 +5,7 @@
 //! and deletes them afterwards. Every reply is checked: `[begin, end)` must
 //! span the content and its SHA-1 must be the content's, else the append
 //! counts as an error.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::broker::Target;
 use crate::report::{self, LatencyFigures, Percentiles, ThroughputFigures};

@@ -15,6 +15,7 @@
 //! which decodes frames; read committed, which also sequences), and each
 //! way's CPU time per message is taken from the thread's schedstat. The
 //! sequencer alone is also timed over the same envelopes in memory.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::BenchArgs;
 use anyhow::Context as _;

@@ -29,6 +29,7 @@
 //!
 //! The journals are not deleted: the brokers and their data directories go
 //! at the end of the scenario.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::child::ChildGuard;
 use crate::load;

@@ -8,6 +8,7 @@
 //! offset `o` of either journal is `content[o % 1024]`: each reader checks
 //! every byte it receives and that its offsets are contiguous, and must
 //! reach the journal's final head once the appends have stopped.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::load::{self, APPEND_TIMEOUT};
 use crate::report::LatencyFigures;

@@ -32,7 +32,6 @@
 #![warn(clippy::too_many_lines)]
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
-#![allow(clippy::disallowed_methods)] // Leases and keepalives run on real time, against a real etcd.
 
 pub mod pb {
     //! The generated etcd v3 messages and gRPC clients.

@@ -1022,6 +1022,7 @@ impl Client {
     /// explains ([`is_failover`]), looking the journal's route up again
     /// each time, for up to [`ClientOptions::retry_for`]; pauses from
     /// 50 ms doubling up to 500 ms.
+    #[allow(clippy::disallowed_methods)] // The retry window is a tokio timer's, on tokio's clock.
     async fn retrying_failover<T, F, Fut>(
         &self,
         journal: &str,

@@ -19,7 +19,6 @@
 // Functions stay short enough to hold in mind (threshold in clippy.toml).
 #![warn(clippy::too_many_lines)]
 #![deny(unsafe_code)]
-#![allow(clippy::disallowed_methods)] // The tuning tool measures real devices in real time.
 
 mod direct;
 pub mod doctor;

@@ -17,6 +17,7 @@
 //! is charged for every message it held up (no coordinated omission).
 //!
 //! `producerRate: 0` finds the maximum sustainable rate: see [`Controller`].
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use super::clock::{self, Rng};
 use super::driver::{Consumer, Driver, MessageSink, Producer};

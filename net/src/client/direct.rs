@@ -275,6 +275,7 @@ impl State {
     /// Whether a broker read that failed with `e` is to be sent again:
     /// the route is moving and the read's time to retry is not up. Waits
     /// out the pause before the next try.
+    #[allow(clippy::disallowed_methods)] // The retry window is a tokio timer's, on tokio's clock.
     async fn try_again(&mut self, e: &ClientError) -> bool {
         let pause = self.retry.pause;
         let now = tokio::time::Instant::now();
