@@ -237,8 +237,9 @@ mod tests {
         assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
     }
 
-    #[test]
-    fn fragment_rows() {
+    /// A fragment in each state `rotary fragments` shows, in the order of
+    /// its rows below.
+    fn fragments_in_each_state() -> Vec<FragmentInfo> {
         let local = FragmentInfo {
             begin: 0,
             end: 4096,
@@ -288,19 +289,21 @@ mod tests {
             disputed: Some("store fragments … and … hold different bytes".into()),
             ..stored.clone()
         };
-        let t = fragments_table(
-            &[
-                local,
-                stored,
-                waiting,
-                no_stores,
-                open,
-                damaged,
-                conflicting,
-                disputed,
-            ],
-            1000 + 3 * 3600,
-        );
+        vec![
+            local,
+            stored,
+            waiting,
+            no_stores,
+            open,
+            damaged,
+            conflicting,
+            disputed,
+        ]
+    }
+
+    #[test]
+    fn fragment_rows() {
+        let t = fragments_table(&fragments_in_each_state(), 1000 + 3 * 3600);
         let rows: Vec<Vec<&str>> = t.lines().map(|l| l.split_whitespace().collect()).collect();
         assert_eq!(
             rows[0],

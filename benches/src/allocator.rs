@@ -12,6 +12,7 @@
 //! CPU time is the thread's own time on a CPU, from
 //! `/proc/thread-self/schedstat` (nanoseconds), so other processes on the
 //! machine do not inflate it; wall time is shown beside it.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use rotary_engine::allocator::{
     apply, plan, AssignmentKey, Change, Item, Member, MemberKey, MemberSpec, Route, Snapshot,

@@ -16,6 +16,7 @@
 //!    journal (latency-1k's pacer), first alone, then while a second client
 //!    (own thread, own runtime, own connection: another process, in effect)
 //!    backfills the history from offset 0 over and over.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::broker::Target;
 use crate::load::{self, APPEND_TIMEOUT};

@@ -5,6 +5,7 @@
 //! from their JSON output. A tool that is missing is skipped with a note on
 //! how to install it. Also the SHA-1 rate of one core, which bounds what one
 //! shard can append (it hashes every appended byte twice).
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::child::ChildGuard;
 use crate::report::{FioFigures, Iperf3Figures, Sha1Figures};

@@ -1,5 +1,6 @@
 //! Child processes (echo server, fio, iperf3): each is stopped by its own
 //! PID, and waited for with a deadline.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};

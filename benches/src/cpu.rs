@@ -9,6 +9,7 @@
 //! Also the *steal* time of `/proc/stat`: in a virtual machine, time in which
 //! a vCPU had work but the host ran something else. A thread woken on such a
 //! vCPU waits for the host, however idle the guest looks.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use std::collections::BTreeMap;
 use std::time::Instant;

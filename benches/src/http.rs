@@ -11,6 +11,7 @@
 //!    client, in the same run: appends/s and latency percentiles.
 //!
 //! Figures are printed as a table of their own; nothing is asserted.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -200,112 +201,22 @@ pub fn run(args: &BenchArgs, data_dir: &std::path::Path) -> anyhow::Result<()> {
     let result = rt.block_on(async {
         let client = Client::connect(&endpoint).await?;
         let prefix = format!("bench/http-{}", std::process::id());
-        // The gateway is ready once its own client reached the broker.
-        for _ in 0..500 {
-            let mut s = tokio::net::TcpStream::connect(http).await?;
-            s.write_all(b"GET /readyz HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
-                .await?;
-            let mut answer = Vec::new();
-            s.read_to_end(&mut answer).await?;
-            if answer.starts_with(b"HTTP/1.1 200") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let bench = Bench {
+            client: &client,
+            args,
+            http,
+            prefix: &prefix,
+        };
+        wait_ready(http).await?;
         for round in 0..args.http_rounds {
             for scraped in [false, true] {
-                let tag = if scraped {
-                    "scraped 1/s"
-                } else {
-                    "not scraped"
-                };
-                let journal = format!("{prefix}/lat-{round}-{scraped}");
-                make_journal(&client, &journal).await?;
-                let scraper = scraped.then(|| Scraper::start(http));
-                let cpu = process_cpu_secs();
-                let f = crate::load::latency(&client, args, journal.clone(), args.rate).await?;
-                let cpu = process_cpu_secs() - cpu;
-                let scrapes = scraper.map_or(0, Scraper::finish);
-                eprintln!("http: latency-1k {tag} (round {round}): {scrapes} scrapes");
-                rows.push(Row {
-                    what: format!("latency-1k, {tag}, round {round}"),
-                    appends_per_s: f.rate_achieved,
-                    mb_per_s: f.rate_achieved * 1024.0 / 1e6,
-                    p50_us: f.latency.p50_us,
-                    p99_us: f.latency.p99_us,
-                    cpu_us_per_append: cpu * 1e6 / f.completed.max(1) as f64,
-                });
-                client.delete(&journal).await?;
-
-                let journal = format!("{prefix}/1m-{round}-{scraped}");
-                make_journal(&client, &journal).await?;
-                let scraper = scraped.then(|| Scraper::start(http));
-                let cpu = process_cpu_secs();
-                let f = crate::load::throughput(
-                    &client,
-                    args,
-                    vec![journal.clone()],
-                    1 << 20,
-                    args.append_depth,
-                )
-                .await?;
-                let cpu = process_cpu_secs() - cpu;
-                let scrapes = scraper.map_or(0, Scraper::finish);
-                eprintln!("http: append-1m {tag} (round {round}): {scrapes} scrapes");
-                rows.push(Row {
-                    what: format!("append-1m, {tag}, round {round}"),
-                    appends_per_s: f.appends_per_s,
-                    mb_per_s: f.mb_per_s,
-                    p50_us: f.latency.p50_us,
-                    p99_us: f.latency.p99_us,
-                    cpu_us_per_append: cpu * 1e6 / f.appends.max(1) as f64,
-                });
-                client.delete(&journal).await?;
+                rows.push(bench.latency_row(round, scraped).await?);
+                rows.push(bench.throughput_row(round, scraped).await?);
             }
         }
         let (body, _) = crate::load::content(PUT_BYTES);
         for via in ["native", "http-put"] {
-            let journal = format!("{prefix}/put-{via}");
-            make_journal(&client, &journal).await?;
-            let start = Instant::now();
-            let measure_from = start + args.warmup();
-            let end = measure_from + args.duration();
-            let cpu = process_cpu_secs();
-            let mut tasks = tokio::task::JoinSet::new();
-            for _ in 0..args.http_clients {
-                let journal = journal.clone();
-                let body = body.clone();
-                if via == "native" {
-                    tasks.spawn(native_worker(
-                        client.clone(),
-                        journal,
-                        body,
-                        end,
-                        measure_from,
-                    ));
-                } else {
-                    tasks.spawn(http_worker(http, journal, body, end, measure_from));
-                }
-            }
-            let mut h = report::histogram();
-            let mut done = 0u64;
-            while let Some(r) = tasks.join_next().await {
-                let (wh, n) = r??;
-                h.add(&wh).ok();
-                done += n;
-            }
-            let cpu = process_cpu_secs() - cpu;
-            let p = Percentiles::of(&h);
-            let secs = args.duration().as_secs_f64();
-            rows.push(Row {
-                what: format!("1 KiB appends via {via}, {} clients", args.http_clients),
-                appends_per_s: done as f64 / secs,
-                mb_per_s: done as f64 * PUT_BYTES as f64 / secs / 1e6,
-                p50_us: p.p50_us,
-                p99_us: p.p99_us,
-                cpu_us_per_append: cpu * 1e6 / done.max(1) as f64,
-            });
-            client.delete(&journal).await?;
+            rows.push(bench.put_row(via, &body).await?);
         }
         anyhow::Ok(())
     });
@@ -313,15 +224,158 @@ pub fn run(args: &BenchArgs, data_dir: &std::path::Path) -> anyhow::Result<()> {
     http_server.stopping();
     broker.shutdown();
     result?;
+    print_rows(&rows);
+    Ok(())
+}
+
+/// Waits until the gateway is ready: once its own client reached the broker.
+async fn wait_ready(http: std::net::SocketAddr) -> anyhow::Result<()> {
+    for _ in 0..500 {
+        let mut s = tokio::net::TcpStream::connect(http).await?;
+        s.write_all(b"GET /readyz HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await?;
+        if answer.starts_with(b"HTTP/1.1 200") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// What every measurement of the scenario talks to.
+struct Bench<'a> {
+    client: &'a Client,
+    args: &'a BenchArgs,
+    /// The HTTP listener.
+    http: std::net::SocketAddr,
+    /// Of the names of the scenario's journals.
+    prefix: &'a str,
+}
+
+fn scrape_tag(scraped: bool) -> &'static str {
+    if scraped {
+        "scraped 1/s"
+    } else {
+        "not scraped"
+    }
+}
+
+impl Bench<'_> {
+    /// 1 KiB appends at a fixed rate on a fresh journal, with /metrics
+    /// scraped meanwhile or not.
+    async fn latency_row(&self, round: usize, scraped: bool) -> anyhow::Result<Row> {
+        let (client, args, tag) = (self.client, self.args, scrape_tag(scraped));
+        let journal = format!("{}/lat-{round}-{scraped}", self.prefix);
+        make_journal(client, &journal).await?;
+        let scraper = scraped.then(|| Scraper::start(self.http));
+        let cpu = process_cpu_secs();
+        let f = crate::load::latency(client, args, journal.clone(), args.rate).await?;
+        let cpu = process_cpu_secs() - cpu;
+        let scrapes = scraper.map_or(0, Scraper::finish);
+        eprintln!("http: latency-1k {tag} (round {round}): {scrapes} scrapes");
+        let row = Row {
+            what: format!("latency-1k, {tag}, round {round}"),
+            appends_per_s: f.rate_achieved,
+            mb_per_s: f.rate_achieved * 1024.0 / 1e6,
+            p50_us: f.latency.p50_us,
+            p99_us: f.latency.p99_us,
+            cpu_us_per_append: cpu * 1e6 / f.completed.max(1) as f64,
+        };
+        client.delete(&journal).await?;
+        Ok(row)
+    }
+
+    /// 1 MiB appends, several in flight, on a fresh journal, with /metrics
+    /// scraped meanwhile or not.
+    async fn throughput_row(&self, round: usize, scraped: bool) -> anyhow::Result<Row> {
+        let (client, args, tag) = (self.client, self.args, scrape_tag(scraped));
+        let journal = format!("{}/1m-{round}-{scraped}", self.prefix);
+        make_journal(client, &journal).await?;
+        let scraper = scraped.then(|| Scraper::start(self.http));
+        let cpu = process_cpu_secs();
+        let f = crate::load::throughput(
+            client,
+            args,
+            vec![journal.clone()],
+            1 << 20,
+            args.append_depth,
+        )
+        .await?;
+        let cpu = process_cpu_secs() - cpu;
+        let scrapes = scraper.map_or(0, Scraper::finish);
+        eprintln!("http: append-1m {tag} (round {round}): {scrapes} scrapes");
+        let row = Row {
+            what: format!("append-1m, {tag}, round {round}"),
+            appends_per_s: f.appends_per_s,
+            mb_per_s: f.mb_per_s,
+            p50_us: f.latency.p50_us,
+            p99_us: f.latency.p99_us,
+            cpu_us_per_append: cpu * 1e6 / f.appends.max(1) as f64,
+        };
+        client.delete(&journal).await?;
+        Ok(row)
+    }
+
+    /// 1 KiB appends from `--http-clients` closed-loop clients, `via` the
+    /// native protocol or the gateway's PUT.
+    async fn put_row(&self, via: &str, body: &bytes::Bytes) -> anyhow::Result<Row> {
+        let (client, args, http) = (self.client, self.args, self.http);
+        let journal = format!("{}/put-{via}", self.prefix);
+        make_journal(client, &journal).await?;
+        let start = Instant::now();
+        let measure_from = start + args.warmup();
+        let end = measure_from + args.duration();
+        let cpu = process_cpu_secs();
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..args.http_clients {
+            let journal = journal.clone();
+            let body = body.clone();
+            if via == "native" {
+                tasks.spawn(native_worker(
+                    client.clone(),
+                    journal,
+                    body,
+                    end,
+                    measure_from,
+                ));
+            } else {
+                tasks.spawn(http_worker(http, journal, body, end, measure_from));
+            }
+        }
+        let mut h = report::histogram();
+        let mut done = 0u64;
+        while let Some(r) = tasks.join_next().await {
+            let (wh, n) = r??;
+            h.add(&wh).ok();
+            done += n;
+        }
+        let cpu = process_cpu_secs() - cpu;
+        let p = Percentiles::of(&h);
+        let secs = args.duration().as_secs_f64();
+        let row = Row {
+            what: format!("1 KiB appends via {via}, {} clients", args.http_clients),
+            appends_per_s: done as f64 / secs,
+            mb_per_s: done as f64 * PUT_BYTES as f64 / secs / 1e6,
+            p50_us: p.p50_us,
+            p99_us: p.p99_us,
+            cpu_us_per_append: cpu * 1e6 / done.max(1) as f64,
+        };
+        client.delete(&journal).await?;
+        Ok(row)
+    }
+}
+
+fn print_rows(rows: &[Row]) {
     println!(
         "{:<48} {:>12} {:>9} {:>10} {:>10} {:>14}",
         "http scenario", "appends/s", "MB/s", "p50 µs", "p99 µs", "CPU µs/append"
     );
-    for r in &rows {
+    for r in rows {
         println!(
             "{:<48} {:>12.0} {:>9.1} {:>10.0} {:>10.0} {:>14.1}",
             r.what, r.appends_per_s, r.mb_per_s, r.p50_us, r.p99_us, r.cpu_us_per_append
         );
     }
-    Ok(())
 }

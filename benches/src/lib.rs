@@ -46,8 +46,9 @@
 //! its PID; every loop is bounded in time. Nothing here asserts timings:
 //! figures are reported, and the table says whether each target was met.
 
+// Functions stay short enough to hold in mind (threshold in clippy.toml).
+#![warn(clippy::too_many_lines)]
 #![deny(unsafe_code)]
-#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 mod allocator;
 mod backfill;
@@ -68,7 +69,7 @@ mod sys;
 mod tail;
 
 use anyhow::Context as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use report::Figures;
@@ -472,84 +473,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     eprintln!("scratch directory: {}", scratch.path().display());
 
     if args.wants(Scenario::Pingpong) {
-        eprintln!("pingpong: {} B round trips on loopback", args.pingpong_size);
-        let cpu = cpu::Sample::now();
-        figures.pingpong = Some(pingpong::run(&args, pingpong::Placement::Unpinned)?);
-        figures.note_foreign_cpu("pingpong", &cpu);
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        for placement in [
-            pingpong::Placement::SameCore,
-            pingpong::Placement::CrossCore,
-        ] {
-            if placement == pingpong::Placement::CrossCore && cpus < 2 {
-                continue;
-            }
-            eprintln!("pingpong: {}", placement.name());
-            let cpu = cpu::Sample::now();
-            figures
-                .pingpong_pinned
-                .push(pingpong::run(&args, placement)?);
-            figures.note_foreign_cpu(
-                match placement {
-                    pingpong::Placement::SameCore => "pingpong-same-core",
-                    _ => "pingpong-cross-core",
-                },
-                &cpu,
-            );
-        }
+        run_pingpong(&args, &mut figures)?;
     }
     if args.wants(Scenario::Baseline) {
-        let cpu = cpu::Sample::now();
-        eprintln!("baseline: fio, 1 MiB blocks");
-        let job = baseline::FioJob {
-            key: "fio",
-            block_kib: 1024,
-            iodepth: args.fio_iodepth,
-            file_mib: args.fio_size_mib,
-            mode: baseline::FioMode::Overwrite,
-            fdatasync: false,
-        };
-        figures.fio = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
-        eprintln!("baseline: fio, 1 MiB blocks into fresh preallocated space");
-        let job = baseline::FioJob {
-            key: "fio-fresh",
-            mode: baseline::FioMode::Fresh,
-            ..job
-        };
-        figures.fio_fresh = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
-        eprintln!("baseline: fio, 4 KiB blocks one at a time");
-        let job = baseline::FioJob {
-            key: "fio-4k",
-            block_kib: 4,
-            iodepth: 1,
-            file_mib: FIO_4K_FILE_MIB,
-            mode: baseline::FioMode::Overwrite,
-            fdatasync: false,
-        };
-        figures.fio_4k = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
-        if args.baseline {
-            for job in baseline::matrix(args.fio_size_mib) {
-                eprintln!("baseline: {}", job.key);
-                if let Some(f) = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)? {
-                    figures.fio_matrix.push(f);
-                }
-            }
-            eprintln!("baseline: fio, 4 KiB writes each followed by fdatasync");
-            let job = baseline::FioJob {
-                key: "fio-4k-fdatasync",
-                block_kib: 4,
-                iodepth: 1,
-                file_mib: FIO_4K_FILE_MIB,
-                mode: baseline::FioMode::Overwrite,
-                fdatasync: true,
-            };
-            figures.fdatasync = baseline::fio(&args, scratch.path(), &job, &mut figures.skipped)?;
-        }
-        eprintln!("baseline: iperf3");
-        figures.iperf3 = baseline::iperf3(&args, &mut figures.skipped)?;
-        eprintln!("baseline: SHA-1");
-        figures.sha1 = Some(baseline::sha1(&args));
-        figures.note_foreign_cpu("baseline", &cpu);
+        run_baseline(&args, scratch.path(), &mut figures)?;
     }
     let broker_scenarios = [
         Scenario::Append1m,
@@ -559,28 +486,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::Backfill,
     ];
     if broker_scenarios.iter().any(|s| args.wants(*s)) {
-        let rt = client_runtime(&args)?;
-        let target = broker::Target::open(&args, &scratch.path().join("broker"))?;
-        figures.broker = Some(target.describe());
-        let store_dir = scratch.path().join("store");
-        let result = rt.block_on(load::run_all(&args, &target, &store_dir, &mut figures));
-        // Stop the client (its connection tasks) before the broker.
-        rt.shutdown_timeout(Duration::from_secs(5));
-        target.close();
-        result?;
+        run_on_broker(&args, scratch.path(), &mut figures)?;
     }
     if args.wants(Scenario::Allocator) {
         allocator::run()?;
     }
     if args.wants(Scenario::Replication) {
-        let f = replication::run(&args, &scratch.path().join("replication"))?;
-        if let Some(p) = f.foreign_cpu_percent {
-            figures.foreign_cpu_percent.push(("replication", p));
-        }
-        if let Some(p) = f.steal_cpu_percent {
-            figures.steal_cpu_percent.push(("replication", p));
-        }
-        figures.replication = Some(f);
+        run_replication(&args, scratch.path(), &mut figures)?;
     }
     if args.wants(Scenario::Failover) {
         let exe = replication::broker_executable()?;
@@ -588,17 +500,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         println!("{}", f.summary());
         figures.failover = Some(f);
     }
-    let mut faults_failed = false;
-    if args.wants(Scenario::Faults) {
-        let exe = replication::broker_executable()?;
-        // Not in the scratch directory: the directory of a run whose
-        // checks failed is kept, with the processes' logs.
-        let dir = std::fs::canonicalize(&args.data)
-            .with_context(|| format!("--data {}", args.data.display()))?;
-        let outcomes = faults::bench(&exe, &dir, &args.faults, args.fault_rounds)?;
-        print!("{}", faults::table(&outcomes));
-        faults_failed = outcomes.iter().any(|o| !o.passed());
-    }
+    let faults_failed = args.wants(Scenario::Faults) && !run_faults(&args)?;
     if args.wants(Scenario::Http) {
         http::run(&args, &scratch.path().join("http"))?;
     }
@@ -608,9 +510,150 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         None
     };
     drop(scratch);
+    print_figures(&args, &figures, messages.as_ref())?;
+    anyhow::ensure!(
+        !faults_failed,
+        "the faults scenario found violations (listed above)"
+    );
+    Ok(())
+}
 
+/// TCP round trips on loopback, unpinned and then pinned to one core and
+/// to two.
+fn run_pingpong(args: &BenchArgs, figures: &mut Figures) -> anyhow::Result<()> {
+    eprintln!("pingpong: {} B round trips on loopback", args.pingpong_size);
+    let cpu = cpu::Sample::now();
+    figures.pingpong = Some(pingpong::run(args, pingpong::Placement::Unpinned)?);
+    figures.note_foreign_cpu("pingpong", &cpu);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for placement in [
+        pingpong::Placement::SameCore,
+        pingpong::Placement::CrossCore,
+    ] {
+        if placement == pingpong::Placement::CrossCore && cpus < 2 {
+            continue;
+        }
+        eprintln!("pingpong: {}", placement.name());
+        let cpu = cpu::Sample::now();
+        figures
+            .pingpong_pinned
+            .push(pingpong::run(args, placement)?);
+        figures.note_foreign_cpu(
+            match placement {
+                pingpong::Placement::SameCore => "pingpong-same-core",
+                _ => "pingpong-cross-core",
+            },
+            &cpu,
+        );
+    }
+    Ok(())
+}
+
+/// The disk's, the network's and one core's hashing floors.
+fn run_baseline(args: &BenchArgs, scratch: &Path, figures: &mut Figures) -> anyhow::Result<()> {
+    let cpu = cpu::Sample::now();
+    eprintln!("baseline: fio, 1 MiB blocks");
+    let job = baseline::FioJob {
+        key: "fio",
+        block_kib: 1024,
+        iodepth: args.fio_iodepth,
+        file_mib: args.fio_size_mib,
+        mode: baseline::FioMode::Overwrite,
+        fdatasync: false,
+    };
+    figures.fio = baseline::fio(args, scratch, &job, &mut figures.skipped)?;
+    eprintln!("baseline: fio, 1 MiB blocks into fresh preallocated space");
+    let job = baseline::FioJob {
+        key: "fio-fresh",
+        mode: baseline::FioMode::Fresh,
+        ..job
+    };
+    figures.fio_fresh = baseline::fio(args, scratch, &job, &mut figures.skipped)?;
+    eprintln!("baseline: fio, 4 KiB blocks one at a time");
+    let job = baseline::FioJob {
+        key: "fio-4k",
+        block_kib: 4,
+        iodepth: 1,
+        file_mib: FIO_4K_FILE_MIB,
+        mode: baseline::FioMode::Overwrite,
+        fdatasync: false,
+    };
+    figures.fio_4k = baseline::fio(args, scratch, &job, &mut figures.skipped)?;
+    if args.baseline {
+        for job in baseline::matrix(args.fio_size_mib) {
+            eprintln!("baseline: {}", job.key);
+            if let Some(f) = baseline::fio(args, scratch, &job, &mut figures.skipped)? {
+                figures.fio_matrix.push(f);
+            }
+        }
+        eprintln!("baseline: fio, 4 KiB writes each followed by fdatasync");
+        let job = baseline::FioJob {
+            key: "fio-4k-fdatasync",
+            block_kib: 4,
+            iodepth: 1,
+            file_mib: FIO_4K_FILE_MIB,
+            mode: baseline::FioMode::Overwrite,
+            fdatasync: true,
+        };
+        figures.fdatasync = baseline::fio(args, scratch, &job, &mut figures.skipped)?;
+    }
+    eprintln!("baseline: iperf3");
+    figures.iperf3 = baseline::iperf3(args, &mut figures.skipped)?;
+    eprintln!("baseline: SHA-1");
+    figures.sha1 = Some(baseline::sha1(args));
+    figures.note_foreign_cpu("baseline", &cpu);
+    Ok(())
+}
+
+/// The scenarios that load one broker, embedded or `--broker`.
+fn run_on_broker(args: &BenchArgs, scratch: &Path, figures: &mut Figures) -> anyhow::Result<()> {
+    let rt = client_runtime(args)?;
+    let target = broker::Target::open(args, &scratch.join("broker"))?;
+    figures.broker = Some(target.describe());
+    let store_dir = scratch.join("store");
+    let result = rt.block_on(load::run_all(args, &target, &store_dir, figures));
+    // Stop the client (its connection tasks) before the broker.
+    rt.shutdown_timeout(Duration::from_secs(5));
+    target.close();
+    result?;
+    Ok(())
+}
+
+/// Three brokers as child processes, replication 1 against replication 3.
+fn run_replication(args: &BenchArgs, scratch: &Path, figures: &mut Figures) -> anyhow::Result<()> {
+    let f = replication::run(args, &scratch.join("replication"))?;
+    if let Some(p) = f.foreign_cpu_percent {
+        figures.foreign_cpu_percent.push(("replication", p));
+    }
+    if let Some(p) = f.steal_cpu_percent {
+        figures.steal_cpu_percent.push(("replication", p));
+    }
+    figures.replication = Some(f);
+    Ok(())
+}
+
+/// The faults scenario; prints its table and returns whether every check
+/// passed.
+fn run_faults(args: &BenchArgs) -> anyhow::Result<bool> {
+    let exe = replication::broker_executable()?;
+    // Not in the scratch directory: the directory of a run whose
+    // checks failed is kept, with the processes' logs.
+    let dir = std::fs::canonicalize(&args.data)
+        .with_context(|| format!("--data {}", args.data.display()))?;
+    let outcomes = faults::bench(&exe, &dir, &args.faults, args.fault_rounds)?;
+    print!("{}", faults::table(&outcomes));
+    Ok(outcomes.iter().all(|o| o.passed()))
+}
+
+/// The table (and the messages scenario's lines) on stdout, and the JSON
+/// to `--output`.
+fn print_figures(
+    args: &BenchArgs,
+    figures: &Figures,
+    messages: Option<&messages::MessagesFigures>,
+) -> anyhow::Result<()> {
     print!("{}", figures.table());
-    if let Some(m) = &messages {
+    if let Some(m) = messages {
         print!("{m}");
     }
     if let Some(path) = &args.output {
@@ -618,9 +661,5 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
-    anyhow::ensure!(
-        !faults_failed,
-        "the faults scenario found violations (listed above)"
-    );
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! and deletes them afterwards. Every reply is checked: `[begin, end)` must
 //! span the content and its SHA-1 must be the content's, else the append
 //! counts as an error.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::broker::Target;
 use crate::report::{self, LatencyFigures, Percentiles, ThroughputFigures};
@@ -508,82 +509,22 @@ pub(crate) async fn latency(
     let measure_from = start + args.warmup();
     let end = measure_from + args.duration();
     let rate_target = rate;
-    let rate = u128::from(rate);
-
-    let handle = tokio::runtime::Handle::current();
-    let pacer = {
-        let client = client.clone();
-        let tally = tally.clone();
-        let slots = slots.clone();
-        // A thread of its own: tokio's timers tick in milliseconds, far
-        // coarser than the 100 µs between appends at 10,000/s.
-        tokio::task::spawn_blocking(move || {
-            // Sleeps end within 1 µs instead of 50 µs late: lateness would
-            // be charged to every append the pacer issues.
-            if let Err(e) = crate::sys::precise_sleeps() {
-                eprintln!("warning: PR_SET_TIMERSLACK: {e}");
-            }
-            let mut lag = report::histogram();
-            let mut sent = 0u64;
-            let mut in_flight_max = 0u64;
-            for i in 0u128.. {
-                let offset_ns = i * 1_000_000_000 / rate;
-                let intended = start + Duration::from_nanos(offset_ns as u64);
-                if intended >= end {
-                    break;
-                }
-                let now = Instant::now();
-                if intended > now {
-                    std::thread::sleep(intended - now);
-                }
-                let permit = loop {
-                    match slots.clone().try_acquire_owned() {
-                        Ok(p) => break Some(p),
-                        Err(_) if Instant::now() >= end + DRAIN_TIMEOUT => break None,
-                        Err(_) => std::thread::sleep(PACER_FULL_POLL),
-                    }
-                };
-                let Some(permit) = permit else { break };
-                if lock(&tally).errors >= ERRORS_MAX {
-                    break;
-                }
-                let in_flight = (LATENCY_IN_FLIGHT_MAX - slots.available_permits()) as u64;
-                in_flight_max = in_flight_max.max(in_flight);
-                let issued = Instant::now();
-                let measured = intended >= measure_from;
-                if measured {
-                    sent += 1;
-                    report::record(&mut lag, issued - intended);
-                }
-                let client = client.clone();
-                let req = req.clone();
-                let data = data.clone();
-                let tally = tally.clone();
-                handle.spawn(async move {
-                    let len = data.len();
-                    let r = tokio::time::timeout(APPEND_TIMEOUT, client.append(&req, data)).await;
-                    let done = Instant::now();
-                    let why = check_reply(r, len, &sha);
-                    let mut t = lock(&tally);
-                    match why {
-                        None if measured => {
-                            t.completed += 1;
-                            report::record(&mut t.latency, done - intended);
-                            report::record(&mut t.service, done - issued);
-                        }
-                        None => {}
-                        Some(why) => {
-                            t.errors += 1;
-                            t.first_error.get_or_insert(why);
-                        }
-                    }
-                    drop(t);
-                    drop(permit);
-                });
-            }
-            (sent, lag, in_flight_max)
-        })
+    let pacer = LatencyPacer {
+        client: client.clone(),
+        req,
+        data,
+        sha,
+        tally: tally.clone(),
+        slots: slots.clone(),
+        handle: tokio::runtime::Handle::current(),
+        start,
+        measure_from,
+        end,
+        rate: u128::from(rate),
     };
+    // A thread of its own: tokio's timers tick in milliseconds, far
+    // coarser than the 100 µs between appends at 10,000/s.
+    let pacer = tokio::task::spawn_blocking(move || pacer.run());
     let (sent, lag, in_flight_max) = pacer.await.context("pacer thread panicked")?;
     // Every slot free again = every append answered.
     let drained = tokio::time::timeout(
@@ -615,4 +556,106 @@ pub(crate) async fn latency(
         first_error: t.first_error.clone(),
         cross_core_forwards: delta(before.cross_core_forwards, after.cross_core_forwards),
     })
+}
+
+/// latency-1k's pacer: what its thread needs to issue the appends.
+struct LatencyPacer {
+    client: Client,
+    req: Arc<AppendRequest>,
+    data: Bytes,
+    sha: [u8; 20],
+    tally: Arc<Mutex<Tally>>,
+    slots: Arc<Semaphore>,
+    handle: tokio::runtime::Handle,
+    start: Instant,
+    measure_from: Instant,
+    end: Instant,
+    /// Appends per second.
+    rate: u128,
+}
+
+impl LatencyPacer {
+    /// Issues the appends on schedule until the end, an appends' slot not
+    /// freed in time, or too many errors. Returns the appends sent in the
+    /// measured part, the pacer's lag, and the most appends in flight.
+    fn run(self) -> (u64, Histogram<u64>, u64) {
+        // Sleeps end within 1 µs instead of 50 µs late: lateness would
+        // be charged to every append the pacer issues.
+        if let Err(e) = crate::sys::precise_sleeps() {
+            eprintln!("warning: PR_SET_TIMERSLACK: {e}");
+        }
+        let (start, end) = (self.start, self.end);
+        let mut lag = report::histogram();
+        let mut sent = 0u64;
+        let mut in_flight_max = 0u64;
+        for i in 0u128.. {
+            let offset_ns = i * 1_000_000_000 / self.rate;
+            let intended = start + Duration::from_nanos(offset_ns as u64);
+            if intended >= end {
+                break;
+            }
+            let now = Instant::now();
+            if intended > now {
+                std::thread::sleep(intended - now);
+            }
+            let permit = loop {
+                match self.slots.clone().try_acquire_owned() {
+                    Ok(p) => break Some(p),
+                    Err(_) if Instant::now() >= end + DRAIN_TIMEOUT => break None,
+                    Err(_) => std::thread::sleep(PACER_FULL_POLL),
+                }
+            };
+            let Some(permit) = permit else { break };
+            if lock(&self.tally).errors >= ERRORS_MAX {
+                break;
+            }
+            let in_flight = (LATENCY_IN_FLIGHT_MAX - self.slots.available_permits()) as u64;
+            in_flight_max = in_flight_max.max(in_flight);
+            let issued = Instant::now();
+            let measured = intended >= self.measure_from;
+            if measured {
+                sent += 1;
+                report::record(&mut lag, issued - intended);
+            }
+            self.spawn_append(intended, issued, measured, permit);
+        }
+        (sent, lag, in_flight_max)
+    }
+
+    /// One append, timed from `intended` and from `issued` into the tally
+    /// if `measured`; its slot is freed when it is answered.
+    fn spawn_append(
+        &self,
+        intended: Instant,
+        issued: Instant,
+        measured: bool,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) {
+        let client = self.client.clone();
+        let req = self.req.clone();
+        let data = self.data.clone();
+        let tally = self.tally.clone();
+        let sha = self.sha;
+        self.handle.spawn(async move {
+            let len = data.len();
+            let r = tokio::time::timeout(APPEND_TIMEOUT, client.append(&req, data)).await;
+            let done = Instant::now();
+            let why = check_reply(r, len, &sha);
+            let mut t = lock(&tally);
+            match why {
+                None if measured => {
+                    t.completed += 1;
+                    report::record(&mut t.latency, done - intended);
+                    report::record(&mut t.service, done - issued);
+                }
+                None => {}
+                Some(why) => {
+                    t.errors += 1;
+                    t.first_error.get_or_insert(why);
+                }
+            }
+            drop(t);
+            drop(permit);
+        });
+    }
 }

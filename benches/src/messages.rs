@@ -15,6 +15,7 @@
 //! which decodes frames; read committed, which also sequences), and each
 //! way's CPU time per message is taken from the thread's schedstat. The
 //! sequencer alone is also timed over the same envelopes in memory.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::BenchArgs;
 use anyhow::Context as _;
@@ -262,8 +263,21 @@ async fn phases(
         .map(|n| spec(n))
         .collect();
     client.apply(&specs).await.context("creating journals")?;
+    let (messages, published, start) = message_phase(&client, &msg_names, duration).await?;
+    // The same bytes for phase 2, made outside either measurement: each
+    // transaction's frames per journal, acknowledgements included.
+    let batches = echo_batches(published as usize / TXN_MESSAGES, start)?;
+    let plain = plain_phase(&client, &plain_names, batches).await?;
+    Ok((messages, plain, msg_names))
+}
 
-    // Phase 1: publisher and read-committed reader.
+/// Phase 1: publisher and read-committed reader. Returns the phase, the
+/// messages published and when the phase started.
+async fn message_phase(
+    client: &Client,
+    msg_names: &[String],
+    duration: Duration,
+) -> anyhow::Result<(Phase, u64, Instant)> {
     eprintln!("messages: publisher and read-committed reader, {duration:?}");
     let start = Instant::now();
     let tally = Tally::new();
@@ -273,7 +287,7 @@ async fn phases(
             block: true,
             ..ReaderOptions::default()
         };
-        let mut reader = Reader::open(client.clone(), &msg_names, options).await?;
+        let mut reader = Reader::open(client.clone(), msg_names, options).await?;
         let tally = tally.clone();
         tokio::spawn(async move {
             while let Some(env) = reader.next().await {
@@ -305,42 +319,29 @@ async fn phases(
     }
     tally.wait_for(published).await?;
     reader.abort();
-    let messages = tally.phase(first_ns);
-    // The same bytes for phase 2, made outside either measurement: each
-    // transaction's frames per journal, acknowledgements included.
-    let batches = echo_batches(published as usize / TXN_MESSAGES, start)?;
+    Ok((tally.phase(first_ns), published, start))
+}
 
-    // Phase 2: plain appends of the same bytes, plain readers.
+/// Phase 2: plain appends of the same bytes, plain readers.
+async fn plain_phase(
+    client: &Client,
+    plain_names: &[String],
+    batches: Vec<Vec<Vec<u8>>>,
+) -> anyhow::Result<Phase> {
     eprintln!("messages: plain appends of the same bytes");
     let start = Instant::now();
     let tally = Tally::new();
-    let mut readers = Vec::new();
-    for name in &plain_names {
-        let client = client.clone();
-        let tally = tally.clone();
-        let name = name.clone();
-        readers.push(tokio::spawn(async move {
-            let req = ReadRequest {
-                journal: name.clone(),
-                offset: Some(0),
-                end_offset: None,
-                route_revision: 0,
-            };
-            let mut stream = client.read(&req, true, false).await?;
-            let mut decoder = Decoder::new(name.as_str().into(), Framing::Fixed, 0);
-            while let Some(ev) = stream.next().await {
-                if let ReadEvent::Data { offset, content } = ev? {
-                    decoder.push_bytes(offset, content);
-                    while let Some(env) = decoder.next_envelope() {
-                        if !env.is_ack() {
-                            tally.record(start, &env.message);
-                        }
-                    }
-                }
-            }
-            anyhow::Ok(())
-        }));
-    }
+    let readers: Vec<_> = plain_names
+        .iter()
+        .map(|name| {
+            tokio::spawn(plain_reader(
+                client.clone(),
+                name.clone(),
+                tally.clone(),
+                start,
+            ))
+        })
+        .collect();
     let first_ns = now_ns(start);
     let mut appended = 0u64;
     let reqs: Vec<AppendRequest> = plain_names
@@ -372,8 +373,35 @@ async fn phases(
     for r in readers {
         r.abort();
     }
-    let plain = tally.phase(first_ns);
-    Ok((messages, plain, msg_names))
+    Ok(tally.phase(first_ns))
+}
+
+/// Reads a plain journal from the start, decoding its frames, into `tally`.
+async fn plain_reader(
+    client: Client,
+    name: String,
+    tally: Arc<Tally>,
+    start: Instant,
+) -> anyhow::Result<()> {
+    let req = ReadRequest {
+        journal: name.clone(),
+        offset: Some(0),
+        end_offset: None,
+        route_revision: 0,
+    };
+    let mut stream = client.read(&req, true, false).await?;
+    let mut decoder = Decoder::new(name.as_str().into(), Framing::Fixed, 0);
+    while let Some(ev) = stream.next().await {
+        if let ReadEvent::Data { offset, content } = ev? {
+            decoder.push_bytes(offset, content);
+            while let Some(env) = decoder.next_envelope() {
+                if !env.is_ack() {
+                    tally.record(start, &env.message);
+                }
+            }
+        }
+    }
+    anyhow::Ok(())
 }
 
 /// Writes the current time into every non-empty message of fixed frames.

@@ -11,6 +11,7 @@
 //! interrupt, which on a virtual machine costs a VM exit. So besides the
 //! unpinned figure (the floor the targets use) both placements are measured
 //! with the two ends pinned.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::child::ChildGuard;
 use crate::report::{self, PingpongFigures};

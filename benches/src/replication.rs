@@ -29,6 +29,7 @@
 //!
 //! The journals are not deleted: the brokers and their data directories go
 //! at the end of the scenario.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::child::ChildGuard;
 use crate::load;
@@ -674,13 +675,67 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
     let client = Client::connect(&endpoint)
         .await
         .with_context(|| format!("connecting to {PRIMARY} at {endpoint}"))?;
+    let (rep1, rep3, members_rep3) = make_journals(cluster, &client).await?;
+    let cpu = crate::cpu::Sample::now();
+    let ticks_start = cluster.ticks();
+    let start = Instant::now();
+    let mut phases = Vec::new();
+    // Latency first: its tails are the figures most easily disturbed, and
+    // the throughput phases leave gigabytes of history behind them.
+    let lat = latency_phases(args, cluster, &client, [&rep1, &rep3], &mut phases).await?;
+    let tput = throughput_phases(args, cluster, &client, [&rep1, &rep3], &mut phases).await?;
+    let foreign_cpu_percent = foreign_percent(&cpu, &ticks_start, &cluster.ticks(), start);
+    let steal_cpu_percent = cpu.steal_percent();
+
+    let sum = |get: fn(&CounterDeltas) -> Option<u64>| -> Option<u64> {
+        phases
+            .iter()
+            .filter(|p| p.phase.ends_with("rep 3"))
+            .map(|p| get(&p.primary))
+            .sum()
+    };
+    let repl_acks = sum(|c| c.repl_acks);
+    let repl_ack_frames = sum(|c| c.repl_ack_frames);
+    let acks_per_ack_frame = match (repl_acks, repl_ack_frames) {
+        (Some(a), Some(f)) if f > 0 => Some(a as f64 / f as f64),
+        _ => None,
+    };
+    let mut lat = lat.into_iter();
+    let mut tput = tput.into_iter();
+    Ok(ReplicationFigures {
+        primary: PRIMARY.into(),
+        journal_rep1: rep1,
+        journal_rep3: rep3,
+        members_rep3,
+        rate: args.replication_rate,
+        append_1m_rep1: tput.next().expect("two throughput phases"),
+        append_1m_rep3: tput.next().expect("two throughput phases"),
+        latency_1k_rep1: lat.next().expect("two latency phases"),
+        latency_1k_rep3: lat.next().expect("two latency phases"),
+        phases,
+        acks_per_ack_frame,
+        repl_acks,
+        repl_ack_frames,
+        foreign_cpu_percent,
+        steal_cpu_percent,
+        ..ReplicationFigures::default()
+    })
+}
+
+/// Makes a journal of replication 1 and one of replication 3, both with
+/// [`PRIMARY`] as primary, and waits until every broker routes them so.
+/// Returns their names and the members of the second.
+async fn make_journals(
+    cluster: &mut Cluster,
+    client: &Client,
+) -> anyhow::Result<(String, String, Vec<String>)> {
     let unix_secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let prefix = format!("bench/{}-{}", unix_secs, std::process::id());
-    let rep1 = name_on_primary(&client, &format!("{prefix}/rep1")).await?;
-    let rep3 = name_on_primary(&client, &format!("{prefix}/rep3")).await?;
+    let rep1 = name_on_primary(client, &format!("{prefix}/rep1")).await?;
+    let rep3 = name_on_primary(client, &format!("{prefix}/rep3")).await?;
     let specs: Vec<JournalSpec> = [(&rep1, 1), (&rep3, 3)]
         .into_iter()
         .map(|(name, replication)| {
@@ -707,51 +762,66 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
         ids(&route1),
         ids(&route3)
     );
+    Ok((rep1, rep3, ids(&route3)))
+}
 
-    let cpu = crate::cpu::Sample::now();
-    let ticks_start = cluster.ticks();
-    let start = Instant::now();
-    let mut phases = Vec::new();
-    // Latency first: its tails are the figures most easily disturbed, and
-    // the throughput phases leave gigabytes of history behind them.
+/// latency-1k on the replication-1 journal, then on the replication-3 one.
+async fn latency_phases(
+    args: &BenchArgs,
+    cluster: &mut Cluster,
+    client: &Client,
+    [rep1, rep3]: [&String; 2],
+    phases: &mut Vec<PhaseStats>,
+) -> anyhow::Result<Vec<LatencyFigures>> {
     let mut lat = Vec::new();
-    for j in [&rep1, &rep3] {
+    for j in [rep1, rep3] {
         eprintln!(
             "replication: 1024 B appends to {j} at {}/s",
             args.replication_rate
         );
-        let name = if j == &rep1 {
+        let name = if j == rep1 {
             "latency-1k rep 1"
         } else {
             "latency-1k rep 3"
         };
         let (f, s) = phase(
             cluster,
-            &client,
+            client,
             name,
-            load::latency(&client, args, j.clone(), args.replication_rate),
+            load::latency(client, args, j.clone(), args.replication_rate),
         )
         .await?;
         lat.push(f);
         phases.push(s);
     }
+    Ok(lat)
+}
+
+/// append-1m on the replication-1 journal, then on the replication-3 one.
+async fn throughput_phases(
+    args: &BenchArgs,
+    cluster: &mut Cluster,
+    client: &Client,
+    [rep1, rep3]: [&String; 2],
+    phases: &mut Vec<PhaseStats>,
+) -> anyhow::Result<Vec<ThroughputFigures>> {
     let mut tput = Vec::new();
-    for j in [&rep1, &rep3] {
+    for j in [rep1, rep3] {
         eprintln!(
             "replication: {APPEND_1M_BYTES} B appends to {j}, {} in flight",
             args.replication_depth
         );
-        let name = if j == &rep1 {
+        let name = if j == rep1 {
             "append-1m rep 1"
         } else {
             "append-1m rep 3"
         };
         let (f, s) = phase(
             cluster,
-            &client,
+            client,
             name,
             load::throughput(
-                &client,
+                client,
                 args,
                 vec![j.clone()],
                 APPEND_1M_BYTES,
@@ -762,42 +832,7 @@ async fn measure(args: &BenchArgs, cluster: &mut Cluster) -> anyhow::Result<Repl
         tput.push(f);
         phases.push(s);
     }
-    let foreign_cpu_percent = foreign_percent(&cpu, &ticks_start, &cluster.ticks(), start);
-    let steal_cpu_percent = cpu.steal_percent();
-
-    let sum = |get: fn(&CounterDeltas) -> Option<u64>| -> Option<u64> {
-        phases
-            .iter()
-            .filter(|p| p.phase.ends_with("rep 3"))
-            .map(|p| get(&p.primary))
-            .sum()
-    };
-    let repl_acks = sum(|c| c.repl_acks);
-    let repl_ack_frames = sum(|c| c.repl_ack_frames);
-    let acks_per_ack_frame = match (repl_acks, repl_ack_frames) {
-        (Some(a), Some(f)) if f > 0 => Some(a as f64 / f as f64),
-        _ => None,
-    };
-    let mut lat = lat.into_iter();
-    let mut tput = tput.into_iter();
-    Ok(ReplicationFigures {
-        primary: PRIMARY.into(),
-        journal_rep1: rep1,
-        journal_rep3: rep3,
-        members_rep3: ids(&route3),
-        rate: args.replication_rate,
-        append_1m_rep1: tput.next().expect("two throughput phases"),
-        append_1m_rep3: tput.next().expect("two throughput phases"),
-        latency_1k_rep1: lat.next().expect("two latency phases"),
-        latency_1k_rep3: lat.next().expect("two latency phases"),
-        phases,
-        acks_per_ack_frame,
-        repl_acks,
-        repl_ack_frames,
-        foreign_cpu_percent,
-        steal_cpu_percent,
-        ..ReplicationFigures::default()
-    })
+    Ok(tput)
 }
 
 /// Percent of all CPUs busy outside this process and the brokers since

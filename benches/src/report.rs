@@ -548,7 +548,50 @@ impl Figures {
 
     /// The human-readable table.
     pub fn table(&self) -> String {
-        let mut rows: Vec<(String, String, String)> = Vec::new();
+        let mut rows: Vec<Row> = Vec::new();
+        self.baseline_rows(&mut rows);
+        if let Some(t) = &self.append_1m {
+            throughput_rows(&mut rows, "append-1m", t);
+        }
+        if let Some(l) = &self.latency_1k {
+            let mut row = |f: String, v: String| rows.push(("latency-1k".into(), f, v));
+            row(
+                format!(
+                    "{} B at {}/s, from intended send",
+                    l.append_bytes, l.rate_target
+                ),
+                l.latency.line(),
+            );
+            row("from actual send".into(), l.service.line());
+            row("pacer lag".into(), l.pacer_lag.line());
+            row(
+                "achieved rate · most in flight".into(),
+                format!("{:.0}/s · {}", l.rate_achieved, l.in_flight_max),
+            );
+            row(
+                "errors · cross-core forwards".into(),
+                errors_line(l.errors, l.cross_core_forwards),
+            );
+        }
+        if let Some(t) = &self.fanout_64x4k {
+            throughput_rows(&mut rows, "fanout-64x4k", t);
+        }
+        if let Some(t) = &self.tail_readers {
+            tail_rows(&mut rows, t);
+        }
+        if let Some(b) = &self.backfill {
+            backfill_rows(&mut rows, b);
+        }
+        if let Some(r) = &self.replication {
+            replication_rows(&mut rows, r);
+        }
+        let mut out = rows_text(&rows);
+        self.summary(&mut out);
+        out
+    }
+
+    /// The rows of the machine's own floors: network, disk and hashing.
+    fn baseline_rows(&self, rows: &mut Vec<Row>) {
         let mut row = |s: &str, f: &str, v: String| rows.push((s.into(), f.into(), v));
         for p in self.pingpong.iter().chain(&self.pingpong_pinned) {
             row(
@@ -615,155 +658,11 @@ impl Figures {
                 format!("{:.0} MB/s", h.both_mb_per_s),
             );
         }
-        let throughput_rows =
-            |rows: &mut Vec<(String, String, String)>, name: &str, t: &ThroughputFigures| {
-                let mut row = |f: String, v: String| rows.push((name.into(), f, v));
-                row(
-                    format!(
-                        "{} journal(s) × {} B, {} in flight each",
-                        t.journals, t.append_bytes, t.depth
-                    ),
-                    format!("{:.0} MB/s · {:.0} appends/s", t.mb_per_s, t.appends_per_s),
-                );
-                row("append latency (closed loop)".into(), t.latency.line());
-                row(
-                    "errors · cross-core forwards".into(),
-                    errors_line(t.errors, t.cross_core_forwards),
-                );
-            };
-        if let Some(t) = &self.append_1m {
-            throughput_rows(&mut rows, "append-1m", t);
-        }
-        if let Some(l) = &self.latency_1k {
-            let mut row = |f: String, v: String| rows.push(("latency-1k".into(), f, v));
-            row(
-                format!(
-                    "{} B at {}/s, from intended send",
-                    l.append_bytes, l.rate_target
-                ),
-                l.latency.line(),
-            );
-            row("from actual send".into(), l.service.line());
-            row("pacer lag".into(), l.pacer_lag.line());
-            row(
-                "achieved rate · most in flight".into(),
-                format!("{:.0}/s · {}", l.rate_achieved, l.in_flight_max),
-            );
-            row(
-                "errors · cross-core forwards".into(),
-                errors_line(l.errors, l.cross_core_forwards),
-            );
-        }
-        if let Some(t) = &self.fanout_64x4k {
-            throughput_rows(&mut rows, "fanout-64x4k", t);
-        }
-        if let Some(t) = &self.tail_readers {
-            let mut row = |f: String, v: String| rows.push(("tail-readers".into(), f, v));
-            row(
-                format!(
-                    "{} B at {}/s, no readers",
-                    t.alone.append_bytes, t.alone.rate_target
-                ),
-                fixed_rate_line(&t.alone),
-            );
-            row(
-                format!("{} readers tailing", t.readers),
-                fixed_rate_line(&t.with_readers),
-            );
-            row(
-                "readers whole · bytes · slowest catch-up".into(),
-                format!(
-                    "{} of {} byte for byte to {} · {} · {:.1} ms",
-                    t.readers_whole, t.readers, t.head, t.reader_bytes, t.catch_up_max_ms
-                ),
-            );
-            if let Some(e) = &t.first_reader_error {
-                row("first reader error".into(), e.clone());
-            }
-            // Busy threads only: a run has many idle ones.
-            let busy: Vec<String> = t
-                .cpu_with_readers
-                .iter()
-                .filter(|(_, p)| **p >= 1.0)
-                .map(|(name, p)| {
-                    let before = t.cpu_alone.get(name).copied().unwrap_or(0.0);
-                    format!("{name} {before:.0} → {p:.0}")
-                })
-                .collect();
-            if !busy.is_empty() {
-                row(
-                    "% of a core by thread, no readers → readers".into(),
-                    busy.join(" · "),
-                );
-            }
-        }
-        if let Some(b) = &self.backfill {
-            let mut row = |f: String, v: String| rows.push(("backfill".into(), f, v));
-            let mb = |r: &crate::backfill::ReadFigures| {
-                format!(
-                    "{:.0} MB/s ({:.2} GiB in {:.1} s)",
-                    r.mb_per_s,
-                    r.bytes as f64 / (1u64 << 30) as f64,
-                    r.seconds
-                )
-            };
-            row("history: 1 MiB appends".into(), mb(&b.build));
-            row(
-                "SEAL → every fragment uploaded".into(),
-                format!("{:.1} s · {} fragments", b.upload_wait_seconds, b.fragments),
-            );
-            row("raw store GET (uploader reader)".into(), mb(&b.raw_get));
-            row(
-                "read_direct from 0".into(),
-                format!(
-                    "{} · fetched {} · proxied {} · SHA-1 {}",
-                    mb(&b.direct),
-                    b.direct_fragments_fetched,
-                    b.direct_fragments_proxied,
-                    if b.direct_sha1_matches { "ok" } else { "WRONG" }
-                ),
-            );
-            row(
-                format!(
-                    "live {} B at {}/s, alone",
-                    b.live_alone.append_bytes, b.live_alone.rate_target
-                ),
-                fixed_rate_line(&b.live_alone),
-            );
-            row(
-                "live, with backfill".into(),
-                fixed_rate_line(&b.live_with_backfill),
-            );
-            row(
-                "concurrent backfill".into(),
-                format!(
-                    "{} · {} passes",
-                    mb(&b.concurrent_backfill),
-                    b.concurrent_backfill_passes
-                ),
-            );
-        }
-        if let Some(r) = &self.replication {
-            replication_rows(&mut rows, r);
-        }
-        let w0 = rows
-            .iter()
-            .map(|r| r.0.chars().count())
-            .max()
-            .unwrap_or(0)
-            .max(8);
-        let w1 = rows
-            .iter()
-            .map(|r| r.1.chars().count())
-            .max()
-            .unwrap_or(0)
-            .max(6);
-        let mut out = String::new();
-        let _ = writeln!(out);
-        let _ = writeln!(out, "{:w0$}  {:w1$}  value", "scenario", "figure");
-        for (s, f, v) in &rows {
-            let _ = writeln!(out, "{s:w0$}  {f:w1$}  {v}");
-        }
+    }
+
+    /// The targets, the bounds, the CPU others took and what was skipped,
+    /// under the table.
+    fn summary(&self, out: &mut String) {
         let ratios = self.ratios();
         if !ratios.is_empty() {
             let _ = writeln!(out);
@@ -791,13 +690,13 @@ impl Figures {
             let _ = writeln!(out);
         }
         percent_line(
-            &mut out,
+            out,
             "CPU busy outside this process (other processes, kernel threads)",
             &self.foreign_cpu_percent,
             0,
         );
         percent_line(
-            &mut out,
+            out,
             "CPU time the host took from this VM (steal)",
             &self.steal_cpu_percent,
             1,
@@ -805,14 +704,143 @@ impl Figures {
         for (what, why) in &self.skipped {
             let _ = writeln!(out, "skipped {what}: {why}");
         }
-        out
     }
 }
 
-fn replication_rows(
-    rows: &mut Vec<(String, String, String)>,
-    r: &crate::replication::ReplicationFigures,
-) {
+/// One row of the table: scenario, figure, value.
+type Row = (String, String, String);
+
+/// The rows in aligned columns under a header, after a blank line.
+fn rows_text(rows: &[Row]) -> String {
+    let w0 = rows
+        .iter()
+        .map(|r| r.0.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(8);
+    let w1 = rows
+        .iter()
+        .map(|r| r.1.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(6);
+    let mut out = String::new();
+    let _ = writeln!(out);
+    let _ = writeln!(out, "{:w0$}  {:w1$}  value", "scenario", "figure");
+    for (s, f, v) in rows {
+        let _ = writeln!(out, "{s:w0$}  {f:w1$}  {v}");
+    }
+    out
+}
+
+/// The rows of a closed-loop throughput scenario.
+fn throughput_rows(rows: &mut Vec<Row>, name: &str, t: &ThroughputFigures) {
+    let mut row = |f: String, v: String| rows.push((name.into(), f, v));
+    row(
+        format!(
+            "{} journal(s) × {} B, {} in flight each",
+            t.journals, t.append_bytes, t.depth
+        ),
+        format!("{:.0} MB/s · {:.0} appends/s", t.mb_per_s, t.appends_per_s),
+    );
+    row("append latency (closed loop)".into(), t.latency.line());
+    row(
+        "errors · cross-core forwards".into(),
+        errors_line(t.errors, t.cross_core_forwards),
+    );
+}
+
+/// The rows of the tail-readers scenario.
+fn tail_rows(rows: &mut Vec<Row>, t: &crate::tail::TailFigures) {
+    let mut row = |f: String, v: String| rows.push(("tail-readers".into(), f, v));
+    row(
+        format!(
+            "{} B at {}/s, no readers",
+            t.alone.append_bytes, t.alone.rate_target
+        ),
+        fixed_rate_line(&t.alone),
+    );
+    row(
+        format!("{} readers tailing", t.readers),
+        fixed_rate_line(&t.with_readers),
+    );
+    row(
+        "readers whole · bytes · slowest catch-up".into(),
+        format!(
+            "{} of {} byte for byte to {} · {} · {:.1} ms",
+            t.readers_whole, t.readers, t.head, t.reader_bytes, t.catch_up_max_ms
+        ),
+    );
+    if let Some(e) = &t.first_reader_error {
+        row("first reader error".into(), e.clone());
+    }
+    // Busy threads only: a run has many idle ones.
+    let busy: Vec<String> = t
+        .cpu_with_readers
+        .iter()
+        .filter(|(_, p)| **p >= 1.0)
+        .map(|(name, p)| {
+            let before = t.cpu_alone.get(name).copied().unwrap_or(0.0);
+            format!("{name} {before:.0} → {p:.0}")
+        })
+        .collect();
+    if !busy.is_empty() {
+        row(
+            "% of a core by thread, no readers → readers".into(),
+            busy.join(" · "),
+        );
+    }
+}
+
+/// The rows of the backfill scenario.
+fn backfill_rows(rows: &mut Vec<Row>, b: &crate::backfill::BackfillFigures) {
+    let mut row = |f: String, v: String| rows.push(("backfill".into(), f, v));
+    let mb = |r: &crate::backfill::ReadFigures| {
+        format!(
+            "{:.0} MB/s ({:.2} GiB in {:.1} s)",
+            r.mb_per_s,
+            r.bytes as f64 / (1u64 << 30) as f64,
+            r.seconds
+        )
+    };
+    row("history: 1 MiB appends".into(), mb(&b.build));
+    row(
+        "SEAL → every fragment uploaded".into(),
+        format!("{:.1} s · {} fragments", b.upload_wait_seconds, b.fragments),
+    );
+    row("raw store GET (uploader reader)".into(), mb(&b.raw_get));
+    row(
+        "read_direct from 0".into(),
+        format!(
+            "{} · fetched {} · proxied {} · SHA-1 {}",
+            mb(&b.direct),
+            b.direct_fragments_fetched,
+            b.direct_fragments_proxied,
+            if b.direct_sha1_matches { "ok" } else { "WRONG" }
+        ),
+    );
+    row(
+        format!(
+            "live {} B at {}/s, alone",
+            b.live_alone.append_bytes, b.live_alone.rate_target
+        ),
+        fixed_rate_line(&b.live_alone),
+    );
+    row(
+        "live, with backfill".into(),
+        fixed_rate_line(&b.live_with_backfill),
+    );
+    row(
+        "concurrent backfill".into(),
+        format!(
+            "{} · {} passes",
+            mb(&b.concurrent_backfill),
+            b.concurrent_backfill_passes
+        ),
+    );
+}
+
+fn replication_rows(rows: &mut Vec<Row>, r: &crate::replication::ReplicationFigures) {
     let mut row = |f: String, v: String| rows.push(("replication".into(), f, v));
     let threads: Vec<String> = r
         .brokers
@@ -841,6 +869,13 @@ fn replication_rows(
             );
         }
     }
+    replication_phase_rows(rows, r);
+    replication_counter_rows(rows, r);
+}
+
+/// The latency and throughput rows of each replication factor.
+fn replication_phase_rows(rows: &mut Vec<Row>, r: &crate::replication::ReplicationFigures) {
+    let mut row = |f: String, v: String| rows.push(("replication".into(), f, v));
     let phases = [
         ("rep 1", &r.append_1m_rep1, &r.latency_1k_rep1),
         ("rep 3", &r.append_1m_rep3, &r.latency_1k_rep3),
@@ -878,6 +913,11 @@ fn replication_rows(
             t.latency.line(),
         );
     }
+}
+
+/// The primary's counters, the first errors and the brokers' warnings.
+fn replication_counter_rows(rows: &mut Vec<Row>, r: &crate::replication::ReplicationFigures) {
+    let mut row = |f: String, v: String| rows.push(("replication".into(), f, v));
     let opt = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |v| v.to_string());
     row(
         "primary: acks per ack frame (rep 3)".into(),

@@ -8,6 +8,7 @@
 //! offset `o` of either journal is `content[o % 1024]`: each reader checks
 //! every byte it receives and that its offsets are contiguous, and must
 //! reach the journal's final head once the appends have stopped.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::load::{self, APPEND_TIMEOUT};
 use crate::report::LatencyFigures;
@@ -77,54 +78,16 @@ pub async fn run(
     let (content, _) = load::content(load::LATENCY_1K_BYTES);
     let (stop_tx, stop_rx) = watch::channel(None::<u64>);
     let (ready_tx, mut ready_rx) = mpsc::channel::<()>(args.tail_readers);
-    let readers = {
-        let endpoint = endpoint.to_string();
-        let journal = tailed.to_string();
-        let count = args.tail_readers;
-        std::thread::Builder::new()
-            .name("rotary-bench-tail".into())
-            .spawn(move || -> anyhow::Result<Vec<Tailed>> {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .context("starting the readers' runtime")?;
-                rt.block_on(async move {
-                    let tasks: Vec<_> = (0..count)
-                        .map(|_| {
-                            tokio::spawn(tail(
-                                endpoint.clone(),
-                                journal.clone(),
-                                content.clone(),
-                                ready_tx.clone(),
-                                stop_rx.clone(),
-                            ))
-                        })
-                        .collect();
-                    drop(ready_tx);
-                    let mut out = Vec::with_capacity(count);
-                    for t in tasks {
-                        out.push(t.await.context("reader task panicked")?);
-                    }
-                    Ok(out)
-                })
-            })
-            .context("starting the readers' thread")?
-    };
+    let readers = start_readers(
+        endpoint,
+        tailed,
+        args.tail_readers,
+        content,
+        ready_tx,
+        stop_rx,
+    )?;
     // Every reader's READ is open (or failed) before the appends start.
-    let opened = tokio::time::timeout(APPEND_TIMEOUT, async {
-        let mut n = 0;
-        while ready_rx.recv().await.is_some() {
-            n += 1;
-        }
-        n
-    })
-    .await
-    .context("readers did not open their reads in time")?;
-    anyhow::ensure!(
-        opened == args.tail_readers,
-        "only {opened} of {} readers opened their reads",
-        args.tail_readers
-    );
+    wait_opened(&mut ready_rx, args.tail_readers).await?;
 
     let read_before = read_bytes(client).await;
     let threads = crate::cpu::Threads::now();
@@ -154,6 +117,86 @@ pub async fn run(
         cpu_alone,
         cpu_with_readers,
     };
+    tally_readers(&mut figures, tailed_out, head, stopped_at);
+    if let Some(e) = &figures.first_reader_error {
+        eprintln!(
+            "warning: {} of {} readers did not receive the journal whole; first: {e}",
+            figures.readers - figures.readers_whole,
+            figures.readers
+        );
+    }
+    Ok(figures)
+}
+
+/// The readers' thread: `count` readers of `tailed` on a runtime of its
+/// own. Each says on `ready` once its READ is open, and stops at the head
+/// `stop` announces.
+fn start_readers(
+    endpoint: &str,
+    tailed: &str,
+    count: usize,
+    content: Bytes,
+    ready_tx: mpsc::Sender<()>,
+    stop_rx: watch::Receiver<Option<u64>>,
+) -> anyhow::Result<std::thread::JoinHandle<anyhow::Result<Vec<Tailed>>>> {
+    let endpoint = endpoint.to_string();
+    let journal = tailed.to_string();
+    std::thread::Builder::new()
+        .name("rotary-bench-tail".into())
+        .spawn(move || -> anyhow::Result<Vec<Tailed>> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the readers' runtime")?;
+            rt.block_on(async move {
+                let tasks: Vec<_> = (0..count)
+                    .map(|_| {
+                        tokio::spawn(tail(
+                            endpoint.clone(),
+                            journal.clone(),
+                            content.clone(),
+                            ready_tx.clone(),
+                            stop_rx.clone(),
+                        ))
+                    })
+                    .collect();
+                drop(ready_tx);
+                let mut out = Vec::with_capacity(count);
+                for t in tasks {
+                    out.push(t.await.context("reader task panicked")?);
+                }
+                Ok(out)
+            })
+        })
+        .context("starting the readers' thread")
+}
+
+/// Waits until each of `count` readers opened its READ (or failed to).
+async fn wait_opened(ready_rx: &mut mpsc::Receiver<()>, count: usize) -> anyhow::Result<()> {
+    let opened = tokio::time::timeout(APPEND_TIMEOUT, async {
+        let mut n = 0;
+        while ready_rx.recv().await.is_some() {
+            n += 1;
+        }
+        n
+    })
+    .await
+    .context("readers did not open their reads in time")?;
+    anyhow::ensure!(
+        opened == count,
+        "only {opened} of {count} readers opened their reads"
+    );
+    Ok(())
+}
+
+/// Adds what each reader received to `figures`: whole or not, and how
+/// long it took to reach `head` after `stopped_at`.
+fn tally_readers(
+    figures: &mut TailFigures,
+    tailed_out: Vec<Tailed>,
+    head: u64,
+    stopped_at: Instant,
+) {
     for t in tailed_out {
         figures.reader_bytes += t.bytes;
         match t.error {
@@ -173,14 +216,6 @@ pub async fn run(
             }
         }
     }
-    if let Some(e) = &figures.first_reader_error {
-        eprintln!(
-            "warning: {} of {} readers did not receive the journal whole; first: {e}",
-            figures.readers - figures.readers_whole,
-            figures.readers
-        );
-    }
-    Ok(figures)
 }
 
 /// One reader: tails `journal` from 0, checking each byte, until it holds

@@ -9,6 +9,9 @@
 //! Blocking; it runs on whichever thread calls it (the uploader's blocking
 //! threads, the client's blocking pool), never on a shard.
 
+// Functions stay short enough to hold in mind (threshold in clippy.toml).
+#![warn(clippy::too_many_lines)]
+
 use rotary_proto::spec::Codec;
 use std::io::{self, BufReader, Read, Write};
 

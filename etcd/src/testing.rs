@@ -5,6 +5,7 @@
 //! The binary is `$ROTARY_ETCD`, else `etcd` on `PATH`, else
 //! `/usr/bin/etcd` (Debian's `etcd-server`). Synchronous, so any test can
 //! use it, with or without a runtime.
+#![allow(clippy::disallowed_methods)] // A real etcd process, waited for in real time.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -107,6 +107,7 @@ impl LimitedBody {
     }
 
     /// The next piece of the body; `None` at its end.
+    #[allow(clippy::disallowed_methods)] // The idle deadline is a tokio timer's, on tokio's clock.
     fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BodyError>>> {
         loop {
             if self.done {

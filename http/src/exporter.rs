@@ -131,142 +131,176 @@ impl Collector for BrokerCollector {
             "Shards (cores) the broker runs",
             o.shards as i64,
         )?;
-        for (d, c) in o.metrics.described() {
-            let name = format!("rotary_{}", d.name);
-            let kind = match d.kind {
-                rotary_engine::metrics::Kind::Counter => MetricType::Counter,
-                rotary_engine::metrics::Kind::Gauge => MetricType::Gauge,
-            };
-            let help = one_line_help(d.help);
-            let mut family = encoder.encode_descriptor(&name, &help, None, kind)?;
-            let other = c.slot(rotary_engine::metrics::OTHER_SLOT);
-            let slots = (0..o.shards)
-                .map(|s| (s.to_string(), c.slot(s)))
-                .chain((other != 0).then(|| ("other".to_string(), other)));
-            for (shard, v) in slots {
-                let labels = [("shard", shard)];
-                let mut m = family.encode_family(&labels)?;
-                match d.kind {
-                    rotary_engine::metrics::Kind::Counter => {
-                        m.encode_counter::<NoLabelSet, _, u64>(&v, None)?
-                    }
-                    // A gauge's slot may have wrapped below zero.
-                    rotary_engine::metrics::Kind::Gauge => m.encode_gauge(&(v as i64))?,
-                }
-            }
-        }
+        shard_metrics(&mut encoder, o)?;
         append_latency(&mut encoder, o)?;
         stores(&mut encoder, &o.uploader)?;
-        let u = o.uploader.metrics();
-        let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        for (name, help, v) in [
-            (
-                "rotary_uploads",
-                "Sealed fragments uploaded to their stores (written and verified)",
-                load(&u.uploads),
-            ),
-            (
-                "rotary_upload_failures",
-                "Uploads that failed after their attempts",
-                load(&u.upload_failures),
-            ),
-            (
-                "rotary_upload_retries",
-                "Upload attempts that failed and were tried again",
-                load(&u.upload_retries),
-            ),
-            (
-                "rotary_upload_bytes",
-                "Uncompressed bytes of uploaded fragments",
-                load(&u.upload_bytes),
-            ),
-            (
-                "rotary_upload_stored_bytes",
-                "Bytes of uploaded fragments as stored (compressed)",
-                load(&u.upload_stored_bytes),
-            ),
-            (
-                "rotary_upload_skipped_existing",
-                "Uploads skipped because the store already held the object",
-                load(&u.skipped_existing),
-            ),
-        ] {
-            counter(&mut encoder, name, help, v)?;
+        upload_metrics(&mut encoder, &o.uploader)?;
+        specs_and_disk(&mut encoder, o)?;
+        journal_heads(&mut encoder, &self.gathered)
+    }
+}
+
+/// Every STATS counter, per shard.
+fn shard_metrics(
+    encoder: &mut DescriptorEncoder,
+    o: &rotary_engine::Observed,
+) -> Result<(), std::fmt::Error> {
+    for (d, c) in o.metrics.described() {
+        let name = format!("rotary_{}", d.name);
+        let kind = match d.kind {
+            rotary_engine::metrics::Kind::Counter => MetricType::Counter,
+            rotary_engine::metrics::Kind::Gauge => MetricType::Gauge,
+        };
+        let help = one_line_help(d.help);
+        let mut family = encoder.encode_descriptor(&name, &help, None, kind)?;
+        let other = c.slot(rotary_engine::metrics::OTHER_SLOT);
+        let slots = (0..o.shards)
+            .map(|s| (s.to_string(), c.slot(s)))
+            .chain((other != 0).then(|| ("other".to_string(), other)));
+        for (shard, v) in slots {
+            let labels = [("shard", shard)];
+            let mut m = family.encode_family(&labels)?;
+            match d.kind {
+                rotary_engine::metrics::Kind::Counter => {
+                    m.encode_counter::<NoLabelSet, _, u64>(&v, None)?
+                }
+                // A gauge's slot may have wrapped below zero.
+                rotary_engine::metrics::Kind::Gauge => m.encode_gauge(&(v as i64))?,
+            }
         }
-        let seconds = ConstCounter::new(load(&u.upload_micros) as f64 / 1e6);
-        seconds.encode(encoder.encode_descriptor(
-            "rotary_upload_seconds",
-            "Time spent uploading fragments (with rotary_uploads_total, the mean latency)",
+    }
+    Ok(())
+}
+
+/// The uploader's counters and queue.
+fn upload_metrics(
+    encoder: &mut DescriptorEncoder,
+    uploader: &rotary_uploader::Uploader,
+) -> Result<(), std::fmt::Error> {
+    let u = uploader.metrics();
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    for (name, help, v) in [
+        (
+            "rotary_uploads",
+            "Sealed fragments uploaded to their stores (written and verified)",
+            load(&u.uploads),
+        ),
+        (
+            "rotary_upload_failures",
+            "Uploads that failed after their attempts",
+            load(&u.upload_failures),
+        ),
+        (
+            "rotary_upload_retries",
+            "Upload attempts that failed and were tried again",
+            load(&u.upload_retries),
+        ),
+        (
+            "rotary_upload_bytes",
+            "Uncompressed bytes of uploaded fragments",
+            load(&u.upload_bytes),
+        ),
+        (
+            "rotary_upload_stored_bytes",
+            "Bytes of uploaded fragments as stored (compressed)",
+            load(&u.upload_stored_bytes),
+        ),
+        (
+            "rotary_upload_skipped_existing",
+            "Uploads skipped because the store already held the object",
+            load(&u.skipped_existing),
+        ),
+    ] {
+        counter(encoder, name, help, v)?;
+    }
+    let seconds = ConstCounter::new(load(&u.upload_micros) as f64 / 1e6);
+    seconds.encode(encoder.encode_descriptor(
+        "rotary_upload_seconds",
+        "Time spent uploading fragments (with rotary_uploads_total, the mean latency)",
+        None,
+        MetricType::Counter,
+    )?)?;
+    gauge(
+        encoder,
+        "rotary_upload_queue_depth",
+        "Sealed fragments queued for upload, not yet started (STATS upload_queue_depth)",
+        load(&u.queued) as i64,
+    )?;
+    gauge(
+        encoder,
+        "rotary_fragments_awaiting_upload",
+        "Sealed fragments queued for upload or being uploaded",
+        (load(&u.queued) + load(&u.in_flight)) as i64,
+    )?;
+    Ok(())
+}
+
+/// The spec count and digest, disk free and each shard's commit log size.
+fn specs_and_disk(
+    encoder: &mut DescriptorEncoder,
+    o: &rotary_engine::Observed,
+) -> Result<(), std::fmt::Error> {
+    let (specs, digest) = o.specs.digest();
+    gauge(
+        encoder,
+        "rotary_specs",
+        "Journal specs the broker holds",
+        specs as i64,
+    )?;
+    // An info metric as a gauge of 1: the Prometheus text format, which
+    // promtool checks, has no info type.
+    encoder
+        .encode_descriptor(
+            "rotary_specs_digest_info",
+            "Digest of the broker's journal specs (equal on brokers that agree), as its label",
             None,
-            MetricType::Counter,
-        )?)?;
+            MetricType::Gauge,
+        )?
+        .encode_family(&[("digest", format!("{digest:032x}"))])?
+        .encode_gauge(&1i64)?;
+    if let Ok(free) = rotary_storage::spool::free_bytes_at(&o.data_dir) {
         gauge(
-            &mut encoder,
-            "rotary_upload_queue_depth",
-            "Sealed fragments queued for upload, not yet started (STATS upload_queue_depth)",
-            load(&u.queued) as i64,
+            encoder,
+            "rotary_disk_free_bytes",
+            "Free bytes on the data directory's file system",
+            free.min(i64::MAX as u64) as i64,
         )?;
-        gauge(
-            &mut encoder,
-            "rotary_fragments_awaiting_upload",
-            "Sealed fragments queued for upload or being uploaded",
-            (load(&u.queued) + load(&u.in_flight)) as i64,
-        )?;
-        let (specs, digest) = o.specs.digest();
-        gauge(
-            &mut encoder,
-            "rotary_specs",
-            "Journal specs the broker holds",
-            specs as i64,
-        )?;
-        // An info metric as a gauge of 1: the Prometheus text format, which
-        // promtool checks, has no info type.
-        encoder
-            .encode_descriptor(
-                "rotary_specs_digest_info",
-                "Digest of the broker's journal specs (equal on brokers that agree), as its label",
-                None,
-                MetricType::Gauge,
-            )?
-            .encode_family(&[("digest", format!("{digest:032x}"))])?
-            .encode_gauge(&1i64)?;
-        if let Ok(free) = rotary_storage::spool::free_bytes_at(&o.data_dir) {
-            gauge(
-                &mut encoder,
-                "rotary_disk_free_bytes",
-                "Free bytes on the data directory's file system",
-                free.min(i64::MAX as u64) as i64,
-            )?;
+    }
+    let mut logs = encoder.encode_descriptor(
+        "rotary_commit_log_bytes",
+        "Size of each shard's commit log",
+        None,
+        MetricType::Gauge,
+    )?;
+    for s in 0..o.shards {
+        let path = rotary_storage::wal::CommitLog::path_in(&o.data_dir.join(format!("shard-{s}")));
+        if let Ok(m) = std::fs::metadata(&path) {
+            logs.encode_family(&[("shard", s.to_string())])?
+                .encode_gauge(&(m.len().min(i64::MAX as u64) as i64))?;
         }
-        let mut logs = encoder.encode_descriptor(
-            "rotary_commit_log_bytes",
-            "Size of each shard's commit log",
+    }
+    Ok(())
+}
+
+/// The write heads of the journals `--metrics-journals` selects.
+fn journal_heads(
+    encoder: &mut DescriptorEncoder,
+    gathered: &Gathered,
+) -> Result<(), std::fmt::Error> {
+    if !gathered.journals.is_empty() {
+        let mut heads = encoder.encode_descriptor(
+            "rotary_journal_write_head_bytes",
+            "Write head of each journal selected by --metrics-journals (rate() is its append throughput)",
             None,
             MetricType::Gauge,
         )?;
-        for s in 0..o.shards {
-            let path =
-                rotary_storage::wal::CommitLog::path_in(&o.data_dir.join(format!("shard-{s}")));
-            if let Ok(m) = std::fs::metadata(&path) {
-                logs.encode_family(&[("shard", s.to_string())])?
-                    .encode_gauge(&(m.len().min(i64::MAX as u64) as i64))?;
-            }
+        for (journal, head) in &gathered.journals {
+            heads
+                .encode_family(&[("journal", journal.clone())])?
+                .encode_gauge(&(*head as i64))?;
         }
-        if !self.gathered.journals.is_empty() {
-            let mut heads = encoder.encode_descriptor(
-                "rotary_journal_write_head_bytes",
-                "Write head of each journal selected by --metrics-journals (rate() is its append throughput)",
-                None,
-                MetricType::Gauge,
-            )?;
-            for (journal, head) in &self.gathered.journals {
-                heads
-                    .encode_family(&[("journal", journal.clone())])?
-                    .encode_gauge(&(*head as i64))?;
-            }
-        }
-        Ok(())
     }
+    Ok(())
 }
 
 /// A histogram's buckets for `encode_histogram`: upper bounds in seconds

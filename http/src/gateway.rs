@@ -283,26 +283,9 @@ async fn read(
         end_offset: None,
         route_revision: 0,
     };
-    let meta = ReadOptions {
-        block: false,
-        metadata_only: true,
-        do_not_proxy: false,
-    };
-    let done = match client.read_with(&request, meta).await {
-        Ok(mut s) => loop {
-            match s.next().await {
-                Some(Ok(ReadEvent::Done(d))) => break d,
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return error_response(&e),
-                None => {
-                    return text(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "UNAVAILABLE: the read ended without an answer",
-                    )
-                }
-            }
-        },
-        Err(e) => return error_response(&e),
+    let done = match read_metadata(client, &request).await {
+        Ok(done) => done,
+        Err(r) => return r,
     };
     if let Err(e) = done.check() {
         let mut r = error_response(&e);
@@ -326,9 +309,64 @@ async fn read(
     let mut r = Response::new(Body::empty());
     *r.status_mut() = StatusCode::PARTIAL_CONTENT;
     header(&mut r, WRITE_HEAD, done.write_head);
-    if let Some(f) = fragment_at(client, &journal, offset).await {
+    fragment_headers(&mut r, client, &journal, offset).await;
+    if head_only {
+        return r;
+    }
+    let stream = ReadRequest {
+        journal,
+        offset: Some(offset),
+        end_offset: None,
+        route_revision: 0,
+    };
+    let reading = match client.read(&stream, query.block, false).await {
+        Ok(s) => s,
+        Err(e) => return error_response(&e),
+    };
+    *r.body_mut() = stream_body(state, reading, offset);
+    r
+}
+
+/// The read's start and the write head, asked without content; an error
+/// is the response to give.
+async fn read_metadata(
+    client: &rotary_net::client::Client,
+    request: &ReadRequest,
+) -> Result<rotary_net::client::ReadDone, Response<Body>> {
+    let meta = ReadOptions {
+        block: false,
+        metadata_only: true,
+        do_not_proxy: false,
+    };
+    match client.read_with(request, meta).await {
+        Ok(mut s) => loop {
+            match s.next().await {
+                Some(Ok(ReadEvent::Done(d))) => break Ok(d),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(error_response(&e)),
+                None => {
+                    return Err(text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "UNAVAILABLE: the read ended without an answer",
+                    ))
+                }
+            }
+        },
+        Err(e) => Err(error_response(&e)),
+    }
+}
+
+/// The name, location and range of the fragment holding `offset`, when
+/// there is one.
+async fn fragment_headers(
+    r: &mut Response<Body>,
+    client: &rotary_net::client::Client,
+    journal: &str,
+    offset: u64,
+) {
+    if let Some(f) = fragment_at(client, journal, offset).await {
         header(
-            &mut r,
+            r,
             FRAGMENT_NAME,
             format!(
                 "{:016x}-{:016x}-{}{}",
@@ -339,27 +377,19 @@ async fn read(
             ),
         );
         if let Some(location) = location_of(&f) {
-            header(&mut r, FRAGMENT_LOCATION, location);
+            header(r, FRAGMENT_LOCATION, location);
         }
         header(
-            &mut r,
+            r,
             "Content-Range",
             format!("bytes {offset}-{}/{}", i64::MAX, i64::MAX),
         );
     }
-    if head_only {
-        return r;
-    }
-    let stream = ReadRequest {
-        journal,
-        offset: Some(offset),
-        end_offset: None,
-        route_revision: 0,
-    };
-    let mut reading = match client.read(&stream, query.block, false).await {
-        Ok(s) => s,
-        Err(e) => return error_response(&e),
-    };
+}
+
+/// The response body: the read's bytes from `offset` on, streamed by a
+/// task until a gap, the read's end or the HTTP client goes away.
+fn stream_body(state: &State, mut reading: rotary_net::client::ReadStream, offset: u64) -> Body {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(READ_CHUNKS_BUFFERED);
     let counted = state.http.read_bytes.clone();
     tokio::spawn(async move {
@@ -388,8 +418,7 @@ async fn read(
             }
         }
     });
-    *r.body_mut() = Body::Channel(rx);
-    r
+    Body::Channel(rx)
 }
 
 /// The fragment holding `offset` (the open spool when it is the head).

@@ -15,6 +15,9 @@
 //! [`HttpConfig::timeout`] for a request's headers to arrive and between
 //! the pieces of its body (a slow-loris client is cut off).
 
+// Functions stay short enough to hold in mind (threshold in clippy.toml).
+#![warn(clippy::too_many_lines)]
+
 mod body;
 mod exporter;
 pub mod gateway;

@@ -1022,6 +1022,7 @@ impl Client {
     /// explains ([`is_failover`]), looking the journal's route up again
     /// each time, for up to [`ClientOptions::retry_for`]; pauses from
     /// 50 ms doubling up to 500 ms.
+    #[allow(clippy::disallowed_methods)] // The retry window is a tokio timer's, on tokio's clock.
     async fn retrying_failover<T, F, Fut>(
         &self,
         journal: &str,
@@ -1711,86 +1712,10 @@ mod tests {
     /// reply) and reassembles chunked content.
     #[tokio::test]
     async fn appends_are_pipelined_and_replies_matched_by_id() {
-        use tokio::io::AsyncWriteExt;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let server_addr = addr.clone();
-        let server = tokio::spawn(async move {
-            let (mut sock, _) = listener.accept().await.unwrap();
-            let mut buf = Vec::new();
-            let mut appends: HashMap<u64, Vec<u8>> = HashMap::new();
-            let mut finished: Vec<(u64, Vec<u8>)> = Vec::new();
-            let mut tmp = vec![0u8; 1 << 16];
-            while finished.len() < 4 {
-                let n = sock.read(&mut tmp).await.unwrap();
-                assert!(n > 0);
-                buf.extend_from_slice(&tmp[..n]);
-                while let Some((f, used)) = wire::decode_frame(&buf, wire::BODY_LEN_MAX).unwrap() {
-                    let mut out = Vec::new();
-                    match f.op {
-                        Op::ROUTE => {
-                            let name = wire::decode_name(f.meta).unwrap();
-                            let body = serde_json::json!({"journal": name, "shard": 0, "shards": 1, "endpoint": server_addr});
-                            wire::encode_frame(
-                                &mut out,
-                                Op::ADMIN_REPLY,
-                                0,
-                                Status::OK,
-                                f.request_id,
-                                &[],
-                                body.to_string().as_bytes(),
-                            );
-                        }
-                        Op::APPEND => {
-                            AppendRequest::decode(f.meta).unwrap();
-                            appends.insert(f.request_id, f.payload.to_vec());
-                            if f.flags & flag::MORE == 0 {
-                                finished
-                                    .push((f.request_id, appends.remove(&f.request_id).unwrap()));
-                            }
-                        }
-                        Op::APPEND_CHUNK => {
-                            appends
-                                .get_mut(&f.request_id)
-                                .unwrap()
-                                .extend_from_slice(f.payload);
-                            if f.flags & flag::MORE == 0 {
-                                finished
-                                    .push((f.request_id, appends.remove(&f.request_id).unwrap()));
-                            }
-                        }
-                        other => panic!("unexpected {other:?}"),
-                    }
-                    sock.write_all(&out).await.unwrap();
-                    buf.drain(..used);
-                }
-            }
-            // Reply in reverse order; the length tells which append it was.
-            let mut head = 0;
-            for (id, content) in finished.iter().rev() {
-                let reply = AppendReply {
-                    begin: head,
-                    end: head + content.len() as u64,
-                    write_head: head + content.len() as u64,
-                    sha1: [0; 20],
-                    registers: Default::default(),
-                    route_revision: 0,
-                };
-                head = reply.end;
-                let mut out = Vec::new();
-                wire::encode_frame(
-                    &mut out,
-                    Op::APPEND_REPLY,
-                    0,
-                    Status::OK,
-                    *id,
-                    &reply.encode(),
-                    &[],
-                );
-                sock.write_all(&out).await.unwrap();
-            }
-            finished.into_iter().map(|(_, c)| c).collect::<Vec<_>>()
-        });
+        let server = tokio::spawn(pipelining_broker(listener, server_addr));
         let client = Client::connect(&addr).await.unwrap();
         let req = AppendRequest {
             journal: "test/pipeline".into(),
@@ -1820,6 +1745,88 @@ mod tests {
         for c in &received {
             assert!(c.iter().all(|&b| b == c.len() as u8));
         }
+    }
+
+    /// The fake broker of `appends_are_pipelined_and_replies_matched_by_id`:
+    /// takes four whole appends, then replies to them in reverse order.
+    /// Returns their contents.
+    async fn pipelining_broker(
+        listener: tokio::net::TcpListener,
+        server_addr: String,
+    ) -> Vec<Vec<u8>> {
+        use tokio::io::AsyncWriteExt;
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let mut appends: HashMap<u64, Vec<u8>> = HashMap::new();
+        let mut finished: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut tmp = vec![0u8; 1 << 16];
+        while finished.len() < 4 {
+            let n = sock.read(&mut tmp).await.unwrap();
+            assert!(n > 0);
+            buf.extend_from_slice(&tmp[..n]);
+            while let Some((f, used)) = wire::decode_frame(&buf, wire::BODY_LEN_MAX).unwrap() {
+                let mut out = Vec::new();
+                match f.op {
+                    Op::ROUTE => {
+                        let name = wire::decode_name(f.meta).unwrap();
+                        let body = serde_json::json!({"journal": name, "shard": 0, "shards": 1, "endpoint": server_addr});
+                        wire::encode_frame(
+                            &mut out,
+                            Op::ADMIN_REPLY,
+                            0,
+                            Status::OK,
+                            f.request_id,
+                            &[],
+                            body.to_string().as_bytes(),
+                        );
+                    }
+                    Op::APPEND => {
+                        AppendRequest::decode(f.meta).unwrap();
+                        appends.insert(f.request_id, f.payload.to_vec());
+                        if f.flags & flag::MORE == 0 {
+                            finished.push((f.request_id, appends.remove(&f.request_id).unwrap()));
+                        }
+                    }
+                    Op::APPEND_CHUNK => {
+                        appends
+                            .get_mut(&f.request_id)
+                            .unwrap()
+                            .extend_from_slice(f.payload);
+                        if f.flags & flag::MORE == 0 {
+                            finished.push((f.request_id, appends.remove(&f.request_id).unwrap()));
+                        }
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                sock.write_all(&out).await.unwrap();
+                buf.drain(..used);
+            }
+        }
+        // Reply in reverse order; the length tells which append it was.
+        let mut head = 0;
+        for (id, content) in finished.iter().rev() {
+            let reply = AppendReply {
+                begin: head,
+                end: head + content.len() as u64,
+                write_head: head + content.len() as u64,
+                sha1: [0; 20],
+                registers: Default::default(),
+                route_revision: 0,
+            };
+            head = reply.end;
+            let mut out = Vec::new();
+            wire::encode_frame(
+                &mut out,
+                Op::APPEND_REPLY,
+                0,
+                Status::OK,
+                *id,
+                &reply.encode(),
+                &[],
+            );
+            sock.write_all(&out).await.unwrap();
+        }
+        finished.into_iter().map(|(_, c)| c).collect::<Vec<_>>()
     }
 
     /// Reads one whole frame from a fake broker's socket.

@@ -7,6 +7,9 @@
 //! in an encoding of its own (never the wire's: `rotary-proto` supplies
 //! only names and label sets); fragment files are immutable and named by
 //! their content's SHA-1.
+
+// Functions stay short enough to hold in mind (threshold in clippy.toml).
+#![warn(clippy::too_many_lines)]
 #![deny(unsafe_code)]
 
 pub mod aligned;

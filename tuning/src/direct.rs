@@ -10,6 +10,7 @@
 //!   freed under the kernel.
 
 #![allow(unsafe_code)]
+#![allow(clippy::disallowed_methods)] // The tuning tool measures real devices in real time.
 
 use io_uring::{opcode, types, IoUring};
 pub use rotary_storage::aligned::AlignedBuf;

@@ -21,6 +21,7 @@
 //! The profile is `<data>/tune-profile.json` ([`PROFILE_FILE`]); `README.md`
 //! documents its fields. It runs once, on the calling thread, never on a
 //! shard.
+#![allow(clippy::disallowed_methods)] // The tuning tool measures real devices in real time.
 
 use crate::direct::{AlignedBuf, Writer, ALIGN};
 use crate::doctor::{bytes_text, dev_major_minor, fs_name};

@@ -59,104 +59,15 @@ impl StoreUrl {
     }
 
     pub fn parse(url: &str) -> Result<StoreUrl, StoreError> {
-        let bad = |why: &str| StoreError::BadUrl {
-            url: url.to_string(),
-            why: why.to_string(),
-        };
         let kind = if let Some(path) = url.strip_prefix("file://") {
-            if !path.starts_with('/') {
-                return Err(bad(
-                    "a file store must be an absolute path: file:///abs/dir/",
-                ));
-            }
-            if !path.ends_with('/') {
-                return Err(bad("a store URL must end with '/'"));
-            }
-            if path.contains(['?', '#', '%']) {
-                return Err(bad(
-                    "a file store is written literally: no query, fragment or percent-encoding",
-                ));
-            }
-            if path != "/" {
-                check_clean(&path[1..path.len() - 1]).map_err(bad)?;
-            }
-            Kind::File {
-                dir: PathBuf::from(path),
-            }
+            file_kind(url, path)?
         } else if let Some(rest) = url.strip_prefix("s3://") {
-            let (location, query) = match rest.split_once('?') {
-                Some((location, query)) => (location, Some(query)),
-                None => (rest, None),
-            };
-            if location.contains('#') {
-                return Err(bad("a store URL has no fragment"));
-            }
-            let Some((bucket, prefix)) = location.split_once('/') else {
-                return Err(bad("a store URL must end with '/': s3://bucket/prefix/"));
-            };
-            let bucket_ok = (BUCKET_LEN_MIN..=BUCKET_LEN_MAX).contains(&bucket.len())
-                && bucket.bytes().all(|b| {
-                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-'
-                });
-            if !bucket_ok {
-                return Err(bad(
-                    "bucket names are 3 to 63 lowercase letters, digits, '.' and '-'",
-                ));
-            }
-            if !prefix.is_empty() {
-                if !prefix.ends_with('/') {
-                    return Err(bad("a store URL must end with '/': s3://bucket/prefix/"));
-                }
-                check_clean(&prefix[..prefix.len() - 1]).map_err(bad)?;
-                if prefix.bytes().any(|b| b.is_ascii_control()) {
-                    return Err(bad("a prefix holds no control characters"));
-                }
-            }
-            let (mut endpoint, mut region, mut path_style) = (None, None, None);
-            for (key, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
-                let slot_taken = match key.as_ref() {
-                    "endpoint" => {
-                        let ok = url::Url::parse(&value)
-                            .map(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
-                            .unwrap_or(false);
-                        if !ok {
-                            return Err(bad("endpoint must be an http:// or https:// URL"));
-                        }
-                        endpoint.replace(value.into_owned()).is_some()
-                    }
-                    "region" => {
-                        if value.is_empty() {
-                            return Err(bad("region must not be empty"));
-                        }
-                        region.replace(value.into_owned()).is_some()
-                    }
-                    "path_style" => {
-                        let v = match value.as_ref() {
-                            "true" => true,
-                            "false" => false,
-                            _ => return Err(bad("path_style must be true or false")),
-                        };
-                        path_style.replace(v).is_some()
-                    }
-                    _ => {
-                        return Err(bad(
-                            "unknown setting; an s3 store takes endpoint, region and path_style",
-                        ))
-                    }
-                };
-                if slot_taken {
-                    return Err(bad("a setting is given twice"));
-                }
-            }
-            Kind::S3 {
-                bucket: bucket.to_string(),
-                prefix: prefix.to_string(),
-                endpoint,
-                region,
-                path_style,
-            }
+            s3_kind(url, rest)?
         } else {
-            return Err(bad("stores are file:///abs/dir/ or s3://bucket/prefix/"));
+            return Err(bad_url(
+                url,
+                "stores are file:///abs/dir/ or s3://bucket/prefix/",
+            ));
         };
         Ok(StoreUrl {
             raw: url.to_string(),
@@ -194,6 +105,125 @@ impl StoreUrl {
             Kind::S3 { bucket, .. } => Some(bucket),
         }
     }
+}
+
+/// A store URL that is not one, and why.
+fn bad_url(url: &str, why: &str) -> StoreError {
+    StoreError::BadUrl {
+        url: url.to_string(),
+        why: why.to_string(),
+    }
+}
+
+/// `file://` + `path`: an absolute directory, written literally.
+fn file_kind(url: &str, path: &str) -> Result<Kind, StoreError> {
+    let bad = |why: &str| bad_url(url, why);
+    if !path.starts_with('/') {
+        return Err(bad(
+            "a file store must be an absolute path: file:///abs/dir/",
+        ));
+    }
+    if !path.ends_with('/') {
+        return Err(bad("a store URL must end with '/'"));
+    }
+    if path.contains(['?', '#', '%']) {
+        return Err(bad(
+            "a file store is written literally: no query, fragment or percent-encoding",
+        ));
+    }
+    if path != "/" {
+        check_clean(&path[1..path.len() - 1]).map_err(bad)?;
+    }
+    Ok(Kind::File {
+        dir: PathBuf::from(path),
+    })
+}
+
+/// `s3://` + `rest`: a bucket, a prefix ending with `/` (or none) and
+/// settings in the query.
+fn s3_kind(url: &str, rest: &str) -> Result<Kind, StoreError> {
+    let bad = |why: &str| bad_url(url, why);
+    let (location, query) = match rest.split_once('?') {
+        Some((location, query)) => (location, Some(query)),
+        None => (rest, None),
+    };
+    if location.contains('#') {
+        return Err(bad("a store URL has no fragment"));
+    }
+    let Some((bucket, prefix)) = location.split_once('/') else {
+        return Err(bad("a store URL must end with '/': s3://bucket/prefix/"));
+    };
+    let bucket_ok = (BUCKET_LEN_MIN..=BUCKET_LEN_MAX).contains(&bucket.len())
+        && bucket
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-');
+    if !bucket_ok {
+        return Err(bad(
+            "bucket names are 3 to 63 lowercase letters, digits, '.' and '-'",
+        ));
+    }
+    if !prefix.is_empty() {
+        if !prefix.ends_with('/') {
+            return Err(bad("a store URL must end with '/': s3://bucket/prefix/"));
+        }
+        check_clean(&prefix[..prefix.len() - 1]).map_err(bad)?;
+        if prefix.bytes().any(|b| b.is_ascii_control()) {
+            return Err(bad("a prefix holds no control characters"));
+        }
+    }
+    let (endpoint, region, path_style) = s3_settings(url, query)?;
+    Ok(Kind::S3 {
+        bucket: bucket.to_string(),
+        prefix: prefix.to_string(),
+        endpoint,
+        region,
+        path_style,
+    })
+}
+
+/// An S3 store's `endpoint`, `region` and `path_style`.
+type S3Settings = (Option<String>, Option<String>, Option<bool>);
+
+/// An S3 store's settings, each given at most once.
+fn s3_settings(url: &str, query: Option<&str>) -> Result<S3Settings, StoreError> {
+    let bad = |why: &str| bad_url(url, why);
+    let (mut endpoint, mut region, mut path_style) = (None, None, None);
+    for (key, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        let slot_taken = match key.as_ref() {
+            "endpoint" => {
+                let ok = url::Url::parse(&value)
+                    .map(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+                    .unwrap_or(false);
+                if !ok {
+                    return Err(bad("endpoint must be an http:// or https:// URL"));
+                }
+                endpoint.replace(value.into_owned()).is_some()
+            }
+            "region" => {
+                if value.is_empty() {
+                    return Err(bad("region must not be empty"));
+                }
+                region.replace(value.into_owned()).is_some()
+            }
+            "path_style" => {
+                let v = match value.as_ref() {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(bad("path_style must be true or false")),
+                };
+                path_style.replace(v).is_some()
+            }
+            _ => {
+                return Err(bad(
+                    "unknown setting; an s3 store takes endpoint, region and path_style",
+                ))
+            }
+        };
+        if slot_taken {
+            return Err(bad("a setting is given twice"));
+        }
+    }
+    Ok((endpoint, region, path_style))
 }
 
 impl std::fmt::Display for StoreUrl {

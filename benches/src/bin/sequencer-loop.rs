@@ -9,6 +9,9 @@
 //! once, as a reader takes them, unless `one-by-one` is given. The same loop as the bench's
 //! "sequencer alone", without a broker, so that it runs in seconds under
 //! `perf`.
+
+// Functions stay short enough to hold in mind (threshold in clippy.toml).
+#![warn(clippy::too_many_lines)]
 #![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use bytes::Bytes;

@@ -7,6 +7,9 @@
 //! shard that takes it, and times each from call to return: the time that
 //! shard would serve nothing. Prints the percentiles and the slowest
 //! changes, and the change logs and snapshot on disk at the end.
+
+// Functions stay short enough to hold in mind (threshold in clippy.toml).
+#![warn(clippy::too_many_lines)]
 #![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use clap::Parser;

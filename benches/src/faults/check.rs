@@ -15,6 +15,7 @@
 //! * The members agree wherever two hold the same offsets, and so do any
 //!   two stored fragments.
 //! * Every stored fragment's bytes have the SHA-1 and length its name says.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use super::cluster::Cluster;
 use super::load::{hex, parse_records, sha1, Ack};

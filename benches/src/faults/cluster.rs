@@ -9,6 +9,7 @@
 //! process's namespace, which carries the clients' traffic and listens on
 //! nothing: taking a broker's veth down cuts it off from etcd, its peers
 //! and its clients at once, and nothing else.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::child::ChildGuard;
 use anyhow::Context as _;

@@ -5,6 +5,7 @@
 //! (writer, sequence), so any span of a journal can be walked record by
 //! record and each record checked against what it must be, with no other
 //! knowledge: a torn or foreign byte is found where it is.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use rotary_net::client::Client;
 use rotary_net::wire::AppendRequest;

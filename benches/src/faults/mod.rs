@@ -19,6 +19,7 @@
 //! The outcome ([`Outcome`]) counts acknowledged and failed appends, the
 //! longest gap between two acknowledgements of a journal, and the
 //! violations the checks found. Nothing here judges timings.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 pub mod check;
 pub mod cluster;

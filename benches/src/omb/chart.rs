@@ -121,7 +121,6 @@ fn escape(s: &str) -> String {
 }
 
 impl Chart {
-    /// The chart as a standalone SVG document.
     /// The picture's width: [`WIDTH`], or more when the longest legend
     /// label would run past it.
     fn width(&self) -> f64 {
@@ -134,16 +133,39 @@ impl Chart {
         WIDTH.max((LEGEND_TEXT_LEFT + chars as f64 * LEGEND_CHAR_WIDTH + 10.0).ceil())
     }
 
+    /// The chart as a standalone SVG document.
     pub fn render(&self) -> String {
-        let x_of = |x: f64| match self.x_axis {
-            XAxis::Linear => x,
-            XAxis::Nines => nines(x),
-        };
+        let frame = self.frame();
+        let width = self.width();
+        let mut s = String::new();
+        let _ = write!(
+            s,
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{HEIGHT}\" \
+             viewBox=\"0 0 {width} {HEIGHT}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+             <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+             <text x=\"{}\" y=\"28\" text-anchor=\"middle\" font-size=\"16\">{}</text>\n",
+            (PLOT_LEFT + PLOT_RIGHT) / 2.0,
+            escape(&self.title)
+        );
+        frame.grid(&mut s);
+        self.axes(&mut s);
+        // Series and legend.
+        for (i, series) in self.series.iter().enumerate() {
+            frame.series(&mut s, i, series);
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+
+    /// The axes' ranges and ticks: from 0 to the first tick above the data
+    /// on y, over all the data (and at least the axis's own span) on x.
+    fn frame(&self) -> Frame {
+        let x_axis = self.x_axis;
         let all = || {
             self.series
                 .iter()
                 .flat_map(|s| s.points.iter())
-                .filter(|(x, y)| x_of(*x).is_finite() && y.is_finite())
+                .filter(|(x, y)| x_of(x_axis, *x).is_finite() && y.is_finite())
         };
         let (mut x_lo, mut x_hi) = match self.x_axis {
             XAxis::Linear => (0.0, 1.0),
@@ -151,8 +173,8 @@ impl Chart {
         };
         let mut y_hi: f64 = 0.0;
         for (x, y) in all() {
-            x_hi = x_hi.max(x_of(*x));
-            x_lo = x_lo.min(x_of(*x));
+            x_hi = x_hi.max(x_of(x_axis, *x));
+            x_lo = x_lo.min(x_of(x_axis, *x));
             y_hi = y_hi.max(*y);
         }
         if y_hi <= 0.0 {
@@ -166,67 +188,20 @@ impl Chart {
             }
         }
         let y_top = y_ticks.last().copied().unwrap_or(y_hi).max(y_hi);
-        let (x_ticks, x_labels): (Vec<f64>, Vec<String>) = match self.x_axis {
-            XAxis::Linear => {
-                let t = ticks(x_lo, x_hi, 8);
-                let l = t.iter().map(|v| number(*v)).collect();
-                (t, l)
-            }
-            XAxis::Nines => {
-                let mut t = vec![nines(50.0)];
-                let mut l = vec!["50".to_string()];
-                let mut k = 1.0;
-                while k <= x_hi.ceil() + 1e-9 && k <= 9.0 {
-                    t.push(k);
-                    l.push(percentile_label(100.0 - 100.0 * 10f64.powf(-k)));
-                    k += 1.0;
-                }
-                x_hi = x_hi.max(*t.last().expect("at least one tick"));
-                (t, l)
-            }
-        };
-        let px = |x: f64| {
-            PLOT_LEFT + (x - x_lo) / (x_hi - x_lo).max(f64::MIN_POSITIVE) * (PLOT_RIGHT - PLOT_LEFT)
-        };
-        let py = |y: f64| PLOT_BOTTOM - y / y_top * (PLOT_BOTTOM - PLOT_TOP);
+        let (x_ticks, x_labels) = x_ticks(x_axis, x_lo, &mut x_hi);
+        Frame {
+            x_axis,
+            x_lo,
+            x_hi,
+            y_top,
+            y_ticks,
+            x_ticks,
+            x_labels,
+        }
+    }
 
-        let width = self.width();
-        let mut s = String::new();
-        let _ = write!(
-            s,
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{HEIGHT}\" \
-             viewBox=\"0 0 {width} {HEIGHT}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-             <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-             <text x=\"{}\" y=\"28\" text-anchor=\"middle\" font-size=\"16\">{}</text>\n",
-            (PLOT_LEFT + PLOT_RIGHT) / 2.0,
-            escape(&self.title)
-        );
-        // Grid and ticks.
-        for y in &y_ticks {
-            let at = py(*y);
-            let _ = writeln!(
-                s,
-                "<line x1=\"{PLOT_LEFT}\" y1=\"{at:.1}\" x2=\"{PLOT_RIGHT}\" y2=\"{at:.1}\" \
-                 stroke=\"#e0e0e0\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
-                PLOT_LEFT - 6.0,
-                at + 4.0,
-                number(*y)
-            );
-        }
-        for (x, label) in x_ticks.iter().zip(&x_labels) {
-            let at = px(*x);
-            let _ = writeln!(
-                s,
-                "<line x1=\"{at:.1}\" y1=\"{PLOT_TOP}\" x2=\"{at:.1}\" y2=\"{PLOT_BOTTOM}\" \
-                 stroke=\"#e0e0e0\"/><line x1=\"{at:.1}\" y1=\"{PLOT_BOTTOM}\" x2=\"{at:.1}\" \
-                 y2=\"{:.1}\" stroke=\"black\"/><text x=\"{at:.1}\" y=\"{:.1}\" \
-                 text-anchor=\"middle\">{}</text>",
-                PLOT_BOTTOM + 5.0,
-                PLOT_BOTTOM + 19.0,
-                escape(label)
-            );
-        }
-        // Axes and their labels.
+    /// The axes and their labels.
+    fn axes(&self, s: &mut String) {
         let _ = write!(
             s,
             "<line x1=\"{PLOT_LEFT}\" y1=\"{PLOT_BOTTOM}\" x2=\"{PLOT_RIGHT}\" y2=\"{PLOT_BOTTOM}\" \
@@ -242,52 +217,134 @@ impl Chart {
             (PLOT_TOP + PLOT_BOTTOM) / 2.0,
             escape(&self.y_label)
         );
-        // Series and legend.
-        for (i, series) in self.series.iter().enumerate() {
-            let colour = COLOURS[series.colour % COLOURS.len()];
-            let dash = if series.dashed {
-                " stroke-dasharray=\"7 4\""
-            } else {
-                ""
-            };
-            let points: Vec<(f64, f64)> = series
-                .points
-                .iter()
-                .filter(|(x, y)| x_of(*x).is_finite() && y.is_finite())
-                .map(|(x, y)| (px(x_of(*x)), py(*y)))
-                .collect();
-            let mut coords = String::new();
-            for (x, y) in &points {
-                let _ = write!(coords, "{x:.1},{y:.1} ");
+    }
+}
+
+/// A value's place on the x axis.
+fn x_of(axis: XAxis, x: f64) -> f64 {
+    match axis {
+        XAxis::Linear => x,
+        XAxis::Nines => nines(x),
+    }
+}
+
+/// The x axis's ticks and their labels; on the nines axis, `x_hi` grows to
+/// the last tick.
+fn x_ticks(axis: XAxis, x_lo: f64, x_hi: &mut f64) -> (Vec<f64>, Vec<String>) {
+    match axis {
+        XAxis::Linear => {
+            let t = ticks(x_lo, *x_hi, 8);
+            let l = t.iter().map(|v| number(*v)).collect();
+            (t, l)
+        }
+        XAxis::Nines => {
+            let mut t = vec![nines(50.0)];
+            let mut l = vec!["50".to_string()];
+            let mut k = 1.0;
+            while k <= x_hi.ceil() + 1e-9 && k <= 9.0 {
+                t.push(k);
+                l.push(percentile_label(100.0 - 100.0 * 10f64.powf(-k)));
+                k += 1.0;
             }
+            *x_hi = x_hi.max(*t.last().expect("at least one tick"));
+            (t, l)
+        }
+    }
+}
+
+/// Where a chart's data lie on the page: the axes' ranges and ticks.
+struct Frame {
+    x_axis: XAxis,
+    x_lo: f64,
+    x_hi: f64,
+    y_top: f64,
+    y_ticks: Vec<f64>,
+    x_ticks: Vec<f64>,
+    x_labels: Vec<String>,
+}
+
+impl Frame {
+    fn px(&self, x: f64) -> f64 {
+        let (x_lo, x_hi) = (self.x_lo, self.x_hi);
+        PLOT_LEFT + (x - x_lo) / (x_hi - x_lo).max(f64::MIN_POSITIVE) * (PLOT_RIGHT - PLOT_LEFT)
+    }
+
+    fn py(&self, y: f64) -> f64 {
+        PLOT_BOTTOM - y / self.y_top * (PLOT_BOTTOM - PLOT_TOP)
+    }
+
+    /// Grid lines and ticks, with their labels.
+    fn grid(&self, s: &mut String) {
+        for y in &self.y_ticks {
+            let at = self.py(*y);
             let _ = writeln!(
                 s,
-                "<polyline class=\"series\" data-label=\"{}\" fill=\"none\" stroke=\"{colour}\" \
-                 stroke-width=\"2\"{dash} points=\"{}\"/>",
-                escape(&series.label),
-                coords.trim_end()
-            );
-            if points.len() <= DOTS_POINTS_MAX {
-                for (x, y) in &points {
-                    let _ = writeln!(
-                        s,
-                        "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"2.5\" fill=\"{colour}\"/>"
-                    );
-                }
-            }
-            let ly = PLOT_TOP + 10.0 + 20.0 * i as f64;
-            let _ = writeln!(
-                s,
-                "<line x1=\"{LEGEND_LEFT}\" y1=\"{ly:.1}\" x2=\"{:.1}\" y2=\"{ly:.1}\" \
-                 stroke=\"{colour}\" stroke-width=\"2\"{dash}/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
-                LEGEND_LEFT + 28.0,
-                LEGEND_TEXT_LEFT,
-                ly + 4.0,
-                escape(&series.label)
+                "<line x1=\"{PLOT_LEFT}\" y1=\"{at:.1}\" x2=\"{PLOT_RIGHT}\" y2=\"{at:.1}\" \
+                 stroke=\"#e0e0e0\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+                PLOT_LEFT - 6.0,
+                at + 4.0,
+                number(*y)
             );
         }
-        s.push_str("</svg>\n");
-        s
+        for (x, label) in self.x_ticks.iter().zip(&self.x_labels) {
+            let at = self.px(*x);
+            let _ = writeln!(
+                s,
+                "<line x1=\"{at:.1}\" y1=\"{PLOT_TOP}\" x2=\"{at:.1}\" y2=\"{PLOT_BOTTOM}\" \
+                 stroke=\"#e0e0e0\"/><line x1=\"{at:.1}\" y1=\"{PLOT_BOTTOM}\" x2=\"{at:.1}\" \
+                 y2=\"{:.1}\" stroke=\"black\"/><text x=\"{at:.1}\" y=\"{:.1}\" \
+                 text-anchor=\"middle\">{}</text>",
+                PLOT_BOTTOM + 5.0,
+                PLOT_BOTTOM + 19.0,
+                escape(label)
+            );
+        }
+    }
+
+    /// The `i`-th series: its line, its dots when there are few, and its
+    /// legend entry.
+    fn series(&self, s: &mut String, i: usize, series: &Series) {
+        let colour = COLOURS[series.colour % COLOURS.len()];
+        let dash = if series.dashed {
+            " stroke-dasharray=\"7 4\""
+        } else {
+            ""
+        };
+        let points: Vec<(f64, f64)> = series
+            .points
+            .iter()
+            .filter(|(x, y)| x_of(self.x_axis, *x).is_finite() && y.is_finite())
+            .map(|(x, y)| (self.px(x_of(self.x_axis, *x)), self.py(*y)))
+            .collect();
+        let mut coords = String::new();
+        for (x, y) in &points {
+            let _ = write!(coords, "{x:.1},{y:.1} ");
+        }
+        let _ = writeln!(
+            s,
+            "<polyline class=\"series\" data-label=\"{}\" fill=\"none\" stroke=\"{colour}\" \
+             stroke-width=\"2\"{dash} points=\"{}\"/>",
+            escape(&series.label),
+            coords.trim_end()
+        );
+        if points.len() <= DOTS_POINTS_MAX {
+            for (x, y) in &points {
+                let _ = writeln!(
+                    s,
+                    "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"2.5\" fill=\"{colour}\"/>"
+                );
+            }
+        }
+        let ly = PLOT_TOP + 10.0 + 20.0 * i as f64;
+        let _ = writeln!(
+            s,
+            "<line x1=\"{LEGEND_LEFT}\" y1=\"{ly:.1}\" x2=\"{:.1}\" y2=\"{ly:.1}\" \
+             stroke=\"{colour}\" stroke-width=\"2\"{dash}/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            LEGEND_LEFT + 28.0,
+            LEGEND_TEXT_LEFT,
+            ly + 4.0,
+            escape(&series.label)
+        );
     }
 }
 

@@ -4,6 +4,7 @@
 //! them, but read from a monotonic clock anchored to the wall clock once per
 //! process: a wall-clock step during a run cannot make an end-to-end latency
 //! negative or huge.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

@@ -17,6 +17,7 @@
 //! is charged for every message it held up (no coordinated omission).
 //!
 //! `producerRate: 0` finds the maximum sustainable rate: see [`Controller`].
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use super::clock::{self, Rng};
 use super::driver::{Consumer, Driver, MessageSink, Producer};
@@ -27,7 +28,7 @@ use anyhow::Context as _;
 use bytes::{Bytes, BytesMut};
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
@@ -78,10 +79,6 @@ impl Default for Options {
             stall_timeout: STALL_TIMEOUT,
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Per-partition counters: acknowledged sends per (topic, partition) and
@@ -631,6 +628,48 @@ pub async fn run(
     );
     let id = run_id();
     let topic_names: Vec<String> = (0..w.topics).map(|t| format!("{id}-t{t:03}")).collect();
+    announce(driver, w);
+    for t in &topic_names {
+        driver
+            .create_topic(t, w.partitions_per_topic)
+            .await
+            .with_context(|| format!("creating topic {t}"))?;
+    }
+    let producers = create_producers(driver, w, &topic_names).await?;
+    let mut run = Run::new(driver, w, options, topic_names);
+    if !run.backlog_test {
+        run.consumers = run.start_consumers().await?;
+    }
+    let sending = Sending::start(&run, producers)?;
+    let shared = sending.shared.clone();
+    // The phases; on an error, sending stops and consumers close all the same.
+    let phases = run.phases(&sending).await;
+    let sent = sending.stop().await?;
+    let mut problems = Vec::new();
+    if let Err(e) = &phases {
+        problems.push(format!("{e:#}"));
+    }
+    let consumer_errors = run.settle(&shared, &mut problems).await;
+    let (c, mismatches) = run.check(&consumer_errors, &mut problems);
+    let extra = run.extra(&c, mismatches, consumer_errors, sent.final_rate);
+    Ok(TestResult {
+        workload: w.name.clone(),
+        driver: driver.name(),
+        message_size: w.message_size,
+        topics: w.topics,
+        partitions: w.partitions_per_topic,
+        producers_per_topic: w.producers_per_topic,
+        consumers_per_topic: w.consumers_per_topic(),
+        period_ms: options.period.as_millis() as u64,
+        periods: sent.periods,
+        aggregate: sent.aggregate,
+        extra,
+        problems,
+    })
+}
+
+/// The run's first line on stderr: the workload's shape and the driver.
+fn announce(driver: &dyn Driver, w: &Workload) {
     eprintln!(
         "workload {:?}: {} topic(s) × {} partition(s), {} B messages, {} producer(s)/topic, \
          {} subscription(s) × {} consumer(s)/topic, rate {}, driver {} ({})",
@@ -649,12 +688,13 @@ pub async fn run(
         driver.name(),
         driver.durability(),
     );
-    for t in &topic_names {
-        driver
-            .create_topic(t, w.partitions_per_topic)
-            .await
-            .with_context(|| format!("creating topic {t}"))?;
-    }
+}
+
+async fn create_producers(
+    driver: &dyn Driver,
+    w: &Workload,
+    topic_names: &[String],
+) -> anyhow::Result<Vec<ProducerSlot>> {
     let mut producers = Vec::with_capacity(w.producers_total());
     for (topic, name) in topic_names.iter().enumerate() {
         for k in 0..w.producers_per_topic {
@@ -670,153 +710,196 @@ pub async fn run(
             });
         }
     }
-    let stats = Arc::new(Stats::new());
-    let delivery = Arc::new(Delivery::new(w));
-    let subs = w.subscriptions_per_topic as u64;
-    let plans = consumer_plans(w);
-    let backlog_test = w.consumer_backlog_bytes > 0;
-    let mut consumers = Vec::new();
-    if !backlog_test {
-        consumers = start_consumers(
-            driver,
-            &plans,
-            &topic_names,
-            w.partitions_per_topic,
-            &stats,
-            &delivery,
-        )
-        .await?;
+    Ok(producers)
+}
+
+/// What the phases of one run share.
+struct Run<'a> {
+    driver: &'a dyn Driver,
+    w: &'a Workload,
+    options: &'a Options,
+    topic_names: Vec<String>,
+    stats: Arc<Stats>,
+    delivery: Arc<Delivery>,
+    /// Subscriptions per topic: how many times every message is consumed.
+    subs: u64,
+    plans: Vec<ConsumerPlan>,
+    /// The backlog test holds consumers back until its backlog is built.
+    backlog_test: bool,
+    consumers: Vec<Box<dyn Consumer>>,
+    drain: Drain,
+}
+
+/// The sending side of a run and the tasks that watch it.
+struct Sending {
+    shared: Arc<PacerShared>,
+    commands: mpsc::Sender<Command>,
+    reporter: tokio::task::JoinHandle<()>,
+    pacer: std::thread::JoinHandle<()>,
+    /// Set while the backlog test builds its backlog on purpose.
+    building: Arc<AtomicBool>,
+    controller: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// What the reporter measured, and the rate the run ended at.
+struct Sent {
+    periods: Vec<Period>,
+    aggregate: Histos,
+    final_rate: f64,
+}
+
+impl Sending {
+    /// Starts the reporter, the pacer and (for `producerRate: 0`) the
+    /// maximum-rate controller.
+    fn start(run: &Run<'_>, producers: Vec<ProducerSlot>) -> anyhow::Result<Sending> {
+        let w = run.w;
+        let slots_total = (IN_FLIGHT_BYTES_MAX / w.message_size).clamp(1, IN_FLIGHT_MAX);
+        let start_rate = if w.producer_rate == 0 {
+            MAX_RATE_START
+        } else {
+            w.producer_rate as f64
+        };
+        let shared = Arc::new(PacerShared {
+            stop: AtomicBool::new(false),
+            saturated: AtomicBool::new(false),
+            slots: Arc::new(Semaphore::new(slots_total)),
+            slots_total,
+            rate: Rate::new(start_rate),
+        });
+        let (commands, command_rx) = mpsc::channel(4);
+        let reporter = tokio::spawn(report(
+            run.stats.clone(),
+            run.options.period,
+            run.subs,
+            w.message_size,
+            run.options.progress,
+            shared.clone(),
+            command_rx,
+        ));
+        let pacer = start_pacer(run, &shared, producers)?;
+        let building = Arc::new(AtomicBool::new(run.backlog_test));
+        let controller = (w.producer_rate == 0)
+            .then(|| start_controller(&shared, &run.stats, run.subs, &building));
+        Ok(Sending {
+            shared,
+            commands,
+            reporter,
+            pacer,
+            building,
+            controller,
+        })
     }
 
-    let slots_total = (IN_FLIGHT_BYTES_MAX / w.message_size).clamp(1, IN_FLIGHT_MAX);
-    let start_rate = if w.producer_rate == 0 {
-        MAX_RATE_START
-    } else {
-        w.producer_rate as f64
-    };
-    let shared = Arc::new(PacerShared {
-        stop: AtomicBool::new(false),
-        saturated: AtomicBool::new(false),
-        slots: Arc::new(Semaphore::new(slots_total)),
-        slots_total,
-        rate: Rate::new(start_rate),
-    });
-    let (commands, command_rx) = mpsc::channel(4);
-    let reporter = tokio::spawn(report(
-        stats.clone(),
-        options.period,
-        subs,
-        w.message_size,
-        options.progress,
-        shared.clone(),
-        command_rx,
-    ));
-    let pacer = {
-        let shared = shared.clone();
-        let payloads = payload_pool(w)?;
-        let stats = stats.clone();
-        let delivery = delivery.clone();
-        let handle = tokio::runtime::Handle::current();
-        let (partitions, keys) = (w.partitions_per_topic, w.key_distributor);
-        std::thread::Builder::new()
-            .name("rotary-omb-pacer".into())
-            .spawn(move || {
-                pace(
-                    shared, producers, payloads, partitions, keys, stats, delivery, handle,
-                )
-            })
-            .context("starting the pacer thread")?
-    };
-    let drain = Arc::new(Mutex::new(Drain {
-        target_bytes: w.consumer_backlog_bytes,
-        ..Drain::default()
-    }));
-    let building = Arc::new(AtomicBool::new(backlog_test));
-    let controller = (w.producer_rate == 0).then(|| {
-        let shared = shared.clone();
-        let stats = stats.clone();
-        let building = building.clone();
-        tokio::spawn(async move {
-            let mut c = Controller::new(&stats, subs);
-            loop {
-                tokio::time::sleep(RATE_ADJUST_INTERVAL).await;
-                c.adjust(&shared, &stats, subs, building.load(Ordering::Relaxed));
-            }
+    /// Ends the measured series, stops sending and waits for the pacer and
+    /// the reporter to end.
+    async fn stop(self) -> anyhow::Result<Sent> {
+        let (reply, series) = oneshot::channel();
+        let _ = self.commands.send(Command::Finish(reply)).await;
+        let (periods, aggregate) = series.await.unwrap_or_default();
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(c) = self.controller {
+            c.abort();
+        }
+        let final_rate = self.shared.rate.get();
+        let pacer = self.pacer;
+        tokio::task::spawn_blocking(move || pacer.join())
+            .await
+            .context("joining the pacer")?
+            .map_err(|_| anyhow::anyhow!("the pacer thread panicked"))?;
+        let _ = self.reporter.await;
+        Ok(Sent {
+            periods,
+            aggregate,
+            final_rate,
         })
-    });
+    }
+}
 
-    // The phases; on an error, sending stops and consumers close all the same.
-    let phases = async {
-        tokio::time::sleep(w.warmup_duration).await;
-        let _ = commands.send(Command::Measure).await;
-        let measure_end = Instant::now() + w.test_duration;
-        if backlog_test {
-            let target = w.consumer_backlog_bytes;
-            eprintln!(
-                "backlog: holding consumers back until {:.1} MiB are retained",
-                target as f64 / (1 << 20) as f64
-            );
-            let build_start = Instant::now();
-            let backlog_bytes =
-                || backlog(&stats.counters(), subs).max(0) as u64 * w.message_size as u64;
-            wait_for(
-                "building the backlog",
-                options.stall_timeout,
-                || backlog_bytes() >= target,
-                || stats.counters().sent + stats.counters().errors,
+fn start_pacer(
+    run: &Run<'_>,
+    shared: &Arc<PacerShared>,
+    producers: Vec<ProducerSlot>,
+) -> anyhow::Result<std::thread::JoinHandle<()>> {
+    let shared = shared.clone();
+    let payloads = payload_pool(run.w)?;
+    let stats = run.stats.clone();
+    let delivery = run.delivery.clone();
+    let handle = tokio::runtime::Handle::current();
+    let (partitions, keys) = (run.w.partitions_per_topic, run.w.key_distributor);
+    std::thread::Builder::new()
+        .name("rotary-omb-pacer".into())
+        .spawn(move || {
+            pace(
+                shared, producers, payloads, partitions, keys, stats, delivery, handle,
             )
-            .await?;
-            let built = backlog_bytes();
-            let backlog_at_start = backlog(&stats.counters(), subs).max(0) as u64;
-            {
-                let mut d = lock(&drain);
-                d.built_bytes = built;
-                d.build_secs = build_start.elapsed().as_secs_f64();
-            }
-            building.store(false, Ordering::Relaxed);
-            eprintln!(
-                "backlog: {:.1} MiB retained after {:.1} s; starting consumers at the beginning",
-                built as f64 / (1 << 20) as f64,
-                build_start.elapsed().as_secs_f64()
-            );
-            let drain_start = Instant::now();
-            let received_before = stats.counters().received;
-            consumers = start_consumers(
-                driver,
-                &plans,
-                &topic_names,
-                w.partitions_per_topic,
-                &stats,
-                &delivery,
-            )
-            .await?;
-            // Drained: what is left is what the drain ratio leaves, or less
-            // than 1% of the backlog (messages published meanwhile keep
-            // arriving, so zero may never be seen while sending).
-            let capacity = w.backlog_messages() * subs;
-            let floor =
-                (((1.0 - w.backlog_drain_ratio) * capacity as f64) as u64).max(capacity / 100);
-            wait_for(
-                "draining the backlog",
-                options.stall_timeout,
-                || backlog(&stats.counters(), subs) <= floor as i64,
-                || stats.counters().received,
-            )
-            .await?;
-            let mut d = lock(&drain);
-            d.drain_secs = drain_start.elapsed().as_secs_f64();
-            d.drained_messages = stats.counters().received - received_before;
-            d.completed = true;
-            let drained_bytes = d.drained_messages * w.message_size as u64;
-            eprintln!(
-                "backlog: drained {} messages ({:.1} MiB) in {:.1} s: {:.0} msg/s, {:.1} MiB/s \
-                 (backlog was {backlog_at_start} messages)",
-                d.drained_messages,
-                drained_bytes as f64 / (1 << 20) as f64,
-                d.drain_secs,
-                d.drained_messages as f64 / d.drain_secs.max(1e-9),
-                drained_bytes as f64 / (1 << 20) as f64 / d.drain_secs.max(1e-9),
-            );
+        })
+        .context("starting the pacer thread")
+}
+
+fn start_controller(
+    shared: &Arc<PacerShared>,
+    stats: &Arc<Stats>,
+    subs: u64,
+    building: &Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    let shared = shared.clone();
+    let stats = stats.clone();
+    let building = building.clone();
+    tokio::spawn(async move {
+        let mut c = Controller::new(&stats, subs);
+        loop {
+            tokio::time::sleep(RATE_ADJUST_INTERVAL).await;
+            c.adjust(&shared, &stats, subs, building.load(Ordering::Relaxed));
+        }
+    })
+}
+
+impl<'a> Run<'a> {
+    fn new(
+        driver: &'a dyn Driver,
+        w: &'a Workload,
+        options: &'a Options,
+        topic_names: Vec<String>,
+    ) -> Run<'a> {
+        Run {
+            driver,
+            w,
+            options,
+            topic_names,
+            stats: Arc::new(Stats::new()),
+            delivery: Arc::new(Delivery::new(w)),
+            subs: w.subscriptions_per_topic as u64,
+            plans: consumer_plans(w),
+            backlog_test: w.consumer_backlog_bytes > 0,
+            consumers: Vec::new(),
+            drain: Drain {
+                target_bytes: w.consumer_backlog_bytes,
+                ..Drain::default()
+            },
+        }
+    }
+
+    async fn start_consumers(&self) -> anyhow::Result<Vec<Box<dyn Consumer>>> {
+        start_consumers(
+            self.driver,
+            &self.plans,
+            &self.topic_names,
+            self.w.partitions_per_topic,
+            &self.stats,
+            &self.delivery,
+        )
+        .await
+    }
+
+    /// Warm-up, then the measured phase (with the backlog test's build and
+    /// drain in it).
+    async fn phases(&mut self, sending: &Sending) -> anyhow::Result<()> {
+        tokio::time::sleep(self.w.warmup_duration).await;
+        let _ = sending.commands.send(Command::Measure).await;
+        let measure_end = Instant::now() + self.w.test_duration;
+        if self.backlog_test {
+            let backlog_at_start = self.build_backlog(&sending.building).await?;
+            self.drain_backlog(backlog_at_start).await?;
         }
         let now = Instant::now();
         if measure_end > now {
@@ -824,157 +907,222 @@ pub async fn run(
         }
         anyhow::Ok(())
     }
-    .await;
 
-    let (reply, series) = oneshot::channel();
-    let _ = commands.send(Command::Finish(reply)).await;
-    let (periods, aggregate) = series.await.unwrap_or_default();
-    shared.stop.store(true, Ordering::Relaxed);
-    if let Some(c) = controller {
-        c.abort();
+    /// Sends with no consumer until the backlog test's target is retained;
+    /// returns the backlog then, in messages.
+    async fn build_backlog(&mut self, building: &AtomicBool) -> anyhow::Result<u64> {
+        let (w, subs, stats) = (self.w, self.subs, self.stats.clone());
+        let target = w.consumer_backlog_bytes;
+        eprintln!(
+            "backlog: holding consumers back until {:.1} MiB are retained",
+            target as f64 / (1 << 20) as f64
+        );
+        let build_start = Instant::now();
+        let backlog_bytes =
+            || backlog(&stats.counters(), subs).max(0) as u64 * w.message_size as u64;
+        wait_for(
+            "building the backlog",
+            self.options.stall_timeout,
+            || backlog_bytes() >= target,
+            || stats.counters().sent + stats.counters().errors,
+        )
+        .await?;
+        let built = backlog_bytes();
+        let backlog_at_start = backlog(&stats.counters(), subs).max(0) as u64;
+        self.drain.built_bytes = built;
+        self.drain.build_secs = build_start.elapsed().as_secs_f64();
+        building.store(false, Ordering::Relaxed);
+        eprintln!(
+            "backlog: {:.1} MiB retained after {:.1} s; starting consumers at the beginning",
+            built as f64 / (1 << 20) as f64,
+            build_start.elapsed().as_secs_f64()
+        );
+        Ok(backlog_at_start)
     }
-    let final_rate = shared.rate.get();
-    tokio::task::spawn_blocking(move || pacer.join())
-        .await
-        .context("joining the pacer")?
-        .map_err(|_| anyhow::anyhow!("the pacer thread panicked"))?;
-    let _ = reporter.await;
-    let mut problems = Vec::new();
-    if let Err(e) = &phases {
-        problems.push(format!("{e:#}"));
-    }
-    // Every send answered: every slot free again.
-    let answered = tokio::time::timeout(
-        SEND_DRAIN_TIMEOUT,
-        shared.slots.acquire_many(shared.slots_total as u32),
-    )
-    .await;
-    if answered.is_err() {
-        problems.push(format!(
-            "sends still unanswered {SEND_DRAIN_TIMEOUT:?} after sending stopped"
-        ));
-    }
-    // Consumers take in everything acknowledged (or stall).
-    if !consumers.is_empty() {
-        let caught_up = wait_for(
-            "consumers catching up after sending stopped",
-            options.stall_timeout,
-            || backlog(&stats.counters(), subs) <= 0,
+
+    /// Starts the consumers at the beginning and waits until they took in
+    /// the backlog.
+    async fn drain_backlog(&mut self, backlog_at_start: u64) -> anyhow::Result<()> {
+        let (w, subs, stats) = (self.w, self.subs, self.stats.clone());
+        let drain_start = Instant::now();
+        let received_before = stats.counters().received;
+        self.consumers = self.start_consumers().await?;
+        // Drained: what is left is what the drain ratio leaves, or less
+        // than 1% of the backlog (messages published meanwhile keep
+        // arriving, so zero may never be seen while sending).
+        let capacity = w.backlog_messages() * subs;
+        let floor = (((1.0 - w.backlog_drain_ratio) * capacity as f64) as u64).max(capacity / 100);
+        wait_for(
+            "draining the backlog",
+            self.options.stall_timeout,
+            || backlog(&stats.counters(), subs) <= floor as i64,
             || stats.counters().received,
         )
-        .await;
-        if let Err(e) = caught_up {
-            problems.push(format!("{e:#}"));
-        }
-    }
-    let mut consumer_errors = Vec::new();
-    for c in consumers {
-        if let Err(e) = c.close().await {
-            consumer_errors.push(format!("{e:#}"));
-        }
-    }
-
-    let c = stats.counters();
-    let mismatches = delivery.mismatches(&topic_names);
-    if !plans.is_empty() && c.received == 0 {
-        problems.push(format!(
-            "nothing was consumed: {} consumer(s) received no message of the {} acknowledged",
-            plans.len(),
-            c.sent
-        ));
-    }
-    if c.sent == 0 {
-        problems.push(match stats.first_error() {
-            Some(e) => format!("no send was acknowledged ({} failed; first: {e})", c.errors),
-            None => "no send was acknowledged".to_string(),
-        });
-    }
-    if !mismatches.is_empty() && c.errors == 0 {
-        // Without failed sends (whose fate is unknown) every subscription
-        // must have received exactly what was acknowledged.
-        problems.push(format!(
-            "{} subscription partition(s) did not receive exactly what was acknowledged; \
-             first: {}",
-            mismatches.len(),
-            mismatches[0]
-        ));
-    }
-    if stats.malformed() > 0 {
-        problems.push(format!(
-            "{} received message(s) too short for a timestamp or from an unknown partition",
-            stats.malformed()
-        ));
-    }
-    if !consumer_errors.is_empty() {
-        problems.push(format!("consumer failed: {}", consumer_errors[0]));
-    }
-    if c.errors > 0 {
-        eprintln!(
-            "warning: {} send(s) failed; first: {}",
-            c.errors,
-            stats.first_error().unwrap_or_default()
-        );
-    }
-
-    let mut extra = super::result::Map::new();
-    extra.insert("durability".into(), json!(driver.durability()));
-    extra.insert("producerRate".into(), json!(w.producer_rate));
-    if w.producer_rate == 0 {
-        extra.insert("maxRateFinal".into(), json!(final_rate.round()));
-    }
-    extra.insert(
-        "testDurationSeconds".into(),
-        json!(w.test_duration.as_secs_f64()),
-    );
-    extra.insert(
-        "warmupDurationSeconds".into(),
-        json!(w.warmup_duration.as_secs_f64()),
-    );
-    extra.insert(
-        "subscriptionsPerTopic".into(),
-        json!(w.subscriptions_per_topic),
-    );
-    extra.insert("topicNames".into(), json!(topic_names));
-    extra.insert("messagesSent".into(), json!(c.sent));
-    extra.insert("messagesReceived".into(), json!(c.received));
-    extra.insert("publishErrors".into(), json!(c.errors));
-    extra.insert("firstPublishError".into(), json!(stats.first_error()));
-    extra.insert("finalBacklog".into(), json!(backlog(&c, subs)));
-    extra.insert("deliveryMismatches".into(), json!(mismatches));
-    extra.insert("consumerErrors".into(), json!(consumer_errors));
-    if backlog_test {
-        let d = lock(&drain).clone();
+        .await?;
+        let d = &mut self.drain;
+        d.drain_secs = drain_start.elapsed().as_secs_f64();
+        d.drained_messages = stats.counters().received - received_before;
+        d.completed = true;
         let drained_bytes = d.drained_messages * w.message_size as u64;
-        extra.insert(
-            "backlogDrain".into(),
-            json!({
-                "targetGB": d.target_bytes as f64 / GB,
-                "builtBytes": d.built_bytes,
-                "buildSeconds": d.build_secs,
-                "drainRatio": w.backlog_drain_ratio,
-                "drainedMessages": d.drained_messages,
-                "drainedBytes": drained_bytes,
-                "drainSeconds": d.drain_secs,
-                "drainRateMsgs": d.drained_messages as f64 / d.drain_secs.max(1e-9),
-                "drainRateMiBs": drained_bytes as f64 / (1u64 << 20) as f64 / d.drain_secs.max(1e-9),
-                "completed": d.completed,
-            }),
+        eprintln!(
+            "backlog: drained {} messages ({:.1} MiB) in {:.1} s: {:.0} msg/s, {:.1} MiB/s \
+             (backlog was {backlog_at_start} messages)",
+            d.drained_messages,
+            drained_bytes as f64 / (1 << 20) as f64,
+            d.drain_secs,
+            d.drained_messages as f64 / d.drain_secs.max(1e-9),
+            drained_bytes as f64 / (1 << 20) as f64 / d.drain_secs.max(1e-9),
         );
+        Ok(())
     }
-    Ok(TestResult {
-        workload: w.name.clone(),
-        driver: driver.name(),
-        message_size: w.message_size,
-        topics: w.topics,
-        partitions: w.partitions_per_topic,
-        producers_per_topic: w.producers_per_topic,
-        consumers_per_topic: w.consumers_per_topic(),
-        period_ms: options.period.as_millis() as u64,
-        periods,
-        aggregate,
-        extra,
-        problems,
-    })
+
+    /// Once sending stopped: every send answered, consumers caught up and
+    /// closed. Returns the consumers' errors.
+    async fn settle(&mut self, shared: &PacerShared, problems: &mut Vec<String>) -> Vec<String> {
+        // Every send answered: every slot free again.
+        let answered = tokio::time::timeout(
+            SEND_DRAIN_TIMEOUT,
+            shared.slots.acquire_many(shared.slots_total as u32),
+        )
+        .await;
+        if answered.is_err() {
+            problems.push(format!(
+                "sends still unanswered {SEND_DRAIN_TIMEOUT:?} after sending stopped"
+            ));
+        }
+        // Consumers take in everything acknowledged (or stall).
+        if !self.consumers.is_empty() {
+            let (stats, subs) = (&self.stats, self.subs);
+            let caught_up = wait_for(
+                "consumers catching up after sending stopped",
+                self.options.stall_timeout,
+                || backlog(&stats.counters(), subs) <= 0,
+                || stats.counters().received,
+            )
+            .await;
+            if let Err(e) = caught_up {
+                problems.push(format!("{e:#}"));
+            }
+        }
+        let mut consumer_errors = Vec::new();
+        for c in std::mem::take(&mut self.consumers) {
+            if let Err(e) = c.close().await {
+                consumer_errors.push(format!("{e:#}"));
+            }
+        }
+        consumer_errors
+    }
+
+    /// The problems the final counters show; returns those counters and the
+    /// partitions whose receipts differ from their acknowledged sends.
+    fn check(
+        &self,
+        consumer_errors: &[String],
+        problems: &mut Vec<String>,
+    ) -> (Counters, Vec<String>) {
+        let stats = &self.stats;
+        let c = stats.counters();
+        let mismatches = self.delivery.mismatches(&self.topic_names);
+        if !self.plans.is_empty() && c.received == 0 {
+            problems.push(format!(
+                "nothing was consumed: {} consumer(s) received no message of the {} acknowledged",
+                self.plans.len(),
+                c.sent
+            ));
+        }
+        if c.sent == 0 {
+            problems.push(match stats.first_error() {
+                Some(e) => format!("no send was acknowledged ({} failed; first: {e})", c.errors),
+                None => "no send was acknowledged".to_string(),
+            });
+        }
+        if !mismatches.is_empty() && c.errors == 0 {
+            // Without failed sends (whose fate is unknown) every subscription
+            // must have received exactly what was acknowledged.
+            problems.push(format!(
+                "{} subscription partition(s) did not receive exactly what was acknowledged; \
+                 first: {}",
+                mismatches.len(),
+                mismatches[0]
+            ));
+        }
+        if stats.malformed() > 0 {
+            problems.push(format!(
+                "{} received message(s) too short for a timestamp or from an unknown partition",
+                stats.malformed()
+            ));
+        }
+        if !consumer_errors.is_empty() {
+            problems.push(format!("consumer failed: {}", consumer_errors[0]));
+        }
+        if c.errors > 0 {
+            eprintln!(
+                "warning: {} send(s) failed; first: {}",
+                c.errors,
+                stats.first_error().unwrap_or_default()
+            );
+        }
+        (c, mismatches)
+    }
+
+    /// The result's figures beyond OMB's own.
+    fn extra(
+        &self,
+        c: &Counters,
+        mismatches: Vec<String>,
+        consumer_errors: Vec<String>,
+        final_rate: f64,
+    ) -> super::result::Map {
+        let w = self.w;
+        let mut extra = super::result::Map::new();
+        extra.insert("durability".into(), json!(self.driver.durability()));
+        extra.insert("producerRate".into(), json!(w.producer_rate));
+        if w.producer_rate == 0 {
+            extra.insert("maxRateFinal".into(), json!(final_rate.round()));
+        }
+        extra.insert(
+            "testDurationSeconds".into(),
+            json!(w.test_duration.as_secs_f64()),
+        );
+        extra.insert(
+            "warmupDurationSeconds".into(),
+            json!(w.warmup_duration.as_secs_f64()),
+        );
+        extra.insert(
+            "subscriptionsPerTopic".into(),
+            json!(w.subscriptions_per_topic),
+        );
+        extra.insert("topicNames".into(), json!(self.topic_names));
+        extra.insert("messagesSent".into(), json!(c.sent));
+        extra.insert("messagesReceived".into(), json!(c.received));
+        extra.insert("publishErrors".into(), json!(c.errors));
+        extra.insert("firstPublishError".into(), json!(self.stats.first_error()));
+        extra.insert("finalBacklog".into(), json!(backlog(c, self.subs)));
+        extra.insert("deliveryMismatches".into(), json!(mismatches));
+        extra.insert("consumerErrors".into(), json!(consumer_errors));
+        if self.backlog_test {
+            extra.insert("backlogDrain".into(), self.drain_json());
+        }
+        extra
+    }
+
+    /// The backlog test's figures, as the result carries them.
+    fn drain_json(&self) -> serde_json::Value {
+        let d = &self.drain;
+        let drained_bytes = d.drained_messages * self.w.message_size as u64;
+        json!({
+            "targetGB": d.target_bytes as f64 / GB,
+            "builtBytes": d.built_bytes,
+            "buildSeconds": d.build_secs,
+            "drainRatio": self.w.backlog_drain_ratio,
+            "drainedMessages": d.drained_messages,
+            "drainedBytes": drained_bytes,
+            "drainSeconds": d.drain_secs,
+            "drainRateMsgs": d.drained_messages as f64 / d.drain_secs.max(1e-9),
+            "drainRateMiBs": drained_bytes as f64 / (1u64 << 20) as f64 / d.drain_secs.max(1e-9),
+            "completed": d.completed,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -225,7 +225,29 @@ impl WorkloadFile {
         );
         let producer_rate = count("producerRate", self.producer_rate, 0, RATE_MAX)? as u64;
 
-        let payloads = if self.use_randomized_payloads {
+        let payloads = self.payloads(message_size, dir)?;
+        let consumer_backlog_bytes = self.backlog_bytes(subscriptions_per_topic, message_size)?;
+        Ok(Workload {
+            name: self.name,
+            topics,
+            partitions_per_topic,
+            key_distributor: self.key_distributor,
+            message_size,
+            payloads,
+            subscriptions_per_topic,
+            consumer_per_subscription,
+            producers_per_topic,
+            producer_rate,
+            consumer_backlog_bytes,
+            backlog_drain_ratio: self.backlog_drain_ratio,
+            test_duration: minutes("testDurationMinutes", self.test_duration_minutes, false)?,
+            warmup_duration: minutes("warmupDurationMinutes", self.warmup_duration_minutes, true)?,
+        })
+    }
+
+    /// The payloads: a random pool of them, or the payload file.
+    fn payloads(&self, message_size: usize, dir: Option<&Path>) -> anyhow::Result<Payloads> {
+        if self.use_randomized_payloads {
             anyhow::ensure!(
                 (0.0..=1.0).contains(&self.random_bytes_ratio),
                 "randomBytesRatio must be 0 to 1, not {}",
@@ -244,10 +266,10 @@ impl WorkloadFile {
                 "randomizedPayloadPoolSize × messageSize is {pool_bytes} bytes; at most \
                  {PAYLOAD_POOL_BYTES_MAX} are held in memory"
             );
-            Payloads::Random {
+            Ok(Payloads::Random {
                 pool_size,
                 random_ratio: self.random_bytes_ratio,
-            }
+            })
         } else {
             let Some(file) = &self.payload_file else {
                 anyhow::bail!("payloadFile is required unless useRandomizedPayloads is true");
@@ -261,9 +283,17 @@ impl WorkloadFile {
                 "payloadFile {} is {len} bytes, but messageSize is {message_size}",
                 path.display()
             );
-            Payloads::File(path)
-        };
+            Ok(Payloads::File(path))
+        }
+    }
 
+    /// The backlog test's target in bytes (0: no backlog test), checked
+    /// with the drain ratio.
+    fn backlog_bytes(
+        &self,
+        subscriptions_per_topic: usize,
+        message_size: usize,
+    ) -> anyhow::Result<u64> {
         anyhow::ensure!(
             self.consumer_backlog_size_gb.is_finite()
                 && (0.0..=BACKLOG_GB_MAX).contains(&self.consumer_backlog_size_gb),
@@ -284,22 +314,7 @@ impl WorkloadFile {
             "backlogDrainRatio must be more than 0 and at most 1, not {}",
             self.backlog_drain_ratio
         );
-        Ok(Workload {
-            name: self.name,
-            topics,
-            partitions_per_topic,
-            key_distributor: self.key_distributor,
-            message_size,
-            payloads,
-            subscriptions_per_topic,
-            consumer_per_subscription,
-            producers_per_topic,
-            producer_rate,
-            consumer_backlog_bytes,
-            backlog_drain_ratio: self.backlog_drain_ratio,
-            test_duration: minutes("testDurationMinutes", self.test_duration_minutes, false)?,
-            warmup_duration: minutes("warmupDurationMinutes", self.warmup_duration_minutes, true)?,
-        })
+        Ok(consumer_backlog_bytes)
     }
 }
 

@@ -263,10 +263,19 @@ enum Wake {
     Broker(Option<Result<ReadEvent, ClientError>>),
 }
 
+/// What a direct read does after taking in an event from the broker.
+enum Taken {
+    /// Go on waiting.
+    Again,
+    /// Answer this.
+    Yield(Option<Result<ReadEvent, ClientError>>),
+}
+
 impl State {
     /// Whether a broker read that failed with `e` is to be sent again:
     /// the route is moving and the read's time to retry is not up. Waits
     /// out the pause before the next try.
+    #[allow(clippy::disallowed_methods)] // The retry window is a tokio timer's, on tokio's clock.
     async fn try_again(&mut self, e: &ClientError) -> bool {
         let pause = self.retry.pause;
         let now = tokio::time::Instant::now();
@@ -323,23 +332,8 @@ impl State {
 
     async fn next(&mut self) -> Option<Result<ReadEvent, ClientError>> {
         loop {
-            if let Some(ev) = self.queued.pop_front() {
-                return Some(Ok(ev));
-            }
-            if self.finished {
-                return None;
-            }
-            if self.ahead.is_empty() {
-                if let Some(ev) = self.held.pop_front() {
-                    if let ReadEvent::Done(_) = ev {
-                        self.finished = true;
-                    }
-                    return Some(Ok(ev));
-                }
-                if self.broker_done {
-                    self.finished = true;
-                    return None;
-                }
+            if let Some(out) = self.ready() {
+                return out;
             }
             let pull = self.may_pull();
             if pull && self.stream.is_none() {
@@ -349,24 +343,7 @@ impl State {
                     Err(e) => return self.fail(e),
                 }
             }
-            let wake = match (self.ahead.front_mut(), pull) {
-                (Some(front), false) => Wake::Fetched((&mut front.task).await),
-                (Some(front), true) => {
-                    let stream = self.stream.as_mut().expect("started above");
-                    // The broker first: its answers are small and each may
-                    // start another fetch.
-                    tokio::select! {
-                        biased;
-                        ev = stream.next() => Wake::Broker(ev),
-                        r = &mut front.task => Wake::Fetched(r),
-                    }
-                }
-                (None, _) => {
-                    let stream = self.stream.as_mut().expect("started above");
-                    Wake::Broker(stream.next().await)
-                }
-            };
-            let ev = match wake {
+            let ev = match self.wake(pull).await {
                 Wake::Fetched(r) => {
                     let fetch = self.ahead.pop_front().expect("polled above");
                     if let Err(e) = self.on_fetched(fetch, r) {
@@ -379,65 +356,118 @@ impl State {
                 Wake::Broker(Some(Err(e))) => return self.fail(e),
                 Wake::Broker(None) => return self.fail(self.protocol(ProtocolError::Truncated)),
             };
-            match ev {
-                ReadEvent::Data { offset, content } => {
-                    self.offset = Some(offset + content.len() as u64);
-                    self.retry.give_up = None;
-                    self.retry.pause = crate::client::RETRY_PAUSE_MIN;
-                    let ev = ReadEvent::Data { offset, content };
-                    if self.ahead.is_empty() {
-                        return Some(Ok(ev));
-                    }
-                    self.held.push_back(ev);
+            if let Taken::Yield(out) = self.on_event(ev).await {
+                return out;
+            }
+        }
+    }
+
+    /// What [`Self::next`] answers without waiting, if anything: an event
+    /// queued or held back behind fetches that have all landed, or the end.
+    fn ready(&mut self) -> Option<Option<Result<ReadEvent, ClientError>>> {
+        if let Some(ev) = self.queued.pop_front() {
+            return Some(Some(Ok(ev)));
+        }
+        if self.finished {
+            return Some(None);
+        }
+        if self.ahead.is_empty() {
+            if let Some(ev) = self.held.pop_front() {
+                if let ReadEvent::Done(_) = ev {
+                    self.finished = true;
                 }
-                ReadEvent::Fragment {
+                return Some(Some(Ok(ev)));
+            }
+            if self.broker_done {
+                self.finished = true;
+                return Some(None);
+            }
+        }
+        None
+    }
+
+    /// Waits for the first fetch ahead to land or, if `pull`, for the
+    /// broker's next event, whichever comes first.
+    async fn wake(&mut self, pull: bool) -> Wake {
+        match (self.ahead.front_mut(), pull) {
+            (Some(front), false) => Wake::Fetched((&mut front.task).await),
+            (Some(front), true) => {
+                let stream = self.stream.as_mut().expect("started above");
+                // The broker first: its answers are small and each may
+                // start another fetch.
+                tokio::select! {
+                    biased;
+                    ev = stream.next() => Wake::Broker(ev),
+                    r = &mut front.task => Wake::Fetched(r),
+                }
+            }
+            (None, _) => {
+                let stream = self.stream.as_mut().expect("started above");
+                Wake::Broker(stream.next().await)
+            }
+        }
+    }
+
+    /// Takes in an event from the broker: data passed on (or held behind
+    /// fetches ahead of it), a fragment to fetch, or the read's end.
+    async fn on_event(&mut self, ev: ReadEvent) -> Taken {
+        match ev {
+            ReadEvent::Data { offset, content } => {
+                self.offset = Some(offset + content.len() as u64);
+                self.retry.give_up = None;
+                self.retry.pause = crate::client::RETRY_PAUSE_MIN;
+                let ev = ReadEvent::Data { offset, content };
+                if self.ahead.is_empty() {
+                    return Taken::Yield(Some(Ok(ev)));
+                }
+                self.held.push_back(ev);
+            }
+            ReadEvent::Fragment {
+                begin,
+                end,
+                offset,
+                sha1,
+                codec,
+                location,
+            } => {
+                if self.proxy_until.is_some() || self.fragment.is_some() {
+                    // A proxied read never answers with a location, and
+                    // a read answers with at most one.
+                    return Taken::Yield(self.fail(self.protocol(ProtocolError::UnexpectedOp {
+                        request: crate::wire::Op::READ,
+                        got: crate::wire::Op::READ_FRAGMENT,
+                    })));
+                }
+                let f = FragmentRef {
                     begin,
                     end,
-                    offset,
                     sha1,
                     codec,
                     location,
-                } => {
-                    if self.proxy_until.is_some() || self.fragment.is_some() {
-                        // A proxied read never answers with a location, and
-                        // a read answers with at most one.
-                        return self.fail(self.protocol(ProtocolError::UnexpectedOp {
-                            request: crate::wire::Op::READ,
-                            got: crate::wire::Op::READ_FRAGMENT,
-                        }));
+                };
+                self.fragment = Some((f, offset));
+            }
+            ReadEvent::Done(done) => {
+                self.stream = None;
+                self.client
+                    .saw_route_revision(&self.journal, done.route_revision);
+                if let Err(e) = done.check() {
+                    if done.status != Status::OFFSET_NOT_YET_AVAILABLE && self.try_again(&e).await {
+                        return Taken::Again;
                     }
-                    let f = FragmentRef {
-                        begin,
-                        end,
-                        sha1,
-                        codec,
-                        location,
-                    };
-                    self.fragment = Some((f, offset));
                 }
-                ReadEvent::Done(done) => {
-                    self.stream = None;
-                    self.client
-                        .saw_route_revision(&self.journal, done.route_revision);
-                    if let Err(e) = done.check() {
-                        if done.status != Status::OFFSET_NOT_YET_AVAILABLE
-                            && self.try_again(&e).await
-                        {
-                            continue;
-                        }
+                let reads = self.stats.reads.load(Ordering::Relaxed);
+                let first_read = reads - self.retry.again == 1;
+                if let Some(done) = self.on_done(done, first_read) {
+                    if self.ahead.is_empty() {
+                        self.finished = true;
+                        return Taken::Yield(Some(Ok(done)));
                     }
-                    let reads = self.stats.reads.load(Ordering::Relaxed);
-                    let first_read = reads - self.retry.again == 1;
-                    if let Some(done) = self.on_done(done, first_read) {
-                        if self.ahead.is_empty() {
-                            self.finished = true;
-                            return Some(Ok(done));
-                        }
-                        self.held.push_back(done);
-                    }
+                    self.held.push_back(done);
                 }
             }
         }
+        Taken::Again
     }
 
     /// Sends the next READ: direct from `offset`, or through the broker up
@@ -628,7 +658,6 @@ mod tests {
             let (mut sock, _) = listener.accept().await.unwrap();
             let mut buf = Vec::new();
             let mut tmp = vec![0u8; 1 << 16];
-            let head = journal.len() as u64;
             loop {
                 let Some((f, used)) = wire::decode_frame(&buf, wire::BODY_LEN_MAX).unwrap() else {
                     let n = sock.read(&mut tmp).await.unwrap();
@@ -654,79 +683,7 @@ mod tests {
                             body.to_string().as_bytes(),
                         );
                     }
-                    Op::READ => {
-                        let req = ReadRequest::decode(f.meta).unwrap();
-                        seen2
-                            .lock()
-                            .unwrap()
-                            .push((req.offset, req.end_offset, f.flags));
-                        let from = req.offset.unwrap_or(head);
-                        let end = req.end_offset.unwrap_or(head).min(head);
-                        let direct = f.flags & flag::DO_NOT_PROXY != 0;
-                        // The first store span at or past `from`.
-                        let span = spans.iter().find(|(_, e, _)| from < *e);
-                        let data_to = match span {
-                            Some((b, _, _)) if direct => (*b).max(from).min(end),
-                            _ => end,
-                        };
-                        let mut at = from;
-                        while at < data_to {
-                            let n = (data_to - at).min(1000);
-                            let meta = wire::ReadData {
-                                offset: U64::new(at),
-                            };
-                            wire::encode_frame(
-                                &mut out,
-                                Op::READ_DATA,
-                                0,
-                                Status::OK,
-                                id,
-                                meta.as_bytes(),
-                                &journal[at as usize..(at + n) as usize],
-                            );
-                            at += n;
-                        }
-                        let store = span
-                            .filter(|(b, e, _)| direct && at >= *b && at < *e && at < end)
-                            .cloned();
-                        let (status, next) = if let Some((b, e, location)) = store {
-                            let meta = wire::ReadFragment {
-                                begin: U64::new(b),
-                                end: U64::new(e),
-                                offset: U64::new(at),
-                                sha1: Sha1::digest(&journal[b as usize..e as usize]).into(),
-                                codec: wire::codec_code(Codec::None),
-                                reserved: [0; 3],
-                            };
-                            wire::encode_frame(
-                                &mut out,
-                                Op::READ_FRAGMENT,
-                                0,
-                                Status::OK,
-                                id,
-                                meta.as_bytes(),
-                                location.as_bytes(),
-                            );
-                            (Status::OK, e)
-                        } else if from >= head {
-                            (Status::OFFSET_NOT_YET_AVAILABLE, from)
-                        } else {
-                            (Status::OK, at)
-                        };
-                        let meta = wire::ReadDone {
-                            offset: U64::new(next),
-                            write_head: U64::new(head),
-                        };
-                        wire::encode_frame(
-                            &mut out,
-                            Op::READ_DONE,
-                            0,
-                            status,
-                            id,
-                            meta.as_bytes(),
-                            &[],
-                        );
-                    }
+                    Op::READ => answer_read(&mut out, &f, &journal, &spans, &seen2),
                     Op::CANCEL => {}
                     other => panic!("unexpected {other:?}"),
                 }
@@ -735,6 +692,82 @@ mod tests {
             }
         });
         (addr, seen)
+    }
+
+    /// The fake broker's answer to a READ: its own bytes up to the first
+    /// store span (all of them when proxying), that span's location, and
+    /// READ_DONE.
+    fn answer_read(
+        out: &mut Vec<u8>,
+        f: &wire::Frame<'_>,
+        journal: &[u8],
+        spans: &[(u64, u64, String)],
+        seen: &Seen,
+    ) {
+        let id = f.request_id;
+        let head = journal.len() as u64;
+        let req = ReadRequest::decode(f.meta).unwrap();
+        seen.lock()
+            .unwrap()
+            .push((req.offset, req.end_offset, f.flags));
+        let from = req.offset.unwrap_or(head);
+        let end = req.end_offset.unwrap_or(head).min(head);
+        let direct = f.flags & flag::DO_NOT_PROXY != 0;
+        // The first store span at or past `from`.
+        let span = spans.iter().find(|(_, e, _)| from < *e);
+        let data_to = match span {
+            Some((b, _, _)) if direct => (*b).max(from).min(end),
+            _ => end,
+        };
+        let mut at = from;
+        while at < data_to {
+            let n = (data_to - at).min(1000);
+            let meta = wire::ReadData {
+                offset: U64::new(at),
+            };
+            wire::encode_frame(
+                out,
+                Op::READ_DATA,
+                0,
+                Status::OK,
+                id,
+                meta.as_bytes(),
+                &journal[at as usize..(at + n) as usize],
+            );
+            at += n;
+        }
+        let store = span
+            .filter(|(b, e, _)| direct && at >= *b && at < *e && at < end)
+            .cloned();
+        let (status, next) = if let Some((b, e, location)) = store {
+            let meta = wire::ReadFragment {
+                begin: U64::new(b),
+                end: U64::new(e),
+                offset: U64::new(at),
+                sha1: Sha1::digest(&journal[b as usize..e as usize]).into(),
+                codec: wire::codec_code(Codec::None),
+                reserved: [0; 3],
+            };
+            wire::encode_frame(
+                out,
+                Op::READ_FRAGMENT,
+                0,
+                Status::OK,
+                id,
+                meta.as_bytes(),
+                location.as_bytes(),
+            );
+            (Status::OK, e)
+        } else if from >= head {
+            (Status::OFFSET_NOT_YET_AVAILABLE, from)
+        } else {
+            (Status::OK, at)
+        };
+        let meta = wire::ReadDone {
+            offset: U64::new(next),
+            write_head: U64::new(head),
+        };
+        wire::encode_frame(out, Op::READ_DONE, 0, status, id, meta.as_bytes(), &[]);
     }
 
     /// A whole direct read from `offset` to the head through a fresh client,

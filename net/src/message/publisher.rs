@@ -271,6 +271,7 @@ impl Publisher {
         self.journals.get_mut(journal).expect("inserted")
     }
 
+    #[allow(clippy::disallowed_methods)] // The retry window is a tokio timer's, on tokio's clock.
     async fn framing_of(&self, journal: &str) -> Result<Framing, MessageError> {
         let deadline = tokio::time::Instant::now() + self.options.retry_for;
         let mut pause = RETRY_PAUSE_MIN;
@@ -523,6 +524,7 @@ struct Appender {
 impl Appender {
     /// Appends `bytes`, sending them again while the failure is retryable,
     /// for up to `retry_for`.
+    #[allow(clippy::disallowed_methods)] // The retry window is a tokio timer's, on tokio's clock.
     async fn append(&self, bytes: Bytes) -> Result<(), Failure> {
         let deadline = tokio::time::Instant::now() + self.retry_for;
         let mut pause = RETRY_PAUSE_MIN;

@@ -386,6 +386,7 @@ impl Retry {
 
     /// Waits before trying again, or returns the error if it is not
     /// retryable or has kept failing for too long.
+    #[allow(clippy::disallowed_methods)] // The retry window is a tokio timer's, on tokio's clock.
     async fn failed(&mut self, e: ClientError) -> Result<(), MessageError> {
         let now = tokio::time::Instant::now();
         let deadline = *self.deadline.get_or_insert(now + self.retry_for);

@@ -16,6 +16,7 @@
 //! What an ack means on disk is the broker's setting, which the protocol
 //! does not tell a client: the script that starts the broker says it in
 //! `ROTARY_PEER_FSYNC`, and [`Driver::durability`] repeats it.
+#![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
 use crate::omb::driver::{BoxFuture, Consumer, Driver, MessageSink, Producer, TaskConsumer};
 use anyhow::Context as _;

@@ -8,7 +8,8 @@
 //! read-committed by default, everything with `--uncommitted`.
 //! Acknowledgements carry no content and are not printed.
 
-use crate::cli::{connect, ignore_broken_pipe, BrokerArgs, CliError, CmdResult};
+use super::broker::{connect, BrokerArgs};
+use super::exit::{ignore_broken_pipe, CliError, CmdResult};
 use clap::Args;
 use rotary_net::client::ClientError;
 use rotary_net::message::{
@@ -108,15 +109,34 @@ pub async fn publish(args: PublishArgs) -> CmdResult {
     for name in &args.names {
         publisher.prepare(name).await.map_err(cli_error)?;
     }
+    let count = match publish_lines(&args, &mut publisher).await {
+        Ok(count) => count,
+        Err(e) => {
+            settle_bad_input(&args, &mut publisher).await;
+            return Err(e);
+        }
+    };
+    let done = if args.txn {
+        publisher.commit().await
+    } else {
+        publisher.flush().await
+    };
+    done.map_err(cli_error)?;
+    print_summary(&publisher, count)
+}
+
+/// Publishes each line of standard input, to the journals in turn, until
+/// the input ends (then the count of messages) or a line is bad.
+async fn publish_lines(args: &PublishArgs, publisher: &mut Publisher) -> Result<u64, CliError> {
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).split(b'\n');
     let mut count: u64 = 0;
     let mut line_no: u64 = 0;
-    let bad_input = loop {
+    loop {
         let line = match lines.next_segment().await {
             Ok(Some(l)) => l,
-            Ok(None) => break None,
+            Ok(None) => return Ok(count),
             Err(e) => {
-                break Some(CliError::Other(
+                return Err(CliError::Other(
                     "INPUT_ERROR",
                     anyhow::Error::new(e).context("reading standard input"),
                 ))
@@ -128,7 +148,7 @@ pub async fn publish(args: PublishArgs) -> CmdResult {
             continue;
         }
         if line.len() > PUBLISH_LINE_LEN_MAX {
-            break Some(CliError::Usage(
+            return Err(CliError::Usage(
                 "BAD_REQUEST",
                 format!("line {line_no}: longer than {PUBLISH_LINE_LEN_MAX} bytes"),
             ));
@@ -142,38 +162,36 @@ pub async fn publish(args: PublishArgs) -> CmdResult {
         match r {
             Ok(_) => count += 1,
             Err(MessageError::BadPayload { why }) => {
-                break Some(CliError::Usage(
+                return Err(CliError::Usage(
                     "BAD_REQUEST",
                     format!("line {line_no}: {why}"),
                 ))
             }
-            Err(e) => break Some(cli_error(e)),
+            Err(e) => return Err(cli_error(e)),
         }
-    };
-    if let Some(e) = bad_input {
-        // Nothing of a transaction commits; lines before a bad one outside
-        // a transaction are published.
-        let done = if args.txn {
-            publisher.rollback().await
-        } else {
-            publisher.flush().await
-        };
-        if let Err(e2) = done {
-            let what = if args.txn {
-                "rolling back"
-            } else {
-                "publishing the lines before it"
-            };
-            eprintln!("warning: {what}: {e2}");
-        }
-        return Err(e);
     }
+}
+
+/// After bad input: nothing of a transaction commits; lines before a bad
+/// one outside a transaction are published.
+async fn settle_bad_input(args: &PublishArgs, publisher: &mut Publisher) {
     let done = if args.txn {
-        publisher.commit().await
+        publisher.rollback().await
     } else {
         publisher.flush().await
     };
-    done.map_err(cli_error)?;
+    if let Err(e2) = done {
+        let what = if args.txn {
+            "rolling back"
+        } else {
+            "publishing the lines before it"
+        };
+        eprintln!("warning: {what}: {e2}");
+    }
+}
+
+/// The line `publish` prints once everything is committed.
+fn print_summary(publisher: &Publisher, count: u64) -> CmdResult {
     let summary = serde_json::json!({
         "messages": count,
         "producer": publisher.producer().to_hex(),
