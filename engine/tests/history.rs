@@ -37,10 +37,23 @@ fn fragments(c: &mut Conn, name: &str) -> Vec<serde_json::Value> {
 /// `local_cache_bytes` of uploaded fragments on its disk, and a connection
 /// to it.
 fn start_with_cache(root: &std::path::Path, local_cache_bytes: u64) -> (Broker, Conn) {
+    start_with(
+        root,
+        local_cache_bytes,
+        rotary_engine::OFFSET_JUMP_AGE_DEFAULT,
+    )
+}
+
+fn start_with(
+    root: &std::path::Path,
+    local_cache_bytes: u64,
+    offset_jump_age: Duration,
+) -> (Broker, Conn) {
     let mut cfg = ServeConfig::new(root.join("data"), "127.0.0.1:0".parse().unwrap());
     cfg.cores = 1;
     cfg.disk_reserve_bytes = 0;
     cfg.local_cache_bytes = local_cache_bytes;
+    cfg.offset_jump_age = offset_jump_age;
     let broker = Broker::start(cfg).unwrap();
     let c = Conn::new(broker.endpoints[0]);
     (broker, c)
@@ -178,12 +191,13 @@ fn history_survives_a_wiped_broker() {
 /// A blocking read at an offset that no file holds any more (its fragment
 /// left the broker's disk once uploaded, then left the store) waits as a
 /// read at the head does: the shard goes on serving everything else, and
-/// the read resumes where bytes exist again.
+/// the read resumes where bytes exist again (the gap is permanent at once
+/// here: `offset_jump_age` zero).
 #[test]
 fn a_read_in_missing_history_waits_without_stalling_the_shard() {
     let root = tempfile::tempdir().unwrap();
     // Uploaded fragments leave the broker's disk at once.
-    let (broker, mut c) = start_with_cache(root.path(), 0);
+    let (broker, mut c) = start_with(root.path(), 0, Duration::ZERO);
     let (a, b) = ("hist/missing-a", "hist/missing-b");
     let mut spec = stored_spec(root.path(), a, Codec::None);
     spec.fragment.refresh_interval = Duration::from_secs(1);
