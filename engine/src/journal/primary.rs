@@ -57,13 +57,17 @@ pub struct PrimaryState {
     /// Notified by the tick when the cluster view changed: the acker
     /// stops waiting for a replica that left the journal's route.
     pub(crate) route_moved: event_listener::Event,
-    /// Offsets where the journal's history was taken back and written
-    /// again with other bytes, oldest first, at most
-    /// [`TAKEN_BACK_KEPT`]: by this broker as its primary, or learned from
-    /// a primary's SYNC as a replica. Every SYNC carries them, so a
-    /// replica that was away when its primary took back bytes it still
-    /// holds drops them before it follows (`Shard::apply_syncs`).
+    /// Offsets where this broker, as the journal's primary, took its
+    /// history back and wrote it again with other bytes, oldest first, at
+    /// most [`TAKEN_BACK_KEPT`]. Every SYNC it sends carries them, so a
+    /// replica that was away when they were taken back, and still holds
+    /// those bytes, drops them before it follows (`Shard::apply_syncs`).
     taken_back: Vec<u64>,
+    /// Take-back offsets this broker followed as a replica (learned from
+    /// its primaries' SYNCs): a later SYNC carrying one again drops
+    /// nothing. Never passed on: a take-back that a primary later undid
+    /// (rolling forward onto the bytes) only it knows of.
+    followed: Vec<u64>,
 }
 
 /// Take-back offsets a journal keeps ([`PrimaryState::taken_back`]).
@@ -94,13 +98,24 @@ impl PrimaryState {
         self.taken_back.retain(|&x| x < head);
     }
 
-    /// Adopts the take-back offsets a primary's SYNC carried.
-    pub fn learn_taken_back(&mut self, offsets: &[u64]) {
-        let mut all: Vec<u64> = self.taken_back.iter().chain(offsets).copied().collect();
+    /// Notes the take-back offsets a primary's SYNC carried, which this
+    /// replica followed.
+    pub fn followed(&mut self, offsets: &[u64]) {
+        let mut all: Vec<u64> = self.followed.iter().chain(offsets).copied().collect();
         all.sort_unstable();
         all.dedup();
         let skip = all.len().saturating_sub(TAKEN_BACK_KEPT);
-        self.taken_back = all.split_off(skip);
+        self.followed = all.split_off(skip);
+    }
+
+    /// Every take-back offset this broker knows its copy follows: its own
+    /// and those it followed as a replica.
+    pub fn known_taken_back(&self) -> Vec<u64> {
+        self.taken_back
+            .iter()
+            .chain(&self.followed)
+            .copied()
+            .collect()
     }
 
     /// A batch that began at `start` was not acknowledged by every replica:

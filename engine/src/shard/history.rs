@@ -9,21 +9,25 @@ impl Shard {
         let Some(store) = jm.spec.fragment.stores.first().cloned() else {
             return;
         };
-        if matches!(self.role(&jm.spec), Role::Replica(_)) {
+        let outside = match self.role(&jm.spec) {
             // The primary uploads. So does a broker outside the route, for
             // fragments it still holds: the route's members may never have
             // had those bytes. (A fragment uploaded twice has the same name
             // and bytes both times.)
-            return;
-        }
+            Role::Replica(_) => return,
+            Role::Outside(_) => true,
+            Role::Primary(_) => false,
+        };
         let codec = jm.spec.fragment.compression_codec;
         let name = jm.name.clone();
-        for f in jm
-            .files
-            .fragments
-            .iter_mut()
-            .filter(|f| !f.uploaded && !f.uploading && !f.held)
-        {
+        for f in jm.files.fragments.iter_mut() {
+            if f.held && !outside {
+                // Its primary now: what it holds is the journal's history.
+                f.held = false;
+            }
+            if f.uploaded || f.uploading || f.held {
+                continue;
+            }
             let job = UploadJob {
                 journal: name.clone(),
                 begin: f.begin,

@@ -61,7 +61,7 @@ impl Shard {
                 );
                 continue;
             }
-            let known = j.borrow().primary.taken_back().to_vec();
+            let known = j.borrow().primary.known_taken_back();
             let head = match diverged_at(&w.req.taken_back, &known, head) {
                 Some(at) => self.drop_diverged(j, at),
                 None => head,
@@ -76,7 +76,7 @@ impl Shard {
                 let mut jm = j.borrow_mut();
                 let h = w.req.head;
                 jm.set_heads(h);
-                jm.primary.learn_taken_back(&w.req.taken_back);
+                jm.primary.followed(&w.req.taken_back);
                 for f in jm.files.fragments.iter_mut() {
                     // Followed its primary: what it holds is the journal's.
                     f.held = false;
