@@ -336,47 +336,7 @@ impl Index {
         spool: Option<(&Spool, Option<&str>)>,
         head: u64,
     ) -> Option<Located> {
-        // Of the stores' fragments holding `at`, the one reaching furthest
-        // (the last in the index of those reaching equally far). The index
-        // is sorted by begin, and a journal's history may be hundreds of
-        // thousands of fragments long: a read looks back only as far as
-        // fragments reaching `at` can begin.
-        let remote = |at: u64| -> Option<Located> {
-            let mut found: Option<&StoredFragment> = None;
-            let mut disputed = None;
-            let upto = self.remote.partition_point(|f| f.begin <= at);
-            for i in (0..upto).rev() {
-                if self.remote_reach[i] <= at {
-                    break;
-                }
-                let f = &self.remote[i];
-                if f.end > at {
-                    disputed = disputed.or_else(|| self.disputed(f));
-                    if found.is_none_or(|b| f.end > b.end) {
-                        found = Some(f);
-                    }
-                }
-            }
-            let f = found?;
-            if let Some(why) = disputed {
-                // Two fragments here disagree and nothing tells which is
-                // committed: refused, never a guess.
-                return Some(Located {
-                    file: FileRef::Corrupt(why.to_string()),
-                    offset: at,
-                    file_pos: at - f.begin,
-                    end: f.end,
-                    jumped: None,
-                });
-            }
-            Some(Located {
-                file: FileRef::Remote(f.clone()),
-                offset: at,
-                file_pos: at - f.begin,
-                end: f.end,
-                jumped: None,
-            })
-        };
+        let remote = |at: u64| self.remote_at(at);
         let local = |at: u64| -> Option<Located> {
             for f in fragments {
                 if f.begin <= at && at < f.end {
@@ -469,6 +429,50 @@ impl Index {
             .chain(open)
             .filter(|&(b, _)| b > offset)
             .min_by_key(|&(b, _)| b)
+    }
+}
+
+impl Index {
+    /// Of the stores' fragments holding `at`, the one reaching furthest
+    /// (the last in the index of those reaching equally far). The index
+    /// is sorted by begin, and a journal's history may be hundreds of
+    /// thousands of fragments long: a read looks back only as far as
+    /// fragments reaching `at` can begin.
+    fn remote_at(&self, at: u64) -> Option<Located> {
+        let mut found: Option<&StoredFragment> = None;
+        let mut disputed = None;
+        let upto = self.remote.partition_point(|f| f.begin <= at);
+        for i in (0..upto).rev() {
+            if self.remote_reach[i] <= at {
+                break;
+            }
+            let f = &self.remote[i];
+            if f.end > at {
+                disputed = disputed.or_else(|| self.disputed(f));
+                if found.is_none_or(|b| f.end > b.end) {
+                    found = Some(f);
+                }
+            }
+        }
+        let f = found?;
+        if let Some(why) = disputed {
+            // Two fragments here disagree and nothing tells which is
+            // committed: refused, never a guess.
+            return Some(Located {
+                file: FileRef::Corrupt(why.to_string()),
+                offset: at,
+                file_pos: at - f.begin,
+                end: f.end,
+                jumped: None,
+            });
+        }
+        Some(Located {
+            file: FileRef::Remote(f.clone()),
+            offset: at,
+            file_pos: at - f.begin,
+            end: f.end,
+            jumped: None,
+        })
     }
 }
 
