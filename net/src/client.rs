@@ -26,6 +26,7 @@
 mod conn;
 mod direct;
 mod fetch;
+mod silent;
 
 pub use conn::{
     CONNECT_TIMEOUT, READ_FRAMES_BUFFERED_MAX, REPLY_BODY_LEN_MAX, SILENCE_DEFAULT,
@@ -38,6 +39,7 @@ pub use direct::{
 pub use fetch::{
     FragmentError, FETCH_CONNECT_TIMEOUT, FETCH_READ_TIMEOUT, FRAGMENT_DIRECT_LEN_MAX,
 };
+pub use silent::SILENT_ROUTE_POLL;
 
 use crate::spec::{Codec, JournalSpec, SpecError, JOURNAL_NAME_LEN_MAX};
 use crate::status::Status;
@@ -503,6 +505,8 @@ struct Inner {
     conns: Mutex<HashMap<String, Slot>>,
     /// Journal name → its cached route.
     routes: Mutex<HashMap<String, CachedRoute>>,
+    /// Endpoints whose requests failed on the network, until they answer.
+    silent: silent::Silent,
     options: ClientOptions,
     /// HTTP agent of direct reads, made on first use.
     http: OnceLock<ureq::Agent>,
@@ -568,6 +572,7 @@ impl Client {
                 current: std::sync::atomic::AtomicUsize::new(0),
                 conns: Mutex::new(HashMap::new()),
                 routes: Mutex::new(HashMap::new()),
+                silent: silent::Silent::default(),
                 options,
                 http: OnceLock::new(),
             }),
@@ -599,20 +604,26 @@ impl Client {
     }
 
     /// The connection to the bootstrap endpoint in use, or to the next of
-    /// them that answers when it does not.
+    /// them that answers when it does not. Endpoints marked silent are
+    /// tried only after all the others.
     async fn bootstrap_conn(&self) -> Result<Arc<Conn>, ClientError> {
         use std::sync::atomic::Ordering;
         let all = &self.inner.bootstraps;
         let first = self.inner.current.load(Ordering::Relaxed);
+        let order = (0..all.len()).map(|i| (first + i) % all.len());
+        let (quiet, heard): (Vec<usize>, Vec<usize>) =
+            order.partition(|&at| self.inner.silent.is_marked(&all[at]));
         let mut failed = None;
-        for i in 0..all.len() {
-            let at = (first + i) % all.len();
+        for at in heard.into_iter().chain(quiet) {
             match self.conn(&all[at]).await {
                 Ok(c) => {
                     self.inner.current.store(at, Ordering::Relaxed);
                     return Ok(c);
                 }
-                Err(e @ ClientError::Io { .. }) => failed = Some(e),
+                Err(e @ ClientError::Io { .. }) => {
+                    self.inner.silent.mark(&all[at]);
+                    failed = Some(e);
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -653,9 +664,21 @@ impl Client {
         min_revision: u64,
     ) -> Result<RouteInfo, ClientError> {
         check_name_len(journal)?;
-        let conn = self.bootstrap_conn().await?;
-        let meta = wire::encode_route(journal, min_revision);
-        let reply = unary(&conn, Op::ROUTE, meta.into(), Bytes::new()).await?;
+        let meta = Bytes::from(wire::encode_route(journal, min_revision));
+        // A bootstrap broker that stopped answering is passed over.
+        let mut tries = self.inner.bootstraps.len();
+        let (conn, reply) = loop {
+            let conn = self.bootstrap_conn().await?;
+            match unary(&conn, Op::ROUTE, meta.clone(), Bytes::new()).await {
+                Err(ClientError::Io { .. }) if tries > 1 => {
+                    tries -= 1;
+                    self.inner.silent.mark(&conn.endpoint);
+                    self.pass_over_bootstrap();
+                }
+                r => break (conn, r?),
+            }
+        };
+        self.inner.silent.clear(&conn.endpoint);
         let info: RouteInfo = admin_json(&conn, Op::ROUTE, reply)?;
         self.saw_route_revision(journal, info.revision);
         Ok(info)
@@ -692,31 +715,80 @@ impl Client {
                 endpoint: Some(e),
                 revision,
             }) => (e, revision),
-            _ => {
-                let route = self.route(journal).await?;
-                let target = if self.inner.options.pinned && !route.local_endpoint.is_empty() {
-                    &route.local_endpoint
-                } else {
-                    &route.endpoint
-                };
-                let endpoint = reachable_endpoint(target, self.current_bootstrap());
-                let mut routes = lock(&self.inner.routes);
-                if !routes.contains_key(journal) && routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
-                    routes.clear();
-                }
-                let r = routes.entry(journal.to_string()).or_default();
-                r.endpoint = Some(endpoint.clone());
-                r.revision = r.revision.max(route.revision);
-                (endpoint, r.revision)
-            }
+            _ => self.look_up(journal).await?,
         };
         match self.conn(&endpoint).await {
             Ok(c) => Ok((c, revision)),
             Err(e) => {
                 self.forget_route(journal);
+                self.inner.silent.mark(&endpoint);
                 Err(e)
             }
         }
+    }
+
+    /// Asks where `journal`'s requests go and caches the answer; a route
+    /// naming a broker this client stopped hearing from is asked again
+    /// until it moves (see [`silent`]).
+    async fn look_up(&self, journal: &str) -> Result<(String, u64), ClientError> {
+        let mut route = self.route(journal).await?;
+        let pinned = self.inner.options.pinned && !route.local_endpoint.is_empty();
+        if !pinned {
+            let at = reachable_endpoint(&route.endpoint, self.current_bootstrap());
+            if self.inner.silent.is_marked(&at) {
+                route = self.route_away_from(journal, &at, route).await;
+            }
+        }
+        let target = if pinned {
+            &route.local_endpoint
+        } else {
+            &route.endpoint
+        };
+        let endpoint = reachable_endpoint(target, self.current_bootstrap());
+        let mut routes = lock(&self.inner.routes);
+        if !routes.contains_key(journal) && routes.len() >= ROUTE_CACHE_JOURNALS_MAX {
+            routes.clear();
+        }
+        let r = routes.entry(journal.to_string()).or_default();
+        r.endpoint = Some(endpoint.clone());
+        r.revision = r.revision.max(route.revision);
+        Ok((endpoint, r.revision))
+    }
+
+    /// Asks `journal`'s route again every [`SILENT_ROUTE_POLL`] while it
+    /// names `silent`, an endpoint marked silent, and returns the first
+    /// that names another; `silent`'s route (`route`) once it answers a
+    /// PING or once [`silent::Silent::wait_limit`] has passed since its
+    /// mark (its mark is then cleared, so it is tried).
+    #[allow(clippy::disallowed_methods)] // A wait on tokio's clock, as the silence limit is.
+    async fn route_away_from(&self, journal: &str, silent: &str, route: RouteInfo) -> RouteInfo {
+        let limit = silent::Silent::wait_limit(self.inner.options.silence);
+        let since = self.inner.silent.since(silent);
+        let give_up = since.unwrap_or_else(tokio::time::Instant::now) + limit;
+        loop {
+            if let Ok(r) = self.route(journal).await {
+                if reachable_endpoint(&r.endpoint, self.current_bootstrap()) != silent {
+                    return r;
+                }
+            }
+            match tokio::time::timeout(SILENT_ROUTE_POLL, self.ping_endpoint(silent)).await {
+                Ok(Ok(())) => break,
+                Ok(Err(_)) => tokio::time::sleep(SILENT_ROUTE_POLL).await,
+                Err(_) => {}
+            }
+            if tokio::time::Instant::now() >= give_up {
+                break;
+            }
+        }
+        self.inner.silent.clear(silent);
+        route
+    }
+
+    /// PING on the connection to `endpoint`.
+    async fn ping_endpoint(&self, endpoint: &str) -> Result<(), ClientError> {
+        let conn = self.conn(endpoint).await?;
+        let reply = unary(&conn, Op::PING, Bytes::new(), Bytes::new()).await?;
+        expect_op(&conn, Op::PING, &reply, Op::PONG)
     }
 
     /// Drops a cached route's endpoint after a connection failure (the
@@ -746,8 +818,12 @@ impl Client {
                         | Status::WRONG_ROUTE
                 )
             );
-            if moved || matches!(e, ClientError::Io { .. }) {
+            if moved {
                 self.forget_route(journal);
+            }
+            if let ClientError::Io { endpoint, .. } = e {
+                self.forget_route(journal);
+                self.inner.silent.mark(endpoint);
             }
         }
         r
@@ -2013,6 +2089,98 @@ mod tests {
             "probed again after each answer: {pings:?}"
         );
         assert!(pings.iter().all(|&id| id == u64::MAX));
+    }
+
+    /// A fake bootstrap broker answering ROUTE for any journal: its first
+    /// `first_n` answers name `first`, the rest `then`. Returns its address
+    /// and how many ROUTEs it answered.
+    async fn router(first: String, first_n: usize, then: String) -> (String, Arc<Mutex<usize>>) {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let asked = Arc::new(Mutex::new(0usize));
+        let count = asked.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut sock, _) = listener.accept().await.unwrap();
+                let (first, then, count) = (first.clone(), then.clone(), count.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    while let Some((op, id, payload)) = next_frame(&mut sock, &mut buf).await {
+                        let mut out = Vec::new();
+                        if op == Op::PING {
+                            wire::encode_frame(
+                                &mut out,
+                                Op::PONG,
+                                0,
+                                Status::OK,
+                                id,
+                                &[],
+                                &payload,
+                            );
+                        } else {
+                            assert_eq!(op, Op::ROUTE);
+                            let n = {
+                                let mut c = lock(&count);
+                                *c += 1;
+                                *c
+                            };
+                            let endpoint = if n <= first_n { &first } else { &then };
+                            let body = serde_json::json!({
+                                "journal": "j", "shard": 0, "shards": 1, "endpoint": endpoint,
+                            });
+                            let body = serde_json::to_vec(&body).unwrap();
+                            wire::encode_frame(
+                                &mut out,
+                                Op::ADMIN_REPLY,
+                                0,
+                                Status::OK,
+                                id,
+                                &[],
+                                &body,
+                            );
+                        }
+                        sock.write_all(&out).await.unwrap();
+                    }
+                });
+            }
+        });
+        (addr, asked)
+    }
+
+    /// A journal whose primary went silent: while the route still names
+    /// it, the client asks the route again (and PINGs the silent broker)
+    /// instead of sending it the request again, and goes where the route
+    /// moves to.
+    #[tokio::test]
+    async fn a_route_naming_a_silent_broker_is_asked_again_until_it_moves() {
+        let (silent, pings) = silent_broker(false).await;
+        let (next, _) = silent_broker(true).await;
+        let (addr, asked) = router(silent.clone(), 4, next.clone()).await;
+        // Long enough that the wait for the route never reaches its limit.
+        let client = Client::connect_with(&addr, quick(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        client.inner.silent.mark(&silent);
+        let (conn, _) = client.journal_conn("j").await.unwrap();
+        assert_eq!(conn.endpoint, next, "the route moved to the other broker");
+        assert_eq!(*lock(&asked), 5, "asked until the fifth answer moved");
+        let pings = lock(&pings).clone();
+        assert!(
+            (1..=4).contains(&pings.len()),
+            "the silent broker got PINGs only, one per answer naming it: {pings:?}"
+        );
+        assert!(client.inner.silent.is_marked(&silent), "it never answered");
+        // A silent broker that answers a PING is used again.
+        let (back, _) = silent_broker(true).await;
+        let (addr, _) = router(back.clone(), usize::MAX, next).await;
+        let client = Client::connect_with(&addr, quick(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        client.inner.silent.mark(&back);
+        let (conn, _) = client.journal_conn("j").await.unwrap();
+        assert_eq!(conn.endpoint, back);
+        assert!(!client.inner.silent.is_marked(&back));
     }
 
     /// An idle connection (nothing waiting) is not probed.
