@@ -1732,3 +1732,94 @@ async fn fragments_of_a_long_history_come_in_pages() {
     }
     assert_eq!(paged, all);
 }
+
+/// A broker that lost its disk refuses plain appends below its store's
+/// history, and (as in Gazette) an append naming exactly the history's end
+/// as its offset moves the head there and commits; any other offset is the
+/// wrong one. The moved head outlives a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_store_an_explicit_offset_at_the_history_end_moves_the_head() {
+    let store = TestStore::file();
+    let name = "hist/explicit";
+    let spec = spec(name, &store, Codec::None, 8 << 10);
+    let mut broker = broker_for(&store, &[]);
+    let mut expected = Vec::new();
+    {
+        let client = broker.client().await;
+        apply(&client, &spec).await;
+        for k in 0..12u32 {
+            let c = content(k, 900 + 77 * k as usize);
+            append(&client, name, &c).await;
+            expected.extend_from_slice(&c);
+        }
+    }
+    broker.stop_graceful();
+    let head = expected.len() as u64;
+    check_against(&wait_store_covers(&store, name, head).await, &expected);
+    broker.wipe_data();
+    broker.start_again();
+    let client = broker.client().await;
+    apply(&client, &spec).await;
+
+    let at = |offset: Option<u64>| AppendRequest {
+        expect_offset: offset,
+        ..req(name)
+    };
+    let deadline = Instant::now() + WAIT;
+    let plain = loop {
+        match client.append(&at(None), b"plain".to_vec()).await {
+            Ok(r) => panic!("a plain append below the history committed at {r:?}"),
+            Err(e) if e.status() == Some(Status::FRAGMENT_STORE_UNHEALTHY) => {
+                assert!(Instant::now() < deadline, "store never listed: {e}");
+                tokio::time::sleep(POLL).await;
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(
+        plain.status(),
+        Some(Status::INDEX_HAS_GREATER_OFFSET),
+        "{plain}"
+    );
+    assert!(
+        plain
+            .to_string()
+            .contains(&format!("append with offset {head}")),
+        "{plain}"
+    );
+    for wrong in [0, head - 1, head + 1] {
+        let e = client
+            .append(&at(Some(wrong)), b"wrong".to_vec())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.status(),
+            Some(Status::WRONG_APPEND_OFFSET),
+            "{wrong}: {e}"
+        );
+    }
+    let r = client
+        .append(&at(Some(head)), b"at the end".to_vec())
+        .await
+        .unwrap();
+    assert_eq!((r.begin, r.end), (head, head + 10));
+    expected.extend_from_slice(b"at the end");
+    let r = append(&client, name, b"+plain").await;
+    assert_eq!(r.begin, head + 10);
+    expected.extend_from_slice(b"+plain");
+
+    drop(client);
+    tokio::task::block_in_place(|| broker.restart());
+    let client = broker.client().await;
+    let r = append(&client, name, b"+after").await;
+    assert_eq!(r.begin, head + 16, "the moved head outlived the restart");
+    expected.extend_from_slice(b"+after");
+    assert!(read_proxied(&client, name, 0).await == expected);
+    client.seal(name).await.unwrap();
+    drop(client);
+    broker.stop_graceful();
+    check_against(
+        &wait_store_covers(&store, name, expected.len() as u64).await,
+        &expected,
+    );
+}

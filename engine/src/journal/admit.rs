@@ -76,6 +76,10 @@ pub enum Admission {
     AwaitPeers { again: bool },
     /// Wait until `until`, when the journal's rate lets a byte go again.
     AwaitRate { until: Instant },
+    /// Move the write head forward to `to`, the end of the fragment index,
+    /// then stage again in this turn: an append asked for exactly that
+    /// offset.
+    ResetHead { to: u64 },
     /// Go on: start staging the append (or, for [`Next::Journal`], the
     /// journal's appends).
     Stage,
@@ -199,7 +203,7 @@ fn admit_append(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>, now: Instan
             };
         }
         if jm.has_stores() {
-            if let Some(a) = admit_stores(jm, shard) {
+            if let Some(a) = admit_stores(jm, op.req.expect_offset, shard) {
                 return a;
             }
         }
@@ -233,9 +237,11 @@ fn admit_append(jm: &Journal, op: &AppendOp, shard: &AdmitShard<'_>, now: Instan
     Admission::Stage
 }
 
-/// The rules of a client's append to a journal with stores: its index is
-/// listed, ends within the write head, and uploads keep up.
-fn admit_stores(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
+/// The rules of a client's append to a journal with stores (`expect`: the
+/// offset it asks for, if any): its index is listed, ends within the write
+/// head (or the append asks for exactly the index's end, which moves the
+/// head there), and uploads keep up.
+fn admit_stores(jm: &Journal, expect: Option<u64>, shard: &AdmitShard<'_>) -> Option<Admission> {
     if !jm.index.loaded {
         return Some(match &jm.index.error {
             // Wait for the first listing: the store may hold offsets
@@ -251,11 +257,7 @@ fn admit_stores(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
     }
     let remote_end = jm.index.remote_end();
     if remote_end > jm.heads.staged_head() {
-        let message = format!(
-            "the fragment index ends at {remote_end}, beyond the write head {}; run `rotary journals reset-head {}`",
-            jm.heads.staged_head(), jm.name
-        );
-        return Some(refuse(Status::INDEX_HAS_GREATER_OFFSET, message));
+        return Some(beyond_head(jm, remote_end, expect));
     }
     if shard.unuploaded_bytes > shard.spool_budget_bytes {
         let cause = shard.store_error.unwrap_or(
@@ -268,6 +270,38 @@ fn admit_stores(jm: &Journal, shard: &AdmitShard<'_>) -> Option<Admission> {
         return Some(refuse(Status::FRAGMENT_STORE_UNHEALTHY, message));
     }
     None
+}
+
+/// An append to a journal whose fragment index ends at `remote_end`,
+/// beyond its write head (history this broker's copy lacks: consistency
+/// was lost, or the broker started on an empty disk). As in Gazette, an
+/// append without an offset is refused, one asking for another offset
+/// than `remote_end` too, and one asking for exactly `remote_end` moves the
+/// head there first.
+fn beyond_head(jm: &Journal, remote_end: u64, expect: Option<u64>) -> Admission {
+    let head = jm.heads.staged_head();
+    match expect {
+        None => refuse(
+            Status::INDEX_HAS_GREATER_OFFSET,
+            format!(
+                "the fragment index ends at {remote_end}, beyond the write head {head}; run `rotary journals reset-head {}`, or append with offset {remote_end}",
+                jm.name
+            ),
+        ),
+        Some(o) if o != remote_end => refuse(
+            Status::WRONG_APPEND_OFFSET,
+            format!(
+                "expected offset {o} but the journal ends at {remote_end} (its fragment index, beyond the write head {head})"
+            ),
+        ),
+        Some(_) if jm.index.reset_asked == Some(remote_end) => refuse(
+            Status::INDEX_HAS_GREATER_OFFSET,
+            format!(
+                "the write head {head} could not be moved to the fragment index's end {remote_end}; see the broker's log"
+            ),
+        ),
+        Some(_) => Admission::ResetHead { to: remote_end },
+    }
 }
 
 fn refuse(status: Status, message: String) -> Admission {
@@ -453,6 +487,25 @@ mod tests {
             status(client(&j)),
             (Status::INDEX_HAS_GREATER_OFFSET, false)
         );
+        // An explicit offset other than the index's end is the wrong one
+        // (the head, too); exactly the end moves the head there, once.
+        let at = |j: &Journal, offset: u64| {
+            let mut a = op(false);
+            a.req.expect_offset = Some(offset);
+            start(j, &a, &primary())
+        };
+        assert_eq!(status(at(&j, 100)), (Status::WRONG_APPEND_OFFSET, false));
+        assert_eq!(status(at(&j, 199)), (Status::WRONG_APPEND_OFFSET, false));
+        assert_eq!(at(&j, 200), Admission::ResetHead { to: 200 });
+        j.index.reset_asked = Some(200);
+        assert_eq!(
+            status(at(&j, 200)),
+            (Status::INDEX_HAS_GREATER_OFFSET, false),
+            "a head that did not move is not asked to again"
+        );
+        j.set_staged_head(200);
+        assert_eq!(at(&j, 200), Admission::Stage);
+        assert_eq!(client(&j), Admission::Stage);
     }
 
     #[test]

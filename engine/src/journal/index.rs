@@ -111,6 +111,14 @@ pub struct Index {
     /// Requests to move the write head to the end of the index, answered
     /// by `Shard::reset_head` (the flusher calls it).
     pub(crate) reset_waiters: Vec<(Rc<Outbox>, u64)>,
+    /// An append with an explicit offset asked for the head to move to
+    /// this end of the index (Gazette's roll of the pipeline to an
+    /// explicit offset): `Shard::reset_head` moves it once the queue is
+    /// idle, and an append that finds the head still short of the same
+    /// end is refused rather than asking again.
+    pub(crate) reset_asked: Option<u64>,
+    /// `reset_asked` is yet to be carried out.
+    pub(crate) reset_pending: bool,
     /// The furthest end of a fragment this broker pruned: history below it
     /// that no fragment holds is gone on purpose, and reads jump it at
     /// once (see [`Jump::pruned`]).

@@ -955,7 +955,7 @@ impl Shard {
         }
         let reset = {
             let jm = j.borrow();
-            !jm.index.reset_waiters.is_empty()
+            (!jm.index.reset_waiters.is_empty() || jm.index.reset_pending)
                 && jm.queue.active.is_none()
                 && jm.queue.staged.is_empty()
         };

@@ -750,7 +750,8 @@ impl Shard {
     /// broker restarted on an empty disk), sealing the open spool first.
     pub(super) async fn reset_head(&self, j: &JournalRef) {
         let (loaded, error) = {
-            let jm = j.borrow();
+            let mut jm = j.borrow_mut();
+            jm.index.reset_pending = false;
             (jm.index.loaded, jm.index.error.clone())
         };
         if !loaded {

@@ -327,6 +327,11 @@ impl Shard {
                 }
                 Some(false)
             }
+            Admission::ResetHead { to } => {
+                jm.index.reset_asked = Some(to);
+                jm.index.reset_pending = true;
+                Some(true)
+            }
             Admission::AwaitRate { until } => {
                 metrics::add(&self.metrics.rate_waits, 1);
                 if !jm.queue.rate_timer {
