@@ -13,8 +13,10 @@
 //! A [`Fault`] strikes the route of the first journal (its primary, a
 //! replica, or both), etcd, or every broker in turn, `rounds` times; after
 //! each, the cluster is healed and the run waits until every journal has
-//! an append acknowledged again. Then the writers stop and [`check`] looks
-//! at every member's own copy and at the store's files.
+//! an append acknowledged again. Then the writers stop, each journal takes
+//! one last append once its route settled (which synchronizes a member
+//! that joined after the writers' last append), and [`check`] looks at
+//! every member's own copy and at the store's files.
 //!
 //! The outcome ([`Outcome`]) counts acknowledged and failed appends, the
 //! longest gap between two acknowledgements of a journal, and the
@@ -335,7 +337,9 @@ async fn run_on(
         // The faulted brokers have a moment to do whatever they would do.
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let log = writers.finish().await;
+    let mut log = writers.finish().await;
+    let (longest_gap_ms, longest_gap_journal) = longest_gap(&log);
+    last_appends(cluster, &admin, &mut log).await?;
 
     let journals: Vec<check::Journal> = JOURNALS
         .iter()
@@ -350,7 +354,6 @@ async fn run_on(
     for bad in &log.bad_acks {
         v.add("bad ack", bad.clone());
     }
-    let (longest_gap_ms, longest_gap_journal) = longest_gap(&log);
     Ok(Outcome {
         fault,
         rounds,
@@ -368,6 +371,53 @@ async fn run_on(
             .collect(),
         logs: dir.display().to_string(),
     })
+}
+
+/// The writer id of [`last_appends`]' records.
+const LAST_WRITER: u32 = u32::MAX;
+
+/// One more append to each journal once its route settled, logged with the
+/// writers' acks. A broker that joined a journal's route after its last
+/// append holds what it missed only once the primary synchronizes it, at
+/// the next append; after this one every member of the route must hold
+/// every acknowledged append, and the checks hold each to it.
+async fn last_appends(
+    cluster: &Cluster,
+    client: &rotary_net::client::Client,
+    log: &mut load::Log,
+) -> anyhow::Result<()> {
+    for (i, (name, r)) in JOURNALS.iter().enumerate() {
+        cluster.settled(name, *r, SETTLE_TIMEOUT).await?;
+        let content = load::record(LAST_WRITER, 0, load::RECORD_HEADER_LEN + 64);
+        let req = rotary_net::wire::AppendRequest {
+            journal: name.to_string(),
+            ..Default::default()
+        };
+        let sent = Instant::now();
+        let reply = client
+            .append(&req, content.clone())
+            .await
+            .with_context(|| format!("the last append to {name}"))?;
+        if reply.sha1 != load::sha1(&content) || reply.end - reply.begin != content.len() as u64 {
+            log.bad_acks.push(format!(
+                "{name}: the last append acknowledged at [{}, {}) with SHA-1 {}",
+                reply.begin,
+                reply.end,
+                load::hex(&reply.sha1)
+            ));
+        }
+        log.acks.push(load::Ack {
+            journal: i,
+            writer: LAST_WRITER,
+            seq: 0,
+            begin: reply.begin,
+            end: reply.end,
+            sha1: reply.sha1,
+            sent,
+            acked: Instant::now(),
+        });
+    }
+    Ok(())
 }
 
 /// The longest time between consecutive acknowledgements of one journal.
