@@ -468,6 +468,77 @@ async fn blocking_tail_is_woken_by_a_later_append() {
     assert_eq!(got, want);
 }
 
+/// The one READ_DONE of a metadata-only read: status, offset, write head.
+async fn only_done(s: &mut rotary_net::client::ReadStream) -> (Status, u64, u64) {
+    match s.next().await {
+        Some(Ok(ReadEvent::Done(d))) => (d.status, d.offset, d.write_head),
+        other => panic!("a metadata read answers READ_DONE only: {other:?}"),
+    }
+}
+
+/// A metadata-only read below the head answers at once; at the head it
+/// answers OFFSET_NOT_YET_AVAILABLE with the head, or, blocking, waits for
+/// the next commit and then answers once (as Gazette's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_metadata_read_at_the_head_answers_at_the_next_commit() {
+    use rotary_net::client::ReadOptions;
+    let broker = Broker::start();
+    let client = broker.client().await;
+    let j = "e2e/meta/block";
+    create_journal(&client, j, |_| {}).await;
+    client.append(&append_req(j), b"abc".to_vec()).await.unwrap();
+    let at = |offset: Option<u64>| ReadRequest {
+        journal: j.into(),
+        offset,
+        end_offset: None,
+        route_revision: 0,
+    };
+    let meta = |block: bool| ReadOptions {
+        block,
+        metadata_only: true,
+        do_not_proxy: false,
+    };
+    let mut s = client.read_with(&at(Some(1)), meta(false)).await.unwrap();
+    assert_eq!(only_done(&mut s).await, (Status::OK, 1, 3));
+    let mut s = client.read_with(&at(Some(1)), meta(true)).await.unwrap();
+    assert_eq!(only_done(&mut s).await, (Status::OK, 1, 3));
+    let mut s = client.read_with(&at(None), meta(false)).await.unwrap();
+    assert_eq!(
+        only_done(&mut s).await,
+        (Status::OFFSET_NOT_YET_AVAILABLE, 3, 3)
+    );
+
+    let mut waiting = client.read_with(&at(None), meta(true)).await.unwrap();
+    let mut past = client.read_with(&at(Some(4)), meta(true)).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), waiting.next())
+            .await
+            .is_err(),
+        "nothing answers before a commit"
+    );
+    client.append(&append_req(j), b"d".to_vec()).await.unwrap();
+    assert_eq!(only_done(&mut waiting).await, (Status::OK, 3, 4));
+    assert!(waiting.next().await.is_none(), "answered once");
+    client.append(&append_req(j), b"e".to_vec()).await.unwrap();
+    assert_eq!(only_done(&mut past).await, (Status::OK, 4, 5));
+
+    // The CLI prints the head for a read "at the head" either way.
+    let (code, out, err) = run_cli(
+        broker.cli(&["read", j, "--offset", "head", "--metadata"]),
+        b"",
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v, serde_json::json!({"offset": 5, "write_head": 5}));
+    let (code, out, err) = run_cli(
+        broker.cli(&["read", j, "--offset", "2", "--metadata", "--block"]),
+        b"",
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v, serde_json::json!({"offset": 2, "write_head": 5}));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn journals_apply_list_delete_through_the_cli() {
     let broker = Broker::start();

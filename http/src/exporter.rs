@@ -460,7 +460,13 @@ async fn gather(state: &State) -> Gathered {
             let mut s = client.read_with(&req, opts).await.ok()?;
             while let Some(e) = s.next().await {
                 if let Ok(rotary_net::client::ReadEvent::Done(d)) = e {
-                    return (d.status == rotary_net::Status::OK).then_some((name, d.write_head));
+                    // A read "at the head" is answered OFFSET_NOT_YET_AVAILABLE,
+                    // with the head.
+                    let known = matches!(
+                        d.status,
+                        rotary_net::Status::OK | rotary_net::Status::OFFSET_NOT_YET_AVAILABLE
+                    );
+                    return known.then_some((name, d.write_head));
                 }
             }
             None

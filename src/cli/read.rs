@@ -25,7 +25,9 @@ pub(super) struct ReadArgs {
     /// Wait at the write head for more content (until --end-offset, if given).
     #[arg(long = "block")]
     block: bool,
-    /// Print `{"offset":…,"write_head":…}` instead of content.
+    /// Print `{"offset":…,"write_head":…}` instead of content. With
+    /// --block and an offset at or past the write head, waits for the
+    /// commit that moves the head past it.
     #[arg(long = "metadata")]
     metadata: bool,
     /// Let the broker stream history held in fragment stores, instead of
@@ -151,7 +153,7 @@ async fn open(args: &ReadArgs, req: &ReadRequest) -> Result<Reader, CliError> {
     };
     Ok(if args.proxy || args.metadata {
         let options = rotary_net::client::ReadOptions {
-            block: args.block && !args.metadata,
+            block: args.block,
             metadata_only: args.metadata,
             do_not_proxy: args.pin,
         };

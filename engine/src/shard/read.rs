@@ -135,7 +135,7 @@ impl Shard {
         let head = call.j.borrow().read_head();
         let mut offset = call.ask.req.offset.unwrap_or(head);
         if call.ask.flags & rotary_net::wire::flag::METADATA_ONLY != 0 {
-            return call.done(Status::OK, offset, head, "");
+            return call.metadata(offset, head).await;
         }
         if !call.block() && offset >= head {
             return call.done(
@@ -477,6 +477,38 @@ impl ReadCall<'_> {
             ))
         } else {
             None
+        }
+    }
+
+    /// A metadata-only read at `offset` (`head` the read head when it
+    /// came): answered at once below the head; at or past it, a read that
+    /// does not block ends `OFFSET_NOT_YET_AVAILABLE`, and a blocking one
+    /// waits until a commit moves the head past `offset`, then answers
+    /// once (Gazette's metadata-only read of an offset not yet written).
+    async fn metadata(&self, offset: u64, head: u64) {
+        if offset < head {
+            return self.done(Status::OK, offset, head, "");
+        }
+        if !self.block() {
+            let msg = format!("offset {offset} is not before the write head {head}");
+            return self.done(Status::OFFSET_NOT_YET_AVAILABLE, offset, head, &msg);
+        }
+        loop {
+            let wakeup = self.wakeup();
+            let (head, deleted) = {
+                let jm = self.j.borrow();
+                (jm.read_head(), jm.deleted)
+            };
+            if deleted {
+                return self.done(Status::JOURNAL_NOT_FOUND, offset, head, "journal was deleted");
+            }
+            if head > offset {
+                return self.done(Status::OK, offset, head, "");
+            }
+            if self.ended(head) {
+                return;
+            }
+            wakeup.await;
         }
     }
 
