@@ -486,7 +486,10 @@ async fn a_blocking_metadata_read_at_the_head_answers_at_the_next_commit() {
     let client = broker.client().await;
     let j = "e2e/meta/block";
     create_journal(&client, j, |_| {}).await;
-    client.append(&append_req(j), b"abc".to_vec()).await.unwrap();
+    client
+        .append(&append_req(j), b"abc".to_vec())
+        .await
+        .unwrap();
     let at = |offset: Option<u64>| ReadRequest {
         journal: j.into(),
         offset,

@@ -206,9 +206,14 @@ async fn request_statuses() {
         Status::JOURNAL_NOT_FOUND
     );
 
-    // Read-only refuses appends; write-only refuses reads.
+    // Read-only refuses appends (a zero-byte one too, as documented);
+    // write-only refuses reads.
     assert_eq!(
         status_of(client.append(&req(ro), b"x".to_vec()).await),
+        Status::NOT_ALLOWED
+    );
+    assert_eq!(
+        status_of(client.append(&req(ro), Vec::new()).await),
         Status::NOT_ALLOWED
     );
     let r = client

@@ -290,7 +290,10 @@ async fn read(
     // At or past the head the broker answers OFFSET_NOT_YET_AVAILABLE
     // with the offset and the head: decided on below, as a read's start.
     let at_head = done.status == rotary_net::Status::OFFSET_NOT_YET_AVAILABLE;
-    if let Err(e) = done.check().or_else(|e| if at_head { Ok(()) } else { Err(e) }) {
+    if let Err(e) = done
+        .check()
+        .or_else(|e| if at_head { Ok(()) } else { Err(e) })
+    {
         let mut r = error_response(&e);
         if done.write_head != 0 {
             header(&mut r, WRITE_HEAD, done.write_head);

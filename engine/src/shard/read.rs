@@ -500,7 +500,12 @@ impl ReadCall<'_> {
                 (jm.read_head(), jm.deleted)
             };
             if deleted {
-                return self.done(Status::JOURNAL_NOT_FOUND, offset, head, "journal was deleted");
+                return self.done(
+                    Status::JOURNAL_NOT_FOUND,
+                    offset,
+                    head,
+                    "journal was deleted",
+                );
             }
             if head > offset {
                 return self.done(Status::OK, offset, head, "");
