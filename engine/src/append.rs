@@ -15,13 +15,16 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A streamed append idle this long is rolled back.
+/// A streamed append idle this long is rolled back (with the minimum
+/// append rate off; with it, a stalled append ends within about a second).
 pub const APPEND_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-/// A streamed append that another append has waited behind this long ...
-pub const APPEND_BLOCKING_TIMEOUT: Duration = Duration::from_secs(30);
-/// ... is rolled back if it has sent less than this many bytes per second
-/// since it began: a trickle must not hold a journal from everyone else.
-pub const APPEND_MIN_RATE: u64 = 1 << 20;
+/// Default of `ServeConfig::min_append_rate`: bytes per second a client
+/// must stream an append at while it holds its journal.
+pub const MIN_APPEND_RATE_DEFAULT: u64 = 1 << 20;
+/// The credit a streaming append starts with, and the most it may bank, in
+/// seconds of the minimum rate: a client falling this far behind the rate
+/// is cut off (Gazette's one second of burst).
+pub const MIN_RATE_CREDIT: Duration = Duration::from_secs(1);
 
 /// Content of one frame: a buffer and the range of it that is payload.
 pub struct Chunk {
@@ -46,14 +49,6 @@ pub enum AppendSha {
 }
 
 impl AppendSha {
-    /// Bytes of the append hashed so far (or sent to the hasher).
-    pub fn hashed(&self) -> u64 {
-        match self {
-            AppendSha::Inline(sha) => sha.len(),
-            AppendSha::Offloaded(o) => o.hashed(),
-        }
-    }
-
     /// The append is whole: its digest, now or once the hasher has it.
     pub fn finish(self) -> Digest {
         match self {
@@ -79,7 +74,7 @@ pub enum AbortReason {
     Closed,
     /// Idle too long: reply APPEND_TIMEOUT.
     Timeout,
-    /// Too slow while others waited behind it: reply APPEND_TIMEOUT.
+    /// Streamed below the minimum append rate: reply APPEND_TIMEOUT.
     TooSlow,
     /// The broker is stopping and the append was still streaming: reply
     /// SHUTTING_DOWN.
@@ -100,7 +95,7 @@ impl AbortReason {
             AbortReason::Timeout => Some((Status::APPEND_TIMEOUT, "append idle too long; rolled back")),
             AbortReason::TooSlow => Some((
                 Status::APPEND_TIMEOUT,
-                "append streamed under 1 MiB/s while another append waited 30 s behind it; rolled back",
+                "the append's content arrived below the broker's minimum append rate (--min-append-rate) for a second; rolled back",
             )),
             AbortReason::ShuttingDown => Some((
                 Status::SHUTTING_DOWN,
@@ -127,6 +122,8 @@ pub struct AppendOp {
     /// The reply was sent (the connection discards later chunks).
     pub finished: Cell<bool>,
     pub last_activity: Cell<Instant>,
+    /// Content bytes that arrived (queued in `chunks` or staged since).
+    pub received: Cell<u64>,
     /// When its first frame arrived (the append latency's start).
     pub arrived: Instant,
     /// Bytes queued in `chunks`, charged to the connection's budget.
@@ -243,6 +240,7 @@ impl AppendOp {
             aborted: Cell::new(None),
             finished: Cell::new(false),
             last_activity: Cell::new(now),
+            received: Cell::new(0),
             arrived: now,
             budget,
             replica: None,
@@ -306,31 +304,71 @@ pub struct Active {
     pub chunk_pos: usize,
     /// Sequence number on the journal's pipelines (primaries with replicas).
     pub seq: u64,
-    /// When it began to be staged.
-    pub started: Instant,
+    /// Its credit against the minimum append rate.
+    pub flow: Flow,
     /// Keeps its connection read while it holds the journal.
     pub _streaming: crate::budget::Streaming,
 }
 
 impl Active {
-    /// Whether this append, still streaming, has held the journal from an
-    /// append waiting behind it too long while sending too slowly.
-    /// `max_rate` is the journal's `max_append_rate` (0: none): an append
-    /// that sends at least half of it is never too slow.
-    pub fn holds_up(&self, waiting: Option<&AppendOp>, max_rate: u64) -> bool {
-        let Some(waiting) = waiting else {
+    /// Whether this client's append, still streaming, fell more than
+    /// [`MIN_RATE_CREDIT`] behind `min_rate` (bytes per second; 0: never)
+    /// by `now`. Time counts against it only while none of its bytes wait
+    /// on the broker's side (queued chunks: the journal's rate, or staging,
+    /// hold it back, not the client).
+    pub fn too_slow(&mut self, min_rate: u64, now: Instant) -> bool {
+        let op = &self.op;
+        if min_rate == 0 || op.complete.get() || op.replica.is_some() {
             return false;
+        }
+        let waiting = !op.chunks.borrow().is_empty();
+        self.flow.check(op.received.get(), waiting, min_rate, now)
+    }
+}
+
+/// The credit of a streaming append against the minimum append rate: it
+/// earns each byte that arrives and spends `min_rate` per second, between
+/// zero and [`MIN_RATE_CREDIT`] of the rate, which it starts with.
+#[derive(Clone, Copy, Debug)]
+pub struct Flow {
+    /// When it was last checked, and the append's bytes then.
+    at: Instant,
+    received: u64,
+    /// Bytes of credit (negative: cut off).
+    credit: f64,
+    /// The rate it was started at: the first check fills the credit.
+    started: bool,
+}
+
+impl Flow {
+    pub fn new(now: Instant) -> Flow {
+        Flow {
+            at: now,
+            received: 0,
+            credit: 0.0,
+            started: false,
+        }
+    }
+
+    /// Settles the credit at `now` for `received` bytes in all; true once
+    /// it is spent. `waiting`: bytes wait on the broker, so the time since
+    /// the last check is not charged.
+    pub fn check(&mut self, received: u64, waiting: bool, min_rate: u64, now: Instant) -> bool {
+        let full = min_rate as f64 * MIN_RATE_CREDIT.as_secs_f64();
+        if !self.started {
+            self.started = true;
+            self.credit = full;
+        }
+        let arrived = received.saturating_sub(self.received) as f64;
+        let spent = if waiting {
+            0.0
+        } else {
+            min_rate as f64 * now.saturating_duration_since(self.at).as_secs_f64()
         };
-        let held = crate::clock::elapsed(self.started);
-        let min_rate = match max_rate {
-            0 => APPEND_MIN_RATE,
-            r => APPEND_MIN_RATE.min(r / 2),
-        };
-        !self.op.complete.get()
-            && self.op.replica.is_none()
-            && held > APPEND_BLOCKING_TIMEOUT
-            && crate::clock::elapsed(waiting.last_activity.get()) > APPEND_BLOCKING_TIMEOUT
-            && (self.sha.hashed() as f64) < min_rate as f64 * held.as_secs_f64()
+        self.credit = (self.credit + arrived - spent).min(full);
+        self.at = now;
+        self.received = received;
+        self.credit < 0.0
     }
 }
 
@@ -383,4 +421,56 @@ impl PrimaryRepl {
 pub struct SyncWaiter {
     pub sink: Rc<AckSink>,
     pub req: rotary_net::repl::SyncRequest,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RATE: u64 = 1000;
+
+    fn ms(t0: Instant, ms: u64) -> Instant {
+        t0 + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn a_stalled_append_is_cut_off_after_its_second_of_credit() {
+        let t0 = crate::clock::now();
+        let mut f = Flow::new(t0);
+        assert!(!f.check(0, false, RATE, ms(t0, 500)));
+        assert!(!f.check(0, false, RATE, ms(t0, 990)));
+        assert!(f.check(0, false, RATE, ms(t0, 1010)));
+    }
+
+    #[test]
+    fn an_append_at_the_rate_goes_on_and_one_under_it_is_cut_off() {
+        let t0 = crate::clock::now();
+        let mut at_rate = Flow::new(t0);
+        let mut half = Flow::new(t0);
+        for step in 1..=100u64 {
+            let now = ms(t0, step * 100);
+            assert!(!at_rate.check(step * 100, false, RATE, now), "at {step}");
+            if half.check(step * 50, false, RATE, now) {
+                // 500 B/s under 1000: the second of credit lasts 2 s.
+                assert_eq!(step, 21, "cut off at {} ms", step * 100);
+                return;
+            }
+        }
+        panic!("the append at half the rate was never cut off");
+    }
+
+    #[test]
+    fn credit_is_banked_for_one_second_only_and_waiting_is_not_charged() {
+        let t0 = crate::clock::now();
+        let mut f = Flow::new(t0);
+        // Ten seconds' worth at once, then nothing: cut off after one.
+        assert!(!f.check(10 * RATE, false, RATE, ms(t0, 10)));
+        assert!(!f.check(10 * RATE, false, RATE, ms(t0, 1000)));
+        assert!(f.check(10 * RATE, false, RATE, ms(t0, 1020)));
+        // Bytes that wait on the broker stop the charge, however long.
+        let mut f = Flow::new(t0);
+        assert!(!f.check(5, true, RATE, ms(t0, 60_000)));
+        assert!(!f.check(5, false, RATE, ms(t0, 60_900)));
+        assert!(f.check(5, false, RATE, ms(t0, 61_100)));
+    }
 }

@@ -179,11 +179,6 @@ impl Offloaded {
         });
     }
 
-    /// Bytes of the append hashed or sent to be.
-    pub fn hashed(&self) -> u64 {
-        self.hashed
-    }
-
     /// The append is whole: its digest arrives on the channel returned.
     pub fn finish(mut self) -> async_channel::Receiver<[u8; 20]> {
         self.finished = true;

@@ -94,6 +94,12 @@ pub struct ServeConfig {
     /// non-blocking one answers `OFFSET_NOT_YET_AVAILABLE`. Zero jumps at
     /// once.
     pub offset_jump_age: Duration,
+    /// Bytes per second a client must stream an append's content at while
+    /// the append holds its journal; one that falls a second behind is
+    /// rolled back with `APPEND_TIMEOUT`, so that a stalled client holds a
+    /// journal for about a second (Gazette's minimum append rate). Zero:
+    /// off (only `APPEND_IDLE_TIMEOUT` applies).
+    pub min_append_rate: u64,
     /// How long a primary waits for a replica's acknowledgement before it
     /// treats the replica as gone: the appends waiting on it are answered
     /// `REPLICATION_FAILED` and the pipeline is closed (and reconnected,
@@ -159,6 +165,7 @@ impl ServeConfig {
             iowq_cpus: Vec::new(),
             peer_silence: crate::conn::PEER_SILENCE_DEFAULT,
             offset_jump_age: OFFSET_JUMP_AGE_DEFAULT,
+            min_append_rate: append::MIN_APPEND_RATE_DEFAULT,
             replica_ack_timeout: crate::pipeline::ACK_TIMEOUT_DEFAULT,
             cluster: None,
             etcd: None,
@@ -675,6 +682,7 @@ fn shard_config(
         commit_log_compact_bytes: config.commit_log_compact_bytes,
         peer_silence: config.peer_silence,
         offset_jump_age: config.offset_jump_age,
+        min_append_rate: config.min_append_rate,
         replica_ack_timeout: config.replica_ack_timeout,
         ack_poll: config.ack_poll,
         clock: config.clock.clone(),

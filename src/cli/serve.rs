@@ -122,6 +122,12 @@ pub(super) struct ServeArgs {
     /// reads wait there. A duration such as 6h; 0s jumps at once.
     #[arg(long = "offset-jump-age", value_name = "DURATION", value_parser = parse_duration_arg, default_value = "6h")]
     offset_jump_age: std::time::Duration,
+    /// Bytes per second a client must stream an append at while the append
+    /// holds its journal (a journal's max_append_rate lowers it to half of
+    /// that); a client a second behind is cut off with APPEND_TIMEOUT, so a
+    /// stalled writer holds a journal for about a second. 0 turns it off.
+    #[arg(long = "min-append-rate", value_name = "BYTES", value_parser = parse_bytes, default_value = "1M")]
+    min_append_rate: u64,
     /// In a cluster: how long a primary waits for a replica to acknowledge
     /// an append before it treats the replica as gone, answers the appends
     /// waiting on it REPLICATION_FAILED and reconnects. A duration such as
@@ -349,6 +355,7 @@ fn serve_config(args: &ServeArgs, listen: SocketAddr) -> Result<ServeConfig, Cli
     config.iowq_cpus = cores(&args.iowq_cpus);
     config.peer_silence = args.peer_silence;
     config.offset_jump_age = args.offset_jump_age;
+    config.min_append_rate = args.min_append_rate;
     config.shard_slice = args.shard_slice;
     config.ack_poll = args.ack_poll;
     config.replica_ack_timeout = args.replica_ack_timeout;

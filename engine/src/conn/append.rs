@@ -172,6 +172,8 @@ impl Conn {
             return;
         }
         self.budget.charge(chunk.range.len());
+        op.received
+            .set(op.received.get() + chunk.range.len() as u64);
         op.chunks.borrow_mut().push_back(chunk);
     }
 

@@ -141,6 +141,8 @@ pub struct Shard {
     pub(crate) peer_silence: std::time::Duration,
     /// See `ServeConfig::offset_jump_age`.
     pub(crate) offset_jump_age: std::time::Duration,
+    /// See `ServeConfig::min_append_rate`.
+    min_append_rate: u64,
     /// See `ServeConfig::replica_ack_timeout`.
     replica_ack_timeout: std::time::Duration,
     /// The last snapshot taken.
@@ -272,6 +274,8 @@ pub struct ShardConfig {
     pub commit_log_compact_bytes: u64,
     pub peer_silence: std::time::Duration,
     pub offset_jump_age: std::time::Duration,
+    /// See `ServeConfig::min_append_rate`.
+    pub min_append_rate: u64,
     /// See `ServeConfig::replica_ack_timeout`.
     pub replica_ack_timeout: std::time::Duration,
     /// See `ServeConfig::ack_poll`.

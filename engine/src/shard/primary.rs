@@ -238,10 +238,16 @@ impl Shard {
         }
     }
 
-    /// Ends a streamed append that went idle, or that holds up the append
-    /// behind it at too slow a rate. True: one was aborted.
-    fn time_out_active(jm: &Journal) -> bool {
-        if let Some(a) = &jm.queue.active {
+    /// Ends a streamed append that went idle, or whose client streams it
+    /// below the minimum append rate (`min_rate`, bytes per second; 0:
+    /// off). True: one was aborted.
+    fn time_out_active(jm: &mut Journal, min_rate: u64) -> bool {
+        // A journal capped lower lets its appends go at half its cap.
+        let min_rate = match jm.queue.rate.rate() {
+            0 => min_rate,
+            cap => min_rate.min(cap / 2),
+        };
+        if let Some(a) = &mut jm.queue.active {
             // Bytes that arrived and wait (for the rate, or for
             // room) are no client's idleness.
             if crate::clock::elapsed(a.op.last_activity.get()) > APPEND_IDLE_TIMEOUT
@@ -250,14 +256,7 @@ impl Shard {
             {
                 a.op.aborted.set(Some(AbortReason::Timeout));
                 return true;
-            } else if a.holds_up(
-                jm.queue
-                    .waiting
-                    .iter()
-                    .find(|w| !Rc::ptr_eq(w, &a.op))
-                    .map(|w| &**w),
-                jm.queue.rate.rate(),
-            ) {
+            } else if a.too_slow(min_rate, crate::clock::now()) {
                 a.op.aborted.set(Some(AbortReason::TooSlow));
                 return true;
             }
@@ -357,7 +356,7 @@ impl Shard {
                 }
             }
             {
-                let jm = j.borrow();
+                let mut jm = j.borrow_mut();
                 match &role {
                     Some(Role::Primary(_)) if jm.wants_seal(now) && holds_bytes => due = true,
                     // A journal routed away from this broker: its open spool
@@ -365,7 +364,7 @@ impl Shard {
                     Some(Role::Outside(_)) if holds_bytes => due = true,
                     _ => {}
                 }
-                if Self::time_out_active(&jm) {
+                if Self::time_out_active(&mut jm, self.min_append_rate) {
                     due = true;
                 }
             }

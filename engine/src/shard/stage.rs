@@ -75,7 +75,7 @@ impl Shard {
                     sha: crate::append::AppendSha::Inline(Sha1::new()),
                     chunk_pos: 0,
                     seq,
-                    started: crate::clock::now(),
+                    flow: crate::append::Flow::new(crate::clock::now()),
                 });
             }
             if let Some(again) = self.stage_arrived(j, jm, &facts, now) {
