@@ -391,6 +391,31 @@ async fn wiped_broker_serves_history(store: TestStore, codec: Codec) {
         direct.len()
     );
     assert!(fetched >= 1, "no fragment was fetched from the store");
+    // A proxied read of history held only in the store reports where the
+    // history ends as the write head, not this broker's own (lower) head.
+    let mut s = client
+        .read(
+            &ReadRequest {
+                journal: name.to_string(),
+                offset: Some(0),
+                end_offset: Some(head / 2),
+                route_revision: 0,
+            },
+            false,
+            false,
+        )
+        .await
+        .unwrap();
+    let done = loop {
+        match s.next().await.expect("READ_DONE").unwrap() {
+            ReadEvent::Done(d) => break d,
+            _ => continue,
+        }
+    };
+    assert_eq!(
+        (done.status, done.offset, done.write_head),
+        (Status::OK, head / 2, head)
+    );
     // From the middle of a fragment, too.
     let mid = objects[objects.len() / 2].begin + 7;
     assert!(read_direct(&client, name, mid).await.0 == expected[mid as usize..]);

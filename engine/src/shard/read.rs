@@ -461,7 +461,9 @@ impl ReadCall<'_> {
 
     /// [`ReadCall::done`] at the journal's write head, then [`ReadStep::Ended`].
     fn done_at_head(&self, status: Status, offset: u64, msg: &str) -> ReadStep {
-        let head = self.j.borrow().heads.head();
+        // The end of readable history, the store's included: a broker
+        // whose head is behind its store reports where history ends.
+        let head = self.j.borrow().read_head();
         self.done(status, offset, head, msg);
         ReadStep::Ended
     }
@@ -663,7 +665,7 @@ impl ReadCall<'_> {
         };
         let (located, head, deleted) = {
             let jm = j.borrow();
-            (jm.locate(offset), jm.heads.head(), jm.deleted)
+            (jm.locate(offset), jm.read_head(), jm.deleted)
         };
         if deleted {
             self.done(
