@@ -1325,6 +1325,17 @@ impl Client {
     }
 }
 
+/// A fake broker's ROUTE answer, for tests: request `id`, `journal` owned
+/// by the one shard at `endpoint`, appended to `out`.
+#[cfg(test)]
+pub(crate) fn fake_route_reply(out: &mut Vec<u8>, id: u64, journal: &str, endpoint: &str) {
+    let body = serde_json::json!({
+        "journal": journal, "shard": 0, "shards": 1, "endpoint": endpoint,
+    });
+    let body = serde_json::to_vec(&body).expect("json");
+    wire::encode_frame(out, Op::ADMIN_REPLY, 0, Status::OK, id, &[], &body);
+}
+
 /// Replaces an unspecified host (`0.0.0.0`, `[::]`) in a routed endpoint by
 /// the host the client reached the broker at.
 fn reachable_endpoint(endpoint: &str, bootstrap: &str) -> String {
@@ -2126,19 +2137,7 @@ mod tests {
                                 *c
                             };
                             let endpoint = if n <= first_n { &first } else { &then };
-                            let body = serde_json::json!({
-                                "journal": "j", "shard": 0, "shards": 1, "endpoint": endpoint,
-                            });
-                            let body = serde_json::to_vec(&body).unwrap();
-                            wire::encode_frame(
-                                &mut out,
-                                Op::ADMIN_REPLY,
-                                0,
-                                Status::OK,
-                                id,
-                                &[],
-                                &body,
-                            );
+                            fake_route_reply(&mut out, id, "j", endpoint);
                         }
                         sock.write_all(&out).await.unwrap();
                     }

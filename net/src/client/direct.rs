@@ -671,17 +671,8 @@ mod tests {
                 let id = f.request_id;
                 match f.op {
                     Op::ROUTE => {
-                        let body = serde_json::json!({"journal": wire::decode_name(f.meta).unwrap(),
-                            "shard": 0, "shards": 1, "endpoint": endpoint});
-                        wire::encode_frame(
-                            &mut out,
-                            Op::ADMIN_REPLY,
-                            0,
-                            Status::OK,
-                            id,
-                            &[],
-                            body.to_string().as_bytes(),
-                        );
+                        let journal = wire::decode_name(f.meta).unwrap();
+                        crate::client::fake_route_reply(&mut out, id, journal, &endpoint);
                     }
                     Op::READ => answer_read(&mut out, &f, &journal, &spans, &seen2),
                     Op::CANCEL => {}
