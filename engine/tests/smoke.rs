@@ -408,7 +408,8 @@ fn an_answered_append_is_readable_at_once() {
         // so does the head a metadata-only read resolves.
         for (offset, flags, status) in [
             (Some(reply.end), 0, Status::OFFSET_NOT_YET_AVAILABLE),
-            (None, flag::METADATA_ONLY, Status::OK),
+            // At the head: not yet available, with the head.
+            (None, flag::METADATA_ONLY, Status::OFFSET_NOT_YET_AVAILABLE),
         ] {
             let read = rotary_net::wire::ReadRequest {
                 journal: name.into(),
