@@ -586,6 +586,88 @@ async fn a_failed_commit_holds_its_journal_until_a_rollback() {
     assert_eq!(got[b], vec![2, 4], "{got:?}");
 }
 
+/// Outside a transaction, a flush names every journal whose append
+/// failed; each stays held (its later messages are not appended) until the
+/// application resets it, which drops what of it was not appended. A
+/// journal of the open transaction is not reset, only rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_journal_outside_a_transaction_is_named_and_reset() {
+    let broker = Broker::start_with_cores(1);
+    let client = broker.client().await;
+    let (a, b, c) = ("reset/a", "reset/b", "reset/c");
+    let specs = |flags| {
+        let mut v = Vec::new();
+        for name in [a, b] {
+            let mut s = spec(name, 1, "application/x-ndjson");
+            s.flags = flags;
+            v.push(s);
+        }
+        v.push(spec(c, 1, "application/x-ndjson"));
+        v
+    };
+    client
+        .apply(&specs(JournalFlags::ReadOnly))
+        .await
+        .expect("apply");
+    let options = PublisherOptions {
+        retry_for: Duration::from_secs(5),
+        ..PublisherOptions::default()
+    };
+    let mut p = Publisher::new(client.clone(), options);
+    let msg = |n: u64| serde_json::json!({ "n": n }).to_string();
+    p.publish_committed(a, msg(1).as_bytes()).await.unwrap();
+    p.publish_committed(b, msg(2).as_bytes()).await.unwrap();
+    p.publish_committed(c, msg(3).as_bytes()).await.unwrap();
+    let err = p.flush().await.expect_err("two read-only journals");
+    assert!(matches!(err, MessageError::Journals(_)), "{err:?}");
+    let mut named = err.failed_journals();
+    named.sort_unstable();
+    assert_eq!(named, [a, b], "{err}");
+    assert!(!err.is_retryable());
+
+    // Writable again, they stay held until reset.
+    client
+        .apply(&specs(JournalFlags::ReadWrite))
+        .await
+        .expect("apply");
+    p.publish_committed(a, msg(4).as_bytes()).await.unwrap();
+    let held = p.flush().await.expect_err("still held");
+    let mut named = held.failed_journals();
+    named.sort_unstable();
+    assert_eq!(named, [a, b], "{held}");
+    p.reset(a).await.expect("reset a");
+    p.publish_committed(a, msg(5).as_bytes()).await.unwrap();
+    let held = p.flush().await.expect_err("b still held");
+    assert_eq!(held.failed_journals(), [b], "{held}");
+    p.reset(b).await.expect("reset b");
+    p.publish_committed(b, msg(6).as_bytes()).await.unwrap();
+    p.flush().await.expect("both reset");
+
+    // A journal of the open transaction is rolled back, not reset.
+    p.publish_uncommitted(c, msg(7).as_bytes()).await.unwrap();
+    let refused = p.reset(c).await.expect_err("in the transaction");
+    assert_eq!(refused.failed_journals(), [c], "{refused}");
+    p.rollback().await.expect("rollback");
+
+    let names = [a.to_string(), b.to_string(), c.to_string()];
+    let mut reader = Reader::open(client, &names, ReaderOptions::default())
+        .await
+        .expect("reader");
+    let mut got: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    while let Some(env) = reader.next().await {
+        let env = env.expect("read");
+        if !env.is_ack() {
+            let doc: serde_json::Value = serde_json::from_slice(&env.message).expect("JSON");
+            got.entry(env.journal.to_string())
+                .or_default()
+                .push(doc["n"].as_u64().expect("n"));
+        }
+    }
+    assert_eq!(got.get(a), Some(&vec![5]), "{got:?}");
+    assert_eq!(got.get(b), Some(&vec![6]), "{got:?}");
+    assert_eq!(got.get(c), Some(&vec![3]), "{got:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_and_consume_from_the_shell() {
     let broker = Broker::start_with_cores(1);

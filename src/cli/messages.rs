@@ -96,6 +96,32 @@ fn cli_error(e: MessageError) -> CliError {
         | MessageError::MixedTransaction { .. }
         | MessageError::BadCheckpoint { .. }) => CliError::Usage("BAD_REQUEST", e.to_string()),
         e @ MessageError::Replay { .. } => CliError::Other("PROTOCOL_ERROR", e.into()),
+        MessageError::Journals(errors) => several(errors),
+    }
+}
+
+/// Failures of several journals: reported as the first one is, with a
+/// message naming them all.
+fn several(errors: Vec<MessageError>) -> CliError {
+    let all = errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ");
+    let Some(first) = errors.into_iter().next() else {
+        return CliError::Other("PROTOCOL_ERROR", anyhow::anyhow!("no failure given"));
+    };
+    match cli_error(first) {
+        CliError::Client(ClientError::Status {
+            status,
+            append_reply,
+            ..
+        }) => CliError::Client(ClientError::Status {
+            status,
+            message: all,
+            append_reply,
+        }),
+        other => other,
     }
 }
 

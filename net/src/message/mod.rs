@@ -91,6 +91,10 @@ pub enum MessageError {
     /// rolled back before the journal takes more messages.
     #[error("{journal}: an earlier append failed ({why}); roll the transaction back")]
     Poisoned { journal: String, why: String },
+    /// Appends to more than one journal failed: each error names its
+    /// journal.
+    #[error("appends to {} journals failed: {}", .0.len(), .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Journals(Vec<MessageError>),
     #[error("journal {journal} not found")]
     JournalNotFound { journal: String },
     /// The journal's `content-type` label names no framing this client has.
@@ -130,7 +134,33 @@ impl MessageError {
         match self {
             MessageError::Client(e) => e.is_retryable(),
             MessageError::Append { retryable, .. } => *retryable,
+            MessageError::Journals(errors) => errors.iter().all(MessageError::is_retryable),
             _ => false,
+        }
+    }
+
+    /// The journals whose appends this error is about (none for errors
+    /// of no journal's appends).
+    pub fn failed_journals(&self) -> Vec<&str> {
+        match self {
+            MessageError::Append { journal, .. } | MessageError::Poisoned { journal, .. } => {
+                vec![journal.as_str()]
+            }
+            MessageError::Journals(errors) => errors
+                .iter()
+                .flat_map(MessageError::failed_journals)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// One error for the failures of a flush: none, the one, or all of
+    /// them.
+    fn of_all(mut errors: Vec<MessageError>) -> Result<(), MessageError> {
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(errors.pop().expect("one")),
+            _ => Err(MessageError::Journals(errors)),
         }
     }
 }

@@ -377,7 +377,10 @@ impl Publisher {
     }
 
     /// Appends what is buffered and waits until every message published so
-    /// far is in its journal.
+    /// far is in its journal. On error every journal whose append failed
+    /// is named ([`MessageError::failed_journals`]); each takes no more
+    /// messages until a rollback (in the open transaction) or a
+    /// [`Publisher::reset`] (outside it).
     pub async fn flush(&mut self) -> Result<(), MessageError> {
         let names: Vec<String> = self.journals.keys().cloned().collect();
         self.flush_journals(&names).await
@@ -422,7 +425,39 @@ impl Publisher {
             futures_util::future::join_all(waits),
         )
         .await;
-        inline.into_iter().chain(waits).collect()
+        MessageError::of_all(
+            inline
+                .into_iter()
+                .chain(waits)
+                .filter_map(Result::err)
+                .collect(),
+        )
+    }
+
+    /// Clears the failure of `journal`, a journal outside the open
+    /// transaction whose append failed (see [`MessageError::failed_journals`]):
+    /// its messages not yet appended (the failed append's, and any queued
+    /// or buffered after it) are dropped, and it takes messages again. A
+    /// journal of the open transaction is cleared by
+    /// [`Publisher::rollback`] instead.
+    pub async fn reset(&mut self, journal: &str) -> Result<(), MessageError> {
+        if self.txn.contains(journal) {
+            return Err(MessageError::Poisoned {
+                journal: journal.to_string(),
+                why: "it is in the open transaction, which a reset does not end".into(),
+            });
+        }
+        let Some(state) = self.journals.get_mut(journal) else {
+            return Ok(());
+        };
+        state.buf.clear();
+        if state.shared.is_idle() {
+            state.shared.set_failure(None);
+            Ok(())
+        } else {
+            // After the appends queued before it, which the failure drops.
+            state.send(journal, Cmd::Reset).await
+        }
     }
 
     /// How `journal` is appended to, by its task or at a flush.
