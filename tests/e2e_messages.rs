@@ -502,6 +502,34 @@ fn run_cli(broker: &Broker, args: &[&str], stdin: &str) -> (i32, String, String)
     )
 }
 
+/// A publisher that gives up on a failing append after 5 s.
+fn quick_publisher(client: &Client) -> Publisher {
+    let options = PublisherOptions {
+        retry_for: Duration::from_secs(5),
+        ..PublisherOptions::default()
+    };
+    Publisher::new(client.clone(), options)
+}
+
+/// The `n` of every message read committed from `journals`, per journal,
+/// in the order read.
+async fn read_ns(client: Client, journals: &[&str]) -> BTreeMap<String, Vec<u64>> {
+    let names: Vec<String> = journals.iter().map(|j| j.to_string()).collect();
+    let mut reader = Reader::open(client, &names, ReaderOptions::default())
+        .await
+        .expect("reader");
+    let mut got: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    while let Some(env) = reader.next().await {
+        let env = env.expect("read");
+        if !env.is_ack() {
+            let doc: serde_json::Value = serde_json::from_slice(&env.message).expect("JSON");
+            let n = doc["n"].as_u64().expect("n");
+            got.entry(env.journal.to_string()).or_default().push(n);
+        }
+    }
+    got
+}
+
 /// An append refused for good (its journal made read-only) fails the
 /// commit and holds that journal: a later commit is refused there and
 /// appends nothing, until a rollback. The other journal's part of the
@@ -520,11 +548,7 @@ async fn a_failed_commit_holds_its_journal_until_a_rollback() {
         .apply(&specs(JournalFlags::ReadWrite))
         .await
         .expect("apply");
-    let options = PublisherOptions {
-        retry_for: Duration::from_secs(5),
-        ..PublisherOptions::default()
-    };
-    let mut p = Publisher::new(client.clone(), options);
+    let mut p = quick_publisher(&client);
     let msg = |n: u64| serde_json::json!({ "n": n }).to_string();
     p.publish_uncommitted(a, msg(1).as_bytes()).await.unwrap();
     p.publish_uncommitted(b, msg(2).as_bytes()).await.unwrap();
@@ -569,19 +593,7 @@ async fn a_failed_commit_holds_its_journal_until_a_rollback() {
     p.publish_uncommitted(a, msg(6).as_bytes()).await.unwrap();
     p.commit().await.expect("commit after the rollback");
 
-    let names = [a.to_string(), b.to_string()];
-    let mut reader = Reader::open(client, &names, ReaderOptions::default())
-        .await
-        .expect("reader");
-    let mut got: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    while let Some(env) = reader.next().await {
-        let env = env.expect("read");
-        if !env.is_ack() {
-            let doc: serde_json::Value = serde_json::from_slice(&env.message).expect("JSON");
-            let n = doc["n"].as_u64().expect("n");
-            got.entry(env.journal.to_string()).or_default().push(n);
-        }
-    }
+    let got = read_ns(client, &[a, b]).await;
     assert_eq!(got[a], vec![1, 6], "{got:?}");
     assert_eq!(got[b], vec![2, 4], "{got:?}");
 }
@@ -609,11 +621,7 @@ async fn a_failed_journal_outside_a_transaction_is_named_and_reset() {
         .apply(&specs(JournalFlags::ReadOnly))
         .await
         .expect("apply");
-    let options = PublisherOptions {
-        retry_for: Duration::from_secs(5),
-        ..PublisherOptions::default()
-    };
-    let mut p = Publisher::new(client.clone(), options);
+    let mut p = quick_publisher(&client);
     let msg = |n: u64| serde_json::json!({ "n": n }).to_string();
     p.publish_committed(a, msg(1).as_bytes()).await.unwrap();
     p.publish_committed(b, msg(2).as_bytes()).await.unwrap();
@@ -649,20 +657,7 @@ async fn a_failed_journal_outside_a_transaction_is_named_and_reset() {
     assert_eq!(refused.failed_journals(), [c], "{refused}");
     p.rollback().await.expect("rollback");
 
-    let names = [a.to_string(), b.to_string(), c.to_string()];
-    let mut reader = Reader::open(client, &names, ReaderOptions::default())
-        .await
-        .expect("reader");
-    let mut got: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    while let Some(env) = reader.next().await {
-        let env = env.expect("read");
-        if !env.is_ack() {
-            let doc: serde_json::Value = serde_json::from_slice(&env.message).expect("JSON");
-            got.entry(env.journal.to_string())
-                .or_default()
-                .push(doc["n"].as_u64().expect("n"));
-        }
-    }
+    let got = read_ns(client, &[a, b, c]).await;
     assert_eq!(got.get(a), Some(&vec![5]), "{got:?}");
     assert_eq!(got.get(b), Some(&vec![6]), "{got:?}");
     assert_eq!(got.get(c), Some(&vec![3]), "{got:?}");
