@@ -14,9 +14,10 @@
 //! machine do not inflate it; wall time is shown beside it.
 #![allow(clippy::disallowed_methods)] // Benchmarks measure real time.
 
-use rotary_engine::allocator::{
-    apply, plan, AssignmentKey, Change, Item, Member, MemberKey, MemberSpec, Route, Snapshot,
-};
+use rotary_allocator::{apply, plan, AssignmentKey, Change, Item, MemberKey, Route};
+use rotary_engine::cluster::member::{MemberSpec, Snapshot};
+
+type Member = rotary_allocator::Member<MemberSpec>;
 use std::time::{Duration, Instant};
 
 const JOURNALS: usize = 100_000;
@@ -98,9 +99,9 @@ fn synchronize(snap: &mut Snapshot) {
         }
     };
     for k in all {
-        if k.journal != journal {
+        if k.item != journal {
             flush(&mut keys, snap);
-            journal = k.journal.clone();
+            journal = k.item.clone();
         }
         keys.push(k);
     }

@@ -11,7 +11,6 @@
 // Functions stay short enough to hold in mind (threshold in clippy.toml).
 #![warn(clippy::too_many_lines)]
 
-pub mod allocator;
 pub(crate) mod append;
 pub(crate) mod budget;
 pub(crate) mod check;

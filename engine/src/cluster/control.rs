@@ -7,9 +7,9 @@
 //! [`SpecStore`].
 
 use super::fence::Fence;
+use super::member::MemberSpec;
 use super::state::{Keyspace, Kv, SpecChange};
 use super::EtcdConfig;
-use crate::allocator::MemberSpec;
 use crate::specs::{Deletion, Revised, SpecStore};
 use rotary_net::spec::JournalSpec;
 use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! The allocator's driver on the leader: its plan, as guarded etcd writes.
 
 use super::io::{Guard, Write};
-use crate::allocator::{self, GuardKey, MemberKey, Snapshot};
+use super::member::Snapshot;
+use rotary_allocator::{self as allocator, GuardKey, MemberKey};
 
 /// The allocator's changes for `snapshot`, as transactions of guards and
 /// writes (each journal's changes in one, [`allocator::TXN_OPS_MAX`] at
@@ -22,7 +23,7 @@ pub fn plan_writes(
 ) -> Vec<(Vec<Guard>, Vec<Write>)> {
     let mut changes = allocator::plan(snapshot);
     if hold_back_fresh {
-        changes.retain(|c| snapshot.assignments_of(c.journal()).next().is_some());
+        changes.retain(|c| snapshot.assignments_of(c.item()).next().is_some());
     }
     if changes.is_empty() {
         return Vec::new();

@@ -16,6 +16,7 @@ pub mod control;
 pub mod fence;
 mod io;
 mod leader;
+pub mod member;
 pub mod session;
 pub mod state;
 

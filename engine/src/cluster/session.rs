@@ -10,9 +10,9 @@ use super::fence::Fence;
 use super::io::{Etcd, Event, Guard, Write};
 use super::state::{Keyspace, SpecChange};
 use super::{now_ms, EtcdConfig};
-use crate::allocator::{self, MemberKey};
 use crate::specs::SpecStore;
 use crate::topology::{ClusterView, Topology};
+use rotary_allocator::{self as allocator, MemberKey};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -214,7 +214,7 @@ impl Session {
             .filter(|(k, _)| k.member == me)
             .map(|(k, a)| {
                 let value = a.route.as_ref().map(|r| r.encode()).unwrap_or_default();
-                (k.journal.clone(), (k.slot, value))
+                (k.item.clone(), (k.slot, value))
             })
             .collect();
     }
@@ -326,7 +326,7 @@ impl Session {
             let text = allocator::assignment_key(&prefix, &key);
             let guards = vec![
                 Guard::UnchangedSince(
-                    allocator::keys::journal_assignments_prefix(&prefix, &journal),
+                    allocator::keys::item_assignments_prefix(&prefix, &journal),
                     revision,
                 ),
                 Guard::Absent(text.clone()),

@@ -4,8 +4,9 @@
 //! Plain data, owned by the control thread; it turns into the
 //! [`ClusterView`] the shards route by.
 
-use crate::allocator::{self, Key, Snapshot};
+use super::member::Snapshot;
 use crate::topology::{Assigned, ClusterView, Member};
+use rotary_allocator::{self as allocator, Key};
 use rotary_net::spec::JournalSpec;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -138,9 +139,9 @@ impl Keyspace {
         let assignments = &self.snapshot.assignments;
         let mut rest = assignments.iter().peekable();
         while let Some((first, _)) = rest.peek() {
-            let journal = first.journal.clone();
+            let journal = first.item.clone();
             let sorted = allocator::sound::sort_out(std::iter::from_fn(|| {
-                rest.next_if(|(k, _)| k.journal == journal)
+                rest.next_if(|(k, _)| k.item == journal)
             }));
             if !sorted.is_sound() {
                 tracing::warn!(journal = %journal, dropped = ?sorted.dropped.iter().map(|(k, _)| k.to_string()).collect::<Vec<_>>(), demoted = ?sorted.demoted.iter().map(|(k, _, _)| k.to_string()).collect::<Vec<_>>(), "a journal's assignments name a member twice or two primaries; routing by the sound ones until the allocator repairs them");

@@ -29,6 +29,9 @@
 //! allocator::sim`; run more: `ROTARY_ALLOC_SIM_SEEDS=10000`.
 
 use super::*;
+
+/// The simulation's key space: members as the tests write them.
+type Snapshot = state::Snapshot<state::TestMember>;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// SplitMix64: small, fast, and the same on every machine.
@@ -306,7 +309,7 @@ impl World {
             .snap
             .assignments
             .keys()
-            .map(|k| k.journal.clone())
+            .map(|k| k.item.clone())
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
@@ -385,12 +388,12 @@ impl World {
             return;
         };
         let m = &self.snap.members[&k.member];
-        if self.snap.held_by(&k.member) >= m.spec.journal_limit as usize {
+        if self.snap.held_by(&k.member) >= m.spec.limit as usize {
             return;
         }
         let slot = self
             .snap
-            .assignments_of(&k.journal)
+            .assignments_of(&k.item)
             .map(|(k, _)| k.slot + 1)
             .max()
             .unwrap_or(0);
@@ -402,7 +405,7 @@ impl World {
             mod_revision: rev,
         };
         self.snap.assignments.insert(extra.clone(), a);
-        self.unsound.insert(k.journal.clone());
+        self.unsound.insert(k.item.clone());
         self.log(format!("unsound {extra}"));
     }
 
@@ -447,7 +450,7 @@ impl World {
             .assignments
             .keys()
             .filter(|k| k.slot == 0)
-            .map(|k| (k.journal.clone(), k.member.clone()))
+            .map(|k| (k.item.clone(), k.member.clone()))
             .collect();
         let mut applied = 0;
         let mut failed = 0;
@@ -466,9 +469,9 @@ impl World {
                                 // another key of the journal (a repair).
                                 let still = self
                                     .snap
-                                    .assignments_of(&key.journal)
+                                    .assignments_of(&key.item)
                                     .any(|(k, _)| k.member == key.member);
-                                if let Some(h) = self.holders.get_mut(&key.journal) {
+                                if let Some(h) = self.holders.get_mut(&key.item) {
                                     if !still {
                                         h.remove(&key.member);
                                     }
@@ -502,14 +505,14 @@ impl World {
         }
         // A new primary holds every acknowledged byte, when some copy does.
         for k in self.snap.assignments.keys().filter(|k| k.slot == 0) {
-            if primaries_before.get(&k.journal) == Some(&k.member) {
+            if primaries_before.get(&k.item) == Some(&k.member) {
                 continue;
             }
-            let h = self.holders.get(&k.journal);
+            let h = self.holders.get(&k.item);
             assert!(
                 h.is_none_or(|h| h.is_empty() || h.contains(&k.member)),
                 "{}: promoted {} which lacks bytes that {h:?} hold",
-                k.journal,
+                k.item,
                 k.member
             );
         }
@@ -536,20 +539,16 @@ impl World {
         let mut primaries = BTreeSet::new();
         for k in self.snap.assignments.keys() {
             if k.slot == 0 {
-                assert!(
-                    primaries.insert(&k.journal),
-                    "{} has two primaries",
-                    k.journal
-                );
+                assert!(primaries.insert(&k.item), "{} has two primaries", k.item);
             }
         }
         for (k, m) in &self.snap.members {
             let n = self.snap.held_by(k);
             let lagging = self.lagging_adds.get(k).copied().unwrap_or(0);
             assert!(
-                n <= m.spec.journal_limit as usize + lagging,
+                n <= m.spec.limit as usize + lagging,
                 "{k} holds {n} journals, above its limit {}",
-                m.spec.journal_limit
+                m.spec.limit
             );
         }
     }
@@ -598,7 +597,7 @@ impl World {
             let n = self.snap.held_by(k);
             out += &format!(
                 "\n  {k}: holds {n}, limit {}, exiting {}",
-                m.spec.journal_limit, m.spec.exiting
+                m.spec.limit, m.spec.exiting
             );
         }
         for (j, i) in &self.snap.items {
@@ -625,7 +624,7 @@ impl World {
         assert!(self.unsound.is_empty(), "left unsound: {:?}", self.unsound);
         for (k, m) in &self.snap.members {
             let n = self.snap.held_by(k);
-            let limit = m.spec.journal_limit as usize;
+            let limit = m.spec.limit as usize;
             assert!(
                 n <= limit,
                 "{k} holds {n} journals, above its limit {limit}"
@@ -637,7 +636,7 @@ impl World {
             plan(&self.snap)
         );
         assert!(self.all_synced(), "routes left unsynchronized");
-        let usable: Vec<(&MemberKey, &Member)> = self
+        let usable: Vec<(&MemberKey, &Member<state::TestMember>)> = self
             .snap
             .members
             .iter()
@@ -679,7 +678,7 @@ impl World {
         }
         for k in self.snap.assignments.keys() {
             assert!(
-                self.snap.items.contains_key(&k.journal),
+                self.snap.items.contains_key(&k.item),
                 "{k}: its journal is gone"
             );
         }

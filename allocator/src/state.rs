@@ -5,53 +5,46 @@
 
 use super::keys::{self, AssignmentKey, Key, KeyError, MemberKey};
 use std::collections::BTreeMap;
+use std::fmt;
 
-/// A broker's own spec, the value of its member key.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MemberSpec {
-    /// Where clients reach the broker's shard 0 (`HOST:PORT`).
-    pub endpoint: String,
-    /// The broker's shard count.
-    pub shards: u32,
-    /// Most journals the broker holds (primaries and replicas together).
-    pub journal_limit: u32,
-    /// Set when the broker is leaving: it is given nothing new and its
-    /// journals move away, replacements first.
-    #[serde(default)]
-    pub exiting: bool,
-}
-
-impl MemberSpec {
-    /// Journals the allocator may give the broker: none once it is exiting.
-    pub fn capacity(&self) -> u32 {
-        if self.exiting {
+/// What the allocator reads of a member key's value (a broker's spec, a
+/// consumer process's spec): how many items the member may hold, and
+/// whether it is leaving. Each kind of member decodes its own JSON.
+pub trait MemberValue: Clone + fmt::Debug + PartialEq + serde::de::DeserializeOwned {
+    /// Most items the member holds (primaries and replicas together).
+    fn limit(&self) -> u32;
+    /// Set when the member is leaving: it is given nothing new and its
+    /// items move away, replacements first.
+    fn exiting(&self) -> bool;
+    /// Items the allocator may give the member: none once it is exiting.
+    fn capacity(&self) -> u32 {
+        if self.exiting() {
             0
         } else {
-            self.journal_limit
+            self.limit()
         }
     }
 }
 
 /// A member key as read from etcd.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Member {
-    pub spec: MemberSpec,
+pub struct Member<M> {
+    pub spec: M,
     pub create_revision: i64,
     pub mod_revision: i64,
-    /// The etcd lease the broker holds; its assignments are written under it.
+    /// The etcd lease the member holds; its assignments are written under it.
     pub lease: i64,
 }
 
-/// The part of a journal's spec the allocator reads.
+/// The part of an item's spec the allocator reads.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Item {
-    /// Copies the journal wants: a primary and `replication - 1` replicas.
+    /// Copies the item wants: a primary and `replication - 1` replicas.
     pub replication: u32,
     pub mod_revision: i64,
 }
 
-/// The route of a journal as its assignments imply it: the member of slot
+/// The route of an item as its assignments imply it: the member of slot
 /// 0 (if any) and every assigned member, sorted. Replica slots are not
 /// part of it, so that packing slots does not change a route.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -71,7 +64,7 @@ pub struct RouteError {
 }
 
 impl Route {
-    /// The route `assignments` (one journal's) imply.
+    /// The route `assignments` (one item's) imply.
     pub fn of<'a>(assignments: impl IntoIterator<Item = &'a AssignmentKey>) -> Route {
         let mut r = Route::default();
         for a in assignments {
@@ -85,7 +78,7 @@ impl Route {
         r
     }
 
-    /// The value a primary writes into its journal's assignments once it
+    /// The value a primary writes into its item's assignments once it
     /// synchronized the route: JSON, `{"primary":"zone#id","members":[…]}`.
     pub fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("a route serializes")
@@ -114,7 +107,7 @@ impl Route {
 /// An assignment key's value and revisions.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Assignment {
-    /// The route the journal's primary wrote when it last synchronized the
+    /// The route the item's primary wrote when it last synchronized the
     /// route with this member; `None` while nobody has (or if the value did
     /// not decode: such an assignment is never consistent).
     pub route: Option<Route>,
@@ -123,19 +116,19 @@ pub struct Assignment {
 }
 
 /// The allocator's key space at one etcd revision.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Snapshot {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot<M> {
     /// The key prefix (e.g. `/rotary`).
     pub prefix: String,
     /// The etcd revision the snapshot was read at.
     pub revision: i64,
-    pub members: BTreeMap<MemberKey, Member>,
+    pub members: BTreeMap<MemberKey, Member<M>>,
     pub items: BTreeMap<String, Item>,
     pub assignments: BTreeMap<AssignmentKey, Assignment>,
 }
 
 /// Whether assignment `a` is consistent: its value names the route that
-/// the journal's current assignments (`current`, which include `a`) imply,
+/// the item's current assignments (`current`, which include `a`) imply,
 /// i.e. the primary synchronized exactly this route with it. Gazette's
 /// definition, read per assignment.
 pub fn consistent<'a>(
@@ -177,13 +170,15 @@ pub(crate) fn route_matches<'a>(
     ms.len() == route.members.len()
 }
 
-impl Snapshot {
+impl<M: MemberValue> Snapshot<M> {
     /// An empty key space under `prefix` at `revision`.
-    pub fn new(prefix: &str, revision: i64) -> Snapshot {
+    pub fn new(prefix: &str, revision: i64) -> Snapshot<M> {
         Snapshot {
             prefix: keys::normalize_prefix(prefix).to_string(),
             revision,
-            ..Snapshot::default()
+            members: BTreeMap::new(),
+            items: BTreeMap::new(),
+            assignments: BTreeMap::new(),
         }
     }
 
@@ -220,11 +215,10 @@ impl Snapshot {
         let Key::Member(member) = keys::parse_key(&self.prefix, key)? else {
             return Err(KvError::wrong_kind(key, "a member"));
         };
-        let spec: MemberSpec =
-            serde_json::from_slice(value).map_err(|error| KvError::MemberSpec {
-                key: key.to_string(),
-                error,
-            })?;
+        let spec: M = serde_json::from_slice(value).map_err(|error| KvError::MemberSpec {
+            key: key.to_string(),
+            error,
+        })?;
         self.members.insert(
             member.clone(),
             Member {
@@ -290,19 +284,19 @@ impl Snapshot {
         held.filter(|k| &k.member == member).count()
     }
 
-    /// One journal's assignments, in key order.
+    /// One item's assignments, in key order.
     pub fn assignments_of<'a>(
         &'a self,
-        journal: &'a str,
+        item: &'a str,
     ) -> impl Iterator<Item = (&'a AssignmentKey, &'a Assignment)> + Clone + 'a {
         let from = AssignmentKey {
-            journal: journal.to_string(),
+            item: item.to_string(),
             member: MemberKey::default(),
             slot: 0,
         };
         self.assignments
             .range(from..)
-            .take_while(move |(k, _)| k.journal == journal)
+            .take_while(move |(k, _)| k.item == item)
     }
 
     /// Applies one etcd transaction: every guard holds, then every change
@@ -418,7 +412,10 @@ pub struct TxnFailed {
 
 /// Applies `changes` to a copy of `snapshot` as one transaction and returns
 /// the key space that results (what etcd would hold after it).
-pub fn apply(snapshot: &Snapshot, changes: &[Change]) -> Result<Snapshot, TxnFailed> {
+pub fn apply<M: MemberValue>(
+    snapshot: &Snapshot<M>,
+    changes: &[Change],
+) -> Result<Snapshot<M>, TxnFailed> {
     let mut next = snapshot.clone();
     next.apply_txn(changes)?;
     Ok(next)
@@ -430,26 +427,26 @@ pub enum GuardKey {
     Item(String),
     Member(MemberKey),
     Assignment(AssignmentKey),
-    /// Every assignment key of a journal (the range of its prefix).
+    /// Every assignment key of an item (the range of its prefix).
     Assignments(String),
 }
 
 impl GuardKey {
     /// The etcd key under `prefix` (for [`GuardKey::Assignments`], the
-    /// prefix of the journal's assignment keys).
+    /// prefix of the item's assignment keys).
     pub fn to_key(&self, prefix: &str) -> String {
         match self {
             GuardKey::Item(j) => keys::item_key(prefix, j),
             GuardKey::Member(m) => keys::member_key(prefix, m),
             GuardKey::Assignment(a) => keys::assignment_key(prefix, a),
-            GuardKey::Assignments(j) => keys::journal_assignments_prefix(prefix, j),
+            GuardKey::Assignments(j) => keys::item_assignments_prefix(prefix, j),
         }
     }
 }
 
 /// An etcd compare: the key's mod revision equals `mod_revision`; 0 means
 /// the key must not exist. For [`GuardKey::Assignments`]: no assignment of
-/// the journal has a mod revision above `mod_revision` (the revision the
+/// the item has a mod revision above `mod_revision` (the revision the
 /// decision read), so none was created or changed since: a write that
 /// creates an assignment carries it, and lands only on the assignments
 /// its decision saw (which it found sound and left sound).
@@ -473,31 +470,31 @@ pub enum Op {
     },
 }
 
-/// One change the allocator asks for. All the changes of one journal form
+/// One change the allocator asks for. All the changes of one item form
 /// one transaction (see [`transactions`]): its guards are the revisions the
 /// plan read, so a plan made stale by any concurrent write fails whole.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Change {
-    /// Assign the journal to a member at a slot, with an empty value, under
+    /// Assign the item to a member at a slot, with an empty value, under
     /// the member's lease. Guards: the member unchanged (its limit or
     /// exiting flag may have changed) and the key absent.
     Add {
         key: AssignmentKey,
         member_mod_revision: i64,
         lease: i64,
-        /// The revision the plan read: none of the journal's assignments
+        /// The revision the plan read: none of the item's assignments
         /// may have changed since.
         read_revision: i64,
     },
     /// Remove an assignment. Guards: the assignment unchanged, the
-    /// journal's spec unchanged (its replication may have grown; for a
-    /// deleted journal `item_mod_revision` is 0: still deleted), and the
+    /// item's spec unchanged (its replication may have grown; for a
+    /// deleted item `item_mod_revision` is 0: still deleted), and the
     /// assignments it leaves in place unchanged.
     Remove {
         key: AssignmentKey,
         mod_revision: i64,
         item_mod_revision: i64,
-        /// The journal's assignments that stay, at their mod revisions: the
+        /// The item's assignments that stay, at their mod revisions: the
         /// removal counted on their copies, so a concurrent loss of one (its
         /// broker's lease expired) fails it.
         keep: Vec<(AssignmentKey, i64)>,
@@ -517,11 +514,11 @@ pub enum Change {
 }
 
 impl Change {
-    /// The journal the change is about.
-    pub fn journal(&self) -> &str {
+    /// The item the change is about.
+    pub fn item(&self) -> &str {
         match self {
-            Change::Add { key, .. } | Change::Remove { key, .. } => &key.journal,
-            Change::Reslot { from, .. } => &from.journal,
+            Change::Add { key, .. } | Change::Remove { key, .. } => &key.item,
+            Change::Reslot { from, .. } => &from.item,
         }
     }
 
@@ -543,7 +540,7 @@ impl Change {
                     mod_revision: 0,
                 },
                 Guard {
-                    key: GuardKey::Assignments(key.journal.clone()),
+                    key: GuardKey::Assignments(key.item.clone()),
                     mod_revision: *read_revision,
                 },
             ],
@@ -555,7 +552,7 @@ impl Change {
             } => {
                 let mut g = vec![
                     Guard {
-                        key: GuardKey::Item(key.journal.clone()),
+                        key: GuardKey::Item(key.item.clone()),
                         mod_revision: *item_mod_revision,
                     },
                     Guard {
@@ -585,7 +582,7 @@ impl Change {
                     mod_revision: 0,
                 },
                 Guard {
-                    key: GuardKey::Assignments(from.journal.clone()),
+                    key: GuardKey::Assignments(from.item.clone()),
                     mod_revision: *read_revision,
                 },
             ],
@@ -627,9 +624,9 @@ impl Change {
 /// `--max-txn-ops`).
 pub const TXN_OPS_MAX: usize = 128;
 
-/// Groups `changes` (as [`plan`](super::plan) orders them: by journal)
+/// Groups `changes` (as [`plan`](super::plan) orders them: by item)
 /// into transactions of at most `ops_max` compares and at most `ops_max`
-/// operations, never splitting one journal's changes; a journal whose
+/// operations, never splitting one item's changes; an item whose
 /// changes alone exceed the bound gets a transaction of its own.
 pub fn transactions(changes: &[Change], ops_max: usize) -> Vec<&[Change]> {
     let mut out = Vec::new();
@@ -638,7 +635,7 @@ pub fn transactions(changes: &[Change], ops_max: usize) -> Vec<&[Change]> {
     while i < changes.len() {
         let mut j = i;
         let (mut c, mut o) = (0, 0);
-        while j < changes.len() && changes[j].journal() == changes[i].journal() {
+        while j < changes.len() && changes[j].item() == changes[i].item() {
             c += changes[j].guards().len();
             o += match changes[j] {
                 Change::Reslot { .. } => 2,
@@ -662,33 +659,54 @@ pub fn transactions(changes: &[Change], ops_max: usize) -> Vec<&[Change]> {
     out
 }
 
+/// The member value of the allocator's tests and simulation: an endpoint
+/// and a limit, as brokers and consumer processes both have.
+#[cfg(test)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TestMember {
+    pub endpoint: String,
+    pub limit: u32,
+    #[serde(default)]
+    pub exiting: bool,
+}
+
+#[cfg(test)]
+impl MemberValue for TestMember {
+    fn limit(&self) -> u32 {
+        self.limit
+    }
+    fn exiting(&self) -> bool {
+        self.exiting
+    }
+}
+
 /// Writes as the allocator's tests and simulation make them: each at the
 /// next revision, as etcd would.
 #[cfg(test)]
-impl Snapshot {
+impl Snapshot<TestMember> {
     pub fn bump(&mut self) -> i64 {
         self.revision += 1;
         self.revision
     }
 
-    /// A journal's spec written (created, or its replication changed).
-    pub fn write_item(&mut self, journal: &str, replication: u32) {
+    /// An item's spec written (created, or its replication changed).
+    pub fn write_item(&mut self, name: &str, replication: u32) {
         let mod_revision = self.bump();
         let item = Item {
             replication,
             mod_revision,
         };
-        self.items.insert(journal.to_string(), item);
+        self.items.insert(name.to_string(), item);
     }
 
-    /// A broker's member key written at its start, under a lease granted
+    /// A member key written at the member's start, under a lease granted
     /// then: the lease's id (the revision).
-    pub fn write_member(&mut self, key: MemberKey, endpoint: String, journal_limit: u32) -> i64 {
+    pub fn write_member(&mut self, key: MemberKey, endpoint: String, limit: u32) -> i64 {
         let rev = self.bump();
-        let spec = MemberSpec {
+        let spec = TestMember {
             endpoint,
-            shards: 1,
-            journal_limit,
+            limit,
             exiting: false,
         };
         let member = Member {

@@ -1,15 +1,15 @@
-//! Sound assignments: a journal never has one member at two slots, and
+//! Sound assignments: an item never has one member at two slots, and
 //! never two primaries (two slot-0 keys).
 //!
 //! Every write of an assignment is guarded so that etcd keeps this (the
-//! allocator's and a rejoining broker's transactions hold only if none of
-//! the journal's assignments changed since the revision their decision
+//! allocator's and a rejoining member's transactions hold only if none of
+//! the item's assignments changed since the revision their decision
 //! read: see [`super::GuardKey::Assignments`]). Keys written before those
 //! guards existed, or by hand, may still break it, so whoever reads
-//! assignments sorts them out the same way, with [`sort_out`]: the brokers
+//! assignments sorts them out the same way, with [`sort_out`]: the members
 //! route by its `kept` keys alone, and the allocator's plan repairs etcd
 //! (deletes the `dropped` keys, moves the `demoted` ones to free replica
-//! slots) before it plans anything else for the journal.
+//! slots) before it plans anything else for the item.
 //!
 //! Which key is kept, and why:
 //! - of several slot-0 keys, the primary is the one whose value records a
@@ -26,14 +26,14 @@
 //!   from it what it holds beyond the primary's head).
 
 use super::keys::{AssignmentKey, MemberKey};
-use super::state::{Assignment, Snapshot};
+use super::state::{Assignment, MemberValue, Snapshot};
 
-/// One journal's assignments, sorted out.
+/// One item's assignments, sorted out.
 #[derive(Debug, Default)]
 pub struct SortedOut<'a> {
     /// One key per member; at most one at slot 0.
     pub kept: Vec<(&'a AssignmentKey, &'a Assignment)>,
-    /// Keys of members that keep another key of the journal.
+    /// Keys of members that keep another key of the item.
     pub dropped: Vec<(&'a AssignmentKey, &'a Assignment)>,
     /// Slot-0 keys that are not the primary, of members with no other key:
     /// each with the free replica slot it moves to.
@@ -41,7 +41,7 @@ pub struct SortedOut<'a> {
 }
 
 impl SortedOut<'_> {
-    /// Whether the journal's keys were sound as they were.
+    /// Whether the item's keys were sound as they were.
     pub fn is_sound(&self) -> bool {
         self.dropped.is_empty() && self.demoted.is_empty()
     }
@@ -55,14 +55,14 @@ fn records_itself_primary(k: &AssignmentKey, a: &Assignment) -> bool {
         .is_some_and(|r| r.primary.as_ref() == Some(&k.member) && r.contains(&k.member))
 }
 
-/// Sorts out one journal's assignments (see the module's comment).
+/// Sorts out one item's assignments (see the module's comment).
 pub fn sort_out<'a>(
     assignments: impl IntoIterator<Item = (&'a AssignmentKey, &'a Assignment)>,
 ) -> SortedOut<'a> {
     let all: Vec<(&AssignmentKey, &Assignment)> = assignments.into_iter().collect();
     debug_assert!(
-        all.windows(2).all(|w| w[0].0.journal == w[1].0.journal),
-        "one journal's assignments"
+        all.windows(2).all(|w| w[0].0.item == w[1].0.item),
+        "one item's assignments"
     );
     let primary = all
         .iter()
@@ -110,7 +110,7 @@ pub fn sort_out<'a>(
     out
 }
 
-/// Asserts that `keys` (one journal's) are sound: distinct members and
+/// Asserts that `keys` (one item's) are sound: distinct members and
 /// distinct slots (so at most one primary).
 pub fn assert_sound<'a>(keys: impl IntoIterator<Item = &'a AssignmentKey>) {
     let keys: Vec<&AssignmentKey> = keys.into_iter().collect();
@@ -124,7 +124,7 @@ pub fn assert_sound<'a>(keys: impl IntoIterator<Item = &'a AssignmentKey>) {
     }
 }
 
-/// Whether `keys` (one journal's) are sound.
+/// Whether `keys` (one item's) are sound.
 pub fn is_sound<'a>(keys: impl IntoIterator<Item = &'a AssignmentKey>) -> bool {
     let keys: Vec<&AssignmentKey> = keys.into_iter().collect();
     keys.iter().enumerate().all(|(i, a)| {
@@ -134,26 +134,25 @@ pub fn is_sound<'a>(keys: impl IntoIterator<Item = &'a AssignmentKey>) -> bool {
     })
 }
 
-/// Where member `m`, which held `journal` at `slot` until its lease was
-/// lost, puts its assignment back, given the journal's assignments in
-/// `snapshot`: `None` when there is nothing to put back (the journal is
-/// gone, or `m` holds it again); else `slot` if no key of the journal is
-/// at it (so slot 0 only while the journal has no primary), else the
+/// Where member `m`, which held `item` at `slot` until its lease was
+/// lost, puts its assignment back, given the item's assignments in
+/// `snapshot`: `None` when there is nothing to put back (the item is
+/// gone, or `m` holds it again); else `slot` if no key of the item is
+/// at it (so slot 0 only while the item has no primary), else the
 /// lowest replica slot no key is at. The write is guarded by the
-/// journal's assignments unchanged since `snapshot`'s revision, so what it
+/// item's assignments unchanged since `snapshot`'s revision, so what it
 /// lands on is what this decided on, and it stays sound.
-pub fn place_again(snapshot: &Snapshot, journal: &str, m: &MemberKey, slot: u32) -> Option<u32> {
-    if !snapshot.items.contains_key(journal) {
+pub fn place_again<M: MemberValue>(
+    snapshot: &Snapshot<M>,
+    item: &str,
+    m: &MemberKey,
+    slot: u32,
+) -> Option<u32> {
+    if !snapshot.items.contains_key(item) {
         return None;
     }
-    let used: Vec<u32> = snapshot
-        .assignments_of(journal)
-        .map(|(k, _)| k.slot)
-        .collect();
-    if snapshot
-        .assignments_of(journal)
-        .any(|(k, _)| &k.member == m)
-    {
+    let used: Vec<u32> = snapshot.assignments_of(item).map(|(k, _)| k.slot).collect();
+    if snapshot.assignments_of(item).any(|(k, _)| &k.member == m) {
         return None;
     }
     if !used.contains(&slot) {
@@ -236,7 +235,7 @@ mod tests {
         let vals = [at(6, None), at(5, None), at(9, None)];
         let s = sort_out(keys.iter().zip(&vals));
         assert_eq!(names(&s.kept), ["J#z2#b2#0"]);
-        // A sound journal is kept whole.
+        // A sound item is kept whole.
         let keys = [key("J#a#p#0"), key("J#b#r#1")];
         let s = sort_out(keys.iter().zip(&vals));
         assert!(s.is_sound());

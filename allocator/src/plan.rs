@@ -1,23 +1,23 @@
 //! [`plan`]: from a snapshot, the changes that bring the assignments closer
 //! to a balanced, fully replicated, zone-spread allocation, never taking a
-//! journal below its replication while a replacement catches up.
+//! item below its replication while a replacement catches up.
 //!
 //! It works in two steps. First a *desired* allocation: which members
-//! should hold each journal. It keeps what is assigned wherever that is
-//! allowed (the member takes journals, the journal's zones are spread, the
+//! should hold each item. It keeps what is assigned wherever that is
+//! allowed (the member takes items, the item's zones are spread, the
 //! member is within its fair share), then fills what is missing, greedily,
-//! journal by journal in name order, in tiers of decreasing preference:
+//! item by item in name order, in tiers of decreasing preference:
 //!
-//! 1. a member under its fair share, in a zone the journal is short of;
-//! 2. a member that held the journal already (taking it back moves nothing),
-//!    in a zone the journal is short of, under its limit;
-//! 3. any member under its limit, in a zone the journal is short of;
+//! 1. a member under its fair share, in a zone the item is short of;
+//! 2. a member that held the item already (taking it back moves nothing),
+//!    in a zone the item is short of, under its limit;
+//! 3. any member under its limit, in a zone the item is short of;
 //! 4. a former holder under its limit, any zone;
 //! 5. a member under its fair share, any zone (the fewest copies per zone first);
 //! 6. a member under its limit, any zone.
 //!
 //! Within a tier: former holders first, then the member with the lowest
-//! ratio of journals to fair share, then the lower key. That order is what
+//! ratio of items to fair share, then the lower key. That order is what
 //! makes Gazette's initial scenario come out as it does there.
 //!
 //! The desired allocation depends on the current one only through which
@@ -25,9 +25,9 @@
 //! it asked for are made, it asks for the same allocation again, so the
 //! plan converges instead of oscillating.
 //!
-//! Second, per journal, the steps toward it, as Gazette takes them: add
+//! Second, per item, the steps toward it, as Gazette takes them: add
 //! what is missing (members under their limit counting every assignment
-//! they hold now); remove what is not desired only while the journal keeps
+//! they hold now); remove what is not desired only while the item keeps
 //! at least `replication` consistent copies (an unsynchronized replacement
 //! does not count); promote a replica at once when there is no primary
 //! (a consistent one first, then one that was part of a synchronized
@@ -35,33 +35,33 @@
 //! changes, pack the replica slots one at a time.
 //!
 //! The fill is greedy, not a maximum flow as Gazette's: where member slots
-//! are short, it may leave a copy unplaced that moving another journal
+//! are short, it may leave a copy unplaced that moving another item
 //! would make room for (Gazette's scale-up scenario: three members of
-//! limits 1, 2, 3 and journals of replication 1, 2, 3 end with 5 copies,
+//! limits 1, 2, 3 and items of replication 1, 2, 3 end with 5 copies,
 //! not 6). With slots to spare it places every copy. Likewise, rebalancing
 //! moves copies one hop (from a member above its share to one with room
-//! that lacks the journal): a member may stay one copy above its share
+//! that lacks the item): a member may stay one copy above its share
 //! rounded up where only a chain of two moves would relieve it.
 //!
 //! Cost: O(A log A) to index the A assignments, then O(J · R · M) for J
-//! journals of replication R over M members.
+//! items of replication R over M members.
 
 use super::keys::{AssignmentKey, MemberKey};
 use super::sound;
-use super::state::{route_matches, Assignment, Change, Snapshot};
+use super::state::{route_matches, Assignment, Change, MemberValue, Snapshot};
 use std::cmp::Ordering;
 
 /// A member, as the plan sees it.
 struct Mem<'a> {
     key: &'a MemberKey,
     zone: u32,
-    /// Journals it may be given (0 when exiting).
+    /// Items it may be given (0 when exiting).
     capacity: u64,
     /// Its hard limit.
     limit: u64,
-    /// Its fair share of the journal copies, at most `capacity`.
+    /// Its fair share of the item copies, at most `capacity`.
     share: u64,
-    /// Assignments it holds now (every journal, any slot).
+    /// Assignments it holds now (every item, any slot).
     held: u64,
     /// Primaries it holds now, kept up to date as the plan promotes.
     primaries: u64,
@@ -71,7 +71,7 @@ struct Mem<'a> {
     lease: i64,
 }
 
-/// One current assignment of a journal.
+/// One current assignment of an item.
 struct Cur<'a> {
     key: &'a AssignmentKey,
     a: &'a Assignment,
@@ -81,14 +81,14 @@ struct Cur<'a> {
     /// The member was part of a route the primary synchronized and has
     /// held the assignment since: it holds every acknowledged byte.
     synced: bool,
-    /// The first assignment of its member for this journal that the member
-    /// may keep (exists and takes journals).
+    /// The first assignment of its member for this item that the member
+    /// may keep (exists and takes items).
     usable: bool,
 }
 
 struct Jour<'a> {
     name: &'a str,
-    /// `None` for assignments of a journal that no longer exists.
+    /// `None` for assignments of an item that no longer exists.
     item: Option<(u64, i64)>,
     /// Range into the flat list of current assignments.
     cur: (usize, usize),
@@ -96,9 +96,9 @@ struct Jour<'a> {
 }
 
 /// The changes that move `snapshot` toward its desired allocation, grouped
-/// by journal, in journal order. Empty when there is nothing to do: an idle
+/// by item, in item order. Empty when there is nothing to do: an idle
 /// cluster writes nothing.
-pub fn plan(snapshot: &Snapshot) -> Vec<Change> {
+pub fn plan<M: MemberValue>(snapshot: &Snapshot<M>) -> Vec<Change> {
     let mut p = Planner::new(snapshot);
     p.keep();
     p.fill();
@@ -111,12 +111,12 @@ struct Planner<'a> {
     mems: Vec<Mem<'a>>,
     curs: Vec<Cur<'a>>,
     jours: Vec<Jour<'a>>,
-    /// Zones with a member that takes journals.
+    /// Zones with a member that takes items.
     zones_usable: u64,
 }
 
 impl<'a> Planner<'a> {
-    fn new(s: &'a Snapshot) -> Planner<'a> {
+    fn new<M: MemberValue>(s: &'a Snapshot<M>) -> Planner<'a> {
         let (mut mems, zones_usable) = Self::members(s);
         let (curs, jours) = Self::join(s, &mut mems);
         // Fair shares: the copies wanted (or as many as fit), spread in
@@ -139,8 +139,8 @@ impl<'a> Planner<'a> {
     }
 
     /// The members in key order (so by zone), their zones numbered, and how
-    /// many zones have a member that takes journals.
-    fn members(s: &'a Snapshot) -> (Vec<Mem<'a>>, u64) {
+    /// many zones have a member that takes items.
+    fn members<M: MemberValue>(s: &'a Snapshot<M>) -> (Vec<Mem<'a>>, u64) {
         let mut mems = Vec::with_capacity(s.members.len());
         let mut zone = 0u32;
         let mut last_zone: Option<&str> = None;
@@ -161,7 +161,7 @@ impl<'a> Planner<'a> {
                 key,
                 zone,
                 capacity,
-                limit: u64::from(m.spec.journal_limit),
+                limit: u64::from(m.spec.limit()),
                 share: 0,
                 held: 0,
                 primaries: 0,
@@ -173,10 +173,13 @@ impl<'a> Planner<'a> {
         (mems, zones_usable)
     }
 
-    /// Joins items with their assignments (both in journal order): the flat
-    /// list of current assignments and the journals with their ranges in
+    /// Joins items with their assignments (both in item order): the flat
+    /// list of current assignments and the items with their ranges in
     /// it, counting what each member holds.
-    fn join(s: &'a Snapshot, mems: &mut [Mem<'a>]) -> (Vec<Cur<'a>>, Vec<Jour<'a>>) {
+    fn join<M: MemberValue>(
+        s: &'a Snapshot<M>,
+        mems: &mut [Mem<'a>],
+    ) -> (Vec<Cur<'a>>, Vec<Jour<'a>>) {
         let member_keys: Vec<&MemberKey> = s.members.keys().collect();
         let index =
             |k: &MemberKey| -> Option<u32> { member_keys.binary_search(&k).ok().map(|i| i as u32) };
@@ -186,7 +189,7 @@ impl<'a> Planner<'a> {
         let mut asg = s.assignments.iter().peekable();
         loop {
             let next_item = items.peek().map(|(j, _)| j.as_str());
-            let next_asg = asg.peek().map(|(k, _)| k.journal.as_str());
+            let next_asg = asg.peek().map(|(k, _)| k.item.as_str());
             let (name, item) = match (next_item, next_asg) {
                 (None, None) => break,
                 (Some(j), Some(a)) if a < j => (a, None),
@@ -201,7 +204,7 @@ impl<'a> Planner<'a> {
             };
             let start = curs.len();
             while let Some((k, a)) = asg.peek() {
-                if k.journal != name {
+                if k.item != name {
                     break;
                 }
                 let member = index(&k.member);
@@ -227,7 +230,7 @@ impl<'a> Planner<'a> {
         (curs, jours)
     }
 
-    /// Marks one journal's current assignments consistent, synced and
+    /// Marks one item's current assignments consistent, synced and
     /// usable, and counts them for their members.
     fn mark(curs: &mut [Cur<'a>], mems: &mut [Mem<'a>], exists: bool) {
         let flags: Vec<(bool, bool)> = {
@@ -257,16 +260,16 @@ impl<'a> Planner<'a> {
         }
     }
 
-    /// Copies of a journal of replication `r` one zone should hold at most.
+    /// Copies of an item of replication `r` one zone should hold at most.
     fn zone_cap(&self, r: u64) -> u64 {
         r.div_ceil(self.zones_usable.max(1))
     }
 
-    /// Keeps current assignments where allowed: per journal, at most
+    /// Keeps current assignments where allowed: per item, at most
     /// `replication` of them with the zones spread; then per member, no more
     /// than its fair share.
     ///
-    /// Where a journal has copies to spare (a replacement was added and the
+    /// Where an item has copies to spare (a replacement was added and the
     /// copy it replaces is still there), the copy dropped is the one on the
     /// member furthest above its fair share, counting the copies already
     /// dropped: so once a plan's additions are made, the next plan drops
@@ -317,8 +320,8 @@ impl<'a> Planner<'a> {
         }
 
         // Members still above their fair share give up copies: first those a
-        // member with room could take (it does not hold the journal), from
-        // the journals that gave up the fewest so far (so that the members
+        // member with room could take (it does not hold the item), from
+        // the items that gave up the fewest so far (so that the members
         // with room can take them all), then replicas before primaries, in
         // an order of each member's own.
         let mut kept: Vec<Vec<(bool, u32)>> = vec![Vec::new(); self.mems.len()];
@@ -360,8 +363,8 @@ impl<'a> Planner<'a> {
         }
     }
 
-    /// Fills what is missing: first one copy of every journal, then a
-    /// second, and so on, so that where capacity is short every journal
+    /// Fills what is missing: first one copy of every item, then a
+    /// second, and so on, so that where capacity is short every item
     /// has a copy before any has two; each round through the tiers.
     fn fill(&mut self) {
         let rounds = self
@@ -393,7 +396,7 @@ impl<'a> Planner<'a> {
     }
 
     /// The best member of `tier` (see the module's comment) to take one
-    /// more copy of journal `j`, if any.
+    /// more copy of item `j`, if any.
     fn pick(&self, j: usize, r: u64, tier: u32) -> Option<u32> {
         let jour = &self.jours[j];
         let zone_cap = self.zone_cap(r);
@@ -456,14 +459,14 @@ impl<'a> Planner<'a> {
         best.map(|(i, _, _)| i)
     }
 
-    /// Per journal, the allowed steps from its current assignments toward
+    /// Per item, the allowed steps from its current assignments toward
     /// its desired ones.
     fn changes(mut self) -> Vec<Change> {
         let mut out = Vec::new();
         for j in 0..self.jours.len() {
             let (start, end) = self.jours[j].cur;
             let Some((r, item_rev)) = self.jours[j].item else {
-                // The journal was deleted: its assignments go, as long as it
+                // The item was deleted: its assignments go, as long as it
                 // stays deleted.
                 for c in &self.curs[start..end] {
                     out.push(Change::Remove {
@@ -496,10 +499,10 @@ impl<'a> Planner<'a> {
         out
     }
 
-    /// Where journal `j`'s assignments are unsound (a member at two slots,
+    /// Where item `j`'s assignments are unsound (a member at two slots,
     /// two primaries: keys no guarded write makes, but etcd may hold them
     /// from before), the changes that make them sound ([`sound::sort_out`]),
-    /// and nothing else for the journal this round: the next plan starts
+    /// and nothing else for the item this round: the next plan starts
     /// from sound keys. Answers whether it repaired.
     fn repair(&self, j: usize, out: &mut Vec<Change>) -> bool {
         let (start, end) = self.jours[j].cur;
@@ -521,7 +524,7 @@ impl<'a> Planner<'a> {
             let c = curs
                 .iter()
                 .find(|c| c.key == *k)
-                .expect("one of the journal's");
+                .expect("one of the item's");
             // Moved under its member's lease: one without a member key
             // waits for it (it is joining, or its lease is ending).
             if c.member.is_some() {
@@ -531,7 +534,7 @@ impl<'a> Planner<'a> {
         true
     }
 
-    /// Additions of journal `j`'s wanted members (`want`, sorted), at slots
+    /// Additions of item `j`'s wanted members (`want`, sorted), at slots
     /// above every current one, in key order; only to members under their
     /// limit counting what they hold now. Answers how many were added.
     fn add(&mut self, j: usize, want: &[u32], out: &mut Vec<Change>) -> usize {
@@ -556,7 +559,7 @@ impl<'a> Planner<'a> {
             added += 1;
             out.push(Change::Add {
                 key: AssignmentKey {
-                    journal: self.jours[j].name.to_string(),
+                    item: self.jours[j].name.to_string(),
                     member: mem.key.clone(),
                     slot,
                 },
@@ -568,7 +571,7 @@ impl<'a> Planner<'a> {
         added
     }
 
-    /// Removals of journal `j`'s assignments that are not wanted, most
+    /// Removals of item `j`'s assignments that are not wanted, most
     /// loaded member first, while `r` consistent copies remain. The first
     /// removal carries the assignments that stay. Answers, per current
     /// assignment, whether it goes.
@@ -637,7 +640,7 @@ impl<'a> Planner<'a> {
         removed
     }
 
-    /// With no primary among journal `j`'s assignments that stay (`stay`,
+    /// With no primary among item `j`'s assignments that stay (`stay`,
     /// indices into its current ones by slot), promotes one. Answers
     /// whether it did.
     fn promote(&mut self, j: usize, stay: &[usize], out: &mut Vec<Change>) -> bool {
@@ -667,7 +670,7 @@ impl<'a> Planner<'a> {
         true
     }
 
-    /// Packs one of journal `j`'s replicas that stay (`stay`, by slot) into
+    /// Packs one of item `j`'s replicas that stay (`stay`, by slot) into
     /// the lowest free slot.
     fn pack(&self, j: usize, stay: &[usize], out: &mut Vec<Change>) {
         let (start, end) = self.jours[j].cur;
@@ -728,11 +731,11 @@ impl<'a> Planner<'a> {
     }
 }
 
-/// A fixed pseudo-random order of a member's journals (FNV-1a of both
-/// names), so that members giving up copies give up different journals.
-fn spread(journal: &str, member: &MemberKey) -> u64 {
+/// A fixed pseudo-random order of a member's items (FNV-1a of both
+/// names), so that members giving up copies give up different items.
+fn spread(item: &str, member: &MemberKey) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in journal
+    for b in item
         .bytes()
         .chain([b'#'])
         .chain(member.zone.bytes())

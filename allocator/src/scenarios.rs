@@ -1,6 +1,10 @@
 //! Gazette's allocator scenarios, and one test per rule of the plan.
 
 use super::*;
+use state::TestMember;
+
+/// The scenarios' key space: members as the tests write them.
+type Snapshot = state::Snapshot<TestMember>;
 
 /// Test fixture: a key space whose revisions advance like etcd's.
 pub(super) struct Fixture {
@@ -54,7 +58,7 @@ impl Fixture {
         self
     }
 
-    pub fn update_member(&mut self, zone: &str, id: &str, f: impl FnOnce(&mut MemberSpec)) {
+    pub fn update_member(&mut self, zone: &str, id: &str, f: impl FnOnce(&mut TestMember)) {
         let rev = self.bump();
         let m = self
             .snap
@@ -95,7 +99,7 @@ impl Fixture {
             .snap
             .assignments
             .keys()
-            .map(|k| k.journal.clone())
+            .map(|k| k.item.clone())
             .collect();
         for j in journals {
             let keys: Vec<AssignmentKey> = self
@@ -169,8 +173,8 @@ impl Fixture {
         for k in self.snap.assignments.keys() {
             let copy = format!("{}#{}", k.member.id, k.slot);
             match out.last_mut() {
-                Some((j, copies)) if *j == k.journal => copies.push(copy),
-                _ => out.push((k.journal.clone(), vec![copy])),
+                Some((j, copies)) if *j == k.item => copies.push(copy),
+                _ => out.push((k.item.clone(), vec![copy])),
             }
         }
         let journals: Vec<String> = out
@@ -218,9 +222,9 @@ pub(super) fn check_plan(snap: &Snapshot, changes: &[Change]) {
     for (m, mem) in &snap.members {
         let (before, after) = (snap.held_by(m), next.held_by(m));
         assert!(
-            after <= before.max(mem.spec.journal_limit as usize),
+            after <= before.max(mem.spec.limit as usize),
             "{m} holds {after} journals, limit {}",
-            mem.spec.journal_limit
+            mem.spec.limit
         );
         if mem.spec.capacity() == 0 {
             assert!(after <= before, "{m} takes no journals but was given some");
@@ -513,7 +517,7 @@ fn transactions_keep_a_journals_changes_together() {
         assert!(cmps <= TXN_OPS_MAX && ops <= TXN_OPS_MAX, "{cmps} {ops}");
     }
     for w in txns.windows(2) {
-        assert_ne!(w[0].last().unwrap().journal(), w[1][0].journal());
+        assert_ne!(w[0].last().unwrap().item(), w[1][0].item());
     }
     let mut snap = f.snap.clone();
     for t in txns {
@@ -571,11 +575,11 @@ fn routes_round_trip_and_define_consistency() {
 #[test]
 fn a_snapshot_follows_etcds_key_values() {
     let mut s = Snapshot::new("/rotary/", 10);
-    let spec = br#"{"endpoint":"10.0.0.1:7401","shards":4,"journal_limit":100}"#;
+    let spec = br#"{"endpoint":"10.0.0.1:7401","limit":100}"#;
     let m = s
         .put_member("/rotary/members/zone-a#b1", spec, 5, 7, 42)
         .unwrap();
-    assert_eq!(s.members[&m].spec.journal_limit, 100);
+    assert_eq!(s.members[&m].spec.limit, 100);
     assert!(!s.members[&m].spec.exiting);
     assert_eq!(s.members[&m].lease, 42);
     assert_eq!(
@@ -630,7 +634,7 @@ fn raising_and_lowering_a_limit_moves_journals_add_first() {
         "item-1: B#0; item-2: A#1 B#0; item-3: A#0 limit#1 B#2",
     ];
     for (limit, want) in [10, 2, 1].into_iter().zip(want) {
-        f.update_member("zone-a", "limit", |s| s.journal_limit = limit);
+        f.update_member("zone-a", "limit", |s| s.limit = limit);
         // Additions first; removals wait for the primaries to synchronize.
         assert!(f.serve_until_idle() >= 1);
         assert_ne!(

@@ -1,13 +1,14 @@
 //! The allocator's keys in etcd, in Gazette's layout, under a prefix:
 //!
-//! - `<prefix>/items/<journal>`: a journal's spec (no lease);
-//! - `<prefix>/members/<zone>#<id>`: a broker (under its own lease);
-//! - `<prefix>/assign/<journal>#<zone>#<id>#<slot>`: one assignment of a
-//!   journal to a broker (under that broker's lease); slot 0 is the primary.
+//! - `<prefix>/items/<item>`: an item's spec (no lease);
+//! - `<prefix>/members/<zone>#<id>`: a member (under its own lease);
+//! - `<prefix>/assign/<item>#<zone>#<id>#<slot>`: one assignment of an
+//!   item to a member (under that member's lease); slot 0 is the primary.
 //!
-//! `#` separates the parts, so no part may contain it. A journal name may
-//! contain `/`; zones and ids may not be empty except the zone, which may
-//! (a broker started without `--zone`). Slots are canonical decimals, so
+//! Items are journals (members are brokers) or a consumer application's
+//! shards (members are its processes). `#` separates the parts, so no part
+//! may contain it. An item name may contain `/`; zones and ids may not be
+//! empty except the zone, which may (a member started without `--zone`). Slots are canonical decimals, so
 //! that every key has exactly one spelling and parse ∘ format is the identity.
 
 use std::fmt;
@@ -17,7 +18,7 @@ pub const ITEMS: &str = "items/";
 pub const MEMBERS: &str = "members/";
 pub const ASSIGN: &str = "assign/";
 
-/// Longest slot a key may carry. Slots are small (a journal has a few
+/// Longest slot a key may carry. Slots are small (an item has a few
 /// replicas); the bound keeps a corrupt key from looking like a slot.
 pub const SLOT_MAX: u32 = 1 << 20;
 
@@ -38,7 +39,7 @@ pub enum KeyError {
     },
 }
 
-/// A broker's identity: its zone and its id. Ordered by zone, then id, as
+/// A member's identity: its zone and its id. Ordered by zone, then id, as
 /// their keys are.
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MemberKey {
@@ -93,24 +94,24 @@ impl<'de> serde::Deserialize<'de> for MemberKey {
     }
 }
 
-/// One assignment's key: journal, member and slot. Ordered by journal,
+/// One assignment's key: item, member and slot. Ordered by item,
 /// member, then slot (numerically).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct AssignmentKey {
-    pub journal: String,
+    pub item: String,
     pub member: MemberKey,
     pub slot: u32,
 }
 
 impl AssignmentKey {
     /// A checked assignment key.
-    pub fn new(journal: &str, member: MemberKey, slot: u32) -> Result<AssignmentKey, KeyError> {
-        check_journal(journal)?;
+    pub fn new(item: &str, member: MemberKey, slot: u32) -> Result<AssignmentKey, KeyError> {
+        check_item(item)?;
         check_zone(&member.zone)?;
         check_id(&member.id)?;
         check_slot(slot)?;
         Ok(AssignmentKey {
-            journal: journal.to_string(),
+            item: item.to_string(),
             member,
             slot,
         })
@@ -125,10 +126,10 @@ impl AssignmentKey {
     }
 }
 
-/// `journal#zone#id#slot`, the part after `assign/`.
+/// `item#zone#id#slot`, the part after `assign/`.
 impl fmt::Display for AssignmentKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}#{}#{}", self.journal, self.member, self.slot)
+        write!(f, "{}#{}#{}", self.item, self.member, self.slot)
     }
 }
 
@@ -146,9 +147,9 @@ pub fn normalize_prefix(prefix: &str) -> &str {
     prefix.trim_end_matches('/')
 }
 
-/// `<prefix>/items/<journal>`.
-pub fn item_key(prefix: &str, journal: &str) -> String {
-    format!("{}/{ITEMS}{journal}", normalize_prefix(prefix))
+/// `<prefix>/items/<item>`.
+pub fn item_key(prefix: &str, item: &str) -> String {
+    format!("{}/{ITEMS}{item}", normalize_prefix(prefix))
 }
 
 /// `<prefix>/members/<zone>#<id>`.
@@ -156,12 +157,12 @@ pub fn member_key(prefix: &str, member: &MemberKey) -> String {
     format!("{}/{MEMBERS}{member}", normalize_prefix(prefix))
 }
 
-/// `<prefix>/assign/<journal>#<zone>#<id>#<slot>`.
+/// `<prefix>/assign/<item>#<zone>#<id>#<slot>`.
 pub fn assignment_key(prefix: &str, a: &AssignmentKey) -> String {
     format!("{}/{ASSIGN}{a}", normalize_prefix(prefix))
 }
 
-/// `<prefix>/items/`: the range of every journal spec.
+/// `<prefix>/items/`: the range of every item spec.
 pub fn items_prefix(prefix: &str) -> String {
     format!("{}/{ITEMS}", normalize_prefix(prefix))
 }
@@ -176,10 +177,10 @@ pub fn assignments_prefix(prefix: &str) -> String {
     format!("{}/{ASSIGN}", normalize_prefix(prefix))
 }
 
-/// `<prefix>/assign/<journal>#`: the range of one journal's assignments
-/// (no other journal's name continues with `#`).
-pub fn journal_assignments_prefix(prefix: &str, journal: &str) -> String {
-    format!("{}/{ASSIGN}{journal}#", normalize_prefix(prefix))
+/// `<prefix>/assign/<item>#`: the range of one item's assignments
+/// (no other item's name continues with `#`).
+pub fn item_assignments_prefix(prefix: &str, item: &str) -> String {
+    format!("{}/{ASSIGN}{item}#", normalize_prefix(prefix))
 }
 
 /// Parses a key of the key space under `prefix`.
@@ -199,22 +200,22 @@ pub fn parse_key(prefix: &str, key: &str) -> Result<Key, KeyError> {
         },
         other => other,
     };
-    if let Some(journal) = rest.strip_prefix(ITEMS) {
-        check_journal(journal).map_err(wrap)?;
-        Ok(Key::Item(journal.to_string()))
+    if let Some(item) = rest.strip_prefix(ITEMS) {
+        check_item(item).map_err(wrap)?;
+        Ok(Key::Item(item.to_string()))
     } else if let Some(member) = rest.strip_prefix(MEMBERS) {
         Ok(Key::Member(member.parse().map_err(wrap)?))
     } else if let Some(a) = rest.strip_prefix(ASSIGN) {
         let parts: Vec<&str> = a.split('#').collect();
-        let &[journal, zone, id, slot] = parts.as_slice() else {
+        let &[item, zone, id, slot] = parts.as_slice() else {
             return Err(KeyError::Malformed {
                 key: key.to_string(),
-                why: "an assignment is `journal#zone#id#slot`, with exactly three `#`",
+                why: "an assignment is `item#zone#id#slot`, with exactly three `#`",
             });
         };
         let slot = parse_slot(slot).map_err(wrap)?;
         let member = MemberKey::new(zone, id).map_err(wrap)?;
-        AssignmentKey::new(journal, member, slot)
+        AssignmentKey::new(item, member, slot)
             .map(Key::Assignment)
             .map_err(wrap)
     } else {
@@ -245,30 +246,20 @@ fn refuse_if(
     }
 }
 
-/// A journal name as the key layout needs it: not empty, no `#`. (The
+/// An item name as the key layout needs it: not empty, no `#`. (The
 /// spec's own rules are checked where specs are applied.)
-pub fn check_journal(journal: &str) -> Result<(), KeyError> {
-    let what = "journal";
-    refuse_if(
-        journal.is_empty(),
-        what,
-        journal,
-        "a journal name is not empty",
-    )?;
-    refuse_if(
-        journal.contains('#'),
-        what,
-        journal,
-        "a journal name has no `#`",
-    )
+pub fn check_item(item: &str) -> Result<(), KeyError> {
+    let what = "item";
+    refuse_if(item.is_empty(), what, item, "an item name is not empty")?;
+    refuse_if(item.contains('#'), what, item, "an item name has no `#`")
 }
 
-/// A zone: no `#` (empty is the zone of brokers started without one).
+/// A zone: no `#` (empty is the zone of members started without one).
 pub fn check_zone(zone: &str) -> Result<(), KeyError> {
     refuse_if(zone.contains('#'), "zone", zone, "a zone has no `#`")
 }
 
-/// A broker id: not empty, no `#`.
+/// A member id: not empty, no `#`.
 pub fn check_id(id: &str) -> Result<(), KeyError> {
     let what = "member id";
     refuse_if(id.is_empty(), what, id, "a member id is not empty")?;
@@ -316,10 +307,7 @@ mod tests {
         );
         let a = AssignmentKey::new("a/b", m("zone-b", "B"), 2).unwrap();
         assert_eq!(assignment_key("/root", &a), "/root/assign/a/b#zone-b#B#2");
-        assert_eq!(
-            journal_assignments_prefix("/root", "a/b"),
-            "/root/assign/a/b#"
-        );
+        assert_eq!(item_assignments_prefix("/root", "a/b"), "/root/assign/a/b#");
         assert_eq!(
             parse_key("/root", "/root/assign/a/b#zone-b#B#2").unwrap(),
             Key::Assignment(a)
@@ -350,7 +338,7 @@ mod tests {
             ("/root/assign/j#zone#id#-1", "decimal number"),
             ("/root/assign/j#zone#id#", "decimal number"),
             ("/root/assign/j#zone#id#99999999999", "at most 2^20"),
-            ("/root/assign/#zone#id#0", "journal name is not empty"),
+            ("/root/assign/#zone#id#0", "item name is not empty"),
             ("/root/assign/j#zone##0", "member id is not empty"),
         ];
         for (key, why) in cases {
@@ -376,13 +364,13 @@ mod tests {
         "[a-zA-Z0-9_.=%+-]{1,12}"
     }
 
-    fn journal() -> impl Strategy<Value = String> {
+    fn item() -> impl Strategy<Value = String> {
         prop::collection::vec(part(), 1..4).prop_map(|p| p.join("/"))
     }
 
     proptest! {
         #[test]
-        fn item_keys_round_trip(prefix in "(/[a-z]{1,6}){0,2}/?", j in journal()) {
+        fn item_keys_round_trip(prefix in "(/[a-z]{1,6}){0,2}/?", j in item()) {
             let key = item_key(&prefix, &j);
             prop_assert_eq!(parse_key(&prefix, &key).unwrap(), Key::Item(j));
         }
@@ -397,14 +385,14 @@ mod tests {
 
         #[test]
         fn assignment_keys_round_trip(
-            j in journal(),
+            j in item(),
             zone in "[a-z0-9-]{0,8}",
             id in part(),
             slot in 0..=SLOT_MAX,
         ) {
             let a = AssignmentKey::new(&j, MemberKey::new(&zone, &id).unwrap(), slot).unwrap();
             let key = assignment_key("/rotary", &a);
-            prop_assert!(key.starts_with(&journal_assignments_prefix("/rotary", &j)));
+            prop_assert!(key.starts_with(&item_assignments_prefix("/rotary", &j)));
             prop_assert_eq!(parse_key("/rotary", &key).unwrap(), Key::Assignment(a));
         }
 
