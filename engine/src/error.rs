@@ -173,7 +173,14 @@ mod tests {
         let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
         let busy = EngineError::Listen(addr, std::io::ErrorKind::AddrInUse.into());
         assert!(busy.is_retryable());
-        assert!(EngineError::from(ControlError::Etcd("unreachable".into())).is_retryable());
+        let timeout = rotary_etcd::Error::Timeout {
+            op: "txn",
+            timeout: std::time::Duration::from_secs(5),
+        };
+        assert!(EngineError::from(ControlError::Etcd(timeout)).is_retryable());
         assert!(!EngineError::from(ControlError::TxnFailed("revision".into())).is_retryable());
+        // A request etcd refuses as such stays refused.
+        let refused = rotary_etcd::Error::InvalidArgument { what: "too large" };
+        assert!(!EngineError::from(ControlError::Etcd(refused)).is_retryable());
     }
 }

@@ -48,6 +48,7 @@ pub mod pb {
 
 mod client;
 mod error;
+pub mod keyspace;
 mod lease;
 mod txn;
 mod watch;

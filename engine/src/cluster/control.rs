@@ -72,8 +72,8 @@ pub enum ControlError {
     #[error("etcd transaction failed: {0}")]
     TxnFailed(String),
     /// etcd could not be reached or refused the request.
-    #[error("etcd: {0}")]
-    Etcd(String),
+    #[error(transparent)]
+    Etcd(#[from] rotary_etcd::Error),
     /// What the request names does not exist.
     #[error("{0}")]
     NotFound(String),
@@ -83,8 +83,16 @@ pub enum ControlError {
 }
 
 impl ControlError {
+    /// Whether the same request may succeed later: etcd was away or busy,
+    /// or the broker is between sessions. A failed guard, a missing item
+    /// and an etcd error no retry cures (a bad argument, a compacted
+    /// revision) are final.
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, ControlError::TxnFailed(_) | ControlError::NotFound(_))
+        match self {
+            ControlError::TxnFailed(_) | ControlError::NotFound(_) => false,
+            ControlError::Etcd(e) => e.is_retryable(),
+            ControlError::Gone => true,
+        }
     }
 }
 

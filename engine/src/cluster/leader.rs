@@ -1,8 +1,8 @@
 //! The allocator's driver on the leader: its plan, as guarded etcd writes.
 
-use super::io::{Guard, Write};
 use super::member::Snapshot;
 use rotary_allocator::{self as allocator, GuardKey, MemberKey};
+use rotary_etcd::keyspace::{Guard, Write};
 
 /// The allocator's changes for `snapshot`, as transactions of guards and
 /// writes (each journal's changes in one, [`allocator::TXN_OPS_MAX`] at

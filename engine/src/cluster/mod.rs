@@ -14,7 +14,6 @@
 
 pub mod control;
 pub mod fence;
-mod io;
 mod leader;
 pub mod member;
 pub mod session;
@@ -143,10 +142,7 @@ impl Cluster {
                 });
             })
             .map_err(|e| crate::EngineError::Thread("etcd control", e))?;
-        let view = ready_rx
-            .recv()
-            .map_err(|_| control::ControlError::Gone)?
-            .map_err(control::ControlError::Etcd)?;
+        let view = ready_rx.recv().map_err(|_| control::ControlError::Gone)??;
         Ok(Cluster {
             handle: control::ControlHandle::new(requests_tx, fence),
             view,

@@ -7,12 +7,12 @@
 
 use super::control::{self, ControlError, Request};
 use super::fence::Fence;
-use super::io::{Etcd, Event, Guard, Write};
 use super::state::{Keyspace, SpecChange};
 use super::{now_ms, EtcdConfig};
 use crate::specs::SpecStore;
 use crate::topology::{ClusterView, Topology};
 use rotary_allocator::{self as allocator, MemberKey};
+use rotary_etcd::keyspace::{Etcd, Event, Guard, Watch, Write};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,19 +61,20 @@ const RECREATE_TTLS: u32 = 4;
 const HOLD_BACK_TTLS: u32 = 2;
 
 impl Session {
-    /// Connects (retrying for [`super::CONNECT_TIMEOUT`]), takes a lease
-    /// and reads the keyspace, mirroring its items into `specs`.
+    /// Connects (retrying for [`super::CONNECT_TIMEOUT`] while the error is
+    /// one a retry may cure), takes a lease and reads the keyspace,
+    /// mirroring its items into `specs`.
     pub async fn open(
         config: EtcdConfig,
         shards: u32,
         specs: Arc<SpecStore>,
         fence: Arc<Fence>,
-    ) -> Result<Session, String> {
+    ) -> Result<Session, ControlError> {
         let give_up = now_ms() + super::CONNECT_TIMEOUT.as_millis() as u64;
         let etcd = loop {
             match Etcd::connect(&config.endpoints).await {
                 Ok(e) => break e,
-                Err(e) if now_ms() >= give_up => return Err(e),
+                Err(e) if !e.is_retryable() || now_ms() >= give_up => return Err(e.into()),
                 Err(e) => {
                     tracing::warn!(error = %e, "etcd is not reachable yet; trying again");
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -235,7 +236,7 @@ impl Session {
     }
 
     /// One keep-alive; false if the lease is gone (expired or revoked).
-    pub async fn keep_alive(&mut self) -> Result<bool, String> {
+    pub async fn keep_alive(&mut self) -> Result<bool, rotary_etcd::Error> {
         let sent = now_ms();
         match self.etcd.keep_alive(self.lease).await? {
             Some(_) => {
@@ -586,7 +587,7 @@ pub fn fence_solo_primaries(view: &mut ClusterView) {
 
 /// What woke the loop.
 enum Wake {
-    Events(Result<(i64, Vec<Event>), String>),
+    Events(Result<(i64, Vec<Event>), rotary_etcd::Error>),
     Request(Option<Request>),
     Tick,
 }
@@ -613,7 +614,7 @@ impl Session {
             }
             let wake = tokio::select! {
                 e = watch.recv() => Wake::Events(
-                    e.unwrap_or_else(|| Err("the etcd watch ended".into())),
+                    e.unwrap_or(Err(rotary_etcd::Error::StreamClosed { op: "watch" })),
                 ),
                 r = requests.recv() => Wake::Request(r.ok()),
                 _ = tokio::time::sleep(tick) => Wake::Tick,
@@ -664,7 +665,7 @@ impl Session {
     async fn watch_events(
         &mut self,
         revision: i64,
-    ) -> tokio::sync::mpsc::Receiver<Result<(i64, Vec<Event>), String>> {
+    ) -> tokio::sync::mpsc::Receiver<Result<(i64, Vec<Event>), rotary_etcd::Error>> {
         let mut watch = self.watch_from(revision).await;
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tokio::spawn(async move {
@@ -679,7 +680,7 @@ impl Session {
         rx
     }
 
-    async fn watch_from(&mut self, revision: i64) -> super::io::Watch {
+    async fn watch_from(&mut self, revision: i64) -> Watch {
         loop {
             match self.etcd.watch(&self.prefix(), revision).await {
                 Ok(w) => return w,

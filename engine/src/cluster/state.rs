@@ -11,15 +11,7 @@ use rotary_net::spec::JournalSpec;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// One key-value as etcd returns it.
-#[derive(Clone, Debug)]
-pub struct Kv {
-    pub key: String,
-    pub value: Vec<u8>,
-    pub create_revision: i64,
-    pub mod_revision: i64,
-    pub lease: i64,
-}
+pub use rotary_etcd::keyspace::Kv;
 
 /// What one event did to the journal specs, for the spec store.
 #[derive(Clone, Debug, PartialEq, Eq)]

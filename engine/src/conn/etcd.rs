@@ -172,6 +172,9 @@ fn control_status(e: &ControlError) -> Status {
     match e {
         ControlError::TxnFailed(_) => Status::ETCD_TRANSACTION_FAILED,
         ControlError::NotFound(_) => Status::NOT_ALLOWED,
+        // etcd refused the request itself (too large, malformed): sending
+        // it again cannot help.
+        ControlError::Etcd(e) if !e.is_retryable() => Status::BAD_REQUEST,
         ControlError::Etcd(_) | ControlError::Gone => Status::IO_ERROR,
     }
 }

@@ -1,10 +1,30 @@
-//! What the control thread asks of etcd, in the keyspace's own terms:
-//! guards, writes and events over string keys. A thin layer over
-//! `rotary-etcd`, so that the session reads as the cluster's logic.
+//! A cluster member's view of etcd, in a keyspace's own terms: string
+//! keys, guards, writes and events. Brokers and consumer processes both
+//! keep their cluster's keys (items, members, assignments) in etcd
+//! through this layer, so that their sessions read as the cluster's logic.
+//! Errors keep their type ([`Error`]), so a caller can tell one that
+//! trying again may cure ([`Error::is_retryable`]) from one it cannot.
 
-use super::state::Kv;
-use rotary_etcd::{Compare, CompareOp, LeaseId, Op, Txn, WatchOptions};
+use crate::{Client, ClientOptions, Compare, CompareOp, Error, LeaseId, Op, Txn, WatchOptions};
 use std::time::Duration;
+
+/// How long a watch waits before it resumes a broken stream.
+pub const WATCH_RESUME_PAUSE: Duration = Duration::from_millis(250);
+
+/// One key-value as etcd returns it, its key as text.
+#[derive(Clone, Debug)]
+pub struct Kv {
+    /// The key, lossily as UTF-8.
+    pub key: String,
+    /// The value.
+    pub value: Vec<u8>,
+    /// The revision that created the key.
+    pub create_revision: i64,
+    /// The revision of the key's last change.
+    pub mod_revision: i64,
+    /// The lease the key lives under (0: none).
+    pub lease: i64,
+}
 
 /// A condition of a transaction.
 pub enum Guard {
@@ -22,35 +42,43 @@ pub enum Guard {
 pub enum Write {
     /// Put under `lease` (0: none).
     Put {
+        /// The key.
         key: String,
+        /// Its new value.
         value: Vec<u8>,
+        /// The lease it lives under (0: none).
         lease: i64,
     },
     /// Put, keeping the key's lease (an assignment's value, written by the
     /// journal's primary under the assigned broker's lease).
     PutKeepLease {
+        /// The key.
         key: String,
+        /// Its new value.
         value: Vec<u8>,
     },
+    /// Delete the key.
     Delete {
+        /// The key.
         key: String,
     },
 }
 
 /// One change the watch saw.
 pub enum Event {
+    /// A key created or changed.
     Put(Kv),
     /// A key deleted at a revision (by a client, or by its lease's end).
     Delete(String, i64),
 }
 
-/// The etcd client of a control thread.
-pub struct Etcd(rotary_etcd::Client);
+/// The etcd client of a cluster member's session.
+pub struct Etcd(Client);
 
 /// A watch of the cluster's prefix.
-pub struct Watch(rotary_etcd::Watcher);
+pub struct Watch(crate::Watcher);
 
-fn kv_of(kv: rotary_etcd::KeyValue) -> Kv {
+fn kv_of(kv: crate::KeyValue) -> Kv {
     Kv {
         key: String::from_utf8_lossy(&kv.key).into_owned(),
         value: kv.value,
@@ -64,7 +92,7 @@ impl Watch {
     /// The next batch of events, with the revision through which every
     /// event has been delivered. An error ends this watch (compacted,
     /// canceled): read the keyspace again and watch anew.
-    pub async fn next(&mut self) -> Result<(i64, Vec<Event>), String> {
+    pub async fn next(&mut self) -> Result<(i64, Vec<Event>), Error> {
         loop {
             match self.0.next().await {
                 Ok(batch) => {
@@ -72,8 +100,8 @@ impl Watch {
                         .events
                         .into_iter()
                         .map(|e| match e.kind {
-                            rotary_etcd::EventKind::Put => Event::Put(kv_of(e.kv)),
-                            rotary_etcd::EventKind::Delete => Event::Delete(
+                            crate::EventKind::Put => Event::Put(kv_of(e.kv)),
+                            crate::EventKind::Delete => Event::Delete(
                                 String::from_utf8_lossy(&e.kv.key).into_owned(),
                                 e.kv.mod_revision,
                             ),
@@ -84,61 +112,50 @@ impl Watch {
                 // A broken stream reopens itself on the next call.
                 Err(e) if e.is_retryable() => {
                     tracing::debug!(error = %e, "the etcd watch broke; resuming");
-                    tokio::time::sleep(super::control::RETRY_PAUSE).await;
+                    tokio::time::sleep(WATCH_RESUME_PAUSE).await;
                 }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(e),
             }
         }
     }
 }
 
 impl Etcd {
-    pub async fn connect(endpoints: &[String]) -> Result<Etcd, String> {
-        rotary_etcd::Client::connect(endpoints, rotary_etcd::ClientOptions::default())
+    /// Connects to the first of `endpoints` that answers.
+    pub async fn connect(endpoints: &[String]) -> Result<Etcd, Error> {
+        Client::connect(endpoints, ClientOptions::default())
             .await
             .map(Etcd)
-            .map_err(|e| e.to_string())
     }
 
-    pub async fn grant(&self, ttl: Duration) -> Result<i64, String> {
-        self.0
-            .lease_grant(ttl)
-            .await
-            .map(|l| l.id.0)
-            .map_err(|e| e.to_string())
+    /// A new lease of `ttl`: its id.
+    pub async fn grant(&self, ttl: Duration) -> Result<i64, Error> {
+        self.0.lease_grant(ttl).await.map(|l| l.id.0)
     }
 
     /// One keep-alive: the TTL left, or `None` if the lease is gone.
-    pub async fn keep_alive(&self, lease: i64) -> Result<Option<Duration>, String> {
+    pub async fn keep_alive(&self, lease: i64) -> Result<Option<Duration>, Error> {
         match self.0.lease_keep_alive_once(LeaseId(lease)).await {
             Ok(ttl) => Ok(Some(ttl)),
-            Err(
-                rotary_etcd::Error::LeaseNotFound { .. } | rotary_etcd::Error::LeaseExpired { .. },
-            ) => Ok(None),
-            Err(e) => Err(e.to_string()),
+            Err(Error::LeaseNotFound { .. } | Error::LeaseExpired { .. }) => Ok(None),
+            Err(e) => Err(e),
         }
     }
 
-    pub async fn revoke(&self, lease: i64) -> Result<(), String> {
-        self.0
-            .lease_revoke(LeaseId(lease))
-            .await
-            .map_err(|e| e.to_string())
+    /// Ends a lease: every key under it is deleted.
+    pub async fn revoke(&self, lease: i64) -> Result<(), Error> {
+        self.0.lease_revoke(LeaseId(lease)).await
     }
 
     /// Every key under `prefix`, at one revision.
-    pub async fn range(&self, prefix: &str) -> Result<(Vec<Kv>, i64), String> {
-        let r = self
-            .0
-            .range_prefix(prefix.as_bytes().to_vec())
-            .await
-            .map_err(|e| e.to_string())?;
+    pub async fn range(&self, prefix: &str) -> Result<(Vec<Kv>, i64), Error> {
+        let r = self.0.range_prefix(prefix.as_bytes().to_vec()).await?;
         Ok((r.kvs.into_iter().map(kv_of).collect(), r.revision))
     }
 
     /// A transaction: `Some(revision)` if every guard held and the writes
     /// landed, `None` if a guard did not hold (nothing was written).
-    pub async fn txn(&self, guards: Vec<Guard>, writes: Vec<Write>) -> Result<Option<i64>, String> {
+    pub async fn txn(&self, guards: Vec<Guard>, writes: Vec<Write>) -> Result<Option<i64>, Error> {
         let compares = guards.into_iter().map(|g| match g {
             Guard::Absent(k) => Compare::absent(k.into_bytes()),
             Guard::Present(k) => Compare::create_revision(k.into_bytes(), CompareOp::Greater, 0),
@@ -157,16 +174,12 @@ impl Etcd {
             Write::PutKeepLease { key, value } => Op::put_keep_lease(key.into_bytes(), value),
             Write::Delete { key } => Op::delete(key.into_bytes()),
         });
-        let r = self
-            .0
-            .txn(Txn::new().when(compares).and_then(ops))
-            .await
-            .map_err(|e| e.to_string())?;
+        let r = self.0.txn(Txn::new().when(compares).and_then(ops)).await?;
         Ok(r.succeeded.then_some(r.revision))
     }
 
     /// Watches `prefix` from `revision` on (inclusive).
-    pub async fn watch(&self, prefix: &str, revision: i64) -> Result<Watch, String> {
+    pub async fn watch(&self, prefix: &str, revision: i64) -> Result<Watch, Error> {
         let options = WatchOptions {
             start_revision: revision,
             ..WatchOptions::default()
@@ -175,6 +188,5 @@ impl Etcd {
             .watch_prefix(prefix.as_bytes().to_vec(), options)
             .await
             .map(Watch)
-            .map_err(|e| e.to_string())
     }
 }
