@@ -222,7 +222,7 @@ impl<S: LogSource> Player<S> {
             };
             let mut frame = Vec::new();
             ops::encode(&record, &mut frame);
-            match sink.append(&frame) {
+            match sink.append_handoff(&frame) {
                 Ok(_) => {}
                 // It may have landed: reading on tells.
                 Err(error) if error.is_retryable() => {}

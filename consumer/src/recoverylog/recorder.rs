@@ -26,13 +26,25 @@ use super::ops::{self, Author, Fnode, LogPath, Op, Record, WRITE_BYTES_MAX};
 /// caller; an async client blocks on its append here.
 pub trait LogSink {
     /// Appends `bytes` as one atomic append; returns the log offset of its
-    /// first byte.
+    /// first byte. Fails [`SinkError::Fenced`] once another recorder took
+    /// the log over.
     fn append(&mut self, bytes: &[u8]) -> Result<u64, SinkError>;
+
+    /// Appends a hand-off frame, which makes this sink's recorder the
+    /// log's author: a journal sink also sets the log's author register
+    /// here, so that the old recorder's next append is refused.
+    fn append_handoff(&mut self, bytes: &[u8]) -> Result<u64, SinkError> {
+        self.append(bytes)
+    }
 }
 
 impl<T: LogSink + ?Sized> LogSink for &mut T {
     fn append(&mut self, bytes: &[u8]) -> Result<u64, SinkError> {
         (**self).append(bytes)
+    }
+
+    fn append_handoff(&mut self, bytes: &[u8]) -> Result<u64, SinkError> {
+        (**self).append_handoff(bytes)
     }
 }
 
@@ -74,7 +86,7 @@ impl<K: LogSink> Recorder<K> {
         let head_offset = fsm.next().offset;
         let mut recorder = Recorder::build(log, fsm, author, sink, head_offset);
         recorder.record(Op::Handoff)?;
-        recorder.flush()?;
+        recorder.append_buffered(true)?;
         Ok(recorder)
     }
 
@@ -208,13 +220,23 @@ impl<K: LogSink> Recorder<K> {
     /// buffered (appending them twice is harmless: players skip records
     /// they already applied); after any other error the recorder stops.
     pub fn flush(&mut self) -> Result<(), Error> {
+        self.append_buffered(false)
+    }
+
+    /// [`Recorder::flush`]; `handoff` when the buffer is the hand-off that
+    /// makes this recorder the log's author.
+    fn append_buffered(&mut self, handoff: bool) -> Result<(), Error> {
         if self.stopped {
             return Err(Error::RecorderStopped);
         }
         if self.buf.is_empty() {
             return Ok(());
         }
-        let offset = match self.sink.append(&self.buf) {
+        let appended = match handoff {
+            true => self.sink.append_handoff(&self.buf),
+            false => self.sink.append(&self.buf),
+        };
+        let offset = match appended {
             Ok(offset) => offset,
             Err(error) => {
                 self.stopped = !error.is_retryable();
