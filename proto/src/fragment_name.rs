@@ -3,9 +3,19 @@
 //!
 //! A fragment of journal `j` covering `[begin, end)` with SHA-1 `s` of its
 //! uncompressed bytes is the object `<j>/<begin:016x>-<end:016x>-<s:40 hex><ext>`
-//! (`ext` by codec: `.raw`, `.gz`, `.zst`, `.sz`). Gazette allows an
-//! optional *postfix* directory between journal and file name
-//! (`<j>/<postfix>/<name>`); rotary writes none but reads both.
+//! (`ext` by codec: `.raw`, `.gz`, `.zst`, `.sz`, and none at all for
+//! gzip-offload). Gazette allows an optional *postfix* directory between
+//! journal and file name (`<j>/<postfix>/<name>`); rotary writes none but
+//! reads both.
+//!
+//! **Reading is Gazette's, writing is canonical.** Every name Gazette's
+//! `ParseFragmentFromRelativePath` takes for a fragment it could have
+//! written is read: the extension is matched ignoring case, with Gazette's
+//! aliases (`.gzip`, `.zstandard`, `.snappy`, and `.gzod` beside no
+//! extension for gzip-offload; the table is `spec::CODEC_NAMES`), and hex
+//! digits may be upper case. Offsets are always 16 digits and the SHA-1 40,
+//! as every Gazette writes them. rotary writes only the lower-case
+//! canonical form, so a name it writes parses back to the same fragment.
 //!
 //! **Postfix rule.** A listing of journal `j` takes file names directly
 //! under `j/`, and under `j/<seg>/` only when `<seg>` contains `=`
@@ -52,9 +62,10 @@ impl FragmentName {
     }
 
     /// Parses a file name (no directories). Offsets are hex of exactly 16
-    /// digits, the SHA-1 of exactly 40; `begin <= end`.
+    /// digits, the SHA-1 of exactly 40; `begin <= end`; the extension is
+    /// any of the codec's (module docs), none included.
     pub fn parse(name: &str) -> Option<FragmentName> {
-        if name.len() <= STEM_LEN || !name.is_char_boundary(STEM_LEN) {
+        if name.len() < STEM_LEN || !name.is_char_boundary(STEM_LEN) {
             return None;
         }
         let (stem, ext) = name.split_at(STEM_LEN);
@@ -107,12 +118,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn codec_strategy() -> impl Strategy<Value = Codec> {
-        prop_oneof![
-            Just(Codec::None),
-            Just(Codec::Gzip),
-            Just(Codec::Zstd),
-            Just(Codec::Snappy)
-        ]
+        proptest::sample::select(Codec::ALL.to_vec())
     }
 
     proptest! {
@@ -164,9 +170,14 @@ mod tests {
     fn refused_names() {
         let sha = "da39a3ee5e6b4b0d3255bfef95601890afd80709";
         for bad in [
-            format!("0000000000000000-00000000000003e8-{sha}"),
             format!("0000000000000000-00000000000003e8-{sha}.lz4"),
-            format!("0000000000000000-00000000000003e8-{sha}.gzod"),
+            format!("0000000000000000-00000000000003e8-{sha}.zstd"),
+            format!("0000000000000000-00000000000003e8-{sha}.raw.gz"),
+            format!("0000000000000000-00000000000003e8-{sha}."),
+            format!("0000000000000000-00000000000003e8-{sha}#1"),
+            format!("0000000000000000-00000000000003e8-{sha}.gzod#7"),
+            format!("0000000000000000-00000000000003e8-{}", &sha[1..]),
+            format!("000000000000000-00000000000003e8-{sha}0"),
             format!("00000000000003e8-0000000000000000-{sha}.raw"),
             format!("+000000000000000-00000000000003e8-{sha}.raw"),
             format!("0000000000000000_00000000000003e8-{sha}.raw"),
@@ -175,6 +186,52 @@ mod tests {
         ] {
             assert_eq!(FragmentName::parse(&bad), None, "{bad}");
         }
+    }
+
+    /// Every name Gazette reads for a fragment: each extension and alias,
+    /// in any case, none at all, upper-case hex, under a postfix too.
+    #[test]
+    fn gazette_store_names() {
+        let stem = "00000000499602d2-7fffffffffffffff-0102030405060708090a0b0c0d0e0f1011121314";
+        let cases = [
+            (".raw", Codec::None),
+            (".RAW", Codec::None),
+            (".gz", Codec::Gzip),
+            (".GZ", Codec::Gzip),
+            (".gzip", Codec::Gzip),
+            (".GZIP", Codec::Gzip),
+            (".zst", Codec::Zstd),
+            (".Zst", Codec::Zstd),
+            (".zstandard", Codec::Zstd),
+            (".ZSTANDARD", Codec::Zstd),
+            (".sz", Codec::Snappy),
+            (".SZ", Codec::Snappy),
+            (".snappy", Codec::Snappy),
+            (".SNAPPY", Codec::Snappy),
+            ("", Codec::GzipOffload),
+            (".gzod", Codec::GzipOffload),
+            (".GZOD", Codec::GzipOffload),
+        ];
+        let want_sha1: [u8; 20] = std::array::from_fn(|i| i as u8 + 1);
+        for (ext, codec) in cases {
+            let name = format!("{stem}{ext}");
+            let n = FragmentName::parse(&name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(
+                (n.begin, n.end, n.sha1, n.codec),
+                (1234567890, i64::MAX as u64, want_sha1, codec),
+                "{name}"
+            );
+            assert_eq!(journal_fragment(&name), Some(n));
+            assert_eq!(journal_fragment(&format!("a=1/{name}")), Some(n));
+            let upper_hex = format!("{}{ext}", stem.to_uppercase());
+            assert_eq!(FragmentName::parse(&upper_hex), Some(n), "{upper_hex}");
+            // What rotary writes for it: lower case, the codec's extension.
+            assert_eq!(n.file_name(), format!("{stem}{}", codec.extension()));
+        }
+        // Gazette's name of a gzip-offload fragment has no extension.
+        let n = FragmentName::parse(stem).unwrap();
+        assert_eq!(n.file_name(), stem);
+        assert_eq!(n.key("a/journal"), format!("a/journal/{stem}"));
     }
 
     #[test]

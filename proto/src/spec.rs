@@ -743,36 +743,186 @@ pub enum Durability {
 }
 
 /// Compression applied to fragments in the store.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+///
+/// Spec names, Gazette's names and object-name extensions are one table,
+/// [`CODEC_NAMES`]. A spec takes either name in any case and prints rotary's
+/// (lower-case) one; an object name's extension is matched ignoring case,
+/// aliases included, as Gazette's `CompressionCodecFromExtension` does.
+///
+/// The discriminants are the codes READ_FRAGMENT carries (`wire::codec_code`,
+/// PROTOCOL.md §5.11): never renumber them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum Codec {
-    None,
-    Gzip,
+    None = 0,
+    Gzip = 1,
     #[default]
-    Zstd,
-    Snappy,
+    Zstd = 2,
+    /// Snappy's framing format (not raw snappy blocks).
+    Snappy = 3,
+    /// Gazette's GZIP_OFFLOAD_DECOMPRESSION: an object of gzip bytes that
+    /// an S3 store holds with `Content-Encoding: gzip`, so that an HTTP
+    /// reader may have the store decompress it. Its bytes as stored are
+    /// gzip; rotary reads them as stored and decompresses them itself.
+    GzipOffload = 4,
 }
 
+/// The names of one [`Codec`].
+#[derive(Debug)]
+pub struct CodecNames {
+    pub codec: Codec,
+    /// rotary's spec name, and what specs and FRAGMENTS print.
+    pub name: &'static str,
+    /// Gazette's name (protocol.proto's `CompressionCodec`).
+    pub gazette: &'static str,
+    /// The extension of the objects written (Gazette's `ToExtension`).
+    pub extension: &'static str,
+    /// Other extensions read as this codec.
+    pub aliases: &'static [&'static str],
+}
+
+/// Every codec's names, in the order of their codes.
+pub const CODEC_NAMES: [CodecNames; 5] = [
+    CodecNames {
+        codec: Codec::None,
+        name: "none",
+        gazette: "NONE",
+        extension: ".raw",
+        aliases: &[],
+    },
+    CodecNames {
+        codec: Codec::Gzip,
+        name: "gzip",
+        gazette: "GZIP",
+        extension: ".gz",
+        aliases: &[".gzip"],
+    },
+    CodecNames {
+        codec: Codec::Zstd,
+        name: "zstd",
+        gazette: "ZSTANDARD",
+        extension: ".zst",
+        aliases: &[".zstandard"],
+    },
+    CodecNames {
+        codec: Codec::Snappy,
+        name: "snappy",
+        gazette: "SNAPPY",
+        extension: ".sz",
+        aliases: &[".snappy"],
+    },
+    // Gazette writes these objects without an extension (and reads
+    // `.gzod` as well, the extension it names for them).
+    CodecNames {
+        codec: Codec::GzipOffload,
+        name: "gzip_offload_decompression",
+        gazette: "GZIP_OFFLOAD_DECOMPRESSION",
+        extension: "",
+        aliases: &[".gzod"],
+    },
+];
+
+const _: () = {
+    let mut i = 0;
+    while i < CODEC_NAMES.len() {
+        assert!(
+            CODEC_NAMES[i].codec as usize == i && Codec::ALL[i] as usize == i,
+            "CODEC_NAMES and Codec::ALL are in the order of the codes"
+        );
+        i += 1;
+    }
+};
+
 impl Codec {
-    /// Object-name extension (Gazette's).
-    pub fn extension(self) -> &'static str {
-        match self {
-            Codec::None => ".raw",
-            Codec::Gzip => ".gz",
-            Codec::Zstd => ".zst",
-            Codec::Snappy => ".sz",
-        }
+    /// Every codec, in the order of their codes.
+    pub const ALL: [Codec; 5] = [
+        Codec::None,
+        Codec::Gzip,
+        Codec::Zstd,
+        Codec::Snappy,
+        Codec::GzipOffload,
+    ];
+
+    fn names(self) -> &'static CodecNames {
+        &CODEC_NAMES[self as usize]
     }
 
-    pub fn from_extension(ext: &str) -> Option<Codec> {
-        Some(match ext {
-            ".raw" => Codec::None,
-            ".gz" => Codec::Gzip,
-            ".zst" => Codec::Zstd,
-            ".sz" => Codec::Snappy,
-            _ => return None,
-        })
+    /// rotary's spec name.
+    pub fn name(self) -> &'static str {
+        self.names().name
     }
+
+    /// Gazette's name.
+    pub fn gazette_name(self) -> &'static str {
+        self.names().gazette
+    }
+
+    /// The extension of objects written with this codec (Gazette's).
+    pub fn extension(self) -> &'static str {
+        self.names().extension
+    }
+
+    /// The codec of an object-name extension (`""` for none, else with
+    /// its dot), ignoring case, aliases included.
+    pub fn from_extension(ext: &str) -> Option<Codec> {
+        CODEC_NAMES
+            .iter()
+            .find(|n| {
+                n.extension.eq_ignore_ascii_case(ext)
+                    || n.aliases.iter().any(|a| a.eq_ignore_ascii_case(ext))
+            })
+            .map(|n| n.codec)
+    }
+
+    /// The codec a spec names: rotary's name or Gazette's, in any case.
+    pub fn from_name(name: &str) -> Option<Codec> {
+        CODEC_NAMES
+            .iter()
+            .find(|n| n.name.eq_ignore_ascii_case(name) || n.gazette.eq_ignore_ascii_case(name))
+            .map(|n| n.codec)
+    }
+}
+
+impl fmt::Display for Codec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Serialize for Codec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Codec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Codec, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Codec;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a compression codec name")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Codec, E> {
+                Codec::from_name(text).ok_or_else(|| E::custom(unknown_codec(text)))
+            }
+        }
+        d.deserialize_str(Visitor)
+    }
+}
+
+/// Why `text` names no codec, listing the names that do.
+fn unknown_codec(text: &str) -> String {
+    let list = |f: fn(&CodecNames) -> &'static str| {
+        CODEC_NAMES.iter().map(f).collect::<Vec<_>>().join(", ")
+    };
+    format!(
+        "unknown compression codec {text:?}: expected one of {} or Gazette's {} (any case)",
+        list(|n| n.name),
+        list(|n| n.gazette)
+    )
 }
 
 /// Access flags of a journal.
@@ -795,6 +945,7 @@ pub const FRAGMENT_LENGTH_MAX: u64 = 1 << 40;
 pub struct FragmentSpec {
     /// A spool seals before an append once it holds at least this many bytes.
     pub length: u64,
+    /// How uploads compress fragments; any codec is read whatever this says.
     pub compression_codec: Codec,
     /// Fragment stores, first is where uploads go: `file:///abs/`, `s3://bucket/prefix/?…`.
     pub stores: Vec<String>,
@@ -925,6 +1076,19 @@ impl JournalSpec {
             if !path.ends_with('/') {
                 return bad(format!("fragment store {store:?} must end with '/'"));
             }
+        }
+        // Gazette's rule too: the codec leaves decompression to a store that
+        // honours Content-Encoding, which a directory does not, and
+        // Gazette's readers would take the gzip bytes for the journal's.
+        if f.compression_codec == Codec::GzipOffload
+            && f.stores.first().is_some_and(|s| s.starts_with("file://"))
+        {
+            return bad(format!(
+                "fragment.compression_codec {} cannot write to a file:// store ({}): it needs \
+                 an s3:// first store",
+                Codec::GzipOffload,
+                f.stores[0]
+            ));
         }
         if !f.flush_interval.is_zero() && f.flush_interval < Duration::from_secs(1) {
             return bad("fragment.flush_interval must be 0 or at least 1s".into());
@@ -1422,6 +1586,105 @@ mod tests {
         assert!(parse_duration("5x").is_err());
         assert_eq!(format_duration(Duration::from_secs(5400)), "1h30m");
         assert_eq!(format_duration(Duration::from_secs(60)), "1m");
+    }
+
+    #[test]
+    fn codec_names_are_rotarys_and_gazettes_in_any_case() {
+        let cases = [
+            (Codec::None, ["none", "NONE", "None"]),
+            (Codec::Gzip, ["gzip", "GZIP", "Gzip"]),
+            (Codec::Zstd, ["zstd", "ZSTANDARD", "zstandard"]),
+            (Codec::Snappy, ["snappy", "SNAPPY", "Snappy"]),
+            (
+                Codec::GzipOffload,
+                [
+                    "gzip_offload_decompression",
+                    "GZIP_OFFLOAD_DECOMPRESSION",
+                    "Gzip_Offload_Decompression",
+                ],
+            ),
+        ];
+        for (codec, names) in cases {
+            for name in names {
+                assert_eq!(Codec::from_name(name), Some(codec), "{name}");
+                let yaml = format!("name: a/b/c\nfragment: {{compression_codec: {name}}}");
+                let specs = parse_specs(&yaml).unwrap();
+                assert_eq!(specs[0].fragment.compression_codec, codec, "{name}");
+                // Printed back as rotary's name, which reads back the same.
+                let json = serde_json::to_value(&specs[0]).unwrap();
+                assert_eq!(json["fragment"]["compression_codec"], codec.name());
+                let yaml = serde_yaml::to_string(&specs).unwrap();
+                assert!(
+                    yaml.contains(&format!("compression_codec: {}\n", codec.name())),
+                    "{yaml}"
+                );
+                assert_eq!(parse_specs(&yaml).unwrap(), specs);
+            }
+        }
+        assert_eq!(Codec::Zstd.gazette_name(), "ZSTANDARD");
+        assert_eq!(Codec::GzipOffload.to_string(), "gzip_offload_decompression");
+        for bad in ["lz4", "zst", "gz", "", "INVALID", "gzip-offload"] {
+            assert_eq!(Codec::from_name(bad), None, "{bad}");
+        }
+        let e = parse_specs("name: a/b/c\nfragment: {compression_codec: lz4}")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"lz4\"") && e.contains("zstd") && e.contains("ZSTANDARD"),
+            "{e}"
+        );
+        let e = parse_specs("name: a/b/c\nfragment: {compression_codec: 2}").unwrap_err();
+        assert!(e.to_string().contains("compression codec"), "{e}");
+    }
+
+    #[test]
+    fn codec_extensions_are_gazettes_ignoring_case() {
+        let cases: [(&str, Option<Codec>); 17] = [
+            (".raw", Some(Codec::None)),
+            (".RAW", Some(Codec::None)),
+            (".gz", Some(Codec::Gzip)),
+            (".gzip", Some(Codec::Gzip)),
+            (".GZip", Some(Codec::Gzip)),
+            (".zst", Some(Codec::Zstd)),
+            (".zstandard", Some(Codec::Zstd)),
+            (".ZST", Some(Codec::Zstd)),
+            (".sz", Some(Codec::Snappy)),
+            (".snappy", Some(Codec::Snappy)),
+            (".SNAPPY", Some(Codec::Snappy)),
+            ("", Some(Codec::GzipOffload)),
+            (".gzod", Some(Codec::GzipOffload)),
+            (".GZOD", Some(Codec::GzipOffload)),
+            (".lz4", None),
+            (".zstd", None),
+            ("gz", None),
+        ];
+        for (ext, codec) in cases {
+            assert_eq!(Codec::from_extension(ext), codec, "{ext:?}");
+        }
+        // What is written reads back as the same codec.
+        for codec in Codec::ALL {
+            assert_eq!(Codec::from_extension(codec.extension()), Some(codec));
+        }
+        assert_eq!(Codec::GzipOffload.extension(), "");
+    }
+
+    #[test]
+    fn gzip_offload_needs_an_s3_first_store() {
+        let spec = |stores: &str| {
+            parse_specs(&format!(
+                "name: a/b/c\nfragment: {{compression_codec: GZIP_OFFLOAD_DECOMPRESSION, stores: [{stores}]}}"
+            ))
+        };
+        let e = spec("file:///var/store/").unwrap_err().to_string();
+        assert!(
+            e.contains("gzip_offload_decompression") && e.contains("file:///var/store/"),
+            "{e}"
+        );
+        // An S3 store first takes it; a file store behind it is only read.
+        spec("s3://bucket/p/").unwrap();
+        spec("s3://bucket/p/, file:///var/store/").unwrap();
+        // Without stores fragments stay local: nothing is written with it.
+        spec("").unwrap();
     }
 
     #[test]

@@ -776,33 +776,22 @@ pub struct ReadFragment {
     pub offset: U64,
     /// SHA-1 of the fragment's uncompressed bytes.
     pub sha1: [u8; 20],
-    /// 0 none, 1 gzip, 2 zstd, 3 snappy (framing format).
+    /// 0 none, 1 gzip, 2 zstd, 3 snappy (framing format), 4 gzip-offload
+    /// (gzip bytes, held by S3 with `Content-Encoding: gzip`).
     pub codec: u8,
     pub reserved: [u8; 3],
 }
 
 const _: () = assert!(std::mem::size_of::<ReadFragment>() == 48);
 
-/// Wire code of a codec in [`ReadFragment::codec`].
+/// Wire code of a codec in [`ReadFragment::codec`] (the enum's
+/// discriminant, fixed there).
 pub fn codec_code(codec: crate::spec::Codec) -> u8 {
-    use crate::spec::Codec;
-    match codec {
-        Codec::None => 0,
-        Codec::Gzip => 1,
-        Codec::Zstd => 2,
-        Codec::Snappy => 3,
-    }
+    codec as u8
 }
 
 pub fn codec_from_code(code: u8) -> Option<crate::spec::Codec> {
-    use crate::spec::Codec;
-    Some(match code {
-        0 => Codec::None,
-        1 => Codec::Gzip,
-        2 => Codec::Zstd,
-        3 => Codec::Snappy,
-        _ => return None,
-    })
+    crate::spec::Codec::ALL.get(usize::from(code)).copied()
 }
 
 /// Decodes a name-only metadata section (ROUTE, DELETE, FRAGMENTS, SEAL).
@@ -877,6 +866,26 @@ mod tests {
 
     fn journal() -> impl Strategy<Value = String> {
         "[a-z0-9]{2,10}(/[a-z0-9_.=%+-]{1,10}){1,3}"
+    }
+
+    /// The codes of PROTOCOL.md §5.11, pinned: a client decodes by them.
+    #[test]
+    fn codec_codes_are_the_documented_ones() {
+        use crate::spec::Codec;
+        let codes = [
+            (Codec::None, 0),
+            (Codec::Gzip, 1),
+            (Codec::Zstd, 2),
+            (Codec::Snappy, 3),
+            (Codec::GzipOffload, 4),
+        ];
+        for (codec, code) in codes {
+            assert_eq!(codec_code(codec), code);
+            assert_eq!(codec_from_code(code), Some(codec));
+        }
+        assert_eq!(codes.len(), Codec::ALL.len());
+        assert_eq!(codec_from_code(5), None);
+        assert_eq!(codec_from_code(255), None);
     }
 
     #[test]

@@ -216,6 +216,48 @@ fn constants_match_the_doc() {
     }
 }
 
+/// §9.5a's table of object names, §5.11's codec codes and §9.2's spec
+/// names are `spec::CODEC_NAMES`, row for row.
+#[test]
+fn codecs_match_the_doc() {
+    use rotary_proto::spec::CODEC_NAMES;
+    let spec_row = DOC
+        .lines()
+        .find(|l| l.starts_with("| `fragment.compression_codec` |"))
+        .expect("§9.2 row of compression_codec");
+    let codes_row = DOC
+        .lines()
+        .find(|l| l.starts_with("| 44 | 1 | u8 | `codec` |"))
+        .expect("§5.11 row of codec");
+    for n in &CODEC_NAMES {
+        let written = if n.extension.is_empty() {
+            "no extension".to_string()
+        } else {
+            format!("`{}`", n.extension)
+        };
+        let aliases: Vec<String> = n.aliases.iter().map(|a| format!("`{a}`")).collect();
+        let row = format!(
+            "| `{}` (`{}`) | {written} | {} |",
+            n.name,
+            n.gazette,
+            aliases.join(", ")
+        );
+        let row = row.replace("|  |", "| |");
+        assert!(DOC.contains(&row), "PROTOCOL.md lacks codec row {row:?}");
+        for name in [n.name, n.gazette] {
+            assert!(
+                spec_row.contains(&format!("`\"{name}\"`")),
+                "§9.2 lacks {name}"
+            );
+        }
+        let code = format!("{} {}", wire::codec_code(n.codec), n.name);
+        assert!(
+            codes_row.contains(&code),
+            "§5.11 lacks {code:?}: {codes_row}"
+        );
+    }
+}
+
 #[test]
 fn shard_routing_matches_the_doc() {
     assert_eq!(rotary_proto::shard_of("orders/part-000", 4), 1);

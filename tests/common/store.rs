@@ -201,6 +201,35 @@ impl Moto {
         out
     }
 
+    /// PUTs `bytes` at `key` with the given extra headers (such as
+    /// `Content-Encoding`), as another writer of the bucket would.
+    pub fn put(&self, key: &str, headers: &[(&str, &str)], bytes: &[u8]) {
+        let mut req = http()
+            .put(&self.url(&format!("/{BUCKET}/{}", path_escape(key))))
+            .header("Authorization", MOTO_AUTHORIZATION)
+            .header("x-amz-date", "20250101T000000Z");
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let mut r = req.send(bytes).expect("put object");
+        let body = r.body_mut().read_to_string().unwrap_or_default();
+        assert_eq!(r.status().as_u16(), 200, "PUT {key}: {body}");
+    }
+
+    /// The object's `Content-Encoding`, if it has one.
+    pub fn content_encoding(&self, key: &str) -> Option<String> {
+        let r = http()
+            .head(&self.url(&format!("/{BUCKET}/{}", path_escape(key))))
+            .header("Authorization", MOTO_AUTHORIZATION)
+            .header("x-amz-date", "20250101T000000Z")
+            .call()
+            .expect("head object");
+        assert_eq!(r.status().as_u16(), 200, "HEAD {key}");
+        r.headers()
+            .get("content-encoding")
+            .map(|v| v.to_str().expect("a text header").to_string())
+    }
+
     pub fn get(&self, key: &str) -> Vec<u8> {
         let mut r = http()
             .get(&self.url(&format!("/{BUCKET}/{}", path_escape(key))))
@@ -350,6 +379,36 @@ impl TestStore {
         }
     }
 
+    /// Writes an object at `key` (relative to the store URL) as another
+    /// writer of the store would: a file (directories made as needed), or
+    /// an S3 object with `Content-Encoding: <content_encoding>` if given. A
+    /// file has no such metadata: it holds the bytes only.
+    pub fn put(&self, key: &str, bytes: &[u8], content_encoding: Option<&str>) {
+        match self {
+            TestStore::File { dir } => {
+                let path = dir.path().join(key);
+                std::fs::create_dir_all(path.parent().expect("a key names a file"))
+                    .expect("object directory");
+                std::fs::write(path, bytes).expect("write object");
+            }
+            TestStore::S3 { moto, prefix } => {
+                let headers: Vec<(&str, &str)> = content_encoding
+                    .map(|e| ("Content-Encoding", e))
+                    .into_iter()
+                    .collect();
+                moto.put(&format!("{prefix}{key}"), &headers, bytes);
+            }
+        }
+    }
+
+    /// The object's `Content-Encoding` (always `None` in a file store).
+    pub fn content_encoding(&self, key: &str) -> Option<String> {
+        match self {
+            TestStore::File { .. } => None,
+            TestStore::S3 { moto, prefix } => moto.content_encoding(&format!("{prefix}{key}")),
+        }
+    }
+
     /// The fragments stored for `journal`: objects directly under
     /// `<journal>/` (not a longer journal's), each parsed from its name and
     /// checked: it decodes with its codec's library to bytes whose SHA-1 is
@@ -435,11 +494,16 @@ pub struct StoredFragment {
     pub bytes: Vec<u8>,
 }
 
-/// Parses `<begin:016x>-<end:016x>-<sha1:40 hex><ext>` exactly.
+/// Parses `<begin:016x>-<end:016x>-<sha1:40 hex><ext>` exactly as rotary
+/// writes it: lower-case hex, the codec's own extension (none for
+/// gzip-offload), no alias.
 pub fn parse_fragment_name(name: &str) -> Option<StoredFragment> {
-    let dot = name.find('.')?;
-    let (stem, ext) = name.split_at(dot);
-    let codec = Codec::from_extension(ext)?;
+    const STEM_LEN: usize = 16 + 1 + 16 + 1 + 40;
+    if name.len() < STEM_LEN || !name.is_char_boundary(STEM_LEN) {
+        return None;
+    }
+    let (stem, ext) = name.split_at(STEM_LEN);
+    let codec = Codec::ALL.into_iter().find(|c| c.extension() == ext)?;
     let parts: Vec<&str> = stem.split('-').collect();
     let lower_hex = |s: &str, n: usize| {
         s.len() == n
@@ -474,7 +538,7 @@ pub fn decode(codec: Codec, stored: &[u8]) -> std::io::Result<Vec<u8>> {
     let mut out = Vec::new();
     match codec {
         Codec::None => out.extend_from_slice(stored),
-        Codec::Gzip => {
+        Codec::Gzip | Codec::GzipOffload => {
             flate2::read::MultiGzDecoder::new(stored).read_to_end(&mut out)?;
         }
         Codec::Zstd => out = zstd::stream::decode_all(stored)?,

@@ -7,14 +7,22 @@
 //! multipart upload, completed only once every byte of the file hashed to
 //! the fragment's SHA-1, and aborted otherwise, so an object of the
 //! fragment's name never holds bytes other than the named ones.
+//!
+//! A gzip-offload fragment is put to S3 with `Content-Encoding: gzip`, as
+//! Gazette puts it: HTTP readers that leave decoding to their client get
+//! the fragment's bytes. A `file://` store has no such metadata (and specs
+//! do not let that codec write to one).
 
 use crate::codec::HashingReader;
-use crate::store::Store;
+use crate::store::{Backend, Store};
 use crate::{StoreError, UploadJob};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
-use object_store::{ObjectStoreExt, PutPayload, WriteMultipart};
+use object_store::{
+    Attribute, Attributes, ObjectStoreExt, PutMultipartOptions, PutPayload, WriteMultipart,
+};
 use rotary_codec::{Decoder, Encoder};
+use rotary_proto::spec::Codec;
 use sha1::Digest;
 use std::io::{self, Read, Write};
 use std::path::Path;
@@ -74,7 +82,11 @@ pub(crate) async fn put_fragment(
         debug_assert_eq!(written, first.len() as u64);
         store
             .object()
-            .put(&path, PutPayload::from(first))
+            .put_opts(
+                &path,
+                PutPayload::from(first),
+                attributes(store, codec).into(),
+            )
             .await
             .map_err(|e| store.err(key, e))?;
         return Ok(written);
@@ -82,7 +94,7 @@ pub(crate) async fn put_fragment(
 
     let upload = store
         .object()
-        .put_multipart(&path)
+        .put_multipart_opts(&path, PutMultipartOptions::from(attributes(store, codec)))
         .await
         .map_err(|e| store.err(key, e))?;
     let mut upload = WriteMultipart::new_with_chunk_size(upload, part_len);
@@ -116,6 +128,16 @@ pub(crate) async fn put_fragment(
     }
 }
 
+/// The metadata an object of `codec` is put with: `Content-Encoding: gzip`
+/// for gzip-offload in S3, nothing otherwise.
+fn attributes(store: &Store, codec: Codec) -> Attributes {
+    let mut attributes = Attributes::new();
+    if codec == Codec::GzipOffload && matches!(store.backend, Backend::S3(_)) {
+        attributes.insert(Attribute::ContentEncoding, "gzip".into());
+    }
+    attributes
+}
+
 /// Reads, hashes and compresses the local fragment, sending the compressed
 /// bytes in parts of `part_len` (the last shorter). Blocking. Returns the
 /// compressed length once every byte hashed to `sha1`.
@@ -124,7 +146,7 @@ fn compress_parts(
     begin: u64,
     end: u64,
     sha1: [u8; 20],
-    codec: rotary_proto::spec::Codec,
+    codec: Codec,
     part_len: usize,
     tx: mpsc::Sender<Bytes>,
 ) -> Result<u64, StoreError> {

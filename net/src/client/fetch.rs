@@ -263,7 +263,7 @@ mod tests {
     fn encode(codec: Codec, raw: &[u8]) -> Vec<u8> {
         match codec {
             Codec::None => raw.to_vec(),
-            Codec::Gzip => {
+            Codec::Gzip | Codec::GzipOffload => {
                 let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
                 e.write_all(raw).unwrap();
                 e.finish().unwrap()
@@ -307,7 +307,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let agent = http_agent();
         let raw: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        for codec in [Codec::None, Codec::Gzip, Codec::Zstd, Codec::Snappy] {
+        for codec in Codec::ALL {
             let f = fragment_file(dir.path(), codec, &encode(codec, &raw), &raw);
             assert_eq!(fetch_fragment(&agent, &f).unwrap(), raw, "{codec:?}");
 
@@ -339,7 +339,7 @@ mod tests {
             );
         }
         // Garbage is a decode error for compressed codecs.
-        for codec in [Codec::Gzip, Codec::Zstd, Codec::Snappy] {
+        for codec in [Codec::Gzip, Codec::Zstd, Codec::Snappy, Codec::GzipOffload] {
             let f = fragment_file(dir.path(), codec, b"definitely not compressed", &raw);
             let err = fetch_fragment(&agent, &f).unwrap_err();
             assert!(
@@ -347,6 +347,50 @@ mod tests {
                 "{codec:?}: {err}"
             );
         }
+    }
+
+    /// A gzip-offload object served as S3 serves it, with `Content-Encoding:
+    /// gzip`: the body arrives as stored (the agent decodes nothing) and is
+    /// gunzipped once, here.
+    #[test]
+    fn gzip_offload_over_http_is_decoded_once() {
+        use std::io::{BufRead, BufReader};
+        let raw: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+        let body = encode(Codec::GzipOffload, &raw);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut request = String::new();
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            loop {
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                if line == "\r\n" || line.is_empty() {
+                    break;
+                }
+                request.push_str(&line);
+            }
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            conn.write_all(head.as_bytes()).unwrap();
+            conn.write_all(&body).unwrap();
+            request
+        });
+        let f = FragmentRef {
+            begin: 0,
+            end: raw.len() as u64,
+            sha1: Sha1::digest(&raw).into(),
+            codec: Codec::GzipOffload,
+            location: format!("http://127.0.0.1:{port}/bucket/j/x"),
+        };
+        assert!(fetch_fragment(&http_agent(), &f).unwrap() == raw);
+        let request = server.join().unwrap().to_ascii_lowercase();
+        assert!(request.starts_with("get /bucket/j/x "), "{request}");
+        // Nothing asked the store to encode: what it holds is what comes.
+        assert!(!request.contains("accept-encoding: gzip"), "{request}");
     }
 
     #[test]

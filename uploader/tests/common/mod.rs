@@ -11,7 +11,23 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-pub const CODECS: [Codec; 4] = [Codec::None, Codec::Gzip, Codec::Zstd, Codec::Snappy];
+pub const CODECS: [Codec; 5] = Codec::ALL;
+
+/// Gazette's object-name extensions (its `CompressionCodecFromExtension`,
+/// which lower-cases the extension first) and the codec of each, written
+/// out here rather than taken from rotary's table. Gzip-offload objects
+/// have no extension, or `.gzod`.
+pub const GAZETTE_EXTENSIONS: [(&str, Codec); 9] = [
+    (".raw", Codec::None),
+    (".gz", Codec::Gzip),
+    (".gzip", Codec::Gzip),
+    (".zst", Codec::Zstd),
+    (".zstandard", Codec::Zstd),
+    (".sz", Codec::Snappy),
+    (".snappy", Codec::Snappy),
+    ("", Codec::GzipOffload),
+    (".gzod", Codec::GzipOffload),
+];
 
 /// Longest a test waits for one upload or read.
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -159,7 +175,7 @@ pub fn decompress(codec: Codec, packed: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     match codec {
         Codec::None => out.extend_from_slice(packed),
-        Codec::Gzip => {
+        Codec::Gzip | Codec::GzipOffload => {
             flate2::read::GzDecoder::new(packed)
                 .read_to_end(&mut out)
                 .unwrap();
@@ -172,6 +188,44 @@ pub fn decompress(codec: Codec, packed: &[u8]) -> Vec<u8> {
         }
     }
     out
+}
+
+/// Compresses as a Gazette writer does, with each format's standard
+/// library: one gzip member (gzip-offload too), a zstd frame, snappy's
+/// framing format.
+pub fn compress_as_gazette(codec: Codec, raw: &[u8]) -> Vec<u8> {
+    match codec {
+        Codec::None => raw.to_vec(),
+        Codec::Gzip | Codec::GzipOffload => {
+            let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            enc.write_all(raw).unwrap();
+            enc.finish().unwrap()
+        }
+        Codec::Zstd => zstd::encode_all(raw, 3).unwrap(),
+        Codec::Snappy => {
+            let mut enc = snap::write::FrameEncoder::new(Vec::new());
+            enc.write_all(raw).unwrap();
+            enc.into_inner().unwrap()
+        }
+    }
+}
+
+/// Gazette's name of a fragment of `raw` at `begin`, with `ext` as given.
+pub fn gazette_name(begin: u64, raw: &[u8], ext: &str) -> String {
+    let sha1 = Sha1::digest(raw);
+    format!(
+        "{begin:016x}-{:016x}-{}{ext}",
+        begin + raw.len() as u64,
+        hex::encode(sha1)
+    )
+}
+
+/// The value of header `name` in a response head, if present.
+pub fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().skip(1).find_map(|line| {
+        let (n, v) = line.split_once(':')?;
+        n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
 }
 
 /// Reads a history stream to its end: the chunks, and the error it ended
@@ -219,6 +273,18 @@ pub fn http(method: &str, url: &str, body: &[u8]) -> (u16, Vec<u8>) {
 
 /// [`http`] with extra header lines (each ending in `\r\n`).
 pub fn http_with(method: &str, url: &str, headers: &str, body: &[u8]) -> (u16, Vec<u8>) {
+    let (status, _, body) = http_exchange(method, url, headers, body);
+    (status, body)
+}
+
+/// [`http_with`], also giving the response's head (status line and
+/// headers) as text.
+pub fn http_exchange(
+    method: &str,
+    url: &str,
+    headers: &str,
+    body: &[u8],
+) -> (u16, String, Vec<u8>) {
     let rest = url.strip_prefix("http://").expect("an http:// URL");
     let (host, path) = match rest.find('/') {
         Some(i) => (&rest[..i], &rest[i..]),
@@ -247,7 +313,7 @@ pub fn http_with(method: &str, url: &str, headers: &str, body: &[u8]) -> (u16, V
     {
         body = unchunk(&body);
     }
-    (status, body)
+    (status, head, body)
 }
 
 fn unchunk(mut b: &[u8]) -> Vec<u8> {
