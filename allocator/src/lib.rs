@@ -39,6 +39,8 @@ pub mod keys;
 mod plan;
 pub mod sound;
 pub mod state;
+#[cfg(feature = "keyspace")]
+pub mod writes;
 
 #[cfg(test)]
 mod scenarios;

@@ -14,7 +14,6 @@
 
 pub mod control;
 pub mod fence;
-mod leader;
 pub mod member;
 pub mod session;
 pub mod state;

@@ -733,8 +733,11 @@ impl Session {
         let hold_back = self
             .rejoined_ms
             .is_some_and(|at| now_ms() < at + u64::from(HOLD_BACK_TTLS) * ttl_ms);
-        let batches =
-            super::leader::plan_writes(&self.keyspace.snapshot, &self.member(), hold_back);
+        let batches = rotary_allocator::writes::plan_writes(
+            &self.keyspace.snapshot,
+            &self.member(),
+            hold_back,
+        );
         let wait_until = now_ms() + ttl_ms;
         for (guards, writes) in batches {
             match self.etcd.txn(guards, writes).await {

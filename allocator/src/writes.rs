@@ -1,23 +1,24 @@
-//! The allocator's driver on the leader: its plan, as guarded etcd writes.
+//! The leader's plan as guarded etcd writes, in `rotary_etcd::keyspace`'s
+//! terms: what a leader's driver (a broker's control thread, a consumer
+//! process's session) sends to etcd. Plain logic still: no I/O here.
 
-use super::member::Snapshot;
-use rotary_allocator::{self as allocator, GuardKey, MemberKey};
+use crate::{self as allocator, GuardKey, MemberKey, MemberValue, Snapshot};
 use rotary_etcd::keyspace::{Guard, Write};
 
 /// The allocator's changes for `snapshot`, as transactions of guards and
-/// writes (each journal's changes in one, [`allocator::TXN_OPS_MAX`] at
+/// writes (each item's changes in one, [`allocator::TXN_OPS_MAX`] at
 /// most). Every transaction is also guarded by the leader's own member key
 /// at the revision the plan read, so a leader that lost its place (its
 /// lease expired, another member leads) writes nothing.
 ///
-/// With `hold_back_fresh`, journals that have no assignment at all are
+/// With `hold_back_fresh`, items that have no assignment at all are
 /// left alone: a leader that has just (re)joined may see every assignment
-/// gone because every broker lost its lease at once (etcd was paused or
-/// restarted past the TTL), and the brokers that hold the journals' bytes
+/// gone because every member lost its lease at once (etcd was paused or
+/// restarted past the TTL), and the members that hold the items' state
 /// re-create their own assignments once they rejoin. A fresh route given
-/// first would make a broker holding nothing the primary.
-pub fn plan_writes(
-    snapshot: &Snapshot,
+/// first would make a member holding nothing the primary.
+pub fn plan_writes<M: MemberValue>(
+    snapshot: &Snapshot<M>,
     leader: &MemberKey,
     hold_back_fresh: bool,
 ) -> Vec<(Vec<Guard>, Vec<Write>)> {
