@@ -10,6 +10,7 @@
 // Functions stay short enough to hold in mind (threshold in clippy.toml).
 #![warn(clippy::too_many_lines)]
 
+pub mod cluster;
 pub mod journal;
 pub mod recoverylog;
 pub mod spec;
