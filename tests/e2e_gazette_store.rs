@@ -19,9 +19,9 @@ mod common;
 
 use common::store::TestStore;
 use common::*;
-use rotary_net::client::{Client, ReadEvent};
+use rotary_net::client::Client;
 use rotary_net::spec::{parse_specs, Codec, JournalSpec};
-use rotary_net::wire::{AppendRequest, ReadRequest};
+use rotary_net::wire::AppendRequest;
 use rotary_net::Status;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -213,46 +213,6 @@ async fn read_proxied(client: &Client, from: u64) -> Vec<u8> {
     }
 }
 
-/// A direct read of `[0, head)`: the bytes, and how many fragments came
-/// straight from the store.
-async fn read_direct(client: &Client) -> (Vec<u8>, u64) {
-    let r = ReadRequest {
-        journal: JOURNAL.to_string(),
-        offset: Some(0),
-        end_offset: None,
-        route_revision: 0,
-    };
-    let mut stream = client.read_direct(&r, false);
-    let mut out = Vec::new();
-    loop {
-        match stream
-            .next()
-            .await
-            .expect("READ_DONE")
-            .expect("direct read")
-        {
-            ReadEvent::Data { offset, content } => {
-                assert_eq!(offset, out.len() as u64, "contiguous");
-                out.extend_from_slice(&content);
-            }
-            ReadEvent::Fragment { .. } => panic!("a direct read yields no locations"),
-            ReadEvent::Done(d) => {
-                assert_eq!((d.status, d.offset), (Status::OK, out.len() as u64));
-                break;
-            }
-        }
-    }
-    let stats = stream.stats();
-    let proxied = stats
-        .fragments_proxied
-        .load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!(proxied, 0, "the store is reachable from the test");
-    let fetched = stats
-        .fragments_fetched
-        .load(std::sync::atomic::Ordering::Relaxed);
-    (out, fetched)
-}
-
 /// The journal read back every way: proxied (whole, and from inside the
 /// gzip-offload fragment without extension), directly by the client, and
 /// by the CLI both ways. Each is `want` exactly.
@@ -268,7 +228,7 @@ async fn check_read_back(broker: &Broker, client: &Client, fixture: &Fixture, wa
     let mid = offload.begin + 1001;
     assert!(mid < offload.end);
     assert!(read_proxied(client, mid).await == want[mid as usize..]);
-    let (direct, fetched) = read_direct(client).await;
+    let (direct, fetched) = read_direct(client, JOURNAL, 0).await;
     assert_eq!(hex_sha1(&direct), hex_sha1(want), "direct");
     assert!(direct == want, "direct: {} bytes", direct.len());
     // Every fixture object came straight from the store.

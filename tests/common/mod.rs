@@ -711,3 +711,43 @@ pub fn counter(text: &str, name: &str) -> f64 {
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
 }
+
+/// A direct read from `from` to the head; also returns how many fragments
+/// came straight from the store.
+pub async fn read_direct(client: &Client, journal: &str, from: u64) -> (Vec<u8>, u64) {
+    let r = ReadRequest {
+        journal: journal.to_string(),
+        offset: Some(from),
+        end_offset: None,
+        route_revision: 0,
+    };
+    let mut stream = client.read_direct(&r, false);
+    let mut out = Vec::new();
+    loop {
+        match stream.next().await.expect("Done").expect("direct read") {
+            ReadEvent::Data { offset, content } => {
+                assert_eq!(offset, from + out.len() as u64, "contiguous");
+                out.extend_from_slice(&content);
+            }
+            ReadEvent::Fragment { .. } => panic!("a direct read yields no locations"),
+            ReadEvent::Done(d) => {
+                assert!(
+                    matches!(d.status, Status::OK | Status::OFFSET_NOT_YET_AVAILABLE),
+                    "{d:?}"
+                );
+                assert_eq!(d.offset, from + out.len() as u64);
+                break;
+            }
+        }
+    }
+    let fetched = stream
+        .stats()
+        .fragments_fetched
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let proxied = stream
+        .stats()
+        .fragments_proxied
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(proxied, 0, "the store is reachable from the test");
+    (out, fetched)
+}
