@@ -14,3 +14,4 @@ pub mod cluster;
 pub mod journal;
 pub mod recoverylog;
 pub mod spec;
+pub mod store;
