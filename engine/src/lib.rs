@@ -377,6 +377,8 @@ impl Broker {
         let shards = cores.shard.len();
         let recorded = check_shard_count(dir, shards)?;
         warn_if_no_space_above_reserve(dir, config.disk_reserve_bytes);
+        // Before any shard opens: recovery reaps the files of journals the
+        // spec source, read here, has no spec for (`Shard::reap_unspecified`).
         let (specs, mut etcd, cluster_view) = open_membership(&config, shards)?;
         let listen = match &cluster_view {
             Some(v) => v.me().expect("checked by load").endpoint,

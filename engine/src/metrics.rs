@@ -320,6 +320,10 @@ counters!(
     Counter append_queue_waits,
     /// Spool bytes hashed at start to check them against the commit log.
     Counter recovery_hashed_bytes,
+    /// Journals a start found files or commit-log records of but no spec
+    /// for (deleted while the broker was down): their files were handed to
+    /// the reaper and the commit log told of their deletion.
+    Counter recovery_reaped_journals,
     /// Memory held by the tail caches of tailed journals.
     Gauge tail_cache_bytes,
     /// Listings of a journal's stores started (one LIST, or a page of them,

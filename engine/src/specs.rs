@@ -28,7 +28,7 @@
 use crate::EngineError;
 use rotary_net::spec::JournalSpec;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -256,6 +256,9 @@ pub struct SpecStore {
     /// Neither the snapshot nor a change log existed when the store was
     /// opened.
     file_was_missing: bool,
+    /// Journals whose stored specs were no longer valid when the store
+    /// was opened, and were left out of it.
+    left_out: BTreeSet<String>,
     /// [`CHANGED_NAMES_KEPT`], smaller in tests.
     changed_names_kept: usize,
     /// [`LOG_BYTES_MIN`], smaller in tests.
@@ -399,13 +402,15 @@ impl SpecStore {
             .filter(|(g, _)| disk.log.is_none_or(|named| *g < named))
             .map(|(_, p)| p)
             .collect();
-        state.specs.retain(|_, r| match r.spec.validate() {
+        let mut left_out = BTreeSet::new();
+        state.specs.retain(|name, r| match r.spec.validate() {
             Ok(()) => true,
             Err(e) => {
                 // Stored before a rule tightened: serving it could fail
                 // every journal's start, so it is left out until applied
                 // again under a valid name or with valid fields.
                 tracing::error!(error = %e, "ignoring a stored spec that is no longer valid");
+                left_out.insert(name.clone());
                 false
             }
         });
@@ -430,6 +435,7 @@ impl SpecStore {
             version: AtomicU64::new(1),
             clock: AtomicU64::new(newest),
             file_was_missing,
+            left_out,
             changed_names_kept: CHANGED_NAMES_KEPT,
             log_bytes_min: LOG_BYTES_MIN,
             jobs: Some(jobs),
@@ -442,6 +448,13 @@ impl SpecStore {
     /// directory, unless shards hold journal data (they check).
     pub fn file_was_missing(&self) -> bool {
         self.file_was_missing
+    }
+
+    /// Whether the store held a spec of journal `name` that it left out
+    /// when it was opened, as no longer valid: the journal was not
+    /// deleted, and the start keeps its files.
+    pub fn left_out(&self, name: &str) -> bool {
+        self.left_out.contains(name)
     }
 
     /// The highest revision this store has seen or issued.
@@ -1168,6 +1181,9 @@ mod tests {
         let s = SpecStore::open(path).unwrap();
         let names: Vec<String> = s.all().into_iter().map(|s| s.name).collect();
         assert_eq!(names, vec!["a/one".to_string()]);
+        // Left out, not deleted: a start keeps its files.
+        assert!(s.left_out(&long));
+        assert!(!s.left_out("a/one") && !s.left_out("a/two"));
     }
 
     #[test]

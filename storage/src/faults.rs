@@ -8,7 +8,9 @@
 //! and kernel options. Tests and simulations install a [`Faults`] on the
 //! thread that runs a shard instead, as they install a clock
 //! (`rotary_proto::clock::install`), and the operations of that thread fail
-//! as the hook says, without reaching the disk.
+//! as the hook says, without reaching the disk. A hook may also hold a
+//! spool write or fdatasync back for a while before it answers (a disk
+//! that stalls), so that a test can act while the operation is in flight.
 //!
 //! Nothing is installed in production: each operation then costs one
 //! thread-local read.
@@ -16,6 +18,7 @@
 use std::cell::RefCell;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The disk operations a [`Faults`] is asked about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -39,7 +42,21 @@ pub enum DiskOp {
 pub trait Faults: Send + Sync + 'static {
     /// Some(errno) fails the operation with that OS error instead of doing it.
     fn check(&self, op: DiskOp, path: &Path) -> Option<i32>;
+
+    /// Whether `op` on `path` is held back for now: a disk that stalls
+    /// before it answers, as a dying one may for seconds before its EIO.
+    /// Asked before [`Faults::check`], and again every [`HOLD_POLL`] while
+    /// it answers true, by the operations that await the disk anyway
+    /// (spool writes and fdatasyncs); the others are never held, since
+    /// holding them would hold the thread. Nothing is held unless a hook
+    /// says so.
+    fn holds(&self, _op: DiskOp, _path: &Path) -> bool {
+        false
+    }
 }
+
+/// How often an operation held by its hook ([`Faults::holds`]) asks again.
+pub const HOLD_POLL: Duration = Duration::from_millis(1);
 
 /// Lets configurations that hold a hook derive `Debug`.
 impl std::fmt::Debug for dyn Faults {
@@ -83,12 +100,32 @@ impl Drop for Installed {
 /// hook is installed). Called before the operation, which is then not done.
 #[inline]
 pub(crate) fn inject(op: DiskOp, path: &Path) -> std::io::Result<()> {
-    // The hook is cloned out so that it runs with no borrow held: it may
-    // install another hook itself.
-    let Some(faults) = THREAD.with(|t| t.borrow().clone()) else {
+    let Some(faults) = hook() else {
         return Ok(());
     };
-    match faults.check(op, path) {
+    answer(faults.check(op, path))
+}
+
+/// [`inject`] for an operation that awaits the disk: first waits, without
+/// holding the thread, while the hook holds it ([`Faults::holds`]).
+pub(crate) async fn inject_held(op: DiskOp, path: &Path) -> std::io::Result<()> {
+    let Some(faults) = hook() else {
+        return Ok(());
+    };
+    while faults.holds(op, path) {
+        compio::time::sleep(HOLD_POLL).await;
+    }
+    answer(faults.check(op, path))
+}
+
+/// The calling thread's hook, cloned out so that it runs with no borrow
+/// held: it may install another hook itself.
+fn hook() -> Option<Arc<dyn Faults>> {
+    THREAD.with(|t| t.borrow().clone())
+}
+
+fn answer(errno: Option<i32>) -> std::io::Result<()> {
+    match errno {
         Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
         None => Ok(()),
     }
@@ -195,6 +232,63 @@ mod tests {
             assert!(!err.is_retryable(), "{err}");
             assert_eq!(*hook.asked.lock().unwrap(), [(DiskOp::Seal, path.clone())]);
             assert!(path.exists(), "the spool file was moved");
+        });
+    }
+
+    /// Holds spool writes while `held` is set, then fails them with EIO.
+    struct Stall {
+        held: std::sync::atomic::AtomicBool,
+        asked: std::sync::atomic::AtomicU32,
+    }
+
+    impl Faults for Stall {
+        fn check(&self, op: DiskOp, _path: &Path) -> Option<i32> {
+            (op == DiskOp::SpoolWrite).then_some(libc::EIO)
+        }
+
+        fn holds(&self, op: DiskOp, _path: &Path) -> bool {
+            use std::sync::atomic::Ordering;
+            self.asked.fetch_add(1, Ordering::Relaxed);
+            op == DiskOp::SpoolWrite && self.held.load(Ordering::Relaxed)
+        }
+    }
+
+    /// A held write waits, letting other tasks of the thread run, until
+    /// its hook lets it go, and only then gets the hook's answer.
+    #[test]
+    fn a_held_spool_write_waits_until_released_then_fails() {
+        use std::sync::atomic::Ordering;
+        let rt = compio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let mut spool = Spool::create(dir.path(), 0).await.unwrap();
+            spool.ensure_allocated(4096, 0).unwrap();
+            let hook = Arc::new(Stall {
+                held: true.into(),
+                asked: 0.into(),
+            });
+            let _guard = install(Some(hook.clone()));
+            assert_eq!(spool.stage(&[9u8; 4096]), 4096);
+            let path = spool.path().to_path_buf();
+            let write = spool.write_staged();
+            let mut write = std::pin::pin!(write);
+            // Polled for a while: still held, and asked again and again.
+            for _ in 0..5 {
+                let pending = std::future::poll_fn(|cx| {
+                    std::task::Poll::Ready(
+                        std::future::Future::poll(write.as_mut(), cx).is_pending(),
+                    )
+                })
+                .await;
+                assert!(pending, "a held write completed");
+                compio::time::sleep(HOLD_POLL * 2).await;
+            }
+            assert!(hook.asked.load(Ordering::Relaxed) >= 3);
+            hook.held.store(false, Ordering::Relaxed);
+            let err = write.await.unwrap_err();
+            assert!(!err.is_retryable(), "{err}");
+            let on_disk = std::fs::read(&path).unwrap();
+            assert!(on_disk.iter().all(|&b| b == 0), "bytes were written");
         });
     }
 

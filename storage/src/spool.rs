@@ -839,7 +839,7 @@ pub struct PendingWrite {
 impl PendingWrite {
     /// Submits the write. The buffer comes back with the result.
     pub async fn run(mut self, file: &File) -> (std::io::Result<()>, PendingWrite) {
-        if let Err(e) = crate::faults::inject(DiskOp::SpoolWrite, &self.path) {
+        if let Err(e) = crate::faults::inject_held(DiskOp::SpoolWrite, &self.path).await {
             return (Err(e), self);
         }
         let mut f = file;
@@ -864,7 +864,7 @@ impl PendingWrite {
 /// fdatasync of the spool file `file` at `path`, for callers that hold
 /// the file but not the spool (a turn's writes).
 pub async fn sync_data(file: &File, path: &Path) -> std::io::Result<()> {
-    crate::faults::inject(DiskOp::SpoolSync, path)?;
+    crate::faults::inject_held(DiskOp::SpoolSync, path).await?;
     file.sync_data().await
 }
 

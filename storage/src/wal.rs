@@ -368,6 +368,58 @@ impl Replayed {
 /// Parses records from `bytes`, applying them to `states`. Returns the
 /// length of the valid prefix.
 pub fn replay(bytes: &[u8], states: &mut HashMap<String, Replayed>) -> usize {
+    walk(bytes, |record| record.apply_to(states))
+}
+
+/// One record of the log, as [`records`] reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// The journal's committed state, and the bytes the record carries.
+    Commit {
+        journal: String,
+        state: JournalState,
+        inline: Option<Inline>,
+    },
+    /// The journal was deleted.
+    Delete { journal: String },
+}
+
+impl Record {
+    pub fn journal(&self) -> &str {
+        match self {
+            Record::Commit { journal, .. } | Record::Delete { journal } => journal,
+        }
+    }
+
+    fn apply_to(self, states: &mut HashMap<String, Replayed>) {
+        match self {
+            Record::Commit {
+                journal,
+                state,
+                inline,
+            } => {
+                let prev = states.remove(&journal).map(|r| r.last);
+                let last = state;
+                states.insert(journal, Replayed { last, prev, inline });
+            }
+            Record::Delete { journal } => {
+                states.remove(&journal);
+            }
+        }
+    }
+}
+
+/// The records of a log's bytes, in order: those [`replay`] applies, up
+/// to the first that is cut short, fails its CRC or does not parse.
+pub fn records(bytes: &[u8]) -> Vec<Record> {
+    let mut out = Vec::new();
+    walk(bytes, |record| out.push(record));
+    out
+}
+
+/// Hands each valid record of `bytes` to `each`, in order. Returns the
+/// length of the valid prefix.
+fn walk(bytes: &[u8], mut each: impl FnMut(Record)) -> usize {
     let mut pos = 0;
     while bytes.len() - pos >= 8 {
         let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().expect("4 bytes")) as usize;
@@ -379,9 +431,10 @@ pub fn replay(bytes: &[u8], states: &mut HashMap<String, Replayed>) -> usize {
         if crc32c::crc32c(payload) != crc {
             break;
         }
-        if apply(payload, states).is_none() {
+        let Some(record) = decode(payload) else {
             break;
-        }
+        };
+        each(record);
         pos += 8 + len;
     }
     pos
@@ -503,7 +556,7 @@ fn implied_payload_len(p: &[u8]) -> Result<Option<u64>, String> {
     }
 }
 
-fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
+fn decode(payload: &[u8]) -> Option<Record> {
     let mut r = RecordReader { buf: payload };
     let kind = r.u8()?;
     let journal = r.str16()?.to_string();
@@ -533,23 +586,25 @@ fn apply(payload: &[u8], states: &mut HashMap<String, Replayed>) -> Option<()> {
             if end < spool_begin {
                 return None;
             }
-            let last = JournalState {
+            let state = JournalState {
                 spool_begin,
                 end,
                 sha1,
                 registers,
                 mid,
             };
-            let prev = states.remove(&journal).map(|r| r.last);
-            states.insert(journal, Replayed { last, prev, inline });
+            Some(Record::Commit {
+                journal,
+                state,
+                inline,
+            })
         }
         KIND_DELETE => {
             r.finish()?;
-            states.remove(&journal);
+            Some(Record::Delete { journal })
         }
-        _ => return None,
+        _ => None,
     }
-    Some(())
 }
 
 impl CommitLog {
@@ -1059,6 +1114,42 @@ mod tests {
         let mut states = HashMap::new();
         replay(&bytes, &mut states);
         assert_eq!(states["x/y/z"].prev, None);
+    }
+
+    /// `records` reads the log in order, each record as written, and stops
+    /// where replay does.
+    #[test]
+    fn records_come_back_in_order_up_to_the_valid_prefix() {
+        let mut bytes = Vec::new();
+        encode_record(&mut bytes, "a", Some(&st(10, "1")), None);
+        encode_record(&mut bytes, "a", None, None);
+        encode_record(&mut bytes, "b", Some(&st(20, "2")), Some((15, &[7u8; 5])));
+        let valid = bytes.len();
+        encode_record(&mut bytes, "a", Some(&st(30, "3")), None);
+        bytes.truncate(bytes.len() - 1);
+        let commit = |journal: &str, state: JournalState, inline: Option<Inline>| Record::Commit {
+            journal: journal.into(),
+            state,
+            inline,
+        };
+        let want = vec![
+            commit("a", st(10, "1"), None),
+            Record::Delete {
+                journal: "a".into(),
+            },
+            commit(
+                "b",
+                st(20, "2"),
+                Some(Inline {
+                    at: 15,
+                    bytes: vec![7; 5],
+                }),
+            ),
+        ];
+        assert_eq!(records(&bytes), want);
+        assert_eq!(records(&bytes[..valid]), want);
+        assert_eq!(replay(&bytes, &mut HashMap::new()), valid);
+        assert_eq!(want[1].journal(), "a");
     }
 
     #[test]

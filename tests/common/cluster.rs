@@ -232,21 +232,7 @@ impl ClusterBroker {
 
     /// Whether the data directory holds a directory of `journal`'s files.
     pub fn holds_files_of(&self, journal: &str) -> bool {
-        let mut dirs = vec![self.data.clone()];
-        while let Some(dir) = dirs.pop() {
-            if dir.ends_with(Path::new("journals").join(journal).join("@")) {
-                return true;
-            }
-            if let Ok(entries) = std::fs::read_dir(&dir) {
-                dirs.extend(
-                    entries
-                        .flatten()
-                        .filter(|e| e.path().is_dir())
-                        .map(|e| e.path()),
-                );
-            }
-        }
-        false
+        super::holds_files_of(&self.data, journal)
     }
 
     /// A client that follows routes, bootstrapped at this broker.

@@ -369,6 +369,26 @@ pub fn raw_ping(endpoint: &str) -> bool {
     matches!(read_raw_frame(&mut s), Ok(Some(f)) if f.op == Op::PONG && f.request_id == 1 && f.payload == b"ready?")
 }
 
+/// Whether the data directory `data` holds a directory of `journal`'s
+/// files (`shard-<n>/journals/<journal>/@`, on any shard).
+pub fn holds_files_of(data: &Path, journal: &str) -> bool {
+    let mut dirs = vec![data.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        if dir.ends_with(Path::new("journals").join(journal).join("@")) {
+            return true;
+        }
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            dirs.extend(
+                entries
+                    .flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    false
+}
+
 /// Applies one spec (after `edit`) and checks the broker applied it.
 pub async fn create_journal(
     client: &Client,

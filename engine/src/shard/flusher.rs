@@ -92,6 +92,8 @@ impl Shard {
         // sealing at the same flush-interval boundary would otherwise wait
         // for each other's.
         join_all(ready.iter().map(|j| self.prepare(j))).await;
+        // A journal deleted while it prepared commits nothing more.
+        let ready = self.without_deleted(ready);
         let prepared = crate::clock::now();
         // 2. Stage.
         let mut again: Vec<JournalRef> = ready.iter().filter(|j| self.stage(j)).cloned().collect();
@@ -192,8 +194,26 @@ impl Shard {
         // Dedup by identity, keeping first-come order.
         let mut seen = std::collections::HashSet::new();
         ready.retain(|j| seen.insert(Rc::as_ptr(j)));
-        ready.retain(|j| !j.borrow().deleted);
-        ready
+        self.without_deleted(ready)
+    }
+
+    /// `journals` without the deleted ones. The appends a deleted journal
+    /// has staged and not committed (a batch staged while the one before
+    /// it was written) are refused here: no commit record of a journal
+    /// may follow its deletion, and `Shard::drop_journal` answered only
+    /// its queued appends and the open one.
+    fn without_deleted(&self, mut journals: Vec<JournalRef>) -> Vec<JournalRef> {
+        journals.retain(|j| {
+            let (deleted, staged) = {
+                let jm = j.borrow();
+                (jm.deleted, !jm.queue.staged.is_empty())
+            };
+            if deleted && staged {
+                self.fail_batch(j, Status::JOURNAL_NOT_FOUND, "journal was deleted");
+            }
+            !deleted
+        });
+        journals
     }
 
     /// Step 6 of a turn: acknowledges the batches written this turn, or proposes them to
@@ -558,6 +578,13 @@ impl Shard {
         };
         for j in committing {
             let jm = j.borrow();
+            // Its delete record may be in the log already: `turn` leaves
+            // deleted journals out before they stage.
+            assert!(
+                !jm.deleted,
+                "journal {}: a commit record after its deletion",
+                jm.name
+            );
             let last = jm.queue.staged.last().expect("non-empty");
             let spool = jm.files.spool.as_ref().expect("spool");
             if last.end == spool.committed() && last.registers == *jm.heads.local_registers() {
@@ -656,8 +683,17 @@ impl Shard {
     /// any later record of the journal, and written again by each turn
     /// (and at a clean stop) until a write of it succeeds, so that neither
     /// a failed log write nor the journal's next record loses it.
+    ///
+    /// A journal deleted meanwhile (its batch failed while in flight) is
+    /// not restated: what the log owes it is its delete record
+    /// (`Shard::drop_journal`), and its state must not come back, where a
+    /// journal created again under its name would take it for its own and
+    /// a later restatement would put it in the log after the deletion.
     pub(super) fn restate(&self, j: &JournalRef) {
         let jm = j.borrow();
+        if jm.deleted {
+            return;
+        }
         let Some(spool) = &jm.files.spool else { return };
         let st = JournalState {
             spool_begin: spool.begin(),

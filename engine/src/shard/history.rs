@@ -681,19 +681,9 @@ impl Shard {
                 a.op.reply_error(Status::JOURNAL_NOT_FOUND, &reply, "journal was deleted");
             }
             j.readers.committed.notify(usize::MAX);
-            let root = self.dir.join("journals").join(name);
-            // Renamed first, so that a journal of the same name can be
-            // created again at once; the reaper deletes the rest.
-            let trash = trash_dir(&self.dir);
-            match std::fs::rename(root.join("@"), &trash) {
-                Ok(()) => crate::reaper::remove_dir_all(trash),
-                // Not renamed: removed here, before the name can be reused.
-                Err(_) => {
-                    let _ = std::fs::remove_dir_all(root.join("@"));
-                }
-            }
+            self.trash_journal_dir(name);
             // Parent directories of other journals stay.
-            let _ = std::fs::remove_dir(&root);
+            let _ = std::fs::remove_dir(self.dir.join("journals").join(name));
         }
         // Its conflicting fragments are for a re-created journal's index
         // to judge again.
@@ -704,6 +694,24 @@ impl Shard {
         self.states.borrow_mut().remove(name);
         self.unrestated.borrow_mut().insert(name.to_string());
         self.wake.notify(1);
+    }
+
+    /// Hands journal `name`'s directory to the reaper: renamed first, so
+    /// that a journal of the same name can be created again at once; the
+    /// reaper deletes the rest off the shard's thread. Returns whether
+    /// there was one.
+    pub(super) fn trash_journal_dir(&self, name: &str) -> bool {
+        let dir = journal_dir(&self.dir, name);
+        let trash = trash_dir(&self.dir);
+        match std::fs::rename(&dir, &trash) {
+            Ok(()) => crate::reaper::remove_dir_all(trash),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return false,
+            // Not renamed: removed here, before the name can be reused.
+            Err(_) => {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+        true
     }
 
     /// Gives up the spare spools once the disk has less than
@@ -765,6 +773,15 @@ impl Shard {
             self.seal(j).await;
         }
         let mut jm = j.borrow_mut();
+        if jm.deleted {
+            // Deleted while it sealed: no record of it may follow its
+            // deletion's.
+            let (status, msg) = self.unknown_journal(&jm.name);
+            for (outbox, id) in jm.index.reset_waiters.drain(..) {
+                outbox.error(Op::ADMIN_REPLY, status, id, &[], &msg);
+            }
+            return;
+        }
         let local_end = jm.files.fragments.iter().map(|f| f.end).max().unwrap_or(0);
         let head = jm.heads.head().max(jm.index.remote_end()).max(local_end);
         if head > jm.heads.head() {

@@ -337,6 +337,48 @@ fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, cr
     Ok(None)
 }
 
+/// The journals with a directory in the shard directory `shard_dir`: each
+/// `@` directory below `journals/` names one by its path there
+/// (`journals/a/b/@` is journal `a/b`).
+fn journals_on_disk(shard_dir: &std::path::Path) -> Result<Vec<String>, crate::EngineError> {
+    let root = shard_dir.join("journals");
+    let mut found = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(dir) = dirs.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(crate::EngineError::Io(dir, e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
+            let kind = entry
+                .file_type()
+                .map_err(|e| crate::EngineError::Io(entry.path(), e))?;
+            if !kind.is_dir() {
+                continue;
+            }
+            if entry.file_name() != "@" {
+                dirs.push(entry.path());
+            } else if let Some(name) = dir.strip_prefix(&root).ok().and_then(|p| p.to_str()) {
+                if !name.is_empty() {
+                    found.push(name.to_string());
+                }
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// Removes `dir` and its parents up to `root` (not `root` itself) while
+/// they are empty.
+fn remove_empty_dirs(mut dir: &std::path::Path, root: &std::path::Path) {
+    while dir != root && dir.starts_with(root) && std::fs::remove_dir(dir).is_ok() {
+        let Some(parent) = dir.parent() else { return };
+        dir = parent;
+    }
+}
+
 /// What a start's recovery of the shard's spools did.
 #[derive(Default)]
 struct Recovery {

@@ -89,6 +89,10 @@ impl Shard {
             same_boot: rotary_storage::boot::recovered_in_this_boot(&shard.dir),
             ..Recovery::default()
         };
+        for name in shard.reap_unspecified(replayed)? {
+            shard.states.borrow_mut().remove(&name);
+            restated.push((name, None));
+        }
         for spec in shard.specs.all() {
             if rotary_net::shard_of(&spec.name, shards) == index {
                 let (j, chosen) = shard
@@ -135,6 +139,49 @@ impl Shard {
             "recovered"
         );
         Ok(())
+    }
+
+    /// Reaps the journals of this shard that have a directory or records
+    /// in the commit log (`replayed`) but no spec: deleted while the broker
+    /// was down. Their directories go to the reaper, as a live deletion's
+    /// do (`Shard::drop_journal`), so that a journal created again under
+    /// the name starts empty at offset 0. Returns those the commit log
+    /// holds records of: recovery records their deletion.
+    ///
+    /// The journals' spec source has been read by now: `Broker::start`
+    /// opens the spec store (a single node's own), mirrors the cluster
+    /// file into it, or reads etcd's keyspace into it (`Cluster::connect`
+    /// returns once it has; a broker on etcd has also moved its shard
+    /// directories aside by then) before any shard opens. A spec the store
+    /// left out as no longer valid keeps its journal's files.
+    fn reap_unspecified(
+        &self,
+        replayed: &HashMap<String, Replayed>,
+    ) -> Result<Vec<String>, crate::EngineError> {
+        let on_disk = journals_on_disk(&self.dir)?;
+        let names: std::collections::BTreeSet<&str> = on_disk
+            .iter()
+            .chain(replayed.keys())
+            .map(String::as_str)
+            .filter(|name| self.specs.get(name).is_none())
+            .collect();
+        let mut deleted = Vec::new();
+        for name in names {
+            if self.specs.left_out(name) {
+                tracing::warn!(journal = %name, "keeping the files of a journal whose stored spec is no longer valid: apply its spec again");
+                continue;
+            }
+            let files = self.trash_journal_dir(name);
+            let root = self.dir.join("journals");
+            remove_empty_dirs(&root.join(name), &root);
+            let logged = replayed.contains_key(name);
+            tracing::info!(journal = %name, files, commit_log = logged, "the journal has no spec (deleted while the broker was down): reaping its files");
+            metrics::add(&self.metrics.recovery_reaped_journals, 1);
+            if logged {
+                deleted.push(name.to_string());
+            }
+        }
+        Ok(deleted)
     }
 
     /// Opens the shard's directory: replays its commit log and recovers
@@ -443,12 +490,14 @@ impl Shard {
     }
 
     /// Files in the directory of a journal created while the broker runs
-    /// (a spec applied again after it was set aside at start, say, or
-    /// files put there by hand). A restart would recover their fragments
-    /// and prefer them to new bytes at the same offsets, so the journal
-    /// takes them now and goes on after them and after its last commit
-    /// record, giving out none of their offsets again. A spool stays where
-    /// it is: a restart passes over one the commit log does not name.
+    /// (one whose stored spec the start left out as no longer valid,
+    /// applied again, say, or files put there by hand; a start reaps the
+    /// files of journals deleted while the broker was down). A restart
+    /// would recover their fragments and prefer them to new bytes at the
+    /// same offsets, so the journal takes them now and goes on after them
+    /// and after its last commit record, giving out none of their offsets
+    /// again. A spool stays where it is: a restart passes over one the
+    /// commit log does not name.
     pub(super) fn adopt_files(&self, j: &mut Journal, state: Option<&JournalState>) {
         let listing = match list_dir(&j.files.dir) {
             Ok(listing) => listing,
