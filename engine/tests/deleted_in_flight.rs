@@ -14,11 +14,11 @@
 
 mod common;
 
-use common::{req, Conn};
-use rotary_engine::{Broker, ServeConfig};
+use common::{req, start_faulty, stat, Conn};
+use rotary_engine::Broker;
 use rotary_net::spec::{JournalSpec, LabelSet};
 use rotary_net::status::Status;
-use rotary_net::wire::{AppendReply, Op};
+use rotary_net::wire::AppendReply;
 use rotary_storage::faults::{DiskOp, Faults};
 use rotary_storage::wal::{records, CommitLog, Record};
 use std::path::Path;
@@ -97,15 +97,6 @@ impl Faults for Stall {
     }
 }
 
-/// A broker of one shard on `dir`, its spool writes decided by `faults`.
-fn start(dir: &Path, faults: Arc<dyn Faults>) -> Broker {
-    let mut cfg = ServeConfig::new(dir.to_path_buf(), "127.0.0.1:0".parse().unwrap());
-    cfg.cores = 1;
-    cfg.disk_reserve_bytes = 0;
-    cfg.faults = Some(faults);
-    Broker::start(cfg).unwrap()
-}
-
 /// The records of shard 0's commit log, in order.
 fn log_records(dir: &Path) -> Vec<Record> {
     let path = CommitLog::path_in(&dir.join("shard-0"));
@@ -136,14 +127,6 @@ fn wait_for(wait: Duration, mut done: impl FnMut() -> bool) -> bool {
     true
 }
 
-fn stat(c: &mut Conn, name: &str) -> u64 {
-    c.send(Op::STATS, 0, 3, &[], &[]);
-    let r = c.recv();
-    assert_eq!(r.known_status(), Status::OK);
-    let stats: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
-    stats[name].as_u64().unwrap()
-}
-
 /// A broker of one shard on a fresh directory, whose spool writes of
 /// journal `doomed/one` `stall` decides, serving that journal (with a
 /// first batch committed at `[0, 1000)` that set a register) and
@@ -151,7 +134,7 @@ fn stat(c: &mut Conn, name: &str) -> u64 {
 fn serve() -> (tempfile::TempDir, Arc<Stall>, Broker, Conn) {
     let dir = tempfile::tempdir().unwrap();
     let stall = Stall::new("/doomed/");
-    let broker = start(dir.path(), stall.clone());
+    let broker = start_faulty(dir.path(), stall.clone());
     let mut c = Conn::new(broker.endpoints[0]);
     c.apply(&[
         JournalSpec::new("doomed/one"),
@@ -213,7 +196,7 @@ fn a_journal_deleted_while_its_failing_batch_is_in_flight_stays_deleted() {
     broker.shutdown();
 
     // A restart recovers without the journal, and its log forgets it.
-    let broker = start(dir.path(), Stall::new("/doomed/"));
+    let broker = start_faulty(dir.path(), Stall::new("/doomed/"));
     let mut c = Conn::new(broker.endpoints[0]);
     let (bytes, status) = c.read_all("doomed/one", 0);
     assert_eq!(status, Status::JOURNAL_NOT_FOUND);

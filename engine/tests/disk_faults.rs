@@ -8,8 +8,8 @@
 
 mod common;
 
-use common::{req, Conn};
-use rotary_engine::{Broker, ServeConfig};
+use common::{req, start_faulty, stat, Conn};
+use rotary_engine::Broker;
 use rotary_net::spec::JournalSpec;
 use rotary_net::status::Status;
 use rotary_net::wire::Op;
@@ -81,18 +81,9 @@ impl Faults for Disk {
 fn serve(only: &str) -> (tempfile::TempDir, Arc<Disk>, Broker, Conn) {
     let dir = tempfile::tempdir().unwrap();
     let disk = Disk::new(only);
-    let broker = start(dir.path(), disk.clone());
+    let broker = start_faulty(dir.path(), disk.clone());
     let c = Conn::new(broker.endpoints[0]);
     (dir, disk, broker, c)
-}
-
-/// A broker of one shard on `dir`, its disk operations decided by `faults`.
-fn start(dir: &Path, faults: Arc<dyn Faults>) -> Broker {
-    let mut cfg = ServeConfig::new(dir.to_path_buf(), "127.0.0.1:0".parse().unwrap());
-    cfg.cores = 1;
-    cfg.disk_reserve_bytes = 0;
-    cfg.faults = Some(faults);
-    Broker::start(cfg).unwrap()
 }
 
 /// `start`, a connection, and journal `spec` created with `first` appended
@@ -103,7 +94,7 @@ fn start_with(
     spec: JournalSpec,
     first: &[u8],
 ) -> (Broker, Conn) {
-    let broker = start(dir, faults);
+    let broker = start_faulty(dir, faults);
     let mut c = Conn::new(broker.endpoints[0]);
     let name = spec.name.clone();
     c.apply(&[spec]);
@@ -116,7 +107,7 @@ fn start_with(
 /// After a restart of `dir`'s broker on `faults`: the journal holds
 /// `bytes`, and takes `more` right after them.
 fn restarted_holds(dir: &Path, faults: Arc<dyn Faults>, journal: &str, bytes: &[u8], more: &[u8]) {
-    let broker = start(dir, faults);
+    let broker = start_faulty(dir, faults);
     let mut c = Conn::new(broker.endpoints[0]);
     assert_eq!(c.read_ok(journal, 0), bytes);
     let (status, reply) = c.append(&req(journal), more);
@@ -124,14 +115,6 @@ fn restarted_holds(dir: &Path, faults: Arc<dyn Faults>, journal: &str, bytes: &[
     let end = (bytes.len() + more.len()) as u64;
     assert_eq!((reply.begin, reply.end), (bytes.len() as u64, end));
     broker.shutdown();
-}
-
-fn stat(c: &mut Conn, name: &str) -> u64 {
-    c.send(Op::STATS, 0, 3, &[], &[]);
-    let r = c.recv();
-    assert_eq!(r.known_status(), Status::OK);
-    let stats: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
-    stats[name].as_u64().unwrap()
 }
 
 /// Larger than the commit log carries: the append is answered only once

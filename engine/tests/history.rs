@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{req, start, Conn};
+use common::{req, start, stat, Conn};
 use rotary_engine::{Broker, ServeConfig};
 use rotary_net::spec::{Codec, JournalSpec};
 use rotary_net::status::Status;
@@ -291,13 +291,6 @@ fn start_with_recycling(
     spec.fragment.length = 1 << 20;
     c.apply(&[spec]);
     (broker, c)
-}
-
-/// A broker-wide counter from STATS.
-fn stat(c: &mut Conn, key: &str) -> u64 {
-    c.send(Op::STATS, 0, 5, &[], &[]);
-    let stats: serde_json::Value = serde_json::from_slice(&c.recv().payload).unwrap();
-    stats[key].as_u64().unwrap()
 }
 
 /// Fragments that are in the store and leave the local cache give their

@@ -7,18 +7,9 @@
 
 mod common;
 
-use common::{start, Conn};
+use common::{start, stat, Conn};
 use rotary_net::spec::JournalSpec;
 use rotary_net::status::Status;
-use rotary_net::wire::Op;
-
-fn stat(c: &mut Conn, name: &str) -> u64 {
-    c.send(Op::STATS, 0, 3, &[], &[]);
-    let r = c.recv();
-    assert_eq!(r.known_status(), Status::OK);
-    let stats: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
-    stats[name].as_u64().unwrap()
-}
 
 #[test]
 fn a_journal_whose_stored_spec_is_no_longer_valid_keeps_its_files() {

@@ -312,9 +312,13 @@ fn journal_dir(shard_dir: &std::path::Path, name: &str) -> PathBuf {
     shard_dir.join("journals").join(name).join("@")
 }
 
-/// Some file of a journal (spool, fragment, copy) in the shard directory
-/// `shard_dir`, if there is one.
-fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, crate::EngineError> {
+/// Walks the directories below `shard_dir/journals`, handing each entry
+/// to `visit` with its directory and whether it is one; `visit` says
+/// whether to go into a directory, or stops the walk with `Err(())`.
+fn walk_journals(
+    shard_dir: &std::path::Path,
+    mut visit: impl FnMut(&std::path::Path, &std::fs::DirEntry, bool) -> Result<bool, ()>,
+) -> Result<(), crate::EngineError> {
     let mut dirs = vec![shard_dir.join("journals")];
     while let Some(dir) = dirs.pop() {
         let entries = match std::fs::read_dir(&dir) {
@@ -327,14 +331,28 @@ fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, cr
             let kind = entry
                 .file_type()
                 .map_err(|e| crate::EngineError::Io(entry.path(), e))?;
-            if kind.is_dir() {
-                dirs.push(entry.path());
-            } else {
-                return Ok(Some(entry.path()));
+            match visit(&dir, &entry, kind.is_dir()) {
+                Ok(true) => dirs.push(entry.path()),
+                Ok(false) => {}
+                Err(()) => return Ok(()),
             }
         }
     }
-    Ok(None)
+    Ok(())
+}
+
+/// Some file of a journal (spool, fragment, copy) in the shard directory
+/// `shard_dir`, if there is one.
+fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, crate::EngineError> {
+    let mut found = None;
+    walk_journals(shard_dir, |_, entry, is_dir| match is_dir {
+        true => Ok(true),
+        false => {
+            found = Some(entry.path());
+            Err(())
+        }
+    })?;
+    Ok(found)
 }
 
 /// The journals with a directory in the shard directory `shard_dir`: each
@@ -343,30 +361,20 @@ fn first_journal_file(shard_dir: &std::path::Path) -> Result<Option<PathBuf>, cr
 fn journals_on_disk(shard_dir: &std::path::Path) -> Result<Vec<String>, crate::EngineError> {
     let root = shard_dir.join("journals");
     let mut found = Vec::new();
-    let mut dirs = vec![root.clone()];
-    while let Some(dir) = dirs.pop() {
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(crate::EngineError::Io(dir, e)),
-        };
-        for entry in entries {
-            let entry = entry.map_err(|e| crate::EngineError::Io(dir.clone(), e))?;
-            let kind = entry
-                .file_type()
-                .map_err(|e| crate::EngineError::Io(entry.path(), e))?;
-            if !kind.is_dir() {
-                continue;
-            }
-            if entry.file_name() != "@" {
-                dirs.push(entry.path());
-            } else if let Some(name) = dir.strip_prefix(&root).ok().and_then(|p| p.to_str()) {
-                if !name.is_empty() {
-                    found.push(name.to_string());
-                }
+    walk_journals(shard_dir, |dir, entry, is_dir| {
+        if !is_dir {
+            return Ok(false);
+        }
+        if entry.file_name() != "@" {
+            return Ok(true);
+        }
+        if let Some(name) = dir.strip_prefix(&root).ok().and_then(|p| p.to_str()) {
+            if !name.is_empty() {
+                found.push(name.to_string());
             }
         }
-    }
+        Ok(false)
+    })?;
     Ok(found)
 }
 
